@@ -1,0 +1,9 @@
+"""nnscaler: partition a single-device PyTorch model over many ranks, operator by operator."""
+from .dimops import AnnotationError, Partition, bind, enumerate_partitions, op_layout, parse
+from .ops import DEFAULT_REGISTRY, Index, Mask, OpRegistry, OpSpec, Positive, Size, Tolerance, Uniform, register_op
+
+__all__ = [
+    "AnnotationError", "Partition", "bind", "enumerate_partitions", "op_layout", "parse",
+    "DEFAULT_REGISTRY", "Index", "Mask", "OpRegistry", "OpSpec", "Positive", "Size", "Tolerance", "Uniform",
+    "register_op",
+]

@@ -1,0 +1,175 @@
+"""The partition space of a bound annotation on W ranks, and the layouts a partition implies.
+
+A :class:`Partition` gives split factors to identifiers; their product divides W and the rest of
+the ranks replicate. Ranks form a mesh, one axis per split identifier (in the partition's order)
+plus a trailing replication axis when the product is below W; rank ``r`` sits at the row-major
+coordinates of ``r`` in that mesh.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from .binding import BoundAnno
+from .grammar import AnnotationError, FROZEN, VALUE
+from .layout import Layout, Partial, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Split factors per identifier on ``world_size`` ranks; an empty ``splits`` replicates."""
+
+    splits: tuple[tuple[str, int], ...]
+    world_size: int
+
+    @property
+    def degree(self) -> int:
+        return math.prod(f for _, f in self.splits)
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.degree
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        shape = tuple(f for _, f in self.splits)
+        return shape + ((self.replicas,) if self.replicas > 1 else ())
+
+    @property
+    def axis_ids(self) -> tuple[str | None, ...]:
+        """The identifier each mesh axis splits; ``None`` for the replication axis."""
+        ids = tuple(i for i, _ in self.splits)
+        return ids + ((None,) if self.replicas > 1 else ())
+
+    def factor(self, ident: str) -> int:
+        return dict(self.splits).get(ident, 1)
+
+    @property
+    def label(self) -> str:
+        """``m=2,k=2`` (``replicate`` when nothing is split)."""
+        return ",".join(f"{i}={f}" for i, f in self.splits) or "replicate"
+
+    @classmethod
+    def parse(cls, text: str, world_size: int) -> "Partition":
+        """Inverse of :attr:`label`: ``"m=2,k=2"`` or ``"replicate"``."""
+        text = text.strip()
+        if text in ("", "replicate"):
+            return cls((), world_size)
+        splits = []
+        for part in text.split(","):
+            name, sep, factor = part.partition("=")
+            if not sep or not factor.strip().isdigit() or not name.strip():
+                raise AnnotationError(f"partition {text!r}: expected IDENT=FACTOR[,IDENT=FACTOR...], e.g. 'm=2,k=2'")
+            splits.append((name.strip(), int(factor)))
+        p = cls(tuple(splits), world_size)
+        if world_size % p.degree:
+            raise AnnotationError(f"partition {text!r}: split factors multiply to {p.degree}, which does not divide world size {world_size}")
+        return p
+
+
+def coords(rank: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major coordinates of ``rank`` in a mesh of ``shape``."""
+    out = []
+    for n in reversed(shape):
+        out.append(rank % n)
+        rank //= n
+    return tuple(reversed(out))
+
+
+def axis_groups(shape: Sequence[int]) -> list[list[tuple[int, ...]]]:
+    """For each mesh axis, the rank groups that vary along it (all other coordinates fixed)."""
+    world = math.prod(shape)
+    out = []
+    for axis in range(len(shape)):
+        groups: dict[tuple, list[int]] = {}
+        for r in range(world):
+            c = coords(r, shape)
+            groups.setdefault(c[:axis] + c[axis + 1:], []).append(r)
+        out.append([tuple(g) for g in groups.values()])
+    return out
+
+
+def splittable(bound: BoundAnno) -> list[str]:
+    """Identifiers that may be split: not frozen, not a number, never a non-first group factor."""
+    barred: set[str] = set()
+    for dims in bound.inputs + bound.outputs:
+        for ids in dims or ():
+            barred.update(ids[1:])
+    return [i for i in bound.identifiers()
+            if bound.markers.get(i) != FROZEN and i not in barred and i in bound.sizes]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def enumerate_partitions(bound: BoundAnno, world_size: int) -> Iterator[Partition]:
+    """Every partition on ``world_size`` ranks: pure replication, then each assignment of factors
+    (each dividing the identifier's length) to splittable identifiers whose product divides W."""
+    ids = splittable(bound)
+
+    def rec(start: int, remaining: int, chosen: tuple) -> Iterator[Partition]:
+        yield Partition(chosen, world_size)
+        for j in range(start, len(ids)):
+            for f in _divisors(remaining):
+                if bound.sizes[ids[j]] % f == 0:
+                    yield from rec(j + 1, remaining // f, chosen + ((ids[j], f),))
+
+    yield from rec(0, world_size, ())
+
+
+def check_partition(bound: BoundAnno, partition: Partition) -> None:
+    """Raise :class:`AnnotationError` unless ``partition`` is in the partition space of ``bound``."""
+    allowed = set(splittable(bound))
+    for ident, f in partition.splits:
+        if ident not in allowed:
+            raise AnnotationError(f"partition {partition.label!r}: {ident!r} is not a splittable identifier of "
+                                  f"{bound.anno.text!r} (splittable: {', '.join(sorted(allowed)) or 'none'})")
+        if f < 2 or bound.sizes[ident] % f:
+            raise AnnotationError(f"partition {partition.label!r}: {ident!r} has length {bound.sizes[ident]}, "
+                                  f"not divisible by {f}")
+    if partition.world_size % partition.degree:
+        raise AnnotationError(f"partition {partition.label!r} needs a multiple of {partition.degree} ranks, "
+                              f"not {partition.world_size}")
+
+
+def local_sizes(bound: BoundAnno, partition: Partition) -> dict[str, int]:
+    """Identifier lengths on one rank under ``partition``."""
+    sizes = dict(bound.sizes)
+    for ident, f in partition.splits:
+        sizes[ident] //= f
+    return sizes
+
+
+@dataclass(frozen=True)
+class OpLayout:
+    """The layout of every input and output (``None`` for non-tensors) under one partition."""
+
+    inputs: tuple[Layout | None, ...]
+    outputs: tuple[Layout | None, ...]
+
+
+def _tensor_layout(dims, axis_ids, markers, partial_ok: bool) -> Layout:
+    out = []
+    for ident in axis_ids:
+        dim = None if ident is None else next((d for d, ids in enumerate(dims) if ids[0] == ident), None)
+        if dim is not None:
+            out.append(Shard(dim))
+        elif ident is not None and markers.get(ident) == VALUE and partial_ok:
+            out.append(Partial())
+        else:
+            out.append(Replicate())
+    return tuple(out)
+
+
+def op_layout(bound: BoundAnno, partition: Partition, partial_inputs: Sequence[bool] | None = None) -> OpLayout:
+    """Layouts implied by ``partition``: a tensor holding a split identifier is split along it (D);
+    one lacking a split ``+`` identifier is a partial value (V) — for inputs only where
+    ``partial_inputs`` allows it (floating tensors), else replicated; all others are replicated (R)."""
+    partial_inputs = partial_inputs or [True] * len(bound.inputs)
+    ins = tuple(None if dims is None else _tensor_layout(dims, partition.axis_ids, bound.markers, ok)
+                for dims, ok in zip(bound.inputs, partial_inputs))
+    outs = tuple(None if dims is None else _tensor_layout(dims, partition.axis_ids, bound.markers, True)
+                 for dims in bound.outputs)
+    return OpLayout(ins, outs)

@@ -1,0 +1,93 @@
+"""The one table of partitionable operators: ``opzoo`` and user code fill it, the compiler and the
+verification harness both read it."""
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any, Callable, Iterator, Mapping
+
+from .spec import OpSpec
+
+
+class UnknownOpError(KeyError):
+    """No operator of that name; the message suggests the closest registered names."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class OpRegistry:
+    """Operators by name, and by the ATen overloads they stand for."""
+
+    def __init__(self) -> None:
+        self._ops: dict[str, OpSpec] = {}
+
+    def add(self, spec: OpSpec) -> OpSpec:
+        old = self._ops.get(spec.name)
+        if old is not None and (old.fn is not spec.fn or old.annotation != spec.annotation):
+            raise ValueError(f"operator {spec.name!r} is already registered (as {old.annotation!r}); pick another name")
+        self._ops[spec.name] = spec
+        return spec
+
+    def get(self, name: str) -> OpSpec:
+        try:
+            return self._ops[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, self._ops, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else "; run 'python -m verify list' to see them"
+            raise UnknownOpError(f"unknown operator {name!r}{hint}") from None
+
+    def by_aten(self, overload: str) -> list[OpSpec]:
+        """Specs standing for an ATen overload such as ``aten.linear.default``."""
+        return [s for s in self._ops.values() if overload in s.aten]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ops
+
+    def __iter__(self) -> Iterator[OpSpec]:
+        return iter(sorted(self._ops.values(), key=lambda s: (s.family, s.name)))
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+
+DEFAULT_REGISTRY = OpRegistry()
+"""Filled at import time by ``opzoo`` and ``register_op`` decorators, as ``torch.library`` is."""
+
+
+def _position(fn: Callable, key: int | str, nargs: int) -> int:
+    if isinstance(key, int):
+        return key
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        raise ValueError(f"cannot name argument {key!r} of {fn!r}; give its position instead") from None
+    if key not in params[:nargs]:
+        raise ValueError(f"{fn.__name__} has no annotated argument {key!r} (arguments: {', '.join(params[:nargs])})")
+    return params.index(key)
+
+
+def register_op(annotation: str, name: str | None = None, *, registry: OpRegistry | None = None,
+                args: Mapping[int | str, Any] | None = None, inputs: Mapping[int | str, Any] | None = None,
+                **options) -> Callable[[Callable], Callable]:
+    """Decorator: register a function of tensors with its dimops annotation.
+
+    ``args`` fixes the values of ``?`` arguments and ``inputs`` constrains sample values (both keyed
+    by position or argument name); ``kwargs``, ``sizes``, ``tolerance``, ``local``, ``aten``,
+    ``family`` and ``differentiable`` are passed to :class:`~nnscaler.ops.spec.OpSpec`. The function
+    is returned unchanged.
+    """
+    target = DEFAULT_REGISTRY if registry is None else registry
+
+    def deco(fn: Callable) -> Callable:
+        from ..dimops.grammar import parse
+        n = len(parse(annotation).inputs)
+        spec = OpSpec.create(
+            name or getattr(fn, "__name__", None) or repr(fn), annotation, fn,
+            args={_position(fn, k, n): v for k, v in (args or {}).items()},
+            inputs={_position(fn, k, n): v for k, v in (inputs or {}).items()},
+            **options)
+        target.add(spec)
+        return fn
+
+    return deco

@@ -1,0 +1,182 @@
+"""Collectives with autograd: the forward/backward pairs that move tensors between layouts.
+
+Convention (Megatron's, generalised): a replicated tensor's gradient is the whole gradient on every
+rank; a partial-value tensor's gradient is replicated. Each function below is one pair:
+
+==================  =========================  ===========================
+function            forward                    backward
+==================  =========================  ===========================
+``split``           R -> D: keep own chunk      all-gather the chunks
+``all_gather``      D -> R                      keep own chunk
+``all_reduce``      V -> R: sum                 identity
+``reduce_scatter``  V -> D: sum, keep chunk     all-gather
+``to_partial``      R -> V: rank 0 keeps it     identity
+``grad_all_reduce`` R -> R, consumed split      all-reduce (sum partial grads)
+``all_to_all``      D(a) -> D(b)                D(b) -> D(a)
+==================  =========================  ===========================
+
+A ``group`` of ``None`` means a single rank: every function is then the identity.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = _size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dim {dim} of length {x.shape[dim]} into {n} equal chunks")
+    return x.chunk(n, dim=dim)[_rank(group)].contiguous()
+
+
+def _sum(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _chunk(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.group), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _chunk(g, ctx.dim, ctx.group), None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _chunk(_sum(x, group), dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.group), None, None
+
+
+class _ToPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.clone() if _rank(group) == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _sum(g, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gather_dim, split_dim, group):
+        ctx.dims, ctx.group = (gather_dim, split_dim), group
+        return _chunk(_gather(x, gather_dim, group), split_dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        gather_dim, split_dim = ctx.dims
+        return _chunk(_gather(g, split_dim, ctx.group), gather_dim, ctx.group), None, None, None
+
+
+def _differentiable(x: torch.Tensor) -> bool:
+    return x.is_floating_point() or x.is_complex()
+
+
+def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """R -> D along ``dim``; backward all-gathers."""
+    if group is None:
+        return x
+    return _Split.apply(x, dim, group) if _differentiable(x) else _chunk(x, dim, group)
+
+
+def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """D -> R along ``dim``; backward keeps this rank's chunk."""
+    if group is None:
+        return x
+    return _AllGather.apply(x, dim, group) if _differentiable(x) else _gather(x, dim, group)
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """V -> R (sum); backward is the identity."""
+    if group is None:
+        return x
+    return _AllReduce.apply(x, group) if _differentiable(x) else _sum(x, group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """V -> D along ``dim``; backward all-gathers."""
+    if group is None:
+        return x
+    return _ReduceScatter.apply(x, dim, group) if _differentiable(x) else _chunk(_sum(x, group), dim, group)
+
+
+def to_partial(x: torch.Tensor, group) -> torch.Tensor:
+    """R -> V: the first rank of ``group`` keeps the value, the others hold zeros."""
+    if group is None:
+        return x
+    return _ToPartial.apply(x, group)
+
+
+def grad_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward for a replicated tensor consumed by split work; backward sums the partial
+    gradients over ``group`` (Megatron's ``f``)."""
+    if group is None or not _differentiable(x):
+        return x
+    return _GradAllReduce.apply(x, group)
+
+
+def all_to_all(x: torch.Tensor, gather_dim: int, split_dim: int, group) -> torch.Tensor:
+    """D(gather_dim) -> D(split_dim); backward the reverse."""
+    if group is None:
+        return x
+    if not _differentiable(x):
+        return _chunk(_gather(x, gather_dim, group), split_dim, group)
+    return _AllToAll.apply(x, gather_dim, split_dim, group)

@@ -1,0 +1,127 @@
+"""Run one annotated operator under a partition on this rank: the per-rank program of a single op.
+
+Full inputs are moved to the op's input layouts, the op runs on the local shards, and its outputs are
+moved back to whole tensors, all with the differentiable collectives of
+:mod:`nnscaler.runtime.collectives`, so backward through the result is the partitioned backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..dimops.binding import BoundAnno
+from ..dimops.layout import Layout, Partial, Replicate, Shard
+from ..dimops.partition import Partition, local_sizes, op_layout
+from ..ops.spec import OpSpec, resolve
+from . import collectives as C
+from .mesh import RankMesh
+
+
+class LayoutError(RuntimeError):
+    """A local result whose shape disagrees with what the annotation says it must be."""
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What a partition-aware kernel needs to know about its shard of the operator."""
+
+    bound: BoundAnno
+    partition: Partition
+    mesh: RankMesh
+
+    def _axis(self, ident: str) -> int | None:
+        ids = self.partition.axis_ids
+        return ids.index(ident) if ident in ids else None
+
+    def factor(self, ident: str) -> int:
+        return self.partition.factor(ident)
+
+    def full(self, ident: str) -> int:
+        return self.bound.sizes[ident]
+
+    def local(self, ident: str) -> int:
+        return self.bound.sizes[ident] // self.factor(ident)
+
+    def index(self, ident: str) -> int:
+        """This rank's chunk index along ``ident`` (0 when it is not split)."""
+        axis = self._axis(ident)
+        return 0 if axis is None else self.mesh.coords[axis]
+
+    def offset(self, ident: str) -> int:
+        """Where this rank's chunk of ``ident`` starts."""
+        return self.index(ident) * self.local(ident)
+
+    def group(self, ident: str):
+        """The process group of the ranks sharing every coordinate but ``ident``'s (``None`` if unsplit)."""
+        axis = self._axis(ident)
+        return None if axis is None else self.mesh.groups[axis]
+
+
+def distribute(full: torch.Tensor, layout: Layout, mesh: RankMesh, axis_ids: Sequence[str | None]) -> torch.Tensor:
+    """Whole tensor (replicated) -> this rank's piece under ``layout``, differentiably."""
+    x = full
+    for axis, (placement, ident) in enumerate(zip(layout, axis_ids)):
+        group = mesh.groups[axis]
+        if isinstance(placement, Shard):
+            x = C.split(x, placement.dim, group)
+        elif isinstance(placement, Partial):
+            x = C.to_partial(x, group)
+        elif ident is not None:  # replicated, but consumed by work split along this axis
+            x = C.grad_all_reduce(x, group)
+    return x
+
+
+def collect(local: torch.Tensor, layout: Layout, mesh: RankMesh) -> torch.Tensor:
+    """This rank's piece under ``layout`` -> the whole tensor on every rank, differentiably."""
+    x = local
+    for axis in reversed(range(len(layout))):
+        placement, group = layout[axis], mesh.groups[axis]
+        if isinstance(placement, Shard):
+            x = C.all_gather(x, placement.dim, group)
+        elif isinstance(placement, Partial):
+            x = C.all_reduce(x, group)
+        else:
+            assert isinstance(placement, Replicate)
+    return x
+
+
+def _as_tuple(out: Any) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def run_partitioned(spec: OpSpec, bound: BoundAnno, partition: Partition, mesh: RankMesh,
+                    inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+    """Run ``spec`` under ``partition`` on this rank; return its whole outputs.
+
+    ``inputs`` are the whole inputs (``?`` positions are taken from ``spec.args``, resolved to the
+    rank's local lengths).
+    """
+    sizes = local_sizes(bound, partition)
+    floating = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in inputs]
+    layout = op_layout(bound, partition, floating)
+    local_in = []
+    for pos, (x, lay) in enumerate(zip(inputs, layout.inputs)):
+        if lay is None:
+            local_in.append(resolve(spec.args[pos], sizes) if pos in spec.args else x)
+        else:
+            local_in.append(distribute(x, lay, mesh, partition.axis_ids))
+    kwargs = resolve(dict(spec.kwargs), sizes)
+    if spec.local is not None:
+        outs = _as_tuple(spec.local(ShardContext(bound, partition, mesh), *local_in, **kwargs))
+    else:
+        outs = _as_tuple(spec.fn(*local_in, **kwargs))
+    if len(outs) != len(layout.outputs):
+        raise LayoutError(f"{spec.name} returned {len(outs)} outputs; its annotation names {len(layout.outputs)}")
+    full = []
+    for pos, (y, lay, dims) in enumerate(zip(outs, layout.outputs, bound.outputs)):
+        if lay is None:
+            full.append(y)
+            continue
+        want = bound.shape(dims, sizes)
+        if tuple(y.shape) != want and not (want == (1,) and y.dim() == 0):
+            raise LayoutError(f"{spec.name} under {partition.label}: output {pos} has local shape {tuple(y.shape)}, "
+                              f"the annotation {spec.annotation!r} says {want}")
+        full.append(collect(y, lay, mesh))
+    return tuple(full)
