@@ -1,0 +1,159 @@
+"""Cases (operator x partition x world size x seed) and their verdicts, driven on a :class:`Gang`."""
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+from nnscaler.ops.spec import OpSpec
+
+from .gang import Gang, RankAnswer
+from .samples import split_base
+
+MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
+
+
+class BadInput(ValueError):
+    """The user asked for something that does not exist (an unknown partition, say): exit code 2."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Settings of one verification run, passed explicitly to every stage."""
+
+    world_sizes: tuple[int, ...] = (2, 4)
+    dtype: str = "float32"
+    seeds: tuple[int, ...] = (0,)
+    modules: tuple[str, ...] = ()
+    timeout_s: float = 30.0
+    partition: str | None = None
+    base_override: int | None = None
+
+    @property
+    def base(self) -> int:
+        """Splittable lengths are multiples of this (the lcm of the world sizes unless overridden)."""
+        return self.base_override or split_base(self.world_sizes)
+
+    def rerun(self, op: str, world_size: int, partition: str, seed: int) -> str:
+        """The command that reruns one row alone."""
+        parts = ["python", "-m", "verify", "op", op, "--world-size", str(world_size), "--partition", partition,
+                 "--seed", str(seed), "--dtype", self.dtype]
+        if split_base([world_size]) != self.base:
+            parts += ["--base", str(self.base)]
+        for m in self.modules:
+            parts += ["--module", m]
+        return " ".join(shlex.quote(p) for p in parts)
+
+
+@dataclass
+class Row:
+    """The verdict of one case."""
+
+    op: str
+    family: str
+    annotation: str
+    world_size: int
+    partition: str
+    dtype: str
+    seed: int
+    status: str
+    out_err: float | None = None
+    out_tol: float | None = None
+    grad_err: float | None = None
+    grad_tol: float | None = None
+    detail: str = ""
+    rerun: str = ""
+    seconds: float = 0.0
+    traceback: str = field(default="", repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == MATCH
+
+    @property
+    def key(self) -> tuple:
+        return (self.op, self.world_size, self.partition, self.dtype, self.seed)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _worst(checks: list[dict], kind: str) -> dict | None:
+    mine = [c for c in checks if c["name"].startswith(kind)]
+    if not mine:
+        return None
+
+    def ratio(c):
+        if not c["ok"]:
+            return float("inf")
+        return c["err"] / c["tol"] if c["tol"] > 0 else 0.0
+
+    return max(mine, key=ratio)
+
+
+def judge(answers: list[RankAnswer]) -> tuple[str, str, list[dict], str]:
+    """Status, detail, merged checks (worst rank per tensor) and a traceback from per-rank answers."""
+    for a in answers:
+        if a.failure:
+            return (TIMEOUT if a.kind == "timeout" else CRASH), a.failure, [], ""
+    for a in answers:
+        if a.result.get("error"):
+            return ERROR, f"rank {a.rank}: {a.result['error']}", [], a.result.get("traceback", "")
+    merged: dict[str, dict] = {}
+    order: list[str] = []
+    for a in answers:
+        for c in a.result["checks"]:
+            c = dict(c, rank=a.rank)
+            if c["name"] not in merged:
+                order.append(c["name"])
+                merged[c["name"]] = c
+            else:
+                old = merged[c["name"]]
+                if (not c["ok"] and old["ok"]) or (c["ok"] == old["ok"] and c["err"] > old["err"]):
+                    merged[c["name"]] = c
+    checks = [merged[n] for n in order]
+    bad = next((c for c in checks if not c["ok"]), None)
+    if bad:
+        return MISMATCH, f"{bad['name']} on rank {bad['rank']}: {bad['reason']}", checks, ""
+    return MATCH, "", checks, ""
+
+
+def plan_op(gang: Gang, spec: OpSpec, cfg: RunConfig, seed: int) -> tuple[dict[int, list[str]] | None, Row | None]:
+    """The partitions to run per world size (computed on rank 0), or an error row for the op."""
+    job = {"kind": "plan", "op": spec.name, "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
+           "world_sizes": list(cfg.world_sizes), "partition": cfg.partition}
+    (answer,) = gang.run(job, 1, cfg.timeout_s)
+    if answer.failure or answer.result.get("error"):
+        status, detail, _, tb = judge([answer])
+        if cfg.partition is not None and answer.result and answer.result.get("error_type") == "AnnotationError":
+            raise BadInput(answer.result["error"].split(" (at ")[0].removeprefix("AnnotationError: "))
+        return None, Row(spec.name, spec.family, spec.annotation, 0, "-", cfg.dtype, seed, status,
+                         detail=f"sampling failed: {detail}", rerun=cfg.rerun(spec.name, max(cfg.world_sizes), "replicate", seed),
+                         traceback=tb)
+    return {int(w): labels for w, labels in answer.result["plans"].items()}, None
+
+
+def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = frozenset()) -> Iterator[Row]:
+    """Verify ``spec`` under every partition, world size and seed of ``cfg``; yield rows as they
+    finish, leaving out cases whose :attr:`Row.key` is in ``skip`` (already done)."""
+    for seed in cfg.seeds:
+        plans, failed = plan_op(gang, spec, cfg, seed)
+        if failed:
+            yield failed
+            continue
+        for w in cfg.world_sizes:
+            for label in plans[w]:
+                if (spec.name, w, label, cfg.dtype, seed) in skip:
+                    continue
+                start = time.perf_counter()
+                job = {"kind": "case", "op": spec.name, "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
+                       "world_size": w, "partition": label}
+                status, detail, checks, tb = judge(gang.run(job, w, cfg.timeout_s))
+                out, grad = _worst(checks, "output"), _worst(checks, "grad")
+                yield Row(spec.name, spec.family, spec.annotation, w, label, cfg.dtype, seed, status,
+                          out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
+                          detail, "" if status == MATCH else cfg.rerun(spec.name, w, label, seed),
+                          time.perf_counter() - start, tb)
+
+

@@ -1,0 +1,167 @@
+"""``python -m verify``: ``op NAME``, ``list`` and ``all``.
+
+Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, crash), 2 bad input
+(unknown operator, bad flag, malformed annotation), with one line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from tabulate import tabulate
+
+from nnscaler.dimops.grammar import AnnotationError
+from nnscaler.ops.registry import OpRegistry, UnknownOpError
+
+from .cases import BadInput, RunConfig, run_op
+from .gang import Gang, GangError
+from .report import ReportWriter, summary, table
+from .samples import DTYPES
+from .worker import load_modules
+
+MAX_WORLD = 32
+
+
+class UsageError(Exception):
+    """Bad input: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        raise UsageError(message)
+
+
+def _world_size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"world size must be an integer, got {text!r}") from None
+    if not 1 <= n <= MAX_WORLD:
+        raise argparse.ArgumentTypeError(f"world size must be between 1 and {MAX_WORLD}, got {n}")
+    return n
+
+
+def _common(p: argparse.ArgumentParser, run: bool = True) -> None:
+    p.add_argument("--module", action="append", default=[], metavar="FILE.py",
+                   help="import this file first so its register_op calls take effect (repeatable)")
+    if not run:
+        return
+    p.add_argument("--world-size", type=_world_size, nargs="+", default=[2, 4], metavar="N",
+                   help="world sizes to verify at (default: 2 4)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--seed", type=int, nargs="+", default=[0], metavar="S", help="input seeds (default: 0)")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="time limit per case (default 30)")
+    p.add_argument("--base", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m verify", description="Verify partitioned operators on real ranks.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p_op = sub.add_parser("op", help="verify one operator under every partition it admits")
+    p_op.add_argument("name")
+    _common(p_op)
+    p_op.add_argument("--partition", default=None, metavar="SPEC", help="only this partition, e.g. 'm=2,k=2'")
+    p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
+    p_list = sub.add_parser("list", help="list registered operators with their annotations")
+    _common(p_list, run=False)
+    p_all = sub.add_parser("all", help="verify every registered operator and write reports/")
+    _common(p_all)
+    p_all.add_argument("--reports", default="reports", metavar="DIR", help="report directory (default reports/)")
+    p_all.add_argument("--resume", action="store_true", help="keep rows already in DIR/cases.jsonl, run the rest")
+    p_all.add_argument("--op", nargs="+", default=None, metavar="NAME", help="only these operators")
+    return parser
+
+
+def _config(args) -> RunConfig:
+    if args.base is not None and any(args.base % w for w in args.world_size):
+        raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
+    return RunConfig(world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
+                     modules=tuple(args.module), timeout_s=args.timeout, partition=getattr(args, "partition", None),
+                     base_override=args.base)
+
+
+def _load(modules: Sequence[str]) -> OpRegistry:
+    for m in modules:
+        if not Path(m).is_file():
+            raise UsageError(f"--module {m}: no such file")
+    try:
+        return load_modules(modules)
+    except AnnotationError as exc:
+        raise UsageError(str(exc)) from None
+    except Exception as exc:
+        raise UsageError(f"importing {', '.join(modules)} failed: {type(exc).__name__}: {exc}") from None
+
+
+def cmd_list(args) -> int:
+    reg = _load(args.module)
+    rows = [[s.name, s.family, s.annotation, ", ".join(s.aten)] for s in reg]
+    print(tabulate(rows, headers=["op", "family", "annotation", "aten"], tablefmt="github"))
+    print(f"\n{len(rows)} operators")
+    return 0
+
+
+def cmd_op(args) -> int:
+    reg = _load(args.module)
+    spec = reg.get(args.name)
+    cfg = _config(args)
+    print(f"verifying {spec.name} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
+          f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
+    with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang:
+        rows = list(run_op(gang, spec, cfg))
+    print(table(rows))
+    s = summary(rows)
+    print(", ".join(f"{v} {k}" for k, v in s.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.to_json() for r in rows], indent=1))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def cmd_all(args) -> int:
+    reg = _load(args.module)
+    cfg = _config(args)
+    specs = [reg.get(n) for n in args.op] if args.op else list(reg)
+    writer = ReportWriter(args.reports, cfg, resume=args.resume)
+    done = writer.done()
+    start = time.perf_counter()
+    print(f"verifying {len(specs)} operators at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, "
+          f"seeds {list(cfg.seeds)}; reports in {args.reports}/", flush=True)
+    try:
+        with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang:
+            for spec in specs:
+                t0, new = time.perf_counter(), []
+                for row in run_op(gang, spec, cfg, skip=done):
+                    writer.add(row)
+                    new.append(row)
+                bad = [r for r in new if not r.ok]
+                print(f"  {spec.name:<28} {len(new):>4} cases  {len(new) - len(bad):>4} match  "
+                      f"{len(bad):>3} failed  {time.perf_counter() - t0:6.2f} s", flush=True)
+                writer.seconds = time.perf_counter() - start
+                writer.flush()
+    finally:
+        writer.seconds = time.perf_counter() - start
+        writer.close()
+    failed = [r for r in writer.rows if not r.ok]
+    if failed:
+        print(table(failed, with_op=True))
+    s = summary(writer.rows)
+    print(", ".join(f"{v} {k}" for k, v in s.items()) + f" in {writer.seconds:.1f} s; gang started {gang.starts}x")
+    return 0 if not failed else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return {"op": cmd_op, "list": cmd_list, "all": cmd_all}[args.command](args)
+    except (UsageError, UnknownOpError, BadInput, AnnotationError) as exc:
+        print(f"verify: error: {exc}", file=sys.stderr)
+        return 2
+    except GangError as exc:
+        print(f"verify: cannot start ranks: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("verify: interrupted; finished cases are kept", file=sys.stderr)
+        return 130

@@ -1,0 +1,99 @@
+"""What one rank does for one case: the single-device reference, and the partitioned program.
+
+The partitioned program is nnscaler's own (:func:`nnscaler.runtime.partitioned.run_partitioned`):
+inputs laid out per the partition, the op on local shards, collectives back to whole outputs, and
+backward through those collectives with a random cotangent per output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nnscaler.dimops.partition import Partition, check_partition, enumerate_partitions
+from nnscaler.ops.spec import OpSpec, resolve
+from nnscaler.runtime.mesh import RankMesh
+from nnscaler.runtime.partitioned import run_partitioned
+
+from .compare import Check, check_tensor
+from .samples import Sample
+
+
+def _as_tuple(out: Any) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _leaves(sample: Sample, device, dtype: torch.dtype | None = None) -> list[Any]:
+    out = []
+    for x in sample.inputs:
+        if isinstance(x, torch.Tensor):
+            x = x.detach().to(device)
+            if x.is_floating_point():
+                x = (x if dtype is None else x.to(dtype)).requires_grad_(sample.spec.differentiable)
+        out.append(x)
+    return out
+
+
+def _backward(outs: tuple, cots: list, leaves: list) -> list[torch.Tensor | None]:
+    pairs = [(y, c) for y, c in zip(outs, cots) if c is not None and isinstance(y, torch.Tensor) and y.requires_grad]
+    wanted = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    if pairs and wanted:
+        torch.autograd.backward([y for y, _ in pairs], [c.to(y.dtype) for y, c in pairs])
+    return [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
+
+
+@dataclass
+class Reference:
+    """Single-device outputs and input gradients, in the dtype under test and in float64."""
+
+    outs: tuple
+    outs64: tuple
+    grads: list
+    grads64: list
+
+
+def reference(sample: Sample, device) -> Reference:
+    """Run the plain operator on one device, in the sample's dtype and in float64."""
+    spec = sample.spec
+    kwargs = resolve(dict(spec.kwargs), sample.bound.sizes)
+    results = []
+    for dtype in (None, torch.float64):
+        leaves = _leaves(sample, device, dtype)
+        outs = _as_tuple(spec.fn(*leaves, **kwargs))
+        cots = [None if c is None else c.to(device) for c in sample.cotangents]
+        grads = _backward(outs, cots, leaves)
+        results.append((tuple(y.detach() if isinstance(y, torch.Tensor) else y for y in outs), grads))
+    (outs, grads), (outs64, grads64) = results
+    return Reference(outs, outs64, grads, grads64)
+
+
+def partitions_of(sample: Sample, world_size: int, only: str | None = None) -> list[Partition]:
+    """Every partition of the sample's op on ``world_size`` ranks, or just ``only`` (validated)."""
+    if only is not None:
+        p = Partition.parse(only, world_size)
+        check_partition(sample.bound, p)
+        return [p]
+    return list(enumerate_partitions(sample.bound, world_size))
+
+
+def run_case(sample: Sample, ref: Reference, partition: Partition, mesh: RankMesh, device) -> list[Check]:
+    """Run the partitioned op on this rank and judge every output and input gradient."""
+    spec = sample.spec
+    tol = spec.tolerance
+    opts = {k: v for k, v in (("factor", tol and tol.factor), ("floor_eps", tol and tol.floor_eps)) if v is not None}
+    leaves = _leaves(sample, device)
+    outs = run_partitioned(spec, sample.bound, partition, mesh, leaves)
+    cots = [None if c is None else c.to(device) for c in sample.cotangents]
+    grads = _backward(outs, cots, leaves)
+    checks = []
+    for i, (y, d, r) in enumerate(zip(outs, ref.outs, ref.outs64)):
+        checks.append(check_tensor(f"output {i}", _detach(y), d, r, **opts))
+    for i, (g, d, r) in enumerate(zip(grads, ref.grads, ref.grads64)):
+        if g is not None or d is not None:
+            checks.append(check_tensor(f"grad of input {i}", g, d, r, **opts))
+    return checks
+
+
+def _detach(y):
+    return y.detach() if isinstance(y, torch.Tensor) else y

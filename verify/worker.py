@@ -1,0 +1,114 @@
+"""The loop each rank of the gang runs: join the process group once, then answer jobs until told to stop."""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
+from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
+
+from . import rank_case
+from .samples import DTYPES, Sample, make_sample
+
+
+def load_modules(paths: Sequence[str]) -> OpRegistry:
+    """Import ``opzoo`` and each user file (their ``register_op`` calls fill the default registry)."""
+    import opzoo  # noqa: F401  (registers the built-in operators)
+    for path in paths:
+        p = Path(path).resolve()
+        name = f"verify_user_{abs(hash(str(p)))}"
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(name, p)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {path}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return DEFAULT_REGISTRY
+
+
+@dataclass
+class RankState:
+    """Everything a rank keeps between jobs (an explicit context, not module globals)."""
+
+    rank: int
+    registry: OpRegistry
+    groups: GroupCache
+    device: torch.device
+    cache: dict = field(default_factory=dict)
+
+    def sample(self, job: dict) -> tuple[Sample, rank_case.Reference]:
+        """The sample and reference of a job, reused across its partitions."""
+        key = (job["op"], job["dtype"], job["seed"], job["base"])
+        if key not in self.cache:
+            self.cache.clear()
+            spec = self.registry.get(job["op"])
+            sample = make_sample(spec, DTYPES[job["dtype"]], job["seed"], job["base"])
+            self.cache[key] = (sample, rank_case.reference(sample, self.device))
+        return self.cache[key]
+
+
+def _short(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next((f for f in reversed(frames) if "site-packages" not in f.filename), frames[-1] if frames else None)
+    loc = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {msg}{loc}"
+
+
+def handle(state: RankState, job: dict) -> dict:
+    """Answer one job: ``plan`` (partitions of an op) or ``case`` (one partition on these ranks)."""
+    start = time.perf_counter()
+    try:
+        sample, ref = state.sample(job)
+        if job["kind"] == "plan":
+            plans = {w: [p.label for p in rank_case.partitions_of(sample, w, job.get("partition"))]
+                     for w in job["world_sizes"]}
+            return {"plans": plans, "annotation": sample.spec.annotation,
+                    "sizes": dict(sample.bound.sizes), "seconds": time.perf_counter() - start}
+        partition = rank_case.partitions_of(sample, job["world_size"], job["partition"])[0]
+        mesh = RankMesh.build(partition.mesh_shape, state.rank, state.groups)
+        checks = rank_case.run_case(sample, ref, partition, mesh, state.device)
+        return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
+    except Exception as exc:  # a failing case is a result, never a dead rank
+        return {"error": _short(exc), "error_type": type(exc).__name__, "traceback": traceback.format_exc(),
+                "seconds": time.perf_counter() - start}
+
+
+def main(rank: int, world_size: int, port: int, inbox, outbox, modules: Sequence[str],
+         world_sizes: Sequence[int], pg_timeout_s: float) -> None:
+    """Entry point of one gang process."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=pg_timeout_s)
+    try:
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+        if cuda:
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world_size, timeout=timeout)
+        registry = load_modules(modules)
+        groups = GroupCache(timeout)
+        groups.create_for_shapes([s for w in sorted(set(world_sizes)) for s in mesh_shapes(w)])
+        state = RankState(rank, registry, groups, torch.device("cuda", rank) if cuda else torch.device("cpu"))
+    except Exception as exc:
+        outbox.put(("ready", rank, {"error": _short(exc)}))
+        return
+    outbox.put(("ready", rank, {}))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        outbox.put((job["id"], rank, handle(state, job)))
+    dist.destroy_process_group()
