@@ -68,9 +68,9 @@ def test_opaque():
 
 
 def test_numbers():
-    a = parse("a 3, 1 -> a 3 (2 a)")
+    a = parse("a 3, 1 -> 3 (2 a) 12")
     assert model_of(a) == ([[(("a",), False), (("3",), False)], [(("1",), False)]],
-                           [[(("a",), False), (("3",), False), (("2", "a"), True)]])
+                           [[(("3",), False), (("2", "a"), True), (("12",), False)]])
     assert a.inputs[0].dims[1].idents[0].is_number
     assert a.markers() == {"a": ""}  # numbers are not identifiers
 
@@ -157,7 +157,7 @@ def test_bad_character_column(m: Anno, data):
     ("* a * -> a", 5, "more than once"),
     ("a -> * *", 8, "more than once"),
     ("(* a) -> a", 2, "group"),
-    ("a (h *) -> a", 7, "group"),
+    ("a (h *) -> a", 6, "group"),
     ("a b", 4, "'->'"),
     ("a, b", 5, "'->'"),
     ("a -> b -> c", 8, "'->'"),
