@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-IDENT = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,3}", fullmatch=True)
+_FIRST = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_"
+IDENT = st.builds(lambda a, b: a + b, st.sampled_from(_FIRST),
+                  st.text(alphabet=_FIRST + "0123456789", max_size=3))
 
 # A dim is (tokens, grouped); a token is an identifier name, a decimal number, or "*".
 Dim = tuple[tuple[str, ...], bool]
@@ -66,6 +68,7 @@ class Anno:
     def shape(self, t: Tensor, sizes: dict[str, int], star_sizes: list[int]):
         if t is None:
             return None
+        sizes = {**sizes, **{f"*{k}": n for k, n in enumerate(star_sizes)}}
         return tuple(math.prod(int(x) if x.isdigit() else sizes[x] for x in ids)
                      for ids in self.expanded(t, len(star_sizes)))
 
@@ -86,15 +89,15 @@ def annotations(draw, max_names=5, numbers=st.integers(0, 99), max_dims=4, allow
     pool = draw(st.lists(IDENT, min_size=1, max_size=max_names, unique=True))
     markers = {n: draw(st.sampled_from(["", "", "+", "^"])) for n in pool}
 
-    def tensor(is_input: bool) -> Tensor:
-        if allow_opaque and draw(st.integers(0, 6)) == 0:
+    def tensor(is_input: bool, may_be_opaque: bool = True) -> Tensor:
+        if allow_opaque and may_be_opaque and draw(st.integers(0, 7)) == 0:
             return None
         used: set[str] = set()
         star = False
 
         def factor() -> str:
             free = [n for n in pool if n not in used]
-            if free and draw(st.integers(0, 3)) > 0:
+            if free and draw(st.integers(0, 3)) < 3:
                 n = draw(st.sampled_from(free))
                 used.add(n)
                 return n
@@ -114,7 +117,9 @@ def annotations(draw, max_names=5, numbers=st.integers(0, 99), max_dims=4, allow
                 dims.append(((factor(),), False))
         return dims
 
-    inputs = [tensor(True) for _ in range(draw(st.integers(1, max_inputs)))]
+    n_in = draw(st.integers(1, max_inputs))
+    real = draw(st.integers(0, n_in - 1))  # one input is always a tensor
+    inputs = [tensor(True, i != real) for i in range(n_in)]
     outputs = [tensor(False) for _ in range(draw(st.integers(1, max_outputs)))]
     anno = Anno(inputs, outputs, {})
     if solvable:

@@ -9,7 +9,7 @@ from nnscaler.dimops.grammar import AnnotationError, OpAnno, parse
 
 from _dimops_strategies import Anno, annotations
 
-SETTINGS = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(deadline=None, max_examples=80, suppress_health_check=[HealthCheck.too_slow])
 
 
 def model_of(anno: OpAnno) -> tuple:

@@ -1,0 +1,69 @@
+"""The harness catches known-wrong annotations, passes correct ones, and turns faults into rows."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from verify.cases import CRASH, ERROR, MATCH, MISMATCH, TIMEOUT, RunConfig, run_op
+
+WRONG = {  # op -> the identifier whose split makes it wrong
+    "wrong_softmax": "b",
+    "wrong_sum_spatial": "b",
+    "wrong_mean_value": "b",
+    "wrong_flip": "b",
+    "wrong_cumsum": "b",
+    "wrong_backward_clip": None,  # any split changes the gradient's norm
+}
+RIGHT = ["right_rowscale", "sensitive_sum_4096", "right_mean_value", "right_reshape"]
+PROFILE = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _splits(label: str) -> set[str]:
+    return set() if label == "replicate" else {part.split("=")[0] for part in label.split(",")}
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+@PROFILE
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(["float32", "float64"]))
+def test_wrong_annotation_is_caught(gang, registry, name, seed, dtype):
+    rows = list(run_op(gang, registry.get(name), RunConfig(world_sizes=(2, 4), dtype=dtype, seeds=(seed,))))
+    culprit = WRONG[name]
+    for row in rows:
+        wrong = bool(_splits(row.partition)) if culprit is None else culprit in _splits(row.partition)
+        assert row.status == (MISMATCH if wrong else MATCH), (row.partition, row.status, row.detail)
+        if wrong:
+            assert row.rerun.startswith("python -m verify op " + name)
+
+
+def test_wrong_backward_is_caught_only_in_the_gradient(gang, registry):
+    rows = list(run_op(gang, registry.get("wrong_backward_clip"), RunConfig(world_sizes=(2,))))
+    bad = [r for r in rows if r.status == MISMATCH]
+    assert bad and all(r.detail.startswith("grad of input 0") for r in bad)
+    assert all(r.out_err <= r.out_tol for r in bad)
+
+
+@pytest.mark.parametrize("name", RIGHT)
+@PROFILE
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(["float32", "float64", "bfloat16"]))
+def test_correct_annotation_passes(gang, registry, name, seed, dtype):
+    rows = list(run_op(gang, registry.get(name), RunConfig(world_sizes=(2, 4), dtype=dtype, seeds=(seed,))))
+    assert len(rows) > 2
+    assert [r for r in rows if r.status != MATCH] == []
+
+
+@pytest.mark.parametrize("name,status,reason", [
+    ("faulty_raise", ERROR, "boom on a shard"),
+    ("faulty_exit", CRASH, "exit code 7"),
+    ("faulty_hang", TIMEOUT, "no answer"),
+    ("faulty_nan", MISMATCH, "NaN"),
+])
+def test_faults_are_failing_rows_and_the_sweep_goes_on(gang, registry, name, status, reason):
+    cfg = RunConfig(world_sizes=(2,), timeout_s=4.0, base_override=4)  # lengths that faulty_ops.FULL assumes
+    rows = list(run_op(gang, registry.get(name), cfg))
+    assert {r.partition: r.status for r in rows}["replicate"] == MATCH
+    split = [r for r in rows if r.partition != "replicate"]
+    assert split and all(r.status == status for r in split), [(r.status, r.detail) for r in split]
+    assert all(reason in r.detail for r in split)
+    # the gang is usable again right after
+    after = list(run_op(gang, registry.get("right_rowscale"), RunConfig(world_sizes=(2, 4))))
+    assert all(r.ok for r in after)
