@@ -29,8 +29,9 @@ def persistent(specs, cfg: RunConfig) -> tuple[int, float, float]:
     return len(rows), time.perf_counter() - t0, started
 
 
-def fresh(specs, cfg: RunConfig, limit: int) -> tuple[int, float]:
-    """(cases, seconds) starting a new process group for every case, as a per-partition torchrun does."""
+def fresh(specs, cfg: RunConfig, limit: int, start_method: str) -> tuple[int, float]:
+    """(cases, seconds) starting new ranks and a new process group for every case; with ``spawn``
+    (fresh interpreters) this is what a per-partition ``torchrun`` does."""
     cases = []
     with Gang(1, cfg.modules, (1,)) as gang:  # list the partitions first; not timed
         for spec in specs:
@@ -40,7 +41,7 @@ def fresh(specs, cfg: RunConfig, limit: int) -> tuple[int, float]:
     t0 = time.perf_counter()
     for spec, w, label in cases[:limit]:
         one = RunConfig(world_sizes=(w,), dtype=cfg.dtype, seeds=cfg.seeds, partition=label, base_override=cfg.base)
-        with Gang(w, cfg.modules, (w,)) as gang:
+        with Gang(w, cfg.modules, (w,), start_method=start_method) as gang:
             rows = list(run_op(gang, spec, one))
         assert all(r.ok for r in rows), [r.detail for r in rows]
     return min(limit, len(cases)), time.perf_counter() - t0
@@ -72,12 +73,14 @@ def main() -> None:
     specs = [reg.get(n) for n in args.ops]
     cfg = RunConfig(world_sizes=tuple(args.world_size))
     n_p, t_p, t_start = persistent(specs, cfg)
-    n_f, t_f = fresh(specs, cfg, args.fresh)
-    per_p, per_f = t_p / n_p, t_f / n_f
+    per_p = t_p / n_p
     print(f"persistent gang : {n_p} cases in {t_p:.2f} s (gang start {t_start:.2f} s) = {per_p * 1e3:.1f} ms/case, "
           f"{(t_p - t_start) / n_p * 1e3:.1f} ms/case after start")
-    print(f"fresh group/case: {n_f} cases in {t_f:.2f} s = {per_f * 1e3:.1f} ms/case")
-    print(f"ratio (fresh / persistent, per case, start included): {per_f / per_p:.1f}x")
+    for method, what in (("spawn", "fresh interpreters, as torchrun"), ("forkserver", "forked from a warm server")):
+        n_f, t_f = fresh(specs, cfg, args.fresh, method)
+        per_f = t_f / n_f
+        print(f"fresh group/case ({what}): {n_f} cases in {t_f:.2f} s = {per_f * 1e3:.1f} ms/case; "
+              f"ratio to persistent {per_f / per_p:.1f}x")
     if args.zoo:
         n, t, bad = zoo(RunConfig(world_sizes=(2, 4)))
         print(f"whole zoo at W=2,4: {n} cases in {t:.1f} s ({n / t:.1f} cases/s), {bad} failed; target < 60 s")
