@@ -196,3 +196,9 @@ def test_size_unknown_identifier():
         Size("a x").resolve({"a": 2})
     with pytest.raises(AnnotationError):
         Size("").resolve({"a": 2})
+
+
+@pytest.mark.parametrize("expr", ["a (h d", "a $ b", "a) b"])
+def test_size_malformed_expression(expr):
+    with pytest.raises(AnnotationError):
+        Size(expr).resolve({"a": 2, "h": 3, "d": 4, "b": 5})

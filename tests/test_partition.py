@@ -99,8 +99,6 @@ def test_partition_parse_errors(text):
         Partition.parse(text, 4)
 
 
-@pytest.mark.xfail(strict=True, reason="Partition.parse('m=0', W) divides by zero (degree 0) instead of "
-                                        "raising AnnotationError")
 def test_partition_parse_zero_factor():
     with pytest.raises(AnnotationError):
         Partition.parse("m=0", 4)
@@ -126,8 +124,6 @@ def test_check_partition_rejects_degree_not_dividing_world():
         check_partition(b, Partition((("m", 3),), 4))
 
 
-@pytest.mark.xfail(strict=True, reason="check_partition accepts an identifier split twice ('m=2,m=2'), "
-                                        "which is not in the partition space; local_sizes then gives 6//2//2=1")
 def test_check_partition_rejects_repeated_identifier():
     b = bind("m k -> m", [(6, 4)])
     with pytest.raises(AnnotationError):
@@ -169,8 +165,6 @@ def test_group_layout():
     assert lay.inputs == ((Shard(0),),) and lay.outputs == ((Shard(0),),)
 
 
-@pytest.mark.xfail(strict=True, reason="op_layout zips partial_inputs with the inputs: a short list silently "
-                                        "drops the layouts of the remaining inputs")
 def test_layout_partial_inputs_length_checked():
     b = bind("m k+, k+ -> m", [(4, 4), (4,)])
     try:

@@ -79,7 +79,7 @@ class OpAnno:
 
     inputs: tuple[TensorAnno, ...]
     outputs: tuple[TensorAnno, ...]
-    text: str
+    text: str = field(compare=False)  # as written; equal annotations may differ in spacing
 
     def markers(self) -> dict[str, str]:
         """Marker of every named identifier (numbers and ``*`` excluded)."""
@@ -167,7 +167,7 @@ class _Parser:
                 self.take()
                 idents = []
                 while not (self.peek()[0] == "punct" and self.peek()[1] == ")"):
-                    if self.peek()[0] == "end":
+                    if self.peek()[0] in ("end", "arrow") or self.peek()[1] == ",":
                         raise _error(self.text, col, "unclosed '('")
                     idents.append(self.ident(in_group=True))
                 self.take()

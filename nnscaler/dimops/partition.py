@@ -61,7 +61,11 @@ class Partition:
             name, sep, factor = part.partition("=")
             if not sep or not factor.strip().isdigit() or not name.strip():
                 raise AnnotationError(f"partition {text!r}: expected IDENT=FACTOR[,IDENT=FACTOR...], e.g. 'm=2,k=2'")
+            if int(factor) < 2:
+                raise AnnotationError(f"partition {text!r}: split factor of {name.strip()!r} must be at least 2, got {factor}")
             splits.append((name.strip(), int(factor)))
+        if len({n for n, _ in splits}) != len(splits):
+            raise AnnotationError(f"partition {text!r}: an identifier is split twice; give each one factor")
         p = cls(tuple(splits), world_size)
         if world_size % p.degree:
             raise AnnotationError(f"partition {text!r}: split factors multiply to {p.degree}, which does not divide world size {world_size}")
@@ -122,11 +126,15 @@ def enumerate_partitions(bound: BoundAnno, world_size: int) -> Iterator[Partitio
 def check_partition(bound: BoundAnno, partition: Partition) -> None:
     """Raise :class:`AnnotationError` unless ``partition`` is in the partition space of ``bound``."""
     allowed = set(splittable(bound))
+    if len({i for i, _ in partition.splits}) != len(partition.splits):
+        raise AnnotationError(f"partition {partition.label!r}: an identifier is split twice; give each one factor")
     for ident, f in partition.splits:
         if ident not in allowed:
             raise AnnotationError(f"partition {partition.label!r}: {ident!r} is not a splittable identifier of "
                                   f"{bound.anno.text!r} (splittable: {', '.join(sorted(allowed)) or 'none'})")
-        if f < 2 or bound.sizes[ident] % f:
+        if f < 2:
+            raise AnnotationError(f"partition {partition.label!r}: split factor of {ident!r} must be at least 2")
+        if bound.sizes[ident] % f:
             raise AnnotationError(f"partition {partition.label!r}: {ident!r} has length {bound.sizes[ident]}, "
                                   f"not divisible by {f}")
     if partition.world_size % partition.degree:
@@ -167,7 +175,10 @@ def op_layout(bound: BoundAnno, partition: Partition, partial_inputs: Sequence[b
     """Layouts implied by ``partition``: a tensor holding a split identifier is split along it (D);
     one lacking a split ``+`` identifier is a partial value (V) — for inputs only where
     ``partial_inputs`` allows it (floating tensors), else replicated; all others are replicated (R)."""
-    partial_inputs = partial_inputs or [True] * len(bound.inputs)
+    if partial_inputs is None:
+        partial_inputs = [True] * len(bound.inputs)
+    elif len(partial_inputs) != len(bound.inputs):
+        raise ValueError(f"partial_inputs has {len(partial_inputs)} entries for {len(bound.inputs)} inputs")
     ins = tuple(None if dims is None else _tensor_layout(dims, partition.axis_ids, bound.markers, ok)
                 for dims, ok in zip(bound.inputs, partial_inputs))
     outs = tuple(None if dims is None else _tensor_layout(dims, partition.axis_ids, bound.markers, True)

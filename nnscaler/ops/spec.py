@@ -17,6 +17,8 @@ class Size:
     expr: str
 
     def resolve(self, sizes: Mapping[str, int]) -> int | tuple[int, ...]:
+        if not re.fullmatch(r"\s*(?:(?:\([^()]*\)|-?[A-Za-z0-9_*]+)\s*)+", self.expr):
+            raise AnnotationError(f"Size({self.expr!r}): expected identifiers, numbers and groups '(h d)'")
         items = re.findall(r"\([^)]*\)|-?[A-Za-z0-9_*]+", self.expr)
         vals = []
         for item in items:
