@@ -113,6 +113,8 @@ def _tokens(text: str) -> list[tuple[str, str, int]]:
             col = pos + (len(text[pos:]) - len(text[pos:].lstrip()))
             raise _error(text, col, f"unexpected character {text[col]!r}")
         kind = m.lastgroup
+        if kind == "name" and out and out[-1][0] == "num" and out[-1][2] + len(out[-1][1]) == m.start(kind):
+            raise _error(text, m.start(kind), "a number runs into a name; separate dims with a space")
         out.append((kind, m.group(kind), m.start(kind)))
         pos = m.end()
     out.append(("end", "", len(text)))
