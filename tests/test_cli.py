@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from verify.cases import MATCH, Row, RunConfig
+from verify.cli import main
 from verify.report import ReportWriter, load_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,15 +29,20 @@ def verify(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     (["op", "linear", "--world-size", "0"], "world size"),
     (["op", "linear", "--dtype", "float8"], "--dtype"),
     (["op", "linear", "--partition", "zz=2", "--world-size", "2"], "'zz' is not a splittable identifier"),
-    (["op", "malformed", "--module", MALFORMED], "column 6"),
+    (["op", "malformed", "--module", MALFORMED], "column 3: unclosed '('"),
     (["op", "linear", "--module", "no/such/file.py"], "no such file"),
     (["frobnicate"], "invalid choice"),
 ])
-def test_bad_input_exits_2_with_one_line(args, needle):
-    r = verify(*args)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0], r.stderr
+def test_bad_input_exits_2_with_one_line(args, needle, capsys):
+    assert main(args) == 2  # the entry point of ``python -m verify``, in-process (no torch re-import)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_bad_input_from_the_shell():
+    r = verify("op", "linaer")
+    assert r.returncode == 2 and r.stderr.strip().startswith("verify: error: unknown operator 'linaer'; did you mean linear")
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_mismatch_exits_1_and_its_rerun_command_reproduces_it():
