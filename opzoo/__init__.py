@@ -1,0 +1,11 @@
+"""The built-in operator catalogue: importing ``opzoo`` registers every family's operators, with
+their dimops annotations, into :data:`nnscaler.DEFAULT_REGISTRY`.
+
+One module per family; partition-aware kernels shared by several entries live in
+:mod:`opzoo._parallel_kernels`.
+"""
+from . import (activation, elementwise, indexing, linalg, loss, nn, normalization,  # noqa: F401
+               reduction, shape)
+
+FAMILIES = ("elementwise", "activation", "reduction", "normalization", "linalg", "nn", "loss", "shape",
+            "indexing")

@@ -19,7 +19,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from nnscaler.runtime import collectives as C
 
@@ -44,6 +43,13 @@ def allmax(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+def shift(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The max over ``dim`` across ``group`` (keepdim, detached), 0 where it is not finite: the
+    usual shift before ``exp`` that keeps all ``-inf`` rows at ``-inf`` instead of NaN."""
+    m = allmax(x.detach().amax(dim, keepdim=True), group)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
 def lookup(shard, ident: str, index: torch.Tensor, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Global indices along ``ident`` -> (local indices, with 0 where outside; mask of those inside)."""
     off = shard.offset(ident)
@@ -60,10 +66,11 @@ def _bcast(mask: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
 
 # --- value-split lookups (vocabulary parallel) --------------------------------------------------
 
-def embedding(shard, index, weight, *, ident="v", **kwargs):
-    """Vocabulary-parallel embedding: rows outside this rank's range are zero (a partial value)."""
+def embedding(shard, weight, index, *, ident="v"):
+    """Vocabulary-parallel ``torch.embedding(weight, index)`` (aten's order): rows outside this rank's
+    range come out zero (a partial value)."""
     li, inside = lookup(shard, ident, index, weight.shape[0])
-    return F.embedding(li, weight, **kwargs).masked_fill(~inside.unsqueeze(-1), 0)
+    return torch.embedding(weight, li).masked_fill(~inside.unsqueeze(-1), 0)
 
 
 def index_select(shard, x, dim, index, *, ident="v"):
@@ -92,10 +99,11 @@ def amax(shard, x, dim=-1, keepdim=False, *, ident="n", smallest=False):
         m = -allmax(-x.detach().amin(dim, keepdim=True), g)
     else:
         m = allmax(x.detach().amax(dim, keepdim=True), g)
-    hits = x.detach() == m
-    count = C.all_reduce(hits.sum(dim, keepdim=True), g)
-    part = torch.where(hits, x, torch.zeros_like(x)).sum(dim, keepdim=True) / count
-    out = (part - part.detach()) + (m if shard.index(ident) == 0 else torch.zeros_like(m))
+    hits = (x.detach() == m) & torch.isfinite(m)
+    count = C.all_reduce(hits.sum(dim, keepdim=True), g).clamp(min=1)
+    # zero in value, gradient 1/count on every tie; the first rank adds the maximum itself
+    part = torch.where(hits, x - m, torch.zeros_like(x)).sum(dim, keepdim=True) / count
+    out = part + (m if shard.index(ident) == 0 else torch.zeros_like(m))
     return out if keepdim else out.squeeze(dim)
 
 
@@ -105,7 +113,7 @@ def amin(shard, x, dim=-1, keepdim=False, *, ident="n"):
 
 def logsumexp(shard, x, dim=-1, keepdim=False, *, ident="n"):
     g = shard.group(ident)
-    m = allmax(x.detach().amax(dim, keepdim=True), g)
+    m = shift(x, dim, g)
     out = allsum((x - m).exp().sum(dim, keepdim=True), g).log() + m
     return C.to_partial(out if keepdim else out.squeeze(dim), g)
 
@@ -144,8 +152,9 @@ def _reduce_rows(shard, loss, valid, reduction, row):
 def cross_entropy(shard, logits, target, reduction="mean", ignore_index=-100, *, row="n", cls="v"):
     """Megatron's vocabulary-parallel cross entropy, rows optionally split by value too."""
     g = shard.group(cls)
-    m = allmax(logits.detach().amax(-1), g)
-    sumexp = allsum((logits - m.unsqueeze(-1)).exp().sum(-1), g)
+    m = shift(logits, -1, g)
+    sumexp = allsum((logits - m).exp().sum(-1), g)
+    m = m.squeeze(-1)
     li, inside = lookup(shard, cls, target, logits.shape[-1])
     picked = logits.gather(-1, li.unsqueeze(-1)).squeeze(-1)
     tgt = allsum(torch.where(inside, picked, torch.zeros_like(picked)), g)

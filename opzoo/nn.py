@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 import torch.nn.functional as F
 
 from nnscaler import Index, register_op
@@ -27,7 +28,8 @@ def _reg(name, annotation, fn, aten, **options):
     register_op(annotation, name, family=FAMILY, aten=aten, **options)(fn)
 
 
-_reg("embedding", "*, v+ h -> * h", F.embedding, "aten.embedding.default", inputs={0: Index("v")},
+# aten.embedding's argument order: (weight, indices)
+_reg("embedding", "v+ h, * -> * h", torch.embedding, "aten.embedding.default", inputs={1: Index("v")},
      local=partial(K.embedding, ident="v"))
 
 _SDPA = "aten.scaled_dot_product_attention.default"
