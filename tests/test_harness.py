@@ -24,9 +24,10 @@ def _splits(label: str) -> set[str]:
 
 @pytest.mark.parametrize("name", sorted(WRONG))
 @PROFILE
-@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(["float32", "float64"]))
-def test_wrong_annotation_is_caught(gang, registry, name, seed, dtype):
-    rows = list(run_op(gang, registry.get(name), RunConfig(world_sizes=(2, 4), dtype=dtype, seeds=(seed,))))
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(["float32", "float64"]), base=st.sampled_from([4, 8, 12]))
+def test_wrong_annotation_is_caught(gang, registry, name, seed, dtype, base):
+    cfg = RunConfig(world_sizes=(2, 4), dtype=dtype, seeds=(seed,), base_override=base)  # base scales the shapes
+    rows = list(run_op(gang, registry.get(name), cfg))
     culprit = WRONG[name]
     for row in rows:
         wrong = bool(_splits(row.partition)) if culprit is None else culprit in _splits(row.partition)
@@ -44,9 +45,11 @@ def test_wrong_backward_is_caught_only_in_the_gradient(gang, registry):
 
 @pytest.mark.parametrize("name", RIGHT)
 @PROFILE
-@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(["float32", "float64", "bfloat16"]))
-def test_correct_annotation_passes(gang, registry, name, seed, dtype):
-    rows = list(run_op(gang, registry.get(name), RunConfig(world_sizes=(2, 4), dtype=dtype, seeds=(seed,))))
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(["float32", "float64", "bfloat16"]),
+       base=st.sampled_from([4, 8, 12]))
+def test_correct_annotation_passes(gang, registry, name, seed, dtype, base):
+    cfg = RunConfig(world_sizes=(2, 4), dtype=dtype, seeds=(seed,), base_override=base)
+    rows = list(run_op(gang, registry.get(name), cfg))
     assert len(rows) > 2
     assert [r for r in rows if r.status != MATCH] == []
 
