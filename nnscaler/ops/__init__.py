@@ -1,6 +1,8 @@
 """Operator specs and the registry the compiler and the harness share."""
-from .registry import DEFAULT_REGISTRY, OpRegistry, UnknownOpError, register_op
+from .registry import DEFAULT_REGISTRY, OpRegistry, UnknownOpError, annotation_rule, register_op
+from .rules import OpCall, TensorMeta, aten_overload
 from .spec import Index, Mask, OpSpec, Positive, Size, Tolerance, Uniform, resolve
 
-__all__ = ["DEFAULT_REGISTRY", "OpRegistry", "UnknownOpError", "register_op", "Index", "Mask", "OpSpec",
+__all__ = ["DEFAULT_REGISTRY", "OpRegistry", "UnknownOpError", "annotation_rule", "register_op", "OpCall",
+           "TensorMeta", "aten_overload", "Index", "Mask", "OpSpec",
            "Positive", "Size", "Tolerance", "Uniform", "resolve"]

@@ -6,6 +6,7 @@ import difflib
 import inspect
 from typing import Any, Callable, Iterator, Mapping
 
+from .rules import Rule, aten_overload
 from .spec import OpSpec
 
 
@@ -21,6 +22,20 @@ class OpRegistry:
 
     def __init__(self) -> None:
         self._ops: dict[str, OpSpec] = {}
+        self._rules: dict[str, list[Rule]] = {}
+
+    def add_rule(self, overload: str, rule: Rule) -> Rule:
+        """Register ``rule`` for every call of ``overload`` (e.g. ``"aten.view.default"``)."""
+        aten_overload(overload)  # fail now on a misspelt overload
+        if rule not in self._rules.setdefault(overload, []):
+            self._rules[overload].append(rule)
+        return rule
+
+    def rules(self, overload: str) -> list[Rule]:
+        return list(self._rules.get(overload, ()))
+
+    def rule_overloads(self) -> list[str]:
+        return sorted(self._rules)
 
     def add(self, spec: OpSpec) -> OpSpec:
         old = self._ops.get(spec.name)
@@ -72,7 +87,8 @@ def register_op(annotation: str, name: str | None = None, *, registry: OpRegistr
                 **options) -> Callable[[Callable], Callable]:
     """Decorator: register a function of tensors with its dimops annotation.
 
-    ``args`` fixes the values of ``?`` arguments and ``inputs`` constrains sample values (both keyed
+    A ``torch.library.custom_op`` is looked up by its graph node (``ns.name.default``) without
+    further ado. ``args`` fixes the values of ``?`` arguments and ``inputs`` constrains sample values (both keyed
     by position or argument name); ``kwargs``, ``sizes``, ``tolerance``, ``local``, ``aten``,
     ``family`` and ``differentiable`` are passed to :class:`~nnscaler.ops.spec.OpSpec`. The function
     is returned unchanged.
@@ -82,6 +98,9 @@ def register_op(annotation: str, name: str | None = None, *, registry: OpRegistr
     def deco(fn: Callable) -> Callable:
         from ..dimops.grammar import parse
         n = len(parse(annotation).inputs)
+        qualname = getattr(fn, "_qualname", None)  # a torch.library.custom_op: its graph node's name
+        if qualname and "::" in qualname and not options.get("aten"):
+            options["aten"] = (qualname.replace("::", ".") + ".default",)
         spec = OpSpec.create(
             name or getattr(fn, "__name__", None) or repr(fn), annotation, fn,
             args={_position(fn, k, n): v for k, v in (args or {}).items()},
@@ -89,5 +108,17 @@ def register_op(annotation: str, name: str | None = None, *, registry: OpRegistr
             **options)
         target.add(spec)
         return fn
+
+    return deco
+
+
+def annotation_rule(*overloads: str, registry: OpRegistry | None = None) -> Callable[[Rule], Rule]:
+    """Decorator: register a rule deriving the annotation of calls of these ATen overloads."""
+    target = DEFAULT_REGISTRY if registry is None else registry
+
+    def deco(rule: Rule) -> Rule:
+        for overload in overloads:
+            target.add_rule(overload, rule)
+        return rule
 
     return deco

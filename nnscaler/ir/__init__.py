@@ -1,0 +1,1 @@
+"""The compiler IR: tensors and annotated operators."""

@@ -1,0 +1,86 @@
+"""The compiler's IR: whole tensors, and operators that carry their registry spec and bound annotation.
+
+A tensor is a value in the traced program (a parameter, buffer, user input, activation or the loss)
+with its full shape. An operator reads tensors and constants and writes tensors; ``spec`` and
+``bound`` come from the one registry (``None`` for an operator the registry does not know, which is
+replicated). Several operators may read one tensor; each is free to want its own layout of it.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..dimops.binding import BoundAnno
+from ..ops.spec import OpSpec
+
+PARAM, BUFFER, INPUT, ACTIVATION, CONSTANT = "param", "buffer", "input", "activation", "constant"
+
+
+@dataclass(eq=False)
+class IRTensor:
+    """One whole tensor of the traced program."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str = ACTIVATION
+    target: str = ""  # a parameter's or buffer's name in the model (``layers.0.linear.weight``)
+    producer: "IROp | None" = None
+    consumers: list["IROp"] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return f"{self.name}{list(self.shape)}"
+
+
+@dataclass(eq=False)
+class IROp:
+    """One operator call; ``inputs`` hold IRTensors or constant values, ``outputs`` IRTensors (None
+    for a non-tensor result)."""
+
+    name: str
+    overload: str
+    inputs: list[Any]
+    outputs: list[IRTensor | None]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    spec: OpSpec | None = None
+    bound: BoundAnno | None = None
+    source: str = ""  # "file:line: code" of the model line that made it
+
+    @property
+    def known(self) -> bool:
+        return self.spec is not None
+
+    def tensor_inputs(self) -> list[IRTensor]:
+        return [x for x in self.inputs if isinstance(x, IRTensor)]
+
+    def __repr__(self) -> str:
+        anno = self.spec.annotation if self.spec else "unknown"
+        return f"{self.name} = {self.overload}({', '.join(map(repr, self.inputs))})  # {anno}"
+
+
+@dataclass
+class IRGraph:
+    """Operators in program order, with the program's inputs, parameters, buffers and outputs."""
+
+    ops: list[IROp]
+    inputs: list[IRTensor]
+    params: list[IRTensor]
+    buffers: list[IRTensor]
+    outputs: list[Any]
+
+    def unknown(self) -> list[IROp]:
+        return [op for op in self.ops if not op.known]
+
+    def unknown_summary(self) -> str:
+        """Each unknown overload once, with its count and first source line."""
+        counts = Counter(op.overload for op in self.unknown())
+        first = {}
+        for op in self.unknown():
+            first.setdefault(op.overload, op.source)
+        return "; ".join(f"{o} x{n}" + (f" (first at {first[o]})" if first[o] else "") for o, n in counts.items())
+
+    def __str__(self) -> str:
+        return "\n".join(map(repr, self.ops))

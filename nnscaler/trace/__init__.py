@@ -1,0 +1,1 @@
+"""Tracing: a model and sample inputs -> a torch.export graph -> operators annotated from the registry."""

@@ -1,0 +1,103 @@
+"""``trace``: a model and sample inputs -> :class:`~nnscaler.ir.graph.IRGraph`, every operator
+annotated from the one registry (rules first, then fixed entries)."""
+from __future__ import annotations
+
+import operator
+import re
+import warnings
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind
+
+from ..ir.graph import ACTIVATION, BUFFER, CONSTANT, INPUT, PARAM, IRGraph, IROp, IRTensor
+from ..ops.registry import DEFAULT_REGISTRY, OpRegistry
+from .calls import call_of, meta_of
+from .export import TraceError, export_model
+from .match import derive
+
+_KINDS = {InputKind.PARAMETER: PARAM, InputKind.BUFFER: BUFFER, InputKind.USER_INPUT: INPUT,
+          InputKind.CONSTANT_TENSOR: CONSTANT}
+
+
+class UnknownOperatorWarning(UserWarning):
+    """Operators the registry does not know: they are replicated."""
+
+
+def _source(node: torch.fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f"{path}:{line}: {code.strip()}"
+
+
+def _tensor(node: torch.fx.Node, kind: str, target: str = "") -> IRTensor | None:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return IRTensor(node.name, tuple(int(s) for s in val.shape), val.dtype, kind, target)
+
+
+def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *,
+          registry: OpRegistry | None = None, strict: bool = False) -> IRGraph:
+    """Export ``model`` on the sample arguments and annotate every operator.
+
+    Operators the registry does not know are replicated and named, once each, in an
+    :class:`UnknownOperatorWarning`; with ``strict=True`` they are a :class:`TraceError`.
+    """
+    registry = DEFAULT_REGISTRY if registry is None else registry
+    ep = export_model(model, args, kwargs)
+    kinds = {s.arg.name: (_KINDS.get(s.kind, CONSTANT), s.target or "") for s in ep.graph_signature.input_specs
+             if hasattr(s.arg, "name")}
+    env: dict[torch.fx.Node, Any] = {}
+    ins, params, buffers, ops = [], [], [], []
+    outputs: list[Any] = []
+
+    def value(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return env.get(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(value(x) for x in a)
+        return meta_of(a) if isinstance(a, torch.SymInt) else a
+
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            kind, target = kinds.get(node.name, (INPUT, ""))
+            t = _tensor(node, kind, target)
+            env[node] = t if t is not None else node.meta.get("val")
+            if t is not None:
+                {PARAM: params, BUFFER: buffers}.get(kind, ins).append(t)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            env[node] = value(node.args[0])[node.args[1]]
+        elif node.op == "call_function":
+            call = call_of(node)
+            found = derive(call, registry)
+            val = node.meta.get("val")
+            metas = list(val) if isinstance(val, (list, tuple)) else [val]
+            outs = [IRTensor(f"{node.name}_{i}" if len(metas) > 1 else node.name, tuple(int(s) for s in m.shape),
+                             m.dtype, ACTIVATION) if isinstance(m, torch.Tensor) else None
+                    for i, m in enumerate(metas)]
+            op = IROp(node.name, call.overload, [value(a) for a in node.args], outs,
+                      {k: value(v) for k, v in node.kwargs.items()},
+                      spec=found[0] if found else None, bound=found[1] if found else None, source=_source(node))
+            for t in op.tensor_inputs():
+                t.consumers.append(op)
+            for t in outs:
+                if t is not None:
+                    t.producer = op
+            env[node] = outs if isinstance(val, (list, tuple)) else outs[0]
+            ops.append(op)
+        elif node.op == "output":
+            outputs = list(value(node.args[0]))
+    graph = IRGraph(ops, ins, params, buffers, outputs)
+    unknown = graph.unknown()
+    if unknown:
+        msg = (f"{len(unknown)} operators of {type(model).__name__} have no annotation and will be replicated: "
+               f"{graph.unknown_summary()}")
+        if strict:
+            raise TraceError(msg + "; register them with nnscaler.register_op or pass strict=False")
+        warnings.warn(msg, UnknownOperatorWarning, stacklevel=2)
+    return graph

@@ -1,0 +1,37 @@
+"""Graph nodes as :class:`~nnscaler.ops.rules.OpCall` values: what the annotation rules see."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..ops.rules import OpCall, TensorMeta
+
+
+def meta_of(value: Any) -> Any:
+    """A node argument's value: tensors (fake or real) as TensorMeta, containers element-wise."""
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(meta_of(v) for v in value)
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    return value
+
+
+def overload_name(target: Any) -> str:
+    """``torch.ops.aten.view.default`` -> ``"aten.view.default"``; other callables by qualified name."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}".lstrip(".")
+
+
+def call_of(node: torch.fx.Node) -> OpCall:
+    """The call a ``call_function`` node makes, with its output metas."""
+    out = node.meta.get("val")
+    outs = tuple(meta_of(o) for o in out) if isinstance(out, (list, tuple)) else (meta_of(out),)
+    return OpCall(overload_name(node.target), tuple(meta_of(a) for a in node.args),
+                  {k: meta_of(v) for k, v in node.kwargs.items()}, outs)
