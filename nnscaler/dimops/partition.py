@@ -18,14 +18,18 @@ from .layout import Layout, Partial, Replicate, Shard
 
 @dataclass(frozen=True)
 class Partition:
-    """Split factors per identifier on ``world_size`` ranks; an empty ``splits`` replicates."""
+    """Split factors per identifier on ``world_size`` ranks; an empty ``splits`` replicates.
 
-    splits: tuple[tuple[str, int], ...]
+    Each entry is one mesh axis; an entry ``(None, f)`` is an axis of ``f`` ranks that replicate
+    (a compiler places ops on one mesh for the whole program, so a replicated axis may sit anywhere;
+    its label is ``~=f``)."""
+
+    splits: tuple[tuple[str | None, int], ...]
     world_size: int
 
     @property
     def degree(self) -> int:
-        return math.prod(f for _, f in self.splits)
+        return math.prod(f for i, f in self.splits if i is not None)
 
     @property
     def replicas(self) -> int:
@@ -34,21 +38,22 @@ class Partition:
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         shape = tuple(f for _, f in self.splits)
-        return shape + ((self.replicas,) if self.replicas > 1 else ())
+        rest = self.world_size // math.prod(shape)
+        return shape + ((rest,) if rest > 1 else ())
 
     @property
     def axis_ids(self) -> tuple[str | None, ...]:
         """The identifier each mesh axis splits; ``None`` for the replication axis."""
         ids = tuple(i for i, _ in self.splits)
-        return ids + ((None,) if self.replicas > 1 else ())
+        return ids + ((None,) if len(self.mesh_shape) > len(ids) else ())
 
     def factor(self, ident: str) -> int:
-        return dict(self.splits).get(ident, 1)
+        return dict(s for s in self.splits if s[0] is not None).get(ident, 1)
 
     @property
     def label(self) -> str:
         """``m=2,k=2`` (``replicate`` when nothing is split)."""
-        return ",".join(f"{i}={f}" for i, f in self.splits) or "replicate"
+        return ",".join(f"{'~' if i is None else i}={f}" for i, f in self.splits) or "replicate"
 
     @classmethod
     def parse(cls, text: str, world_size: int) -> "Partition":
@@ -63,12 +68,14 @@ class Partition:
                 raise AnnotationError(f"partition {text!r}: expected IDENT=FACTOR[,IDENT=FACTOR...], e.g. 'm=2,k=2'")
             if int(factor) < 2:
                 raise AnnotationError(f"partition {text!r}: split factor of {name.strip()!r} must be at least 2, got {factor}")
-            splits.append((name.strip(), int(factor)))
-        if len({n for n, _ in splits}) != len(splits):
+            splits.append((None if name.strip() == "~" else name.strip(), int(factor)))
+        named = [n for n, _ in splits if n is not None]
+        if len(set(named)) != len(named):
             raise AnnotationError(f"partition {text!r}: an identifier is split twice; give each one factor")
         p = cls(tuple(splits), world_size)
-        if world_size % p.degree:
-            raise AnnotationError(f"partition {text!r}: split factors multiply to {p.degree}, which does not divide world size {world_size}")
+        if world_size % math.prod(f for _, f in splits):
+            raise AnnotationError(f"partition {text!r}: the axes multiply to {math.prod(f for _, f in splits)}, "
+                                  f"which does not divide world size {world_size}")
         return p
 
 
@@ -126,9 +133,12 @@ def enumerate_partitions(bound: BoundAnno, world_size: int) -> Iterator[Partitio
 def check_partition(bound: BoundAnno, partition: Partition) -> None:
     """Raise :class:`AnnotationError` unless ``partition`` is in the partition space of ``bound``."""
     allowed = set(splittable(bound))
-    if len({i for i, _ in partition.splits}) != len(partition.splits):
+    named = [i for i, _ in partition.splits if i is not None]
+    if len(set(named)) != len(named):
         raise AnnotationError(f"partition {partition.label!r}: an identifier is split twice; give each one factor")
     for ident, f in partition.splits:
+        if ident is None:
+            continue
         if ident not in allowed:
             raise AnnotationError(f"partition {partition.label!r}: {ident!r} is not a splittable identifier of "
                                   f"{bound.anno.text!r} (splittable: {', '.join(sorted(allowed)) or 'none'})")
@@ -137,8 +147,9 @@ def check_partition(bound: BoundAnno, partition: Partition) -> None:
         if bound.sizes[ident] % f:
             raise AnnotationError(f"partition {partition.label!r}: {ident!r} has length {bound.sizes[ident]}, "
                                   f"not divisible by {f}")
-    if partition.world_size % partition.degree:
-        raise AnnotationError(f"partition {partition.label!r} needs a multiple of {partition.degree} ranks, "
+    axes = math.prod(f for _, f in partition.splits)
+    if partition.world_size % axes:
+        raise AnnotationError(f"partition {partition.label!r} needs a multiple of {axes} ranks, "
                               f"not {partition.world_size}")
 
 
@@ -146,7 +157,8 @@ def local_sizes(bound: BoundAnno, partition: Partition) -> dict[str, int]:
     """Identifier lengths on one rank under ``partition``."""
     sizes = dict(bound.sizes)
     for ident, f in partition.splits:
-        sizes[ident] //= f
+        if ident is not None:
+            sizes[ident] //= f
     return sizes
 
 

@@ -1,0 +1,1 @@
+"""Communication: conversions between tensor layouts on the plan's rank mesh."""

@@ -1,0 +1,98 @@
+"""The built-in policies: ``dp``, ``tp``, ``hybrid`` and ``random``; each is ``(graph, config) -> Plan``."""
+from __future__ import annotations
+
+import random as _random
+
+from ..dimops.partition import Partition, splittable
+from ..ir.graph import INPUT, IRGraph, IROp, IRTensor
+from .greedy import parameter_identifiers, plan_greedy, sharded_identifiers
+from .plan import ComputeConfig, Plan, PlanError
+
+# the operators Megatron splits by vocabulary under tensor parallelism
+_VOCAB_OPS = ("aten.embedding.default", "aten.cross_entropy_loss.default")
+
+
+def batch_identifiers(graph: IRGraph) -> dict[str, str | None]:
+    """Per operator, the identifier that carries the batch (dim 0 of the user inputs), if any."""
+    batch_dim: dict[IRTensor, int] = {t: 0 for t in graph.inputs if t.kind == INPUT and t.shape}
+    out: dict[str, str | None] = {}
+    for op in graph.ops:
+        ident = None
+        if op.known:
+            for x, dims in zip(op.inputs, op.bound.inputs):
+                if isinstance(x, IRTensor) and x in batch_dim and dims is not None:
+                    ident = dims[batch_dim[x]][0]
+                    break
+            if ident is not None:
+                for t, dims in zip(op.outputs, op.bound.outputs):
+                    if t is not None and dims is not None:
+                        pos = next((d for d, ids in enumerate(dims) if ids[0] == ident), None)
+                        if pos is not None:
+                            batch_dim[t] = pos
+        out[op.name] = ident
+    return out
+
+
+def _dp_options(graph: IRGraph):
+    batch = batch_identifiers(graph)
+    return lambda op, axis, layouts: [batch[op.name]] if batch[op.name] is not None else [None]
+
+
+def _tp_options(graph: IRGraph):
+    """Megatron's choices: split a dim of the op's parameters, or follow a split its inputs already
+    have; never the batch (that is data parallelism)."""
+    batch = batch_identifiers(graph)
+
+    def options(op: IROp, axis: int, layouts: dict):
+        if op.overload in _VOCAB_OPS:
+            return [_vocab(op)]
+        allowed = set(parameter_identifiers(op)) | set(sharded_identifiers(op, axis, layouts))
+        return [None, *(i for i in splittable(op.bound) if i in allowed and i != batch[op.name])]
+
+    return options
+
+
+def _any_options(op: IROp, axis: int, layouts: dict):
+    return [None, *splittable(op.bound)]
+
+
+def _vocab(op: IROp) -> str:
+    """The vocabulary identifier of an embedding (rows of its weight) or cross entropy (classes)."""
+    return op.bound.inputs[0][0][0] if op.overload == "aten.embedding.default" else op.bound.inputs[0][-1][0]
+
+
+def dp(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """Data parallelism: split the batch of every operator that has one; replicate the rest
+    (parameters replicated, their gradients summed across ranks)."""
+    return plan_greedy(graph, (config.plan_ngpus,), ("dp",), _dp_options(graph), "dp")
+
+
+def tp(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """Tensor parallelism, Megatron-style where the annotations allow it: each operator takes the
+    split that needs the least communication from its producers' layouts (column- then row-split
+    linear pairs, heads in attention); embedding and cross entropy split their vocabulary."""
+    return plan_greedy(graph, (config.plan_ngpus,), ("tp",), _tp_options(graph), "tp")
+
+
+def hybrid(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """dp x tp on a 2-D mesh: the outer axis splits the batch, the inner axis as ``tp``."""
+    t = config.tp_size or (2 if config.plan_ngpus % 2 == 0 and config.plan_ngpus > 2 else 1)
+    if config.plan_ngpus % t:
+        raise PlanError(f"hybrid: tp_size {t} does not divide plan_ngpus {config.plan_ngpus}")
+    d = config.plan_ngpus // t
+    dp_opts, tp_opts = _dp_options(graph), _tp_options(graph)
+
+    def options(op: IROp, axis: int, layouts: dict):
+        return dp_opts(op, axis, layouts) if axis == 0 else tp_opts(op, axis, layouts)
+
+    return plan_greedy(graph, (d, t), ("dp", "tp"), options, "hybrid")
+
+
+def random(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """A seeded valid partition per operator (``config.seed``): the stress test for the harness."""
+    rng = _random.Random(config.seed)
+    return plan_greedy(graph, (config.plan_ngpus,), ("r",), _any_options, "random",
+                       pick=lambda op, cands: rng.choice(cands))
+
+
+POLICIES = {"dp": dp, "tp": tp, "hybrid": hybrid, "random": random}

@@ -1,0 +1,118 @@
+"""A layout-following planner shared by the built-in policies.
+
+Operators are visited in program order. For each, every partition on the plan mesh that the policy
+allows is scored by the communication its inputs need to reach the layouts it wants (bytes, from
+:func:`nnscaler.comm.conversion.conversion`) plus its compute (the product of its identifiers'
+lengths, divided by the split degree, weighted by ``COMPUTE_WEIGHT``: moving a byte costs more than
+a multiply-add). The cheapest wins; ties go to the policy's preferred identifiers. Parameters take
+the layout their first consumer wants, so they cost nothing to reach. A partial output is charged
+part of the all-reduce it will need (``PENDING_WEIGHT``): the one look-ahead that turns greedy
+choices into Megatron's column-then-row pairs.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable, Sequence
+
+from ..comm.conversion import conversion
+from ..dimops.layout import Layout, Partial, Replicate, Shard
+from ..dimops.partition import Partition, op_layout, splittable
+from ..ir.graph import BUFFER, PARAM, IRGraph, IROp, IRTensor
+from .plan import Plan
+
+COMPUTE_WEIGHT = 0.05
+PENDING_WEIGHT = 0.5  # a partial output is charged half its all-reduce now: a consumer may absorb it
+
+# (op, axis, layouts of tensors so far) -> identifiers the policy allows on that axis
+AxisOptions = Callable[[IROp, int, dict], Sequence[str | None]]
+
+
+def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layouts: dict) -> list[Partition]:
+    """Every partition of ``op`` on the mesh: one identifier (or None) per axis, each at most once,
+    each dividing its length, drawn from the policy's options for that axis."""
+    ok = set(splittable(op.bound))
+    per_axis = []
+    for axis, f in enumerate(mesh_shape):
+        per_axis.append([i for i in options(op, axis, layouts)
+                         if i is None or (i in ok and op.bound.sizes[i] % f == 0)] or [None])
+    out = []
+    for combo in itertools.product(*per_axis):
+        named = [i for i in combo if i is not None]
+        if len(set(named)) == len(named):
+            out.append(Partition(tuple(zip(combo, mesh_shape)), math.prod(mesh_shape)))
+    return out
+
+
+def numel(t: IRTensor) -> int:
+    return math.prod(t.shape)
+
+
+def _free(t: IRTensor, layouts: dict) -> bool:
+    return t.kind in (PARAM, BUFFER) and t not in layouts
+
+
+def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: Sequence[int]) -> float:
+    """Bytes moved to feed ``op`` under ``p`` plus its weighted compute."""
+    floating = [isinstance(x, IRTensor) and x.dtype.is_floating_point for x in op.inputs[:len(op.bound.inputs)]]
+    lay = op_layout(op.bound, p, floating)
+    cost = 0.0
+    for x, want in zip(op.inputs, lay.inputs):
+        if isinstance(x, IRTensor) and want is not None and not _free(x, layouts):
+            cost += conversion(layouts[x], want, p.axis_ids, mesh_shape, len(x.shape), x.dtype.is_floating_point)[1] * numel(x)
+    for t, lay_out in zip(op.outputs, lay.outputs):  # a partial result will have to be summed
+        if t is not None and lay_out is not None:
+            for f, q in zip(mesh_shape, lay_out):
+                if isinstance(q, Partial):
+                    cost += PENDING_WEIGHT * 2 * (f - 1) / f * numel(t)
+    work = math.prod(op.bound.sizes.values()) if op.bound.sizes else 1
+    return cost + COMPUTE_WEIGHT * work / p.degree
+
+
+def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], options: AxisOptions,
+                policy: str, prefer: Callable[[IROp, Partition], float] | None = None,
+                pick: Callable[[IROp, list[Partition]], Partition] | None = None) -> Plan:
+    """Plan every known operator greedily in program order (``pick`` overrides the choice)."""
+    plan = Plan(mesh_shape, axis_names, policy=policy)
+    everywhere_r = tuple(Replicate() for _ in mesh_shape)
+    layouts: dict[IRTensor, Layout] = {t: everywhere_r for t in graph.inputs}
+    for op in graph.ops:
+        if not op.known:
+            for x in op.tensor_inputs():
+                layouts.setdefault(x, everywhere_r)
+            for t in op.outputs:
+                if t is not None:
+                    layouts[t] = everywhere_r
+            continue
+        cands = candidates(op, mesh_shape, options, layouts)
+        if pick is not None:
+            best = pick(op, cands)
+        else:
+            best = min(cands, key=lambda p: (score(op, p, layouts, mesh_shape), -(prefer(op, p) if prefer else 0)))
+        plan.partitions[op.name] = best
+        floating = [isinstance(x, IRTensor) and x.dtype.is_floating_point for x in op.inputs[:len(op.bound.inputs)]]
+        lay = op_layout(op.bound, best, floating)
+        for x, want in zip(op.inputs, lay.inputs):
+            if isinstance(x, IRTensor) and want is not None and _free(x, layouts):
+                # a parameter is stored split or whole; a partial value is made from it each use
+                layouts[x] = tuple(Replicate() if isinstance(q, Partial) else q for q in want)
+        for t, out in zip(op.outputs, lay.outputs):
+            if t is not None and out is not None:
+                layouts[t] = out
+    return plan
+
+
+def sharded_identifiers(op: IROp, axis: int, layouts: dict) -> list[str]:
+    """Identifiers of ``op`` whose dims its inputs already hold split along ``axis``."""
+    out = []
+    for x, dims in zip(op.inputs, op.bound.inputs):
+        lay = layouts.get(x) if isinstance(x, IRTensor) else None
+        if lay is not None and dims is not None and isinstance(lay[axis], Shard) and lay[axis].dim < len(dims):
+            out.append(dims[lay[axis].dim][0])
+    return out
+
+
+def parameter_identifiers(op: IROp) -> list[str]:
+    """Identifiers of ``op`` that name a dim of one of its parameters."""
+    return [ids[0] for x, dims in zip(op.inputs, op.bound.inputs)
+            if isinstance(x, IRTensor) and x.kind == PARAM and dims for ids in dims]

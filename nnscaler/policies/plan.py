@@ -1,0 +1,90 @@
+"""Plans: a partition of every operator on one rank mesh, and the checks every plan must pass.
+
+A policy is a plain function ``(graph, config) -> Plan``. Each operator's partition has one entry per
+mesh axis: the identifier it splits along that axis, or ``None`` to replicate along it. Operators
+the registry does not know are replicated on every axis.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..dimops.grammar import AnnotationError
+from ..dimops.partition import Partition, check_partition
+from ..ir.graph import IRGraph, IROp
+
+
+class PlanError(ValueError):
+    """A plan that cannot run: wrong mesh, an operator without a partition, an invalid split."""
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """How many ranks one copy of the plan uses (``plan_ngpus``) and how many run in all
+    (``runtime_ngpus``, a multiple: the extra copies are data-parallel replicas). ``tp_size`` is
+    the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy."""
+
+    plan_ngpus: int
+    runtime_ngpus: int | None = None
+    tp_size: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.plan_ngpus < 1:
+            raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
+        if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):
+            raise PlanError(f"runtime_ngpus ({self.runtime_ngpus}) must be a multiple of plan_ngpus ({self.plan_ngpus})")
+
+    @property
+    def replicas(self) -> int:
+        return (self.runtime_ngpus or self.plan_ngpus) // self.plan_ngpus
+
+
+@dataclass
+class Plan:
+    """Partitions of every known operator on a mesh of ``mesh_shape`` (product = plan ranks)."""
+
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    partitions: dict[str, Partition] = field(default_factory=dict)
+    policy: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    def partition(self, op: IROp) -> Partition:
+        """The op's partition (replicated everywhere when the op is unknown)."""
+        if op.name in self.partitions:
+            return self.partitions[op.name]
+        return replicated(self.mesh_shape)
+
+    def describe(self) -> str:
+        return ", ".join(f"{name}: {p.label}" for name, p in self.partitions.items())
+
+
+def replicated(mesh_shape: tuple[int, ...]) -> Partition:
+    return Partition(tuple((None, f) for f in mesh_shape), math.prod(mesh_shape))
+
+
+def validate(plan: Plan, graph: IRGraph, config: ComputeConfig) -> None:
+    """Raise :class:`PlanError` unless ``plan`` gives every known op a valid partition on its mesh."""
+    if plan.world_size != config.plan_ngpus:
+        raise PlanError(f"plan mesh {plan.mesh_shape} has {plan.world_size} ranks; the config asks for "
+                        f"plan_ngpus={config.plan_ngpus}")
+    for op in graph.ops:
+        if not op.known:
+            continue
+        p = plan.partitions.get(op.name)
+        if p is None:
+            raise PlanError(f"the {plan.policy or 'given'} policy left operator {op.name} ({op.overload}) without ranks")
+        if tuple(f for _, f in p.splits) != plan.mesh_shape:
+            raise PlanError(f"operator {op.name}: partition {p.label} does not lie on the mesh {plan.mesh_shape}")
+        try:
+            check_partition(op.bound, p)
+        except AnnotationError as exc:
+            raise PlanError(f"operator {op.name} ({op.spec.annotation}): {exc}") from None
+
+
+Policy = Callable[[IRGraph, ComputeConfig], Plan]
