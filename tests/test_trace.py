@@ -12,7 +12,7 @@ from nnscaler.ir.graph import PARAM
 from nnscaler.trace.build import UnknownOperatorWarning, trace
 from nnscaler.trace.export import TraceError
 
-from models.nanogpt import GPT, GPTConfig
+from verify.models.nanogpt import GPT, GPTConfig
 
 PARTITIONED = {"aten.linear.default", "aten.embedding.default", "aten.layer_norm.default",
                "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default"}

@@ -70,6 +70,7 @@ class IRGraph:
     params: list[IRTensor]
     buffers: list[IRTensor]
     outputs: list[Any]
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted tensor constants by name
 
     def unknown(self) -> list[IROp]:
         return [op for op in self.ops if not op.known]

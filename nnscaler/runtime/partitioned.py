@@ -6,8 +6,8 @@ moved back to whole tensors, all with the differentiable collectives of
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -25,29 +25,36 @@ class LayoutError(RuntimeError):
 
 @dataclass(frozen=True)
 class ShardContext:
-    """What a partition-aware kernel needs to know about its shard of the operator."""
+    """What a partition-aware kernel needs to know about its shard of the operator: plain data, so
+    generated programs can write one down (``ShardContext({'v': 64}, {'v': 2}, {'v': 1}, {'v': g[0]})``)."""
 
-    bound: BoundAnno
-    partition: Partition
-    mesh: RankMesh
+    sizes: Mapping[str, int]  # full length of every identifier
+    factors: Mapping[str, int] = field(default_factory=dict)  # split identifiers only
+    indices: Mapping[str, int] = field(default_factory=dict)  # this rank's chunk along each
+    groups: Mapping[str, Any] = field(default_factory=dict)  # the process group along each
 
-    def _axis(self, ident: str) -> int | None:
-        ids = self.partition.axis_ids
-        return ids.index(ident) if ident in ids else None
+    @classmethod
+    def of(cls, bound: BoundAnno, partition: Partition, mesh: RankMesh) -> "ShardContext":
+        factors, indices, groups = {}, {}, {}
+        for axis, ident in enumerate(partition.axis_ids):
+            if ident is not None:
+                factors[ident] = partition.mesh_shape[axis]
+                indices[ident] = mesh.coords[axis]
+                groups[ident] = mesh.groups[axis]
+        return cls(dict(bound.sizes), factors, indices, groups)
 
     def factor(self, ident: str) -> int:
-        return self.partition.factor(ident)
+        return self.factors.get(ident, 1)
 
     def full(self, ident: str) -> int:
-        return self.bound.sizes[ident]
+        return self.sizes[ident]
 
     def local(self, ident: str) -> int:
-        return self.bound.sizes[ident] // self.factor(ident)
+        return self.sizes[ident] // self.factor(ident)
 
     def index(self, ident: str) -> int:
         """This rank's chunk index along ``ident`` (0 when it is not split)."""
-        axis = self._axis(ident)
-        return 0 if axis is None else self.mesh.coords[axis]
+        return self.indices.get(ident, 0)
 
     def offset(self, ident: str) -> int:
         """Where this rank's chunk of ``ident`` starts."""
@@ -55,8 +62,7 @@ class ShardContext:
 
     def group(self, ident: str):
         """The process group of the ranks sharing every coordinate but ``ident``'s (``None`` if unsplit)."""
-        axis = self._axis(ident)
-        return None if axis is None else self.mesh.groups[axis]
+        return self.groups.get(ident)
 
 
 def distribute(full: torch.Tensor, layout: Layout, mesh: RankMesh, axis_ids: Sequence[str | None]) -> torch.Tensor:
@@ -109,7 +115,7 @@ def run_partitioned(spec: OpSpec, bound: BoundAnno, partition: Partition, mesh: 
             local_in.append(distribute(x, lay, mesh, partition.axis_ids))
     kwargs = resolve(dict(spec.kwargs), sizes)
     if spec.local is not None:
-        outs = _as_tuple(spec.local(ShardContext(bound, partition, mesh), *local_in, **kwargs))
+        outs = _as_tuple(spec.local(ShardContext.of(bound, partition, mesh), *local_in, **kwargs))
     else:
         outs = _as_tuple(spec.fn(*local_in, **kwargs))
     if len(outs) != len(layout.outputs):

@@ -30,7 +30,8 @@ def _source(node: torch.fx.Node) -> str:
     frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
     if not frames:
         return ""
-    path, line, code = frames[-1]
+    own = [f for f in frames if "site-packages" not in f[0] and "/lib/python" not in f[0]]
+    path, line, code = (own or frames)[-1]  # the model's line, not torch's
     return f"{path}:{line}: {code.strip()}"
 
 
@@ -92,7 +93,10 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
             ops.append(op)
         elif node.op == "output":
             outputs = list(value(node.args[0]))
-    graph = IRGraph(ops, ins, params, buffers, outputs)
+    constants = [t for t in ins if t.kind == CONSTANT]
+    ins = [t for t in ins if t.kind != CONSTANT]
+    graph = IRGraph(ops, ins, params, buffers + constants, outputs,
+                    {t.target: ep.constants[t.target] for t in constants if t.target in ep.constants})
     unknown = graph.unknown()
     if unknown:
         msg = (f"{len(unknown)} operators of {type(model).__name__} have no annotation and will be replicated: "

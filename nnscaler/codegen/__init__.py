@@ -1,0 +1,1 @@
+"""Code generation: one Python module per plan rank."""

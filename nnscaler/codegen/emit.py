@@ -1,0 +1,190 @@
+"""One readable Python module per plan rank: plain torch calls, collectives between layouts, a
+comment on each operator pointing back to the model's source line."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..comm.conversion import conversion
+from ..dimops.layout import Layout, Partial, Replicate, Shard, layout_str
+from ..dimops.partition import coords, local_sizes, op_layout
+from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
+from ..ops.registry import DEFAULT_REGISTRY
+from ..ops.spec import resolve
+from ..policies.plan import Plan
+from .render import CodegenError, Raw, callable_source, literal
+
+
+@dataclass(frozen=True)
+class StateShard:
+    """The piece of one parameter, buffer or constant a rank holds: ``(start, stop)`` per dim."""
+
+    name: str
+    kind: str
+    full_shape: tuple[int, ...]
+    layout: tuple[str, ...]
+    slices: tuple[tuple[int, int], ...]
+
+
+def stored_layouts(graph: IRGraph, plan: Plan) -> dict[IRTensor, Layout]:
+    """Where every parameter, buffer and constant lives: split as its first consumer wants it, a
+    partial value taken whole (the program makes the partial value on use)."""
+    whole = tuple(Replicate() for _ in plan.mesh_shape)
+    out: dict[IRTensor, Layout] = {}
+    for op in graph.ops:
+        lay = _layout(op, plan)
+        for i, x in enumerate(op.inputs):
+            if isinstance(x, IRTensor) and x.kind in (PARAM, BUFFER, CONSTANT) and x not in out:
+                want = lay.inputs[i] if lay is not None and i < len(lay.inputs) and lay.inputs[i] is not None else whole
+                out[x] = tuple(Replicate() if isinstance(q, Partial) else q for q in want)
+    for t in graph.params + graph.buffers:
+        out.setdefault(t, whole)
+    return out
+
+
+def _layout(op: IROp, plan: Plan):
+    if not op.known:
+        return None
+    floating = [isinstance(x, IRTensor) and x.dtype.is_floating_point for x in op.inputs[:len(op.bound.inputs)]]
+    return op_layout(op.bound, plan.partition(op), floating)
+
+
+def shard_slices(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, ...], rank: int) -> tuple:
+    """``(start, stop)`` per dim of the piece a rank holds under ``layout``."""
+    c = coords(rank, mesh_shape)
+    out = [(0, n) for n in shape]
+    for axis, q in enumerate(layout):
+        if isinstance(q, Shard):
+            start, stop = out[q.dim]
+            step = (stop - start) // mesh_shape[axis]
+            out[q.dim] = (start + c[axis] * step, start + (c[axis] + 1) * step)
+    return tuple(out)
+
+
+class _Emitter:
+    def __init__(self, graph: IRGraph, plan: Plan, rank: int):
+        self.graph, self.plan, self.rank = graph, plan, rank
+        self.lines: list[str] = []
+        self.imports: set[str] = set()
+        self.layouts: dict[IRTensor, Layout] = {}
+        self.var: dict[IRTensor, str] = {}
+        self.cache: dict[tuple, str] = {}
+        self.fresh = 0
+        self.collectives = 0
+
+    def fetch(self, t: IRTensor, want: Layout, axis_ids) -> str:
+        """The variable holding ``t`` in layout ``want`` for a consumer splitting ``axis_ids``."""
+        key = (t, want, tuple(axis_ids))
+        if key in self.cache:
+            return self.cache[key]
+        steps, _ = conversion(self.layouts[t], want, axis_ids, self.plan.mesh_shape, len(t.shape),
+                              t.dtype.is_floating_point)
+        name = self.var[t]
+        for step in steps:
+            self.fresh += 1
+            new = f"{t.name}__{self.fresh}"
+            self.lines.append(f"    {new} = {step.code(name, f'g[{step.axis}]')}")
+            self.collectives += step.kind not in ("split", "to_partial")
+            name = new
+        self.cache[key] = name
+        return name
+
+    def name_of(self, fn, spec) -> tuple[str, dict]:
+        try:
+            expr, bound_kwargs, module = callable_source(fn)
+        except CodegenError:
+            if spec.name in DEFAULT_REGISTRY and DEFAULT_REGISTRY.get(spec.name) is spec:
+                self.imports.add("from nnscaler.runtime.program import registered")
+                attr = "local" if fn is spec.local else "fn"
+                return f"registered({spec.name!r}).{attr}", {}
+            raise
+        if module:
+            self.imports.add(f"import {module}")
+        return expr, bound_kwargs
+
+    def op(self, op: IROp) -> None:
+        if op.source:
+            self.lines.append(f"    # {op.source}")
+        outs = [self.var.setdefault(t, t.name) if t is not None else "_" for t in op.outputs]
+        target = ", ".join(outs) + ("," if len(outs) == 1 and len(op.outputs) > 1 else "")
+        if not op.known:
+            whole = tuple(Replicate() for _ in self.plan.mesh_shape)
+            none = tuple(None for _ in self.plan.mesh_shape)
+            args = [self._arg(x, lambda t: self.fetch(t, whole, none)) for x in op.inputs]
+            kwargs = [f"{k}={self._arg(v, lambda t: self.fetch(t, whole, none))}" for k, v in op.kwargs.items()]
+            fn = f"torch.ops.{op.overload}" if not op.overload.startswith("_operator") else op.overload
+            self.lines.append(f"    {target} = {fn}({', '.join(args + kwargs)})  # replicated: no annotation")
+            for t in op.outputs:
+                if t is not None:
+                    self.layouts[t] = whole
+            return
+        spec, p = op.spec, self.plan.partition(op)
+        lay = _layout(op, self.plan)
+        sizes = local_sizes(op.bound, p)
+        args = []
+        for i, x in enumerate(op.inputs[:len(spec.anno.inputs)]):
+            if spec.anno.inputs[i].opaque:
+                args.append(literal(resolve(spec.args[i], sizes) if i in spec.args else x))
+            else:
+                args.append(self.fetch(x, lay.inputs[i], p.axis_ids))
+        fn = spec.local or spec.fn
+        expr, kw = self.name_of(fn, spec)
+        kw.update(resolve(dict(spec.kwargs), sizes))
+        for k, v in kw.items():
+            if callable(v) and not isinstance(v, type):
+                kw[k] = Raw(self.name_of(v, spec)[0])
+        if spec.local is not None:
+            args.insert(0, self._shard(op, p))
+        call = f"{expr}({', '.join(args + [f'{k}={literal(v)}' for k, v in kw.items()])})"
+        layouts = ", ".join(layout_str(q) for q in lay.outputs)
+        self.lines.append(f"    {target} = {call}  # {p.label} -> {layouts}")
+        for t, q in zip(op.outputs, lay.outputs):
+            if t is not None:
+                self.layouts[t] = q
+
+    def _shard(self, op: IROp, p) -> str:
+        self.imports.add("from nnscaler.runtime.partitioned import ShardContext")
+        c = coords(self.rank, self.plan.mesh_shape)
+        factors = {i: f for i, f in p.splits if i is not None}
+        indices = {i: c[a] for a, (i, _) in enumerate(p.splits) if i is not None}
+        groups = "{" + ", ".join(f"{i!r}: g[{a}]" for a, (i, _) in enumerate(p.splits) if i is not None) + "}"
+        return f"ShardContext({literal(dict(op.bound.sizes))}, {literal(factors)}, {literal(indices)}, {groups})"
+
+    def _arg(self, x: Any, fetch) -> str:
+        if isinstance(x, IRTensor):
+            return fetch(x)
+        if isinstance(x, (list, tuple)) and any(isinstance(v, IRTensor) for v in x):
+            inner = ", ".join(self._arg(v, fetch) for v in x)
+            return f"[{inner}]" if isinstance(x, list) else f"({inner},)"
+        return literal(x)
+
+
+def generate(graph: IRGraph, plan: Plan, rank: int, header: str = "") -> tuple[str, list[StateShard], int]:
+    """(source of plan rank ``rank``'s program, the state shards it holds, collectives it issues)."""
+    e = _Emitter(graph, plan, rank)
+    stored = stored_layouts(graph, plan)
+    shards = []
+    for t, lay in stored.items():
+        e.layouts[t] = lay
+        e.var[t] = f"p[{t.target or t.name!r}]"
+        shards.append(StateShard(t.target or t.name, t.kind, t.shape, tuple(str(q) for q in lay),
+                                 shard_slices(t.shape, lay, plan.mesh_shape, rank)))
+    whole = tuple(Replicate() for _ in plan.mesh_shape)
+    for t in graph.inputs:
+        e.layouts[t], e.var[t] = whole, t.name
+    for op in graph.ops:
+        e.op(op)
+    none = tuple(None for _ in plan.mesh_shape)
+    outs = [e._arg(o, lambda t: e.fetch(t, whole, none)) for o in graph.outputs]
+    e.lines.append(f"    return {outs[0] if len(outs) == 1 else '(' + ', '.join(outs) + ',)'}")
+    params = ", ".join(t.name for t in graph.inputs)
+    head = [f'"""{header}plan rank {rank} of {math.prod(plan.mesh_shape)}, policy {plan.policy or "custom"}, '
+            f'mesh {plan.mesh_shape} {plan.axis_names}. Generated by nnscaler; do not edit."""',
+            "import torch", "from nnscaler.runtime import collectives as C", *sorted(e.imports), "",
+            f"RANK = {rank}", f"MESH = {plan.mesh_shape}", "# state this rank holds: name -> (full shape, layout per mesh axis, slice per dim)",
+            "STATE = {"]
+    head += [f"    {s.name!r}: ({s.full_shape}, {s.layout}, {s.slices})," for s in shards] + ["}", "", ""]
+    body = [f"def forward(p, g, {params}):",
+            '    """p: the state this rank holds, by model name; g: its process group on each mesh axis."""']
+    return "\n".join(head + body + e.lines) + "\n", shards, e.collectives

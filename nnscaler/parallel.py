@@ -1,0 +1,109 @@
+"""``nnscaler.parallelize``: trace, plan, generate one program per plan rank, and run this rank's."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .codegen.emit import generate
+from .ops.registry import OpRegistry
+from .policies import POLICIES, ComputeConfig, Plan, PlanError, validate
+from .policies.plan import Policy
+from .runtime.mesh import GroupCache, RankMesh
+from .runtime.module import ParallelModule
+from .trace.build import trace
+
+CODEGEN_VERSION = "1"
+
+
+def _policy(policy: str | Policy) -> tuple[str, Policy]:
+    if callable(policy):
+        return getattr(policy, "__name__", "custom"), policy
+    if policy not in POLICIES:
+        raise PlanError(f"unknown policy {policy!r}; built in: {', '.join(POLICIES)} (or pass a function)")
+    return policy, POLICIES[policy]
+
+
+def _ensure_process_group() -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("parallelize needs a process group: launch with torchrun, or call "
+                           "torch.distributed.init_process_group first")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+
+
+def _import(path: Path, digest: str, plan_rank: int):
+    name = f"nnscaler_gen_{digest[:12]}_{plan_rank}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
+                *, gen_savedir: str | os.PathLike = ".nnscaler", reuse: bool = True, strict: bool = False,
+                sample_kwargs: Mapping[str, Any] | None = None, registry: OpRegistry | None = None) -> ParallelModule:
+    """Compile ``model`` for ``config.plan_ngpus`` ranks under ``policy`` and return this rank's module.
+
+    Every rank of the default process group (created from the ``torchrun`` environment if none
+    exists) calls this with the same model and sample arguments. The generated program of each
+    plan rank is written to ``gen_savedir`` and reused while a hash of the traced graph, the plan and
+    the config matches. Ranks beyond ``plan_ngpus`` are data-parallel replicas: call
+    :meth:`ParallelModule.sync_replica_grads` after backward.
+    """
+    _ensure_process_group()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    runtime = config.runtime_ngpus or config.plan_ngpus
+    if world != runtime:
+        raise PlanError(f"the process group has {world} ranks but the config asks for {runtime} "
+                        f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
+    name, fn = _policy(policy)
+    graph = trace(model, sample_args, sample_kwargs, registry=registry, strict=strict)
+    plan: Plan = fn(graph, config)
+    if not isinstance(plan, Plan):
+        raise PlanError(f"policy {name} returned {type(plan).__name__}, not a Plan")
+    validate(plan, graph, config)
+    plan_rank, replica = rank % config.plan_ngpus, rank // config.plan_ngpus
+    digest = hashlib.sha256("\n".join([CODEGEN_VERSION, str(graph), plan.describe(), repr(plan.mesh_shape),
+                                       repr(config), name]).encode()).hexdigest()
+    path = Path(gen_savedir) / f"plan_rank_{plan_rank}.py"
+    if not (reuse and path.exists() and digest in path.read_text().splitlines()[0]):
+        source, _, _ = generate(graph, plan, plan_rank, header=f"[{digest}] {type(model).__name__}: ")
+        _write(path, source)
+    program = _import(path, digest, plan_rank)
+    cache = GroupCache()
+    for r in range(config.replicas):  # every rank creates every group, in the same order
+        cache.create_for_shapes([plan.mesh_shape], offset=r * config.plan_ngpus)
+    replica_group = None
+    if config.replicas > 1:
+        for p in range(config.plan_ngpus):
+            ranks = [p + r * config.plan_ngpus for r in range(config.replicas)]
+            g = dist.new_group(ranks)
+            if p == plan_rank:
+                replica_group = g
+    mesh = RankMesh.build(plan.mesh_shape, rank, cache, offset=replica * config.plan_ngpus)
+    state = {**graph.constants, **model.state_dict(keep_vars=True)}
+    trainable = {n for n, _ in model.named_parameters()}
+    module = ParallelModule(program, state, mesh, trainable, replica_group, config.replicas)
+    module.plan, module.graph = plan, graph
+    return module

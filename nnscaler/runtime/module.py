@@ -1,0 +1,100 @@
+"""The module ``parallelize`` returns: this rank's shards of the model's state, run by the generated
+program; ``state_dict`` merges shards back to the single-device model's names and shapes."""
+from __future__ import annotations
+
+import types
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..dimops.layout import Shard
+from .mesh import RankMesh
+
+
+def _parse_layout(text: Sequence[str]) -> list:
+    return [Shard(int(q[1:])) if q.startswith("D") else None for q in text]
+
+
+def take(full: torch.Tensor, slices: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The piece of ``full`` at ``slices`` (one ``(start, stop)`` per dim)."""
+    return full[tuple(slice(a, b) for a, b in slices)]
+
+
+class ParallelModule(torch.nn.Module):
+    """One rank's part of a parallelized model.
+
+    ``program`` is the generated module (``forward(p, g, *inputs)``, ``STATE``); parameters are
+    registered under their model names with dots replaced by ``__`` (``named_parameters`` and
+    optimizers see the local shards); ``state_dict``/``load_state_dict`` speak whole tensors under
+    the original names.
+    """
+
+    def __init__(self, program: types.ModuleType, full_state: Mapping[str, torch.Tensor], mesh: RankMesh,
+                 trainable: set[str], replica_group=None, replicas: int = 1):
+        super().__init__()
+        self._program = program
+        self._mesh = mesh
+        self._replica_group, self._replicas = replica_group, replicas
+        self._names: dict[str, str] = {}
+        for name, (shape, layout, slices) in program.STATE.items():
+            if name not in full_state:
+                raise KeyError(f"the generated program needs {name!r}, which the model does not have")
+            full = full_state[name]
+            if tuple(full.shape) != tuple(shape):
+                raise ValueError(f"{name}: shape {tuple(full.shape)} but the plan was made for {tuple(shape)}")
+            local = take(full.detach(), slices).clone()
+            key = name.replace(".", "__")
+            self._names[key] = name
+            if name in trainable:
+                self.register_parameter(key, torch.nn.Parameter(local, requires_grad=full.requires_grad))
+            else:
+                self.register_buffer(key, local)
+
+    def _local(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, key) for key, name in self._names.items()}
+
+    def forward(self, *inputs: Any) -> Any:
+        return self._program.forward(self._local(), self._mesh.groups, *inputs)
+
+    def sync_replica_grads(self) -> None:
+        """Average gradients over data-parallel replicas of the plan (call after backward)."""
+        if self._replica_group is None:
+            return
+        for p in self.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self._replica_group)
+                p.grad /= self._replicas
+
+    # -- whole-model state ---------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D401
+        """Whole tensors under the single-device model's names (gathered from every rank)."""
+        out = {}
+        for key, name in self._names.items():
+            x = getattr(self, key).detach()
+            _, layout, _ = self._program.STATE[name]
+            for axis in reversed(range(len(layout))):
+                q = _parse_layout(layout)[axis]
+                group = self._mesh.groups[axis]
+                if q is not None and group is not None:
+                    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+                    dist.all_gather(parts, x.contiguous(), group=group)
+                    x = torch.cat(parts, dim=q.dim)
+            out[name] = x.clone()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """Load whole tensors (from the single-device model, or from ``state_dict`` under any plan)."""
+        missing = [n for n in self._names.values() if n not in state_dict]
+        unexpected = [n for n in state_dict if n not in set(self._names.values())]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing {missing}, unexpected {unexpected}")
+        with torch.no_grad():
+            for key, name in self._names.items():
+                if name in state_dict:
+                    shape, _, slices = self._program.STATE[name]
+                    full = state_dict[name]
+                    if tuple(full.shape) != tuple(shape):
+                        raise RuntimeError(f"load_state_dict: {name} has shape {tuple(full.shape)}, expected {tuple(shape)}")
+                    getattr(self, key).copy_(take(full, slices))
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -1,0 +1,1 @@
+"""Whole models the harness verifies end to end (and the examples use)."""
