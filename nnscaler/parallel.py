@@ -62,19 +62,21 @@ def _write(path: Path, text: str) -> None:
 
 def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
                 *, gen_savedir: str | os.PathLike = ".nnscaler", reuse: bool = True, strict: bool = False,
-                sample_kwargs: Mapping[str, Any] | None = None, registry: OpRegistry | None = None) -> ParallelModule:
+                sample_kwargs: Mapping[str, Any] | None = None, registry: OpRegistry | None = None,
+                groups: GroupCache | None = None) -> ParallelModule:
     """Compile ``model`` for ``config.plan_ngpus`` ranks under ``policy`` and return this rank's module.
 
     Every rank of the default process group (created from the ``torchrun`` environment if none
     exists) calls this with the same model and sample arguments. The generated program of each
     plan rank is written to ``gen_savedir`` and reused while a hash of the traced graph, the plan and
     the config matches. Ranks beyond ``plan_ngpus`` are data-parallel replicas: call
-    :meth:`ParallelModule.sync_replica_grads` after backward.
+    :meth:`ParallelModule.sync_replica_grads` after backward. ``groups`` reuses process groups made
+    beforehand (then only ranks ``0 .. runtime_ngpus-1`` take part; others need not call).
     """
     _ensure_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     runtime = config.runtime_ngpus or config.plan_ngpus
-    if world != runtime:
+    if world != runtime and not (groups is not None and runtime <= world and config.replicas == 1):
         raise PlanError(f"the process group has {world} ranks but the config asks for {runtime} "
                         f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
     name, fn = _policy(policy)
@@ -91,8 +93,8 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         source, _, _ = generate(graph, plan, plan_rank, header=f"[{digest}] {type(model).__name__}: ")
         _write(path, source)
     program = _import(path, digest, plan_rank)
-    cache = GroupCache()
-    for r in range(config.replicas):  # every rank creates every group, in the same order
+    cache = groups if groups is not None else GroupCache()
+    for r in range(config.replicas if groups is None else 0):  # every rank creates every group, in order
         cache.create_for_shapes([plan.mesh_shape], offset=r * config.plan_ngpus)
     replica_group = None
     if config.replicas > 1:

@@ -157,3 +157,25 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
                           time.perf_counter() - start, tb)
 
 
+
+
+def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, steps: int = 3,
+              skip: frozenset | set = frozenset()) -> Iterator[Row]:
+    """Train model ``name`` under each policy, world size and seed of ``cfg``; one row per case,
+    judged on the loss, every gradient and every parameter after each step."""
+    for seed in cfg.seeds:
+        for w in cfg.world_sizes:
+            for policy in policies:
+                if (f"model:{name}", w, policy, cfg.dtype, seed) in skip:
+                    continue
+                start = time.perf_counter()
+                job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
+                       "seed": seed, "gen_dir": gen_dir}
+                status, detail, checks, tb = judge(gang.run(job, w, cfg.timeout_s * 4))
+                out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
+                grad = _worst(checks, "grad")
+                rerun = " ".join(shlex.quote(p) for p in ["python", "-m", "verify", "model", name, "--policy", policy,
+                                                           "--world-size", str(w), "--seed", str(seed)])
+                yield Row(f"model:{name}", "model", policy, w, policy, cfg.dtype, seed, status,
+                          out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
+                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)

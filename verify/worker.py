@@ -18,6 +18,7 @@ from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
 from . import rank_case
+from .model_case import run_model_case
 from .samples import DTYPES, Sample, make_sample
 
 
@@ -68,9 +69,14 @@ def _short(exc: BaseException) -> str:
 
 
 def handle(state: RankState, job: dict) -> dict:
-    """Answer one job: ``plan`` (partitions of an op) or ``case`` (one partition on these ranks)."""
+    """Answer one job: ``plan`` (partitions of an op), ``case`` (one partition on these ranks) or
+    ``model`` (train a whole model under a policy)."""
     start = time.perf_counter()
     try:
+        if job["kind"] == "model":
+            checks = run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"],
+                                    state.groups, job["gen_dir"])
+            return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
         sample, ref = state.sample(job)
         if job["kind"] == "plan":
             plans = {w: [p.label for p in rank_case.partitions_of(sample, w, job.get("partition"))]

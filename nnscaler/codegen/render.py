@@ -1,6 +1,7 @@
 """Python source for the values and callables a generated program uses."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -62,6 +63,11 @@ def callable_source(fn: Callable) -> tuple[str, dict[str, Any], str | None]:
             raise CodegenError(f"cannot name a partial with positional arguments: {fn!r}")
         kwargs = dict(fn.keywords)
         fn = fn.func
+    if dataclasses.is_dataclass(fn) and not isinstance(fn, type):  # a callable object made of plain data
+        cls = type(fn)
+        if _resolves(f"{cls.__module__}:{cls.__qualname__}", cls):
+            fields = ", ".join(f"{f.name}={literal(getattr(fn, f.name))}" for f in dataclasses.fields(fn))
+            return f"{cls.__module__}.{cls.__qualname__}({fields})", kwargs, cls.__module__
     if isinstance(fn, torch._ops.OpOverload):
         return f"torch.ops.{fn.namespace}.{fn._schema.name.split('::')[-1]}.{fn._overloadname}", kwargs, None
     for name in ("view", "expand", "contiguous", "reshape", "permute"):

@@ -34,6 +34,9 @@ def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layout
     ok = set(splittable(op.bound))
     per_axis = []
     for axis, f in enumerate(mesh_shape):
+        if f == 1:  # a degenerate axis splits nothing
+            per_axis.append([None])
+            continue
         per_axis.append([i for i in options(op, axis, layouts)
                          if i is None or (i in ok and op.bound.sizes[i] % f == 0)] or [None])
     out = []

@@ -67,20 +67,29 @@ class ParallelModule(torch.nn.Module):
                 p.grad /= self._replicas
 
     # -- whole-model state ---------------------------------------------------------------------------
+    def _whole(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Gather this rank's piece of ``name`` (or of its gradient) into the whole tensor."""
+        _, layout, _ = self._program.STATE[name]
+        for axis in reversed(range(len(layout))):
+            q = _parse_layout(layout)[axis]
+            group = self._mesh.groups[axis]
+            if q is not None and group is not None:
+                parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, x.contiguous(), group=group)
+                x = torch.cat(parts, dim=q.dim)
+        return x
+
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D401
         """Whole tensors under the single-device model's names (gathered from every rank)."""
+        return {name: self._whole(name, getattr(self, key).detach()).clone() for key, name in self._names.items()}
+
+    def whole_grads(self) -> dict[str, torch.Tensor | None]:
+        """Whole gradients of the trainable parameters, under the model's names."""
         out = {}
         for key, name in self._names.items():
-            x = getattr(self, key).detach()
-            _, layout, _ = self._program.STATE[name]
-            for axis in reversed(range(len(layout))):
-                q = _parse_layout(layout)[axis]
-                group = self._mesh.groups[axis]
-                if q is not None and group is not None:
-                    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-                    dist.all_gather(parts, x.contiguous(), group=group)
-                    x = torch.cat(parts, dim=q.dim)
-            out[name] = x.clone()
+            p = getattr(self, key)
+            if isinstance(p, torch.nn.Parameter):
+                out[name] = None if p.grad is None else self._whole(name, p.grad.detach()).clone()
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
