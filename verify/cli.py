@@ -1,4 +1,4 @@
-"""``python -m verify``: ``op NAME``, ``list`` and ``all``.
+"""``python -m verify``: ``op NAME``, ``model NAME``, ``list`` and ``all``.
 
 Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, crash), 2 bad input
 (unknown operator, bad flag, malformed annotation), with one line on stderr.
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -17,7 +18,10 @@ from tabulate import tabulate
 from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
-from .cases import BadInput, RunConfig, run_op
+from nnscaler.policies import POLICIES
+
+from .cases import BadInput, RunConfig, run_model, run_op
+from .models.builders import MODELS
 from .gang import Gang, GangError
 from .report import ReportWriter, summary, table
 from .samples import DTYPES
@@ -66,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p_op)
     p_op.add_argument("--partition", default=None, metavar="SPEC", help="only this partition, e.g. 'm=2,k=2'")
     p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
+    p_model = sub.add_parser("model", help="train a whole model under every policy and compare with one device")
+    p_model.add_argument("name")
+    _common(p_model)
+    p_model.add_argument("--policy", nargs="+", default=list(POLICIES), choices=sorted(POLICIES))
+    p_model.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
+    p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
+    p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_list = sub.add_parser("list", help="list registered operators with their annotations")
     _common(p_list, run=False)
     p_all = sub.add_parser("all", help="verify every registered operator and write reports/")
@@ -73,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_all.add_argument("--reports", default="reports", metavar="DIR", help="report directory (default reports/)")
     p_all.add_argument("--resume", action="store_true", help="keep rows already in DIR/cases.jsonl, run the rest")
     p_all.add_argument("--op", nargs="+", default=None, metavar="NAME", help="only these operators")
+    p_all.add_argument("--model", nargs="*", default=None, metavar="NAME",
+                       help="whole models to train under every policy (default: all; none with an empty list)")
     return parser
 
 
@@ -120,6 +133,22 @@ def cmd_op(args) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+def cmd_model(args) -> int:
+    _load(args.module)
+    if args.name not in MODELS:
+        raise UsageError(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))}")
+    cfg = _config(args)
+    print(f"training {args.name} for {args.steps} steps under {', '.join(args.policy)} at world sizes "
+          f"{list(cfg.world_sizes)}, seeds {list(cfg.seeds)}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp, Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang:
+        rows = list(run_model(gang, args.name, tuple(args.policy), cfg, args.gen_dir or tmp, args.steps))
+    print(table(rows))
+    print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.to_json() for r in rows], indent=1))
+    return 0 if all(r.ok for r in rows) else 1
+
+
 def cmd_all(args) -> int:
     reg = _load(args.module)
     cfg = _config(args)
@@ -141,6 +170,18 @@ def cmd_all(args) -> int:
                       f"{len(bad):>3} failed  {time.perf_counter() - t0:6.2f} s", flush=True)
                 writer.seconds = time.perf_counter() - start
                 writer.flush()
+            models = sorted(MODELS) if args.model is None else args.model
+            with tempfile.TemporaryDirectory() as tmp:
+                for name in models:
+                    t0, new = time.perf_counter(), []
+                    for row in run_model(gang, name, tuple(POLICIES), cfg, tmp, skip=done):
+                        writer.add(row)
+                        new.append(row)
+                    bad = [r for r in new if not r.ok]
+                    print(f"  model:{name:<22} {len(new):>4} cases  {len(new) - len(bad):>4} match  "
+                          f"{len(bad):>3} failed  {time.perf_counter() - t0:6.2f} s", flush=True)
+                    writer.seconds = time.perf_counter() - start
+                    writer.flush()
     finally:
         writer.seconds = time.perf_counter() - start
         writer.close()
@@ -155,7 +196,7 @@ def cmd_all(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return {"op": cmd_op, "list": cmd_list, "all": cmd_all}[args.command](args)
+        return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all}[args.command](args)
     except (UsageError, UnknownOpError, BadInput, AnnotationError) as exc:
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2

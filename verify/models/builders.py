@@ -51,3 +51,12 @@ def transformer_encoder(seed: int) -> ModelCase:
 
 
 MODELS: dict[str, Callable[[int], ModelCase]] = {"nanogpt": nanogpt, "transformer_encoder": transformer_encoder}
+"""Model builders by name; ``register_model`` adds a user's (``--module`` files are imported first)."""
+
+
+def register_model(name: str) -> Callable[[Callable[[int], ModelCase]], Callable[[int], ModelCase]]:
+    """Decorator: make ``builder(seed) -> ModelCase`` verifiable as ``python -m verify model NAME``."""
+    def deco(builder):
+        MODELS[name] = builder
+        return builder
+    return deco
