@@ -32,8 +32,8 @@ def literal(value: Any) -> str:
         return repr(value)
     if isinstance(value, torch.dtype) or isinstance(value, (torch.layout, torch.memory_format)):
         return repr(value) if repr(value).startswith("torch.") else f"torch.{str(value).split('.')[-1]}"
-    if isinstance(value, torch.device):
-        return f"torch.device({str(value)!r})"
+    if isinstance(value, torch.device):  # accelerators: this rank's own device, whatever traced it
+        return "torch.device('cpu')" if value.type == "cpu" else "DEVICE"
     if isinstance(value, list):
         return "[" + ", ".join(literal(v) for v in value) + "]"
     if isinstance(value, tuple):
