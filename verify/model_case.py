@@ -12,7 +12,7 @@ from nnscaler.parallel import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
 
-from .compare import Check, check_tensor
+from .compare import STATE_FACTOR, Check, check_tensor
 from .models.builders import MODELS
 
 LR = 1e-2
@@ -46,5 +46,6 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             opt.zero_grad()
         state = pm.state_dict()
         for n in grads:
-            checks.append(check_tensor(f"param {n} after step {step}", state[n], rp[n].detach(), rp64[n].detach()))
+            checks.append(check_tensor(f"param {n} after step {step}", state[n], rp[n].detach(), rp64[n].detach(),
+                                       factor=STATE_FACTOR))
     return checks

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..dimops.layout import Shard
+from .grad_sync import GradSync
 from .mesh import RankMesh
 
 
@@ -37,7 +38,8 @@ class ParallelModule(torch.nn.Module):
         self._mesh = mesh
         self._replica_group, self._replicas = replica_group, replicas
         self._names: dict[str, str] = {}
-        for name, (shape, layout, slices) in program.STATE.items():
+        synced = []
+        for name, (shape, layout, slices, sync_axis) in program.STATE.items():
             if name not in full_state:
                 raise KeyError(f"the generated program needs {name!r}, which the model does not have")
             full = full_state[name]
@@ -47,9 +49,14 @@ class ParallelModule(torch.nn.Module):
             key = name.replace(".", "__")
             self._names[key] = name
             if name in trainable:
-                self.register_parameter(key, torch.nn.Parameter(local, requires_grad=full.requires_grad))
+                param = torch.nn.Parameter(local, requires_grad=full.requires_grad)
+                self.register_parameter(key, param)
+                if sync_axis is not None and mesh.groups[sync_axis] is not None and param.requires_grad:
+                    synced.append((param, mesh.groups[sync_axis]))
             else:
                 self.register_buffer(key, local)
+        self._grad_sync = GradSync.build(synced)
+        self._grad_sync.attach()
 
     def _local(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, key) for key, name in self._names.items()}
@@ -69,7 +76,7 @@ class ParallelModule(torch.nn.Module):
     # -- whole-model state ---------------------------------------------------------------------------
     def _whole(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """Gather this rank's piece of ``name`` (or of its gradient) into the whole tensor."""
-        _, layout, _ = self._program.STATE[name]
+        layout = self._program.STATE[name][1]
         for axis in reversed(range(len(layout))):
             q = _parse_layout(layout)[axis]
             group = self._mesh.groups[axis]
@@ -101,7 +108,7 @@ class ParallelModule(torch.nn.Module):
         with torch.no_grad():
             for key, name in self._names.items():
                 if name in state_dict:
-                    shape, _, slices = self._program.STATE[name]
+                    shape, _, slices, _ = self._program.STATE[name]
                     full = state_dict[name]
                     if tuple(full.shape) != tuple(shape):
                         raise RuntimeError(f"load_state_dict: {name} has shape {tuple(full.shape)}, expected {tuple(shape)}")
