@@ -81,6 +81,15 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
                         f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
     name, fn = _policy(policy)
     graph = trace(model, sample_args, sample_kwargs, registry=registry, strict=strict)
+    canonical = {}  # tied parameters go by their first name, as named_parameters() lists them
+    for n, p in model.named_parameters():
+        canonical.setdefault(id(p), n)
+    by_target: dict[str, object] = {}
+    for t in graph.params:
+        t.target = canonical.get(id(model.get_parameter(t.target)), t.target)
+        if t.target not in by_target or (t.consumers and not by_target[t.target].consumers):
+            by_target[t.target] = t  # export may list a tied parameter twice, using one of them
+    graph.params[:] = list(by_target.values())
     plan: Plan = fn(graph, config)
     if not isinstance(plan, Plan):
         raise PlanError(f"policy {name} returned {type(plan).__name__}, not a Plan")
@@ -104,7 +113,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
             if p == plan_rank:
                 replica_group = g
     mesh = RankMesh.build(plan.mesh_shape, rank, cache, offset=replica * config.plan_ngpus)
-    state = {**graph.constants, **model.state_dict(keep_vars=True)}
+    state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
     trainable = {n for n, _ in model.named_parameters()}
     module = ParallelModule(program, state, mesh, trainable, replica_group, config.replicas)
     module.plan, module.graph = plan, graph

@@ -39,8 +39,9 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             x.backward()
         checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach()))
         grads, rp, rp64 = pm.whole_grads(), dict(ref.named_parameters()), dict(ref64.named_parameters())
+        scale = max(float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None)
         for n, g in grads.items():
-            checks.append(check_tensor(f"grad {n} step {step}", g, rp[n].grad, rp64[n].grad))
+            checks.append(check_tensor(f"grad {n} step {step}", g, rp[n].grad, rp64[n].grad, scale=scale))
         for opt in opts:
             opt.step()
             opt.zero_grad()

@@ -13,7 +13,7 @@ from torch.export.graph_signature import InputKind
 
 from ..ir.graph import ACTIVATION, BUFFER, CONSTANT, INPUT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY, OpRegistry
-from .calls import call_of, meta_of
+from .calls import call_of, flatten_tensor_lists, meta_of
 from .export import TraceError, export_model
 from .match import derive
 
@@ -81,7 +81,8 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
             outs = [IRTensor(f"{node.name}_{i}" if len(metas) > 1 else node.name, tuple(int(s) for s in m.shape),
                              m.dtype, ACTIVATION) if isinstance(m, torch.Tensor) else None
                     for i, m in enumerate(metas)]
-            op = IROp(node.name, call.overload, [value(a) for a in node.args], outs,
+            args = [value(a) for a in node.args]
+            op = IROp(node.name, call.overload, flatten_tensor_lists(args) if found else args, outs,
                       {k: value(v) for k, v in node.kwargs.items()},
                       spec=found[0] if found else None, bound=found[1] if found else None, source=_source(node))
             for t in op.tensor_inputs():

@@ -35,3 +35,16 @@ def call_of(node: torch.fx.Node) -> OpCall:
     outs = tuple(meta_of(o) for o in out) if isinstance(out, (list, tuple)) else (meta_of(out),)
     return OpCall(overload_name(node.target), tuple(meta_of(a) for a in node.args),
                   {k: meta_of(v) for k, v in node.kwargs.items()}, outs)
+
+
+def flatten_tensor_lists(args) -> list:
+    """Positional arguments with every list of tensors spread into its elements: the convention by
+    which an annotation names each tensor of ``cat([x, y], dim)`` as its own input (``x, y, ?``)."""
+    out = []
+    for a in args:
+        if isinstance(a, (list, tuple)) and a and all(isinstance(v, (TensorMeta, torch.Tensor)) or
+                                                     type(v).__name__ == "IRTensor" for v in a):
+            out.extend(a)
+        else:
+            out.append(a)
+    return out

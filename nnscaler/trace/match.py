@@ -14,6 +14,7 @@ from ..dimops.grammar import AnnotationError
 from ..ops.registry import OpRegistry
 from ..ops.rules import OpCall, TensorMeta, aten_overload
 from ..ops.spec import OpSpec, resolve
+from .calls import flatten_tensor_lists
 
 _ALIASES = {"input": "self", "training": "train"}  # Python keyword -> ATen schema name
 _ENUMS = {"reduction": {"none": 0, "mean": 1, "sum": 2}}
@@ -93,7 +94,7 @@ def match_fixed(call: OpCall, spec: OpSpec) -> BoundAnno | None:
 def derive(call: OpCall, registry: OpRegistry) -> tuple[OpSpec, BoundAnno] | None:
     """The spec and bound annotation of a call: the first rule that annotates it, else the first
     fixed entry that matches it; ``None`` if the registry does not know it."""
-    ins = _shapes(call.args)
+    ins = _shapes(flatten_tensor_lists(call.args))
     outs = [tuple(o.shape) if isinstance(o, TensorMeta) else None for o in call.outputs]
     for rule in registry.rules(call.overload):
         spec = rule(call)

@@ -60,3 +60,15 @@ def register_model(name: str) -> Callable[[Callable[[int], ModelCase]], Callable
         MODELS[name] = builder
         return builder
     return deco
+
+
+def _load_optional() -> None:
+    """The ``transformers`` models, where that package is installed."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return
+    from . import hf  # noqa: F401  (registers llama, gpt2, bert)
+
+
+_load_optional()
