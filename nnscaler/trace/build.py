@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import re
+from pathlib import Path
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -21,6 +22,9 @@ _KINDS = {InputKind.PARAMETER: PARAM, InputKind.BUFFER: BUFFER, InputKind.USER_I
           InputKind.CONSTANT_TENSOR: CONSTANT}
 
 
+_SET_GRAD_ENABLED = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+
+
 class UnknownOperatorWarning(UserWarning):
     """Operators the registry does not know: they are replicated."""
 
@@ -30,8 +34,9 @@ def _source(node: torch.fx.Node) -> str:
     frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
     if not frames:
         return ""
-    own = [f for f in frames if "site-packages" not in f[0] and "/lib/python" not in f[0]]
-    path, line, code = (own or frames)[-1]  # the model's line, not torch's
+    torch_dir = str(Path(torch.__file__).parent)
+    own = [f for f in frames if not f[0].startswith(torch_dir)]
+    path, line, code = (own or frames)[-1]  # the model's line (transformers' too), not torch's
     return f"{path}:{line}: {code.strip()}"
 
 
@@ -53,47 +58,61 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     ep = export_model(model, args, kwargs)
     kinds = {s.arg.name: (_KINDS.get(s.kind, CONSTANT), s.target or "") for s in ep.graph_signature.input_specs
              if hasattr(s.arg, "name")}
-    env: dict[torch.fx.Node, Any] = {}
     ins, params, buffers, ops = [], [], [], []
-    outputs: list[Any] = []
 
-    def value(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node):
-            return env.get(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(value(x) for x in a)
-        return meta_of(a) if isinstance(a, torch.SymInt) else a
+    def visit(graph: torch.fx.Graph, env: dict, prefix: str = "") -> list:
+        """Turn ``graph``'s nodes into IR; returns its outputs. Regions under a grad-mode switch are
+        inlined (their values do not depend on the mode)."""
+        def value(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                return env.get(a)
+            if isinstance(a, (list, tuple)):
+                return type(a)(value(x) for x in a)
+            return meta_of(a) if isinstance(a, torch.SymInt) else a
 
-    for node in ep.graph.nodes:
-        if node.op == "placeholder":
-            kind, target = kinds.get(node.name, (INPUT, ""))
-            t = _tensor(node, kind, target)
-            env[node] = t if t is not None else node.meta.get("val")
-            if t is not None:
-                {PARAM: params, BUFFER: buffers}.get(kind, ins).append(t)
-        elif node.op == "call_function" and node.target is operator.getitem:
-            env[node] = value(node.args[0])[node.args[1]]
-        elif node.op == "call_function":
-            call = call_of(node)
-            found = derive(call, registry)
-            val = node.meta.get("val")
-            metas = list(val) if isinstance(val, (list, tuple)) else [val]
-            outs = [IRTensor(f"{node.name}_{i}" if len(metas) > 1 else node.name, tuple(int(s) for s in m.shape),
-                             m.dtype, ACTIVATION) if isinstance(m, torch.Tensor) else None
-                    for i, m in enumerate(metas)]
-            args = [value(a) for a in node.args]
-            op = IROp(node.name, call.overload, flatten_tensor_lists(args) if found else args, outs,
-                      {k: value(v) for k, v in node.kwargs.items()},
-                      spec=found[0] if found else None, bound=found[1] if found else None, source=_source(node))
-            for t in op.tensor_inputs():
-                t.consumers.append(op)
-            for t in outs:
+        for node in graph.nodes:
+            if node.op == "placeholder" and not prefix:
+                kind, target = kinds.get(node.name, (INPUT, ""))
+                t = _tensor(node, kind, target)
+                env[node] = t if t is not None else node.meta.get("val")
                 if t is not None:
-                    t.producer = op
-            env[node] = outs if isinstance(val, (list, tuple)) else outs[0]
-            ops.append(op)
-        elif node.op == "output":
-            outputs = list(value(node.args[0]))
+                    {PARAM: params, BUFFER: buffers}.get(kind, ins).append(t)
+            elif node.op == "get_attr":
+                env[node] = getattr(ep.graph_module, node.target, None)
+            elif node.op == "call_function" and node.target is operator.getitem:
+                env[node] = value(node.args[0])[node.args[1]]
+            elif node.op == "call_function" and node.target is _SET_GRAD_ENABLED:
+                sub = env[node.args[1]]
+                sub_env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], value(node.args[2:])))
+                env[node] = visit(sub.graph, sub_env, f"{prefix}{node.name}_")
+            elif node.op == "call_function":
+                env[node] = add_op(node, value, prefix)
+            elif node.op == "output":
+                return list(value(node.args[0]))
+        return []
+
+    def add_op(node: torch.fx.Node, value, prefix: str):
+        call = call_of(node)
+        found = derive(call, registry)
+        val = node.meta.get("val")
+        metas = list(val) if isinstance(val, (list, tuple)) else [val]
+        name = prefix + node.name
+        outs = [IRTensor(f"{name}_{i}" if len(metas) > 1 else name, tuple(int(s) for s in m.shape),
+                         m.dtype, ACTIVATION) if isinstance(m, torch.Tensor) else None
+                for i, m in enumerate(metas)]
+        args = [value(a) for a in node.args]
+        op = IROp(name, call.overload, flatten_tensor_lists(args) if found else args, outs,
+                  {k: value(v) for k, v in node.kwargs.items()},
+                  spec=found[0] if found else None, bound=found[1] if found else None, source=_source(node))
+        for t in op.tensor_inputs():
+            t.consumers.append(op)
+        for t in outs:
+            if t is not None:
+                t.producer = op
+        ops.append(op)
+        return outs if isinstance(val, (list, tuple)) else outs[0]
+
+    outputs = visit(ep.graph, {})
     constants = [t for t in ins if t.kind == CONSTANT]
     ins = [t for t in ins if t.kind != CONSTANT]
     graph = IRGraph(ops, ins, params, buffers + constants, outputs,
