@@ -72,7 +72,7 @@ def test_list_shows_annotations():
 
 
 def test_all_writes_every_report_and_resumes(tmp_path):
-    args = ["all", "--module", WRONG, "--op", "wrong_flip", "right_rowscale", "--world-size", "2",
+    args = ["all", "--module", WRONG, "--op", "wrong_flip", "right_rowscale", "--model", "--world-size", "2",
             "--reports", str(tmp_path)]
     r = verify(*args)
     assert r.returncode == 1, r.stdout + r.stderr
