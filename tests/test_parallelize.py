@@ -18,8 +18,10 @@ CFG = RunConfig(world_sizes=(2, 4))
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("name", ["nanogpt", "transformer_encoder"])
+@pytest.mark.parametrize("name", ["nanogpt", "transformer_encoder", "llama", "gpt2", "bert"])
 def test_model_trains_like_on_one_device(gang, name, policy):
+    if name not in MODELS:
+        pytest.skip(f"{name} needs transformers (pip install -e '.[models]')")
     with tempfile.TemporaryDirectory() as tmp:
         rows = list(run_model(gang, name, (policy,), CFG, tmp, steps=3))
     assert len(rows) == 2
