@@ -49,4 +49,20 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         for n in grads:
             checks.append(check_tensor(f"param {n} after step {step}", state[n], rp[n].detach(), rp64[n].detach(),
                                        factor=STATE_FACTOR))
+    checks += _reload_checks(name, policy, pm.state_dict(), ref, ref64, case.batch(steps), groups, gen_dir,
+                             world_size, seed)
     return checks
+
+
+def _reload_checks(name, policy, state, ref, ref64, args, groups, gen_dir, world_size, seed) -> list[Check]:
+    """The merged checkpoint loads into the single-device model and into a module under another plan."""
+    with torch.no_grad():
+        want, want64 = ref(*args), ref64(*_f64(args))
+        single = MODELS[name](seed).model
+        single.load_state_dict(state, strict=False)
+        other_policy = "dp" if policy != "dp" else "tp"
+        other = parallelize(MODELS[name](seed).model, args, other_policy, ComputeConfig(world_size, seed=seed + 1),
+                            groups=groups, gen_savedir=Path(gen_dir) / f"{name}-reload-w{world_size}-s{seed}")
+        other.load_state_dict(state)
+        return [check_tensor("loss of the checkpoint on one device", single(*args), want, want64),
+                check_tensor(f"loss of the checkpoint under {other_policy}", other(*args), want, want64)]

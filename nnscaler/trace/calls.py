@@ -26,6 +26,8 @@ def overload_name(target: Any) -> str:
     """``torch.ops.aten.view.default`` -> ``"aten.view.default"``; other callables by qualified name."""
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
     return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}".lstrip(".")
 
 

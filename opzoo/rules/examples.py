@@ -1,0 +1,130 @@
+"""Example calls of every rule, registered as verified zoo entries (``rule.<op>.<i>``).
+
+Each list covers the distinct cases of its rule: split and merged dims, ``-1``, negative dims,
+broadcasting from the left and with 1s, 0-d tensors, keepdim, several reduced dims, optional
+tensors given or None. The harness samples its own lengths from the derived annotations.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._common import INT_MAX
+from ._examples import T, ex, register_examples
+
+I64, BOOL = torch.int64, torch.bool
+
+
+def I(*shape: int):  # noqa: E743
+    return T(*shape, dtype=I64)
+
+
+def B(*shape: int):
+    return T(*shape, dtype=BOOL)
+
+
+# --- shape ----------------------------------------------------------------------------------------
+register_examples("aten.view.default", [
+    (T(2, 8, 32), [2, 8, 4, 8]), (T(2, 8, 4, 8), [2, 8, 32]), (T(2, 8, 64), [-1, 64]),
+    (T(8, 2, 32), [8, 8, 8]), (T(2, 6, 4), [2, 4, 6]), (T(2, 1, 8), [2, 8, 1]), (T(2, 8), [-1])])
+register_examples("aten.reshape.default", [
+    (T(8, 2, 4, 8), [16, 32]), (T(2, 8, 4, 8), [2, 8, -1]), (T(2, 2, 2, 8, 8), [2, 4, 8, 8])])
+register_examples("aten._unsafe_view.default", [(T(4, 6), [24]), (T(24,), [2, 3, 4])])
+register_examples("aten.flatten.using_ints", [(T(2, 3, 4, 5), 1, 2), (T(2, 8, 4), 0, -1), (T(4, 6),)])
+register_examples("aten.unflatten.int", [(T(8, 2, 96), -1, [3, 32]), (T(2, 12), 1, [-1, 4]),
+                                         (T(12, 5), 0, [1, 12])])
+register_examples("aten.squeeze.dim", [(T(3, 8, 2, 1, 32), -2), (T(2, 8), 0), (T(4, 1), 0)])
+register_examples("aten.squeeze.dims", [(T(1, 4, 1, 8), [0, 2]), (T(4, 1, 8), [0, 1])])
+register_examples("aten.squeeze.default", [(T(2, 1, 8, 1),)])
+register_examples("aten.unsqueeze.default", [(T(2, 8), 1), (T(8), 0), (T(2, 8), -1)])
+register_examples("aten.transpose.int", [(T(2, 8, 4, 8), 1, 2), (T(1, 8, 2, 3, 32), 0, -2),
+                                         (T(2, 4, 8, 6), -1, -2)])
+register_examples("aten.permute.default", [(T(2, 4, 8, 6), [2, 0, 1, 3]), (T(2, 3, 4), [-1, 0, 1])])
+register_examples("aten.t.default", [(T(4, 8),), (T(8),)])
+register_examples("aten.expand.default", [(T(1, 8), [12, -1]), (T(8, 1), [8, 12]), (T(4, 8), [12, 4, 8]),
+                                          (B(2, 1, 8, 1), [2, -1, 8, 8])])
+register_examples("aten.contiguous.default", [(T(2, 8, 4, 8),)])
+register_examples("aten.clone.default", [(T(2, 8, 6),)])
+register_examples("aten.alias.default", [(T(2, 8),)])
+register_examples("aten.split.Tensor", [(T(2, 8, 96), 32, 2), (T(12, 8), 4), (T(2, 10), 4, -1)])
+register_examples("aten.split_with_sizes.default", [(T(2, 8, 96), [32, 32, 32], -1), (T(2, 5), [2, 3], 1)])
+register_examples("aten.chunk.default", [(T(2, 8, 12), 3, -1), (T(8, 2), 2), (T(2, 7), 3, 1)])
+register_examples("aten.unbind.int", [(T(3, 8, 2, 32), 0), (T(4, 6, 2), -1)])
+register_examples("aten.slice.Tensor", [
+    (T(2, 4, 8, 8), 3, 0, 4), (T(2, 4, 8, 8), 3, 4, INT_MAX), (I(2, 9), 1, 1, INT_MAX),
+    (T(2, 8), 1, 0, INT_MAX), (T(6, 8), 0, 1, 5, 2), (T(2, 8), 1, 0, 8), (T(4, 6), -1, -3)])
+register_examples("aten.pad.default", [(I(2, 8), [0, 1], "constant", -100.0), (T(2, 4, 6), [1, 2, 0, 0]),
+                                       (T(2, 4, 6), [1, 1, 2, 0], "reflect")])
+register_examples("aten.select.int", [(T(3, 8, 2, 32), 0, 1), (T(2, 5, 4), -2, -1)])
+register_examples("aten.cat.default", [([T(2, 4, 8, 4), T(2, 4, 8, 4)], -1), ([T(3, 8), T(5, 8)],),
+                                       ([T(2, 3, 4), T(2, 1, 4), T(2, 2, 4)], 1)])
+register_examples("aten.stack.default", [([T(2, 8), T(2, 8)],), ([T(4, 3), T(4, 3), T(4, 3)], -1)])
+
+# --- element-wise ---------------------------------------------------------------------------------
+_SHAPES = [(2, 8, 6), (8,), (4, 1, 6), (3, 5)]
+_UNARY = ["neg", "exp", "log", "rsqrt", "sqrt", "abs", "sin", "erf", "reciprocal", "relu", "gelu", "silu",
+          "tanh", "sigmoid", "log_sigmoid"]
+for _i, _op in enumerate(_UNARY):
+    register_examples(f"aten.{_op}.default", [(T(*_SHAPES[_i % len(_SHAPES)]),)])
+register_examples("aten.gelu.default", [ex(T(4, 8), approximate="tanh")])
+register_examples("aten.neg.default", [(T(),)])
+register_examples("aten.leaky_relu.default", [(T(4, 8), 0.1)])
+register_examples("aten.hardtanh.default", [(T(4, 8), -0.5, 0.5)])
+register_examples("aten.clamp.default", [(T(4, 8), -0.5, 0.5), ex(T(4, 8), max=0.2)])
+register_examples("aten.add.Tensor", [
+    (T(2, 8, 32), T(8, 32)), (T(2, 4, 8, 8), T(2, 1, 8, 8)), (T(2, 8, 1), 1e-6), (T(8), T(2, 1)),
+    ex(T(2, 8), T(2, 8), alpha=2), (I(8), 0)])
+register_examples("aten.sub.Tensor", [(T(2, 1), 1), (T(4, 8), T(4, 1)), (T(), T(3, 4))])
+register_examples("aten.mul.Tensor", [(T(32), T(2, 8, 32)), (T(2, 4, 8, 8), T(1, 1, 8, 8)), (T(2, 8, 12), 0.5)])
+register_examples("aten.div.Tensor", [(T(2, 8), T(8)), (T(4, 8), 3.0), (T(4, 1, 8), T(4, 6, 1))])
+register_examples("aten.pow.Tensor_Scalar", [(T(2, 8, 32), 2), (T(4, 8), 0.5)])
+register_examples("aten.rsub.Scalar", [(T(4, 8), 1.0)])
+register_examples("aten.maximum.default", [(T(4, 8), T(8))])
+register_examples("aten.minimum.default", [(T(4, 1), T(1, 8))])
+register_examples("aten.where.self", [(B(2, 1, 8, 8), T(2, 4, 8, 8), T(8)), (B(4, 8), T(4, 8), T())])
+register_examples("aten.where.ScalarOther", [(B(2, 1, 8, 8), T(), -3.0), (B(4, 8), T(4, 8), 0.0)])
+register_examples("aten.masked_fill.Scalar", [(T(2, 4, 8, 8), B(8, 8), -1e4)])
+register_examples("aten.eq.Tensor", [(I(2, 1, 8, 1), I(2, 1, 1, 8))])
+register_examples("aten.le.Tensor", [(I(2, 1, 1, 8), I(2, 1, 8, 1))])
+register_examples("aten.ne.Scalar", [(I(2, 8), 1)])
+register_examples("aten.ge.Scalar", [(I(1, 1, 8, 1), 0)])
+register_examples("aten.__and__.Tensor", [(B(), B(2, 1, 8, 8)), (B(2, 8), B(2, 8))])
+register_examples("aten.to.dtype", [(T(2, 8, 32), torch.float32), (T(4, 8), torch.float64)])
+register_examples("aten.to.dtype_layout", [ex(T(16, 4), dtype=torch.float32, layout=torch.strided,
+                                              device=torch.device("cpu"))])
+register_examples("aten._to_copy.default", [ex(T(4, 8), dtype=torch.float64)])
+register_examples("aten.to.device", [(T(4, 8), torch.device("cpu"), torch.float64)])
+register_examples("aten.dropout.default", [(T(2, 8, 32), 0.0, True), (T(2, 4, 8, 8), 0.1, False)])
+
+# --- reductions -----------------------------------------------------------------------------------
+register_examples("aten.sum.dim_IntList", [(T(2, 8, 32), [-1]), (T(2, 8, 32), [0, 2], True),
+                                           (T(2, 3, 4, 5), [1, -1]), (T(4, 6), None), (T(4, 1, 6), [1])])
+register_examples("aten.sum.default", [(T(4, 8),), (T(2, 3, 4),)])
+register_examples("aten.mean.dim", [(T(2, 8, 32), [-1], True), (T(2, 8, 32), [0, 2]), (T(4, 6, 8), [1]),
+                                    (T(4, 6), [])])
+register_examples("aten.mean.default", [(T(4, 8),)])
+register_examples("aten.softmax.int", [(T(2, 4, 8, 8), -1), (T(4, 8, 6), 1), (T(2, 4, 8, 8), -1, torch.float32)])
+register_examples("aten.log_softmax.int", [(T(4, 8), 0), (T(2, 3, 8), -1)])
+register_examples("aten._softmax.default", [(T(4, 8), -1, False)])
+register_examples("aten.cumsum.default", [(T(4, 8), 0), (B(2, 8), -1)])
+
+# --- layers ---------------------------------------------------------------------------------------
+register_examples("aten.layer_norm.default", [
+    (T(2, 8, 32), [32], T(32), T(32), 1e-5, False), (T(4, 6, 8), [6, 8], T(6, 8), T(6, 8)), (T(4, 8), [8]),
+    (T(4, 8), [8], None, T(8))])
+register_examples("aten.rms_norm.default", [(T(2, 8, 32), [32], T(32), 1e-6), (T(4, 8), [8])])
+register_examples("aten.embedding.default", [(T(64, 32), I(2, 8)), (T(16, 32), I(8)), (T(64, 32), I(2, 8), 0)])
+_Q = T(2, 4, 8, 8)
+register_examples("aten.scaled_dot_product_attention.default", [
+    (_Q, _Q, _Q, None, 0.0, True), (_Q, _Q, _Q), (_Q, _Q, _Q, T(2, 1, 8, 8)), (T(2, 4, 6, 8), T(2, 4, 10, 8),
+                                                                            T(2, 4, 10, 5), T(6, 10)),
+    (_Q, _Q, _Q, B(8, 8)), ex(_Q, T(2, 2, 8, 8), T(2, 2, 8, 8), enable_gqa=True),
+    ex(T(4, 6, 8), T(4, 6, 8), T(4, 6, 8), scale=0.3)])
+register_examples("aten.linear.default", [(T(2, 8, 32), T(96, 32), T(96)), (T(16, 32), T(32, 32)),
+                                          (T(32), T(8, 32), T(8)), (T(2, 3, 4, 32), T(8, 32))])
+register_examples("aten.matmul.default", [
+    (T(2, 4, 8, 8), T(2, 4, 8, 8)), (T(2, 4, 8, 6), T(6, 5)), (T(8), T(8)), (T(4, 8), T(8)),
+    (T(8), T(2, 8, 5)), (T(2, 1, 8, 6), T(3, 6, 5))])
+register_examples("aten.cross_entropy_loss.default", [
+    (T(16, 64), I(16), None, 1, -1), (T(16, 64), I(16)), (T(16, 64), I(16), None, 0),
+    (T(16, 64), I(16), None, 2, -100)])
+register_examples("aten.nll_loss_nd.default", [(T(16, 10), I(16), None, 1, -100), (T(16, 10), I(16), None, 0)])

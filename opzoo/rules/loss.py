@@ -1,0 +1,47 @@
+"""Rules for ``cross_entropy_loss`` and ``nll_loss_nd`` in aten's positional form ``(input, target,
+weight, reduction, ignore_index[, label_smoothing])``, reduction as aten's enum (0 none, 1 mean,
+2 sum). Classes are split by value with the vocabulary-parallel kernels of
+:mod:`opzoo._parallel_kernels`; rows are spatial for ``none`` and split by value when reduced
+(``mean`` divides by the full count of non-ignored targets). Only 2-d ``(rows, classes)`` input
+with class-index targets, no class weights and no label smoothing is annotated.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from nnscaler.ops import Index, OpCall, annotation_rule
+
+from .. import _parallel_kernels as K
+from ._common import Names, build, mark, usable
+
+FAMILY = "loss"
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+DEFAULTS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smoothing", 0.0))
+
+
+def loss_local(shard, logits, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
+               kernel, row, cls):
+    """aten's positional loss call -> the kernel, with the reduction enum as its name."""
+    return kernel(shard, logits, target, REDUCTIONS[reduction], ignore_index, row=row, cls=cls)
+
+
+@annotation_rule("aten.cross_entropy_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss.default")
+def class_loss_rule(call: OpCall):
+    """``n v+, n, ?, ?, ? -> n`` (``none``) or ``n+ v+, n+, ?, ?, ? -> 1`` (``mean``, ``sum``)."""
+    if not usable(call):
+        return None
+    x, target = call.tensor(0), call.tensor(1)
+    opts = {name: call.args[2 + i] if len(call.args) > 2 + i else call.kwargs.get(name, default)
+            for i, (name, default) in enumerate(DEFAULTS)}
+    if (x.ndim != 2 or target.shape != x.shape[:1] or target.dtype.is_floating_point
+            or opts["weight"] is not None or opts["label_smoothing"] or opts["reduction"] not in REDUCTIONS):
+        return None
+    names = Names()
+    n, v = names.dim(x.shape[0], "n"), names.dim(x.shape[1], "v")
+    reduced = opts["reduction"] != 0
+    row = mark(n, "+") if reduced else n
+    kernel = K.cross_entropy if call.overload.startswith("aten.cross_entropy") else K.nll_loss
+    local = partial(loss_local, kernel=kernel, row=n, cls=v)
+    dtype = str(target.dtype).removeprefix("torch.")
+    return build(call, FAMILY, {0: [row, mark(v, "+")], 1: [row]}, [["1"] if reduced else [n]], local=local,
+                 inputs={1: Index(x.shape[1] if v == "1" else v, dtype)})
