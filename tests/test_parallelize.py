@@ -78,3 +78,16 @@ def test_generated_code_is_plain_torch_with_source_comments(gpt_graph):
     assert "nanogpt.py" in source  # comments point back to the model's lines
     assert {s.name for s in shards} == {n for n, _ in MODELS["nanogpt"](0).model.named_parameters()}
     assert collectives > 0
+
+
+def test_torchrun_replicas_and_reuse_of_generated_code(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from verify.gang import free_port
+    script = Path(__file__).parent / "fixtures" / "replicas_script.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "REPLICAS OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
