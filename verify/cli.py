@@ -153,35 +153,31 @@ def cmd_all(args) -> int:
     reg = _load(args.module)
     cfg = _config(args)
     specs = [reg.get(n) for n in args.op] if args.op else list(reg)
+    unknown = [m for m in args.model or () if m not in MODELS]
+    if unknown:
+        raise UsageError(f"unknown model {unknown[0]!r}; known: {', '.join(sorted(MODELS))}")
     writer = ReportWriter(args.reports, cfg, resume=args.resume)
     done = writer.done()
     start = time.perf_counter()
     print(f"verifying {len(specs)} operators at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, "
           f"seeds {list(cfg.seeds)}; reports in {args.reports}/", flush=True)
+    def record(label: str, rows) -> None:  # write each row as it comes; one progress line per item
+        t0, new = time.perf_counter(), []
+        for row in rows:
+            writer.add(row)
+            new.append(row)
+        bad = sum(not r.ok for r in new)
+        print(f"  {label:<28} {len(new):>4} cases  {len(new) - bad:>4} match  {bad:>3} failed  "
+              f"{time.perf_counter() - t0:6.2f} s", flush=True)
+        writer.seconds = time.perf_counter() - start
+        writer.flush()
+
     try:
-        with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang:
+        with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang, tempfile.TemporaryDirectory() as tmp:
             for spec in specs:
-                t0, new = time.perf_counter(), []
-                for row in run_op(gang, spec, cfg, skip=done):
-                    writer.add(row)
-                    new.append(row)
-                bad = [r for r in new if not r.ok]
-                print(f"  {spec.name:<28} {len(new):>4} cases  {len(new) - len(bad):>4} match  "
-                      f"{len(bad):>3} failed  {time.perf_counter() - t0:6.2f} s", flush=True)
-                writer.seconds = time.perf_counter() - start
-                writer.flush()
-            models = sorted(MODELS) if args.model is None else args.model
-            with tempfile.TemporaryDirectory() as tmp:
-                for name in models:
-                    t0, new = time.perf_counter(), []
-                    for row in run_model(gang, name, tuple(POLICIES), cfg, tmp, skip=done):
-                        writer.add(row)
-                        new.append(row)
-                    bad = [r for r in new if not r.ok]
-                    print(f"  model:{name:<22} {len(new):>4} cases  {len(new) - len(bad):>4} match  "
-                          f"{len(bad):>3} failed  {time.perf_counter() - t0:6.2f} s", flush=True)
-                    writer.seconds = time.perf_counter() - start
-                    writer.flush()
+                record(spec.name, run_op(gang, spec, cfg, skip=done))
+            for name in sorted(MODELS) if args.model is None else args.model:
+                record(f"model:{name}", run_model(gang, name, tuple(POLICIES), cfg, tmp, skip=done))
     finally:
         writer.seconds = time.perf_counter() - start
         writer.close()
