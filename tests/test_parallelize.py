@@ -6,7 +6,6 @@ import tempfile
 import warnings
 
 import pytest
-import torch
 
 from nnscaler.codegen.emit import generate
 from nnscaler.policies import POLICIES, ComputeConfig, Plan, PlanError, validate

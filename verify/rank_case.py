@@ -12,16 +12,13 @@ from typing import Any
 import torch
 
 from nnscaler.dimops.partition import Partition, check_partition, enumerate_partitions
-from nnscaler.ops.spec import OpSpec, resolve
+from nnscaler.ops.spec import resolve
 from nnscaler.runtime.mesh import RankMesh
-from nnscaler.runtime.partitioned import run_partitioned
+from nnscaler.runtime.partitioned import as_tuple, run_partitioned
 
 from .compare import Check, check_tensor
 from .samples import Sample
 
-
-def _as_tuple(out: Any) -> tuple:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _leaves(sample: Sample, device, dtype: torch.dtype | None = None) -> list[Any]:
@@ -60,7 +57,7 @@ def reference(sample: Sample, device) -> Reference:
     results = []
     for dtype in (None, torch.float64):
         leaves = _leaves(sample, device, dtype)
-        outs = _as_tuple(spec.fn(*leaves, **kwargs))
+        outs = as_tuple(spec.fn(*leaves, **kwargs))
         cots = [None if c is None else c.to(device) for c in sample.cotangents]
         grads = _backward(outs, cots, leaves)
         results.append((tuple(y.detach() if isinstance(y, torch.Tensor) else y for y in outs), grads))

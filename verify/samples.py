@@ -11,6 +11,7 @@ import torch
 from nnscaler.dimops.binding import BoundAnno, bind
 from nnscaler.dimops.grammar import FROZEN
 from nnscaler.ops.spec import Index, Mask, OpSpec, Positive, Uniform, resolve
+from nnscaler.runtime.partitioned import as_tuple
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPLIT_MULTIPLES = (2, 1, 3)  # splittable lengths are base x these, cycling over identifiers
@@ -94,9 +95,6 @@ class Sample:
     seed: int
 
 
-def _as_tuple(out: Any) -> tuple:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
 
 def make_sample(spec: OpSpec, dtype: torch.dtype, seed: int, base: int) -> Sample:
     """Seeded sample inputs for ``spec``; the op runs once to bind its output-only identifiers."""
@@ -112,7 +110,7 @@ def make_sample(spec: OpSpec, dtype: torch.dtype, seed: int, base: int) -> Sampl
     known = {k: v for k, v in sizes.items() if not k.startswith("*")}
     bound = bind(spec.anno, in_shapes, known=known)
     with torch.no_grad():
-        outs = _as_tuple(spec.fn(*inputs, **resolve(dict(spec.kwargs), bound.sizes)))
+        outs = as_tuple(spec.fn(*inputs, **resolve(dict(spec.kwargs), bound.sizes)))
     out_shapes = [None if t.opaque else tuple(y.shape) for t, y in zip(spec.anno.outputs, outs)]
     bound = bind(spec.anno, in_shapes, out_shapes, known=known)
     cots = []

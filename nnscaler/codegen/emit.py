@@ -8,7 +8,7 @@ from typing import Any
 
 from ..comm.conversion import conversion
 from ..dimops.layout import Layout, Partial, Replicate, Shard, layout_str
-from ..dimops.partition import axis_groups, coords, local_sizes, op_layout
+from ..dimops.partition import axis_groups, coords, local_sizes
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
 from ..ops.spec import resolve
@@ -45,10 +45,7 @@ def stored_layouts(graph: IRGraph, plan: Plan) -> dict[IRTensor, Layout]:
 
 
 def _layout(op: IROp, plan: Plan):
-    if not op.known:
-        return None
-    floating = [isinstance(x, IRTensor) and x.dtype.is_floating_point for x in op.inputs[:len(op.bound.inputs)]]
-    return op_layout(op.bound, plan.partition(op), floating)
+    return op.layout(plan.partition(op)) if op.known else None
 
 
 def synced_params(graph: IRGraph, plan: Plan) -> dict[IRTensor, int]:

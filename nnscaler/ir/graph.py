@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..dimops.binding import BoundAnno
+from ..dimops.partition import OpLayout, Partition, op_layout
 from ..ops.spec import OpSpec
 
 PARAM, BUFFER, INPUT, ACTIVATION, CONSTANT = "param", "buffer", "input", "activation", "constant"
@@ -52,6 +53,12 @@ class IROp:
     @property
     def known(self) -> bool:
         return self.spec is not None
+
+    def layout(self, partition: Partition) -> OpLayout:
+        """The layouts of this (known) op's inputs and outputs under ``partition``; floating inputs
+        may be partial values, others are replicated instead."""
+        floating = [isinstance(x, IRTensor) and x.dtype.is_floating_point for x in self.inputs[:len(self.bound.inputs)]]
+        return op_layout(self.bound, partition, floating)
 
     def tensor_inputs(self) -> list[IRTensor]:
         return [x for x in self.inputs if isinstance(x, IRTensor)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random as _random
 
-from ..dimops.partition import Partition, splittable
+from ..dimops.partition import splittable
 from ..ir.graph import INPUT, IRGraph, IROp, IRTensor
 from .greedy import parameter_identifiers, plan_greedy, sharded_identifiers
 from .plan import ComputeConfig, Plan, PlanError

@@ -4,7 +4,7 @@ Operators are visited in program order. For each, every partition on the plan me
 allows is scored by the communication its inputs need to reach the layouts it wants (bytes, from
 :func:`nnscaler.comm.conversion.conversion`) plus its compute (the product of its identifiers'
 lengths, divided by the split degree, weighted by ``COMPUTE_WEIGHT``: moving a byte costs more than
-a multiply-add). The cheapest wins; ties go to the policy's preferred identifiers. Parameters take
+a multiply-add). The cheapest wins (the first, on a tie). Parameters take
 the layout their first consumer wants, so they cost nothing to reach. A partial output is charged
 part of the all-reduce it will need (``PENDING_WEIGHT``): the one look-ahead that turns greedy
 choices into Megatron's column-then-row pairs.
@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from ..comm.conversion import conversion
 from ..dimops.layout import Layout, Partial, Replicate, Shard
-from ..dimops.partition import Partition, op_layout, splittable
+from ..dimops.partition import Partition, splittable
 from ..ir.graph import BUFFER, PARAM, IRGraph, IROp, IRTensor
 from .plan import Plan
 
@@ -57,8 +57,7 @@ def _free(t: IRTensor, layouts: dict) -> bool:
 
 def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: Sequence[int]) -> float:
     """Bytes moved to feed ``op`` under ``p`` plus its weighted compute."""
-    floating = [isinstance(x, IRTensor) and x.dtype.is_floating_point for x in op.inputs[:len(op.bound.inputs)]]
-    lay = op_layout(op.bound, p, floating)
+    lay = op.layout(p)
     cost = 0.0
     for x, want in zip(op.inputs, lay.inputs):
         if isinstance(x, IRTensor) and want is not None and not _free(x, layouts):
@@ -73,8 +72,7 @@ def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: S
 
 
 def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], options: AxisOptions,
-                policy: str, prefer: Callable[[IROp, Partition], float] | None = None,
-                pick: Callable[[IROp, list[Partition]], Partition] | None = None) -> Plan:
+                policy: str, pick: Callable[[IROp, list[Partition]], Partition] | None = None) -> Plan:
     """Plan every known operator greedily in program order (``pick`` overrides the choice)."""
     plan = Plan(mesh_shape, axis_names, policy=policy)
     everywhere_r = tuple(Replicate() for _ in mesh_shape)
@@ -91,10 +89,9 @@ def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[s
         if pick is not None:
             best = pick(op, cands)
         else:
-            best = min(cands, key=lambda p: (score(op, p, layouts, mesh_shape), -(prefer(op, p) if prefer else 0)))
+            best = min(cands, key=lambda p: score(op, p, layouts, mesh_shape))
         plan.partitions[op.name] = best
-        floating = [isinstance(x, IRTensor) and x.dtype.is_floating_point for x in op.inputs[:len(op.bound.inputs)]]
-        lay = op_layout(op.bound, best, floating)
+        lay = op.layout(best)
         for x, want in zip(op.inputs, lay.inputs):
             if isinstance(x, IRTensor) and want is not None and _free(x, layouts):
                 # a parameter is stored split or whole; a partial value is made from it each use

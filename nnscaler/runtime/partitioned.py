@@ -93,7 +93,8 @@ def collect(local: torch.Tensor, layout: Layout, mesh: RankMesh) -> torch.Tensor
     return x
 
 
-def _as_tuple(out: Any) -> tuple:
+def as_tuple(out: Any) -> tuple:
+    """An operator's result as a tuple of outputs."""
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
@@ -115,9 +116,9 @@ def run_partitioned(spec: OpSpec, bound: BoundAnno, partition: Partition, mesh: 
             local_in.append(distribute(x, lay, mesh, partition.axis_ids))
     kwargs = resolve(dict(spec.kwargs), sizes)
     if spec.local is not None:
-        outs = _as_tuple(spec.local(ShardContext.of(bound, partition, mesh), *local_in, **kwargs))
+        outs = as_tuple(spec.local(ShardContext.of(bound, partition, mesh), *local_in, **kwargs))
     else:
-        outs = _as_tuple(spec.fn(*local_in, **kwargs))
+        outs = as_tuple(spec.fn(*local_in, **kwargs))
     if len(outs) != len(layout.outputs):
         raise LayoutError(f"{spec.name} returned {len(outs)} outputs; its annotation names {len(layout.outputs)}")
     full = []
