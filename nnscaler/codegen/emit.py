@@ -71,7 +71,8 @@ def synced_params(graph: IRGraph, plan: Plan) -> dict[IRTensor, int]:
 
 
 def shard_slices(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, ...], rank: int) -> tuple:
-    """``(start, stop)`` per dim of the piece a rank holds under ``layout``."""
+    """``(start, stop)`` per dim of the piece a rank holds under ``layout``: axes in order, each
+    splitting the range the lower axes left (the nesting convention of :mod:`nnscaler.comm.conversion`)."""
     c = coords(rank, mesh_shape)
     out = [(0, n) for n in shape]
     for axis, q in enumerate(layout):
@@ -99,7 +100,7 @@ class _Emitter:
         key = (t, want, tuple(axis_ids))
         if key in self.cache:
             return self.cache[key]
-        steps, _ = conversion(self.layouts[t], want, axis_ids, self.plan.mesh_shape, len(t.shape),
+        steps, _ = conversion(self.layouts[t], want, axis_ids, self.plan.mesh_shape, t.shape,
                               t.dtype.is_floating_point)
         if t in self.synced:  # its gradient is summed in buckets after backward instead
             steps = [st for st in steps if not (st.kind == "grad_all_reduce" and st.axis == self.synced[t])]

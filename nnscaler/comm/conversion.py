@@ -1,20 +1,46 @@
 """From a producer's layout of a tensor to a consumer's: the cheapest sequence of collectives.
 
-Layouts are placements per axis of the plan's rank mesh (``D``/``R``/``V``). Each axis converts on
-its own (every collective runs within that axis's group), by a shortest-path search over the
-placements of one axis whose edges are the differentiable collectives of
-:mod:`nnscaler.runtime.collectives`, weighted by the bytes they move (forward, plus backward for
-tensors that carry gradients) as a fraction of the tensor's size.
+A layout gives one placement per axis of the plan's rank mesh (``D``/``R``/``V``).
 
-A consumer that is split along an axis but wants the tensor replicated there ("R*") produces only a
+**Nesting convention** (DTensor's): when several mesh axes split the same tensor dim, the lower
+axis splits first and each higher axis splits the chunk it is given further. Under ``D1xD1`` on a
+(2, 2) mesh, rank (i, j) holds quarter ``2*i + j`` of dim 1; under ``D0xD1`` it holds half ``i`` of
+dim 0 and half ``j`` of dim 1. :func:`nnscaler.codegen.emit.shard_slices` (where the state lives),
+``ParallelModule._whole`` (gathering, highest axis first) and this search all follow it.
+
+**Search.** Conversions are shortest paths over whole-mesh layouts. Each edge is one
+differentiable collective of :mod:`nnscaler.runtime.collectives` on one axis, and it is an edge
+only where the local shards it produces are the right pieces of the next layout:
+
+* splitting dim ``d`` on axis ``a`` (``split``, ``reduce_scatter``, the split half of
+  ``all_to_all``) cuts the rank's local chunk once more, which under the convention is the piece of
+  the *innermost* split of ``d``: legal only when no axis above ``a`` splits ``d`` already, and (when
+  lengths are known) only when the local length divides evenly;
+* gathering dim ``d`` on axis ``a`` (``all_gather``, the gather half of ``all_to_all``)
+  concatenates neighbours' chunks, which is a contiguous piece only when ``a`` is the innermost axis
+  splitting ``d``: legal only when no axis above ``a`` splits ``d``;
+* ``all_reduce`` and ``to_partial`` keep every shard's extent and are always legal.
+
+Every forward step then maps correct local pieces to correct local pieces, so its backward (the
+transpose collective on the same group) maps the right piece of the whole gradient back to the
+right piece: the gradient is right by construction, which is why the search is over whole layouts
+rather than per axis ("gather everything, then split" per axis is not enough: ``D0xD1 -> D1xD0``
+run axis by axis splits dim 1 on axis 0 while axis 1 still splits it).
+
+Edge weights are the bytes a step moves (forward, plus backward for tensors that carry gradients)
+as a fraction of the whole tensor's size, so planners multiply by the element count.
+
+A consumer that is split along an axis but wants the tensor replicated there (``R*``) produces only a
 partial gradient for it: the conversion ends with ``grad_all_reduce`` (identity forward, all-reduce
 backward).
 """
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from functools import lru_cache
+from typing import Iterator, Sequence
 
 from ..dimops.layout import Layout, Partial, Placement, Replicate, Shard
 
@@ -33,62 +59,105 @@ class Step:
         return f"C.{self.kind}({args})"
 
 
-def _edges(p: Placement, ndim: int, f: int, grad: bool, a2a: bool):
-    """(next placement, step kind, dims, cost) from placement ``p`` on an axis of ``f`` ranks."""
-    frac = (f - 1) / f
+def local_fraction(layout: Layout, mesh_shape: Sequence[int]) -> float:
+    """The share of the whole tensor's elements one rank holds under ``layout``."""
+    return 1.0 / math.prod(f for f, q in zip(mesh_shape, layout) if isinstance(q, Shard))
+
+
+def _outermost_free(layout: Layout, axis: int, dim: int) -> bool:
+    """No axis above ``axis`` splits ``dim``: ``axis`` is (or would be) its innermost split."""
+    return not any(isinstance(q, Shard) and q.dim == dim for q in layout[axis + 1:])
+
+
+def _divides(layout: Layout, axis: int, dim: int, mesh_shape: Sequence[int], shape: Sequence[int] | None) -> bool:
+    """Whether the rank's local length of ``dim`` splits evenly into ``mesh_shape[axis]`` chunks."""
+    if shape is None:
+        return True
+    held = math.prod(f for f, q in zip(mesh_shape, layout) if isinstance(q, Shard) and q.dim == dim)
+    return shape[dim] % (held * mesh_shape[axis]) == 0
+
+
+def _edges(lay: Layout, mesh_shape: Sequence[int], ndim: int, shape, grad: bool) -> Iterator[tuple[Layout, Step, float]]:
+    """(next layout, step, cost) of every legal collective from ``lay``."""
     back = 1.0 if grad else 0.0
-    if isinstance(p, Replicate):
-        for d in range(ndim):
-            yield Shard(d), "split", (d,), back * frac  # backward all-gathers the gradient
-        yield Partial(), "to_partial", (), 0.0
-    elif isinstance(p, Shard):
-        yield Replicate(), "all_gather", (p.dim,), frac
-        for d in range(ndim if a2a else 0):
-            if d != p.dim:
-                yield Shard(d), "all_to_all", (p.dim, d), (1 + back) * frac / f
-    elif isinstance(p, Partial):
-        yield Replicate(), "all_reduce", (), 2 * frac
-        for d in range(ndim):
-            yield Shard(d), "reduce_scatter", (d,), (1 + back) * frac
+    s = local_fraction(lay, mesh_shape)
+    for a, (f, p) in enumerate(zip(mesh_shape, lay)):
+        if f == 1:
+            continue
+        frac = (f - 1) / f
+
+        def to(q: Placement) -> Layout:
+            return lay[:a] + (q,) + lay[a + 1:]
+
+        def can_split(d: int, base: Layout) -> bool:
+            return _outermost_free(base, a, d) and _divides(base, a, d, mesh_shape, shape)
+
+        if isinstance(p, Replicate):
+            for d in range(ndim):
+                if can_split(d, lay):
+                    yield to(Shard(d)), Step(a, "split", (d,)), back * frac * s  # backward gathers
+            yield to(Partial()), Step(a, "to_partial"), 0.0
+        elif isinstance(p, Shard):
+            if not _outermost_free(lay, a, p.dim):
+                continue
+            gathered = to(Replicate())
+            yield gathered, Step(a, "all_gather", (p.dim,)), frac * s * f
+            for d in range(ndim):
+                if d != p.dim and can_split(d, gathered):
+                    yield to(Shard(d)), Step(a, "all_to_all", (p.dim, d)), (1 + back) * frac * s
+        else:  # Partial
+            yield to(Replicate()), Step(a, "all_reduce"), 2 * frac * s
+            for d in range(ndim):
+                if can_split(d, lay):
+                    yield to(Shard(d)), Step(a, "reduce_scatter", (d,)), (1 + back) * frac * s
 
 
-def axis_steps(src: Placement, dst: Placement, axis: int, ndim: int, f: int, grad: bool,
-               a2a: bool = True) -> tuple[list[Step], float]:
-    """Cheapest steps turning ``src`` into ``dst`` on one axis, and their cost."""
+@lru_cache(maxsize=65536)
+def layout_steps(src: Layout, dst: Layout, mesh_shape: tuple[int, ...], ndim: int,
+                 shape: tuple[int, ...] | None, grad: bool) -> tuple[tuple[Step, ...], float]:
+    """Cheapest legal steps turning ``src`` into ``dst`` on the whole mesh, and their cost (fewest
+    steps, then first found, on a tie)."""
+    if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
+        raise ValueError(f"layouts {src} and {dst} need one placement per axis of mesh {mesh_shape}")
     if src == dst:
-        return [], 0.0
-    best = {src: 0.0}
-    queue: list = [(0.0, 0, src, [])]
+        return (), 0.0
+    best = {src: (0.0, 0)}
+    queue: list = [(0.0, 0, 0, src, ())]
     tie = 1
     while queue:
-        cost, _, p, path = heapq.heappop(queue)
-        if p == dst:
+        cost, n, _, lay, path = heapq.heappop(queue)
+        if lay == dst:
             return path, cost
-        if cost > best.get(p, float("inf")):
+        if (cost, n) > best.get(lay, (math.inf, 0)):
             continue
-        for q, kind, dims, c in _edges(p, ndim, f, grad, a2a):
-            if cost + c < best.get(q, float("inf")):
-                best[q] = cost + c
-                heapq.heappush(queue, (cost + c, tie, q, path + [Step(axis, kind, dims)]))
+        for nxt, step, c in _edges(lay, mesh_shape, ndim, shape, grad):
+            key = (cost + c, n + 1)
+            if key < best.get(nxt, (math.inf, 0)):
+                best[nxt] = key
+                heapq.heappush(queue, (cost + c, n + 1, tie, nxt, path + (step,)))
                 tie += 1
-    raise ValueError(f"no conversion from {src} to {dst}")
+    raise ValueError(f"no conversion from {'x'.join(map(str, src))} to {'x'.join(map(str, dst))} on mesh "
+                     f"{mesh_shape} for a tensor of shape {shape if shape is not None else f'with {ndim} dims'}: "
+                     f"a split dim's length is not divisible by the ranks splitting it")
 
 
 def conversion(src: Layout, dst: Layout, dst_axis_ids: Sequence[str | None], mesh_shape: Sequence[int],
-               ndim: int, grad: bool) -> tuple[list[Step], float]:
-    """Steps (and their cost) from ``src`` to the layout a consumer wants, ``dst``, where
-    ``dst_axis_ids`` are the identifiers the consumer splits along each axis (``None``: replicated)."""
-    steps: list[Step] = []
-    total = 0.0
-    # gathers and reductions first, splits last: a tensor is never split twice along one dim
-    order = sorted(range(len(mesh_shape)), key=lambda a: isinstance(dst[a], Shard))
-    # all-to-all re-chunks one dim while keeping others: only safe when no other axis shards
-    a2a = sum(isinstance(p, Shard) for p in list(src) + list(dst)) <= 2
-    for axis in order:
-        s, c = axis_steps(src[axis], dst[axis], axis, ndim, mesh_shape[axis], grad, a2a)
-        steps += s
-        total += c
-        if isinstance(dst[axis], Replicate) and dst_axis_ids[axis] is not None and grad:
+               shape: int | Sequence[int], grad: bool) -> tuple[list[Step], float]:
+    """Steps (and their cost, as a fraction of the whole tensor's bytes) from ``src`` to the layout a
+    consumer wants, ``dst``, where ``dst_axis_ids`` are the identifiers the consumer splits along each
+    axis (``None``: replicated). ``shape`` is the tensor's shape (every intermediate split must then
+    divide evenly) or just its number of dims (lengths unknown: no divisibility check)."""
+    mesh_shape = tuple(mesh_shape)
+    if isinstance(shape, int):
+        ndim, lengths = shape, None
+    else:
+        lengths = tuple(int(n) for n in shape)
+        ndim = len(lengths)
+    path, total = layout_steps(tuple(src), tuple(dst), mesh_shape, ndim, lengths, grad)
+    steps = list(path)
+    s = local_fraction(dst, mesh_shape)
+    for axis, f in enumerate(mesh_shape):
+        if isinstance(dst[axis], Replicate) and dst_axis_ids[axis] is not None and grad and f > 1:
             steps.append(Step(axis, "grad_all_reduce"))
-            total += 2 * (mesh_shape[axis] - 1) / mesh_shape[axis]
+            total += 2 * (f - 1) / f * s
     return steps, total

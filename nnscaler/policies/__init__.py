@@ -1,5 +1,5 @@
 """Policies: functions ``(graph, config) -> Plan`` that give every operator a partition."""
-from .builtin import POLICIES, dp, hybrid, random, tp
+from .builtin import POLICIES, dp, hybrid, random, random2d, tp
 from .plan import ComputeConfig, Plan, PlanError, validate
 
-__all__ = ["POLICIES", "dp", "hybrid", "random", "tp", "ComputeConfig", "Plan", "PlanError", "validate"]
+__all__ = ["POLICIES", "dp", "hybrid", "random", "random2d", "tp", "ComputeConfig", "Plan", "PlanError", "validate"]

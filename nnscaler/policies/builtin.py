@@ -1,4 +1,5 @@
-"""The built-in policies: ``dp``, ``tp``, ``hybrid`` and ``random``; each is ``(graph, config) -> Plan``."""
+"""The built-in policies: ``dp``, ``tp``, ``hybrid``, ``random`` and ``random2d``; each is
+``(graph, config) -> Plan``."""
 from __future__ import annotations
 
 import random as _random
@@ -95,4 +96,22 @@ def random(graph: IRGraph, config: ComputeConfig) -> Plan:
                        pick=lambda op, cands: rng.choice(cands))
 
 
-POLICIES = {"dp": dp, "tp": tp, "hybrid": hybrid, "random": random}
+def two_axis_meshes(world_size: int) -> list[tuple[int, int]]:
+    """Every 2-D mesh ``(a, b)`` of ``world_size`` ranks with both axes at least 2; a prime (or 1)
+    world size has none and gets ``(world_size, 1)``, whose second axis splits nothing."""
+    out = [(a, world_size // a) for a in range(2, world_size // 2 + 1) if world_size % a == 0]
+    return out or [(world_size, 1)]
+
+
+def random2d(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """``random`` on a 2-D mesh (drawn, with every partition, from ``config.seed``): each operator
+    takes a random valid partition with one identifier (or none) per axis, so one tensor is often
+    split along one dim on one axis and another dim on the other, and converted between such
+    layouts: the stress test for multi-axis conversions."""
+    rng = _random.Random(config.seed)
+    mesh = rng.choice(two_axis_meshes(config.plan_ngpus))
+    return plan_greedy(graph, mesh, ("r0", "r1"), _any_options, "random2d",
+                       pick=lambda op, cands: rng.choice(cands))
+
+
+POLICIES = {"dp": dp, "tp": tp, "hybrid": hybrid, "random": random, "random2d": random2d}
