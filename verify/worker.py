@@ -18,6 +18,7 @@ from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
 from . import rank_case
+from .conversion_case import run_conversion
 from .model_case import run_model_case
 from .samples import DTYPES, Sample, make_sample
 
@@ -70,9 +71,12 @@ def _short(exc: BaseException) -> str:
 
 def handle(state: RankState, job: dict) -> dict:
     """Answer one job: ``plan`` (partitions of an op), ``case`` (one partition on these ranks) or
-    ``model`` (train a whole model under a policy)."""
+    ``model`` (train a whole model under a policy) or ``conversion`` (one layout conversion, see
+    :mod:`verify.conversion_case`)."""
     start = time.perf_counter()
     try:
+        if job["kind"] == "conversion":
+            return dict(run_conversion(job, state.rank, state.groups), seconds=time.perf_counter() - start)
         if job["kind"] == "model":
             checks = run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"],
                                     state.groups, job["gen_dir"])

@@ -153,7 +153,9 @@ def conversion(src: Layout, dst: Layout, dst_axis_ids: Sequence[str | None], mes
     else:
         lengths = tuple(int(n) for n in shape)
         ndim = len(lengths)
-    path, total = layout_steps(tuple(src), tuple(dst), mesh_shape, ndim, lengths, grad)
+    # on an axis of one rank every placement is the whole tensor: nothing to convert there
+    src, dst = (tuple(Replicate() if f == 1 else q for f, q in zip(mesh_shape, lay)) for lay in (src, dst))
+    path, total = layout_steps(src, dst, mesh_shape, ndim, lengths, grad)
     steps = list(path)
     s = local_fraction(dst, mesh_shape)
     for axis, f in enumerate(mesh_shape):
