@@ -141,12 +141,13 @@ def test_spatial_split_layouts():
 
 
 def test_value_split_layouts():
-    b = bind("m k+, k+ n, m, ? -> m n, k+", [(4, 4), (4, 4), (4,), None], [(4, 4), (4,)])
+    b = bind("m k+, k+ n, +m, m, ? -> m n, k+", [(4, 4), (4, 4), (4,), (4,), None], [(4, 4), (4,)])
     p = Partition.parse("k=2", 2)
-    lay = op_layout(b, p, [True, True, True, True])
-    assert lay.inputs == ((Shard(1),), (Shard(0),), (Partial(),), None)
+    lay = op_layout(b, p, [True, True, True, True, True])
+    # '+m' is a partial value held by one rank; plain 'm' is replicated (nnScaler's rule)
+    assert lay.inputs == ((Shard(1),), (Shard(0),), (Partial(),), (Replicate(),), None)
     assert lay.outputs == ((Partial(),), (Shard(0),))
-    lay = op_layout(b, p, [True, True, False, False])
+    lay = op_layout(b, p, [True, True, False, False, False])
     assert lay.inputs[2] == (Replicate(),) and lay.outputs[0] == (Partial(),)
 
 
