@@ -21,7 +21,7 @@ An annotation names every dimension of every tensor argument and result of an op
 
 Inputs under a value split. When a ``+`` identifier is split, an input lacking it is **replicated**
 by default (nnScaler's rule): right for an input entering the computation that is summed, as the
-activation of a fused MLP ``b s h, h f+, f+, f+ h -> b s h`` (``x`` lacks ``f``; each rank computes
+activation of a fused MLP ``b s h^, h^ f+, f+, f+ h^ -> b s h^`` (``x`` lacks ``f``; each rank computes
 ``gelu(x @ W1[:, f] + b1[f]) @ W2[f, :]`` from the whole ``x``) or a scale multiplying the sum. An
 input written with a leading ``+`` is instead a **partial value** held by one rank (the others hold
 zeros): right for a term added after the contraction, as the bias of ``addmm``
