@@ -152,3 +152,59 @@ def test_every_fixture_op_is_tested(registry):
     tested = set(test_construct_verifies_on_real_ranks.pytestmark[0].args[1]) | set(
         test_wrong_use_of_a_construct_is_caught.pytestmark[0].args[1])
     assert {s.name for s in registry if s.family.startswith("test-grammar")} == tested
+
+
+# --- the new constructs, drawn at random ----------------------------------------------------------
+
+LENGTHS = {"a": 4, "b": 2, "c": 6, "l": 4}
+
+
+@st.composite
+def _annotations(draw):
+    """Annotations mixing repeated whole dims, marked numbers, a (frozen) star and '+' inputs."""
+    markers = {n: draw(st.sampled_from(["", "+", "^"])) for n in LENGTHS}
+    star = draw(st.sampled_from([None, "", "^"]))
+
+    def tensor():
+        dims = draw(st.lists(st.sampled_from(["a", "b", "c", "l", "l l", "2^", "3"]), min_size=1, max_size=3))
+        words = [" ".join(n if n[0].isdigit() else n + markers[n] for n in d.split()) for d in dims]
+        if star is not None and draw(st.booleans()):
+            words.insert(draw(st.integers(0, len(words))), "*" + star)
+        return " ".join(words)
+
+    ins = [tensor() for _ in range(draw(st.integers(1, 3)))]
+    outs = [tensor() for _ in range(draw(st.integers(1, 2)))]
+    partial = [draw(st.booleans()) for _ in ins]
+    return ", ".join(("+" if p else "") + t for p, t in zip(partial, ins)) + " -> " + ", ".join(outs), partial
+
+
+def _shape(text: str) -> tuple:
+    return tuple(n for w in text.split() for n in ([2, 2] if w.startswith("*") else
+                                                   [int(w.rstrip("^"))] if w[0].isdigit() else [LENGTHS[w.rstrip("+^")]]))
+
+
+@settings(deadline=None, max_examples=150)
+@given(_annotations())
+def test_new_constructs_parse_bind_and_partition(drawn):
+    text, partial = drawn
+    ins, outs = (side.split(", ") for side in text.split(" -> "))
+    value = {w.rstrip("+") for w in text.replace(",", " ").split() if w.endswith("+") and w[0] != "+"}
+    lacks_none = [p and not (value - {w.lstrip("+").rstrip("+^") for w in t.split()}) for p, t in zip(partial, ins)]
+    if any(lacks_none):
+        with pytest.raises(AnnotationError, match="lacks none"):
+            parse(text)
+        return
+    anno = parse(text)
+    assert str(anno) == text and [t.partial for t in anno.inputs] == partial
+    b = bind(anno, [_shape(t.lstrip("+")) for t in ins], [_shape(t) for t in outs])
+    repeated = {n for t in ins + outs for n in "abcl" if [w.lstrip("+").rstrip("+^") for w in t.split()].count(n) > 1}
+    assert anno.repeated() == repeated
+    for ident in splittable(b):
+        assert ident not in repeated and b.markers[ident] != "^"
+    for p in enumerate_partitions(b, 2):
+        lay = op_layout(b, p)
+        (ident,) = [i for i, _ in p.splits] or [None]
+        for t, dims, layout in zip(anno.inputs, b.inputs, lay.inputs):
+            holds = any(ids[0] == ident for ids in dims)
+            want = Shard if holds else Partial if (t.partial and b.markers.get(ident) == "+") else Replicate
+            assert all(isinstance(x, want) for x in layout) or ident is None, (text, p.label, layout)
