@@ -198,7 +198,8 @@ def test_layouts_follow_the_annotation(case, world, data):
                 out.append(Replicate())
         return tuple(out)
 
-    assert list(lay.inputs) == [expected(t, ok) for t, ok in zip(anno.inputs, floating)]
+    # an input lacking a split '+' identifier is V only when written '+x' (and floating), else R
+    assert list(lay.inputs) == [expected(t, ok and pt.partial) for t, ok, pt in zip(anno.inputs, floating, b.anno.inputs)]
     assert list(lay.outputs) == [expected(t, True) for t in anno.outputs]
 
 
