@@ -25,7 +25,7 @@ _reg("index_select_dim1", "a v+, ?, k -> a k", torch.index_select, "aten.index_s
      args={1: 1}, inputs={2: Index("v")}, local=partial(K.index_select, ident="v"))
 _reg("gather", "a n+, ?, a k -> a k", torch.gather, "aten.gather.default", args={1: -1},
      inputs={2: Index("n")}, local=partial(K.gather, ident="n"))
-_reg("scatter_add", "a n^, ?, a k+, a k+ -> a n^", torch.scatter_add, "aten.scatter_add.default",
+_reg("scatter_add", "+a n^, ?, a k+, a k+ -> a n^", torch.scatter_add, "aten.scatter_add.default",
      args={1: -1}, inputs={2: Index("n")})
 
 _reg("where", "*, *, * -> *", torch.where, "aten.where.self", inputs={0: Mask()})

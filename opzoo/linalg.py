@@ -16,14 +16,14 @@ def _reg(name, annotation, fn, aten, **options):
 
 
 _reg("linear", "* k+, n k+ -> * n", F.linear, "aten.linear.default")
-_reg("linear_bias", "* k+, n k+, n -> * n", F.linear, "aten.linear.default")
+_reg("linear_bias", "* k+, n k+, +n -> * n", F.linear, "aten.linear.default")
 _reg("matmul", "* m k+, k+ n -> * m n", torch.matmul, "aten.matmul.default")
 _reg("matmul_batched", "* m k+, * k+ n -> * m n", torch.matmul, "aten.matmul.default", star=1)
 _reg("matmul_vec", "* m k+, k+ -> * m", torch.matmul, "aten.matmul.default", star=1)
 _reg("mm", "m k+, k+ n -> m n", torch.mm, "aten.mm.default")
 _reg("bmm", "b m k+, b k+ n -> b m n", torch.bmm, "aten.bmm.default")
-_reg("addmm", "n, m k+, k+ n -> m n", torch.addmm, "aten.addmm.default")
-_reg("baddbmm", "b m n, b m k+, b k+ n -> b m n", torch.baddbmm, "aten.baddbmm.default",
+_reg("addmm", "+n, m k+, k+ n -> m n", torch.addmm, "aten.addmm.default")
+_reg("baddbmm", "+b m n, b m k+, b k+ n -> b m n", torch.baddbmm, "aten.baddbmm.default",
      kwargs={"beta": 0.5, "alpha": 2.0})
 _reg("mv", "m k+, k+ -> m", torch.mv, "aten.mv.default")
 _reg("dot", "k+, k+ -> 1", torch.dot, "aten.dot.default")

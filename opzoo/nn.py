@@ -5,8 +5,8 @@
 * ``scaled_dot_product_attention`` splits batch and heads; the key length and the head dim are
   frozen (softmax and the scale span them); the query length may be split only without a causal
   mask (a causal mask depends on the query position); the value dim ``e`` is spatial.
-* convolutions split the batch, the output channels, and the input channels by value (a bias is
-  then held by one rank); spatial extents are frozen (a split would need halos).
+* convolutions split the batch, the output channels, and the input channels by value (a bias,
+  written ``+o``, is then held by one rank); spatial extents are frozen (a split would need halos).
 * dropout is only registered where it is the identity (``p=0`` or eval mode): random masks differ
   between a whole tensor and its shards.
 """
@@ -43,11 +43,11 @@ _reg("sdpa_scale", "b h s d^, b h t^ d^, b h t^ e -> b h s e", F.scaled_dot_prod
      kwargs={"scale": 0.3})
 
 _CONV1 = {"l": 9, "k": 3}
-_reg("conv1d", "n c+ l^, o c+ k^, o -> n o m^", F.conv1d, "aten.conv1d.default", sizes=_CONV1)
+_reg("conv1d", "n c+ l^, o c+ k^, +o -> n o m^", F.conv1d, "aten.conv1d.default", sizes=_CONV1)
 _reg("conv1d_nobias", "n c+ l^, o c+ k^ -> n o m^", F.conv1d, "aten.conv1d.default", sizes=_CONV1,
      kwargs={"padding": 1})
 _CONV2 = {"hi": 7, "wi": 6, "kh": 3, "kw": 2}
-_reg("conv2d", "n c+ hi^ wi^, o c+ kh^ kw^, o -> n o ho^ wo^", F.conv2d, "aten.conv2d.default",
+_reg("conv2d", "n c+ hi^ wi^, o c+ kh^ kw^, +o -> n o ho^ wo^", F.conv2d, "aten.conv2d.default",
      sizes=_CONV2, kwargs={"padding": 1})
 _reg("conv2d_nobias", "n c+ hi^ wi^, o c+ kh^ kw^ -> n o ho^ wo^", F.conv2d, "aten.conv2d.default",
      sizes=_CONV2, kwargs={"stride": 2})

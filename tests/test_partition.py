@@ -141,12 +141,13 @@ def test_spatial_split_layouts():
 
 
 def test_value_split_layouts():
-    b = bind("m k+, k+ n, m, ? -> m n, k+", [(4, 4), (4, 4), (4,), None], [(4, 4), (4,)])
+    b = bind("m k+, k+ n, +m, m, ? -> m n, k+", [(4, 4), (4, 4), (4,), (4,), None], [(4, 4), (4,)])
     p = Partition.parse("k=2", 2)
-    lay = op_layout(b, p, [True, True, True, True])
-    assert lay.inputs == ((Shard(1),), (Shard(0),), (Partial(),), None)
+    lay = op_layout(b, p, [True, True, True, True, True])
+    # '+m' is a partial value held by one rank; plain 'm' is replicated (nnScaler's rule)
+    assert lay.inputs == ((Shard(1),), (Shard(0),), (Partial(),), (Replicate(),), None)
     assert lay.outputs == ((Partial(),), (Shard(0),))
-    lay = op_layout(b, p, [True, True, False, False])
+    lay = op_layout(b, p, [True, True, False, False, False])
     assert lay.inputs[2] == (Replicate(),) and lay.outputs[0] == (Partial(),)
 
 
@@ -197,7 +198,8 @@ def test_layouts_follow_the_annotation(case, world, data):
                 out.append(Replicate())
         return tuple(out)
 
-    assert list(lay.inputs) == [expected(t, ok) for t, ok in zip(anno.inputs, floating)]
+    # an input lacking a split '+' identifier is V only when written '+x' (and floating), else R
+    assert list(lay.inputs) == [expected(t, ok and pt.partial) for t, ok, pt in zip(anno.inputs, floating, b.anno.inputs)]
     assert list(lay.outputs) == [expected(t, True) for t in anno.outputs]
 
 

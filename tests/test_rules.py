@@ -59,7 +59,7 @@ def test_every_rule_has_an_example():
     ("aten.transpose.int", (T(2, 8, 4, 8), 1, 2), "a b c d, ?, ? -> a c b d"),
     ("aten.sum.dim_IntList", (T(2, 8, 32), [0, 2], True), "a+ b c+, ?, ? -> 1 b 1"),
     ("aten.split.Tensor", (T(2, 8, 96), 32, 2), "a b (3 d), ?, ? -> a b d, a b d, a b d"),
-    ("aten.linear.default", (T(2, 8, 32), T(96, 32), T(96)), "a b k+, n k+, n -> a b n"),
+    ("aten.linear.default", (T(2, 8, 32), T(96, 32), T(96)), "a b k+, n k+, +n -> a b n"),
     ("aten.scaled_dot_product_attention.default", (T(2, 4, 8, 8),) * 3 + (None, 0.0, True),
      "a b s^ d^, a b t^ d^, a b t^ e, ?, ?, ? -> a b s^ e"),
 ])

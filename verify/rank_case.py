@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from nnscaler.dimops.partition import Partition, check_partition, enumerate_partitions
-from nnscaler.ops.spec import resolve
+from nnscaler.ops.spec import outputs_of, resolve
 from nnscaler.runtime.mesh import RankMesh
-from nnscaler.runtime.partitioned import as_tuple, run_partitioned
+from nnscaler.runtime.partitioned import run_partitioned
 
 from .compare import Check, check_tensor
 from .samples import Sample
@@ -57,7 +57,7 @@ def reference(sample: Sample, device) -> Reference:
     results = []
     for dtype in (None, torch.float64):
         leaves = _leaves(sample, device, dtype)
-        outs = as_tuple(spec.fn(*leaves, **kwargs))
+        outs = outputs_of(spec.anno, spec.fn(*leaves, **kwargs))
         cots = [None if c is None else c.to(device) for c in sample.cotangents]
         grads = _backward(outs, cots, leaves)
         results.append((tuple(y.detach() if isinstance(y, torch.Tensor) else y for y in outs), grads))
@@ -85,11 +85,27 @@ def run_case(sample: Sample, ref: Reference, partition: Partition, mesh: RankMes
     grads = _backward(outs, cots, leaves)
     checks = []
     for i, (y, d, r) in enumerate(zip(outs, ref.outs, ref.outs64)):
-        checks.append(check_tensor(f"output {i}", _detach(y), d, r, **opts))
+        checks.append(_check_output(f"output {i}", _detach(y), d, r, opts))
     for i, (g, d, r) in enumerate(zip(grads, ref.grads, ref.grads64)):
         if g is not None or d is not None:
             checks.append(check_tensor(f"grad of input {i}", g, d, r, **opts))
     return checks
+
+
+def _check_output(name: str, par, dev, ref, opts: dict) -> Check:
+    """A tensor output, or an opaque (``?``) one compared as a whole: a list or tuple element by
+    element (the worst element decides), anything else by equality."""
+    if isinstance(dev, (list, tuple)):
+        if not isinstance(par, (list, tuple)) or len(par) != len(dev):
+            return Check(name, float("inf"), 0.0, False, f"opaque output {_kind(par)} != {_kind(dev)}")
+        checks = [_check_output(f"{name}[{j}]", _detach(p), _detach(d), _detach(r), opts)
+                  for j, (p, d, r) in enumerate(zip(par, dev, ref))]
+        return max(checks, key=lambda c: (not c.ok, c.ratio), default=Check(name, 0.0, 0.0, True))
+    return check_tensor(name, par, dev, ref, **opts)
+
+
+def _kind(x) -> str:
+    return f"{type(x).__name__} of {len(x)}" if isinstance(x, (list, tuple)) else type(x).__name__
 
 
 def _detach(y):

@@ -10,8 +10,7 @@ import torch
 
 from nnscaler.dimops.binding import BoundAnno, bind
 from nnscaler.dimops.grammar import FROZEN
-from nnscaler.ops.spec import Index, Mask, OpSpec, Positive, Uniform, resolve
-from nnscaler.runtime.partitioned import as_tuple
+from nnscaler.ops.spec import Index, Mask, OpSpec, Positive, Uniform, outputs_of, resolve, size_names
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPLIT_MULTIPLES = (2, 1, 3)  # splittable lengths are base x these, cycling over identifiers
@@ -25,16 +24,19 @@ def split_base(world_sizes: Sequence[int]) -> int:
 
 
 def sample_lengths(spec: OpSpec, base: int) -> dict[str, int]:
-    """A length for every identifier of the inputs (output-only ones only where ``spec.sizes`` gives them)."""
+    """A length for every identifier of the inputs and of ``Size`` arguments (a creator's sizes);
+    other output-only ones only where ``spec.sizes`` gives them."""
     anno = spec.anno
-    markers = anno.markers()
+    markers = dict(anno.markers())
     hidden = {i.name for t in anno.inputs + anno.outputs for d in t.dims for i in d.idents[1:]}
     in_inputs = {i.name for t in anno.inputs for d in t.dims for i in d.idents}
+    in_inputs |= size_names(dict(spec.args)) | size_names(dict(spec.kwargs))
     sizes: dict[str, int] = {}
     n_split = n_frozen = n_hidden = 0
     names = list(markers)
     if any(t.has_star for t in anno.inputs):
         names = [f"*{k}" for k in range(spec.star)] + names
+        markers.update({f"*{k}": anno.star_marker() for k in range(spec.star)})
     for name in names:
         if name in spec.sizes:
             sizes[name] = spec.sizes[name]
@@ -110,7 +112,7 @@ def make_sample(spec: OpSpec, dtype: torch.dtype, seed: int, base: int) -> Sampl
     known = {k: v for k, v in sizes.items() if not k.startswith("*")}
     bound = bind(spec.anno, in_shapes, known=known)
     with torch.no_grad():
-        outs = as_tuple(spec.fn(*inputs, **resolve(dict(spec.kwargs), bound.sizes)))
+        outs = outputs_of(spec.anno, spec.fn(*inputs, **resolve(dict(spec.kwargs), bound.sizes)))
     out_shapes = [None if t.opaque else tuple(y.shape) for t, y in zip(spec.anno.outputs, outs)]
     bound = bind(spec.anno, in_shapes, out_shapes, known=known)
     cots = []

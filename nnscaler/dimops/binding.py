@@ -1,6 +1,6 @@
 """Binding an annotation to concrete shapes: every identifier gets its length.
 
-``*`` is expanded into identifiers ``*0, *1, ...`` (spatial), so a bound annotation lists, for every
+``*`` is expanded into identifiers ``*0, *1, ...`` (spatial; frozen for ``*^``), so a bound annotation lists, for every
 real dim of every tensor, the identifiers it is made of (one, or the factors of a group).
 """
 from __future__ import annotations
@@ -93,6 +93,7 @@ def bind(anno: OpAnno | str, inputs: Sequence[Shape | None], outputs: Sequence[S
     origin: dict[str, str] = {k: "given sizes" for k in sizes}
     star: list[int | None] = [None]
     markers = {k: v for k, v in anno.markers().items()}
+    star_marker = anno.star_marker()
     groups: list[tuple[tuple[str, ...], int, str]] = []
 
     def bind_side(side: str, annos, shapes) -> tuple:
@@ -114,7 +115,7 @@ def bind(anno: OpAnno | str, inputs: Sequence[Shape | None], outputs: Sequence[S
                     if int(name) != n:
                         raise AnnotationError(f"{where}, dim {pos}: fixed length {name} but the tensor has {n}")
                     continue
-                markers.setdefault(name, SPATIAL)
+                markers.setdefault(name, star_marker if name.startswith("*") else SPATIAL)
                 if name in sizes and sizes[name] != n:
                     raise AnnotationError(f"{where}, dim {pos}: {name!r} is {n} here but {sizes[name]} in {origin[name]}")
                 sizes.setdefault(name, n)
@@ -131,7 +132,7 @@ def bind(anno: OpAnno | str, inputs: Sequence[Shape | None], outputs: Sequence[S
             for ids in dims or ():
                 for i in ids:
                     if not i.isdigit():
-                        markers.setdefault(i, SPATIAL)
+                        markers.setdefault(i, star_marker if i.startswith("*") else SPATIAL)
     _solve_groups(groups, sizes, origin)
     return BoundAnno(anno, sizes, bound_in, bound_out, markers)
 

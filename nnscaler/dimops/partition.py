@@ -102,8 +102,9 @@ def axis_groups(shape: Sequence[int]) -> list[list[tuple[int, ...]]]:
 
 
 def splittable(bound: BoundAnno) -> list[str]:
-    """Identifiers that may be split: not frozen, not a number, never a non-first group factor."""
-    barred: set[str] = set()
+    """Identifiers that may be split: not frozen, not a number, never a non-first group factor, never
+    one naming several dims of a tensor (``l l``: see :mod:`nnscaler.dimops.grammar`)."""
+    barred: set[str] = set(bound.anno.repeated())
     for dims in bound.inputs + bound.outputs:
         for ids in dims or ():
             barred.update(ids[1:])
@@ -171,6 +172,8 @@ class OpLayout:
 
 
 def _tensor_layout(dims, axis_ids, markers, partial_ok: bool) -> Layout:
+    """Per mesh axis: D where the tensor holds the split identifier, V where it lacks a split ``+``
+    identifier and may be a partial value (``partial_ok``), else R."""
     out = []
     for ident in axis_ids:
         dim = None if ident is None else next((d for d, ids in enumerate(dims) if ids[0] == ident), None)
@@ -184,15 +187,18 @@ def _tensor_layout(dims, axis_ids, markers, partial_ok: bool) -> Layout:
 
 
 def op_layout(bound: BoundAnno, partition: Partition, partial_inputs: Sequence[bool] | None = None) -> OpLayout:
-    """Layouts implied by ``partition``: a tensor holding a split identifier is split along it (D);
-    one lacking a split ``+`` identifier is a partial value (V) — for inputs only where
-    ``partial_inputs`` allows it (floating tensors), else replicated; all others are replicated (R)."""
+    """Layouts implied by ``partition``: a tensor holding a split identifier is split along it (D).
+    An output lacking a split ``+`` identifier is a partial value (V). An input lacking one is
+    replicated (R, nnScaler's rule: right for an input entering the summed computation, as in a
+    fused MLP), unless the annotation writes it with a leading ``+`` (``+n, m k+, k+ n -> m n``: a
+    bias added after the contraction), which makes it a partial value held by one rank (V) where
+    ``partial_inputs`` allows it (floating tensors; default all). All others are replicated (R)."""
     if partial_inputs is None:
         partial_inputs = [True] * len(bound.inputs)
     elif len(partial_inputs) != len(bound.inputs):
         raise ValueError(f"partial_inputs has {len(partial_inputs)} entries for {len(bound.inputs)} inputs")
-    ins = tuple(None if dims is None else _tensor_layout(dims, partition.axis_ids, bound.markers, ok)
-                for dims, ok in zip(bound.inputs, partial_inputs))
+    ins = tuple(None if dims is None else _tensor_layout(dims, partition.axis_ids, bound.markers, ok and t.partial)
+                for dims, ok, t in zip(bound.inputs, partial_inputs, bound.anno.inputs))
     outs = tuple(None if dims is None else _tensor_layout(dims, partition.axis_ids, bound.markers, True)
                  for dims in bound.outputs)
     return OpLayout(ins, outs)

@@ -82,10 +82,13 @@ def _position(fn: Callable, key: int | str, nargs: int) -> int:
     return params.index(key)
 
 
-def register_op(annotation: str, name: str | None = None, *, registry: OpRegistry | None = None,
+def register_op(annotation: str | Callable[..., str], name: str | None = None, *, registry: OpRegistry | None = None,
                 args: Mapping[int | str, Any] | None = None, inputs: Mapping[int | str, Any] | None = None,
                 **options) -> Callable[[Callable], Callable]:
     """Decorator: register a function of tensors with its dimops annotation.
+
+    ``annotation`` may be a function of the call's arguments returning the text (nnScaler's callable
+    annotations; give ``examples=[...]`` calls to verify): see :mod:`nnscaler.ops.callable_anno`.
 
     A ``torch.library.custom_op`` is looked up by its graph node (``ns.name.default``) without
     further ado. ``args`` fixes the values of ``?`` arguments and ``inputs`` constrains sample values (both keyed
@@ -97,6 +100,8 @@ def register_op(annotation: str, name: str | None = None, *, registry: OpRegistr
 
     def deco(fn: Callable) -> Callable:
         from ..dimops.grammar import parse
+        if callable(annotation):
+            return _register_callable(fn, annotation, name, target, inputs, options)
         n = len(parse(annotation).inputs)
         qualname = getattr(fn, "_qualname", None)  # a torch.library.custom_op: its graph node's name
         if qualname and "::" in qualname and not options.get("aten"):
@@ -110,6 +115,22 @@ def register_op(annotation: str, name: str | None = None, *, registry: OpRegistr
         return fn
 
     return deco
+
+
+def _register_callable(fn: Callable, anno_fn: Callable[..., str], name: str | None, target: OpRegistry,
+                       inputs: Mapping[int | str, Any] | None, options: dict) -> Callable:
+    """``register_op`` with a callable annotation (kept apart from the string path)."""
+    from .callable_anno import register_callable
+    examples = options.pop("examples", ())
+    qualname = getattr(fn, "_qualname", None)
+    aten = options.pop("aten", ())
+    overloads = ((aten,) if isinstance(aten, str) else tuple(aten)) or (
+        (qualname.replace("::", ".") + ".default",) if qualname and "::" in qualname else ())
+    if inputs:
+        options["inputs"] = {_position(fn, k, 10 ** 6): v for k, v in inputs.items()}
+    register_callable(target, anno_fn, fn, name or getattr(fn, "__name__", None) or repr(fn), examples,
+                      overloads, options)
+    return fn
 
 
 def annotation_rule(*overloads: str, registry: OpRegistry | None = None) -> Callable[[Rule], Rule]:

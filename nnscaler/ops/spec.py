@@ -16,6 +16,10 @@ class Size:
 
     expr: str
 
+    def names(self) -> set[str]:
+        """The identifiers this expression names."""
+        return {n for n in re.findall(r"-?[A-Za-z0-9_*]+", self.expr) if not re.fullmatch(r"-?\d+", n)}
+
     def resolve(self, sizes: Mapping[str, int]) -> int | tuple[int, ...]:
         if not re.fullmatch(r"\s*(?:(?:\([^()]*\)|-?[A-Za-z0-9_*]+)\s*)+", self.expr):
             raise AnnotationError(f"Size({self.expr!r}): expected identifiers, numbers and groups '(h d)'")
@@ -45,6 +49,26 @@ def resolve(value: Any, sizes: Mapping[str, int]) -> Any:
     if isinstance(value, dict):
         return {k: resolve(v, sizes) for k, v in value.items()}
     return value
+
+
+def size_names(value: Any) -> set[str]:
+    """Identifiers named by every :class:`Size` inside ``value`` (lists, tuples, dicts too)."""
+    if isinstance(value, Size):
+        return value.names()
+    if isinstance(value, (list, tuple)):
+        return set().union(*(size_names(v) for v in value))
+    if isinstance(value, dict):
+        return set().union(*(size_names(v) for v in value.values()))
+    return set()
+
+
+def outputs_of(anno: OpAnno, result: Any) -> tuple:
+    """An operator's result as one value per annotated output: a function whose annotation names a
+    single ``?`` output returns it whole (a list or tuple stays one opaque output); otherwise a
+    tuple or list is one output per element."""
+    if len(anno.outputs) == 1 and anno.outputs[0].opaque:
+        return (result,)
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
 
 # --- value constraints for sample inputs ----------------------------------------------------------

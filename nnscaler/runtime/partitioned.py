@@ -14,7 +14,7 @@ import torch
 from ..dimops.binding import BoundAnno
 from ..dimops.layout import Layout, Partial, Replicate, Shard
 from ..dimops.partition import Partition, local_sizes, op_layout
-from ..ops.spec import OpSpec, resolve
+from ..ops.spec import OpSpec, outputs_of, resolve
 from . import collectives as C
 from .mesh import RankMesh
 
@@ -116,9 +116,9 @@ def run_partitioned(spec: OpSpec, bound: BoundAnno, partition: Partition, mesh: 
             local_in.append(distribute(x, lay, mesh, partition.axis_ids))
     kwargs = resolve(dict(spec.kwargs), sizes)
     if spec.local is not None:
-        outs = as_tuple(spec.local(ShardContext.of(bound, partition, mesh), *local_in, **kwargs))
+        outs = outputs_of(spec.anno, spec.local(ShardContext.of(bound, partition, mesh), *local_in, **kwargs))
     else:
-        outs = as_tuple(spec.fn(*local_in, **kwargs))
+        outs = outputs_of(spec.anno, spec.fn(*local_in, **kwargs))
     if len(outs) != len(layout.outputs):
         raise LayoutError(f"{spec.name} returned {len(outs)} outputs; its annotation names {len(layout.outputs)}")
     full = []

@@ -1,5 +1,5 @@
 """Rules for ``linear`` and ``matmul`` at any batch rank, as :mod:`opzoo.linalg` splits them: the
-contracted dim is split by value (``k+``, results are partial sums; a bias lacking ``k`` is then
+contracted dim is split by value (``k+``, results are partial sums; a bias, written ``+n``, is then
 held by one rank), every other dim is spatial; ``matmul``'s batch dims broadcast like an
 element-wise op (``1`` where one side broadcasts), and 1-d operands follow ``torch.matmul``.
 """
@@ -14,7 +14,7 @@ FAMILY = "linalg"
 
 @annotation_rule("aten.linear.default")
 def linear_rule(call: OpCall):
-    """``a b k+, n k+, n -> a b n`` (the bias ``?`` when None)."""
+    """``a b k+, n k+, +n -> a b n`` (the bias ``?`` when None; ``+``: a partial value under a ``k`` split)."""
     if not usable(call):
         return None
     x, w = call.tensor(0), call.tensor(1)
@@ -29,7 +29,7 @@ def linear_rule(call: OpCall):
     if isinstance(bias, TensorMeta):
         if tuple(bias.shape) != tuple(w.shape[:1] if w.ndim == 2 else ()):
             return None
-        ins[2] = n or ["1"]
+        ins[2] = ["+" + (n or ["1"])[0]]  # added after the contraction: a partial value
     return build(call, FAMILY, ins, [batch + n])
 
 
