@@ -126,7 +126,7 @@ class Gang:
     def start(self) -> None:
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":  # ranks fork from a server that imported torch once
-            ctx.set_forkserver_preload(["torch", "torch.distributed", "verify.worker", "opzoo"])
+            ctx.set_forkserver_preload(["verify.forkserver_guard", "torch", "torch.distributed", "verify.worker", "opzoo"])
         self._store, self._sock = host_store(self.host, self.start_timeout_s)
         port = self._sock.getsockname()[1]
         self._outbox = ctx.Queue()
