@@ -25,9 +25,14 @@ W2 = RunConfig(world_sizes=(2,), base_override=4)
 
 
 @pytest.fixture(scope="module")
-def hgang(registry):
+def hreg(registry):
+    """The registry with the hostile operators too."""
     from verify.worker import load_modules
-    load_modules(HOSTILE)
+    return load_modules(HOSTILE)
+
+
+@pytest.fixture(scope="module")
+def hgang(hreg):
     with Gang(2, HOSTILE, (2,)) as g:
         yield g
 
@@ -173,7 +178,8 @@ def test_world_sizes_the_machine_cannot_run_are_refused():
         Gang(max_ranks() + 1)
 
 
-def test_a_rank_growing_past_the_memory_cap_is_stopped_and_the_gang_restarted(registry):
+def test_a_rank_growing_past_the_memory_cap_is_stopped_and_the_gang_restarted(hreg):
+    registry = hreg
     with Gang(2, HOSTILE, (2,)) as g:
         rows_of(g, registry, "right_rowscale")
         g.memory_mb = max(isolation.rss_mb(pid) for pid in g.pids) + 200  # two leaks of 96 MiB fit, not three
