@@ -152,9 +152,12 @@ def plan_op(gang: Gang, spec: OpSpec, cfg: RunConfig, seed: int) -> tuple[dict[i
     job = {"kind": "plan", "op": spec.name, "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
            "world_sizes": list(cfg.world_sizes), "partition": cfg.partition}
     (answer,) = gang.run(job, 1, cfg.timeout_s)
-    if answer.result and answer.result.get("error_type") == "AnnotationError":  # the spec disagrees with its op
+    call_error = answer.result and answer.result.get("error_type") == "TypeError" and \
+        "(at samples.py:" in answer.result.get("error", "")  # the op cannot be called with its annotated inputs
+    if answer.result and (answer.result.get("error_type") == "AnnotationError" or call_error):  # spec vs op
         raise BadInput(f"op {spec.name!r} `{spec.annotation}`: "
-                       + answer.result["error"].split(" (at ")[0].removeprefix("AnnotationError: "))
+                       + answer.result["error"].split(" (at ")[0].removeprefix("AnnotationError: ")
+                       + ("; the annotation must name one input per argument" if call_error else ""))
     if answer.failure or answer.result.get("error"):
         status, detail, _, tb = judge([answer])
         return None, Row(spec.name, spec.family, spec.annotation, 0, "-", cfg.dtype, seed, status,
