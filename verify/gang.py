@@ -242,7 +242,8 @@ class Gang:
                 first_error = rank
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)  # peers may be stuck in a collective
         failed = any(a.failure for a in answers.values())
-        errored = any(a.result and a.result.get("error") for a in answers.values())
+        errored = any(a.result and a.result.get("error") and a.result.get("error_type") != "StateLeak"
+                      for a in answers.values())  # raised mid-case; a leak is found after a finished case
         if failed or (errored and ranks > 1) or self._over_memory():
             self._healthy = False  # a rank may be dead, stuck in a collective or bloated: restart
         return [answers[r] for r in range(ranks)]

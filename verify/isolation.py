@@ -84,13 +84,18 @@ def _alive(pid: int) -> bool:
 
 
 def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from ``/proc``)."""
-    out = []
+    """Direct children of ``pid``, whichever of its threads started them (from ``/proc``)."""
+    out: list[int] = []
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            out = [int(x) for x in f.read().split()]
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        pass
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
     return out
 
 
