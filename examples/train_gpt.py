@@ -1,6 +1,9 @@
 """Train a small GPT with nnscaler, one process per rank.
 
-    torchrun --nproc_per_node 2 examples/train_gpt.py [--policy dp|tp|hybrid|random] [--steps 10]
+    python -m verify.torchrun --nproc_per_node 2 examples/train_gpt.py [--policy dp|tp|hybrid|random] [--steps 10]
+
+(``verify.torchrun`` is torchrun listening on 127.0.0.1 only; plain ``torchrun`` works too, but its
+stores listen on every interface.)
 
 Runs on CPU (gloo) as it is, and on CUDA (nccl) unchanged when GPUs are present.
 """

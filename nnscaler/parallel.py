@@ -1,10 +1,12 @@
 """``nnscaler.parallelize``: trace, plan, generate one program per plan rank, and run this rank's."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
-import importlib.util
 import os
 import sys
+import types
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .codegen.emit import generate
+from .dimops.partition import Partition
 from .ops.registry import OpRegistry
 from .policies import POLICIES, ComputeConfig, Plan, PlanError, validate
 from .policies.plan import Policy
@@ -19,7 +22,11 @@ from .runtime.mesh import GroupCache, RankMesh
 from .runtime.module import ParallelModule
 from .trace.build import trace
 
-CODEGEN_VERSION = "1"
+CODEGEN_VERSION = "2"
+
+
+class GenSaveDirError(OSError):
+    """``gen_savedir`` cannot hold the generated programs (not a directory, not writable)."""
 
 
 def _policy(policy: str | Policy) -> tuple[str, Policy]:
@@ -42,22 +49,63 @@ def _ensure_process_group() -> None:
     dist.init_process_group(backend)
 
 
-def _import(path: Path, digest: str, plan_rank: int):
-    name = f"nnscaler_gen_{digest[:12]}_{plan_rank}"
+def _import(source: str, path: Path, plan_rank: int):
+    """The module of ``source``, compiled from that text (never re-read from ``path``, which another
+    job may be replacing): a cached file can only be run if it is exactly what the compiler wrote."""
+    name = f"nnscaler_gen_{hashlib.sha256(source.encode()).hexdigest()[:16]}_{plan_rank}"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 (our own generated text)
     sys.modules[name] = module
     return module
 
 
+@contextlib.contextmanager
+def _locked(directory: Path):
+    """Hold ``directory/.lock`` exclusively: one job at a time checks and writes programs there."""
+    with open(directory / ".lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _same(path: Path, text: str) -> bool:
+    try:
+        return path.read_bytes() == text.encode()
+    except OSError:
+        return False
+
+
+def _save(directory: Path, plan_rank: int, source: str, reuse: bool) -> Path:
+    """Write ``source`` as ``directory/plan_rank_N.py`` unless that file already holds exactly it
+    (a tampered, truncated, empty or binary file is rewritten). Raises :class:`GenSaveDirError`."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GenSaveDirError(f"gen_savedir {str(directory)!r} cannot be created: {exc.strerror or exc}") from None
+    if not directory.is_dir():
+        raise GenSaveDirError(f"gen_savedir {str(directory)!r} is not a directory")
+    path = directory / f"plan_rank_{plan_rank}.py"
+    try:
+        with _locked(directory):
+            if not (reuse and _same(path, source)):
+                _write(path, source)
+    except OSError as exc:
+        raise GenSaveDirError(f"gen_savedir {str(directory)!r} is not writable: {exc.strerror or exc}") from None
+    return path
 
 
 def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
@@ -72,6 +120,11 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     the config matches. Ranks beyond ``plan_ngpus`` are data-parallel replicas: call
     :meth:`ParallelModule.sync_replica_grads` after backward. ``groups`` reuses process groups made
     beforehand (then only ranks ``0 .. runtime_ngpus-1`` take part; others need not call).
+
+    A cached program is run only if its text is exactly what the compiler writes now (anything else
+    is rewritten); writes go under a lock on ``gen_savedir/.lock``, so jobs may share the directory.
+    Raises :class:`PlanError` (a policy gives no valid plan), :class:`GenSaveDirError` (``gen_savedir``
+    is unusable) or ``nnscaler.codegen.render.CodegenError`` (a value the program cannot write down).
     """
     _ensure_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -93,15 +146,17 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     plan: Plan = fn(graph, config)
     if not isinstance(plan, Plan):
         raise PlanError(f"policy {name} returned {type(plan).__name__}, not a Plan")
+    odd = next(((k, v) for k, v in plan.partitions.items() if not isinstance(v, Partition)), None)
+    if odd is not None:
+        raise PlanError(f"policy {name} gave operator {odd[0]} a {type(odd[1]).__name__} ({odd[1]!r}), not a "
+                        f"Partition (use Partition.parse(label, world_size))")
     validate(plan, graph, config)
     plan_rank, replica = rank % config.plan_ngpus, rank // config.plan_ngpus
     digest = hashlib.sha256("\n".join([CODEGEN_VERSION, str(graph), plan.describe(), repr(plan.mesh_shape),
                                        repr(config), name]).encode()).hexdigest()
-    path = Path(gen_savedir) / f"plan_rank_{plan_rank}.py"
-    if not (reuse and path.exists() and digest in path.read_text().splitlines()[0]):
-        source, _, _ = generate(graph, plan, plan_rank, header=f"[{digest}] {type(model).__name__}: ")
-        _write(path, source)
-    program = _import(path, digest, plan_rank)
+    source, _, _ = generate(graph, plan, plan_rank, header=f"[{digest}] {type(model).__name__}: ")
+    path = _save(Path(gen_savedir), plan_rank, source, reuse)
+    program = _import(source, path, plan_rank)
     cache = groups if groups is not None else GroupCache()
     for r in range(config.replicas if groups is None else 0):  # every rank creates every group, in order
         cache.create_for_shapes([plan.mesh_shape], offset=r * config.plan_ngpus)

@@ -84,9 +84,8 @@ def test_torchrun_replicas_and_reuse_of_generated_code(tmp_path):
     import sys
     from pathlib import Path
 
-    from verify.gang import free_port
+    from verify.torchrun import command
     script = Path(__file__).parent / "fixtures" / "replicas_script.py"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)],
+    r = subprocess.run(command(["--nproc_per_node", "4", str(script), str(tmp_path)]),  # loopback-only torchrun
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "REPLICAS OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -1,6 +1,8 @@
 """Cases (operator x partition x world size x seed) and their verdicts, driven on a :class:`Gang`."""
 from __future__ import annotations
 
+import inspect
+import math
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
@@ -12,6 +14,10 @@ from .gang import Gang, RankAnswer
 from .samples import split_base
 
 MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
+UNVERIFIABLE = "unverifiable"  # a random operator: never a match, never a mismatch
+
+
+MODEL_LIMIT_FACTOR = 8  # a model case traces, compiles, trains and reloads: far more than one operator
 
 
 class BadInput(ValueError):
@@ -29,6 +35,14 @@ class RunConfig:
     timeout_s: float = 30.0
     partition: str | None = None
     base_override: int | None = None
+
+    def limit_s(self, kind: str = "op", steps: int = 1) -> float:
+        """The time limit of one case: ``timeout_s`` for an operator case; a model case traces,
+        compiles, trains ``steps`` steps on three copies and reloads its checkpoint twice, so it gets
+        ``MODEL_LIMIT_FACTOR`` times that, growing with the steps beyond three."""
+        if kind == "model":
+            return self.timeout_s * MODEL_LIMIT_FACTOR * max(1.0, steps / 3)
+        return self.timeout_s
 
     @property
     def base(self) -> int:
@@ -93,13 +107,27 @@ def _worst(checks: list[dict], kind: str) -> dict | None:
 
 
 def judge(answers: list[RankAnswer]) -> tuple[str, str, list[dict], str]:
-    """Status, detail, merged checks (worst rank per tensor) and a traceback from per-rank answers."""
-    for a in answers:
-        if a.failure:
-            return (TIMEOUT if a.kind == "timeout" else CRASH), a.failure, [], ""
-    for a in answers:
-        if a.result.get("error"):
-            return ERROR, f"rank {a.rank}: {a.result['error']}", [], a.result.get("traceback", "")
+    """Status, detail, merged checks (worst rank per tensor) and a traceback from per-rank answers.
+
+    A dead rank (crash, memory cap) outranks everything; then a rank's own exception, with its
+    traceback, whatever its peers did (a peer stuck in a collective after the error is a consequence);
+    a timeout only when no rank raised and the limit truly passed."""
+    for kinds, status in ((("crash", "memory"), CRASH),):
+        dead = [a for a in answers if a.failure and a.kind in kinds]
+        if dead:
+            return status, dead[0].failure, [], ""
+    errors = [a for a in answers if a.result and a.result.get("error")]
+    if errors:
+        a = errors[0]
+        peers = sorted(b.rank for b in answers if b.failure)
+        note = f" (ranks {peers} then gave no answer)" if peers else ""
+        return ERROR, f"rank {a.rank}: {a.result['error']}{note}", [], a.result.get("traceback", "")
+    late = [a for a in answers if a.failure]
+    if late:
+        return TIMEOUT, late[0].failure, [], ""
+    unverifiable = next((a.result["unverifiable"] for a in answers if a.result.get("unverifiable")), None)
+    if unverifiable:
+        return UNVERIFIABLE, unverifiable, [], ""
     merged: dict[str, dict] = {}
     order: list[str] = []
     for a in answers:
@@ -124,14 +152,52 @@ def plan_op(gang: Gang, spec: OpSpec, cfg: RunConfig, seed: int) -> tuple[dict[i
     job = {"kind": "plan", "op": spec.name, "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
            "world_sizes": list(cfg.world_sizes), "partition": cfg.partition}
     (answer,) = gang.run(job, 1, cfg.timeout_s)
+    call_error = answer.result and answer.result.get("error_type") == "TypeError" and \
+        "(at samples.py:" in answer.result.get("error", "")  # the op cannot be called with its annotated inputs
+    if answer.result and (answer.result.get("error_type") == "AnnotationError" or call_error):  # spec vs op
+        raise BadInput(f"op {spec.name!r} `{spec.annotation}`: "
+                       + answer.result["error"].split(" (at ")[0].removeprefix("AnnotationError: ")
+                       + ("; the annotation must name one input per argument" if call_error else ""))
     if answer.failure or answer.result.get("error"):
         status, detail, _, tb = judge([answer])
-        if cfg.partition is not None and answer.result and answer.result.get("error_type") == "AnnotationError":
-            raise BadInput(answer.result["error"].split(" (at ")[0].removeprefix("AnnotationError: "))
         return None, Row(spec.name, spec.family, spec.annotation, 0, "-", cfg.dtype, seed, status,
                          detail=f"sampling failed: {detail}", rerun=cfg.rerun(spec.name, max(cfg.world_sizes), "replicate", seed),
                          traceback=tb)
+    empty = sorted(k for k, n in answer.result["sizes"].items() if n == 0)
+    if empty:
+        raise BadInput(f"op {spec.name!r} `{spec.annotation}`: zero-length dimension {', '.join(empty)}; "
+                       f"give it a positive length (sizes=...)")
     return {int(w): labels for w, labels in answer.result["plans"].items()}, None
+
+
+def check_spec(spec: OpSpec) -> None:
+    """Raise :class:`BadInput` for what is wrong with a spec without running it: an annotation whose
+    input count the function cannot take, a negative tolerance, a zero or negative fixed length."""
+    n = len(spec.anno.inputs)
+    try:
+        inspect.signature(spec.fn).bind(*range(n), **dict(spec.kwargs))
+    except TypeError as exc:
+        raise BadInput(f"op {spec.name!r}: the annotation `{spec.annotation}` names {n} inputs, but its function "
+                       f"cannot be called so: {exc}") from None
+    except ValueError:
+        pass  # a builtin without a signature: its call is checked on the first sample
+    tol = spec.tolerance
+    for name in ("factor", "floor_eps"):
+        v = getattr(tol, name, None) if tol is not None else None
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise BadInput(f"op {spec.name!r}: tolerance {name}={v!r} must be a finite number >= 0")
+    for k, v in spec.sizes.items():
+        if not (isinstance(v, int) and v > 0):
+            raise BadInput(f"op {spec.name!r}: sizes[{k!r}] = {v!r}; lengths must be positive integers")
+
+
+def preflight(gang: Gang, specs, cfg: RunConfig) -> None:
+    """Check every spec, and sample each once on rank 0, before any case runs: bad input
+    (:class:`BadInput`) is found before work starts, not as failing rows halfway through."""
+    for spec in specs:
+        check_spec(spec)
+    for spec in specs:
+        plan_op(gang, spec, cfg, cfg.seeds[0])
 
 
 def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = frozenset()) -> Iterator[Row]:
@@ -149,7 +215,7 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
                 start = time.perf_counter()
                 job = {"kind": "case", "op": spec.name, "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
                        "world_size": w, "partition": label}
-                status, detail, checks, tb = judge(gang.run(job, w, cfg.timeout_s))
+                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("op")))
                 out, grad = _worst(checks, "output"), _worst(checks, "grad")
                 yield Row(spec.name, spec.family, spec.annotation, w, label, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
@@ -171,7 +237,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
                        "seed": seed, "gen_dir": gen_dir}
-                status, detail, checks, tb = judge(gang.run(job, w, cfg.timeout_s * 4))
+                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("model", steps)))
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
                 rerun = " ".join(shlex.quote(p) for p in ["python", "-m", "verify", "model", name, "--policy", policy,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import tempfile
 import time
@@ -20,14 +22,13 @@ from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
 from nnscaler.policies import POLICIES
 
-from .cases import BadInput, RunConfig, run_model, run_op
+from .cases import BadInput, RunConfig, preflight, run_model, run_op
 from .models.builders import MODELS
-from .gang import Gang, GangError
-from .report import ReportWriter, summary, table
+from .gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
+from .report import ReportError, ReportWriter, summary, table
 from .samples import DTYPES
 from .worker import load_modules
 
-MAX_WORLD = 32
 
 
 class UsageError(Exception):
@@ -44,9 +45,22 @@ def _world_size(text: str) -> int:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"world size must be an integer, got {text!r}") from None
-    if not 1 <= n <= MAX_WORLD:
-        raise argparse.ArgumentTypeError(f"world size must be between 1 and {MAX_WORLD}, got {n}")
+    if not 1 <= n <= max_ranks():
+        raise argparse.ArgumentTypeError(f"world size must be between 1 and {max_ranks()} on this machine "
+                                         f"({os.cpu_count()} cores), got {n}")
     return n
+
+
+def _positive(kind: type, what: str):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a {kind.__name__}, got {text!r}") from None
+        if not (math.isfinite(v) and v > 0):
+            raise argparse.ArgumentTypeError(f"{what} must be a finite number above 0, got {text!r}")
+        return v
+    return parse
 
 
 def _common(p: argparse.ArgumentParser, run: bool = True) -> None:
@@ -58,8 +72,12 @@ def _common(p: argparse.ArgumentParser, run: bool = True) -> None:
                    help="world sizes to verify at (default: 2 4)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--seed", type=int, nargs="+", default=[0], metavar="S", help="input seeds (default: 0)")
-    p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="time limit per case (default 30)")
-    p.add_argument("--base", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=_positive(float, "--timeout"), default=30.0, metavar="SECONDS",
+                   help="time limit per operator case; a model case gets 8x (default 30)")
+    p.add_argument("--rank-memory", type=_positive(float, "--rank-memory"), default=DEFAULT_MEMORY_MB, metavar="MB",
+                   help=f"resident memory cap per rank; a rank past it fails its case and the ranks restart "
+                        f"(default {DEFAULT_MEMORY_MB})")
+    p.add_argument("--base", type=_positive(int, "--base"), default=None, help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("name")
     _common(p_model)
     p_model.add_argument("--policy", nargs="+", default=list(POLICIES), choices=sorted(POLICIES))
-    p_model.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
+    p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_list = sub.add_parser("list", help="list registered operators with their annotations")
@@ -105,8 +123,38 @@ def _load(modules: Sequence[str]) -> OpRegistry:
         return load_modules(modules)
     except AnnotationError as exc:
         raise UsageError(str(exc)) from None
+    except SystemExit as exc:
+        raise UsageError(f"importing {', '.join(modules)} called sys.exit({exc.code!r})") from None
     except Exception as exc:
         raise UsageError(f"importing {', '.join(modules)} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _gang(cfg: RunConfig, args) -> Gang:
+    """The ranks for ``cfg``: gloo's own timeout stays far above the longest case limit."""
+    return Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes, memory_mb=args.rank_memory,
+                pg_timeout_s=max(PG_TIMEOUT_S, 2 * cfg.limit_s("model", getattr(args, "steps", 3))))
+
+
+def _json_target(path: str | None) -> None:
+    """Fail before the run, not after it, when ``--json`` cannot be written."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--json {path}: is a directory")
+    try:
+        p.write_text("[]\n")
+    except OSError as exc:
+        raise UsageError(f"--json {path}: cannot write: {exc.strerror or exc}") from None
+
+
+def _write_json(path: str | None, rows) -> None:
+    if path is None:
+        return
+    try:
+        Path(path).write_text(json.dumps([r.to_json() for r in rows], indent=1))
+    except OSError as exc:
+        raise ReportError(f"--json {path}: writing failed: {exc.strerror or exc}") from None
 
 
 def cmd_list(args) -> int:
@@ -121,15 +169,16 @@ def cmd_op(args) -> int:
     reg = _load(args.module)
     spec = reg.get(args.name)
     cfg = _config(args)
+    _json_target(args.json)
     print(f"verifying {spec.name} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
           f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
-    with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang:
+    with _gang(cfg, args) as gang:
+        preflight(gang, [spec], cfg)
         rows = list(run_op(gang, spec, cfg))
     print(table(rows))
     s = summary(rows)
     print(", ".join(f"{v} {k}" for k, v in s.items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps([r.to_json() for r in rows], indent=1))
+    _write_json(args.json, rows)
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -138,14 +187,14 @@ def cmd_model(args) -> int:
     if args.name not in MODELS:
         raise UsageError(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))}")
     cfg = _config(args)
+    _json_target(args.json)
     print(f"training {args.name} for {args.steps} steps under {', '.join(args.policy)} at world sizes "
           f"{list(cfg.world_sizes)}, seeds {list(cfg.seeds)}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp, Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang:
+    with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang:
         rows = list(run_model(gang, args.name, tuple(args.policy), cfg, args.gen_dir or tmp, args.steps))
     print(table(rows))
     print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps([r.to_json() for r in rows], indent=1))
+    _write_json(args.json, rows)
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -156,8 +205,9 @@ def cmd_all(args) -> int:
     unknown = [m for m in args.model or () if m not in MODELS]
     if unknown:
         raise UsageError(f"unknown model {unknown[0]!r}; known: {', '.join(sorted(MODELS))}")
-    writer = ReportWriter(args.reports, cfg, resume=args.resume)
+    writer = ReportWriter(args.reports, cfg, resume=args.resume)  # refuses a busy or unwritable directory
     done = writer.done()
+    gang = None
     start = time.perf_counter()
     print(f"verifying {len(specs)} operators at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, "
           f"seeds {list(cfg.seeds)}; reports in {args.reports}/", flush=True)
@@ -173,7 +223,8 @@ def cmd_all(args) -> int:
         writer.flush()
 
     try:
-        with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang, tempfile.TemporaryDirectory() as tmp:
+        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp:
+            preflight(gang, specs, cfg)
             for spec in specs:
                 record(spec.name, run_op(gang, spec, cfg, skip=done))
             for name in sorted(MODELS) if args.model is None else args.model:
@@ -185,7 +236,7 @@ def cmd_all(args) -> int:
     if failed:
         print(table(failed, with_op=True))
     s = summary(writer.rows)
-    print(", ".join(f"{v} {k}" for k, v in s.items()) + f" in {writer.seconds:.1f} s; gang started {gang.starts}x")
+    print(", ".join(f"{v} {k}" for k, v in s.items()) + f" in {writer.seconds:.1f} s; gang started {gang.starts if gang else 0}x")
     return 0 if not failed else 1
 
 
@@ -193,7 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all}[args.command](args)
-    except (UsageError, UnknownOpError, BadInput, AnnotationError) as exc:
+    except (UsageError, UnknownOpError, BadInput, AnnotationError, ReportError) as exc:
+        print(f"verify: error: {exc}", file=sys.stderr)
+        return 2
+    except WorldSizeError as exc:
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2
     except GangError as exc:

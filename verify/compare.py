@@ -78,7 +78,8 @@ def check_tensor(name: str, par, dev, ref, factor: float = FACTOR, floor_eps: fl
     if not (par.is_floating_point() or par.is_complex()):
         bad = int((par != dev).sum())
         return Check(name, float(bad), 0.0, bad == 0, f"{bad} of {par.numel()} elements differ" if bad else "")
-    par64, dev64, ref = par.double(), dev.double(), ref.double()
+    wide = torch.complex128 if par.is_complex() else torch.float64  # complex: compared whole, not its real part
+    par64, dev64, ref = par.to(wide), dev.to(wide), ref.to(wide)
     finite = torch.isfinite(ref)
     if not torch.equal(torch.isfinite(par64), finite) or not torch.equal(par64[~finite].nan_to_num(), ref[~finite].nan_to_num()):
         bad = int((torch.isfinite(par64) != finite).sum())

@@ -26,8 +26,9 @@ def _leaves(sample: Sample, device, dtype: torch.dtype | None = None) -> list[An
     for x in sample.inputs:
         if isinstance(x, torch.Tensor):
             x = x.detach().to(device)
-            if x.is_floating_point():
-                x = (x if dtype is None else x.to(dtype)).requires_grad_(sample.spec.differentiable)
+            if x.is_floating_point() or x.is_complex():
+                wide = torch.complex128 if x.is_complex() else dtype
+                x = (x if dtype is None else x.to(wide)).requires_grad_(sample.spec.differentiable)
         out.append(x)
     return out
 
@@ -36,7 +37,7 @@ def _backward(outs: tuple, cots: list, leaves: list) -> list[torch.Tensor | None
     pairs = [(y, c) for y, c in zip(outs, cots) if c is not None and isinstance(y, torch.Tensor) and y.requires_grad]
     wanted = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
     if pairs and wanted:
-        torch.autograd.backward([y for y, _ in pairs], [c.to(y.dtype) for y, c in pairs])
+        torch.autograd.backward([y for y, _ in pairs], [c.to(device=y.device, dtype=y.dtype) for y, c in pairs])
     return [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
 
 
@@ -48,12 +49,46 @@ class Reference:
     outs64: tuple
     grads: list
     grads64: list
+    random: str = ""  # why the op cannot be verified element by element (it draws random numbers)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x.isnan(), y.isnan())
+                    and torch.equal(x.nan_to_num(), y.nan_to_num())):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def draws_random(sample: Sample, device) -> str:
+    """Non-empty (the reason) when the op's outputs depend on the global random stream: two runs
+    under different seeds differ. Such an op draws other numbers on a shard than on the whole input,
+    so no split can be compared with one device (it is reported as not verifiable, never a match)."""
+    spec = sample.spec
+    kwargs = resolve(dict(spec.kwargs), sample.bound.sizes)
+    runs = []
+    state = torch.random.get_rng_state()
+    try:
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                runs.append(as_tuple(spec.fn(*_leaves(sample, device, torch.float64), **kwargs)))
+    finally:
+        torch.random.set_rng_state(state)
+    if _same(*runs):
+        return ""
+    return ("not verifiable: the operator draws random numbers (its outputs differ under two seeds), so a "
+            "partitioned run cannot be compared with one device; register it where it is deterministic")
 
 
 def reference(sample: Sample, device) -> Reference:
     """Run the plain operator on one device, in the sample's dtype and in float64."""
     spec = sample.spec
     kwargs = resolve(dict(spec.kwargs), sample.bound.sizes)
+    random = draws_random(sample, device)
     results = []
     for dtype in (None, torch.float64):
         leaves = _leaves(sample, device, dtype)
@@ -62,7 +97,7 @@ def reference(sample: Sample, device) -> Reference:
         grads = _backward(outs, cots, leaves)
         results.append((tuple(y.detach() if isinstance(y, torch.Tensor) else y for y in outs), grads))
     (outs, grads), (outs64, grads64) = results
-    return Reference(outs, outs64, grads, grads64)
+    return Reference(outs, outs64, grads, grads64, random)
 
 
 def partitions_of(sample: Sample, world_size: int, only: str | None = None) -> list[Partition]:
@@ -89,6 +124,11 @@ def run_case(sample: Sample, ref: Reference, partition: Partition, mesh: RankMes
     for i, (g, d, r) in enumerate(zip(grads, ref.grads, ref.grads64)):
         if g is not None or d is not None:
             checks.append(check_tensor(f"grad of input {i}", g, d, r, **opts))
+    wanted = spec.differentiable and any(c is not None for c in cots) and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+    if wanted and not any(c.name.startswith("grad") for c in checks):  # never a match without gradients
+        checks.append(Check("gradients", float("inf"), 0.0, False, "the gradient check could not run: no input got "
+                            "a gradient on either side (the op disabled autograd or detached its outputs)"))
     return checks
 
 

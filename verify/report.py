@@ -2,8 +2,11 @@
 by case, so an interrupted run keeps what it finished), JSON, Markdown and JUnit XML."""
 from __future__ import annotations
 
+import datetime
+import fcntl
 import json
 import os
+import socket
 import xml.etree.ElementTree as ET
 from collections import OrderedDict
 from pathlib import Path
@@ -14,6 +17,7 @@ from tabulate import tabulate
 from .cases import MATCH, Row, RunConfig
 
 CASES_FILE = "cases.jsonl"
+LOCK_FILE = ".lock"  # flock'ed by the one run writing the directory
 
 
 def _err(err: float | None, tol: float | None) -> str:
@@ -40,59 +44,161 @@ def summary(rows: Sequence[Row]) -> dict[str, int]:
     return out
 
 
+def _config_of(cfg: RunConfig) -> dict:
+    """Everything that decides what a row means: resumed rows must come from the same configuration."""
+    return {"world_sizes": list(cfg.world_sizes), "dtype": cfg.dtype, "seeds": list(cfg.seeds),
+            "modules": [str(Path(m).resolve()) for m in cfg.modules], "base": cfg.base, "partition": cfg.partition}
+
+
+class ReportError(RuntimeError):
+    """The reports directory cannot be used (busy, unwritable, full, another configuration): one line."""
+
+
+def _oserror(what: str, exc: OSError) -> ReportError:
+    return ReportError(f"{what}: {exc.strerror or exc}")
+
+
+def _valid_lines(path: Path) -> tuple[list[Row], bytes]:
+    """Rows of whole, valid lines, and those lines' bytes (a line cut short by an interruption, or
+    garbage, is left out: the next row then starts on a line of its own)."""
+    rows, keep = [], []
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            rows.append(Row(**json.loads(line)))
+            keep.append(line + b"\n")
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError, ValueError):
+            continue
+    return rows, b"".join(keep)
+
+
 def load_rows(directory: Path) -> list[Row]:
     """Rows already written to ``directory`` (for resuming an interrupted run)."""
     path = Path(directory) / CASES_FILE
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(Row(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError):
-            continue  # a line cut short by an interruption
-    return rows
+    return _valid_lines(path)[0] if path.exists() else []
 
 
 class ReportWriter:
-    """Writes ``reports/``: each row is appended to ``cases.jsonl`` the moment it is known;
-    ``report.json``, ``report.md`` and ``junit.xml`` are rewritten from all rows by :meth:`flush`."""
+    """Writes ``reports/``: each row is appended to ``cases.jsonl`` the moment it is known (one
+    ``write`` of a whole line on an append-only descriptor); ``report.json``, ``report.md`` and
+    ``junit.xml`` are rewritten atomically from all rows by :meth:`flush`.
+
+    One writer per directory: a second run into a directory in use is refused (``ReportError``).
+    ``resume`` keeps the valid rows of a run with the same configuration (another configuration is
+    refused), each case once, and drops failed-to-run rows (error, timeout, crash) so they run again.
+    """
+
+    RERUN = ("error", "timeout", "crash")
 
     def __init__(self, directory: str | os.PathLike, cfg: RunConfig, resume: bool = False):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
-        self.rows: list[Row] = load_rows(self.dir) if resume else []
-        mode = "a" if resume else "w"
-        self._fh = open(self.dir / CASES_FILE, mode, encoding="utf-8")
         self.seconds = 0.0
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _oserror(f"cannot create the reports directory {self.dir}", exc) from None
+        if not self.dir.is_dir():
+            raise ReportError(f"reports directory {self.dir} is not a directory")
+        self._lock = self._acquire()
+        self.rows: list[Row] = self._resume() if resume else []
+        try:
+            kept = b"".join((json.dumps(r.to_json()) + "\n").encode() for r in self.rows)
+            _atomic_bytes(self.dir / CASES_FILE, kept)
+            self._fd = os.open(self.dir / CASES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.flush()
+        except OSError as exc:
+            self._lock.close()
+            raise _oserror(f"cannot write reports into {self.dir}", exc) from None
+
+    def _acquire(self):
+        try:
+            fh = open(self.dir / LOCK_FILE, "a+")
+        except OSError as exc:
+            raise _oserror(f"cannot write reports into {self.dir}", exc) from None
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "?"
+            fh.close()
+            raise ReportError(f"reports directory {self.dir} is in use by another run (pid {holder}); wait for "
+                              f"it to finish or pass another --reports") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        return fh
+
+    def _resume(self) -> list[Row]:
+        meta = self.dir / "report.json"
+        if meta.exists():
+            try:
+                before = json.loads(meta.read_text()).get("config", {})
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                before = None
+            now = _config_of(self.cfg)
+            if before is None:
+                raise ReportError(f"--resume: {meta} is damaged; run without --resume to start over")
+            diff = [k for k in now if before.get(k) != now[k]]
+            if diff:
+                raise ReportError(f"--resume: {self.dir} holds a run with other settings ("
+                                  + ", ".join(f"{k} {before.get(k)} there, {now[k]} now" for k in diff)
+                                  + "); resume with the same options or pass another --reports")
+        rows = {}
+        for r in load_rows(self.dir):
+            if r.status in self.RERUN:
+                rows.pop(r.key, None)
+            else:
+                rows[r.key] = r  # each case once, the latest verdict
+        return list(rows.values())
 
     def done(self) -> set[tuple]:
         return {r.key for r in self.rows}
 
     def add(self, row: Row) -> None:
+        data = (json.dumps(row.to_json()) + "\n").encode()
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(28, f"only {written} of {len(data)} bytes written")
+        except OSError as exc:
+            raise _oserror(f"writing {self.dir / CASES_FILE} failed", exc) from None
         self.rows.append(row)
-        self._fh.write(json.dumps(row.to_json()) + "\n")
-        self._fh.flush()
 
     def flush(self) -> None:
         ops = _by_op(self.rows)
-        meta = {"config": {"world_sizes": list(self.cfg.world_sizes), "dtype": self.cfg.dtype,
-                           "seeds": list(self.cfg.seeds), "modules": list(self.cfg.modules)},
-                "summary": summary(self.rows), "seconds": round(self.seconds, 2)}
-        _atomic(self.dir / "report.json", json.dumps(dict(meta, cases=[r.to_json() for r in self.rows]), indent=1))
-        _atomic(self.dir / "report.md", markdown(self.rows, ops, meta))
-        _atomic(self.dir / "junit.xml", junit(self.rows))
+        meta = {"config": _config_of(self.cfg), "summary": summary(self.rows), "seconds": round(self.seconds, 2),
+                "host": socket.gethostname(), "finished": _now()}
+        try:
+            _atomic(self.dir / "report.json", json.dumps(dict(meta, cases=[r.to_json() for r in self.rows]), indent=1))
+            _atomic(self.dir / "report.md", markdown(self.rows, ops, meta))
+            _atomic(self.dir / "junit.xml", junit(self.rows))
+        except OSError as exc:
+            raise _oserror(f"writing reports into {self.dir} failed", exc) from None
 
     def close(self) -> None:
-        self.flush()
-        self._fh.close()
+        try:
+            self.flush()
+        finally:
+            os.close(self._fd)
+            self._lock.close()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".partial")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    _atomic_bytes(path, text.encode("utf-8"))
 
 
 def _by_op(rows: Iterable[Row]) -> "OrderedDict[str, list[Row]]":
@@ -124,7 +230,8 @@ def markdown(rows: Sequence[Row], ops: "OrderedDict[str, list[Row]]", meta: dict
 
 
 def junit(rows: Sequence[Row]) -> str:
-    suite = ET.Element("testsuite", name="verify", tests=str(len(rows)),
+    suite = ET.Element("testsuite", name="verify", tests=str(len(rows)), timestamp=_now(),
+                       hostname=socket.gethostname(),
                        failures=str(sum(r.status == "MISMATCH" for r in rows)),
                        errors=str(sum(r.status not in (MATCH, "MISMATCH") for r in rows)),
                        time=f"{sum(r.seconds for r in rows):.3f}")

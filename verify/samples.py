@@ -117,7 +117,9 @@ def make_sample(spec: OpSpec, dtype: torch.dtype, seed: int, base: int) -> Sampl
     bound = bind(spec.anno, in_shapes, out_shapes, known=known)
     cots = []
     for y in outs:
-        if isinstance(y, torch.Tensor) and y.is_floating_point() and spec.differentiable:
+        if isinstance(y, torch.Tensor) and y.is_complex() and spec.differentiable:  # a complex cotangent
+            cots.append(torch.randn(y.shape, generator=g, dtype=torch.complex128).to(y.dtype))
+        elif isinstance(y, torch.Tensor) and y.is_floating_point() and spec.differentiable:
             cots.append(torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype))
         else:
             cots.append(None)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
-from . import rank_case
+from . import isolation, rank_case
 from .conversion_case import run_conversion
 from .model_case import run_model_case
 from .samples import DTYPES, Sample, make_sample
@@ -88,26 +88,49 @@ def handle(state: RankState, job: dict) -> dict:
             return {"plans": plans, "annotation": sample.spec.annotation,
                     "sizes": dict(sample.bound.sizes), "seconds": time.perf_counter() - start}
         partition = rank_case.partitions_of(sample, job["world_size"], job["partition"])[0]
+        if ref.random:
+            return {"unverifiable": ref.random, "seconds": time.perf_counter() - start}
         mesh = RankMesh.build(partition.mesh_shape, state.rank, state.groups)
         checks = rank_case.run_case(sample, ref, partition, mesh, state.device)
         return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
-    except Exception as exc:  # a failing case is a result, never a dead rank
+    except (Exception, SystemExit) as exc:  # a failing case is a result, never a dead rank
         return {"error": _short(exc), "error_type": type(exc).__name__, "traceback": traceback.format_exc(),
                 "seconds": time.perf_counter() - start}
 
 
-def main(rank: int, world_size: int, port: int, inbox, outbox, modules: Sequence[str],
-         world_sizes: Sequence[int], pg_timeout_s: float) -> None:
-    """Entry point of one gang process."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+def isolated(state: RankState, job: dict, cwd: str) -> dict:
+    """:func:`handle` from the known state; a job that leaves global state changed, or that leaves
+    processes behind, is an error whatever it computed (the next job starts clean either way)."""
+    isolation.reset(job.get("seed", 0), cwd)
+    result = handle(state, job)
+    leaked = isolation.drift(cwd)
+    if isolation.kill_tree(os.getpid()):
+        leaked.append("child processes left running (killed)")
+    if leaked and not result.get("error"):
+        result = dict(result, error=f"StateLeak: the case left global state changed: {', '.join(leaked)}",
+                      error_type="StateLeak", traceback="")
+    isolation.reset(0, cwd)
+    return result
+
+
+def main(rank: int, world_size: int, addr: tuple[str, int], inbox, outbox, modules: Sequence[str],
+         world_sizes: Sequence[int], pg_timeout_s: float, harness_pid: int) -> None:
+    """Entry point of one gang process: rendezvous at the store the harness hosts on ``addr``."""
+    isolation.bind_to_parent(harness_pid)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo" if addr[0] in ("127.0.0.1", "::1", "localhost") else \
+        os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if not os.environ["GLOO_SOCKET_IFNAME"]:
+        del os.environ["GLOO_SOCKET_IFNAME"]
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=pg_timeout_s)
+    cwd = os.getcwd()
     try:
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
         if cuda:
             torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world_size, timeout=timeout)
+        store = dist.TCPStore(addr[0], addr[1], world_size, False, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
         registry = load_modules(modules)
         groups = GroupCache(timeout)
         groups.create_for_shapes([s for w in sorted(set(world_sizes)) for s in mesh_shapes(w)])
@@ -120,5 +143,5 @@ def main(rank: int, world_size: int, port: int, inbox, outbox, modules: Sequence
         job = inbox.get()
         if job is None:
             break
-        outbox.put((job["id"], rank, handle(state, job)))
+        outbox.put((job["id"], rank, isolated(state, job, cwd)))
     dist.destroy_process_group()

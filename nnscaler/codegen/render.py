@@ -18,6 +18,11 @@ class Raw(str):
     """Source text to write as it is (an expression naming a callable, say)."""
 
 
+def comment(text: str) -> str:
+    """``text`` made safe for the rest of one ``#`` comment line (no line breaks, no control characters)."""
+    return "".join(ch if ch.isprintable() else " " for ch in str(text))
+
+
 def literal(value: Any) -> str:
     """Source text that evaluates to ``value`` (numbers, strings, containers, dtypes, devices)."""
     if isinstance(value, Raw):
