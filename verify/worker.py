@@ -18,7 +18,7 @@ from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
 from . import rank_case
-from .model_case import run_model_case
+from .model_case import run_model_job
 from .samples import DTYPES, Sample, make_sample
 
 
@@ -74,8 +74,7 @@ def handle(state: RankState, job: dict) -> dict:
     start = time.perf_counter()
     try:
         if job["kind"] == "model":
-            checks = run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"],
-                                    state.groups, job["gen_dir"])
+            checks = run_model_job(job, state.groups)
             return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
         sample, ref = state.sample(job)
         if job["kind"] == "plan":
