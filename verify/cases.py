@@ -104,14 +104,14 @@ def judge(answers: list[RankAnswer], expected: list[str] | None = None) -> tuple
             return ERROR, f"rank {a.rank}: {a.result['error']}", [], a.result.get("traceback", "")
     merged: dict[str, dict] = {}
     order: list[str] = []
+    short = ""
     for a in answers:
         names = {c["name"] for c in a.result.get("checks", [])}
         if not names:
             return MISMATCH, f"rank {a.rank} returned no checks", [], ""
         lacking = [n for n in expected or () if n not in names]
-        if lacking:
-            return (MISMATCH, f"rank {a.rank} returned {len(names)} checks and lacks {len(lacking)}: "
-                    f"{', '.join(lacking[:3])}", [], "")
+        if lacking and not short:
+            short = f"rank {a.rank} returned {len(names)} checks and lacks {len(lacking)}: {', '.join(lacking[:3])}"
         for c in a.result["checks"]:
             c = dict(c, rank=a.rank)
             if c["name"] not in merged:
@@ -125,6 +125,8 @@ def judge(answers: list[RankAnswer], expected: list[str] | None = None) -> tuple
     bad = next((c for c in checks if not c["ok"]), None)
     if bad:
         return MISMATCH, f"{bad['name']} on rank {bad['rank']}: {bad['reason']}", checks, ""
+    if short:
+        return MISMATCH, short, checks, ""
     return MATCH, "", checks, ""
 
 

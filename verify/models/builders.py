@@ -66,19 +66,34 @@ def transformer_encoder(seed: int, width: int = 32) -> ModelCase:
     return ModelCase(EncoderRegression(width), batch)
 
 
+class NormedBlock(nn.Module):
+    """LayerNorm, a column projection, GELU, a learned scalar gain on the hidden units, a row projection.
+    Under tensor parallelism the hidden units are split, so the gain, held whole, gets a partial
+    gradient on each rank of the tensor-parallel axis and is synced over that axis."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.gain = nn.Parameter(torch.full((), 1.5))
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(self.gain * F.gelu(self.up(self.norm(x))))
+
+
 class DeepMLP(nn.Module):
-    """Residual MLP blocks with LayerNorm; one weight-normalised projection whose norm is taken over the
-    whole weight (its gain is a scalar that every rank of a tensor-parallel split contributes to)."""
+    """Residual blocks (:class:`NormedBlock`) and a weight-normalised linear head (norm over the whole
+    weight), with a mean-squared-error loss."""
 
     def __init__(self, width: int = 32, blocks: int = 4):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
-                                                  nn.Linear(2 * width, width)) for _ in range(blocks))
+        self.blocks = nn.ModuleList(NormedBlock(width) for _ in range(blocks))
         self.head = nn.utils.parametrizations.weight_norm(nn.Linear(width, width), dim=None)
 
     def forward(self, x, y):
         for block in self.blocks:
-            x = x + block(x)
+            x = block(x)
         return F.mse_loss(self.head(x), y)
 
 
@@ -97,7 +112,7 @@ def bucketed_mlp(seed: int, width: int = 32) -> ModelCase:
 
 
 def weightnorm_mlp(seed: int, width: int = 32) -> ModelCase:
-    """The same model with the default buckets: its weight-norm gain is synced over the tp axis."""
+    """The same model, one block, default buckets: under ``tp`` its gain is synced over the tp axis."""
     torch.manual_seed(seed)
     return ModelCase(DeepMLP(width, blocks=1), _regression_batch(width, seed))
 
