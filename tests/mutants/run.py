@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -45,7 +46,8 @@ def run_one(name: str | None, args, tmp: Path) -> tuple[str, float, str]:
     start = time.perf_counter()
     lines: list[str] = []
     killed = False
-    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as proc:
         for line in proc.stdout:
             lines.append(line.rstrip())
             if args.fail_fast and " cases " in line and _failed_count(line) > 0:
@@ -55,8 +57,12 @@ def run_one(name: str | None, args, tmp: Path) -> tuple[str, float, str]:
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            pass
+        try:  # the run's own session: its forkserver and ranks too, should any outlive it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
     tail = "\n".join(lines[-3:])
     status = "killed" if killed else {0: "survived", 1: "killed"}.get(proc.returncode, "broken")
     return status, time.perf_counter() - start, tail
@@ -75,7 +81,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mutants", nargs="+", default=list(MUTANTS), choices=list(MUTANTS), metavar="NAME")
     ap.add_argument("--model", nargs="+", default=MODELS)
-    ap.add_argument("--op", nargs="+", default=["linear"])
+    ap.add_argument("--op", nargs="+", default=["relu", "linear"])
     ap.add_argument("--world-size", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--timeout", type=float, default=30.0)
