@@ -170,6 +170,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     mesh = RankMesh.build(plan.mesh_shape, rank, cache, offset=replica * config.plan_ngpus)
     state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
     trainable = {n for n, _ in model.named_parameters()}
-    module = ParallelModule(program, state, mesh, trainable, replica_group, config.replicas)
+    module = ParallelModule(program, state, mesh, trainable, replica_group, config.replicas,
+                            bucket_bytes=config.bucket_bytes)
     module.plan, module.graph = plan, graph
     return module

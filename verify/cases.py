@@ -11,6 +11,7 @@ from typing import Iterator
 from nnscaler.ops.spec import OpSpec
 
 from .gang import Gang, RankAnswer
+from .model_case import expected_checks
 from .samples import split_base
 
 MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
@@ -106,12 +107,13 @@ def _worst(checks: list[dict], kind: str) -> dict | None:
     return max(mine, key=ratio)
 
 
-def judge(answers: list[RankAnswer]) -> tuple[str, str, list[dict], str]:
+def judge(answers: list[RankAnswer], expected: list[str] | None = None) -> tuple[str, str, list[dict], str]:
     """Status, detail, merged checks (worst rank per tensor) and a traceback from per-rank answers.
 
     A dead rank (crash, memory cap) outranks everything; then a rank's own exception, with its
     traceback, whatever its peers did (a peer stuck in a collective after the error is a consequence);
-    a timeout only when no rank raised and the limit truly passed."""
+    a timeout only when no rank raised and the limit truly passed. A rank that returns no checks, or
+    (given ``expected``) lacks any expected check, fails the case."""
     for kinds, status in ((("crash", "memory"), CRASH),):
         dead = [a for a in answers if a.failure and a.kind in kinds]
         if dead:
@@ -130,7 +132,14 @@ def judge(answers: list[RankAnswer]) -> tuple[str, str, list[dict], str]:
         return UNVERIFIABLE, unverifiable, [], ""
     merged: dict[str, dict] = {}
     order: list[str] = []
+    short = ""
     for a in answers:
+        names = {c["name"] for c in a.result.get("checks", [])}
+        if not names:
+            return MISMATCH, f"rank {a.rank} returned no checks", [], ""
+        lacking = [n for n in expected or () if n not in names]
+        if lacking and not short:
+            short = f"rank {a.rank} returned {len(names)} checks and lacks {len(lacking)}: {', '.join(lacking[:3])}"
         for c in a.result["checks"]:
             c = dict(c, rank=a.rank)
             if c["name"] not in merged:
@@ -144,6 +153,8 @@ def judge(answers: list[RankAnswer]) -> tuple[str, str, list[dict], str]:
     bad = next((c for c in checks if not c["ok"]), None)
     if bad:
         return MISMATCH, f"{bad['name']} on rank {bad['rank']}: {bad['reason']}", checks, ""
+    if short:
+        return MISMATCH, short, checks, ""
     return MATCH, "", checks, ""
 
 
@@ -226,9 +237,11 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
 
 
 def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, steps: int = 3,
-              skip: frozenset | set = frozenset()) -> Iterator[Row]:
-    """Train model ``name`` under each policy, world size and seed of ``cfg``; one row per case,
-    judged on the loss, every gradient and every parameter after each step."""
+              skip: frozenset | set = frozenset(), bucket_bytes: int | None = None) -> Iterator[Row]:
+    """Train model ``name`` under each policy (a built-in name or ``FILE.py:fn``), world size and seed
+    of ``cfg`` in ``cfg.dtype``; one row per case, judged on the loss and every gradient at the
+    single-device parameters, every optimizer update, and the reloaded checkpoint (``verify/compare.py``).
+    ``bucket_bytes`` sets the gradient-sync bucket size of the compiled modules."""
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
@@ -236,12 +249,14 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
-                       "seed": seed, "gen_dir": gen_dir}
-                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("model", steps)))
+                       "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "bucket_bytes": bucket_bytes}
+                expected = expected_checks(name, policy, steps, seed)
+                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("model", steps)), expected)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
                 rerun = " ".join(shlex.quote(p) for p in ["python", "-m", "verify", "model", name, "--policy", policy,
-                                                           "--world-size", str(w), "--seed", str(seed)])
+                                                           "--world-size", str(w), "--seed", str(seed), "--dtype",
+                                                           cfg.dtype, *(a for m in cfg.modules for a in ("--module", m))])
                 yield Row(f"model:{name}", "model", policy, w, policy, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)

@@ -6,6 +6,7 @@ Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, cr
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import math
 import os
@@ -23,7 +24,8 @@ from nnscaler.ops.registry import OpRegistry, UnknownOpError
 from nnscaler.policies import POLICIES
 
 from .cases import BadInput, RunConfig, preflight, run_model, run_op
-from .models.builders import MODELS
+from .model_case import PolicyFileError, resolve_policy
+from .models.builders import MODELS, known_model
 from .gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
 from .report import ReportError, ReportWriter, summary, table
 from .samples import DTYPES
@@ -91,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_model = sub.add_parser("model", help="train a whole model under every policy and compare with one device")
     p_model.add_argument("name")
     _common(p_model)
-    p_model.add_argument("--policy", nargs="+", default=list(POLICIES), choices=sorted(POLICIES))
+    p_model.add_argument("--policy", nargs="+", default=list(POLICIES), metavar="POLICY",
+                         help=f"built-in ({', '.join(sorted(POLICIES))}) or FILE.py:function, your own "
+                              "(graph, config) -> Plan (default: every built-in)")
+    p_model.add_argument("--bucket-bytes", type=_positive(int, "--bucket-bytes"), default=None, metavar="N",
+                         help="gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)")
     p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
@@ -104,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_all.add_argument("--op", nargs="+", default=None, metavar="NAME", help="only these operators")
     p_all.add_argument("--model", nargs="*", default=None, metavar="NAME",
                        help="whole models to train under every policy (default: all; none with an empty list)")
+    p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
+                       help="seeds of the random policy for whole models, each a different plan (default: 0 1 2)")
     return parser
 
 
@@ -182,16 +190,35 @@ def cmd_op(args) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+def _policies(specs: Sequence[str]) -> tuple[str, ...]:
+    """Built-in names as given; ``FILE.py:fn`` checked here and made absolute (the ranks import it)."""
+    out = []
+    for spec in specs:
+        if spec not in POLICIES and ":" in spec:
+            path, _, fn = spec.rpartition(":")
+            spec = f"{Path(path).resolve()}:{fn}"
+        out.append(spec)
+        try:
+            resolve_policy(spec)
+        except PolicyFileError as exc:
+            raise UsageError(str(exc)) from None
+        except Exception as exc:
+            raise UsageError(f"policy {spec!r}: importing its file failed: {type(exc).__name__}: {exc}") from None
+    return tuple(dict.fromkeys(out))
+
+
 def cmd_model(args) -> int:
     _load(args.module)
-    if args.name not in MODELS:
-        raise UsageError(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))}")
+    if not known_model(args.name):
+        raise UsageError(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))} (or NAME@WIDTH)")
+    policies = _policies(args.policy)
     cfg = _config(args)
     _json_target(args.json)
-    print(f"training {args.name} for {args.steps} steps under {', '.join(args.policy)} at world sizes "
-          f"{list(cfg.world_sizes)}, seeds {list(cfg.seeds)}", flush=True)
+    print(f"training {args.name} for {args.steps} steps under {', '.join(policies)} at world sizes "
+          f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang:
-        rows = list(run_model(gang, args.name, tuple(args.policy), cfg, args.gen_dir or tmp, args.steps))
+        rows = list(run_model(gang, args.name, policies, cfg, args.gen_dir or tmp, args.steps,
+                              bucket_bytes=args.bucket_bytes))
     print(table(rows))
     print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
     _write_json(args.json, rows)
@@ -202,7 +229,7 @@ def cmd_all(args) -> int:
     reg = _load(args.module)
     cfg = _config(args)
     specs = [reg.get(n) for n in args.op] if args.op else list(reg)
-    unknown = [m for m in args.model or () if m not in MODELS]
+    unknown = [m for m in args.model or () if not known_model(m)]
     if unknown:
         raise UsageError(f"unknown model {unknown[0]!r}; known: {', '.join(sorted(MODELS))}")
     writer = ReportWriter(args.reports, cfg, resume=args.resume)  # refuses a busy or unwritable directory
@@ -227,8 +254,12 @@ def cmd_all(args) -> int:
             preflight(gang, specs, cfg)
             for spec in specs:
                 record(spec.name, run_op(gang, spec, cfg, skip=done))
+            fixed = tuple(p for p in POLICIES if p != "random")
+            random_cfg = replace(cfg, seeds=tuple(dict.fromkeys(args.random_seeds)))
             for name in sorted(MODELS) if args.model is None else args.model:
-                record(f"model:{name}", run_model(gang, name, tuple(POLICIES), cfg, tmp, skip=done))
+                record(f"model:{name}", run_model(gang, name, fixed, cfg, tmp, skip=done))
+                if "random" in POLICIES:  # each seed draws another plan
+                    record(f"model:{name} random", run_model(gang, name, ("random",), random_cfg, tmp, skip=done))
     finally:
         writer.seconds = time.perf_counter() - start
         writer.close()

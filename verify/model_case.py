@@ -1,74 +1,197 @@
 """One rank's part of a whole-model case: compile with ``nnscaler.parallelize``, train a few AdamW
-steps, and judge the loss, every parameter gradient and every parameter after each step against
-single-device training (in the dtype under test, calibrated by float64 as for operators)."""
+steps, and judge each step in two parts (see ``verify/compare.py``): the loss and every gradient of
+the single-device model at the single-device run's parameters, and the parallel optimizer's update
+against AdamW on one device from the same point; then the merged checkpoint, reloaded strictly on one
+device and under another plan."""
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from nnscaler.parallel import parallelize
-from nnscaler.policies import ComputeConfig
+from nnscaler.policies import POLICIES, ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
-from .compare import STATE_FACTOR, Check, check_tensor
-from .models.builders import MODELS
+from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
+from .models.builders import build_model
+from .samples import DTYPES
 
 LR = 1e-2
 
 
-def _f64(args: tuple) -> tuple:
-    return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+class PolicyFileError(ValueError):
+    """``--policy FILE.py:fn`` names no file or no function in it."""
+
+
+def resolve_policy(spec: str) -> str | Callable:
+    """A built-in policy name, or ``FILE.py:fn`` -> the function ``fn`` of that file."""
+    if spec in POLICIES or ":" not in spec:
+        if spec not in POLICIES:
+            raise PolicyFileError(f"unknown policy {spec!r}; built-in: {', '.join(sorted(POLICIES))}, "
+                                  f"or FILE.py:function for your own")
+        return spec
+    path, _, fn = spec.rpartition(":")
+    p = Path(path).resolve()
+    if not p.is_file() or p.suffix != ".py":
+        raise PolicyFileError(f"policy {spec!r}: {path} is not a Python file (give FILE.py:function)")
+    name = f"verify_policy_{abs(hash(str(p)))}"
+    if name not in sys.modules:
+        mod_spec = importlib.util.spec_from_file_location(name, p)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+        sys.modules[name] = module
+    func = getattr(sys.modules[name], fn, None)
+    if not callable(func):
+        raise PolicyFileError(f"policy {spec!r}: {path} has no function {fn!r} (it must be (graph, config) -> Plan)")
+    return func
+
+
+def _cast(args: tuple, dtype: torch.dtype) -> tuple:
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def _other_policy(policy: str) -> str:
+    return "dp" if policy != "dp" else "tp"
+
+
+def own_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without aliases: a tied tensor goes by its first name only (as
+    ``named_parameters()`` and the compiled module name it)."""
+    seen, out = set(), {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if id(v) not in seen:
+            seen.add(id(v))
+            out[k] = v.detach()
+    return out
+
+
+def _with_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (first names only) completed with every alias ``model.state_dict()`` lists."""
+    first: dict[int, str] = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        first.setdefault(id(v), k)
+    return {k: state[first[id(v)]] for k, v in model.state_dict(keep_vars=True).items() if first[id(v)] in state}
+
+
+def expected_checks(name: str, policy: str, steps: int, seed: int) -> list[str]:
+    """The names of every check a rank must return for this case (a short list is a failure)."""
+    model = build_model(name, seed).model
+    names = [f"initial {k}" for k in own_state(model)]
+    params = [n for n, _ in model.named_parameters()]
+    for s in range(steps):
+        names += [f"loss step {s}", *(f"grad {n} step {s}" for n in params),
+                  *(f"param {n} after step {s}" for n in params)]
+    return names + ["checkpoint keys", "loss of the checkpoint on one device",
+                    f"loss of the checkpoint under {_other_policy(policy)}"]
+
+
+def _equal(name: str, par, want) -> Check:
+    if par is None:
+        return Check(name, float("inf"), 0.0, False, "the parallel module does not hold it")
+    if par.shape != want.shape or par.dtype != want.dtype:
+        return Check(name, float("inf"), 0.0, False, f"{tuple(par.shape)} {par.dtype} != {tuple(want.shape)} {want.dtype}")
+    err = float((par.double() - want.double()).abs().max()) if par.numel() else 0.0
+    ok = torch.equal(par, want)
+    return Check(name, err, 0.0, ok, "" if ok else f"differs from the model's own tensor by {err:.3g}")
+
+
+def _parallelize(model, args, policy, config, groups, gen_dir: Path):
+    with warnings.catch_warnings():  # replicated unknown operators are verified like the rest
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        return parallelize(model, args, resolve_policy(policy), config, groups=groups, gen_savedir=gen_dir)
+
+
+def run_model_job(job: dict, groups: GroupCache) -> list[Check]:
+    """The checks of a ``model`` job (keys: model, policy, world_size, steps, seed, gen_dir, and
+    optionally dtype and bucket_bytes)."""
+    return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
+                          job["gen_dir"], dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"))
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
-                   gen_dir: str) -> list[Check]:
+                   gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None) -> list[Check]:
     """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks."""
-    case = MODELS[name](seed)
+    dt = DTYPES[dtype]
+    case = build_model(name, seed)
+    case.model.to(dt)
     ref, ref64 = copy.deepcopy(case.model), copy.deepcopy(case.model).double()
-    config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed)
-    with warnings.catch_warnings():  # replicated unknown operators are verified like the rest
-        warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(case.model, case.batch(0), policy, config, groups=groups,
-                         gen_savedir=Path(gen_dir) / f"{name}-{policy}-w{world_size}-s{seed}")
-    opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (pm, ref, ref64)]
-    checks: list[Check] = []
+    config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed,
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
+    tag = policy.replace("/", "_").replace(":", "-").replace("@", "_")
+    pm = _parallelize(case.model, _cast(case.batch(0), dt), policy, config, groups,
+                      Path(gen_dir) / f"{name}-{tag}-w{world_size}-{dtype}-s{seed}")
+    initial = pm.state_dict()
+    checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
+    params = dict(ref.named_parameters())
+    shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the parallel grads
+    opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
+    fallback = Float64Fallback(dt)
     for step in range(steps):
-        args = case.batch(step)
-        loss, loss_ref, loss64 = pm(*args), ref(*args), ref64(*_f64(args))
-        for x in (loss, loss_ref, loss64):
-            x.backward()
-        checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach()))
-        grads, rp, rp64 = pm.whole_grads(), dict(ref.named_parameters()), dict(ref64.named_parameters())
-        scale = max(float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None)
-        for n, g in grads.items():
-            checks.append(check_tensor(f"grad {n} step {step}", g, rp[n].grad, rp64[n].grad, scale=scale))
+        args = _cast(case.batch(step), dt)
+        point = {k: v.clone() for k, v in own_state(ref).items()}
+        try:  # strict: every key of the module's own state_dict
+            pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
+        except (RuntimeError, KeyError) as exc:  # the rest of the case cannot run: its checks go missing
+            return checks + [Check(f"load step {step}", float("inf"), 0.0, False, f"{type(exc).__name__}: {exc}")]
+        ref64.load_state_dict(_with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
+                                                    for k, v in point.items()}), strict=True)
+        loss, loss_ref = pm(*args), ref(*args)
+        loss.backward()
+        loss_ref.backward()
+        with fallback:
+            loss64 = ref64(*_cast(args, torch.float64))
+            loss64.backward()
+        widen = FALLBACK_WIDEN if fallback.used else 1.0
+        kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
+        checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
+        grads, rp64 = pm.whole_grads(), dict(ref64.named_parameters())
+        scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
+        for n, p in params.items():
+            checks.append(check_tensor(f"grad {n} step {step}", grads.get(n), p.grad, rp64[n].grad, scale=scale, **kw))
+        for n, t in shadow.items():
+            t.copy_(point[n])
+            t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        state = pm.state_dict()
-        for n in grads:
-            checks.append(check_tensor(f"param {n} after step {step}", state[n], rp[n].detach(), rp64[n].detach(),
-                                       factor=STATE_FACTOR))
-    checks += _reload_checks(name, policy, pm.state_dict(), ref, ref64, case.batch(steps), groups, gen_dir,
-                             world_size, seed)
+        ref64.zero_grad()
+        after = pm.state_dict()
+        checks += [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
+    checks += _reload_checks(name, policy, pm, _cast(case.batch(steps), dt), groups, gen_dir, world_size,
+                             seed, dt, fallback, config.bucket_bytes)
+    if fallback.used:
+        checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
+                            True))
     return checks
 
 
-def _reload_checks(name, policy, state, ref, ref64, args, groups, gen_dir, world_size, seed) -> list[Check]:
-    """The merged checkpoint loads into the single-device model and into a module under another plan."""
+def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt, fallback,
+                   bucket_bytes) -> list[Check]:
+    """The merged checkpoint loads strictly into the single-device model and into a module under
+    another plan; each computes the loss of the next batch as the parallel module does."""
+    state = pm.state_dict()
+    single = build_model(name, seed).model.to(dt)
+    missing = [k for k in own_state(single) if k not in state]
+    if missing:
+        return [Check("checkpoint keys", float("inf"), 0.0, False, f"the checkpoint lacks {', '.join(missing[:5])}")]
+    single.load_state_dict(_with_aliases(single, state), strict=True)
+    single64 = copy.deepcopy(single).double()
+    other_policy = _other_policy(policy)
+    other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
+                         ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes),
+                         groups, Path(gen_dir) / f"{name}-reload-w{world_size}-{dt}-s{seed}")
+    other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
     with torch.no_grad():
-        want, want64 = ref(*args), ref64(*_f64(args))
-        single = MODELS[name](seed).model
-        single.load_state_dict(state, strict=False)
-        other_policy = "dp" if policy != "dp" else "tp"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UnknownOperatorWarning)
-            other = parallelize(MODELS[name](seed).model, args, other_policy, ComputeConfig(world_size, seed=seed + 1),
-                                groups=groups, gen_savedir=Path(gen_dir) / f"{name}-reload-w{world_size}-s{seed}")
-        other.load_state_dict(state)
-        return [check_tensor("loss of the checkpoint on one device", single(*args), want, want64),
-                check_tensor(f"loss of the checkpoint under {other_policy}", other(*args), want, want64)]
+        got, want, other_loss = pm(*args), single(*args), other(*args)
+        with fallback:
+            want64 = single64(*_cast(args, torch.float64))
+    return [Check("checkpoint keys", 0.0, 0.0, True),
+            check_tensor("loss of the checkpoint on one device", got, want, want64),
+            check_tensor(f"loss of the checkpoint under {other_policy}", other_loss, want, want64)]

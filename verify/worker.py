@@ -19,7 +19,7 @@ from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
 from . import isolation, rank_case
 from .conversion_case import run_conversion
-from .model_case import run_model_case
+from .model_case import run_model_job
 from .samples import DTYPES, Sample, make_sample
 
 
@@ -78,8 +78,7 @@ def handle(state: RankState, job: dict) -> dict:
         if job["kind"] == "conversion":
             return dict(run_conversion(job, state.rank, state.groups), seconds=time.perf_counter() - start)
         if job["kind"] == "model":
-            checks = run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"],
-                                    state.groups, job["gen_dir"])
+            checks = run_model_job(job, state.groups)
             return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
         sample, ref = state.sample(job)
         if job["kind"] == "plan":

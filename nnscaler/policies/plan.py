@@ -23,18 +23,22 @@ class PlanError(ValueError):
 class ComputeConfig:
     """How many ranks one copy of the plan uses (``plan_ngpus``) and how many run in all
     (``runtime_ngpus``, a multiple: the extra copies are data-parallel replicas). ``tp_size`` is
-    the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy."""
+    the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy;
+    ``bucket_bytes`` sets the size of gradient-sync buckets."""
 
     plan_ngpus: int
     runtime_ngpus: int | None = None
     tp_size: int | None = None
     seed: int = 0
+    bucket_bytes: int | None = None  # gradient-sync bucket size (None: nnscaler.runtime.grad_sync.BUCKET_BYTES)
 
     def __post_init__(self):
         if self.plan_ngpus < 1:
             raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
         if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):
             raise PlanError(f"runtime_ngpus ({self.runtime_ngpus}) must be a multiple of plan_ngpus ({self.plan_ngpus})")
+        if self.bucket_bytes is not None and self.bucket_bytes < 1:
+            raise PlanError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
 
     @property
     def replicas(self) -> int:

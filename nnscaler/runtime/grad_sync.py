@@ -33,8 +33,10 @@ class GradSync:
     _queued: bool = False
 
     @classmethod
-    def build(cls, pairs: list[tuple[torch.nn.Parameter, object]], bucket_bytes: int = BUCKET_BYTES) -> "GradSync":
-        """Bucket parameters (in reverse order, roughly when backward produces their gradients)."""
+    def build(cls, pairs: list[tuple[torch.nn.Parameter, object]], bucket_bytes: int | None = None) -> "GradSync":
+        """Bucket parameters (in reverse order, roughly when backward produces their gradients); a
+        bucket is closed once it holds ``bucket_bytes`` (default :data:`BUCKET_BYTES`)."""
+        bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         sync = cls()
         open_: dict[int, _Bucket] = {}
         for p, group in reversed(pairs):

@@ -32,7 +32,7 @@ class ParallelModule(torch.nn.Module):
     """
 
     def __init__(self, program: types.ModuleType, full_state: Mapping[str, torch.Tensor], mesh: RankMesh,
-                 trainable: set[str], replica_group=None, replicas: int = 1):
+                 trainable: set[str], replica_group=None, replicas: int = 1, bucket_bytes: int | None = None):
         super().__init__()
         self._program = program
         self._mesh = mesh
@@ -55,7 +55,7 @@ class ParallelModule(torch.nn.Module):
                     synced.append((param, mesh.groups[sync_axis]))
             else:
                 self.register_buffer(key, local)
-        self._grad_sync = GradSync.build(synced)
+        self._grad_sync = GradSync.build(synced, bucket_bytes)
         self._grad_sync.attach()
 
     def _local(self) -> dict[str, torch.Tensor]:

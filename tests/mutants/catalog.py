@@ -1,0 +1,357 @@
+"""The mutants: name -> a function that monkeypatches one small bug into the compiler or runtime.
+Each is applied on import of a shim ``--module`` file (see ``run.py``), in the parent and in every rank,
+before anything is compiled. Each is meant to change results on some built-in model and plan; one
+that survives the full ``verify all`` is either a blind spot of the harness or a path no built-in
+model reaches (say so in the runner's report)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+MUTANTS: dict[str, Callable[[], None]] = {}
+
+
+def mutant(fn: Callable[[], None]) -> Callable[[], None]:
+    MUTANTS[fn.__name__] = fn
+    return fn
+
+
+def apply(name: str) -> None:
+    """Apply mutant ``name`` (a KeyError names the known ones)."""
+    if name not in MUTANTS:
+        raise KeyError(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
+    MUTANTS[name]()
+
+
+# -- differentiable collectives ----------------------------------------------------------------------
+def _C():
+    from nnscaler.runtime import collectives as C
+    return C
+
+
+@mutant
+def all_reduce_missing():
+    _C().all_reduce = lambda x, group: x
+
+
+@mutant
+def all_reduce_averages():
+    C = _C()
+    orig = C._sum
+    C._sum = lambda x, group: orig(x, group) / C._size(group)
+
+
+@mutant
+def all_gather_reversed_chunks():
+    C = _C()
+
+    def gather(x, dim, group):
+        parts = [torch.empty_like(x) for _ in range(C._size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts[::-1], dim=dim)
+    C._gather = gather
+
+
+@mutant
+def split_off_by_one_chunk():
+    C = _C()
+
+    def chunk(x, dim, group):
+        n = C._size(group)
+        return x.chunk(n, dim=dim)[(C._rank(group) + 1) % n].contiguous()
+    C._chunk = chunk
+
+
+@mutant
+def split_backward_scaled():
+    C = _C()
+    C._Split.backward = staticmethod(lambda ctx, g: (C._gather(g, ctx.dim, ctx.group) * C._size(ctx.group), None, None))
+
+
+@mutant
+def all_gather_backward_sums():
+    C = _C()
+    C._AllGather.backward = staticmethod(lambda ctx, g: (C._chunk(C._sum(g, ctx.group), ctx.dim, ctx.group), None, None))
+
+
+@mutant
+def all_reduce_backward_sums():
+    C = _C()
+    C._AllReduce.backward = staticmethod(lambda ctx, g: (C._sum(g, ctx.group), None))
+
+
+@mutant
+def grad_all_reduce_backward_missing():
+    _C()._GradAllReduce.backward = staticmethod(lambda ctx, g: (g, None))
+
+
+@mutant
+def grad_all_reduce_backward_averages():
+    C = _C()
+    C._GradAllReduce.backward = staticmethod(lambda ctx, g: (C._sum(g, ctx.group) / C._size(ctx.group), None))
+
+
+@mutant
+def to_partial_on_every_rank():
+    _C()._ToPartial.forward = staticmethod(lambda ctx, x, group: x.clone())
+
+
+@mutant
+def reduce_scatter_skips_the_sum():
+    C = _C()
+    C._ReduceScatter.forward = staticmethod(lambda ctx, x, dim, group: (setattr(ctx, "dim", dim), setattr(ctx, "group", group),
+                                                                       C._chunk(x, dim, group))[-1])
+
+
+@mutant
+def all_to_all_backward_wrong_dims():
+    C = _C()
+
+    def backward(ctx, g):
+        gather_dim, split_dim = ctx.dims
+        return C._chunk(C._gather(g, gather_dim, ctx.group), split_dim, ctx.group), None, None, None
+    C._AllToAll.backward = staticmethod(backward)
+
+
+@mutant
+def collectives_on_the_world_group():
+    C = _C()
+    for name in ("all_reduce", "grad_all_reduce", "to_partial"):
+        orig = getattr(C, name)
+        setattr(C, name, lambda x, group, _o=orig: _o(x, None if group is None else dist.group.WORLD))
+
+
+@mutant
+def all_gather_on_one_rank_only():
+    C = _C()
+    orig = C.all_gather
+    C.all_gather = lambda x, dim, group: x.repeat_interleave(C._size(group), dim) if group is not None and C._rank(group) == 0 and x.is_floating_point() else orig(x, dim, group)
+
+
+# -- gradient sync -----------------------------------------------------------------------------------
+def _GS():
+    from nnscaler.runtime import grad_sync
+    return grad_sync
+
+
+@mutant
+def grad_sync_missing():
+    _GS().GradSync.attach = lambda self: None
+
+
+@mutant
+def grad_sync_averages():
+    GS = _GS().GradSync
+    launch = GS._launch
+
+    def mean(self, b):
+        launch(self, b)
+        b.handle.wait()
+        b.flat /= dist.get_world_size(b.group)
+    GS._launch = mean
+
+
+@mutant
+def grad_sync_offset_not_reset():
+    GS = _GS().GradSync
+
+    def finish(self):
+        for b in self.buckets:
+            if b.handle is None:
+                self._launch(b)
+        offset = 0
+        for b in self.buckets:
+            b.handle.wait()
+            for p in b.params:
+                n = p.numel()
+                piece = b.flat[offset % max(b.flat.numel(), 1):][:n]
+                if piece.numel() < n:
+                    piece = torch.cat([piece, b.flat[: n - piece.numel()]])
+                p.grad = piece.view_as(p).clone()
+                offset += n
+            b.flat, b.handle = None, None
+        self._queued = False
+    GS._finish = finish
+
+
+@mutant
+def grad_sync_on_the_world_group():
+    GS = _GS().GradSync
+
+    def launch(self, b):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        b.flat = torch.cat([g.reshape(-1) for g in grads])
+        b.handle = dist.all_reduce(b.flat, async_op=True)
+    GS._launch = launch
+
+
+@mutant
+def grad_sync_first_bucket_only():
+    GS = _GS().GradSync
+    finish = GS._finish
+
+    def first_only(self):
+        keep = self.buckets
+        for b in keep[1:]:
+            if b.handle is None:
+                self._launch(b)
+            b.handle.wait()
+            b.flat, b.handle = None, None
+        self.buckets = keep[:1]
+        try:
+            finish(self)
+        finally:
+            self.buckets = keep
+    GS._finish = first_only
+
+
+@mutant
+def grad_sync_bucket_keeps_stale_params():
+    GS = _GS().GradSync
+
+    def launch(self, b):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        grads[-1] = torch.zeros_like(grads[-1])  # the bucket's last gradient is lost
+        b.flat = torch.cat([g.reshape(-1) for g in grads])
+        b.handle = dist.all_reduce(b.flat, group=b.group, async_op=True)
+    GS._launch = launch
+
+
+# -- the compiled module: shards, merges, loads ------------------------------------------------------
+def _M():
+    from nnscaler.runtime import module
+    return module
+
+
+@mutant
+def shard_offset_reversed():
+    from nnscaler.codegen import emit
+
+    def slices(shape, layout, mesh_shape, rank):
+        from nnscaler.dimops.layout import Shard
+        from nnscaler.dimops.partition import coords
+        c = coords(rank, mesh_shape)
+        out = [(0, n) for n in shape]
+        for axis, q in enumerate(layout):
+            if isinstance(q, Shard):
+                start, stop = out[q.dim]
+                step = (stop - start) // mesh_shape[axis]
+                k = mesh_shape[axis] - 1 - c[axis]
+                out[q.dim] = (start + k * step, start + (k + 1) * step)
+        return tuple(out)
+    emit.shard_slices = slices
+
+
+@mutant
+def checkpoint_merge_reversed():
+    M = _M()
+
+    def whole(self, name, x):
+        layout = self._program.STATE[name][1]
+        for axis in reversed(range(len(layout))):
+            q = M._parse_layout(layout)[axis]
+            group = self._mesh.groups[axis]
+            if q is not None and group is not None:
+                parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, x.contiguous(), group=group)
+                x = torch.cat(parts[::-1], dim=q.dim)
+        return x
+    M.ParallelModule._whole = whole
+
+
+@mutant
+def checkpoint_drops_a_parameter():
+    M = _M()
+    orig = M.ParallelModule.state_dict
+
+    def state_dict(self, *a, **k):
+        out = orig(self, *a, **k)
+        return {n: v for i, (n, v) in enumerate(out.items()) if i != 1}
+    M.ParallelModule.state_dict = state_dict
+
+
+@mutant
+def load_state_dict_ignored():
+    _M().ParallelModule.load_state_dict = lambda self, state_dict, strict=True, assign=False: None
+
+
+@mutant
+def load_state_dict_first_shard_everywhere():
+    M = _M()
+    M.take = lambda full, slices: full[tuple(slice(0, b - a) for a, b in slices)]
+
+
+@mutant
+def grad_all_reduce_forward_sums():
+    C = _C()
+
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C._sum(x, group)
+    C._GradAllReduce.forward = staticmethod(forward)
+
+
+# -- plans, meshes, annotations, kernels ------------------------------------------------------------
+@mutant
+def mesh_axis_groups_swapped():
+    from nnscaler.runtime import mesh
+    build = mesh.RankMesh.build.__func__
+
+    def swapped(cls, shape, rank, cache, offset=0):
+        m = build(cls, shape, rank, cache, offset)
+        return cls(m.shape, m.rank, tuple(reversed(m.groups)), m.offset) if len(m.groups) > 1 else m
+    mesh.RankMesh.build = classmethod(swapped)
+
+
+@mutant
+def synced_over_the_wrong_axis():
+    from nnscaler.codegen import emit
+    orig = emit.synced_params
+
+    def wrong(graph, plan):
+        n = len(plan.mesh_shape)
+        return {t: (a + 1) % n for t, a in orig(graph, plan).items()}
+    emit.synced_params = wrong
+
+
+@mutant
+def value_split_treated_as_spatial():
+    from nnscaler.dimops import partition
+    partition.VALUE = "+~"  # outputs lacking a '+' dimension are no longer partial sums
+
+
+@mutant
+def loss_mean_over_local_count():
+    import opzoo._parallel_kernels as K
+    C = _C()
+
+    def reduce_rows(shard, loss, valid, reduction, row):
+        if reduction == "none":
+            return loss
+        if reduction == "sum":
+            return loss.sum()
+        return loss.sum() / (valid.sum() * C._size(shard.group(row)))
+    K._reduce_rows = reduce_rows
+
+
+@mutant
+def vocab_parallel_lookup_off_by_one():
+    import opzoo._parallel_kernels as K
+    orig = K.lookup
+
+    def lookup(shard, cls, target, n):
+        li, inside = orig(shard, cls, target, n)
+        return li, inside if shard.group(cls) is None else (inside & (li != n - 1))
+    K.lookup = lookup
+
+
+@mutant
+def sum_reduction_forgets_partial():
+    from nnscaler.runtime import collectives as C
+    orig = C.all_reduce
+
+    def maybe(x, group):  # a scalar partial value is left unsummed
+        return x if x.dim() == 0 else orig(x, group)
+    C.all_reduce = maybe
