@@ -19,6 +19,7 @@ from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
 from . import rank_case
 from .model_case import run_model_case
+from .replicas_case import run_replicas_case
 from .samples import DTYPES, Sample, make_sample
 
 
@@ -73,6 +74,10 @@ def handle(state: RankState, job: dict) -> dict:
     ``model`` (train a whole model under a policy)."""
     start = time.perf_counter()
     try:
+        if job["kind"] == "model" and job.get("plan_ngpus", job["world_size"]) < job["world_size"]:  # replicas
+            checks = run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
+                                       job["steps"], job["seed"], state.groups, job["gen_dir"])
+            return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
         if job["kind"] == "model":
             checks = run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"],
                                     state.groups, job["gen_dir"])
