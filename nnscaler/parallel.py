@@ -128,4 +128,5 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     trainable = {n for n, _ in model.named_parameters()}
     module = ParallelModule(program, state, mesh, trainable, replica_group, config.replicas)
     module.plan, module.graph = plan, graph
+    module.process_group = None if runtime == world else cache.get(list(range(runtime)))  # all ranks of the module
     return module

@@ -14,6 +14,7 @@ from nnscaler.policies import ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from .checkpoint_case import resume_checks
 from .compare import STATE_FACTOR, Check, check_tensor
 from .models.builders import MODELS
 
@@ -55,6 +56,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
                                        factor=STATE_FACTOR))
     checks += _reload_checks(name, policy, pm.state_dict(), ref, ref64, case.batch(steps), groups, gen_dir,
                              world_size, seed)
+    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts, ref, ref64, groups, gen_dir)  # checkpoint_case
     return checks
 
 

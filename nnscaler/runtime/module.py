@@ -38,6 +38,7 @@ class ParallelModule(torch.nn.Module):
         self._program = program
         self._mesh = mesh
         self._replica_group, self._replicas = replica_group, replicas
+        self.process_group = None  # the group of every rank running this module (None: the default group)
         self._names: dict[str, str] = {}
         synced, trainables = [], []
         for name, (shape, layout, slices, sync_axis) in program.STATE.items():
