@@ -108,6 +108,17 @@ def _save(directory: Path, plan_rank: int, source: str, reuse: bool) -> Path:
     return path
 
 
+def _replica_group(cache: GroupCache, ranks: list[int], create: bool):
+    """The group of one plan rank's replicas: from ``cache`` when made beforehand, else a new one
+    (``new_group`` is collective: every rank creates every replica group, in order)."""
+    try:
+        return cache.get(ranks)
+    except KeyError:
+        if not create:
+            raise
+        return dist.new_group(ranks)
+
+
 def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
                 *, gen_savedir: str | os.PathLike = ".nnscaler", reuse: bool = True, strict: bool = False,
                 sample_kwargs: Mapping[str, Any] | None = None, registry: OpRegistry | None = None,
@@ -117,8 +128,8 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     Every rank of the default process group (created from the ``torchrun`` environment if none
     exists) calls this with the same model and sample arguments. The generated program of each
     plan rank is written to ``gen_savedir`` and reused while a hash of the traced graph, the plan and
-    the config matches. Ranks beyond ``plan_ngpus`` are data-parallel replicas: call
-    :meth:`ParallelModule.sync_replica_grads` after backward. ``groups`` reuses process groups made
+    the config matches. Ranks beyond ``plan_ngpus`` are data-parallel replicas, each fed its own
+    share of the batch; gradients are averaged over them during backward. ``groups`` reuses process groups made
     beforehand (then only ranks ``0 .. runtime_ngpus-1`` take part; others need not call).
 
     A cached program is run only if its text is exactly what the compiler writes now (anything else
@@ -129,7 +140,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     _ensure_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     runtime = config.runtime_ngpus or config.plan_ngpus
-    if world != runtime and not (groups is not None and runtime <= world and config.replicas == 1):
+    if world != runtime and not (groups is not None and runtime <= world):
         raise PlanError(f"the process group has {world} ranks but the config asks for {runtime} "
                         f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
     name, fn = _policy(policy)
@@ -164,7 +175,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     if config.replicas > 1:
         for p in range(config.plan_ngpus):
             ranks = [p + r * config.plan_ngpus for r in range(config.replicas)]
-            g = dist.new_group(ranks)
+            g = _replica_group(cache, ranks, groups is None)
             if p == plan_rank:
                 replica_group = g
     mesh = RankMesh.build(plan.mesh_shape, rank, cache, offset=replica * config.plan_ngpus)
@@ -173,4 +184,5 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     module = ParallelModule(program, state, mesh, trainable, replica_group, config.replicas,
                             bucket_bytes=config.bucket_bytes)
     module.plan, module.graph = plan, graph
+    module.process_group = None if runtime == world else cache.get(list(range(runtime)))  # all ranks of the module
     return module

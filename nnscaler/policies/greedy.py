@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from ..comm.conversion import conversion
 from ..dimops.layout import Layout, Partial, Replicate, Shard
 from ..dimops.partition import Partition, splittable
-from ..ir.graph import BUFFER, PARAM, IRGraph, IROp, IRTensor
+from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from .plan import Plan
 
 COMPUTE_WEIGHT = 0.05
@@ -52,7 +52,7 @@ def numel(t: IRTensor) -> int:
 
 
 def _free(t: IRTensor, layouts: dict) -> bool:
-    return t.kind in (PARAM, BUFFER) and t not in layouts
+    return t.kind in (PARAM, BUFFER, CONSTANT) and t not in layouts  # lifted constants live like buffers
 
 
 def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: Sequence[int]) -> float:

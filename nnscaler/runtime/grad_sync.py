@@ -5,6 +5,10 @@ gradient on each rank of that axis. Rather than summing it at every use, the gen
 leaves it partial and this hook sums it: parameters are grouped into buckets per axis group; when
 every gradient of a bucket is ready it is flattened and all-reduced asynchronously; at the end of
 backward the results are waited for and copied back (as DistributedDataParallel does).
+
+Data-parallel replicas of the plan (``runtime_ngpus > plan_ngpus``) average every gradient over the
+replica group the same way, during backward. A parameter also summed within the plan is averaged
+over replicas after that sum (a second stage at the end of backward); the others overlap backward.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ BUCKET_BYTES = 4 * 2**20
 class _Bucket:
     params: list[torch.nn.Parameter]
     group: object
+    scale: float = 1.0  # the reduced sum is multiplied by this (1 / replicas for an average)
+    deferred: bool = False  # launched only after the in-plan sums (its parameters need them first)
     pending: int = 0
     flat: torch.Tensor | None = None
     handle: object = None
@@ -33,25 +39,33 @@ class GradSync:
     _queued: bool = False
 
     @classmethod
-    def build(cls, pairs: list[tuple[torch.nn.Parameter, object]], bucket_bytes: int | None = None) -> "GradSync":
-        """Bucket parameters (in reverse order, roughly when backward produces their gradients); a
-        bucket is closed once it holds ``bucket_bytes`` (default :data:`BUCKET_BYTES`)."""
+    def build(cls, pairs: list[tuple[torch.nn.Parameter, object]], bucket_bytes: int | None = None,
+              replicas: list[torch.nn.Parameter] = (), replica_group=None, n_replicas: int = 1) -> "GradSync":
+        """Bucket parameters (in reverse order, roughly when backward produces their gradients):
+        ``pairs`` are summed over their group; ``replicas`` averaged over ``replica_group``; a bucket
+        is closed once it holds ``bucket_bytes`` (default :data:`BUCKET_BYTES`)."""
         bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         sync = cls()
-        open_: dict[int, _Bucket] = {}
-        for p, group in reversed(pairs):
-            b = open_.get(id(group))
+        open_: dict[tuple, _Bucket] = {}
+        in_plan = {id(p) for p, _ in pairs}
+        todo = [(p, g, 1.0, False) for p, g in pairs]
+        if replica_group is not None:
+            todo += [(p, replica_group, 1.0 / n_replicas, id(p) in in_plan) for p in replicas]
+        for p, group, scale, deferred in reversed(todo):
+            key = (id(group), deferred)
+            b = open_.get(key)
             if b is None or sum(q.numel() * q.element_size() for q in b.params) >= bucket_bytes:
-                b = _Bucket([], group)
+                b = _Bucket([], group, scale, deferred)
                 sync.buckets.append(b)
-                open_[id(group)] = b
+                open_[key] = b
             b.params.append(p)
         return sync
 
     def attach(self) -> None:
         for b in self.buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(lambda p, b=b: self._ready(b))
+            if not b.deferred:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(lambda p, b=b: self._ready(b))
 
     def _ready(self, b: _Bucket) -> None:
         if not self._queued:
@@ -69,16 +83,20 @@ class GradSync:
         b.handle = dist.all_reduce(b.flat, group=b.group, async_op=True)
 
     def _finish(self) -> None:
-        for b in self.buckets:
-            if b.handle is None:  # some parameter got no gradient this time
-                self._launch(b)
-        for b in self.buckets:
-            b.handle.wait()
-            offset = 0
-            for p in b.params:
-                n = p.numel()
-                p.grad = b.flat[offset:offset + n].view_as(p).clone() if p.grad is None else p.grad.copy_(
-                    b.flat[offset:offset + n].view_as(p))
-                offset += n
-            b.flat, b.handle = None, None
+        for stage in (False, True):
+            buckets = [b for b in self.buckets if b.deferred == stage]
+            for b in buckets:
+                if b.handle is None:  # some parameter got no gradient this time, or a deferred bucket
+                    self._launch(b)
+            for b in buckets:
+                b.handle.wait()
+                if b.scale != 1.0:
+                    b.flat.mul_(b.scale)
+                offset = 0
+                for p in b.params:
+                    n = p.numel()
+                    p.grad = b.flat[offset:offset + n].view_as(p).clone() if p.grad is None else p.grad.copy_(
+                        b.flat[offset:offset + n].view_as(p))
+                    offset += n
+                b.flat, b.handle = None, None
         self._queued = False

@@ -3,6 +3,7 @@ program; ``state_dict`` merges shards back to the single-device model's names an
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -37,8 +38,9 @@ class ParallelModule(torch.nn.Module):
         self._program = program
         self._mesh = mesh
         self._replica_group, self._replicas = replica_group, replicas
+        self.process_group = None  # the group of every rank running this module (None: the default group)
         self._names: dict[str, str] = {}
-        synced = []
+        synced, trainables = [], []
         for name, (shape, layout, slices, sync_axis) in program.STATE.items():
             if name not in full_state:
                 raise KeyError(f"the generated program needs {name!r}, which the model does not have")
@@ -51,11 +53,14 @@ class ParallelModule(torch.nn.Module):
             if name in trainable:
                 param = torch.nn.Parameter(local, requires_grad=full.requires_grad)
                 self.register_parameter(key, param)
+                if param.requires_grad:
+                    trainables.append(param)
                 if sync_axis is not None and mesh.groups[sync_axis] is not None and param.requires_grad:
                     synced.append((param, mesh.groups[sync_axis]))
             else:
                 self.register_buffer(key, local)
-        self._grad_sync = GradSync.build(synced, bucket_bytes)
+        self._grad_sync = GradSync.build(synced, bucket_bytes, replicas=trainables, replica_group=replica_group,
+                                         n_replicas=replicas)
         self._grad_sync.attach()
 
     def _local(self) -> dict[str, torch.Tensor]:
@@ -65,13 +70,9 @@ class ParallelModule(torch.nn.Module):
         return self._program.forward(self._local(), self._mesh.groups, *inputs)
 
     def sync_replica_grads(self) -> None:
-        """Average gradients over data-parallel replicas of the plan (call after backward)."""
-        if self._replica_group is None:
-            return
-        for p in self.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self._replica_group)
-                p.grad /= self._replicas
+        """Deprecated, does nothing: gradients are averaged over replicas during backward."""
+        warnings.warn("sync_replica_grads() is no longer needed and does nothing: gradients are averaged over "
+                      "data-parallel replicas during backward; remove the call", DeprecationWarning, stacklevel=2)
 
     # -- whole-model state ---------------------------------------------------------------------------
     def _whole(self, name: str, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 
 from ..ir.graph import ACTIVATION, BUFFER, CONSTANT, INPUT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY, OpRegistry
@@ -113,6 +113,8 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
         return outs if isinstance(val, (list, tuple)) else outs[0]
 
     outputs = visit(ep.graph, {})
+    user = [i for i, s in enumerate(ep.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
+    outputs = [outputs[i] for i in user]  # a buffer's functionalized update is not a model output
     constants = [t for t in ins if t.kind == CONSTANT]
     ins = [t for t in ins if t.kind != CONSTANT]
     graph = IRGraph(ops, ins, params, buffers + constants, outputs,

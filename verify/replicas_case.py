@@ -1,0 +1,78 @@
+"""One rank's part of a replicas case: a plan for ``plan_ngpus`` ranks run as data-parallel replicas
+on ``world_size`` ranks, each replica fed its share of the batch; the loss averaged over replicas,
+every gradient (averaged during backward, no call from the training loop) and every parameter after
+AdamW steps are judged against single-device training on the whole batch."""
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.parallel import parallelize
+from nnscaler.policies import ComputeConfig
+from nnscaler.runtime.mesh import GroupCache
+from nnscaler.trace.build import UnknownOperatorWarning
+
+from .compare import STATE_FACTOR, Check, check_tensor
+from .models.builders import MODELS
+
+LR = 1e-2
+
+
+def _f64(args: tuple) -> tuple:
+    return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def share(args: tuple, replica: int, replicas: int) -> tuple:
+    """This replica's rows of every batched tensor argument (dim 0, equal shares)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            if a.shape[0] % replicas:
+                raise ValueError(f"a batch of {a.shape[0]} rows cannot be shared by {replicas} replicas")
+            a = a.chunk(replicas)[replica]
+        out.append(a)
+    return tuple(out)
+
+
+def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
+                      groups: GroupCache, gen_dir: str) -> list[Check]:
+    """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to ``world_size``."""
+    case = MODELS[name](seed)
+    ref, ref64 = copy.deepcopy(case.model), copy.deepcopy(case.model).double()
+    replicas, rank = world_size // plan_ngpus, dist.get_rank()
+    replica = rank // plan_ngpus
+    config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        pm = parallelize(case.model, share(case.batch(0), replica, replicas), policy, config, groups=groups,
+                         gen_savedir=Path(gen_dir) / f"{name}-{policy}-p{plan_ngpus}-w{world_size}-s{seed}")
+    replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (pm, ref, ref64)]
+    checks: list[Check] = []
+    for step in range(steps):
+        args = case.batch(step)
+        loss = pm(*share(args, replica, replicas))
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=groups.get(replica_ranks))
+        loss_ref, loss64 = ref(*args), ref64(*_f64(args))
+        loss_ref.backward()
+        loss64.backward()
+        checks.append(check_tensor(f"loss step {step} (mean over replicas)", mean / replicas, loss_ref.detach(),
+                                   loss64.detach()))
+        grads, rp, rp64 = pm.whole_grads(), dict(ref.named_parameters()), dict(ref64.named_parameters())
+        scale = max(float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None)
+        for n, (p, p64) in ((n, (rp[n], rp64[n])) for n in rp):
+            checks.append(check_tensor(f"grad {n} step {step}", grads.get(n), p.grad, p64.grad, scale=scale))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        state = pm.state_dict()
+        for n in rp:
+            checks.append(check_tensor(f"param {n} after step {step}", state.get(n), rp[n].detach(),
+                                       rp64[n].detach(), factor=STATE_FACTOR))
+    return checks
