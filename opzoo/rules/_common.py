@@ -42,8 +42,8 @@ class Names:
         raise RuntimeError("out of identifier names")
 
     def dim(self, length: int, hint: str | None = None) -> str:
-        """``1`` for a dim of length 1, else a fresh identifier."""
-        return "1" if length == 1 else self.new(hint)
+        """``1`` (or ``0``) for a dim of length 1 (or 0), else a fresh identifier."""
+        return str(length) if length in (0, 1) else self.new(hint)
 
 
 def norm_dim(dim: int, ndim: int) -> int:
@@ -81,14 +81,15 @@ def size_arg(items: Sequence[str]) -> Any:
     return (Size(items[0]),) if len(items) == 1 else Size(" ".join(items))
 
 
-def usable(call: OpCall) -> bool:
-    """False for calls a rule never annotates: tensor kwargs, zero-sized tensors."""
+def usable(call: OpCall, empty_ok: bool = False) -> bool:
+    """False for calls a rule never annotates: tensor kwargs, zero-sized tensors (unless
+    ``empty_ok``: a rule that writes an empty dim as ``0``, as phi-3's empty rotary remainder)."""
     if any(isinstance(v, TensorMeta) for v in call.kwargs.values()):
         return False
     metas = [m for a in call.args for m in (a if isinstance(a, (list, tuple)) else (a,))
              if isinstance(m, TensorMeta)]
     metas += [m for m in call.outputs if isinstance(m, TensorMeta)]
-    return all(0 not in m.shape for m in metas)
+    return empty_ok or all(0 not in m.shape for m in metas)
 
 
 def constraint(meta: TensorMeta) -> Any:
