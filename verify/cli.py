@@ -21,6 +21,7 @@ from nnscaler.ops.registry import OpRegistry, UnknownOpError
 from nnscaler.policies import POLICIES
 
 from .cases import BadInput, RunConfig, run_model, run_op
+from .model_coverage import replicated_lines
 from .models.builders import MODELS
 from .gang import Gang, GangError
 from .report import ReportWriter, summary, table
@@ -140,6 +141,8 @@ def cmd_model(args) -> int:
     cfg = _config(args)
     print(f"training {args.name} for {args.steps} steps under {', '.join(args.policy)} at world sizes "
           f"{list(cfg.world_sizes)}, seeds {list(cfg.seeds)}", flush=True)
+    for line in replicated_lines(args.name, args.policy, cfg.world_sizes):
+        print(line, flush=True)
     with tempfile.TemporaryDirectory() as tmp, Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang:
         rows = list(run_model(gang, args.name, tuple(args.policy), cfg, args.gen_dir or tmp, args.steps))
     print(table(rows))

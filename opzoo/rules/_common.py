@@ -127,15 +127,17 @@ def build(call: OpCall, family: str, ins: Mapping[int, Sequence[str] | Sequence[
           inputs: Mapping[int, Any] | None = None, **options) -> OpSpec:
     """The spec of ``call``: ``ins[pos]`` are the dims of the tensor at argument ``pos`` (for a list
     of tensors, one list of dims per tensor, flattened in place); every other argument is ``?`` with
-    its value, or ``args[pos]`` where given. ``inputs`` (constraints) are keyed by argument position;
+    its value, or ``args[pos]`` where given. ``inputs`` (constraints) are keyed by argument position
+    (a list of them for a list of tensors);
     tensors without one get :func:`constraint` of their dtype."""
     texts, values, cons = [], {}, {}
     regroup = None
     for pos, a in enumerate(call.args):
         if pos in ins and isinstance(a, (list, tuple)):
             regroup = (pos, len(a), len(texts))
-            for meta, dims in zip(a, ins[pos]):
-                c = constraint(meta)
+            given = (inputs or {}).get(pos)
+            for k, (meta, dims) in enumerate(zip(a, ins[pos])):
+                c = given[k] if isinstance(given, (list, tuple)) else constraint(meta)
                 if c is not None:
                     cons[len(texts)] = c
                 texts.append(tensor_text(dims))

@@ -86,7 +86,10 @@ def pointwise(call: OpCall, kwargs: dict | None = None):
 def pointwise_rule(call: OpCall):
     """Any element-wise op (``aten.to``'s ``device`` keyword dropped)."""
     kwargs = {k: v for k, v in call.kwargs.items() if k != "device"}
-    return pointwise(call, kwargs)
+    spec = pointwise(call, kwargs)
+    if spec is not None and call.overload.startswith("aten.floor_divide"):
+        spec = replace(spec, differentiable=False)  # no derivative in torch
+    return spec
 
 
 def to_device(x, device, dtype, non_blocking=False, copy=False, memory_format=None):

@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from nnscaler.ops import OpCall, TensorMeta, annotation_rule
+from nnscaler.ops import Index, OpCall, TensorMeta, annotation_rule
 
 from ._common import Names, arg, broadcast, build, norm_dim, usable
 
@@ -49,7 +49,8 @@ def index_rule(call: OpCall):
     per, dout = b
     if tuple(call.outputs[0].shape) != (*torch.broadcast_shapes(*[i.shape for i in idx]), *x.shape[len(idx):]):
         return None
-    return build(call, FAMILY, {0: dx + rest, 1: per}, [dout + rest], sizes=sizes)
+    cons = [Index(d.rstrip("^") if d != "1" else 1, str(i.dtype).removeprefix("torch.")) for d, i in zip(dx, idx)]
+    return build(call, FAMILY, {0: dx + rest, 1: per}, [dout + rest], sizes=sizes, inputs={1: cons})
 
 
 def index_put(x, *rest, n: int):

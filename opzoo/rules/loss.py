@@ -50,7 +50,7 @@ def class_loss_rule(call: OpCall):
                  inputs={1: Index(x.shape[1] if v == "1" else v, dtype)})
 
 
-def scaled_squared_error(x, y, scale):
+def scaled_squared_error(x, y, reduction=None, *, scale):
     """``sum((x - y)**2) * scale``: ``mse_loss`` with ``scale`` 1/count (mean) or 1 (sum). On shards
     the local sums are partial values of the whole (the count is the whole tensor's)."""
     return torch.sum((x - y) ** 2) * scale
@@ -72,4 +72,4 @@ def mse_loss_rule(call: OpCall):
         return build(call, FAMILY, {0: dims, 1: dims}, [dims])
     scale = 1.0 / max(1, math.prod(x.shape)) if reduction == 1 else 1.0
     split = [mark(d, "+") for d in dims]
-    return build(call, FAMILY, {0: split, 1: split}, [[]], args={2: scale}, kwargs={}, fn=scaled_squared_error)
+    return build(call, FAMILY, {0: split, 1: split}, [[]], kwargs={}, fn=partial(scaled_squared_error, scale=scale))

@@ -28,7 +28,11 @@ def _decoder(cls_cfg, cls_model, vocab: int, seed: int, **cfg) -> ModelCase:
 
 
 def _mixtral(seed: int, experts: str) -> ModelCase:
+    import transformers.integrations.moe  # noqa: F401  (defines transformers::grouped_mm_fallback)
     from transformers import MixtralConfig, MixtralForCausalLM
+
+    from opzoo.rules.moe import register_transformers_grouped_mm
+    register_transformers_grouped_mm()
     return _decoder(MixtralConfig, MixtralForCausalLM, 97, seed, num_local_experts=3, num_experts_per_tok=2,
                     experts_implementation=experts, router_jitter_noise=0.0, **HEADS)
 
