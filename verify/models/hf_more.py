@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .builders import ModelCase, _tokens, register_model
-from .hf import LossOf, _lm_batch
+from .builders import ModelCase, register_model
+from .resnet_gn import image_batch
+from . import hf  # (its names are read at call time: builders imports this module while hf may be half-loaded)
 
 HEADS = dict(num_attention_heads=3, num_key_value_heads=1, head_dim=16)  # 3 query heads share one key head
 
@@ -24,7 +25,7 @@ def _decoder(cls_cfg, cls_model, vocab: int, seed: int, **cfg) -> ModelCase:
     torch.manual_seed(seed)
     config = cls_cfg(vocab_size=vocab, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                      max_position_embeddings=32, attn_implementation="eager", use_cache=False, **cfg)
-    return ModelCase(LossOf(cls_model(config)), _lm_batch(vocab, seed))
+    return ModelCase(hf.LossOf(cls_model(config)), hf._lm_batch(vocab, seed))
 
 
 def _mixtral(seed: int, experts: str) -> ModelCase:
@@ -76,7 +77,7 @@ def t5(seed: int) -> ModelCase:
     cfg = T5Config(vocab_size=101, d_model=48, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=3,
                    relative_attention_num_buckets=8, dropout_rate=0.0, use_cache=False, pad_token_id=0,
                    decoder_start_token_id=0, eos_token_id=1, attn_implementation="eager")
-    return ModelCase(LossOf(T5ForConditionalGeneration(cfg)), _lm_batch(101, seed))
+    return ModelCase(hf.LossOf(T5ForConditionalGeneration(cfg)), hf._lm_batch(101, seed))
 
 
 class ClassifierLoss(nn.Module):
@@ -88,14 +89,6 @@ class ClassifierLoss(nn.Module):
 
     def forward(self, pixel_values, labels):
         return self.model(pixel_values=pixel_values, labels=labels).loss
-
-
-def image_batch(classes: int, seed: int, size: int = 8, channels: int = 3):
-    """Step -> (images ``4 x channels x size x size``, labels), seeded."""
-    def batch(step: int):
-        g = torch.Generator().manual_seed(7000 + 100 * seed + step)
-        return torch.randn(4, channels, size, size, generator=g), _tokens(classes, (4,), 7000 + 100 * seed + step)
-    return batch
 
 
 @register_model("vit")
