@@ -5,6 +5,7 @@ a batch dimension is split on it, and the forward pass issues no collective but 
 Known limits are pinned (they may shrink, not grow), each with its reason."""
 from __future__ import annotations
 
+import functools
 import re
 import tempfile
 import warnings
@@ -42,7 +43,9 @@ def _needs(name: str) -> None:
         pytest.skip(f"{name} needs transformers (pip install -e '.[models]')")
 
 
+@functools.lru_cache(maxsize=None)
 def _trace(name: str, registry: OpRegistry | None = None):
+    """The model's graph (traced once per registry for the whole module)."""
     case = MODELS[name](0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
@@ -60,10 +63,11 @@ def dp_report(graph, world: int = 2) -> tuple[int, int, int]:
 
 
 def _xfail_t5(name: str):
-    if name == "t5":
-        pytest.xfail(NEEDS_LIFTED_CONSTANTS) if _t5_broken() else None
+    if name == "t5" and _t5_broken():
+        pytest.xfail(NEEDS_LIFTED_CONSTANTS)
 
 
+@functools.lru_cache(maxsize=None)
 def _t5_broken() -> bool:
     try:
         graph = _trace("t5")
