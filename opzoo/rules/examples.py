@@ -179,3 +179,6 @@ register_examples("aten.group_norm.default", [(T(4, 12, 8, 8), 3, T(12), T(12), 
                                               (T(4, 12, 5), 3)])
 register_examples("aten.slice.Tensor", [(T(4, 3, 8, 16), 3, 16, INT_MAX)])
 register_examples("aten.cat.default", [([T(4, 3, 8, 16), T(4, 3, 8, 0)], -1)])
+register_examples("aten.topk.default", [(T(32, 3), 2), (T(4, 8, 6), 3, 1), ex(T(4, 6), 2, largest=False)])
+register_examples("aten.sort.default", [(T(4, 8),), (I(64),), (T(6, 4), 0, True)])
+register_examples("aten.sort.stable", [ex(T(4, 8), stable=True, dim=0)])

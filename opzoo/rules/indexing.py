@@ -111,3 +111,27 @@ def repeat_interleave_rule(call: OpCall):
     if repeats > 1:
         dout[dim] = f"({din[dim]} {repeats})" if din[dim] != "1" else str(repeats)
     return build(call, FAMILY, {0: din}, [dout])
+
+
+@annotation_rule("aten.topk.default", "aten.sort.default", "aten.sort.stable")
+def select_along_rule(call: OpCall):
+    """``a n^, ?, ? -> a k^, a k^`` (``topk``, a router's choice of experts) or ``a n^ -> a n^, a n^``
+    (``sort``): the dim selected along is frozen, every other dim spatial."""
+    if not usable(call):
+        return None
+    x = call.tensor(0)
+    if call.overload == "aten.topk.default":
+        raw = arg(call, 2, "dim", -1)
+    elif call.overload == "aten.sort.stable":
+        raw = call.kwargs.get("dim", -1)
+    else:
+        raw = arg(call, 1, "dim", -1)
+    dim = norm_dim(raw, x.ndim)
+    names, sizes = Names(), {}
+    din = [names.dim(n) for n in x.shape]
+    if x.ndim:
+        din[dim] = _frozen(names, x.shape[dim], sizes)
+    dout = list(din)
+    if x.ndim and call.outputs[0].shape[dim] != x.shape[dim]:
+        dout[dim] = _frozen(names, call.outputs[0].shape[dim], sizes)
+    return build(call, FAMILY, {0: din}, [dout, dout], sizes=sizes)
