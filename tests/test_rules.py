@@ -24,7 +24,10 @@ relu.default gelu.default silu.default tanh.default sigmoid.default neg.default 
 log.default add.Tensor sub.Tensor mul.Tensor div.Tensor pow.Tensor_Scalar maximum.default minimum.default
 where.self softmax.int log_softmax.int sum.dim_IntList mean.dim layer_norm.default linear.default
 matmul.default embedding.default scaled_dot_product_attention.default dropout.default
-cross_entropy_loss.default to.dtype""".split()
+cross_entropy_loss.default to.dtype _to_copy.default _assert_tensor_metadata.default type_as.default arange.default
+arange.start zeros.default full.default new_ones.default empty_like.default diff.default index.Tensor index_put_.default
+repeat_interleave.self_int histc.default floor_divide.default _grouped_mm.default conv1d.default conv2d.default
+group_norm.default mse_loss.default broadcast_tensors.default div_.Tensor""".split()
 
 
 # --- (a) every rule has examples in the zoo --------------------------------------------------------
@@ -67,10 +70,43 @@ def test_derived_annotation(overload, args, annotation):
     assert derive(make_call(overload, args)).annotation == annotation
 
 
+@pytest.mark.parametrize("overload, args, annotation", [
+    # a metadata assert and a cast follow their input's layout; creators are built whole on every rank
+    ("aten._assert_tensor_metadata.default", (T(4, 8, 32),), "a b c -> a b c"),
+    ("aten.type_as.default", (T(4, 8, 32), T(4, 8, 32)), "a b c, ? -> a b c"),
+    ("aten.arange.default", (8,), "? -> a^"),
+    ("aten.new_ones.default", (T(4, 8), [2, 3]), "?, ? -> a^ b^"),
+    ("aten.empty_like.default", (T(4, 8),), "a b -> a b"),
+    ("aten.index.Tensor", (T(3, 12, 8), [T(16, dtype=torch.int64)]), "a^ b c, d -> d b c"),
+    ("aten.repeat_interleave.self_int", (T(8, 6), 2, 0), "a b, ?, ? -> (a 2) b"),
+    ("aten.histc.default", (T(64), 3, 0, 2), "a+, ?, ?, ? -> b^"),
+    ("aten._grouped_mm.default", (T(16, 8), T(3, 8, 12), T(3, dtype=torch.int32)), "s^ k+, e^ k+ n, e^ -> s^ n"),
+    ("aten.conv2d.default", (T(4, 3, 8, 8), T(12, 3, 3, 3), T(12), [1, 1], [1, 1]),
+     "n c+ a^ b^, o c+ d^ e^, o, ?, ? -> n o f^ g^"),
+    ("aten.group_norm.default", (T(4, 12, 8, 8), 3, T(12), T(12), 1e-5, False),
+     "n (g 4) a^ b^, ?, (g 4), (g 4), ?, ? -> n (g 4) a^ b^"),
+    ("aten.slice.Tensor", (T(4, 3, 8, 16), 3, 16, 2 ** 63 - 1), "a b c e^, ?, ?, ? -> a b c 0"),
+])
+def test_derived_annotation_of_model_bookkeeping(overload, args, annotation):
+    assert derive(make_call(overload, args)).annotation == annotation
+
+
+def test_real_conv_call_matches_the_fixed_entry():
+    """``nn.Conv2d`` traces ``padding=1`` as ``[1, 1]``: the fixed zoo entry matches it too (the rule
+    annotates it first), and a different padding does not."""
+    from nnscaler.trace.match import match_fixed
+    conv = make_call("aten.conv2d.default", (T(4, 3, 7, 6), T(5, 3, 3, 2), T(5), [1, 1], [1, 1]))
+    assert match_fixed(conv, DEFAULT_REGISTRY.get("conv2d")) is not None
+    other = make_call("aten.conv2d.default", (T(4, 3, 7, 6), T(5, 3, 3, 2), T(5), [1, 1], [1, 0]))
+    assert match_fixed(other, DEFAULT_REGISTRY.get("conv2d")) is None
+
+
 def test_rules_decline_what_they_cannot_split():
     assert derive(make_call("aten.dropout.default", (T(4, 8), 0.1, True))) is None
     ce = make_call("aten.cross_entropy_loss.default", (T(4, 8), T(4, 8), None, 1, -100, 0.0))
     assert derive(ce) is None  # probability targets
+    assert derive(make_call("aten.index.Tensor", (T(4, 8), [T(4, 8, dtype=torch.bool)]))) is None  # a mask
+    assert derive(make_call("aten.conv2d.default", (T(2, 4, 6, 6), T(4, 2, 3, 3), None, [1, 1], [0, 0], [1, 1], 2))) is None
 
 
 def test_list_arguments_are_flattened_in_place():

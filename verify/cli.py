@@ -25,6 +25,7 @@ from nnscaler.policies import POLICIES
 
 from .cases import BadInput, RunConfig, preflight, run_model, run_op
 from .model_case import PolicyFileError, resolve_policy
+from .model_coverage import replicated_lines
 from .models.builders import MODELS, known_model
 from .gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
 from .report import ReportError, ReportWriter, summary, table
@@ -216,6 +217,8 @@ def cmd_model(args) -> int:
     _json_target(args.json)
     print(f"training {args.name} for {args.steps} steps under {', '.join(policies)} at world sizes "
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
+    for line in replicated_lines(args.name, [p for p in policies if p in POLICIES], cfg.world_sizes):
+        print(line, flush=True)
     with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang:
         rows = list(run_model(gang, args.name, policies, cfg, args.gen_dir or tmp, args.steps,
                               bucket_bytes=args.bucket_bytes))

@@ -1,7 +1,13 @@
-"""``torch.export`` of a user's model, with errors a user can act on."""
+"""``torch.export`` of a user's model, with errors a user can act on: the exception's first
+meaningful lines, the model's own source line, and what to change (never the partial graph dump
+that ``torch.export`` prints on failure)."""
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import re
+import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -14,16 +20,66 @@ class TraceError(ValueError):
     """The model cannot be traced as given (bad sample arguments, or export failed)."""
 
 
-def _user_frame(exc: BaseException) -> str:
-    """``file:line in function`` of the innermost frame outside torch and the standard library."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
-    user = [f for f in frames if not f.filename.startswith(skip) and "site-packages" not in f.filename
-            and "/lib/python" not in f.filename and not f.filename.startswith("<")]
+MAX_LINES = 3  # of the exception's own message
+_NOISE = re.compile(r"^(For more information|For extended logs|If you suspect|For more debugging help|For C\+\+ "
+                    r"stack trace|Caused by:|The error above occurred|consider using data-dependent|"
+                    r"The following call raised)")
+_CALL = re.compile(r'The following call raised this error:\n\s*File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+# what to change, by the kind of failure (matched against the exception's type and message)
+HINTS = (
+    (re.compile(r"data-dependent|GuardOnDataDependent|DataDependent", re.I),
+     "the model branches on, or turns into a Python number, a value computed from its inputs; "
+     "write it with tensor ops (torch.where, masks, torch.cond) or move it out of forward"),
+    (re.compile(r"Unsupported|not supported|NotImplemented", re.I),
+     "the model calls something torch.export cannot record; replace it with torch operators or wrap "
+     "it as a torch.library.custom_op with a dimops annotation (nnscaler.register_op)"),
+    (re.compile(r"dynamic|Constraint|guard", re.I),
+     "the model depends on a value torch.export cannot fix at trace time; make it a constant of the "
+     "model or a tensor operation"),
+)
+DEFAULT_HINT = ("make forward traceable by torch.export.export(model, args, strict=False): tensor "
+                "operations only, no Python logic on tensor values")
+
+
+def _torch_or_ours(filename: str) -> bool:
+    own = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+    return filename.startswith(own) or "/lib/python" in filename and "site-packages" not in filename \
+        or filename.startswith("<")
+
+
+def model_line(exc: BaseException) -> str:
+    """``file:line in function: code`` of the model's own line that failed: the call torch.export
+    names in its message, else the innermost traceback frame outside torch, nnscaler and the
+    standard library (a library model's own file, such as transformers', counts as the model's)."""
+    m = _CALL.search(str(exc))
+    if m:
+        return f"{m.group(1)}:{m.group(2)} in {m.group(3)}: {m.group(4).strip()}"
+    user = [f for f in traceback.extract_tb(exc.__traceback__) if not _torch_or_ours(f.filename)]
     if not user:
         return ""
     f = user[-1]
-    return f" (at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()})"
+    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+
+
+def first_lines(exc: BaseException, limit: int = MAX_LINES) -> str:
+    """The exception's first meaningful lines: no blank lines, torch's debugging advice, graph dumps."""
+    lines = []
+    for line in str(exc).strip().splitlines():
+        line = line.strip()
+        if not line or _NOISE.match(line):
+            continue
+        if line.startswith(("def forward", "class GraphModule", "File \"", "#")):
+            break
+        lines.append(line)
+        if len(lines) == limit:
+            break
+    return " ".join(lines)
+
+
+def hint(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return next((h for pattern, h in HINTS if pattern.search(text)), DEFAULT_HINT)
 
 
 def check_arguments(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -65,15 +121,28 @@ def functional(ep):
 
 def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None):
     """``torch.export.export(model, args, kwargs, strict=False)``; a failure becomes a
-    :class:`TraceError` naming the model, the exception and the user's source line."""
+    :class:`TraceError` naming the model, the exception's first lines, the model's source line and
+    what to change."""
     kwargs = dict(kwargs or {})
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"parallelize needs a torch.nn.Module, got {type(model).__name__}")
     check_arguments(model, args, kwargs)
+    # torch.export prints the partial graph of a failed trace to stderr (thousands of lines for a
+    # real model); capture stderr while it runs and pass on everything but that dump
+    captured = io.StringIO()
     try:
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        with contextlib.redirect_stderr(captured):
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise TraceError(f"torch.export cannot trace {type(model).__name__}: {type(exc).__name__}: {msg}"
-                         f"{_user_frame(exc)}") from exc
+        dump = str(getattr(exc, "partial_fx_graph", "") or "")
+        text = captured.getvalue()
+        captured = io.StringIO(text.replace(dump, "") if dump else text)
+        where = model_line(exc)
+        raise TraceError(f"torch.export cannot trace {type(model).__name__}: {type(exc).__name__}: "
+                         f"{first_lines(exc)}" + (f" (at {where})" if where else "") + f"; to fix: {hint(exc)}"
+                         ) from exc
+    finally:
+        rest = captured.getvalue().strip()
+        if rest:
+            print(rest, file=sys.stderr)
     return functional(ep)

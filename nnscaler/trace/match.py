@@ -18,7 +18,7 @@ from .calls import flatten_tensor_lists
 
 _ALIASES = {"input": "self", "training": "train"}  # Python keyword -> ATen schema name
 _ENUMS = {"reduction": {"none": 0, "mean": 1, "sum": 2}}
-_IGNORED = {"cudnn_enable"}  # backend hints that do not change what the op computes
+_IGNORED = {"cudnn_enable", "cudnn_enabled"}  # backend hints that do not change what the op computes
 
 
 def _shapes(values) -> list:
@@ -34,6 +34,10 @@ def _same(a: Any, b: Any, ndim: int | None, name: str) -> bool:
         return _same(a[0], b, ndim, name)
     if isinstance(b, (list, tuple)) and len(b) == 1:
         return _same(a, b[0], ndim, name)
+    if isinstance(a, (list, tuple)) != isinstance(b, (list, tuple)) and "dim" not in name:
+        # conv's padding=1 against the traced [1, 1]: a scalar stands for the same value per dim
+        scalar, seq = (b, a) if isinstance(a, (list, tuple)) else (a, b)
+        return len(seq) > 0 and all(_same(scalar, x, ndim, name) for x in seq)
     if "dim" in name and ndim and isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool):
         return a % ndim == b % ndim
     if isinstance(a, float) or isinstance(b, float):
@@ -96,6 +100,8 @@ def derive(call: OpCall, registry: OpRegistry) -> tuple[OpSpec, BoundAnno] | Non
     fixed entry that matches it; ``None`` if the registry does not know it."""
     ins = _shapes(flatten_tensor_lists(call.args))
     outs = [tuple(o.shape) if isinstance(o, TensorMeta) else None for o in call.outputs]
+    if None in outs:  # an op returning nothing (a metadata assert): outputs bound from the annotation
+        outs = None
     for rule in registry.rules(call.overload):
         spec = rule(call)
         if spec is not None:

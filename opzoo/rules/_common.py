@@ -42,8 +42,8 @@ class Names:
         raise RuntimeError("out of identifier names")
 
     def dim(self, length: int, hint: str | None = None) -> str:
-        """``1`` for a dim of length 1, else a fresh identifier."""
-        return "1" if length == 1 else self.new(hint)
+        """``1`` (or ``0``) for a dim of length 1 (or 0), else a fresh identifier."""
+        return str(length) if length in (0, 1) else self.new(hint)
 
 
 def norm_dim(dim: int, ndim: int) -> int:
@@ -81,14 +81,15 @@ def size_arg(items: Sequence[str]) -> Any:
     return (Size(items[0]),) if len(items) == 1 else Size(" ".join(items))
 
 
-def usable(call: OpCall) -> bool:
-    """False for calls a rule never annotates: tensor kwargs, zero-sized tensors."""
+def usable(call: OpCall, empty_ok: bool = False) -> bool:
+    """False for calls a rule never annotates: tensor kwargs, zero-sized tensors (unless
+    ``empty_ok``: a rule that writes an empty dim as ``0``, as phi-3's empty rotary remainder)."""
     if any(isinstance(v, TensorMeta) for v in call.kwargs.values()):
         return False
     metas = [m for a in call.args for m in (a if isinstance(a, (list, tuple)) else (a,))
              if isinstance(m, TensorMeta)]
     metas += [m for m in call.outputs if isinstance(m, TensorMeta)]
-    return all(0 not in m.shape for m in metas)
+    return empty_ok or all(0 not in m.shape for m in metas)
 
 
 def constraint(meta: TensorMeta) -> Any:
@@ -126,15 +127,17 @@ def build(call: OpCall, family: str, ins: Mapping[int, Sequence[str] | Sequence[
           inputs: Mapping[int, Any] | None = None, **options) -> OpSpec:
     """The spec of ``call``: ``ins[pos]`` are the dims of the tensor at argument ``pos`` (for a list
     of tensors, one list of dims per tensor, flattened in place); every other argument is ``?`` with
-    its value, or ``args[pos]`` where given. ``inputs`` (constraints) are keyed by argument position;
+    its value, or ``args[pos]`` where given. ``inputs`` (constraints) are keyed by argument position
+    (a list of them for a list of tensors);
     tensors without one get :func:`constraint` of their dtype."""
     texts, values, cons = [], {}, {}
     regroup = None
     for pos, a in enumerate(call.args):
         if pos in ins and isinstance(a, (list, tuple)):
             regroup = (pos, len(a), len(texts))
-            for meta, dims in zip(a, ins[pos]):
-                c = constraint(meta)
+            given = (inputs or {}).get(pos)
+            for k, (meta, dims) in enumerate(zip(a, ins[pos])):
+                c = given[k] if isinstance(given, (list, tuple)) else constraint(meta)
                 if c is not None:
                     cons[len(texts)] = c
                 texts.append(tensor_text(dims))

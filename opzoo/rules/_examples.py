@@ -71,7 +71,8 @@ def shapes_of(call: OpCall) -> tuple[list, list]:
     """Input shapes (lists of tensors flattened in place, as the compiler does; ``None`` for
     non-tensors) and output shapes: what a derived annotation must bind."""
     ins = [a.shape if isinstance(a, TensorMeta) else None for a in flatten_tensor_lists(call.args)]
-    return ins, [m.shape if isinstance(m, TensorMeta) else None for m in call.outputs]
+    outs = [m.shape if isinstance(m, TensorMeta) else None for m in call.outputs]
+    return ins, (None if None in outs else outs)  # None: an op returning nothing
 
 
 def register_examples(overload: str, calls: Iterable[ex | tuple]) -> list[str]:

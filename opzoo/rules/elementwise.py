@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from nnscaler.ops import OpCall, Positive, TensorMeta, Uniform, annotation_rule
+from nnscaler.ops import OpCall, Positive, TensorMeta, Uniform, annotation_rule, aten_overload
 
 from ._common import Names, broadcast, build, usable
 
@@ -46,12 +46,15 @@ BINARY_OVERLOADS = [
     "aten.addcmul.default", "aten.addcdiv.default", "aten.logical_and.default", "aten.logical_or.default",
     "aten.logical_xor.default", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
     "aten.bitwise_xor.Tensor", "aten.__and__.Tensor", "aten.__or__.Tensor", "aten.__xor__.Tensor",
+    "aten.floor_divide.default", "aten.floor_divide.Scalar",
 ] + [f"aten.{c}.{k}" for c in ("eq", "ne", "lt", "le", "gt", "ge") for k in ("Tensor", "Scalar")]
+# in-place forms, run out of place (the traced graph reads the in-place op's result afterwards)
+INPLACE_OVERLOADS = [f"aten.{op}_.{k}" for op in ("add", "sub", "mul", "div") for k in ("Tensor", "Scalar")]
 
 # positive sample values where the op needs them (the divisor, the base of a power, ...)
 POSITIVE_ARG = {"aten.div.Tensor": 1, "aten.div.Tensor_mode": 1, "aten.pow.Tensor_Scalar": 0,
                 "aten.pow.Tensor_Tensor": 0, "aten.atan2.default": 1, "aten.fmod.Tensor": 1,
-                "aten.remainder.Tensor": 1, "aten.addcdiv.default": 2}
+                "aten.remainder.Tensor": 1, "aten.addcdiv.default": 2, "aten.floor_divide.default": 1}
 
 
 def _constraints(call: OpCall) -> dict:
@@ -83,7 +86,10 @@ def pointwise(call: OpCall, kwargs: dict | None = None):
 def pointwise_rule(call: OpCall):
     """Any element-wise op (``aten.to``'s ``device`` keyword dropped)."""
     kwargs = {k: v for k, v in call.kwargs.items() if k != "device"}
-    return pointwise(call, kwargs)
+    spec = pointwise(call, kwargs)
+    if spec is not None and call.overload.startswith("aten.floor_divide"):
+        spec = replace(spec, differentiable=False)  # no derivative in torch
+    return spec
 
 
 def to_device(x, device, dtype, non_blocking=False, copy=False, memory_format=None):
@@ -107,3 +113,25 @@ def dropout_rule(call: OpCall):
     if p != 0 and train:
         return None
     return pointwise(call)
+
+
+@annotation_rule(*INPLACE_OVERLOADS)
+def inplace_rule(call: OpCall):
+    """``x.div_(y)`` as ``x.div(y)``: ``a b, b -> a b`` (the output must have ``x``'s shape)."""
+    spec = pointwise(call)
+    if spec is None or call.tensor(0).shape != call.outputs[0].shape:
+        return None
+    return replace(spec, fn=aten_overload(call.overload.replace("_.", ".", 1)))
+
+
+@annotation_rule("aten.broadcast_tensors.default")
+def broadcast_tensors_rule(call: OpCall):
+    """``a 1, b -> a b, a b``: each input aligned against the common shape, flattened in place."""
+    if not usable(call) or not call.args[0]:
+        return None
+    shapes = [m.shape for m in call.args[0]]
+    dims = broadcast(Names(), shapes, call.outputs[0].shape)
+    if dims is None:
+        return None
+    per, out = dims
+    return build(call, FAMILY, {0: per}, [out] * len(shapes))

@@ -128,3 +128,57 @@ register_examples("aten.cross_entropy_loss.default", [
     (T(16, 64), I(16), None, 1, -1), (T(16, 64), I(16)), (T(16, 64), I(16), None, 0),
     (T(16, 64), I(16), None, 2, -100)])
 register_examples("aten.nll_loss_nd.default", [(T(16, 10), I(16), None, 1, -100), (T(16, 10), I(16), None, 0)])
+
+# --- creation, metadata, casts ----------------------------------------------------------------------
+_CPU = torch.device("cpu")
+register_examples("aten.arange.default", [ex(8, device=_CPU, pin_memory=False), ex(1), ex(6, dtype=torch.float32)])
+register_examples("aten.arange.start", [(2, 9)])
+register_examples("aten.arange.start_step", [(0, 12, 3)])
+register_examples("aten.zeros.default", [ex([], dtype=torch.float32), ex([4, 6])])
+register_examples("aten.ones.default", [ex([3, 4], dtype=torch.bool)])
+register_examples("aten.full.default", [([2, 5], -1.5), ex([], 7, dtype=I64)])
+register_examples("aten.empty.memory_format", [ex([4, 3], dtype=torch.float32)])
+register_examples("aten.scalar_tensor.default", [ex(2.5, dtype=torch.float32)])
+register_examples("aten.new_ones.default", [ex(I(1, 1, 8, 1), [], dtype=BOOL), (T(4, 8), [2, 3])])
+register_examples("aten.new_zeros.default", [(T(4, 8), [6])])
+register_examples("aten.new_full.default", [(T(4, 8), [2, 2], 3.0)])
+register_examples("aten.new_empty.default", [(T(4, 8), [3, 2])])
+register_examples("aten.empty_like.default", [ex(I(64), pin_memory=False), (T(4, 8),)])
+register_examples("aten.zeros_like.default", [(T(2, 8, 6),)])
+register_examples("aten.ones_like.default", [(I(4, 8),)])
+register_examples("aten.full_like.default", [(T(4, 8), -2.0)])
+register_examples("aten.type_as.default", [(T(4, 8, 6), T(4, 8, 6)), (T(4, 8), T(3, dtype=torch.float64)),
+                                           (T(2, 8), I(5))])
+register_examples("aten._assert_tensor_metadata.default", [
+    ex(T(4, 8, 6), dtype=torch.float32, device=_CPU, layout=torch.strided), ex(B(4, 1, 8, 8), dtype=BOOL),
+    ex(T(8), None, None, torch.float32)])
+
+# --- indexing and mixture-of-experts bookkeeping ------------------------------------------------------
+register_examples("aten.index.Tensor", [(T(64, 48), [I(64)]), (T(3, 12, 8), [I(16)]),
+                                        (I(4, 8), [I(4, 1, 1, 1), I(1, 1, 8, 1)]), (T(10,), [I(4, 6)])])
+register_examples("aten.index_put.default", [(I(16), [I(16)], I(16)), (T(8, 4), [I(6)], T(6, 4), True)])
+register_examples("aten.index_put_.default", [(I(16), [I(16)], I(16))])
+register_examples("aten.diff.default", [(I(4, 8), 1, -1, I(4, 1)), (T(6, 5),), (T(4, 7), 1, 0, None, T(1, 7))])
+register_examples("aten.repeat_interleave.self_int", [(T(8, 6), 2, 0), (T(4, 3, 6), 3, 1), (I(8), 2, 0)])
+register_examples("aten.histc.default", [(T(64), 3, 0, 2), (T(4, 8), 5, -1.0, 1.0)])
+register_examples("aten._grouped_mm.default", [(T(16, 8), T(3, 8, 12), T(3, dtype=torch.int32)),
+                                               (T(12, 4), T(2, 4, 8), T(2, dtype=torch.int32))])
+register_examples("aten.floor_divide.default", [(I(64), 2), (T(4, 8), T(8))])
+register_examples("aten.div_.Tensor", [(T(32, 2), T(32, 1))])
+register_examples("aten.mul_.Tensor", [(T(4, 8), 0.5)])
+register_examples("aten.broadcast_tensors.default", [([T(4, 8, 6), T(4, 8, 6)],), ([T(4, 1), T(1, 6)],)])
+register_examples("aten.mse_loss.default", [(T(4, 8, 6), T(4, 8, 6)), (T(4, 8), T(4, 8), 2), (T(4, 6), T(4, 6), 0)])
+
+# --- convolutions and group norm as nn.Conv2d / nn.GroupNorm trace them ------------------------------
+register_examples("aten.conv2d.default", [(T(4, 3, 8, 8), T(12, 3, 3, 3), T(12), [1, 1], [1, 1]),
+                                          (T(4, 12, 8, 8), T(24, 12, 3, 3), None, [2, 2], [1, 1]),
+                                          (T(4, 3, 8, 8), T(6, 3, 4, 4), T(6), [4, 4])])
+register_examples("aten.conv1d.default", [(T(4, 6, 9), T(8, 6, 3), T(8), [1], [1]), (T(2, 4, 10), T(6, 4, 2))])
+register_examples("aten.group_norm.default", [(T(4, 12, 8, 8), 3, T(12), T(12), 1e-5, False),
+                                              (T(4, 6, 5), 6, T(6), T(6)), (T(2, 6, 4, 4), 1, T(6), T(6), 1e-5, True),
+                                              (T(4, 12, 5), 3)])
+register_examples("aten.slice.Tensor", [(T(4, 3, 8, 16), 3, 16, INT_MAX)])
+register_examples("aten.cat.default", [([T(4, 3, 8, 16), T(4, 3, 8, 0)], -1)])
+register_examples("aten.topk.default", [(T(32, 3), 2), (T(4, 8, 6), 3, 1), ex(T(4, 6), 2, largest=False)])
+register_examples("aten.sort.default", [(T(4, 8),), (I(64),), (T(6, 4), 0, True)])
+register_examples("aten.sort.stable", [ex(T(4, 8), stable=True, dim=0)])

@@ -7,7 +7,10 @@ with class-index targets, no class weights and no label smoothing is annotated.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
+
+import torch
 
 from nnscaler.ops import Index, OpCall, annotation_rule
 
@@ -45,3 +48,28 @@ def class_loss_rule(call: OpCall):
     dtype = str(target.dtype).removeprefix("torch.")
     return build(call, FAMILY, {0: [row, mark(v, "+")], 1: [row]}, [["1"] if reduced else [n]], local=local,
                  inputs={1: Index(x.shape[1] if v == "1" else v, dtype)})
+
+
+def scaled_squared_error(x, y, reduction=None, *, scale):
+    """``sum((x - y)**2) * scale``: ``mse_loss`` with ``scale`` 1/count (mean) or 1 (sum). On shards
+    the local sums are partial values of the whole (the count is the whole tensor's)."""
+    return torch.sum((x - y) ** 2) * scale
+
+
+@annotation_rule("aten.mse_loss.default")
+def mse_loss_rule(call: OpCall):
+    """``a b, a b, ? -> a b`` (``none``) or ``a+ b+, a+ b+, ? -> 1`` (``mean``, ``sum``, as
+    :func:`scaled_squared_error` with the whole count fixed)."""
+    if not usable(call):
+        return None
+    x, y = call.tensor(0), call.tensor(1)
+    reduction = call.args[2] if len(call.args) > 2 else call.kwargs.get("reduction", 1)
+    if x.shape != y.shape or reduction not in REDUCTIONS:
+        return None
+    names = Names()
+    dims = [names.dim(n) for n in x.shape]
+    if reduction == 0:
+        return build(call, FAMILY, {0: dims, 1: dims}, [dims])
+    scale = 1.0 / max(1, math.prod(x.shape)) if reduction == 1 else 1.0
+    split = [mark(d, "+") for d in dims]
+    return build(call, FAMILY, {0: split, 1: split}, [[]], kwargs={}, fn=partial(scaled_squared_error, scale=scale))

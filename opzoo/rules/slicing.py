@@ -87,8 +87,9 @@ def unbind_rule(call: OpCall):
 @annotation_rule("aten.slice.Tensor")
 def slice_rule(call: OpCall):
     """``a n^, ?, ?, ?, ? -> a m^`` with ``n`` given in ``sizes``; a whole-dim slice (start 0, step
-    1, end past the end) keeps the dim spatial, its end ``Size("n")`` unless it was INT_MAX."""
-    if not usable(call):
+    1, end past the end) keeps the dim spatial, its end ``Size("n")`` unless it was INT_MAX; an
+    empty slice is ``a 0``."""
+    if not usable(call, empty_ok=0 not in call.tensor(0).shape):
         return None
     x = call.tensor(0)
     dim = norm_dim(arg(call, 1, "dim", 0), x.ndim)
@@ -107,7 +108,7 @@ def slice_rule(call: OpCall):
                 kwargs["end"] = Size(din[dim])
         return build(call, FAMILY, {0: din}, [din], args=args, kwargs=kwargs)
     frozen, out = names.new() + "^", names.dim(_out(call)[dim])
-    dout = din[:dim] + [out if out == "1" else out + "^"] + din[dim + 1:]
+    dout = din[:dim] + [out if out in ("0", "1") else out + "^"] + din[dim + 1:]
     din[dim] = frozen
     return build(call, FAMILY, {0: din}, [dout], sizes={frozen[:-1]: n})
 
@@ -131,8 +132,9 @@ def select_rule(call: OpCall):
 @annotation_rule("aten.cat.default", "aten.stack.default")
 def cat_rule(call: OpCall):
     """``a n^, a m^, ? -> a o^`` (``cat``) or ``a b, a b, ? -> a 2 b`` (``stack``): the list of
-    tensors is flattened in place into separate inputs (see :class:`._common.Regroup`)."""
-    if not usable(call) or not call.args[0]:
+    tensors is flattened in place into separate inputs (see :class:`._common.Regroup`); an empty
+    piece is ``a 0``."""
+    if not call.args[0] or not usable(call, empty_ok=0 not in call.outputs[0].shape):
         return None
     xs = list(call.args[0])
     out = _out(call)
@@ -153,7 +155,9 @@ def cat_rule(call: OpCall):
     for m in xs:
         dims = list(base)
         dims[dim] = names.dim(m.shape[dim])
-        if dims[dim] != "1":
+        if m.shape[:dim] + m.shape[dim + 1:] != out[:dim] + out[dim + 1:]:
+            return None  # empty only along another dim
+        if dims[dim] not in ("0", "1"):
             dims[dim] += "^"
         ins.append(dims)
     if base[dim] != "1":

@@ -167,12 +167,13 @@ def register_model(name: str) -> Callable[[Callable[[int], ModelCase]], Callable
 
 
 def _load_optional() -> None:
-    """The ``transformers`` models, where that package is installed."""
+    """The plain-torch ResNet, and the ``transformers`` models where that package is installed."""
+    from . import resnet_gn  # noqa: F401
     try:
         import transformers  # noqa: F401
     except ImportError:
         return
-    from . import hf  # noqa: F401  (registers llama, gpt2, bert)
+    from . import hf, hf_more  # noqa: F401  (register llama, gpt2, bert; mixtral, qwen3, gemma, phi3, t5, vit)
     MODELS["gpt2_v96"] = gpt2_v96
 
 

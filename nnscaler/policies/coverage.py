@@ -1,0 +1,57 @@
+"""Which operators a plan leaves whole on every rank although they work on data: the operators
+without an annotation (their inputs are gathered whole), and annotated ones that could be split
+but that the plan replicates. Operators that read no data (``arange``, ``zeros``, masks and
+positions derived from them, casts of parameters: every tensor input is a parameter, buffer,
+constant or such an operator's result) are not counted: every rank computes them locally with no
+communication.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..dimops.partition import splittable
+from ..ir.graph import IRGraph, IROp
+from .plan import Plan
+
+
+LISTED = 10  # overloads named in the one-line summary
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """One operator the plan replicates: why (``unknown``: no annotation; ``whole``: annotated,
+    splittable, yet not split), and the model line that made it."""
+
+    op: IROp
+    reason: str
+
+    def __str__(self) -> str:
+        where = f" at {self.op.source}" if self.op.source else ""
+        return f"{self.op.name} ({self.op.overload}, {self.reason}){where}"
+
+
+def replicated_operators(graph: IRGraph, plan: Plan) -> list[Replicated]:
+    """The operators of ``graph`` that ``plan`` runs whole on every rank, in program order."""
+    out = []
+    local = {id(t) for t in graph.params + graph.buffers}
+    for op in graph.ops:
+        if all(id(t) in local for t in op.tensor_inputs()):
+            local.update(id(t) for t in op.outputs if t is not None)
+            continue
+        if not op.known:
+            out.append(Replicated(op, "unknown"))
+        elif plan.partition(op).degree == 1 and splittable(op.bound):
+            out.append(Replicated(op, "whole"))
+    return out
+
+
+def replicated_line(graph: IRGraph, plan: Plan) -> str:
+    """``N of M operators replicated: overload xK (reason), ...`` in one line."""
+    reps = replicated_operators(graph, plan)
+    counts = Counter((r.op.overload.removeprefix("aten."), r.reason) for r in reps)
+    kinds = counts.most_common()
+    listing = ", ".join(f"{o} x{n}" + (" (no annotation)" if why == "unknown" else "") for (o, why), n in kinds[:LISTED])
+    if len(kinds) > LISTED:
+        listing += f", {len(kinds) - LISTED} more kinds"
+    return f"{len(reps)} of {len(graph.ops)} operators replicated" + (f": {listing}" if listing else "")

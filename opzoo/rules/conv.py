@@ -1,0 +1,73 @@
+"""Rules for convolutions and ``group_norm`` as real ``nn.Conv1d/2d`` and ``nn.GroupNorm`` trace
+them (``padding``/``stride`` as lists, ``cudnn_enabled`` given), any batch and spatial rank.
+
+* ``conv1d``/``conv2d`` (``groups == 1``): ``n c+ h^ w^, o c+ kh^ kw^, o -> n o ho^ wo^``: batch and
+  output channels spatial, input channels split by value (the bias is then held by one rank), the
+  spatial extents frozen (a split would need halos);
+* ``group_norm``: ``n (g c) h^ w^, ?, (g c), (g c), ?, ? -> n (g c) h^ w^`` with ``num_groups``
+  ``Size("g")``: a rank normalises whole groups; one group (``g == 1``) freezes the channels.
+"""
+from __future__ import annotations
+
+from nnscaler.ops import OpCall, Size, TensorMeta, annotation_rule
+
+from ._common import Names, arg, build, mark, usable
+
+FAMILY = "nn"
+
+
+def _frozen(names: Names, n: int, sizes: dict) -> str:
+    d = names.dim(n)
+    if d != "1":
+        sizes[d] = n
+        d += "^"
+    return d
+
+
+@annotation_rule("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
+def conv_rule(call: OpCall):
+    """``n c+ h^ w^, o c+ kh^ kw^, o, ? .. -> n o ho^ wo^`` (``groups == 1``)."""
+    if not usable(call):
+        return None
+    x, w = call.tensor(0), call.tensor(1)
+    out = call.outputs[0]
+    if arg(call, 6, "groups", 1) != 1 or w.ndim != x.ndim or x.ndim < 3 or w.shape[1] != x.shape[1]:
+        return None
+    names, sizes = Names(), {}
+    n, c, o = names.dim(x.shape[0], "n"), mark(names.dim(x.shape[1], "c"), "+"), names.dim(w.shape[0], "o")
+    ins = {0: [n, c] + [_frozen(names, s, sizes) for s in x.shape[2:]],
+           1: [o, c] + [_frozen(names, s, sizes) for s in w.shape[2:]]}
+    bias = call.args[2] if len(call.args) > 2 else call.kwargs.get("bias")
+    if isinstance(bias, TensorMeta):
+        ins[2] = [o]
+    return build(call, FAMILY, ins, [[n, o] + [_frozen(names, s, sizes) for s in out.shape[2:]]], sizes=sizes)
+
+
+@annotation_rule("aten.group_norm.default")
+def group_norm_rule(call: OpCall):
+    """``n (g c) h^, ?, (g c), (g c), ?, ? -> n (g c) h^`` with ``num_groups`` ``Size("g")``."""
+    if not usable(call):
+        return None
+    x, groups = call.tensor(0), call.args[1]
+    if x.ndim < 2 or not isinstance(groups, int) or groups < 1 or x.shape[1] % groups:
+        return None
+    names, sizes = Names(), {}
+    n = names.dim(x.shape[0], "n")
+    per = x.shape[1] // groups
+    args = {}
+    if groups == 1:
+        ch = _frozen(names, x.shape[1], sizes)
+    elif per == 1:
+        ch = names.new("g")
+        args[1] = Size(ch)
+    else:
+        g = names.new("g")
+        ch = f"({g} {per})"  # the channels per group, a fixed count
+        args[1] = Size(g)
+    din = [n, ch] + [_frozen(names, s, sizes) for s in x.shape[2:]]
+    ins = {0: din}
+    for pos in (2, 3):
+        t = call.args[pos] if len(call.args) > pos else call.kwargs.get(("weight", "bias")[pos - 2])
+        if isinstance(t, TensorMeta):
+            ins[pos] = [ch]
+    return build(call, FAMILY, ins, [din], args=args, sizes=sizes)
