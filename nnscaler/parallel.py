@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .codegen.emit import generate
 from .ops.registry import OpRegistry
 from .policies import POLICIES, ComputeConfig, Plan, PlanError, validate
+from .plan_api import attach_stats, write_report
 from .policies.plan import Policy
 from .runtime.mesh import GroupCache, RankMesh
 from .runtime.module import ParallelModule
@@ -94,6 +95,10 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     if not isinstance(plan, Plan):
         raise PlanError(f"policy {name} returned {type(plan).__name__}, not a Plan")
     validate(plan, graph, config)
+    attach_stats(plan, graph, config)
+    if rank == 0:  # the one-line summary, and the report next to the generated code
+        print(plan.one_line(), flush=True)
+        write_report(plan, gen_savedir)
     plan_rank, replica = rank % config.plan_ngpus, rank // config.plan_ngpus
     digest = hashlib.sha256("\n".join([CODEGEN_VERSION, str(graph), plan.describe(), repr(plan.mesh_shape),
                                        repr(config), name]).encode()).hexdigest()
