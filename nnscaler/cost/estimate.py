@@ -13,27 +13,7 @@ from ..runtime.grad_sync import BUCKET_BYTES
 from .comm import collective_time, spans_nodes
 from .compute import op_time
 from .profiles import DeviceProfile
-
-OPTIMIZER_STATES = 2  # AdamW keeps exp_avg and exp_avg_sq, each the size of the parameter
-# a step's forward collective, and the one its backward issues (for tensors that carry gradients)
-_FORWARD = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
-            "all_to_all": "all_to_all"}
-_BACKWARD = {"split": "all_gather", "reduce_scatter": "all_gather", "grad_all_reduce": "all_reduce",
-             "all_to_all": "all_to_all"}
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective a rank issues per step: ``phase`` forward, backward or grad sync."""
-
-    phase: str
-    kind: str
-    axis: str
-    ranks: int
-    nbytes: int
-    seconds: float
-    tensor: str = ""
-
+from .steps import OPTIMIZER_STATES, Collective, _carries_grad, _local, _nbytes, step_collectives
 
 @dataclass
 class PlanStats:
@@ -61,19 +41,6 @@ class PlanStats:
     def peak_bytes(self) -> list[int]:
         return [sum(x) for x in zip(self.param_bytes, self.grad_bytes, self.optim_bytes, self.buffer_bytes,
                                     self.activation_bytes)]
-
-
-def _nbytes(t: IRTensor) -> int:
-    return math.prod(t.shape) * t.dtype.itemsize
-
-
-def _local(t: IRTensor, layout: Layout, mesh_shape) -> int:
-    split = math.prod(f for f, q in zip(mesh_shape, layout) if isinstance(q, Shard))
-    return _nbytes(t) // split
-
-
-def _carries_grad(t: IRTensor) -> bool:
-    return t.dtype.is_floating_point and t.kind in (PARAM, ACTIVATION)
 
 
 def activation_bytes(graph: IRGraph, plan) -> int:
@@ -106,15 +73,7 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1) -> 
     ranks_here = min(world * replicas, profile.ranks_per_node)
     colls = []
     for t, before, step in e.steps:
-        f = mesh[step.axis]
-        size = _local(t, before, mesh) * (f if step.kind == "all_gather" else 1)
-        across = spans_nodes(mesh, step.axis, profile)
-        for phase, table in (("forward", _FORWARD), ("backward", _BACKWARD)):
-            kind = table.get(step.kind)
-            if kind is None or (phase == "backward" and not _carries_grad(t)):
-                continue
-            colls.append(Collective(phase, kind, names[step.axis], f, size,
-                                    collective_time(kind, size, f, profile, across), t.name))
+        colls += step_collectives(t, before, step, mesh, names, profile)
     by_axis: dict[int, int] = defaultdict(int)
     for t, axis in synced.items():
         by_axis[axis] += _local(t, stored[t], mesh)
