@@ -20,10 +20,12 @@ def spans_nodes(mesh_shape: Sequence[int], axis: int, profile: DeviceProfile) ->
     return stride * mesh_shape[axis] > profile.ranks_per_node
 
 
-def collective_time(kind: str, nbytes: float, f: int, profile: DeviceProfile, across_nodes: bool) -> float:
-    """Seconds for one collective of ``kind`` over ``f`` ranks moving ``nbytes`` per rank."""
+def collective_time(kind: str, nbytes: float, f: int, profile: DeviceProfile, across_nodes: bool,
+                    latency_share: float = 1.0) -> float:
+    """Seconds for one collective of ``kind`` over ``f`` ranks moving ``nbytes`` per rank
+    (``latency_share``: the part of its latency it pays, when it rides in a shared bucket)."""
     if f <= 1 or kind not in _RING:
         return 0.0
     steps, factor = _RING[kind]
     alpha, beta = profile.link(across_nodes)
-    return steps * (f - 1) * alpha + factor * (f - 1) / f * nbytes / beta
+    return latency_share * steps * (f - 1) * alpha + factor * (f - 1) / f * nbytes / beta

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..dimops.layout import Layout, Shard
 from ..ir.graph import ACTIVATION, PARAM, IRTensor
+from ..runtime.grad_sync import BUCKET_BYTES
 from .comm import collective_time, spans_nodes
 from .profiles import DeviceProfile
 
@@ -43,16 +44,19 @@ def _carries_grad(t: IRTensor) -> bool:
     return t.dtype.is_floating_point and t.kind in (PARAM, ACTIVATION)
 
 
-def step_collectives(t: IRTensor, before: Layout, step, mesh_shape, axis_names, profile: DeviceProfile) -> list[Collective]:
-    """The forward and backward collectives one conversion step of ``t`` (in layout ``before``) issues."""
+def step_collectives(t: IRTensor, before: Layout, step, mesh_shape, axis_names, profile: DeviceProfile,
+                     bucketed: bool = False) -> list[Collective]:
+    """The forward and backward collectives one conversion step of ``t`` (in layout ``before``) issues;
+    ``bucketed``: a parameter's gradient sum rides in a shared bucket (it pays its share of latency)."""
     f = mesh_shape[step.axis]
     size = _local(t, before, mesh_shape) * (f if step.kind == "all_gather" else 1)
     across = spans_nodes(mesh_shape, step.axis, profile)
     out = []
+    share = min(1.0, size / BUCKET_BYTES) if bucketed and step.kind == "grad_all_reduce" else 1.0
     for phase, table in (("forward", _FORWARD), ("backward", _BACKWARD)):
         kind = table.get(step.kind)
         if kind is None or (phase == "backward" and not _carries_grad(t)):
             continue
         out.append(Collective(phase, kind, axis_names[step.axis], f, size,
-                              collective_time(kind, size, f, profile, across), t.name))
+                              collective_time(kind, size, f, profile, across, share), t.name))
     return out

@@ -28,6 +28,7 @@ from .summary import human, seconds
 
 TIME_LIMIT = 20.0  # seconds HiGHS may spend on all meshes of one search together
 _MS = 1e3  # the objective in milliseconds keeps HiGHS's tolerances meaningful
+MIP_GAP = 0.005  # stop within 0.5% of the best bound: the cost model is not finer than that
 
 
 @dataclass
@@ -106,6 +107,7 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", max(0.5, time_limit))
     h.setOptionValue("threads", 1)
+    h.setOptionValue("mip_rel_gap", MIP_GAP)
     costs = np.concatenate([cost, *pair_costs]) if pair_costs else cost
     h.addCols(n, costs, np.zeros(n), np.ones(n), 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
     h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32),

@@ -22,6 +22,7 @@ from ..cost.steps import OPTIMIZER_STATES, step_collectives
 from ..cost.profiles import DeviceProfile
 from ..dimops.layout import Layout, Partial, Replicate, Shard
 from ..dimops.partition import Partition
+from ..runtime.grad_sync import BUCKET_BYTES
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from .greedy import candidates
 
@@ -92,13 +93,14 @@ class _Costs:
         self.mesh, self.names, self.profile = mesh_shape, axis_names, profile
         self.cache: dict[tuple, float] = {}
 
-    def convert(self, t: IRTensor, src: Layout, dst: Layout, ids) -> float:
-        key = (t.shape, t.dtype, t.kind, src, dst, tuple(ids))
+    def convert(self, t: IRTensor, src: Layout, dst: Layout, ids, bucketed: bool = False) -> float:
+        key = (t.shape, t.dtype, t.kind, src, dst, tuple(ids), bucketed)
         if key not in self.cache:
             steps, _ = conversion(src, dst, ids, self.mesh, len(t.shape), t.dtype.is_floating_point)
             total, cur = 0.0, src
             for st in steps:
-                total += sum(c.seconds for c in step_collectives(t, cur, st, self.mesh, self.names, self.profile))
+                total += sum(c.seconds for c in step_collectives(t, cur, st, self.mesh, self.names, self.profile,
+                                                                 bucketed))
                 cur = step_layout(cur, st)
             self.cache[key] = total
         return self.cache[key]
@@ -160,11 +162,13 @@ def build_program(graph: IRGraph, classes: list[OpClass], of: dict[IROp, int], m
                     factor = (2 + OPTIMIZER_STATES) if x.kind == PARAM else 1
                     stored = [_stored(lay.inputs[i]) for lay in cls.layouts]
                     memory[v] += np.array([factor * _local(x, s, mesh_shape) for s in stored])
-                    seconds[v] += np.array([costs.convert(x, s, lay.inputs[i], p.axis_ids)
+                    seconds[v] += np.array([costs.convert(x, s, lay.inputs[i], p.axis_ids, x.kind == PARAM)
                                             for s, lay, p in zip(stored, cls.layouts, cls.cands)])
                     if x.kind == PARAM and replicas > 1:
                         seconds[v] += np.array([collective_time("all_reduce", _local(x, s, mesh_shape), replicas,
-                                                                profile, rep_across) for s in stored])
+                                                                profile, rep_across,
+                                                                min(1.0, _local(x, s, mesh_shape) / BUCKET_BYTES))
+                                                for s in stored])
                     continue
                 if not fop.known:
                     unary_src(x, whole, v, i)
