@@ -61,3 +61,11 @@ def op_time(op: IROp, partition: Partition | None, profile: DeviceProfile, ranks
     share = profile.share(ranks_here)
     fwd = max(flops / profile.throughput(_dtype(op), ranks_here), nbytes / (profile.mem_bw * share)) + profile.op_overhead
     return fwd * (1 + BACKWARD)
+
+
+OPTIMIZER_TRAFFIC = 7  # AdamW reads param, grad, two states and writes param and two states: bytes per param byte
+
+
+def optimizer_time(param_bytes: float, profile: DeviceProfile, ranks_here: int) -> float:
+    """Seconds of one AdamW step over ``param_bytes`` of parameters on one rank (memory bound)."""
+    return OPTIMIZER_TRAFFIC * param_bytes / (profile.mem_bw * profile.share(ranks_here))

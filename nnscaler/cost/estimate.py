@@ -11,7 +11,7 @@ from ..dimops.layout import Layout, Shard, layout_str
 from ..ir.graph import ACTIVATION, PARAM, IRGraph, IRTensor
 from ..runtime.grad_sync import BUCKET_BYTES
 from .comm import collective_time, spans_nodes
-from .compute import op_time
+from .compute import op_time, optimizer_time
 from .profiles import DeviceProfile
 from .steps import OPTIMIZER_STATES, Collective, _carries_grad, _local, _nbytes, step_collectives
 
@@ -82,6 +82,7 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1) -> 
     if replicas > 1:
         colls += _buckets(per_rank["param"][0], replicas, "replicas", profile, world * replicas > profile.ranks_per_node)
     compute = sum(op_time(op, plan.partition(op) if op.known else None, profile, ranks_here) for op in graph.ops)
+    compute += optimizer_time(max(per_rank["param"]), profile, ranks_here)
     act = activation_bytes(graph, plan)
     whole_params = sum(_nbytes(t) for t in graph.params)
     single = {"param": whole_params, "grad": whole_params, "optim": OPTIMIZER_STATES * whole_params,

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..comm.conversion import conversion, step_layout
 from ..cost.comm import collective_time
-from ..cost.compute import op_time
+from ..cost.compute import op_time, optimizer_time
 from ..cost.steps import OPTIMIZER_STATES, step_collectives
 from ..cost.profiles import DeviceProfile
 from ..dimops.layout import Layout, Partial, Replicate, Shard
@@ -162,6 +162,9 @@ def build_program(graph: IRGraph, classes: list[OpClass], of: dict[IROp, int], m
                     factor = (2 + OPTIMIZER_STATES) if x.kind == PARAM else 1
                     stored = [_stored(lay.inputs[i]) for lay in cls.layouts]
                     memory[v] += np.array([factor * _local(x, s, mesh_shape) for s in stored])
+                    if x.kind == PARAM:
+                        seconds[v] += np.array([optimizer_time(_local(x, s, mesh_shape), profile, ranks_here)
+                                                for s in stored])
                     seconds[v] += np.array([costs.convert(x, s, lay.inputs[i], p.axis_ids, x.kind == PARAM)
                                             for s, lay, p in zip(stored, cls.layouts, cls.cands)])
                     if x.kind == PARAM and replicas > 1:
