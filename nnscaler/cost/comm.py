@@ -14,6 +14,19 @@ from .profiles import DeviceProfile
 _RING = {"all_reduce": (2, 2.0), "all_gather": (1, 1.0), "reduce_scatter": (1, 1.0), "all_to_all": (1, 1.0)}
 
 
+# how nnscaler.runtime.collectives carries out each kind today: (the collective it issues, the factor on
+# the bytes it moves): reduce-scatter sums the whole tensor then keeps a chunk; all-to-all gathers the
+# whole dim then keeps a chunk. Change this table with the runtime.
+RUNTIME = {"reduce_scatter": ("all_reduce", 1), "all_to_all": ("all_gather", None)}
+
+
+def runtime_time(kind: str, nbytes: float, f: int, profile: DeviceProfile, across_nodes: bool,
+                 latency_share: float = 1.0) -> float:
+    """Seconds the runtime takes for a collective of ``kind`` (see ``RUNTIME``)."""
+    issued, factor = RUNTIME.get(kind, (kind, 1))
+    return collective_time(issued, nbytes * (f if factor is None else factor), f, profile, across_nodes, latency_share)
+
+
 def spans_nodes(mesh_shape: Sequence[int], axis: int, profile: DeviceProfile) -> bool:
     """Whether the groups of ``axis`` (row-major mesh, last axis contiguous ranks) leave one node."""
     stride = math.prod(mesh_shape[axis + 1:])

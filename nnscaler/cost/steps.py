@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..dimops.layout import Layout, Shard
 from ..ir.graph import ACTIVATION, PARAM, IRTensor
 from ..runtime.grad_sync import BUCKET_BYTES
-from .comm import collective_time, spans_nodes
+from .comm import runtime_time, spans_nodes
 from .profiles import DeviceProfile
 
 OPTIMIZER_STATES = 2  # AdamW keeps exp_avg and exp_avg_sq, each the size of the parameter
@@ -58,5 +58,5 @@ def step_collectives(t: IRTensor, before: Layout, step, mesh_shape, axis_names, 
         if kind is None or (phase == "backward" and not _carries_grad(t)):
             continue
         out.append(Collective(phase, kind, axis_names[step.axis], f, size,
-                              collective_time(kind, size, f, profile, across, share), t.name))
+                              runtime_time(kind, size, f, profile, across, share), t.name))
     return out
