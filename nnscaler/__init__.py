@@ -1,6 +1,7 @@
 """nnscaler: partition a single-device PyTorch model over many ranks, operator by operator."""
 from .dimops import AnnotationError, Partition, bind, enumerate_partitions, op_layout, parse
 from .parallel import parallelize
+from .plan_api import PlanWarning, plan_model
 from .policies import ComputeConfig, Plan, PlanError
 from .ops import (DEFAULT_REGISTRY, Index, Mask, OpRegistry, OpSpec, Positive, Size, TensorMeta, Tolerance, Uniform,
                   register_op)
@@ -8,5 +9,5 @@ from .ops import (DEFAULT_REGISTRY, Index, Mask, OpRegistry, OpSpec, Positive, S
 __all__ = [
     "AnnotationError", "Partition", "bind", "enumerate_partitions", "op_layout", "parse",
     "DEFAULT_REGISTRY", "Index", "Mask", "OpRegistry", "OpSpec", "Positive", "Size", "TensorMeta", "Tolerance", "Uniform",
-    "register_op", "parallelize", "ComputeConfig", "Plan", "PlanError",
+    "register_op", "parallelize", "plan_model", "PlanWarning", "ComputeConfig", "Plan", "PlanError",
 ]

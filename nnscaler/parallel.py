@@ -17,6 +17,7 @@ from .codegen.emit import generate
 from .dimops.partition import Partition
 from .ops.registry import OpRegistry
 from .policies import POLICIES, ComputeConfig, Plan, PlanError, validate
+from .plan_api import attach_stats, write_report
 from .policies.plan import Policy
 from .runtime.mesh import GroupCache, RankMesh
 from .runtime.module import ParallelModule
@@ -162,6 +163,10 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         raise PlanError(f"policy {name} gave operator {odd[0]} a {type(odd[1]).__name__} ({odd[1]!r}), not a "
                         f"Partition (use Partition.parse(label, world_size))")
     validate(plan, graph, config)
+    attach_stats(plan, graph, config)
+    if rank == 0:  # the one-line summary, and the report next to the generated code
+        print(plan.one_line(), flush=True)
+        write_report(plan, gen_savedir)
     plan_rank, replica = rank % config.plan_ngpus, rank // config.plan_ngpus
     digest = hashlib.sha256("\n".join([CODEGEN_VERSION, str(graph), plan.describe(), repr(plan.mesh_shape),
                                        repr(config), name]).encode()).hexdigest()

@@ -10,7 +10,8 @@ from verify.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODULES = (str(FIXTURES / "wrong_ops.py"), str(FIXTURES / "faulty_ops.py"), str(FIXTURES / "wrong_model.py"),
-           str(FIXTURES / "grammar_ops.py"), str(FIXTURES / "nnscaler_catalogue.py"), str(FIXTURES / "lifted_model.py"))
+           str(FIXTURES / "grammar_ops.py"), str(FIXTURES / "nnscaler_catalogue.py"), str(FIXTURES / "lifted_model.py"),
+           str(FIXTURES / "plan_policies.py"))
 
 
 @pytest.fixture(scope="session")

@@ -59,6 +59,16 @@ class Step:
         return f"C.{self.kind}({args})"
 
 
+def step_layout(layout: Layout, step: Step) -> Layout:
+    """The layout a tensor has after ``step``."""
+    new = {"split": lambda: Shard(step.dims[0]), "all_gather": Replicate, "all_reduce": Replicate,
+           "reduce_scatter": lambda: Shard(step.dims[0]), "to_partial": Partial,
+           "all_to_all": lambda: Shard(step.dims[-1])}.get(step.kind)
+    if new is None:  # grad_all_reduce: identity forward
+        return layout
+    return tuple(new() if a == step.axis else p for a, p in enumerate(layout))
+
+
 def local_fraction(layout: Layout, mesh_shape: Sequence[int]) -> float:
     """The share of the whole tensor's elements one rank holds under ``layout``."""
     return 1.0 / math.prod(f for f, q in zip(mesh_shape, layout) if isinstance(q, Shard))

@@ -1,5 +1,9 @@
 """Policies: functions ``(graph, config) -> Plan`` that give every operator a partition."""
 from .builtin import POLICIES, dp, hybrid, random, random2d, tp
 from .plan import ComputeConfig, Plan, PlanError, validate
+from .autodist import autodist
 
-__all__ = ["POLICIES", "dp", "hybrid", "random", "random2d", "tp", "ComputeConfig", "Plan", "PlanError", "validate"]
+POLICIES["autodist"] = autodist
+
+__all__ = ["POLICIES", "autodist", "dp", "hybrid", "random", "random2d", "tp", "ComputeConfig", "Plan", "PlanError",
+           "validate"]

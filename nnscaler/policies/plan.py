@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..dimops.grammar import AnnotationError
 from ..dimops.partition import Partition, check_partition
 from ..ir.graph import IRGraph, IROp
+
+if TYPE_CHECKING:
+    from ..cost.estimate import PlanStats
 
 
 class PlanError(ValueError):
@@ -24,13 +27,17 @@ class ComputeConfig:
     """How many ranks one copy of the plan uses (``plan_ngpus``) and how many run in all
     (``runtime_ngpus``, a multiple: the extra copies are data-parallel replicas). ``tp_size`` is
     the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy;
-    ``bucket_bytes`` sets the size of gradient-sync buckets."""
+    ``bucket_bytes`` sets the size of gradient-sync buckets. ``mem_budget`` (bytes per rank) bounds
+    ``autodist``'s plans; ``profile`` names the device the cost model assumes (``cpu-gloo``,
+    ``a100``, ``h100``; default ``cpu-gloo``)."""
 
     plan_ngpus: int
     runtime_ngpus: int | None = None
     tp_size: int | None = None
     seed: int = 0
     bucket_bytes: int | None = None  # gradient-sync bucket size (None: nnscaler.runtime.grad_sync.BUCKET_BYTES)
+    mem_budget: int | None = None
+    profile: str | None = None
 
     def __post_init__(self):
         if self.plan_ngpus < 1:
@@ -39,6 +46,14 @@ class ComputeConfig:
             raise PlanError(f"runtime_ngpus ({self.runtime_ngpus}) must be a multiple of plan_ngpus ({self.plan_ngpus})")
         if self.bucket_bytes is not None and self.bucket_bytes < 1:
             raise PlanError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.mem_budget is not None and self.mem_budget <= 0:
+            raise PlanError(f"mem_budget must be a positive number of bytes per rank, got {self.mem_budget}")
+        if self.profile is not None:
+            from ..cost.profiles import ProfileError, get_profile
+            try:
+                get_profile(self.profile)
+            except ProfileError as exc:
+                raise PlanError(str(exc)) from None
 
     @property
     def replicas(self) -> int:
@@ -53,6 +68,8 @@ class Plan:
     axis_names: tuple[str, ...]
     partitions: dict[str, Partition] = field(default_factory=dict)
     policy: str = ""
+    stats: "PlanStats | None" = field(default=None, repr=False, compare=False)  # set by plan_model / parallelize
+    note: str = field(default="", compare=False)  # what the policy wants the user to know (autodist's search)
 
     @property
     def world_size(self) -> int:
@@ -66,6 +83,21 @@ class Plan:
 
     def describe(self) -> str:
         return ", ".join(f"{name}: {p.label}" for name, p in self.partitions.items())
+
+    def summary(self) -> dict:
+        """Per-rank memory, sharded tensors, collectives per step, estimated step time (a dict)."""
+        from .summary import summary
+        return summary(self)
+
+    def report(self) -> str:
+        """:meth:`summary` as readable tables."""
+        from .summary import report
+        return report(self)
+
+    def one_line(self) -> str:
+        """The summary in one line, as ``parallelize`` prints it."""
+        from .summary import one_line
+        return one_line(self)
 
 
 def replicated(mesh_shape: tuple[int, ...]) -> Partition:

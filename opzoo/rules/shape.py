@@ -44,9 +44,12 @@ def _reshape(call: OpCall, shape_pos: int | None = None, orig: list | None = Non
 
 @annotation_rule("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
 def view_rule(call: OpCall):
-    """``a b c, ? -> a (b c)`` with ``Size("a (b c)")`` (or ``-1`` where the call had one)."""
+    """``a b c, ? -> a (b c)`` with ``Size("a (b c)")`` (or ``-1`` where the call had one). Run as
+    ``reshape``: a layout conversion may hand a rank a non-contiguous shard of a tensor that was
+    contiguous whole (export drops a ``contiguous()`` it saw as a no-op), where ``view`` fails."""
     shape = call.args[1]
-    return _reshape(call, 1, [shape] if isinstance(shape, int) else list(shape))
+    spec = _reshape(call, 1, [shape] if isinstance(shape, int) else list(shape))
+    return spec and replace(spec, fn=torch.ops.aten.reshape.default)
 
 
 @annotation_rule("aten.flatten.using_ints", "aten.unsqueeze.default")

@@ -1,0 +1,71 @@
+"""Compute time per operator from its annotation: the FLOPs of its bound identifiers on one rank.
+
+An operator that contracts identifiers (ones its outputs lack, like ``k`` in ``m k+, k+ n -> m n``)
+does ``2 * prod(local lengths of every identifier)`` FLOPs; one that does not (elementwise, views,
+norms) is bound by memory: the bytes of its local inputs and outputs over the memory bandwidth.
+Attention is the one operator whose identifiers multiply wrongly (scores and values are two
+contractions), so it is counted from its local shapes. Backward costs twice forward.
+"""
+from __future__ import annotations
+
+import math
+
+from ..dimops.partition import Partition, local_sizes
+from ..ir.graph import IROp, IRTensor
+from .profiles import DeviceProfile
+
+BACKWARD = 2.0  # backward FLOPs as a multiple of forward (two matmuls per matmul)
+_SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def _dtype(op: IROp) -> str:
+    for t in op.outputs + op.tensor_inputs():
+        if t is not None and t.dtype.is_floating_point:
+            return str(t.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def _local_shapes(op: IROp, sizes: dict[str, int]) -> list[tuple[IRTensor, tuple[int, ...]]]:
+    out = []
+    for x, dims in list(zip(op.inputs, op.bound.inputs)) + list(zip(op.outputs, op.bound.outputs)):
+        if isinstance(x, IRTensor) and dims is not None:
+            out.append((x, op.bound.shape(dims, sizes)))
+    return out
+
+
+def op_flops(op: IROp, partition: Partition | None) -> tuple[float, float]:
+    """(FLOPs, bytes touched) of one forward call of ``op`` on one rank under ``partition``."""
+    if not op.known:
+        nbytes = sum(math.prod(t.shape) * t.dtype.itemsize for t in op.outputs + op.tensor_inputs() if t is not None)
+        return 0.0, float(nbytes)
+    sizes = local_sizes(op.bound, partition) if partition is not None else dict(op.bound.sizes)
+    shapes = _local_shapes(op, sizes)
+    nbytes = float(sum(math.prod(s) * t.dtype.itemsize for t, s in shapes))
+    if op.overload == _SDPA and len(shapes) >= 3:
+        (_, q), (_, k), (_, v) = shapes[:3]
+        heads = math.prod(q[:-2])
+        return 2.0 * heads * q[-2] * k[-2] * (q[-1] + v[-1]), nbytes
+    out_ids = {i for dims in op.bound.outputs if dims for ids in dims for i in ids}
+    in_ids = {i for dims in op.bound.inputs if dims for ids in dims for i in ids}
+    contracted = {i for i in in_ids - out_ids if not i.isdigit()}
+    if not contracted:
+        return 0.0, nbytes
+    work = math.prod(sizes[i] for i in (in_ids | out_ids) if i in sizes)
+    return 2.0 * work, nbytes
+
+
+def op_time(op: IROp, partition: Partition | None, profile: DeviceProfile, ranks_here: int) -> float:
+    """Seconds for forward plus backward of ``op`` on one rank (roofline: FLOPs or bytes, whichever
+    is slower, plus the launch overhead)."""
+    flops, nbytes = op_flops(op, partition)
+    share = profile.share(ranks_here)
+    fwd = max(flops / profile.throughput(_dtype(op), ranks_here), nbytes / (profile.mem_bw * share)) + profile.op_overhead
+    return fwd * (1 + BACKWARD)
+
+
+OPTIMIZER_TRAFFIC = 7  # AdamW reads param, grad, two states and writes param and two states: bytes per param byte
+
+
+def optimizer_time(param_bytes: float, profile: DeviceProfile, ranks_here: int) -> float:
+    """Seconds of one AdamW step over ``param_bytes`` of parameters on one rank (memory bound)."""
+    return OPTIMIZER_TRAFFIC * param_bytes / (profile.mem_bw * profile.share(ranks_here))

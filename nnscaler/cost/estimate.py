@@ -1,0 +1,101 @@
+"""What a plan costs per rank: state and activation bytes, the collectives of a training step (read
+from the very conversion steps the code generator emits, plus gradient sync), and its step time."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..codegen.emit import emit_program, shard_slices, stored_layouts, synced_params
+from ..dimops.layout import Layout, Shard, layout_str
+from ..ir.graph import ACTIVATION, PARAM, IRGraph, IRTensor
+from ..runtime.grad_sync import BUCKET_BYTES
+from .comm import collective_time, spans_nodes
+from .compute import op_time, optimizer_time
+from .profiles import DeviceProfile
+from .steps import OPTIMIZER_STATES, Collective, _carries_grad, _local, _nbytes, step_collectives
+
+@dataclass
+class PlanStats:
+    """Per-rank costs of a plan (every list has one entry per plan rank)."""
+
+    profile: str
+    param_bytes: list[int]
+    grad_bytes: list[int]
+    optim_bytes: list[int]
+    buffer_bytes: list[int]
+    activation_bytes: list[int]
+    single_device: dict[str, int]
+    sharded: list[tuple[str, tuple[int, ...], str]]  # (name, full shape, layout) of split state
+    replicated_params: int
+    collectives: list[Collective]
+    compute_seconds: float
+    comm_seconds: float
+    replicated_ops: list[tuple[str, str, str]] = field(default_factory=list)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.comm_seconds
+
+    @property
+    def peak_bytes(self) -> list[int]:
+        return [sum(x) for x in zip(self.param_bytes, self.grad_bytes, self.optim_bytes, self.buffer_bytes,
+                                    self.activation_bytes)]
+
+
+def activation_bytes(graph: IRGraph, plan) -> int:
+    """Bytes of every operator output one rank keeps for backward (the estimate of peak activations)."""
+    total = 0
+    for op in graph.ops:
+        lay = op.layout(plan.partition(op)).outputs if op.known else [None] * len(op.outputs)
+        for t, q in zip(op.outputs, lay):
+            if t is not None:
+                total += _local(t, q, plan.mesh_shape) if q is not None else _nbytes(t)
+    return total
+
+
+def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1) -> PlanStats:
+    """Costs of ``plan`` on ``graph``; ``replicas`` data-parallel copies of the plan sync gradients."""
+    mesh, names = plan.mesh_shape, plan.axis_names
+    world = plan.world_size
+    stored = stored_layouts(graph, plan)
+    synced = synced_params(graph, plan)
+    params = {t for t in graph.params}
+    per_rank = {k: [0] * world for k in ("param", "buffer")}
+    for t, lay in stored.items():
+        for r in range(world):
+            n = math.prod(b - a for a, b in shard_slices(t.shape, lay, mesh, r)) * t.dtype.itemsize
+            per_rank["param" if t in params else "buffer"][r] += n
+    grads = list(per_rank["param"])  # one gradient per parameter element, in its dtype
+    sharded = [(t.target or t.name, t.shape, layout_str(lay)) for t, lay in stored.items()
+               if any(isinstance(q, Shard) for q in lay)]
+    e, _ = emit_program(graph, plan, 0)
+    ranks_here = min(world * replicas, profile.ranks_per_node)
+    colls = []
+    for t, before, step in e.steps:
+        colls += step_collectives(t, before, step, mesh, names, profile)
+    by_axis: dict[int, int] = defaultdict(int)
+    for t, axis in synced.items():
+        by_axis[axis] += _local(t, stored[t], mesh)
+    for axis, total in sorted(by_axis.items()):
+        colls += _buckets(total, mesh[axis], names[axis], profile, spans_nodes(mesh, axis, profile))
+    if replicas > 1:
+        colls += _buckets(per_rank["param"][0], replicas, "replicas", profile, world * replicas > profile.ranks_per_node)
+    compute = sum(op_time(op, plan.partition(op) if op.known else None, profile, ranks_here) for op in graph.ops)
+    compute += optimizer_time(max(per_rank["param"]), profile, ranks_here)
+    act = activation_bytes(graph, plan)
+    whole_params = sum(_nbytes(t) for t in graph.params)
+    single = {"param": whole_params, "grad": whole_params, "optim": OPTIMIZER_STATES * whole_params,
+              "buffer": sum(_nbytes(t) for t in graph.buffers), "activation": sum(_nbytes(t) for op in graph.ops for t in op.outputs if t is not None)}
+    return PlanStats(profile.name, per_rank["param"], grads, [OPTIMIZER_STATES * p for p in per_rank["param"]],
+                     per_rank["buffer"], [act] * world, single, sharded,
+                     sum(1 for t in graph.params if not any(isinstance(q, Shard) for q in stored[t])),
+                     colls, compute, sum(c.seconds for c in colls))
+
+
+def _buckets(total: int, f: int, axis: str, profile: DeviceProfile, across: bool) -> list[Collective]:
+    """Gradient all-reduces of ``total`` bytes in buckets, as :mod:`nnscaler.runtime.grad_sync` sends them."""
+    n = max(1, math.ceil(total / BUCKET_BYTES))
+    return [Collective("grad sync", "all_reduce", axis, f, total // n,
+                       collective_time("all_reduce", total / n, f, profile, across)) for _ in range(n)]
+

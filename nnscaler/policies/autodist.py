@@ -1,0 +1,197 @@
+"""``autodist``: plan search as an integer program solved by HiGHS, over rank meshes and the dimops
+partition space of every operator, under a per-rank memory budget.
+
+Every mesh ``dp x tp`` with ``dp * tp = W`` is searched (``W`` alone as pure ``dp`` and as pure
+``tp`` too): the ``dp`` axis splits the batch or nothing, the ``tp`` axis any other splittable
+identifier or nothing. Each mesh's program (:mod:`.autodist_program`) is solved; the plan with the
+smallest estimated step time that fits ``ComputeConfig(mem_budget=...)`` wins. We build the program
+ourselves (HiGHS only solves): no library maps dimops partition spaces to an integer program.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from ..cost.compute import op_flops
+from ..cost.profiles import get_profile
+from ..dimops.partition import splittable
+from ..ir.graph import IRGraph, IROp
+from .autodist_program import Program, build_program, op_classes
+from .builtin import batch_identifiers
+from .greedy import candidates
+from .plan import ComputeConfig, Plan, PlanError
+from .summary import human, seconds
+
+TIME_LIMIT = 20.0  # seconds HiGHS may spend on all meshes of one search together
+_MS = 1e3  # the objective in milliseconds keeps HiGHS's tolerances meaningful
+MIP_GAP = 0.005  # stop within 0.5% of the best bound: the cost model is not finer than that
+
+
+@dataclass
+class Solution:
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    status: str
+    choice: list[int] | None = None  # candidate index per class
+    seconds: float = math.inf
+    memory: float = math.inf
+
+
+def meshes(world: int) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Pure dp, pure tp, then every 2-D ``dp x tp`` factorisation of ``world``."""
+    if world == 1:
+        return [((1,), ("dp",))]
+    out = [((world,), ("dp",)), ((world,), ("tp",))]
+    out += [((d, world // d), ("dp", "tp")) for d in range(2, world) if world % d == 0]
+    return out
+
+
+def axis_options(axis_names, batch: dict[str, str | None]):
+    """The greedy planner's option function for these axis roles."""
+    def options(op: IROp, axis: int, layouts: dict):
+        b = batch[op.name]
+        if axis_names[axis] == "dp":
+            return [b, None] if b is not None else [None]
+        return [None, *(i for i in splittable(op.bound) if i != b)]
+    return options
+
+
+def _decomposes(mat: np.ndarray) -> bool:
+    """Whether ``mat[i, j] == a[i] + b[j]`` (then it is two unary costs, no pair variables)."""
+    return np.allclose(mat, mat[:, :1] + mat[:1, :] - mat[0, 0], rtol=1e-9, atol=1e-15)
+
+
+def solve(prog: Program, budget: float | None, time_limit: float, minimize_memory: bool = False) -> Solution:
+    """Solve one mesh's program with HiGHS (minimum step time under ``budget``, or minimum memory)."""
+    classes = prog.classes
+    unary = [s.copy() * _MS for s in prog.seconds]
+    fixed = prog.fixed_seconds * _MS
+    pairs = []
+    for (u, v), mat in prog.pairs.items():
+        mat = mat * _MS
+        if _decomposes(mat):
+            unary[u] += mat[:, 0] - mat[0, 0]
+            unary[v] += mat[0, :]
+        else:
+            pairs.append((u, v, mat))
+    if minimize_memory:
+        unary = [m.astype(float) for m in prog.memory]
+        pairs = []
+    offset, n = [], 0
+    for k in classes:
+        offset.append(n)
+        n += len(k.cands)
+    nx = n
+    cost = np.concatenate(unary) if unary else np.zeros(0)
+    rows: list[tuple[float, float, list[int], list[float]]] = []
+    for k, c in enumerate(classes):
+        rows.append((1.0, 1.0, list(range(offset[k], offset[k] + len(c.cands))), [1.0] * len(c.cands)))
+    pair_costs = []
+    for u, v, mat in pairs:
+        cu, cv = mat.shape
+        base = n
+        n += cu * cv
+        pair_costs.append(mat.reshape(-1))
+        for a in range(cu):
+            rows.append((0.0, 0.0, [base + a * cv + b for b in range(cv)] + [offset[u] + a], [1.0] * cv + [-1.0]))
+        for b in range(cv):
+            rows.append((0.0, 0.0, [base + a * cv + b for a in range(cu)] + [offset[v] + b], [1.0] * cu + [-1.0]))
+    if budget is not None and not minimize_memory:
+        mem = np.concatenate(prog.memory)
+        rows.append((-highspy.kHighsInf, budget - prog.fixed_memory, list(range(nx)), list(mem)))
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", max(0.5, time_limit))
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("mip_rel_gap", MIP_GAP)
+    costs = np.concatenate([cost, *pair_costs]) if pair_costs else cost
+    h.addCols(n, costs, np.zeros(n), np.ones(n), 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
+    h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32),
+                            np.array([highspy.HighsVarType.kInteger] * nx))
+    starts, idx, vals = [], [], []
+    for _, _, cols, coefs in rows:
+        starts.append(len(idx))
+        idx += cols
+        vals += coefs
+    h.addRows(len(rows), np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), len(idx),
+              np.array(starts, np.int32), np.array(idx, np.int32), np.array(vals, float))
+    h.run()
+    status = h.getModelStatus()
+    text = h.modelStatusToString(status)
+    has_solution = h.getInfo().primal_solution_status == 2
+    sol = Solution(prog.mesh_shape, prog.axis_names, text)
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return sol
+    if status != highspy.HighsModelStatus.kOptimal and not has_solution:
+        raise PlanError(f"autodist: HiGHS stopped without a plan on mesh {prog.mesh_shape}: status {text!r}")
+    x = np.array(h.getSolution().col_value[:nx])
+    sol.choice = [int(np.argmax(x[offset[k]:offset[k] + len(c.cands)])) for k, c in enumerate(classes)]
+    sol.seconds = fixed / _MS + sum(prog.seconds[k][c] for k, c in enumerate(sol.choice)) + sum(
+        prog.pairs[(u, v)][sol.choice[u], sol.choice[v]] for (u, v) in prog.pairs)
+    sol.memory = prog.fixed_memory + sum(prog.memory[k][c] for k, c in enumerate(sol.choice))
+    return sol
+
+
+def _heaviest(graph: IRGraph) -> IROp | None:
+    known = [op for op in graph.ops if op.known]
+    return max(known, key=lambda op: op_flops(op, None)[0], default=None)
+
+
+def _divides(op: IROp, world: int, batch) -> bool:
+    return any(p.degree == world for mesh, names in meshes(world)
+               for p in candidates(op, mesh, axis_options(names, batch), {}))
+
+
+def check_world_size(graph: IRGraph, world: int, batch) -> None:
+    """Raise :class:`PlanError` when the heaviest operator cannot be split over ``world`` ranks,
+    naming the closest world sizes that work."""
+    op = _heaviest(graph)
+    if op is None or world == 1 or _divides(op, world, batch):
+        return
+    near = sorted((w for w in range(2, 4 * world + 1) if w != world), key=lambda w: (abs(w - world), w))
+    ok = [w for w in near[:64] if _divides(op, w, batch)][:2]
+    lengths = ", ".join(f"{i}={n}" for i, n in op.bound.sizes.items())
+    raise PlanError(f"autodist: the model's dims cannot be divided among {world} ranks: its heaviest operator "
+                    f"{op.name} ({op.spec.annotation}; {lengths}) has no split of degree {world}; closest world sizes "
+                    f"that divide it: {', '.join(map(str, ok)) or 'none'}")
+
+
+def autodist(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """Search meshes and partitions for the fastest plan (by the cost model of ``config.profile``)
+    whose estimated peak memory per rank fits ``config.mem_budget``."""
+    profile = get_profile(config.profile)
+    world = config.plan_ngpus
+    batch = batch_identifiers(graph)
+    check_world_size(graph, world, batch)
+    classes, of = op_classes(graph, batch)
+    start = time.perf_counter()
+    progs, sols = [], []
+    shapes = meshes(world)
+    for mesh, names in shapes:
+        prog = build_program(graph, classes, of, mesh, names, axis_options(names, batch), profile, config.replicas)
+        prog.classes = [type(k)(k.ops, list(k.cands), list(k.layouts)) for k in classes]  # keep this mesh's
+        progs.append(prog)
+        left = TIME_LIMIT - (time.perf_counter() - start)
+        sols.append(solve(prog, config.mem_budget, left / max(1, len(shapes) - len(sols))))
+    fits = [s for s in sols if s.choice is not None]
+    if not fits:
+        least = min((solve(p, None, TIME_LIMIT / len(progs), minimize_memory=True) for p in progs),
+                    key=lambda s: s.memory)
+        raise PlanError(f"autodist: no plan on {world} ranks fits mem_budget={human(config.mem_budget)} per rank "
+                        f"(profile {profile.name}); the smallest per-rank memory reachable is {human(least.memory)} "
+                        f"(mesh {least.mesh_shape} {least.axis_names}): raise mem_budget to at least that, or plan "
+                        f"for more ranks")
+    best_i = min(range(len(sols)), key=lambda i: sols[i].seconds if sols[i].choice is not None else math.inf)
+    best, prog = sols[best_i], progs[best_i]
+    partitions = {op.name: k.cands[c] for k, c in zip(prog.classes, best.choice) for op in k.ops}
+    tried = "; ".join(f"{s.mesh_shape}{'x'.join(s.axis_names)}: "
+                      + (f"{seconds(s.seconds)}, {human(s.memory)}/rank" if s.choice is not None else s.status.lower())
+                      for s in sols)
+    note = (f"autodist ({profile.name}, budget {human(config.mem_budget) if config.mem_budget else 'none'}, "
+            f"{len(classes)} operator classes, {time.perf_counter() - start:.1f} s): chose mesh {best.mesh_shape} "
+            f"{best.axis_names}; searched {tried}")
+    return Plan(best.mesh_shape, best.axis_names, partitions, policy="autodist", note=note)
