@@ -45,6 +45,14 @@ class RunConfig:
             parts += ["--module", m]
         return " ".join(shlex.quote(p) for p in parts)
 
+    def rerun_model(self, model: str, policy: str, world_size: int, seed: int, steps: int) -> str:
+        """The command that reruns one whole-model row alone (same modules, dtype and steps)."""
+        parts = ["python", "-m", "verify", "model", model, "--policy", policy, "--world-size", str(world_size),
+                 "--seed", str(seed), "--steps", str(steps), "--dtype", self.dtype]
+        for m in self.modules:
+            parts += ["--module", m]
+        return " ".join(shlex.quote(p) for p in parts)
+
 
 @dataclass
 class Row:
@@ -174,8 +182,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 status, detail, checks, tb = judge(gang.run(job, w, cfg.timeout_s * 4))
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
-                rerun = " ".join(shlex.quote(p) for p in ["python", "-m", "verify", "model", name, "--policy", policy,
-                                                           "--world-size", str(w), "--seed", str(seed)])
+                rerun = cfg.rerun_model(name, policy, w, seed, steps)
                 yield Row(f"model:{name}", "model", policy, w, policy, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)

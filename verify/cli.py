@@ -1,4 +1,4 @@
-"""``python -m verify``: ``op NAME``, ``model NAME``, ``list`` and ``all``.
+"""``python -m verify``: ``op NAME``, ``model NAME``, ``list``, ``lint`` and ``all``.
 
 Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, crash), 2 bad input
 (unknown operator, bad flag, malformed annotation), with one line on stderr.
@@ -22,7 +22,9 @@ from nnscaler.policies import POLICIES
 
 from .cases import BadInput, RunConfig, run_model, run_op
 from .models.builders import MODELS
+from .models.loader import ModelNotFound, check_builder
 from .gang import Gang, GangError
+from .lint import lint
 from .report import ReportWriter, summary, table
 from .samples import DTYPES
 from .worker import load_modules
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_op.add_argument("--partition", default=None, metavar="SPEC", help="only this partition, e.g. 'm=2,k=2'")
     p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model = sub.add_parser("model", help="train a whole model under every policy and compare with one device")
-    p_model.add_argument("name")
+    p_model.add_argument("name", help="a registered model (see --help of 'all') or FILE.py:BUILDER")
     _common(p_model)
     p_model.add_argument("--policy", nargs="+", default=list(POLICIES), choices=sorted(POLICIES))
     p_model.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
@@ -79,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_list = sub.add_parser("list", help="list registered operators with their annotations")
     _common(p_list, run=False)
+    p_lint = sub.add_parser("lint", help="check annotations for likely mistakes before any rank runs")
+    p_lint.add_argument("names", nargs="*", metavar="NAME", help="operators to check (default: every registered one)")
+    _common(p_lint, run=False)
+    p_lint.add_argument("--static", action="store_true", help="annotation-only checks (do not run the functions)")
     p_all = sub.add_parser("all", help="verify every registered operator and write reports/")
     _common(p_all)
     p_all.add_argument("--reports", default="reports", metavar="DIR", help="report directory (default reports/)")
@@ -117,10 +123,22 @@ def cmd_list(args) -> int:
     return 0
 
 
+def cmd_lint(args) -> int:
+    reg = _load(args.module)
+    specs = [reg.get(n) for n in args.names] if args.names else list(reg)
+    found = lint(specs, dynamic=not args.static)
+    for f in found:
+        print(f"{f.kind:<13} {f}")
+    print(f"{len(specs)} operators checked, {len(found)} findings")
+    return 1 if found else 0
+
+
 def cmd_op(args) -> int:
     reg = _load(args.module)
     spec = reg.get(args.name)
     cfg = _config(args)
+    for finding in lint([spec]):  # before any rank runs: the likely mistake, with its fix
+        print(f"verify: warning: {finding}", file=sys.stderr)
     print(f"verifying {spec.name} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
           f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang:
@@ -135,8 +153,10 @@ def cmd_op(args) -> int:
 
 def cmd_model(args) -> int:
     _load(args.module)
-    if args.name not in MODELS:
-        raise UsageError(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))}")
+    try:
+        check_builder(args.name)
+    except ModelNotFound as exc:
+        raise UsageError(str(exc)) from None
     cfg = _config(args)
     print(f"training {args.name} for {args.steps} steps under {', '.join(args.policy)} at world sizes "
           f"{list(cfg.world_sizes)}, seeds {list(cfg.seeds)}", flush=True)
@@ -192,7 +212,8 @@ def cmd_all(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all}[args.command](args)
+        return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all,
+                "lint": cmd_lint}[args.command](args)
     except (UsageError, UnknownOpError, BadInput, AnnotationError) as exc:
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
 from .compare import STATE_FACTOR, Check, check_tensor
-from .models.builders import MODELS
+from .models.loader import find_builder
 
 LR = 1e-2
 
@@ -27,7 +27,7 @@ def _f64(args: tuple) -> tuple:
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
                    gen_dir: str) -> list[Check]:
     """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks."""
-    case = MODELS[name](seed)
+    case = find_builder(name)(seed)
     ref, ref64 = copy.deepcopy(case.model), copy.deepcopy(case.model).double()
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed)
     with warnings.catch_warnings():  # replicated unknown operators are verified like the rest
@@ -62,12 +62,12 @@ def _reload_checks(name, policy, state, ref, ref64, args, groups, gen_dir, world
     """The merged checkpoint loads into the single-device model and into a module under another plan."""
     with torch.no_grad():
         want, want64 = ref(*args), ref64(*_f64(args))
-        single = MODELS[name](seed).model
+        single = find_builder(name)(seed).model
         single.load_state_dict(state, strict=False)
         other_policy = "dp" if policy != "dp" else "tp"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnknownOperatorWarning)
-            other = parallelize(MODELS[name](seed).model, args, other_policy, ComputeConfig(world_size, seed=seed + 1),
+            other = parallelize(find_builder(name)(seed).model, args, other_policy, ComputeConfig(world_size, seed=seed + 1),
                                 groups=groups, gen_savedir=Path(gen_dir) / f"{name}-reload-w{world_size}-s{seed}")
         other.load_state_dict(state)
         return [check_tensor("loss of the checkpoint on one device", single(*args), want, want64),
