@@ -23,7 +23,7 @@ HOW_TO_ADD = ("pass FILE.py:BUILDER, where BUILDER(seed) returns a ModelCase or 
 
 
 def _import_file(path: Path):
-    name = f"verify_model_{abs(hash(str(path)))}"
+    name = f"verify_user_{abs(hash(str(path)))}"  # as verify.worker.load_modules names it: imported once
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
