@@ -1,11 +1,13 @@
-"""Shared fixtures: one persistent rank gang per test process (xdist worker), reused by every test."""
+"""Shared fixtures: one persistent rank gang per test process (xdist worker), reused by every test.
+
+The gang is the one our pytest plugin (``verify.pytest_plugin``) gives every user's suite; the
+fixture files it imports are named by ``verify_modules`` in pyproject.toml."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from verify.gang import Gang
 from verify.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -19,7 +21,6 @@ def registry():
 
 
 @pytest.fixture(scope="session")
-def gang(registry):
-    """Four ranks serving world sizes 2 and 4 for the whole session."""
-    with Gang(4, MODULES, (2, 4)) as g:
-        yield g
+def gang(registry, verify_gang):
+    """Four ranks serving world sizes 2 and 4 for the whole session (the plugin's gang)."""
+    return verify_gang.gang

@@ -28,7 +28,6 @@ from .cases import RunConfig, Row, run_model, run_op
 from .gang import Gang
 from .worker import load_modules
 
-_OPZOO = Path(__import__("opzoo").__file__).parent
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,17 +35,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--verify-world-size", type=int, nargs="+", default=None, metavar="N",
                     help="world sizes for verify_op / verify_model (default: ini verify_world_sizes, or 2 4)")
     parser.addini("verify_world_sizes", "world sizes for verify_op / verify_model", type="args", default=["2", "4"])
-    parser.addini("verify_modules", "files whose register_op / register_model calls the ranks import",
-                  type="args", default=[])
+    parser.addini("verify_modules", "files whose register_op / register_model calls the ranks import "
+                  "(relative to the ini file)", type="paths", default=[])
 
 
 class GangSession:
     """The session's gang and its settings; restarts the gang when a new operator file appears."""
 
-    def __init__(self, world_sizes: Sequence[int], modules: Sequence[str]):
+    def __init__(self, world_sizes: Sequence[int], modules: Sequence[str], known: set[str]):
         self.world_sizes = tuple(world_sizes)
         self.modules = [str(Path(m).resolve()) for m in modules]
-        load_modules(self.modules)
+        self.known = known  # what every rank registers by itself; the rest came from test files
         self.gang = Gang(max(self.world_sizes), self.modules, self.world_sizes)
         self.gang.start()
 
@@ -55,7 +54,7 @@ class GangSession:
         if path is None:
             return
         path = str(Path(path).resolve())
-        if path not in self.modules and not Path(path).is_relative_to(_OPZOO):  # ranks import opzoo anyway
+        if path not in self.modules:
             self.modules.append(path)  # the parent has it already: pytest imported the test file
             self.gang.modules = list(self.modules)
             self.gang.restart()
@@ -64,12 +63,23 @@ class GangSession:
         return RunConfig(world_sizes=tuple(world_sizes or self.world_sizes), modules=tuple(self.modules), **options)
 
 
+_BUILTIN = pytest.StashKey[set]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before test files are imported: note what opzoo and the ini modules register (the ranks
+    register the same by themselves; anything later comes from a test file the ranks must import)."""
+    from nnscaler.ops.registry import DEFAULT_REGISTRY
+    load_modules([str(p) for p in config.getini("verify_modules")])
+    config.stash[_BUILTIN] = {s.name for s in DEFAULT_REGISTRY}
+
+
 @pytest.fixture(scope="session")
 def verify_gang(pytestconfig: pytest.Config):
     """One rank gang for the session, serving every world size asked for."""
     sizes = pytestconfig.getoption("--verify-world-size") or [int(w) for w in pytestconfig.getini("verify_world_sizes")]
-    modules = pytestconfig.getini("verify_modules")
-    session = GangSession(sizes, modules)
+    modules = [str(p) for p in pytestconfig.getini("verify_modules")]
+    session = GangSession(sizes, modules, pytestconfig.stash[_BUILTIN])
     try:
         yield session
     finally:
@@ -107,7 +117,8 @@ def verify_op(verify_gang: GangSession, subtests) -> Callable[..., list[Row]]:
             if spec is None:
                 raise LookupError(f"{getattr(op, '__name__', op)!r} is not registered; decorate it with "
                                   f"nnscaler.register_op('<annotation>') first")
-        verify_gang.need(_source_file(spec.fn))
+        if spec.name not in verify_gang.known:  # registered by a test file: the ranks import that file too
+            verify_gang.need(_source_file(spec.fn))
         cfg = verify_gang.config(world_sizes, seeds=tuple(seeds), dtype=dtype, partition=partition)
         return _report(subtests, list(run_op(verify_gang.gang, spec, cfg)), spec.name)
 
