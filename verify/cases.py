@@ -9,6 +9,7 @@ from typing import Iterator
 from nnscaler.ops.spec import OpSpec
 
 from .gang import Gang, RankAnswer
+from .localize import Divergence
 from .samples import split_base
 
 MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
@@ -123,7 +124,13 @@ def judge(answers: list[RankAnswer]) -> tuple[str, str, list[dict], str]:
     checks = [merged[n] for n in order]
     bad = next((c for c in checks if not c["ok"]), None)
     if bad:
-        return MISMATCH, f"{bad['name']} on rank {bad['rank']}: {bad['reason']}", checks, ""
+        detail = f"{bad['name']} on rank {bad['rank']}: {bad['reason']}"
+        where = answers[0].result.get("divergence")
+        if where:
+            detail += "; " + Divergence(**where).describe()
+        elif answers[0].result.get("divergence_error"):
+            detail += f"; no operator localised ({answers[0].result['divergence_error']})"
+        return MISMATCH, detail, checks, ""
     return MATCH, "", checks, ""
 
 

@@ -83,8 +83,8 @@ def shard_slices(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, 
 
 
 class _Emitter:
-    def __init__(self, graph: IRGraph, plan: Plan, rank: int):
-        self.graph, self.plan, self.rank = graph, plan, rank
+    def __init__(self, graph: IRGraph, plan: Plan, rank: int, probe: bool = False):
+        self.graph, self.plan, self.rank, self.probe = graph, plan, rank, probe
         self.lines: list[str] = []
         self.imports: set[str] = set()
         self.layouts: dict[IRTensor, Layout] = {}
@@ -141,6 +141,7 @@ class _Emitter:
             for t in op.outputs:
                 if t is not None:
                     self.layouts[t] = whole
+            self._probe(op)
             return
         spec, p = op.spec, self.plan.partition(op)
         lay = _layout(op, self.plan)
@@ -165,6 +166,16 @@ class _Emitter:
         for t, q in zip(op.outputs, lay.outputs):
             if t is not None:
                 self.layouts[t] = q
+        self._probe(op)
+
+    def _probe(self, op: IROp) -> None:
+        """In instrumented mode, hand every output to ``probe`` (which records it and returns it)."""
+        if not self.probe:
+            return
+        for t in op.outputs:
+            if t is not None and t in self.layouts:
+                self.lines.append(f"    {self.var[t]} = probe({op.name!r}, {t.name!r}, {self.var[t]}, "
+                                  f"{layout_str(self.layouts[t])!r})")
 
     def _shard(self, op: IROp, p) -> str:
         self.imports.add("from nnscaler.runtime.partitioned import ShardContext")
@@ -183,9 +194,13 @@ class _Emitter:
         return literal(x)
 
 
-def generate(graph: IRGraph, plan: Plan, rank: int, header: str = "") -> tuple[str, list[StateShard], int]:
-    """(source of plan rank ``rank``'s program, the state shards it holds, collectives it issues)."""
-    e = _Emitter(graph, plan, rank)
+def generate(graph: IRGraph, plan: Plan, rank: int, header: str = "", probe: bool = False
+             ) -> tuple[str, list[StateShard], int]:
+    """(source of plan rank ``rank``'s program, the state shards it holds, collectives it issues).
+
+    With ``probe``, ``forward`` takes a keyword ``probe(op, tensor, value, layout) -> value`` called
+    on every operator's output (the instrumented mode that localises a divergence)."""
+    e = _Emitter(graph, plan, rank, probe)
     stored = stored_layouts(graph, plan)
     shards = []
     for t, lay in stored.items():
@@ -212,6 +227,6 @@ def generate(graph: IRGraph, plan: Plan, rank: int, header: str = "") -> tuple[s
             "#                                mesh axis its gradient is summed over after backward)",
             "STATE = {"]
     head += [f"    {s.name!r}: ({s.full_shape}, {s.layout}, {s.slices}, {s.sync_axis})," for s in shards] + ["}", "", ""]
-    body = [f"def forward(p, g, {params}):",
+    body = [f"def forward(p, g, {params}{', probe' if probe else ''}):",
             '    """p: the state this rank holds, by model name; g: its process group on each mesh axis."""']
     return "\n".join(head + body + e.lines) + "\n", shards, e.collectives
