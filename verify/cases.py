@@ -101,7 +101,7 @@ def _worst(checks: list[dict], kind: str) -> dict | None:
     return max(mine, key=ratio)
 
 
-def judge(answers: list[RankAnswer]) -> tuple[str, str, list[dict], str]:
+def judge(answers: list[RankAnswer], modules=()) -> tuple[str, str, list[dict], str]:
     """Status, detail, merged checks (worst rank per tensor) and a traceback from per-rank answers."""
     for a in answers:
         if a.failure:
@@ -127,7 +127,7 @@ def judge(answers: list[RankAnswer]) -> tuple[str, str, list[dict], str]:
         detail = f"{bad['name']} on rank {bad['rank']}: {bad['reason']}"
         where = answers[0].result.get("divergence")
         if where:
-            detail += "; " + Divergence(**where).describe()
+            detail += "; " + Divergence(**where).describe(modules)
         elif answers[0].result.get("divergence_error"):
             detail += f"; no operator localised ({answers[0].result['divergence_error']})"
         return MISMATCH, detail, checks, ""
@@ -186,7 +186,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
                        "seed": seed, "gen_dir": gen_dir}
-                status, detail, checks, tb = judge(gang.run(job, w, cfg.timeout_s * 4))
+                status, detail, checks, tb = judge(gang.run(job, w, cfg.timeout_s * 4), cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
                 rerun = cfg.rerun_model(name, policy, w, seed, steps)

@@ -51,14 +51,15 @@ class Divergence:
     tol: float
     rerun: str = ""  # python -m verify op NAME --partition ... (registered operators only)
 
-    def describe(self) -> str:
+    def describe(self, modules=()) -> str:
+        """One line for the report; ``modules`` are the ``--module`` files the op's rerun needs."""
         what = "output" if self.direction == "forward" else "gradient of its output"
         text = (f"first divergent operator: {self.op} ({self.overload}) [{self.partition}], {what} error "
                 f"{self.err:.3g} > tolerance {self.tol:.3g}")
         if self.source:
             text += f" at {self.source}"
         if self.rerun:
-            text += f"; alone: {self.rerun}"
+            text += f"; alone: {self.rerun}" + "".join(f" --module {shlex.quote(m)}" for m in modules)
         return text
 
 
