@@ -63,7 +63,8 @@ def _write(path: Path, text: str) -> None:
 def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
                 *, gen_savedir: str | os.PathLike = ".nnscaler", reuse: bool = True, strict: bool = False,
                 sample_kwargs: Mapping[str, Any] | None = None, registry: OpRegistry | None = None,
-                groups: GroupCache | None = None) -> ParallelModule:
+                groups: GroupCache | None = None, verify: str | bool = "warn",
+                verify_cache: str | os.PathLike | None = None) -> ParallelModule:
     """Compile ``model`` for ``config.plan_ngpus`` ranks under ``policy`` and return this rank's module.
 
     Every rank of the default process group (created from the ``torchrun`` environment if none
@@ -72,7 +73,14 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     the config matches. Ranks beyond ``plan_ngpus`` are data-parallel replicas: call
     :meth:`ParallelModule.sync_replica_grads` after backward. ``groups`` reuses process groups made
     beforehand (then only ranks ``0 .. runtime_ngpus-1`` take part; others need not call).
+
+    ``verify``: before generating code, every (operator, partition) pair the plan uses is verified on
+    these ranks (cached on disk in ``verify_cache``, default ``~/.cache/nnscaler-verify``):
+    ``"strict"`` raises :class:`PlanError` naming a failing operator and partition, ``"warn"`` (the
+    default) warns, ``False`` skips it.
     """
+    if verify not in ("strict", "warn", False):
+        raise PlanError(f"verify must be 'strict', 'warn' or False, got {verify!r}")
     _ensure_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     runtime = config.runtime_ngpus or config.plan_ngpus
@@ -94,6 +102,8 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     if not isinstance(plan, Plan):
         raise PlanError(f"policy {name} returned {type(plan).__name__}, not a Plan")
     validate(plan, graph, config)
+    if verify:
+        _verify_plan(graph, plan, config, verify, groups, verify_cache)
     plan_rank, replica = rank % config.plan_ngpus, rank // config.plan_ngpus
     digest = hashlib.sha256("\n".join([CODEGEN_VERSION, str(graph), plan.describe(), repr(plan.mesh_shape),
                                        repr(config), name]).encode()).hexdigest()
@@ -118,3 +128,29 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     module = ParallelModule(program, state, mesh, trainable, replica_group, config.replicas)
     module.plan, module.graph = plan, graph
     return module
+
+
+class UnverifiedPlanWarning(UserWarning):
+    """An operator of the plan failed verification under the partition the plan gives it."""
+
+
+def _verify_plan(graph, plan: Plan, config: ComputeConfig, mode: str, groups, cache) -> None:
+    """Verify the plan's (operator, partition) pairs on the live ranks; refuse or warn on failures."""
+    import warnings
+    from verify.plan_check import failures, verify_plan  # the harness, imported only when asked for
+
+    if config.replicas > 1 or dist.get_world_size() != plan.world_size:
+        warnings.warn("parallelize(verify=...): verification before compiling runs when every rank of the process "
+                      "group is a plan rank (no replicas yet); run `python -m verify model` instead",
+                      UnverifiedPlanWarning, stacklevel=3)
+        return
+    bad = failures(verify_plan(graph, plan, groups=groups, cache_path=cache))
+    if not bad:
+        return
+    text = "; ".join(f"{v.op} ({v.spec}) under {v.partition}: {v.reason}" for v in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    if mode == "strict":
+        raise PlanError(f"{len(bad)} operator partitions of the plan failed verification: {text}{more}; fix the "
+                        f"annotations (python -m verify op NAME) or pass verify='warn'")
+    warnings.warn(f"{len(bad)} operator partitions of the plan failed verification: {text}{more}",
+                  UnverifiedPlanWarning, stacklevel=3)

@@ -208,6 +208,6 @@ def localize_model_case(name: str, policy: str, world_size: int, seed: int, grou
     config = config or ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(copy.deepcopy(model), args, policy, config, groups=groups,
+        pm = parallelize(copy.deepcopy(model), args, policy, config, groups=groups, verify=False,
                          gen_savedir=Path(gen_dir) / f"localize-{Path(name).name}-{policy}-w{world_size}-s{seed}")
     return first_divergence(pm, model, args, world_size)
