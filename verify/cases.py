@@ -190,6 +190,6 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
                 rerun = cfg.rerun_model(name, policy, w, seed, steps)
-                yield Row(f"model:{name}", "model", policy, w, policy, cfg.dtype, seed, status,
+                yield Row(f"model:{name}", "model", f"{steps} AdamW steps vs one device", w, policy, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)

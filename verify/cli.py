@@ -6,6 +6,7 @@ Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, cr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from .models.builders import MODELS
 from .models.loader import ModelNotFound, check_builder
 from .gang import Gang, GangError
 from .lint import lint
+from .progress import RunProgress
 from .report import ReportWriter, summary, table
 from .samples import DTYPES
 from .worker import load_modules
@@ -91,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_all.add_argument("--resume", action="store_true", help="keep rows already in DIR/cases.jsonl, run the rest")
     p_all.add_argument("--op", nargs="+", default=None, metavar="NAME", help="only these operators")
     p_all.add_argument("--model", nargs="*", default=None, metavar="NAME",
-                       help="whole models to train under every policy (default: all; none with an empty list)")
+                       help="whole models to train under every policy (default: all, or none with --op; none with an "
+                            "empty list)")
     return parser
 
 
@@ -141,8 +144,15 @@ def cmd_op(args) -> int:
         print(f"verify: warning: {finding}", file=sys.stderr)
     print(f"verifying {spec.name} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
           f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
-    with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang:
-        rows = list(run_op(gang, spec, cfg))
+    rows = []
+    with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang, \
+            RunProgress(len(cfg.world_sizes)) as progress:
+        for w in cfg.world_sizes:  # one progress item per world size, at the lengths of the whole run
+            label = f"{spec.name} W={w}"
+            progress.start(label)
+            new = list(run_op(gang, spec, dataclasses.replace(cfg, world_sizes=(w,), base_override=cfg.base)))
+            progress.done(label, new)
+            rows += new
     print(table(rows))
     s = summary(rows)
     print(", ".join(f"{v} {k}" for k, v in s.items()))
@@ -160,8 +170,15 @@ def cmd_model(args) -> int:
     cfg = _config(args)
     print(f"training {args.name} for {args.steps} steps under {', '.join(args.policy)} at world sizes "
           f"{list(cfg.world_sizes)}, seeds {list(cfg.seeds)}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp, Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang:
-        rows = list(run_model(gang, args.name, tuple(args.policy), cfg, args.gen_dir or tmp, args.steps))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang, \
+            RunProgress(len(args.policy)) as progress:
+        for policy in args.policy:
+            label = f"model:{args.name} {policy}"
+            progress.start(label)
+            new = list(run_model(gang, args.name, (policy,), cfg, args.gen_dir or tmp, args.steps))
+            progress.done(label, new)
+            rows += new
     print(table(rows))
     print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
     if args.json:
@@ -181,23 +198,23 @@ def cmd_all(args) -> int:
     start = time.perf_counter()
     print(f"verifying {len(specs)} operators at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, "
           f"seeds {list(cfg.seeds)}; reports in {args.reports}/", flush=True)
-    def record(label: str, rows) -> None:  # write each row as it comes; one progress line per item
-        t0, new = time.perf_counter(), []
-        for row in rows:
-            writer.add(row)
-            new.append(row)
-        bad = sum(not r.ok for r in new)
-        print(f"  {label:<28} {len(new):>4} cases  {len(new) - bad:>4} match  {bad:>3} failed  "
-              f"{time.perf_counter() - t0:6.2f} s", flush=True)
-        writer.seconds = time.perf_counter() - start
-        writer.flush()
+    models = (sorted(MODELS) if not args.op else []) if args.model is None else args.model
+    items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p)) for m in models for p in POLICIES]
 
     try:
-        with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang, tempfile.TemporaryDirectory() as tmp:
-            for spec in specs:
-                record(spec.name, run_op(gang, spec, cfg, skip=done))
-            for name in sorted(MODELS) if args.model is None else args.model:
-                record(f"model:{name}", run_model(gang, name, tuple(POLICIES), cfg, tmp, skip=done))
+        with Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes) as gang, tempfile.TemporaryDirectory() as tmp, \
+                RunProgress(len(items)) as progress:
+            for label, item in items:  # each row is written the moment it is known
+                progress.start(label)
+                rows = run_op(gang, item, cfg, skip=done) if not isinstance(item, tuple) else \
+                    run_model(gang, item[0], (item[1],), cfg, tmp, skip=done)
+                new = []
+                for row in rows:
+                    writer.add(row)
+                    new.append(row)
+                progress.done(label, new)
+                writer.seconds = time.perf_counter() - start
+                writer.flush()
     finally:
         writer.seconds = time.perf_counter() - start
         writer.close()
