@@ -1,7 +1,7 @@
 """Shared fixtures: one persistent rank gang per test process (xdist worker), reused by every test.
 
 The gang is the one our pytest plugin (``verify.pytest_plugin``) gives every user's suite; the
-fixture files it imports are named by ``verify_modules`` in pyproject.toml."""
+fixture files its ranks import are named once, by ``verify_modules`` in pyproject.toml."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,13 +11,12 @@ import pytest
 from verify.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODULES = (str(FIXTURES / "wrong_ops.py"), str(FIXTURES / "faulty_ops.py"), str(FIXTURES / "wrong_model.py"))
 
 
 @pytest.fixture(scope="session")
-def registry():
-    """The default registry with opzoo and the test fixtures' operators."""
-    return load_modules(MODULES)
+def registry(pytestconfig):
+    """The default registry with opzoo and the test fixtures' operators (the ranks' own)."""
+    return load_modules([str(p) for p in pytestconfig.getini("verify_modules")])
 
 
 @pytest.fixture(scope="session")
