@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p_op)
     p_op.add_argument("--partition", default=None, metavar="SPEC", help="only this partition, e.g. 'm=2,k=2'")
     p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
+    p_op.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
     p_model = sub.add_parser("model", help="train a whole model under every policy and compare with one device")
     p_model.add_argument("name", help="a registered model (see --help of 'all') or FILE.py:BUILDER")
     _common(p_model)
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
+    p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
     p_list = sub.add_parser("list", help="list registered operators with their annotations")
     _common(p_list, run=False)
     p_lint = sub.add_parser("lint", help="check annotations for likely mistakes before any rank runs")
@@ -136,6 +138,17 @@ def cmd_lint(args) -> int:
     return 1 if found else 0
 
 
+def _write_reports(directory: str | None, cfg: RunConfig, rows) -> None:
+    """``--reports DIR`` of ``op`` and ``model``: the files ``verify all`` writes, for these rows."""
+    if directory is None:
+        return
+    writer = ReportWriter(directory, cfg)
+    for row in rows:
+        writer.add(row)
+    writer.seconds = sum(r.seconds for r in rows)
+    writer.close()
+
+
 def cmd_op(args) -> int:
     reg = _load(args.module)
     spec = reg.get(args.name)
@@ -156,6 +169,7 @@ def cmd_op(args) -> int:
     print(table(rows))
     s = summary(rows)
     print(", ".join(f"{v} {k}" for k, v in s.items()))
+    _write_reports(args.reports, cfg, rows)
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in rows], indent=1))
     return 0 if all(r.ok for r in rows) else 1
@@ -181,6 +195,7 @@ def cmd_model(args) -> int:
             rows += new
     print(table(rows))
     print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
+    _write_reports(args.reports, cfg, rows)
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in rows], indent=1))
     return 0 if all(r.ok for r in rows) else 1
