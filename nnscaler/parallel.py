@@ -123,7 +123,8 @@ def _replica_group(cache: GroupCache, ranks: list[int], create: bool):
 def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
                 *, gen_savedir: str | os.PathLike = ".nnscaler", reuse: bool = True, strict: bool = False,
                 sample_kwargs: Mapping[str, Any] | None = None, registry: OpRegistry | None = None,
-                groups: GroupCache | None = None) -> ParallelModule:
+                groups: GroupCache | None = None, verify: str | bool = "warn",
+                verify_cache: str | os.PathLike | None = None) -> ParallelModule:
     """Compile ``model`` for ``config.plan_ngpus`` ranks under ``policy`` and return this rank's module.
 
     Every rank of the default process group (created from the ``torchrun`` environment if none
@@ -137,7 +138,14 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     is rewritten); writes go under a lock on ``gen_savedir/.lock``, so jobs may share the directory.
     Raises :class:`PlanError` (a policy gives no valid plan), :class:`GenSaveDirError` (``gen_savedir``
     is unusable) or ``nnscaler.codegen.render.CodegenError`` (a value the program cannot write down).
+
+    ``verify``: before generating code, every (operator, partition) pair the plan uses is verified on
+    these ranks (cached on disk in ``verify_cache``, default ``~/.cache/nnscaler-verify``):
+    ``"strict"`` raises :class:`PlanError` naming a failing operator and partition, ``"warn"`` (the
+    default) warns, ``False`` skips it.
     """
+    if verify not in ("strict", "warn", False):
+        raise PlanError(f"verify must be 'strict', 'warn' or False, got {verify!r}")
     _ensure_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     runtime = config.runtime_ngpus or config.plan_ngpus
@@ -163,6 +171,8 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         raise PlanError(f"policy {name} gave operator {odd[0]} a {type(odd[1]).__name__} ({odd[1]!r}), not a "
                         f"Partition (use Partition.parse(label, world_size))")
     validate(plan, graph, config)
+    if verify:
+        _verify_plan(graph, plan, config, verify, groups, verify_cache)
     attach_stats(plan, graph, config)
     if rank == 0:  # the one-line summary, and the report next to the generated code
         print(plan.one_line(), flush=True)
@@ -191,3 +201,29 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     module.plan, module.graph = plan, graph
     module.process_group = None if runtime == world else cache.get(list(range(runtime)))  # all ranks of the module
     return module
+
+
+class UnverifiedPlanWarning(UserWarning):
+    """An operator of the plan failed verification under the partition the plan gives it."""
+
+
+def _verify_plan(graph, plan: Plan, config: ComputeConfig, mode: str, groups, cache) -> None:
+    """Verify the plan's (operator, partition) pairs on the live ranks; refuse or warn on failures."""
+    import warnings
+    from verify.plan_check import failures, verify_plan  # the harness, imported only when asked for
+
+    if config.replicas > 1 or dist.get_world_size() != plan.world_size:
+        warnings.warn("parallelize(verify=...): verification before compiling runs when every rank of the process "
+                      "group is a plan rank (no replicas yet); run `python -m verify model` instead",
+                      UnverifiedPlanWarning, stacklevel=3)
+        return
+    bad = failures(verify_plan(graph, plan, groups=groups, cache_path=cache))
+    if not bad:
+        return
+    text = "; ".join(f"{v.op} ({v.spec}) under {v.partition}: {v.reason}" for v in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    if mode == "strict":
+        raise PlanError(f"{len(bad)} operator partitions of the plan failed verification: {text}{more}; fix the "
+                        f"annotations (python -m verify op NAME) or pass verify='warn'")
+    warnings.warn(f"{len(bad)} operator partitions of the plan failed verification: {text}{more}",
+                  UnverifiedPlanWarning, stacklevel=3)

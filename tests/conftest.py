@@ -1,27 +1,36 @@
-"""Shared fixtures: one persistent rank gang per test process (xdist worker), reused by every test."""
+"""Shared fixtures: one persistent rank gang per test process (xdist worker), reused by every test.
+
+The gang is the one our pytest plugin (``verify.pytest_plugin``) gives every user's suite; the
+fixture files its ranks import are named once, by ``verify_modules`` in pyproject.toml."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from verify.gang import Gang
 from verify.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODULES = (str(FIXTURES / "wrong_ops.py"), str(FIXTURES / "faulty_ops.py"), str(FIXTURES / "wrong_model.py"),
-           str(FIXTURES / "grammar_ops.py"), str(FIXTURES / "nnscaler_catalogue.py"), str(FIXTURES / "lifted_model.py"),
-           str(FIXTURES / "plan_policies.py"))
+ROOT = Path(__file__).parent.parent
+
+
+def _ini_modules() -> tuple[str, ...]:
+    """The fixture files of ``verify_modules`` in pyproject.toml (for tests that start gangs of their own)."""
+    import tomllib
+    with open(ROOT / "pyproject.toml", "rb") as fh:
+        return tuple(str(ROOT / m) for m in tomllib.load(fh)["tool"]["pytest"]["ini_options"]["verify_modules"])
+
+
+MODULES = _ini_modules()
 
 
 @pytest.fixture(scope="session")
-def registry():
-    """The default registry with opzoo and the test fixtures' operators."""
-    return load_modules(MODULES)
+def registry(pytestconfig):
+    """The default registry with opzoo and the test fixtures' operators (the ranks' own)."""
+    return load_modules([str(p) for p in pytestconfig.getini("verify_modules")])
 
 
 @pytest.fixture(scope="session")
-def gang(registry):
-    """Four ranks serving world sizes 2 and 4 for the whole session."""
-    with Gang(4, MODULES, (2, 4)) as g:
-        yield g
+def gang(registry, verify_gang):
+    """Four ranks serving world sizes 2 and 4 for the whole session (the plugin's gang)."""
+    return verify_gang.gang

@@ -7,19 +7,14 @@ import torch
 
 import opzoo  # noqa: F401  (fills the registry)
 from nnscaler import DEFAULT_REGISTRY
-from verify.cases import RunConfig, run_op
 
 ZOO = sorted(s.name for s in DEFAULT_REGISTRY if not s.family.startswith("test"))
 SEEDS = (0, 1)
 
 
 @pytest.mark.parametrize("name", ZOO)
-def test_zoo_op_matches_on_real_ranks(gang, name):
-    spec = DEFAULT_REGISTRY.get(name)
-    rows = list(run_op(gang, spec, RunConfig(world_sizes=(2, 4), seeds=SEEDS)))
-    assert rows
-    bad = [(r.world_size, r.partition, r.seed, r.status, r.detail) for r in rows if not r.ok]
-    assert not bad, bad
+def test_zoo_op_matches_on_real_ranks(verify_op, name):
+    verify_op(name, world_sizes=(2, 4), seeds=SEEDS)  # one subtest per (world size, partition, seed)
 
 
 def _resolve(overload: str):

@@ -11,6 +11,7 @@ from typing import Iterator
 from nnscaler.ops.spec import OpSpec
 
 from .gang import Gang, RankAnswer
+from .localize import Divergence
 from .model_case import expected_checks
 from .samples import split_base
 
@@ -56,6 +57,14 @@ class RunConfig:
                  "--seed", str(seed), "--dtype", self.dtype]
         if split_base([world_size]) != self.base:
             parts += ["--base", str(self.base)]
+        for m in self.modules:
+            parts += ["--module", m]
+        return " ".join(shlex.quote(p) for p in parts)
+
+    def rerun_model(self, model: str, policy: str, world_size: int, seed: int, steps: int) -> str:
+        """The command that reruns one whole-model row alone (same modules, dtype and steps)."""
+        parts = ["python", "-m", "verify", "model", model, "--policy", policy, "--world-size", str(world_size),
+                 "--seed", str(seed), "--steps", str(steps), "--dtype", self.dtype]
         for m in self.modules:
             parts += ["--module", m]
         return " ".join(shlex.quote(p) for p in parts)
@@ -107,13 +116,15 @@ def _worst(checks: list[dict], kind: str) -> dict | None:
     return max(mine, key=ratio)
 
 
-def judge(answers: list[RankAnswer], expected: list[str] | None = None) -> tuple[str, str, list[dict], str]:
+def judge(answers: list[RankAnswer], expected: list[str] | None = None, modules=()
+          ) -> tuple[str, str, list[dict], str]:
     """Status, detail, merged checks (worst rank per tensor) and a traceback from per-rank answers.
 
     A dead rank (crash, memory cap) outranks everything; then a rank's own exception, with its
     traceback, whatever its peers did (a peer stuck in a collective after the error is a consequence);
     a timeout only when no rank raised and the limit truly passed. A rank that returns no checks, or
-    (given ``expected``) lacks any expected check, fails the case."""
+    (given ``expected``) lacks any expected check, fails the case. A mismatching model case names its
+    first divergent operator (``modules``: the files that operator's rerun command needs)."""
     for kinds, status in ((("crash", "memory"), CRASH),):
         dead = [a for a in answers if a.failure and a.kind in kinds]
         if dead:
@@ -152,7 +163,13 @@ def judge(answers: list[RankAnswer], expected: list[str] | None = None) -> tuple
     checks = [merged[n] for n in order]
     bad = next((c for c in checks if not c["ok"]), None)
     if bad:
-        return MISMATCH, f"{bad['name']} on rank {bad['rank']}: {bad['reason']}", checks, ""
+        detail = f"{bad['name']} on rank {bad['rank']}: {bad['reason']}"
+        where = answers[0].result.get("divergence")
+        if where:
+            detail += "; " + Divergence(**where).describe(modules)
+        elif answers[0].result.get("divergence_error"):
+            detail += f"; no operator localised ({answers[0].result['divergence_error']})"
+        return MISMATCH, detail, checks, ""
     if short:
         return MISMATCH, short, checks, ""
     return MATCH, "", checks, ""
@@ -251,12 +268,11 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
                        "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "bucket_bytes": bucket_bytes}
                 expected = expected_checks(name, policy, steps, seed)
-                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("model", steps)), expected)
+                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("model", steps)), expected,
+                                                   cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
-                rerun = " ".join(shlex.quote(p) for p in ["python", "-m", "verify", "model", name, "--policy", policy,
-                                                           "--world-size", str(w), "--seed", str(seed), "--dtype",
-                                                           cfg.dtype, *(a for m in cfg.modules for a in ("--module", m))])
-                yield Row(f"model:{name}", "model", policy, w, policy, cfg.dtype, seed, status,
+                rerun = cfg.rerun_model(name, policy, w, seed, steps)
+                yield Row(f"model:{name}", "model", f"{steps} AdamW steps vs one device", w, policy, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)

@@ -1,4 +1,4 @@
-"""``python -m verify``: ``op NAME``, ``model NAME``, ``list`` and ``all``.
+"""``python -m verify``: ``op NAME``, ``model NAME``, ``list``, ``lint`` and ``all``.
 
 Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, crash), 2 bad input
 (unknown operator, bad flag, malformed annotation), with one line on stderr.
@@ -24,10 +24,13 @@ from nnscaler.ops.registry import OpRegistry, UnknownOpError
 from nnscaler.policies import POLICIES
 
 from .cases import BadInput, RunConfig, preflight, run_model, run_op
+from .lint import lint
 from .model_case import PolicyFileError, resolve_policy
 from .model_coverage import replicated_lines
 from .models.builders import MODELS, known_model
+from .models.loader import ModelNotFound, check_builder, is_file_reference
 from .gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
+from .progress import RunProgress
 from .report import ReportError, ReportWriter, summary, table
 from .samples import DTYPES
 from .worker import load_modules
@@ -91,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p_op)
     p_op.add_argument("--partition", default=None, metavar="SPEC", help="only this partition, e.g. 'm=2,k=2'")
     p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
+    p_op.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
     p_model = sub.add_parser("model", help="train a whole model under every policy and compare with one device")
-    p_model.add_argument("name")
+    p_model.add_argument("name", help="a registered model (see --help of 'all') or FILE.py:BUILDER")
     _common(p_model)
     p_model.add_argument("--policy", nargs="+", default=list(POLICIES), metavar="POLICY",
                          help=f"built-in ({', '.join(sorted(POLICIES))}) or FILE.py:function, your own "
@@ -102,15 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
+    p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
     p_list = sub.add_parser("list", help="list registered operators with their annotations")
     _common(p_list, run=False)
+    p_lint = sub.add_parser("lint", help="check annotations for likely mistakes before any rank runs")
+    p_lint.add_argument("names", nargs="*", metavar="NAME", help="operators to check (default: every registered one)")
+    _common(p_lint, run=False)
+    p_lint.add_argument("--static", action="store_true", help="annotation-only checks (do not run the functions)")
     p_all = sub.add_parser("all", help="verify every registered operator and write reports/")
     _common(p_all)
     p_all.add_argument("--reports", default="reports", metavar="DIR", help="report directory (default reports/)")
     p_all.add_argument("--resume", action="store_true", help="keep rows already in DIR/cases.jsonl, run the rest")
     p_all.add_argument("--op", nargs="+", default=None, metavar="NAME", help="only these operators")
     p_all.add_argument("--model", nargs="*", default=None, metavar="NAME",
-                       help="whole models to train under every policy (default: all; none with an empty list)")
+                       help="whole models to train under every policy (default: all, or none with --op; none with an "
+                            "empty list)")
     p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
                        help="seeds of the random policy for whole models, each a different plan (default: 0 1 2)")
     return parser
@@ -174,19 +184,49 @@ def cmd_list(args) -> int:
     return 0
 
 
+def cmd_lint(args) -> int:
+    reg = _load(args.module)
+    specs = [reg.get(n) for n in args.names] if args.names else list(reg)
+    found = lint(specs, dynamic=not args.static)
+    for f in found:
+        print(f"{f.kind:<13} {f}")
+    print(f"{len(specs)} operators checked, {len(found)} findings")
+    return 1 if found else 0
+
+
+def _write_reports(writer: ReportWriter | None, rows) -> None:
+    """``--reports DIR`` of ``op`` and ``model``: the files ``verify all`` writes, for these rows."""
+    if writer is None:
+        return
+    for row in rows:
+        writer.add(row)
+    writer.seconds = sum(r.seconds for r in rows)
+    writer.close()
+
+
 def cmd_op(args) -> int:
     reg = _load(args.module)
     spec = reg.get(args.name)
     cfg = _config(args)
     _json_target(args.json)
+    for finding in lint([spec]):  # before any rank runs: the likely mistake, with its fix
+        print(f"verify: warning: {finding}", file=sys.stderr)
+    writer = None if args.reports is None else ReportWriter(args.reports, cfg)  # refuses an unwritable directory
     print(f"verifying {spec.name} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
           f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
-    with _gang(cfg, args) as gang:
+    rows = []
+    with _gang(cfg, args) as gang, RunProgress(len(cfg.world_sizes)) as progress:
         preflight(gang, [spec], cfg)
-        rows = list(run_op(gang, spec, cfg))
+        for w in cfg.world_sizes:  # one progress item per world size, at the lengths of the whole run
+            label = f"{spec.name} W={w}"
+            progress.start(label)
+            new = list(run_op(gang, spec, replace(cfg, world_sizes=(w,), base_override=cfg.base)))
+            progress.done(label, new)
+            rows += new
     print(table(rows))
     s = summary(rows)
     print(", ".join(f"{v} {k}" for k, v in s.items()))
+    _write_reports(writer, rows)
     _write_json(args.json, rows)
     return 0 if all(r.ok for r in rows) else 1
 
@@ -210,20 +250,34 @@ def _policies(specs: Sequence[str]) -> tuple[str, ...]:
 
 def cmd_model(args) -> int:
     _load(args.module)
-    if not known_model(args.name):
-        raise UsageError(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))} (or NAME@WIDTH)")
+    if is_file_reference(args.name):
+        try:
+            check_builder(args.name)  # exists, returns a case, its batch fits: before any rank starts
+        except ModelNotFound as exc:
+            raise UsageError(str(exc)) from None
+    elif not known_model(args.name):
+        raise UsageError(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))} (or NAME@WIDTH, or "
+                         f"FILE.py:BUILDER where BUILDER(seed) returns a ModelCase or (model, batch_fn))")
     policies = _policies(args.policy)
     cfg = _config(args)
     _json_target(args.json)
+    writer = None if args.reports is None else ReportWriter(args.reports, cfg)
     print(f"training {args.name} for {args.steps} steps under {', '.join(policies)} at world sizes "
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     for line in replicated_lines(args.name, [p for p in policies if p in POLICIES], cfg.world_sizes):
         print(line, flush=True)
-    with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang:
-        rows = list(run_model(gang, args.name, policies, cfg, args.gen_dir or tmp, args.steps,
-                              bucket_bytes=args.bucket_bytes))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang, RunProgress(len(policies)) as progress:
+        for policy in policies:
+            label = f"model:{args.name} {policy}"
+            progress.start(label)
+            new = list(run_model(gang, args.name, (policy,), cfg, args.gen_dir or tmp, args.steps,
+                                 bucket_bytes=args.bucket_bytes))
+            progress.done(label, new)
+            rows += new
     print(table(rows))
     print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
+    _write_reports(writer, rows)
     _write_json(args.json, rows)
     return 0 if all(r.ok for r in rows) else 1
 
@@ -241,28 +295,27 @@ def cmd_all(args) -> int:
     start = time.perf_counter()
     print(f"verifying {len(specs)} operators at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, "
           f"seeds {list(cfg.seeds)}; reports in {args.reports}/", flush=True)
-    def record(label: str, rows) -> None:  # write each row as it comes; one progress line per item
-        t0, new = time.perf_counter(), []
-        for row in rows:
-            writer.add(row)
-            new.append(row)
-        bad = sum(not r.ok for r in new)
-        print(f"  {label:<28} {len(new):>4} cases  {len(new) - bad:>4} match  {bad:>3} failed  "
-              f"{time.perf_counter() - t0:6.2f} s", flush=True)
-        writer.seconds = time.perf_counter() - start
-        writer.flush()
+    models = (sorted(MODELS) if not args.op else []) if args.model is None else args.model
+    random_cfg = replace(cfg, seeds=tuple(dict.fromkeys(args.random_seeds)))
+    items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p)) for m in models for p in POLICIES]
 
     try:
-        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp:
+        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items)) as progress:
             preflight(gang, specs, cfg)
-            for spec in specs:
-                record(spec.name, run_op(gang, spec, cfg, skip=done))
-            fixed = tuple(p for p in POLICIES if p != "random")
-            random_cfg = replace(cfg, seeds=tuple(dict.fromkeys(args.random_seeds)))
-            for name in sorted(MODELS) if args.model is None else args.model:
-                record(f"model:{name}", run_model(gang, name, fixed, cfg, tmp, skip=done))
-                if "random" in POLICIES:  # each seed draws another plan
-                    record(f"model:{name} random", run_model(gang, name, ("random",), random_cfg, tmp, skip=done))
+            for label, item in items:  # each row is written the moment it is known
+                progress.start(label)
+                if isinstance(item, tuple):
+                    name, policy = item  # each seed of random draws another plan
+                    rows = run_model(gang, name, (policy,), random_cfg if policy == "random" else cfg, tmp, skip=done)
+                else:
+                    rows = run_op(gang, item, cfg, skip=done)
+                new = []
+                for row in rows:
+                    writer.add(row)
+                    new.append(row)
+                progress.done(label, new)
+                writer.seconds = time.perf_counter() - start
+                writer.flush()
     finally:
         writer.seconds = time.perf_counter() - start
         writer.close()
@@ -277,7 +330,8 @@ def cmd_all(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all}[args.command](args)
+        return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all,
+                "lint": cmd_lint}[args.command](args)
     except (UsageError, UnknownOpError, BadInput, AnnotationError, ReportError) as exc:
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2

@@ -75,7 +75,7 @@ def draws_random(sample: Sample, device) -> str:
         for seed in (1, 2):
             torch.manual_seed(seed)
             with torch.no_grad():
-                runs.append(as_tuple(spec.fn(*_leaves(sample, device, torch.float64), **kwargs)))
+                runs.append(outputs_of(spec.anno, spec.fn(*_leaves(sample, device, torch.float64), **kwargs)))
     finally:
         torch.random.set_rng_state(state)
     if _same(*runs):

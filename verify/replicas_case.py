@@ -48,7 +48,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(case.model, share(case.batch(0), replica, replicas), policy, config, groups=groups,
+        pm = parallelize(case.model, share(case.batch(0), replica, replicas), policy, config, groups=groups, verify=False,
                          gen_savedir=Path(gen_dir) / f"{name}-{policy}-p{plan_ngpus}-w{world_size}-s{seed}")
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())

@@ -1,5 +1,5 @@
 """Tables and reports: the terminal table (tabulate), and ``reports/`` as JSON lines (appended case
-by case, so an interrupted run keeps what it finished), JSON, Markdown and JUnit XML."""
+by case, so an interrupted run keeps what it finished), JSON, Markdown, JUnit XML and HTML."""
 from __future__ import annotations
 
 import datetime
@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 
 from tabulate import tabulate
 
+from . import html_report
 from .cases import MATCH, Row, RunConfig
 
 CASES_FILE = "cases.jsonl"
@@ -173,6 +174,7 @@ class ReportWriter:
             _atomic(self.dir / "report.json", json.dumps(dict(meta, cases=[r.to_json() for r in self.rows]), indent=1))
             _atomic(self.dir / "report.md", markdown(self.rows, ops, meta))
             _atomic(self.dir / "junit.xml", junit(self.rows))
+            _atomic(self.dir / "report.html", html_report.render(self.rows, meta))
         except OSError as exc:
             raise _oserror(f"writing reports into {self.dir} failed", exc) from None
 
@@ -236,8 +238,9 @@ def junit(rows: Sequence[Row]) -> str:
                        errors=str(sum(r.status not in (MATCH, "MISMATCH") for r in rows)),
                        time=f"{sum(r.seconds for r in rows):.3f}")
     for r in rows:
-        case = ET.SubElement(suite, "testcase", classname=f"verify.{r.op}",
-                             name=f"W{r.world_size}[{r.partition}] {r.dtype} seed{r.seed}", time=f"{r.seconds:.4f}")
+        name = (f"W{r.world_size}[{r.partition}] {r.dtype} seed{r.seed}" if r.world_size else
+                f"sampling {r.dtype} seed{r.seed}")  # a row for an op whose sample could not be made
+        case = ET.SubElement(suite, "testcase", classname=f"verify.{r.op}", name=name, time=f"{r.seconds:.4f}")
         if not r.ok:
             tag = "failure" if r.status == "MISMATCH" else "error"
             el = ET.SubElement(case, tag, message=f"{r.status}: {r.detail}", type=r.status)

@@ -85,6 +85,14 @@ def _values(constraint: Any, shape: tuple[int, ...], dtype: torch.dtype, sizes: 
     return x.to(dtype)
 
 
+def input_values(spec: OpSpec, pos: int, bound: BoundAnno, dtype: torch.dtype, g: torch.Generator) -> Any:
+    """Input ``pos`` of ``spec`` at the lengths of ``bound`` (a traced call's): its ``?`` value, or
+    seeded values honouring the spec's constraint."""
+    if spec.anno.inputs[pos].opaque:
+        return resolve(spec.args[pos], bound.sizes)
+    return _values(spec.inputs.get(pos), bound.shape(bound.inputs[pos]), dtype, bound.sizes, g)
+
+
 @dataclass
 class Sample:
     """Whole inputs, bound annotation and cotangents for one (op, dtype, seed, base)."""

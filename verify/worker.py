@@ -19,6 +19,7 @@ from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
 from . import isolation, rank_case
 from .conversion_case import run_conversion
+from .localize import as_dict, localize_model_case
 from .model_case import run_model_job
 from .replicas_case import run_replicas_case
 from .samples import DTYPES, Sample, make_sample
@@ -84,7 +85,15 @@ def handle(state: RankState, job: dict) -> dict:
             return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
         if job["kind"] == "model":
             checks = run_model_job(job, state.groups)
-            return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
+            result = {"checks": [c.__dict__ for c in checks]}
+            if not all(c.ok for c in checks):  # name the operator where the programs part ways
+                try:
+                    result["divergence"] = as_dict(localize_model_case(
+                        job["model"], job["policy"], job["world_size"], job["seed"], state.groups, job["gen_dir"],
+                        dtype=job.get("dtype", "float32")))
+                except Exception as exc:  # the verdict stands; say why no operator could be named
+                    result["divergence_error"] = _short(exc)
+            return dict(result, seconds=time.perf_counter() - start)
         sample, ref = state.sample(job)
         if job["kind"] == "plan":
             plans = {w: [p.label for p in rank_case.partitions_of(sample, w, job.get("partition"))]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import warnings
 from typing import Any, Callable, Iterator, Mapping
 
+from .lint import AnnotationWarning, lint_static
 from .rules import Rule, aten_overload
 from .spec import OpSpec
 
@@ -112,6 +114,8 @@ def register_op(annotation: str | Callable[..., str], name: str | None = None, *
             inputs={_position(fn, k, n): v for k, v in (inputs or {}).items()},
             **options)
         target.add(spec)
+        for finding in lint_static(spec):  # a likely mistake is said now, before any rank runs
+            warnings.warn(str(finding), AnnotationWarning, stacklevel=2)
         return fn
 
     return deco

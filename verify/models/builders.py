@@ -148,7 +148,11 @@ def known_model(name: str) -> bool:
 
 
 def build_model(name: str, seed: int) -> ModelCase:
-    """The case of model ``name`` (see :data:`MODELS` and :data:`WIDENABLE`) for ``seed``."""
+    """The case of model ``name`` (see :data:`MODELS` and :data:`WIDENABLE`, or ``FILE.py:builder``)
+    for ``seed``."""
+    from .loader import find_builder, is_file_reference  # the loader imports this module
+    if is_file_reference(name):
+        return find_builder(name)(seed)
     if name in MODELS:
         return MODELS[name](seed)
     base, _, width = name.partition("@")

@@ -1,0 +1,219 @@
+"""The first divergent operator of a whole-model case that mismatches.
+
+The parallel program is generated again in instrumented mode (every operator's output handed to a
+probe), run on the case's ranks on one batch, and every output and every output's gradient brought
+back to the whole layout. The same traced graph is run on one device through a one-rank plan of the
+same generator, in the dtype under test and in float64. Tensor by tensor, with the tolerance policy
+of :mod:`verify.compare`, the first operator in program order whose output leaves tolerance is the
+forward culprit; when every output is right, the first gradient to leave tolerance in backward
+order (latest operator first) names the operator whose backward broke it.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import shlex
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.codegen.emit import generate
+from nnscaler.parallel import parallelize
+from nnscaler.policies import ComputeConfig
+from nnscaler.trace.build import UnknownOperatorWarning
+from nnscaler.dimops.layout import Partial, Shard
+from nnscaler.ir.graph import IRGraph
+from nnscaler.ops.registry import DEFAULT_REGISTRY
+from nnscaler.policies.plan import Plan, replicated
+from nnscaler.runtime.module import ParallelModule
+from nnscaler.runtime.mesh import RankMesh
+
+from .compare import check_tensor
+from .models.builders import build_model
+from .samples import DTYPES
+
+
+@dataclass
+class Divergence:
+    """Where a parallel program first leaves the single-device one."""
+
+    op: str  # IR name
+    overload: str  # ATen overload, or the registered name
+    source: str  # the model's file:line: code
+    partition: str  # the op's partition in the plan (``m=2``), or ``replicate``
+    direction: str  # "forward" (its output) | "backward" (its output's gradient)
+    err: float
+    tol: float
+    rerun: str = ""  # python -m verify op NAME --partition ... (registered operators only)
+
+    def describe(self, modules=()) -> str:
+        """One line for the report; ``modules`` are the ``--module`` files the op's rerun needs."""
+        what = "output" if self.direction == "forward" else "gradient of its output"
+        text = (f"first divergent operator: {self.op} ({self.overload}) [{self.partition}], {what} error "
+                f"{self.err:.3g} > tolerance {self.tol:.3g}")
+        if self.source:
+            text += f" at {self.source}"
+        if self.rerun:
+            text += f"; alone: {self.rerun}" + "".join(f" --module {shlex.quote(m)}" for m in modules)
+        return text
+
+
+def _import_source(source: str, tag: str):
+    """Import a generated program (instrumented programs are never cached on disk)."""
+    path = Path(tempfile.mkdtemp(prefix="nnscaler-probe-")) / f"{tag}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"nnscaler_probe_{tag}_{id(path)}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Recorder:
+    """The ``probe`` of an instrumented program: keeps each output and, in backward, its gradient."""
+
+    def __init__(self) -> None:
+        self.order: list[tuple[str, str, str]] = []  # (op, tensor, layout) in program order
+        self.values: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def __call__(self, op: str, name: str, value: Any, layout: str) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        self.order.append((op, name, layout))
+        self.values[name] = value.detach().clone()
+        if value.requires_grad:
+            value.register_hook(lambda g, name=name: self.grads.__setitem__(name, g.detach().clone()))
+        return value
+
+
+def _placements(layout: str) -> list:
+    out = []
+    for q in layout.split("x"):
+        out.append(Shard(int(q[1:])) if q.startswith("D") else Partial() if q == "V" else None)
+    return out
+
+
+def _whole(x: torch.Tensor, layout: str, groups, grad: bool) -> torch.Tensor:
+    """The whole tensor from this rank's piece (every rank calls this in the same order). A
+    gradient is split like its tensor, but whole where the tensor is a partial value."""
+    places = _placements(layout)
+    for axis in reversed(range(len(places))):
+        q, group = places[axis], groups[axis]
+        if group is None:
+            continue
+        if isinstance(q, Shard):
+            parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            x = torch.cat(parts, dim=q.dim)
+        elif isinstance(q, Partial) and not grad:
+            x = x.clone()
+            dist.all_reduce(x, group=group)
+    return x
+
+
+def _run(program, state: dict, groups, args: tuple) -> _Recorder:
+    rec = _Recorder()
+    loss = program.forward(state, groups, *args, probe=rec)
+    loss.backward()
+    return rec
+
+
+def _single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch.dtype | None) -> _Recorder:
+    plan = Plan((1,), ("r",), {op.name: replicated((1,)) for op in graph.ops if op.known}, policy="single")
+    source, _, _ = generate(graph, plan, 0, probe=True)
+    if dtype == torch.float64:  # the float64 reference of the same graph: its dtype literals follow
+        for low in ("torch.float32", "torch.bfloat16", "torch.float16"):
+            source = source.replace(low, "torch.float64")
+    program = _import_source(source, "single")
+    state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
+    state = {k: v.detach().clone().requires_grad_(isinstance(v, torch.nn.Parameter) and v.requires_grad) for k, v in state.items()}
+    if dtype is not None:
+        state = {k: (v.detach().to(dtype).requires_grad_(v.requires_grad) if v.is_floating_point() else v)
+                 for k, v in state.items()}
+        args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    return _run(program, state, (None,), args)
+
+
+def first_divergence(pm: ParallelModule, model: torch.nn.Module, args: tuple, world_size: int) -> Divergence | None:
+    """Run ``pm``'s plan instrumented on ``args`` (every rank of the plan calls this) and compare
+    each operator with the single-device run of the same graph; ``None`` if none diverges."""
+    graph, plan = pm.graph, pm.plan
+    mesh: RankMesh = pm._mesh
+    rank = mesh.rank - mesh.offset
+    source, _, _ = generate(graph, plan, rank, probe=True)
+    program = _import_source(source, f"rank{rank}")
+    probed = ParallelModule(program, {**graph.constants, **dict(model.named_buffers()),
+                                      **dict(model.named_parameters())}, mesh,
+                            {n for n, _ in model.named_parameters()})
+    par = _run(program, probed._local(), mesh.groups, args)
+    dev, ref = _single_device(graph, model, args, None), _single_device(graph, model, args, torch.float64)
+    ops = {op.name: op for op in graph.ops}
+    scale = max((float(g.abs().max()) for g in ref.grads.values() if g.numel()), default=0.0)
+
+    def check(op_name, name, layout, direction):
+        if direction == "forward":
+            whole = _whole(par.values[name], layout, mesh.groups, grad=False)
+            return check_tensor(name, whole, dev.values.get(name), ref.values.get(name))
+        g = par.grads.get(name)
+        whole = None if g is None else _whole(g, layout, mesh.groups, grad=True)
+        return check_tensor(name, whole, dev.grads.get(name), ref.grads.get(name), scale=scale)
+
+    found = None
+    for op_name, name, layout in par.order:  # every rank gathers every tensor, in the same order
+        c = check(op_name, name, layout, "forward")
+        if found is None and not c.ok:
+            found = (op_name, "forward", c)
+    if found is None:
+        for op_name, name, layout in reversed(par.order):
+            c = check(op_name, name, layout, "backward")
+            if found is None and not c.ok:
+                found = (op_name, "backward", c)
+    if found is None:
+        return None
+    op_name, direction, c = found
+    op = ops[op_name]
+    label = plan.partition(op).label if op.known else "replicate (no annotation)"
+    rerun = ""
+    if op.known and op.spec.name in DEFAULT_REGISTRY and DEFAULT_REGISTRY.get(op.spec.name) is op.spec:
+        op_label = _op_partition(plan, op)
+        rerun = " ".join(shlex.quote(p) for p in ["python", "-m", "verify", "op", op.spec.name, "--world-size",
+                                                  str(world_size), "--partition", op_label])
+    name = op.spec.name if op.known else op.overload
+    return Divergence(op_name, name if name == op.overload else f"{op.overload}, registered as {name}", op.source,
+                      label, direction, c.err if math.isfinite(c.err) else float("inf"), c.tol, rerun)
+
+
+def _op_partition(plan: Plan, op) -> str:
+    """The op's plan partition as ``verify op --partition`` writes it (split axes only)."""
+    p = plan.partition(op)
+    named = [(i, f) for i, f in p.splits if i is not None]
+    return ",".join(f"{i}={f}" for i, f in named) or "replicate"
+
+
+def as_dict(d: Divergence | None) -> dict | None:
+    return None if d is None else asdict(d)
+
+
+def localize_model_case(name: str, policy: str, world_size: int, seed: int, groups, gen_dir: str,
+                        dtype: str = "float32") -> Divergence | None:
+    """The first divergent operator of model ``name`` under ``policy`` (a built-in name or
+    ``FILE.py:fn``), on its step-0 batch and initial parameters, in ``dtype`` (every rank of the case
+    calls this, after the case mismatched)."""
+    from .model_case import resolve_policy  # model_case imports the gang's worker, which imports this
+    dt = DTYPES[dtype]
+    case = build_model(name, seed)
+    model = case.model.to(dt)
+    args = tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case.batch(0))
+    config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed)
+    tag = Path(name).name.replace(":", "-")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        pm = parallelize(copy.deepcopy(model), args, resolve_policy(policy), config, groups=groups, verify=False,
+                         gen_savedir=Path(gen_dir) / f"localize-{tag}-{Path(policy).name}-w{world_size}-s{seed}")
+    return first_divergence(pm, model, args, world_size)

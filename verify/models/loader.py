@@ -1,0 +1,97 @@
+"""A model to verify, named either as a registered model (``nanogpt``) or as a user's builder in a
+file (``path/to/file.py:builder``). A builder is ``builder(seed)`` returning a
+:class:`~verify.models.builders.ModelCase`, or a pair ``(model, batch_fn)`` with ``batch_fn(step)``
+giving the sample arguments of a training step."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .builders import MODELS, ModelCase
+
+
+class ModelNotFound(ValueError):
+    """The model reference names no registered model and no builder in a file (exit 2 on the CLI)."""
+
+
+HOW_TO_ADD = ("pass FILE.py:BUILDER, where BUILDER(seed) returns a ModelCase or (model, batch_fn), or decorate a "
+              "builder with verify.models.register_model('NAME') in a file given with --module")
+
+
+def _import_file(path: Path):
+    name = f"verify_user_{abs(hash(str(path)))}"  # as verify.worker.load_modules names it: imported once
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelNotFound(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ModelNotFound(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
+    return module
+
+
+def is_file_reference(ref: str) -> bool:
+    """``file.py:builder`` rather than a registered name."""
+    path, sep, attr = ref.rpartition(":")
+    return bool(sep) and path.endswith(".py") and bool(attr)
+
+
+def find_builder(ref: str) -> Callable[[int], ModelCase]:
+    """The builder ``ref`` names; :class:`ModelNotFound` with how to fix it otherwise."""
+    if not is_file_reference(ref):
+        if ref in MODELS:
+            return _checked(MODELS[ref], ref)
+        raise ModelNotFound(f"unknown model {ref!r}; known: {', '.join(sorted(MODELS))}; to add one, {HOW_TO_ADD}")
+    path_text, _, attr = ref.rpartition(":")
+    path = Path(path_text)
+    if not path.is_file():
+        raise ModelNotFound(f"model {ref!r}: no such file {path_text}")
+    module = _import_file(path.resolve())
+    builder = getattr(module, attr, None)
+    if builder is None or not callable(builder):
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                 and getattr(v, "__module__", None) == module.__name__]
+        raise ModelNotFound(f"model {ref!r}: {path_text} has no function {attr!r} (functions there: "
+                            f"{', '.join(names) or 'none'})")
+    return _checked(builder, ref)
+
+
+def _checked(builder: Callable, ref: str) -> Callable[[int], ModelCase]:
+    def build(seed: int) -> ModelCase:
+        case = builder(seed)
+        if isinstance(case, tuple) and len(case) == 2:
+            case = ModelCase(*case)
+        if not isinstance(case, ModelCase) or not isinstance(case.model, torch.nn.Module) or not callable(case.batch):
+            raise ModelNotFound(f"model {ref!r}: the builder returned {type(case).__name__}; it must return a "
+                                f"ModelCase(model, batch_fn) or a pair (torch.nn.Module, batch_fn)")
+        return case
+    build.__name__ = getattr(builder, "__name__", "builder")
+    return build
+
+
+def check_builder(ref: str, seed: int = 0) -> None:
+    """Build once in this process and run one forward on the step-0 batch: a builder that does not
+    exist, returns the wrong type, or whose batch does not fit the model fails here, in one line,
+    before any rank starts."""
+    case = find_builder(ref)(seed)
+    args = case.batch(0)
+    if not isinstance(args, tuple):
+        raise ModelNotFound(f"model {ref!r}: batch_fn(step) must return a tuple of arguments, got {type(args).__name__}")
+    try:
+        with torch.no_grad():
+            loss = case.model(*args)
+    except Exception as exc:
+        raise ModelNotFound(f"model {ref!r}: the model does not accept its batch: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        raise ModelNotFound(f"model {ref!r}: the model must return its scalar loss, got "
+                            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")

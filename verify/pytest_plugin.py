@@ -1,0 +1,145 @@
+"""pytest plugin: equivalence suites in a user's own pytest run (entry point ``pytest11``).
+
+Fixtures:
+
+* ``verify_gang`` (session): one persistent rank gang for the whole run, sized by
+  ``--verify-world-size`` (or the ini option ``verify_world_sizes``; default ``2 4``).
+* ``verify_op``: ``verify_op(op, *, world_sizes=None, seeds=(0,), dtype="float32", partition=None)``
+  verifies a registered operator (its name, or the function given to ``register_op``) under every
+  partition it admits: one subtest per (world size, partition, seed).
+* ``verify_model``: ``verify_model(model, *, policies=("dp", "tp"), world_sizes=None, seeds=(0,),
+  steps=3)`` trains a model (a registered name, ``"file.py:builder"``, or the builder function
+  itself) under each policy: one subtest per (world size, policy, seed).
+
+A failing subtest carries the tolerance message and the command that reruns the row alone. The
+file that defines the operator or builder is imported by the ranks too (the gang restarts once to
+take a new file in).
+"""
+from __future__ import annotations
+
+import inspect
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+import pytest
+
+from .cases import RunConfig, Row, run_model, run_op
+from .gang import Gang
+from .worker import load_modules
+
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("nnscaler-verify", "verify parallel programs on real ranks")
+    group.addoption("--verify-world-size", type=int, nargs="+", default=None, metavar="N",
+                    help="world sizes for verify_op / verify_model (default: ini verify_world_sizes, or 2 4)")
+    parser.addini("verify_world_sizes", "world sizes for verify_op / verify_model", type="args", default=["2", "4"])
+    parser.addini("verify_modules", "files whose register_op / register_model calls the ranks import "
+                  "(relative to the ini file)", type="paths", default=[])
+
+
+class GangSession:
+    """The session's gang and its settings; restarts the gang when a new operator file appears."""
+
+    def __init__(self, world_sizes: Sequence[int], modules: Sequence[str], known: set[str]):
+        self.world_sizes = tuple(world_sizes)
+        self.modules = [str(Path(m).resolve()) for m in modules]
+        self.known = known  # what every rank registers by itself; the rest came from test files
+        self.gang = Gang(max(self.world_sizes), self.modules, self.world_sizes)
+        self.gang.start()
+
+    def need(self, path: str | None) -> None:
+        """Make the ranks import ``path`` (a no-op for files they already have)."""
+        if path is None:
+            return
+        path = str(Path(path).resolve())
+        if path not in self.modules:
+            self.modules.append(path)  # the parent has it already: pytest imported the test file
+            self.gang.modules = list(self.modules)
+            self.gang.restart()
+
+    def config(self, world_sizes, **options) -> RunConfig:
+        return RunConfig(world_sizes=tuple(world_sizes or self.world_sizes), modules=tuple(self.modules), **options)
+
+
+_BUILTIN = pytest.StashKey[set]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before test files are imported: note what opzoo and the ini modules register (the ranks
+    register the same by themselves; anything later comes from a test file the ranks must import)."""
+    from nnscaler.ops.registry import DEFAULT_REGISTRY
+    load_modules([str(p) for p in config.getini("verify_modules")])
+    config.stash[_BUILTIN] = {s.name for s in DEFAULT_REGISTRY}
+
+
+@pytest.fixture(scope="session")
+def verify_gang(pytestconfig: pytest.Config):
+    """One rank gang for the session, serving every world size asked for."""
+    sizes = pytestconfig.getoption("--verify-world-size") or [int(w) for w in pytestconfig.getini("verify_world_sizes")]
+    modules = [str(p) for p in pytestconfig.getini("verify_modules")]
+    session = GangSession(sizes, modules, pytestconfig.stash[_BUILTIN])
+    try:
+        yield session
+    finally:
+        session.gang.stop()
+
+
+def _source_file(obj) -> str | None:
+    try:
+        return inspect.getsourcefile(obj)
+    except TypeError:  # a builtin (torch.softmax): nothing for the ranks to import
+        return None
+
+
+def _report(subtests, rows: list[Row], what: str) -> list[Row]:
+    if not rows:
+        pytest.fail(f"{what}: no case ran")
+    for row in rows:
+        with subtests.test(msg=f"W={row.world_size} {row.partition} seed={row.seed}"):
+            assert row.ok, (f"{what} W={row.world_size} [{row.partition}] seed {row.seed}: {row.status}: "
+                            f"{row.detail}\nrerun: {row.rerun}")
+    return rows
+
+
+@pytest.fixture
+def verify_op(verify_gang: GangSession, subtests) -> Callable[..., list[Row]]:
+    """``verify_op(name_or_fn, ...)``: every partition of a registered operator, one subtest per row."""
+    from nnscaler.ops.registry import DEFAULT_REGISTRY
+
+    def run(op, *, world_sizes: Sequence[int] | None = None, seeds: Sequence[int] = (0,), dtype: str = "float32",
+            partition: str | None = None) -> list[Row]:
+        if isinstance(op, str):
+            spec = DEFAULT_REGISTRY.get(op)
+        else:
+            spec = next((s for s in DEFAULT_REGISTRY if s.fn is op), None)
+            if spec is None:
+                raise LookupError(f"{getattr(op, '__name__', op)!r} is not registered; decorate it with "
+                                  f"nnscaler.register_op('<annotation>') first")
+        if spec.name not in verify_gang.known:  # registered by a test file: the ranks import that file too
+            verify_gang.need(_source_file(spec.fn))
+        cfg = verify_gang.config(world_sizes, seeds=tuple(seeds), dtype=dtype, partition=partition)
+        return _report(subtests, list(run_op(verify_gang.gang, spec, cfg)), spec.name)
+
+    return run
+
+
+@pytest.fixture
+def verify_model(verify_gang: GangSession, subtests) -> Callable[..., list[Row]]:
+    """``verify_model(model, ...)``: train under each policy against one device, one subtest per row."""
+
+    def run(model, *, policies: Sequence[str] = ("dp", "tp"), world_sizes: Sequence[int] | None = None,
+            seeds: Sequence[int] = (0,), steps: int = 3) -> list[Row]:
+        if callable(model):
+            path = _source_file(model)
+            if path is None:
+                raise LookupError(f"cannot find the file that defines {model!r}; pass 'file.py:builder'")
+            model = f"{path}:{model.__name__}"  # the ranks import the builder's file themselves
+        cfg = verify_gang.config(world_sizes, seeds=tuple(seeds))
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = list(run_model(verify_gang.gang, model, tuple(policies), cfg, tmp, steps=steps))
+        return _report(subtests, rows, model)
+
+    return run
+
