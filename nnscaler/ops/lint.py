@@ -38,14 +38,15 @@ def lint_static(spec: OpSpec) -> list[Finding]:
     anno = spec.anno
     outs = _named(anno, anno.outputs)
     markers = anno.markers()
+    hidden = {i.name for t in anno.inputs + anno.outputs for d in t.dims for i in d.idents[1:]}  # never split
     found = []
-    for ident in sorted(_named(anno, anno.inputs) - outs):
+    for ident in sorted(_named(anno, anno.inputs) - outs - hidden):
         if markers.get(ident) == SPATIAL:
             found.append(Finding(spec.name, ident, "consumed", (
                 f"identifier {ident!r} is in the inputs of {spec.annotation!r} but in no output, and it is marked "
                 f"spatial: the op consumes that dim, so a split gives each rank a different result. Write "
                 f"'{ident}+' if the op adds over it (results become partial sums), or '{ident}^' if it must never "
-                f"be split")))
+                f"be split (a dim of length 1 may stay as it is)")))
     return found
 
 
