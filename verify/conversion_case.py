@@ -98,7 +98,12 @@ def run_conversion(job: dict, rank: int, groups: GroupCache) -> dict:
     if tuple(got.shape) != tuple(want.shape) or not torch.equal(got, want):
         problems.append(f"forward: local result {tuple(got.shape)} is not the {layout_str(dst)} piece "
                         f"{tuple(want.shape)} of the whole tensor")
-    if grad and not problems:
+    # every rank runs backward or none does: a rank skipping it alone would leave its peers waiting
+    everyone = groups.get(list(range(math.prod(mesh_shape))))
+    bad = torch.tensor([float(bool(problems))])
+    if everyone is not None:
+        dist.all_reduce(bad, group=everyone)
+    if grad and not bad.item():
         g_whole = _whole(shape, seed, 3, True)
         star = [a for a, (q, i) in enumerate(zip(dst, ids)) if isinstance(q, Replicate) and i is not None
                 and mesh_shape[a] > 1]

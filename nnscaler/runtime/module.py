@@ -76,7 +76,9 @@ class ParallelModule(torch.nn.Module):
 
     # -- whole-model state ---------------------------------------------------------------------------
     def _whole(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """Gather this rank's piece of ``name`` (or of its gradient) into the whole tensor."""
+        """Gather this rank's piece of ``name`` (or of its gradient) into the whole tensor: highest
+        mesh axis first, since a higher axis splits the chunk a lower one gave (the nesting convention of
+        :mod:`nnscaler.comm.conversion`, which ``shard_slices`` follows when the state is laid out)."""
         layout = self._program.STATE[name][1]
         for axis in reversed(range(len(layout))):
             q = _parse_layout(layout)[axis]
