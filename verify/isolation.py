@@ -31,9 +31,13 @@ def reset(seed: int, cwd: str) -> None:
     torch.set_grad_enabled(True)
     torch.set_default_dtype(torch.float32)
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(False)
-    torch.autograd.set_detect_anomaly(False)
-    torch.manual_seed(seed)
+    if torch.are_deterministic_algorithms_enabled():  # setting it costs tens of ms: only when changed
+        torch.use_deterministic_algorithms(False)
+    if torch.is_anomaly_enabled():
+        torch.autograd.set_detect_anomaly(False)
+    torch.default_generator.manual_seed(seed)  # torch.manual_seed also probes every accelerator: ms per call
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
     random.seed(seed)
     os.chdir(cwd)
 
