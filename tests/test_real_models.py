@@ -118,13 +118,23 @@ def test_the_measure_catches_an_unannotated_operator(name, missing):
 
 
 CFG = RunConfig(world_sizes=(2, 4))
+NO_FLOAT64_GROUPED_MM = ("torch._grouped_mm (transformers' default experts, run by the single-device reference) has "
+                         "no float64 kernel; the float64 fallback of the tolerance policy is on the verdict branch")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("name", NEW)
 def test_new_model_trains_like_on_one_device(gang, name, policy):
     _needs(name)
     _xfail_t5(name)
+    if name == "mixtral":
+        try:
+            case = MODELS[name](0)
+            case.model.double()(*case.batch(0))
+        except RuntimeError as exc:
+            if "Double" in str(exc):
+                pytest.xfail(NO_FLOAT64_GROUPED_MM)
     with tempfile.TemporaryDirectory() as tmp:
         rows = list(run_model(gang, name, (policy,), CFG, tmp, steps=3))
     assert len(rows) == 2

@@ -15,11 +15,19 @@ from .models.builders import build_model
 
 def replicated_lines(name: str, policies: Sequence[str], world_sizes: Sequence[int], seed: int = 0) -> Iterator[str]:
     """``model NAME, POLICY, W=n: k of m operators replicated: ...`` per policy and world size."""
-    case = build_model(name, seed)
-    with warnings.catch_warnings():  # the lines below list them
-        warnings.simplefilter("ignore", UnknownOperatorWarning)
-        graph = trace(case.model, case.batch(0))
+    try:
+        case = build_model(name, seed)
+        with warnings.catch_warnings():  # the lines below list them
+            warnings.simplefilter("ignore", UnknownOperatorWarning)
+            graph = trace(case.model, case.batch(0))
+    except Exception as exc:  # the model cases report it as their error, with its traceback
+        yield f"{name}: no plan to summarise ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        return
     for policy in policies:
         for w in world_sizes:
-            plan = POLICIES[policy](graph, ComputeConfig(w, tp_size=2 if w % 2 == 0 else 1, seed=seed))
+            try:
+                plan = POLICIES[policy](graph, ComputeConfig(w, tp_size=2 if w % 2 == 0 else 1, seed=seed))
+            except Exception as exc:
+                yield f"{name} {policy} W={w}: no plan ({type(exc).__name__}: {exc})"
+                continue
             yield f"{name} {policy} W={w}: {replicated_line(graph, plan)}"
