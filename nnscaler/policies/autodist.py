@@ -105,7 +105,7 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
         rows.append((-highspy.kHighsInf, budget - prog.fixed_memory, list(range(nx)), list(mem)))
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", max(0.5, time_limit))
+    h.setOptionValue("time_limit", max(1e-3, time_limit))
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", MIP_GAP)
     costs = np.concatenate([cost, *pair_costs]) if pair_costs else cost
