@@ -1,9 +1,12 @@
 """Train a small GPT with nnscaler, one process per rank.
 
-    python -m verify.torchrun --nproc_per_node 2 examples/train_gpt.py [--policy dp|tp|hybrid|random] [--steps 10]
+    python -m verify.torchrun --nproc_per_node 2 examples/train_gpt.py [--policy dp|tp|hybrid|random|autodist]
+        [--steps 10] [--mem-budget-mib N] [--profile cpu-gloo|a100|h100]
 
 (``verify.torchrun`` is torchrun listening on 127.0.0.1 only; plain ``torchrun`` works too, but its
-stores listen on every interface.)
+stores listen on every interface.) ``autodist`` searches meshes and partitions with HiGHS for the
+fastest plan the cost model of ``--profile`` knows that fits ``--mem-budget-mib`` per rank. Rank 0
+prints the plan's one-line summary; the full report is ``plan_report.txt`` next to the generated code.
 
 Runs on CPU (gloo) as it is, and on CUDA (nccl) unchanged when GPUs are present.
 """
@@ -24,6 +27,8 @@ def main() -> None:
     ap.add_argument("--policy", default="tp")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--mem-budget-mib", type=float, default=None, help="autodist: memory per rank")
+    ap.add_argument("--profile", default=None, help="device profile of the cost model (default cpu-gloo)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -41,8 +46,9 @@ def main() -> None:
         return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
     sample = batch(0)
-    pm = parallelize(model, sample, args.policy, ComputeConfig(world, tp_size=2 if world % 2 == 0 else 1),
-                     gen_savedir=f".nnscaler/train_gpt_{args.policy}_{world}")
+    budget = int(args.mem_budget_mib * 2**20) if args.mem_budget_mib else None
+    config = ComputeConfig(world, tp_size=2 if world % 2 == 0 else 1, mem_budget=budget, profile=args.profile)
+    pm = parallelize(model, sample, args.policy, config, gen_savedir=f".nnscaler/train_gpt_{args.policy}_{world}")
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     for step in range(args.steps):
         idx, targets = batch(step)

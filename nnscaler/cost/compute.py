@@ -3,8 +3,8 @@
 An operator that contracts identifiers (ones its outputs lack, like ``k`` in ``m k+, k+ n -> m n``)
 does ``2 * prod(local lengths of every identifier)`` FLOPs; one that does not (elementwise, views,
 norms) is bound by memory: the bytes of its local inputs and outputs over the memory bandwidth.
-Attention is the one operator whose identifiers multiply wrongly (scores and values are two
-contractions), so it is counted from its local shapes. Backward costs twice forward.
+Attention (scores and values are two contractions) is counted from its local shapes; lookups
+(embedding, gather) only move the rows they read. Backward costs twice forward.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .profiles import DeviceProfile
 
 BACKWARD = 2.0  # backward FLOPs as a multiple of forward (two matmuls per matmul)
 _SDPA = "aten.scaled_dot_product_attention.default"
+_LOOKUPS = ("aten.embedding.default", "aten.index_select.default", "aten.gather.default")
 
 
 def _dtype(op: IROp) -> str:
@@ -41,6 +42,9 @@ def op_flops(op: IROp, partition: Partition | None) -> tuple[float, float]:
     sizes = local_sizes(op.bound, partition) if partition is not None else dict(op.bound.sizes)
     shapes = _local_shapes(op, sizes)
     nbytes = float(sum(math.prod(s) * t.dtype.itemsize for t, s in shapes))
+    if op.overload in _LOOKUPS:  # a gather of rows: reads and writes the output's bytes, no multiply-adds
+        out = sum(math.prod(s) * t.dtype.itemsize for t, s in shapes[-len(op.outputs):])
+        return 0.0, 2.0 * out
     if op.overload == _SDPA and len(shapes) >= 3:
         (_, q), (_, k), (_, v) = shapes[:3]
         heads = math.prod(q[:-2])

@@ -26,7 +26,11 @@ from .greedy import candidates
 from .plan import ComputeConfig, Plan, PlanError
 from .summary import human, seconds
 
-TIME_LIMIT = 20.0  # seconds HiGHS may spend on all meshes of one search together
+# Every rank runs the search and must reach the same plan, so the search is bounded by work (branch-
+# and-bound nodes; HiGHS is deterministic on one thread), not by the clock; the time limit is only a
+# fail-safe, and hitting it is an error naming the solver's status rather than a plan that may differ.
+MIP_NODES = 2000
+TIME_LIMIT = 120.0  # seconds per mesh
 _MS = 1e3  # the objective in milliseconds keeps HiGHS's tolerances meaningful
 MIP_GAP = 0.005  # stop within 0.5% of the best bound: the cost model is not finer than that
 
@@ -105,9 +109,10 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
         rows.append((-highspy.kHighsInf, budget - prog.fixed_memory, list(range(nx)), list(mem)))
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", max(0.5, time_limit))
+    h.setOptionValue("time_limit", max(1e-3, time_limit))
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", MIP_GAP)
+    h.setOptionValue("mip_max_nodes", MIP_NODES)
     costs = np.concatenate([cost, *pair_costs]) if pair_costs else cost
     h.addCols(n, costs, np.zeros(n), np.ones(n), 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
     h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32),
@@ -126,7 +131,8 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
     sol = Solution(prog.mesh_shape, prog.axis_names, text)
     if status == highspy.HighsModelStatus.kInfeasible:
         return sol
-    if status != highspy.HighsModelStatus.kOptimal and not has_solution:
+    if status == highspy.HighsModelStatus.kTimeLimit or (status != highspy.HighsModelStatus.kOptimal
+                                                         and not has_solution):
         raise PlanError(f"autodist: HiGHS stopped without a plan on mesh {prog.mesh_shape}: status {text!r}")
     x = np.array(h.getSolution().col_value[:nx])
     sol.choice = [int(np.argmax(x[offset[k]:offset[k] + len(c.cands)])) for k, c in enumerate(classes)]
@@ -175,11 +181,10 @@ def autodist(graph: IRGraph, config: ComputeConfig) -> Plan:
         prog = build_program(graph, classes, of, mesh, names, axis_options(names, batch), profile, config.replicas)
         prog.classes = [type(k)(k.ops, list(k.cands), list(k.layouts)) for k in classes]  # keep this mesh's
         progs.append(prog)
-        left = TIME_LIMIT - (time.perf_counter() - start)
-        sols.append(solve(prog, config.mem_budget, left / max(1, len(shapes) - len(sols))))
+        sols.append(solve(prog, config.mem_budget, TIME_LIMIT))
     fits = [s for s in sols if s.choice is not None]
     if not fits:
-        least = min((solve(p, None, TIME_LIMIT / len(progs), minimize_memory=True) for p in progs),
+        least = min((solve(p, None, TIME_LIMIT, minimize_memory=True) for p in progs),
                     key=lambda s: s.memory)
         raise PlanError(f"autodist: no plan on {world} ranks fits mem_budget={human(config.mem_budget)} per rank "
                         f"(profile {profile.name}); the smallest per-rank memory reachable is {human(least.memory)} "
