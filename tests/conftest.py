@@ -10,7 +10,7 @@ from verify.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODULES = (str(FIXTURES / "wrong_ops.py"), str(FIXTURES / "faulty_ops.py"), str(FIXTURES / "wrong_model.py"),
-           str(FIXTURES / "lifted_model.py"))
+           str(FIXTURES / "lifted_model.py"), str(FIXTURES / "custom_models.py"))
 
 
 @pytest.fixture(scope="session")

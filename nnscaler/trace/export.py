@@ -9,6 +9,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .functions import refuse_unregistered
+
 
 class TraceError(ValueError):
     """The model cannot be traced as given (bad sample arguments, or export failed)."""
@@ -76,4 +78,7 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise TraceError(f"torch.export cannot trace {type(model).__name__}: {type(exc).__name__}: {msg}"
                          f"{_user_frame(exc)}") from exc
+    refused = refuse_unregistered(ep.graph)
+    if refused:
+        raise TraceError(refused)
     return functional(ep)
