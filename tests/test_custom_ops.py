@@ -25,3 +25,67 @@ def test_t5_with_labels_compiles_and_matches_under_every_policy(gang):
     pytest.importorskip("transformers")
     rows = _rows(gang, "t5_labels", ("dp", "tp", "hybrid", "random"), steps=1)
     assert [r for r in rows if r[2] != MATCH] == [] and len(rows) == 4
+
+
+def test_registered_autograd_functions_and_functions_stay_one_operator_and_match(gang):
+    import opzoo  # noqa: F401
+    from nnscaler.trace.build import trace
+    case = MODELS["custom_backward"](0)
+    ops = [op.overload for op in trace(case.model, case.batch(0)).ops]
+    assert {"nnscaler_user.test_ste_round.default", "nnscaler_user.test_clipped_tanh.default",
+            "nnscaler_user.test_scaled_gelu.default"} <= set(ops)
+    assert "aten.round.default" not in ops and "aten.tanh.default" not in ops  # not inlined
+    rows = _rows(gang, "custom_backward", ("dp", "tp", "hybrid", "random"))
+    assert [r for r in rows if r[2] != MATCH] == [] and len(rows) == 4
+
+
+def test_the_custom_backward_is_the_one_used_not_autograds(registry):
+    import torch
+    x = torch.randn(8, 16).requires_grad_(True)
+    STERound = registry.get("test_ste_round").fn.__self__  # noqa: N806 (the registered class)
+    ClippedTanh = registry.get("test_clipped_tanh").fn.__self__  # noqa: N806
+    STERound.apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))  # straight through (round's own gradient is 0)
+    x.grad = None
+    y = ClippedTanh.apply(3 * x)
+    y.sum().backward()
+    assert torch.allclose(x.grad, 3 * (1 - y.detach() ** 2).clamp(min=0.5))
+
+
+def test_an_unregistered_autograd_function_is_refused_naming_it_its_line_and_the_fix():
+    import torch
+    from nnscaler.trace.build import trace
+    from nnscaler.trace.export import TraceError
+
+    class Sign(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.sign(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Sign.apply(self.lin(x)).sum()
+
+    with pytest.raises(TraceError, match=r"Sign is a torch.autograd.Function \(applied at \S+test_custom_ops.py:\d+\).*"
+                                         r"register_op"):
+        trace(Net(), (torch.randn(2, 4),))
+
+
+def test_a_custom_op_registered_without_a_name_goes_by_its_qualified_name(registry):
+    spec = registry.get("nnscaler_test::twice")
+    assert spec.aten == ("nnscaler_test.twice.default",)
+    import subprocess
+    import sys
+    from pathlib import Path
+    fixture = Path(__file__).parent / "fixtures" / "custom_models.py"
+    r = subprocess.run([sys.executable, "-m", "verify", "op", "nnscaler_test::twice", "--module", str(fixture),
+                        "--world-size", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]

@@ -17,16 +17,25 @@ if TYPE_CHECKING:
 def device_mesh(module: "ParallelModule") -> DeviceMesh | None:
     """The plan's rank mesh as a ``DeviceMesh`` over the module's existing groups (no new groups)."""
     mesh = module._mesh
-    if not mesh.shape:
+    axes = _axes(module)
+    if not axes:
         return None
     ranks = torch.arange(mesh.offset, mesh.offset + int(torch.tensor(mesh.shape).prod())).reshape(mesh.shape)
+    ranks = ranks[tuple(slice(None) if a in axes else 0 for a in range(len(mesh.shape)))]  # axes of one rank go
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    groups = list(mesh.groups)
-    return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device, mesh=ranks)
+    groups = [mesh.groups[a] for a in axes]
+    if len(groups) == 1:
+        return DeviceMesh.from_group(groups[0], device, mesh=ranks)
+    return DeviceMesh.from_group(groups, device, mesh=ranks, mesh_dim_names=tuple(f"axis{i}" for i in range(len(groups))))
 
 
-def placements(layout) -> list:
-    return [Shard(int(q[1:])) if q.startswith("D") else Replicate() for q in layout]
+def _axes(module: "ParallelModule") -> list[int]:
+    """Mesh axes of more than one rank (a DeviceMesh has no use for the others)."""
+    return [a for a, n in enumerate(module._mesh.shape) if n > 1]
+
+
+def placements(layout, axes: list[int]) -> list:
+    return [Shard(int(layout[a][1:])) if layout[a].startswith("D") else Replicate() for a in axes]
 
 
 def sharded(module: "ParallelModule", mesh: DeviceMesh | None, name: str, local: torch.Tensor) -> torch.Tensor:
@@ -37,4 +46,5 @@ def sharded(module: "ParallelModule", mesh: DeviceMesh | None, name: str, local:
         return local
     full = torch.Size(shape)
     stride = torch.empty(full, device="meta").stride()
-    return DTensor.from_local(local, mesh, placements(layout), run_check=False, shape=full, stride=stride)
+    return DTensor.from_local(local, mesh, placements(layout, _axes(module)), run_check=False, shape=full,
+                              stride=stride)

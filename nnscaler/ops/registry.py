@@ -93,30 +93,43 @@ def register_op(annotation: str | Callable[..., str], name: str | None = None, *
     annotations; give ``examples=[...]`` calls to verify): see :mod:`nnscaler.ops.callable_anno`.
 
     A ``torch.library.custom_op`` is looked up by its graph node (``ns.name.default``) without
-    further ado. ``args`` fixes the values of ``?`` arguments and ``inputs`` constrains sample values (both keyed
+    further ado. A plain Python function (or a ``torch.autograd.Function`` class) becomes a custom op
+    ``nnscaler_user::NAME`` (see :mod:`nnscaler.ops.custom`) so a model calling it keeps it as one
+    operator: call what the decorator returns (a ``Function``'s ``apply`` is replaced in place). ``args`` fixes the values of ``?`` arguments and ``inputs`` constrains sample values (both keyed
     by position or argument name); ``kwargs``, ``sizes``, ``tolerance``, ``local``, ``aten``,
-    ``family`` and ``differentiable`` are passed to :class:`~nnscaler.ops.spec.OpSpec`. The function
-    is returned unchanged.
+    ``family`` and ``differentiable`` are passed to :class:`~nnscaler.ops.spec.OpSpec`.
     """
     target = DEFAULT_REGISTRY if registry is None else registry
 
     def deco(fn: Callable) -> Callable:
         from ..dimops.grammar import parse
+        from .custom import is_autograd_function, is_plain_function, make_custom_op
         if callable(annotation):
             return _register_callable(fn, annotation, name, target, inputs, options)
-        n = len(parse(annotation).inputs)
-        qualname = getattr(fn, "_qualname", None)  # a torch.library.custom_op: its graph node's name
+        anno = parse(annotation)
+        n = len(anno.inputs)
+        returned, cls = fn, None
+        if is_autograd_function(fn):  # its apply becomes one custom op with the Function's own backward
+            cls, fn = fn, fn.apply
+        positions = {_position(fn, k, n): v for k, v in (args or {}).items()}
+        qualname = getattr(fn, "_qualname", None)  # a torch.library.custom_op: "ns::op"
+        op_name = name or (qualname if qualname and "::" in qualname else None) or \
+            getattr(cls or fn, "__name__", None) or repr(fn)
+        if (cls is not None or is_plain_function(fn)) and not options.get("aten") and not options.get("local"):
+            op = make_custom_op(fn, anno, positions, op_name)
+            options["aten"] = (op._qualname.replace("::", ".") + ".default",)
+            if cls is not None:
+                cls.apply, cls._nnscaler_custom_op = op, op
+            else:
+                returned = op
         if qualname and "::" in qualname and not options.get("aten"):
             options["aten"] = (qualname.replace("::", ".") + ".default",)
-        spec = OpSpec.create(
-            name or getattr(fn, "__name__", None) or repr(fn), annotation, fn,
-            args={_position(fn, k, n): v for k, v in (args or {}).items()},
-            inputs={_position(fn, k, n): v for k, v in (inputs or {}).items()},
-            **options)
+        spec = OpSpec.create(op_name, annotation, fn, args=positions,
+                             inputs={_position(fn, k, n): v for k, v in (inputs or {}).items()}, **options)
         target.add(spec)
         for finding in lint_static(spec):  # a likely mistake is said now, before any rank runs
             warnings.warn(str(finding), AnnotationWarning, stacklevel=2)
-        return fn
+        return returned
 
     return deco
 

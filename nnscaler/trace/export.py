@@ -15,6 +15,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .functions import refuse_unregistered
+
+from .functions import refuse_unregistered
+
 
 class TraceError(ValueError):
     """The model cannot be traced as given (bad sample arguments, or export failed)."""
@@ -145,4 +149,7 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
         rest = captured.getvalue().strip()
         if rest:
             print(rest, file=sys.stderr)
+    refused = refuse_unregistered(ep.graph)
+    if refused:
+        raise TraceError(refused)
     return functional(ep)
