@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nnscaler import OpRegistry, register_op
@@ -185,10 +185,11 @@ def _shape(text: str) -> tuple:
 
 @settings(deadline=None, max_examples=150)
 @given(_annotations())
+@example(("+b+, +l+ -> a", [True, True]))
 def test_new_constructs_parse_bind_and_partition(drawn):
     text, partial = drawn
     ins, outs = (side.split(", ") for side in text.split(" -> "))
-    value = {w.rstrip("+") for w in text.replace(",", " ").split() if w.endswith("+") and w[0] != "+"}
+    value = {w.lstrip("+").rstrip("+") for w in text.replace(",", " ").split() if w.endswith("+") and w != "->"}
     lacks_none = [p and not (value - {w.lstrip("+").rstrip("+^") for w in t.split()}) for p, t in zip(partial, ins)]
     if any(lacks_none):
         with pytest.raises(AnnotationError, match="lacks none"):
