@@ -114,6 +114,9 @@ def test_every_model_case_resumes_under_another_plan_at_another_world_size(gang)
         status, detail, checks, _ = judge(gang.run(job, 4, 300))
     assert status == MATCH, detail
     names = [c["name"] for c in checks]
-    for where in ("under dp at W=2", "on one device"):
+    for where in ("under dp at W=2", "on one device"):  # what was loaded equals what was saved
         assert any(n.startswith(f"resumed {where}: optimizer exp_avg_sq") for n in names), where
-        assert any(n.startswith(f"resumed {where}: grad") for n in names), where
+        assert any(n.startswith(f"resumed {where}: param") for n in names), where
+    # training on under plan B is judged against the run resumed on one device, step by step
+    assert any(n.startswith("resumed under dp at W=2: grad") for n in names)
+    assert any(n.startswith("resumed under dp at W=2: param") and "after step" in n for n in names)
