@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases import MATCH, RunConfig, run_op
+from verify.cases import BadInput, MATCH, RunConfig, run_op
 from verify.worker import load_modules
 
 CATALOGUE = str(Path(__file__).parent / "fixtures" / "nnscaler_catalogue.py")
@@ -35,5 +35,8 @@ def test_nnscaler_annotation_verifies(gang, name):
 
 @pytest.mark.parametrize("name", sorted(WRONG))
 def test_nnscaler_known_wrong_annotation_is_flagged(gang, name):
-    rows = list(run_op(gang, REGISTRY.get(name), CFG))
+    try:
+        rows = list(run_op(gang, REGISTRY.get(name), CFG))
+    except BadInput:  # an annotation that does not even fit its function's result: refused before any rank runs
+        return
     assert any(r.status != MATCH for r in rows), f"{name} passed, but {WRONG[name]}"

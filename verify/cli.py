@@ -210,7 +210,8 @@ def cmd_op(args) -> int:
     cfg = _config(args)
     _json_target(args.json)
     for finding in lint([spec]):  # before any rank runs: the likely mistake, with its fix
-        print(f"verify: warning: {finding}", file=sys.stderr)
+        if finding.kind != "failed":  # a function that cannot run at all is bad input, said below in one line
+            print(f"verify: warning: {finding}", file=sys.stderr)
     writer = None if args.reports is None else ReportWriter(args.reports, cfg)  # refuses an unwritable directory
     print(f"verifying {spec.name} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
           f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
