@@ -174,14 +174,14 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     if verify:
         _verify_plan(graph, plan, config, verify, groups, verify_cache)
     attach_stats(plan, graph, config)
-    if rank == 0:  # the one-line summary, and the report next to the generated code
-        print(plan.one_line(), flush=True)
-        write_report(plan, gen_savedir)
     plan_rank, replica = rank % config.plan_ngpus, rank // config.plan_ngpus
     digest = hashlib.sha256("\n".join([CODEGEN_VERSION, str(graph), plan.describe(), repr(plan.mesh_shape),
                                        repr(config), name]).encode()).hexdigest()
     source, _, _ = generate(graph, plan, plan_rank, header=f"[{digest}] {type(model).__name__}: ")
-    path = _save(Path(gen_savedir), plan_rank, source, reuse)
+    path = _save(Path(gen_savedir), plan_rank, source, reuse)  # a gen_savedir that cannot be used fails here
+    if rank == 0:  # the one-line summary, and the report next to the generated code
+        print(plan.one_line(), flush=True)
+        write_report(plan, gen_savedir)
     program = _import(source, path, plan_rank)
     cache = groups if groups is not None else GroupCache()
     for r in range(config.replicas if groups is None else 0):  # every rank creates every group, in order
