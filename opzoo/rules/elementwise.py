@@ -39,7 +39,7 @@ BINARY_OVERLOADS = [
     "aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Tensor",
     "aten.rsub.Scalar", "aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
     "aten.div.Tensor_mode", "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.pow.Scalar",
-    "aten.maximum.default", "aten.minimum.default", "aten.atan2.default", "aten.hypot.default",
+    "aten.maximum.default", "aten.minimum.default", "aten.max.other", "aten.min.other", "aten.atan2.default", "aten.hypot.default",
     "aten.fmod.Tensor", "aten.fmod.Scalar", "aten.remainder.Tensor", "aten.remainder.Scalar",
     "aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.where.Scalar",
     "aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.lerp.Scalar", "aten.lerp.Tensor",
