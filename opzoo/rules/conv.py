@@ -26,7 +26,7 @@ def _frozen(names: Names, n: int, sizes: dict) -> str:
 
 @annotation_rule("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
 def conv_rule(call: OpCall):
-    """``n c+ h^ w^, o c+ kh^ kw^, o, ? .. -> n o ho^ wo^`` (``groups == 1``)."""
+    """``n c+ h^ w^, o c+ kh^ kw^, +o, ? .. -> n o ho^ wo^`` (``groups == 1``)."""
     if not usable(call):
         return None
     x, w = call.tensor(0), call.tensor(1)
@@ -39,7 +39,7 @@ def conv_rule(call: OpCall):
            1: [o, c] + [_frozen(names, s, sizes) for s in w.shape[2:]]}
     bias = call.args[2] if len(call.args) > 2 else call.kwargs.get("bias")
     if isinstance(bias, TensorMeta):
-        ins[2] = [o]
+        ins[2] = ["+" + o]  # added after the contraction over c: a partial value under a c split
     return build(call, FAMILY, ins, [[n, o] + [_frozen(names, s, sizes) for s in out.shape[2:]]], sizes=sizes)
 
 
