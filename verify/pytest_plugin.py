@@ -113,7 +113,8 @@ def verify_op(verify_gang: GangSession, subtests) -> Callable[..., list[Row]]:
         if isinstance(op, str):
             spec = DEFAULT_REGISTRY.get(op)
         else:
-            spec = next((s for s in DEFAULT_REGISTRY if s.fn is op), None)
+            node = getattr(op, "_qualname", "").replace("::", ".") + ".default"  # what register_op returned
+            spec = next((s for s in DEFAULT_REGISTRY if s.fn is op or node in s.aten), None)
             if spec is None:
                 raise LookupError(f"{getattr(op, '__name__', op)!r} is not registered; decorate it with "
                                   f"nnscaler.register_op('<annotation>') first")
