@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..comm.conversion import conversion
-from ..dimops.layout import Layout, Partial, Replicate, Shard, layout_str
+from ..dimops.layout import Layout, Partial, Replicate, layout_str, piece
 from ..dimops.partition import axis_groups, coords, local_sizes
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
@@ -71,15 +71,9 @@ def synced_params(graph: IRGraph, plan: Plan) -> dict[IRTensor, int]:
 
 
 def shard_slices(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, ...], rank: int) -> tuple:
-    """``(start, stop)`` per dim of the piece a rank holds under ``layout``."""
-    c = coords(rank, mesh_shape)
-    out = [(0, n) for n in shape]
-    for axis, q in enumerate(layout):
-        if isinstance(q, Shard):
-            start, stop = out[q.dim]
-            step = (stop - start) // mesh_shape[axis]
-            out[q.dim] = (start + c[axis] * step, start + (c[axis] + 1) * step)
-    return tuple(out)
+    """``(start, stop)`` per dim of the piece a rank holds under ``layout`` (``(start, stop, blocks)``
+    for a dim split in blocks)."""
+    return piece(shape, layout, mesh_shape, coords(rank, mesh_shape))
 
 
 class _Emitter:

@@ -26,30 +26,36 @@ class Step:
     axis: int
     kind: str  # split | all_gather | all_reduce | reduce_scatter | all_to_all | to_partial | grad_all_reduce
     dims: tuple[int, ...] = ()
+    blocks: int = 1  # split / all_gather / reduce_scatter of one factor of a fused dim
 
     def code(self, x: str, group: str) -> str:
         """The Python expression the generated program uses for this step."""
-        args = ", ".join([x, *map(str, self.dims), group])
+        args = ", ".join([x, *map(str, self.dims), group] + ([f"blocks={self.blocks}"] if self.blocks > 1 else []))
         return f"C.{self.kind}({args})"
 
 
-def _edges(p: Placement, ndim: int, f: int, grad: bool, a2a: bool):
-    """(next placement, step kind, dims, cost) from placement ``p`` on an axis of ``f`` ranks."""
+def _edges(p: Placement, ndim: int, f: int, grad: bool, a2a: bool, dst: Placement):
+    """(next placement, step kind, dims, blocks, cost) from placement ``p`` on an axis of ``f``
+    ranks. Shards in blocks are reached only when they are the destination ``dst``, and left only
+    by an all-gather."""
     frac = (f - 1) / f
     back = 1.0 if grad else 0.0
+    shards = [Shard(d) for d in range(ndim)]
+    if isinstance(dst, Shard) and dst.blocks > 1:
+        shards.append(dst)
     if isinstance(p, Replicate):
-        for d in range(ndim):
-            yield Shard(d), "split", (d,), back * frac  # backward all-gathers the gradient
-        yield Partial(), "to_partial", (), 0.0
+        for q in shards:
+            yield q, "split", (q.dim,), q.blocks, back * frac  # backward all-gathers the gradient
+        yield Partial(), "to_partial", (), 1, 0.0
     elif isinstance(p, Shard):
-        yield Replicate(), "all_gather", (p.dim,), frac
-        for d in range(ndim if a2a else 0):
+        yield Replicate(), "all_gather", (p.dim,), p.blocks, frac
+        for d in range(ndim if a2a and p.blocks == 1 else 0):
             if d != p.dim:
-                yield Shard(d), "all_to_all", (p.dim, d), (1 + back) * frac / f
+                yield Shard(d), "all_to_all", (p.dim, d), 1, (1 + back) * frac / f
     elif isinstance(p, Partial):
-        yield Replicate(), "all_reduce", (), 2 * frac
-        for d in range(ndim):
-            yield Shard(d), "reduce_scatter", (d,), (1 + back) * frac
+        yield Replicate(), "all_reduce", (), 1, 2 * frac
+        for q in shards:
+            yield q, "reduce_scatter", (q.dim,), q.blocks, (1 + back) * frac
 
 
 def axis_steps(src: Placement, dst: Placement, axis: int, ndim: int, f: int, grad: bool,
@@ -66,10 +72,10 @@ def axis_steps(src: Placement, dst: Placement, axis: int, ndim: int, f: int, gra
             return path, cost
         if cost > best.get(p, float("inf")):
             continue
-        for q, kind, dims, c in _edges(p, ndim, f, grad, a2a):
+        for q, kind, dims, blocks, c in _edges(p, ndim, f, grad, a2a, dst):
             if cost + c < best.get(q, float("inf")):
                 best[q] = cost + c
-                heapq.heappush(queue, (cost + c, tie, q, path + [Step(axis, kind, dims)]))
+                heapq.heappush(queue, (cost + c, tie, q, path + [Step(axis, kind, dims, blocks)]))
                 tie += 1
     raise ValueError(f"no conversion from {src} to {dst}")
 

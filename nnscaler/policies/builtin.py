@@ -8,9 +8,6 @@ from ..ir.graph import INPUT, IRGraph, IROp, IRTensor
 from .greedy import parameter_identifiers, plan_greedy, sharded_identifiers
 from .plan import ComputeConfig, Plan, PlanError
 
-# the operators Megatron splits by vocabulary under tensor parallelism
-_VOCAB_OPS = ("aten.embedding.default", "aten.cross_entropy_loss.default")
-
 
 def batch_identifiers(graph: IRGraph) -> dict[str, str | None]:
     """Per operator, the identifier that carries the batch (dim 0 of the user inputs), if any."""
@@ -44,8 +41,11 @@ def _tp_options(graph: IRGraph):
     batch = batch_identifiers(graph)
 
     def options(op: IROp, axis: int, layouts: dict):
-        if op.overload in _VOCAB_OPS:
+        if op.overload == "aten.cross_entropy_loss.default" or (
+                op.overload == "aten.embedding.default" and _looks_up_inputs(op)):
             return [_vocab(op)]
+        if op.overload == "aten.embedding.default":  # positions, token types: small, replicated
+            return [None]
         allowed = set(parameter_identifiers(op)) | set(sharded_identifiers(op, axis, layouts))
         return [None, *(i for i in splittable(op.bound) if i in allowed and i != batch[op.name])]
 
@@ -54,6 +54,20 @@ def _tp_options(graph: IRGraph):
 
 def _any_options(op: IROp, axis: int, layouts: dict):
     return [None, *splittable(op.bound)]
+
+
+def _looks_up_inputs(op: IROp) -> bool:
+    """An embedding indexed by the user's tokens (a word embedding, split by vocabulary), not by
+    positions or token types the model makes itself (those tables are small and stay whole)."""
+    idx = op.inputs[1] if len(op.inputs) > 1 else None
+    seen = set()
+    while isinstance(idx, IRTensor) and idx.kind != INPUT and idx.producer is not None and id(idx) not in seen:
+        seen.add(id(idx))  # follow reshapes of the ids back to a program input
+        src = [x for x in idx.producer.tensor_inputs()]
+        if len(src) != 1:
+            return False
+        idx = src[0]
+    return isinstance(idx, IRTensor) and idx.kind == INPUT
 
 
 def _vocab(op: IROp) -> str:
