@@ -87,6 +87,7 @@ class _Emitter:
         self.fresh = 0
         self.collectives = 0
         self.synced = synced_params(graph, plan)
+        self.grads = graph.carries_grad()
 
     def fetch(self, t: IRTensor, want: Layout, axis_ids) -> str:
         """The variable holding ``t`` in layout ``want`` for a consumer splitting ``axis_ids``."""
@@ -94,7 +95,7 @@ class _Emitter:
         if key in self.cache:
             return self.cache[key]
         steps, _ = conversion(self.layouts[t], want, axis_ids, self.plan.mesh_shape, len(t.shape),
-                              t.dtype.is_floating_point)
+                              t in self.grads)
         if t in self.synced:  # its gradient is summed in buckets after backward instead
             steps = [st for st in steps if not (st.kind == "grad_all_reduce" and st.axis == self.synced[t])]
         name = self.var[t]

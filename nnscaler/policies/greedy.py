@@ -94,13 +94,18 @@ def _free(t: IRTensor, layouts: dict) -> bool:
     return t.kind in (PARAM, BUFFER) and t not in layouts
 
 
-def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: Sequence[int]) -> float:
-    """Bytes moved to feed ``op`` under ``p`` plus its weighted compute."""
+def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: Sequence[int],
+          made: set | None = None, grads: set | None = None) -> float:
+    """Bytes moved to feed ``op`` under ``p`` plus its weighted compute. A conversion an earlier
+    consumer already made (in ``made``) is free: the program reuses it (q, k and v of one input)."""
     lay = op.layout(p)
     cost = 0.0
     for x, want in zip(op.inputs, lay.inputs):
         if isinstance(x, IRTensor) and want is not None and not _free(x, layouts):
-            cost += conversion(layouts[x], want, p.axis_ids, mesh_shape, len(x.shape), x.dtype.is_floating_point)[1] * numel(x)
+            if made is not None and _conversion_key(x, want, p) in made:
+                continue
+            grad = x.dtype.is_floating_point if grads is None else x in grads
+            cost += conversion(layouts[x], want, p.axis_ids, mesh_shape, len(x.shape), grad)[1] * numel(x)
     for t, lay_out in zip(op.outputs, lay.outputs):  # a partial result will have to be summed
         if t is not None and lay_out is not None:
             for f, q in zip(mesh_shape, lay_out):
@@ -110,6 +115,14 @@ def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: S
     return cost + COMPUTE_WEIGHT * work / p.degree
 
 
+def _conversion_key(x: IRTensor, want: Layout, p: Partition) -> tuple:
+    return (x, want, tuple(i is not None for i in p.axis_ids))
+
+
+def _partial_outputs(op: IROp, p: Partition) -> int:
+    return sum(isinstance(q, Partial) for lay in op.layout(p).outputs if lay is not None for q in lay)
+
+
 def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], options: AxisOptions,
                 policy: str, pick: Callable[[IROp, list[Partition]], Partition] | None = None) -> Plan:
     """Plan every known operator greedily in program order (``pick`` overrides the choice)."""
@@ -117,6 +130,8 @@ def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[s
     everywhere_r = tuple(Replicate() for _ in mesh_shape)
     layouts: dict[IRTensor, Layout] = {t: everywhere_r for t in graph.inputs}
     fused = fused_blocks(graph)
+    made: set = set()  # conversions the program already makes (reused by later consumers)
+    grads = graph.carries_grad()
     for op in graph.ops:
         if not op.known:
             for x in op.tensor_inputs():
@@ -128,11 +143,13 @@ def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[s
         cands = candidates(op, mesh_shape, options, layouts, fused.get(op.name))
         if pick is not None:
             best = pick(op, cands)
-        else:
-            best = min(cands, key=lambda p: score(op, p, layouts, mesh_shape))
+        else:  # on a tie, the partition leaving fewer partial sums (column- before row-split)
+            best = min(cands, key=lambda p: (round(score(op, p, layouts, mesh_shape, made, grads), 6), _partial_outputs(op, p)))
         plan.partitions[op.name] = best
         lay = op.layout(best)
         for x, want in zip(op.inputs, lay.inputs):
+            if isinstance(x, IRTensor) and want is not None:
+                made.add(_conversion_key(x, want, best))
             if isinstance(x, IRTensor) and want is not None and _free(x, layouts):
                 # a parameter is stored split or whole; a partial value is made from it each use
                 layouts[x] = tuple(Replicate() if isinstance(q, Partial) else q for q in want)

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from nnscaler.ops import OpCall, Positive, TensorMeta, Uniform, annotation_rule
+from nnscaler.ops import OpCall, OpSpec, Positive, TensorMeta, Uniform, annotation_rule
 
 from ._common import Names, broadcast, build, usable
 
@@ -107,3 +107,16 @@ def dropout_rule(call: OpCall):
     if p != 0 and train:
         return None
     return pointwise(call)
+
+
+@annotation_rule("aten._assert_tensor_metadata.default")
+def assert_metadata_rule(call: OpCall):
+    """``a b -> ?``: a dtype / layout check (``device`` dropped: placing tensors is the runtime's
+    business), true of every shard; one with a size or stride argument gets no annotation."""
+    if any(call.kwargs.get(k) is not None for k in ("size", "stride")) or len(call.args) > 1 or not usable(call):
+        return None
+    names = Names()
+    spec = build(call, FAMILY, {0: [names.dim(n) for n in call.tensor(0).shape]}, [[]],
+                 kwargs={k: v for k, v in call.kwargs.items() if k != "device"}, differentiable=False)
+    return OpSpec.create(spec.name, spec.annotation.rsplit("->", 1)[0] + "-> ?", spec.fn, kwargs=spec.kwargs,
+                         family=FAMILY, aten=spec.aten, differentiable=False)
