@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..comm.conversion import conversion
+from ..comm.conversion import Step, conversion
 from ..dimops.layout import Layout, Partial, Replicate, layout_str, piece
 from ..dimops.partition import axis_groups, coords, local_sizes
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
@@ -88,6 +88,7 @@ class _Emitter:
         self.collectives = 0
         self.synced = synced_params(graph, plan)
         self.grads = graph.carries_grad()
+        self.steps: list[tuple[Step, IRTensor]] = []  # every conversion step, with the tensor it moves
 
     def fetch(self, t: IRTensor, want: Layout, axis_ids) -> str:
         """The variable holding ``t`` in layout ``want`` for a consumer splitting ``axis_ids``."""
@@ -99,6 +100,7 @@ class _Emitter:
         if t in self.synced:  # its gradient is summed in buckets after backward instead
             steps = [st for st in steps if not (st.kind == "grad_all_reduce" and st.axis == self.synced[t])]
         name = self.var[t]
+        self.steps += [(step, t) for step in steps]
         for step in steps:
             self.fresh += 1
             new = f"{t.name}__{self.fresh}"
@@ -180,6 +182,17 @@ class _Emitter:
 
 def generate(graph: IRGraph, plan: Plan, rank: int, header: str = "") -> tuple[str, list[StateShard], int]:
     """(source of plan rank ``rank``'s program, the state shards it holds, collectives it issues)."""
+    return _emit(graph, plan, rank, header)[:3]
+
+
+def conversion_steps(graph: IRGraph, plan: Plan, rank: int = 0) -> list[tuple[Step, bool]]:
+    """Every step plan rank ``rank``'s program takes between layouts, in order, each with whether
+    the tensor it moves carries a gradient (so its backward collective runs)."""
+    e = _emit(graph, plan, rank, "")[3]
+    return [(step, t in e.grads) for step, t in e.steps]
+
+
+def _emit(graph: IRGraph, plan: Plan, rank: int, header: str):
     e = _Emitter(graph, plan, rank)
     stored = stored_layouts(graph, plan)
     shards = []
@@ -209,4 +222,4 @@ def generate(graph: IRGraph, plan: Plan, rank: int, header: str = "") -> tuple[s
     head += [f"    {s.name!r}: ({s.full_shape}, {s.layout}, {s.slices}, {s.sync_axis})," for s in shards] + ["}", "", ""]
     body = [f"def forward(p, g, {params}):",
             '    """p: the state this rank holds, by model name; g: its process group on each mesh axis."""']
-    return "\n".join(head + body + e.lines) + "\n", shards, e.collectives
+    return "\n".join(head + body + e.lines) + "\n", shards, e.collectives, e
