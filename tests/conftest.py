@@ -9,7 +9,8 @@ from verify.gang import Gang
 from verify.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODULES = (str(FIXTURES / "wrong_ops.py"), str(FIXTURES / "faulty_ops.py"), str(FIXTURES / "wrong_model.py"))
+MODULES = (str(FIXTURES / "wrong_ops.py"), str(FIXTURES / "faulty_ops.py"), str(FIXTURES / "wrong_model.py"),
+           str(FIXTURES / "tp_models.py"))
 
 
 @pytest.fixture(scope="session")

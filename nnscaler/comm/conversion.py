@@ -8,7 +8,8 @@ tensors that carry gradients) as a fraction of the tensor's size.
 
 A consumer that is split along an axis but wants the tensor replicated there ("R*") produces only a
 partial gradient for it: the conversion ends with ``grad_all_reduce`` (identity forward, all-reduce
-backward).
+backward), or, when it gathers a split tensor last, with ``all_gather_sum_grad`` (all-gather
+forward, reduce-scatter backward).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Step:
 
     axis: int
     kind: str  # split | all_gather | all_reduce | reduce_scatter | all_to_all | to_partial | grad_all_reduce
+    #            | all_gather_sum_grad (all_gather whose backward reduce-scatters partial gradients)
     dims: tuple[int, ...] = ()
     blocks: int = 1  # split / all_gather / reduce_scatter of one factor of a fused dim
 
@@ -92,9 +94,14 @@ def conversion(src: Layout, dst: Layout, dst_axis_ids: Sequence[str | None], mes
     a2a = sum(isinstance(p, Shard) for p in list(src) + list(dst)) <= 2
     for axis in order:
         s, c = axis_steps(src[axis], dst[axis], axis, ndim, mesh_shape[axis], grad, a2a)
-        steps += s
         total += c
         if isinstance(dst[axis], Replicate) and dst_axis_ids[axis] is not None and grad:
-            steps.append(Step(axis, "grad_all_reduce"))
-            total += 2 * (mesh_shape[axis] - 1) / mesh_shape[axis]
+            frac = (mesh_shape[axis] - 1) / mesh_shape[axis]
+            if s and s[-1].kind == "all_gather":  # gathered for split work: reduce-scatter its gradient
+                s[-1] = Step(axis, "all_gather_sum_grad", s[-1].dims, s[-1].blocks)
+                total += frac
+            else:
+                s.append(Step(axis, "grad_all_reduce"))
+                total += 2 * frac
+        steps += s
     return steps, total

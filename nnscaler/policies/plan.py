@@ -23,12 +23,16 @@ class PlanError(ValueError):
 class ComputeConfig:
     """How many ranks one copy of the plan uses (``plan_ngpus``) and how many run in all
     (``runtime_ngpus``, a multiple: the extra copies are data-parallel replicas). ``tp_size`` is
-    the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy."""
+    the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy.
+    ``sequence_parallel``: under ``tp``/``hybrid``, norms, dropout and residual adds between the
+    tensor-parallel regions are split along the sequence (Megatron-LM's sequence parallelism: each
+    all-reduce becomes a reduce-scatter and an all-gather)."""
 
     plan_ngpus: int
     runtime_ngpus: int | None = None
     tp_size: int | None = None
     seed: int = 0
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.plan_ngpus < 1:

@@ -12,6 +12,7 @@ function            forward                    backward
 ``reduce_scatter``  V -> D: sum, keep chunk     all-gather
 ``to_partial``      R -> V: rank 0 keeps it     identity
 ``grad_all_reduce`` R -> R, consumed split      all-reduce (sum partial grads)
+``all_gather_sum_grad`` D -> R, consumed split  reduce-scatter (sum partial grads)
 ``all_to_all``      D(a) -> D(b)                D(b) -> D(a)
 ==================  =========================  ===========================
 
@@ -74,6 +75,17 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _chunk(g, ctx.dim, ctx.group, ctx.blocks), None, None, None
+
+
+class _AllGatherSumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return _gather(x, dim, group, blocks)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.dim, ctx.group, ctx.blocks), None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -159,6 +171,15 @@ def all_gather(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tenso
     if group is None:
         return x
     return _AllGather.apply(x, dim, group, blocks) if _differentiable(x) else _gather(x, dim, group, blocks)
+
+
+def all_gather_sum_grad(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
+    """D -> R along ``dim`` for work split along this axis, whose gradients are partial sums:
+    backward reduce-scatters them (``all_gather`` then ``grad_all_reduce`` in one collective each
+    way, Megatron's sequence-parallel gather)."""
+    if group is None:
+        return x
+    return _AllGatherSumGrad.apply(x, dim, group, blocks) if _differentiable(x) else _gather(x, dim, group, blocks)
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:

@@ -68,3 +68,13 @@ def t5(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> Model
 
 
 TP_MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5}
+
+
+def _register() -> None:
+    """``tp_nanogpt``, ``tp_gpt2``, ... for ``python -m verify model`` (two layers, width 64)."""
+    from .builders import register_model
+    for name, build in TP_MODELS.items():
+        register_model(f"tp_{name}")(lambda seed, build=build: build(seed=seed))
+
+
+_register()
