@@ -111,12 +111,13 @@ def dropout_rule(call: OpCall):
 
 @annotation_rule("aten._assert_tensor_metadata.default")
 def assert_metadata_rule(call: OpCall):
-    """``a b -> ?``: a dtype / layout check (``device`` dropped: placing tensors is the runtime's
-    business), true of every shard; one with a size or stride argument gets no annotation."""
+    """``a b -> ?``: export's check of a cast's input, true of every shard; run as a layout check
+    (the device is the runtime's business, and the dtype is the trace's: the harness also runs each
+    op in float64). One with a size or stride argument gets no annotation."""
     if any(call.kwargs.get(k) is not None for k in ("size", "stride")) or len(call.args) > 1 or not usable(call):
         return None
     names = Names()
     spec = build(call, FAMILY, {0: [names.dim(n) for n in call.tensor(0).shape]}, [[]],
-                 kwargs={k: v for k, v in call.kwargs.items() if k != "device"}, differentiable=False)
+                 kwargs={k: v for k, v in call.kwargs.items() if k == "layout"}, differentiable=False)
     return OpSpec.create(spec.name, spec.annotation.rsplit("->", 1)[0] + "-> ?", spec.fn, kwargs=spec.kwargs,
                          family=FAMILY, aten=spec.aten, differentiable=False)

@@ -92,6 +92,7 @@ register_examples("aten.to.dtype", [(T(2, 8, 32), torch.float32), (T(4, 8), torc
 register_examples("aten.to.dtype_layout", [ex(T(16, 4), dtype=torch.float32, layout=torch.strided,
                                               device=torch.device("cpu"))])
 register_examples("aten._to_copy.default", [ex(T(4, 8), dtype=torch.float64)])
+register_examples("aten._assert_tensor_metadata.default", [ex(T(2, 8, 6), dtype=torch.float32, layout=torch.strided)])
 register_examples("aten.to.device", [(T(4, 8), torch.device("cpu"), torch.float64)])
 register_examples("aten.dropout.default", [(T(2, 8, 32), 0.0, True), (T(2, 4, 8, 8), 0.1, False)])
 

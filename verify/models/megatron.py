@@ -71,10 +71,10 @@ TP_MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "llama": llama, "bert": bert, "t5
 
 
 def _register() -> None:
-    """``tp_nanogpt``, ``tp_gpt2``, ... for ``python -m verify model`` (two layers, width 64)."""
+    """``tp_nanogpt``, ``tp_gpt2``, ... for ``python -m verify model`` (two layers, width 32, 4 heads)."""
     from .builders import register_model
     for name, build in TP_MODELS.items():
-        register_model(f"tp_{name}")(lambda seed, build=build: build(seed=seed))
+        register_model(f"tp_{name}")(lambda seed, build=build: build(width=32, seed=seed))
 
 
 _register()
