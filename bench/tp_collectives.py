@@ -6,7 +6,9 @@ forward and 2 backward, and the share of each layer's parameters stored split, p
 Per layer = (count with 2 layers) - (count with 1 layer), from the steps of the generated program;
 backward collectives are those the forward steps imply for tensors that carry a gradient. Models
 come from ``verify/models/megatron.py`` (head counts divisible by the world size). T5 runs without
-labels (decoder inputs given), so it needs no lifted constants.
+labels (decoder inputs given), so it needs no lifted constants; one T5 "layer" is an encoder layer
+plus a decoder layer (Megatron: 2 + 3 all-reduces), and its shared relative-position bias, kept
+whole, is split by heads at each use (an all-gather of its gradient in backward).
 """
 from __future__ import annotations
 

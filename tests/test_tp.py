@@ -124,11 +124,12 @@ def test_a_factor_after_fixed_counts_splits_in_blocks():
 
 # --- the programs train like one device ----------------------------------------------------------
 
-@pytest.mark.parametrize("name,policy", [("tp_nanogpt", "tp"), ("tp_gpt2", "tp"), ("tp_llama", "tp"),
-                                         ("tp_nanogpt", "tp_sp"), ("tp_llama", "tp_sp"), ("tp_llama", "hybrid")])
-def test_tp_programs_train_like_one_device(gang, name, policy):
+@pytest.mark.parametrize("name,policy,world", [("tp_nanogpt", "tp", 2), ("tp_gpt2", "tp", 2), ("tp_llama", "tp", 2),
+                                               ("tp_nanogpt", "tp_sp", 2), ("tp_llama", "tp_sp", 2),
+                                               ("tp_nanogpt", "hybrid", 4), ("tp_nanogpt", "tp_sp", 4)])
+def test_tp_programs_train_like_one_device(gang, name, policy, world):
     if name not in MODELS:
         pytest.skip(f"{name} needs transformers (pip install -e '.[models]')")
     with tempfile.TemporaryDirectory() as tmp:
-        rows = list(run_model(gang, name, (policy,), RunConfig(world_sizes=(2, 4)), tmp, steps=2))
+        rows = list(run_model(gang, name, (policy,), RunConfig(world_sizes=(world,)), tmp, steps=2))
     assert [(r.world_size, r.status, r.detail) for r in rows if r.status != MATCH] == []
