@@ -1,57 +1,62 @@
-"""Collectives the ``tp`` plan issues per transformer layer, counted from the generated code, against
-Megatron's 2 all-reduces forward and 2 backward per layer.
+"""Collectives the ``tp`` plan issues per transformer layer, against Megatron-LM's 2 all-reduces
+forward and 2 backward, and the share of each layer's parameters stored split, per model.
 
-    python bench/tp_collectives.py [--width 768] [--world-size 2]
+    python bench/tp_collectives.py [--world-size 2] [--width 64] [--models nanogpt gpt2 llama bert t5]
 
-Per layer = (count with 2 layers) - (count with 1 layer). Backward collectives are those the
-forward steps imply: ``grad_all_reduce`` and ``split`` (all-reduce / all-gather of the gradient),
-``reduce_scatter`` (all-gather), ``all_to_all`` (all-to-all).
+Per layer = (count with 2 layers) - (count with 1 layer), from the steps of the generated program;
+backward collectives are those the forward steps imply for tensors that carry a gradient. Models
+come from ``verify/models/megatron.py`` (head counts divisible by the world size). T5 runs without
+labels (decoder inputs given), so it needs no lifted constants; one T5 "layer" is an encoder layer
+plus a decoder layer (Megatron: 2 + 3 all-reduces), and its shared relative-position bias, kept
+whole, is split by heads at each use (an all-gather of its gradient in backward).
 """
 from __future__ import annotations
 
 import argparse
-import re
 import warnings
-from collections import Counter
-
-import torch
 
 import opzoo  # noqa: F401
-from nnscaler.codegen.emit import generate
 from nnscaler.policies import POLICIES, ComputeConfig
+from nnscaler.policies.tp_check import collectives, sharded_fraction
 from nnscaler.trace.build import UnknownOperatorWarning, trace
-from verify.models.nanogpt import GPT, GPTConfig
-
-FORWARD = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
-BACKWARD = {"grad_all_reduce": "all_reduce", "split": "all_gather", "reduce_scatter": "all_gather",
-            "all_to_all": "all_to_all"}
+from verify.models.megatron import TP_MODELS
 
 
-def count(layers: int, width: int, world: int) -> tuple[Counter, Counter, str]:
-    cfg = GPTConfig(vocab_size=50304, block_size=128, n_layer=layers, n_head=width // 64, n_embd=width)
-    model = GPT(cfg)
-    idx = torch.randint(0, cfg.vocab_size, (2, 64))
-    graph = trace(model, (idx, idx))
-    plan = POLICIES["tp"](graph, ComputeConfig(world))
-    source, _, _ = generate(graph, plan, 0)
-    steps = re.findall(r"= C\.(\w+)\(", source)
-    fwd = Counter(s for s in steps if s in FORWARD)
-    bwd = Counter(BACKWARD[s] for s in steps if s in BACKWARD)
-    return fwd, bwd, source
+def per_layer(name: str, world: int, width: int, policy: str = "tp", **config):
+    """(forward per layer, backward per layer, sharded fraction, bytes held per rank / whole) of
+    one model's plan."""
+    out = []
+    for layers in (1, 2):
+        case = TP_MODELS[name](layers=layers, width=width)
+        graph = trace(case.model, case.batch(0))
+        plan = POLICIES[policy](graph, ComputeConfig(world, **config))
+        out.append((*collectives(graph, plan), sharded_fraction(graph, plan)))
+    (f1, b1, _), (f2, b2, frac) = out
+    return f2 - f1, b2 - b1, frac
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--models", nargs="+", default=list(TP_MODELS))
+    ap.add_argument("--sequence-parallel", action="store_true")
     args = ap.parse_args()
     warnings.simplefilter("ignore", UnknownOperatorWarning)
-    f1, b1, _ = count(1, args.width, args.world_size)
-    f2, b2, _ = count(2, args.width, args.world_size)
-    fwd, bwd = f2 - f1, b2 - b1
-    print(f"tp plan, width {args.width}, world size {args.world_size}, per transformer layer:")
-    print(f"  forward : {sum(fwd.values())} collectives {dict(fwd)}  (Megatron: 2 all_reduce)")
-    print(f"  backward: {sum(bwd.values())} collectives {dict(bwd)}  (Megatron: 2 all_reduce)")
+    w = args.world_size
+    extra = {"sequence_parallel": True} if args.sequence_parallel else {}
+    print(f"tp plan, world size {w}, width {args.width}{', sequence parallel' if extra else ''}; per transformer "
+          f"layer (Megatron: {'2 all_gather + 2 reduce_scatter' if extra else '2 all_reduce'} forward and backward)")
+    print(f"{'model':8} {'forward':34} {'backward':34} {'split':>6} {'held/rank':>9} (goal >= {1 - 1 / w:.2f}, <= {1 / w:.2f})")
+    for name in args.models:
+        try:
+            fwd, bwd, (split, held) = per_layer(name, w, args.width, **extra)
+        except Exception as exc:  # one model failing to trace or plan is a row, not the end
+            print(f"{name:8} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            continue
+        f = f"{sum(fwd.values())} {dict(sorted(fwd.items()))}"
+        b = f"{sum(bwd.values())} {dict(sorted(bwd.items()))}"
+        print(f"{name:8} {f:34} {b:34} {split:6.2f} {held:9.2f}")
 
 
 if __name__ == "__main__":

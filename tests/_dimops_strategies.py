@@ -73,8 +73,10 @@ class Anno:
                      for ids in self.expanded(t, len(star_sizes)))
 
     def splittable(self, star_len: int) -> set[str]:
-        """Identifiers a partition may split: not frozen, never a non-first group factor."""
-        barred = {x for t in self.tensors() for toks, _ in (t or []) for x in toks[1:]}
+        """Identifiers a partition may split: not frozen, never a non-first group factor unless
+        only numbers precede it (``(3 d)``)."""
+        barred = {x for t in self.tensors() for toks, _ in (t or []) for j, x in enumerate(toks)
+                  if j and not all(y.isdigit() for y in toks[:j])}
         out = {n for n in self.names() if self.markers[n] != "^" and n not in barred}
         if self.has_star():
             out |= {f"*{k}" for k in range(star_len)}

@@ -18,20 +18,25 @@ MESHES_4 = [(4,), (2, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 
 
 def feasible(layout, mesh, shape) -> bool:
-    """Every split dim divides by the product of the axes splitting it."""
+    """Every split dim divides by the product of the axes (and blocks) splitting it; a split in
+    blocks is its dim's only split."""
     for d, n in enumerate(shape):
-        f = math.prod(m for m, q in zip(mesh, layout) if isinstance(q, Shard) and q.dim == d)
-        if n % f:
+        on = [(m, q) for m, q in zip(mesh, layout) if isinstance(q, Shard) and q.dim == d and m > 1]
+        f = math.prod(m * q.blocks for m, q in on)
+        if n % f or (len(on) > 1 and any(q.blocks > 1 for _, q in on)):
             return False
     return True
 
 
 @st.composite
-def cases(draw, meshes=MESHES_4):
+def cases(draw, meshes=MESHES_4, blocks=False):
+    """A conversion job; with ``blocks``, shards may split one factor of a fused dim (``D1/3``)."""
     mesh = draw(st.sampled_from(meshes))
     ndim = draw(st.integers(1, 3))
-    shape = tuple(draw(st.sampled_from([4, 8, 2, 6])) for _ in range(ndim))
-    placement = st.one_of(st.just(Replicate()), st.just(Partial()), st.builds(Shard, st.integers(0, ndim - 1)))
+    lengths = [12, 6, 24, 4] if blocks else [4, 8, 2, 6]
+    shape = tuple(draw(st.sampled_from(lengths)) for _ in range(ndim))
+    shard = st.builds(Shard, st.integers(0, ndim - 1), st.sampled_from([1, 2, 3]) if blocks else st.just(1))
+    placement = st.one_of(st.just(Replicate()), st.just(Partial()), shard)
     layout = st.tuples(*[placement for _ in mesh]).filter(lambda lay: feasible(lay, mesh, shape))
     src = draw(layout)
     dst = draw(layout)
@@ -60,6 +65,15 @@ def test_every_conversion_gives_the_right_pieces_forward_and_backward(gang, job)
         assert r["problems"] == [], f"{job} via {r['steps']}: {r['problems']}"
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(job=cases(blocks=True))
+def test_conversions_with_splits_in_blocks_give_the_right_pieces(gang, job):
+    """Shards of one factor of a fused dim (reached as the target, left by an all-gather) on 1-D to
+    3-D meshes, and ``all_gather_sum_grad`` where a gather feeds split work."""
+    for r in run_on_ranks(gang, job):
+        assert r["problems"] == [], f"{job} via {r['steps']}: {r['problems']}"
+
+
 @pytest.mark.parametrize("src,dst,mesh,shape", [
     ("D0xD1", "D1xD0", (2, 2), (4, 4)),      # the conversion issue 13 found wrong
     ("D1xD1", "D0xD0", (2, 2), (4, 4)),      # one dim on two axes, nested, to another
@@ -67,6 +81,9 @@ def test_every_conversion_gives_the_right_pieces_forward_and_backward(gang, job)
     ("RxD0", "D0xD0", (2, 2), (8, 2)),       # the outer split after the inner one
     ("VxD1xD1", "D1xD1xR", (2, 2, 1), (2, 4)),
     ("D0xD1xD2", "D2xD0xD1", (2, 1, 2), (2, 2, 2)),
+    ("D1xR", "RxD1/3", (2, 2), (2, 12)),      # a contiguous split is not the blocks a fused consumer wants
+    ("VxD0", "D1/3xD0", (2, 2), (4, 12)),     # reduce-scatter into blocks
+    ("D1/3xD0", "D1xD1", (2, 2), (4, 12)),    # blocks left by an all-gather only
 ])
 def test_named_conversions_on_ranks(gang, src, dst, mesh, shape):
     job = {"kind": "conversion", "mesh": list(mesh), "shape": list(shape), "src": src, "dst": dst,
@@ -80,14 +97,19 @@ def _apply(step: Step, layout):
     lay = list(layout)
     p = lay[step.axis]
     inner = [q for q in lay[step.axis + 1:] if isinstance(q, Shard)]
-    if step.kind in ("all_gather", "all_to_all"):
+    if step.kind in ("all_gather", "all_gather_sum_grad", "all_to_all"):
         assert isinstance(p, Shard) and p.dim == step.dims[0]
         assert all(q.dim != p.dim for q in inner), f"{step} gathers an outer split of dim {p.dim}"
+        assert step.blocks == p.blocks and (p.blocks == 1 or step.kind != "all_to_all")
     if step.kind in ("split", "reduce_scatter", "all_to_all"):
         d = step.dims[-1]
         assert all(q.dim != d for q in inner), f"{step} splits dim {d} inside a finer split"
-    new = {"split": Shard(step.dims[-1]) if step.dims else None, "all_gather": Replicate(),
-           "all_reduce": Replicate(), "reduce_scatter": Shard(step.dims[-1]) if step.dims else None,
+        others = [q for a, q in enumerate(lay) if a != step.axis and isinstance(q, Shard) and q.dim == d]
+        assert not (others and (step.blocks > 1 or any(q.blocks > 1 for q in others))), \
+            f"{step}: a split in blocks must be its dim's only split"
+    new = {"split": Shard(step.dims[-1], step.blocks) if step.dims else None, "all_gather": Replicate(),
+           "all_gather_sum_grad": Replicate(),
+           "all_reduce": Replicate(), "reduce_scatter": Shard(step.dims[-1], step.blocks) if step.dims else None,
            "all_to_all": Shard(step.dims[-1]) if step.dims else None, "to_partial": Partial(),
            "grad_all_reduce": p}[step.kind]
     lay[step.axis] = new
@@ -95,7 +117,8 @@ def _apply(step: Step, layout):
 
 
 @settings(max_examples=200, deadline=None)
-@given(job=cases(meshes=MESHES_4 + [(2, 2, 2), (2, 4), (4, 2), (3, 2)]))
+@given(job=st.one_of(cases(meshes=MESHES_4 + [(2, 2, 2), (2, 4), (4, 2), (3, 2)]),
+                     cases(meshes=MESHES_4 + [(2, 2, 2), (2, 4), (4, 2), (3, 2)], blocks=True)))
 def test_every_step_is_legal_and_the_path_ends_at_the_target(job):
     src, dst, mesh = parse_layout(job["src"]), parse_layout(job["dst"]), tuple(job["mesh"])
     steps, cost = conversion(src, dst, job["ids"], mesh, tuple(job["shape"]), job["grad"])

@@ -73,7 +73,7 @@ def test_generated_code_is_plain_torch_with_source_comments(gpt_graph):
     source, shards, collectives = generate(gpt_graph, plan, 1)
     compile(source, "plan_rank_1.py", "exec")
     assert "def forward(p, g, idx, targets):" in source
-    assert "linear" in source and "C.all_reduce(" in source and "C.all_gather(" in source
+    assert "linear" in source and "C.all_reduce(" in source and "C.grad_all_reduce(" in source
     assert "nanogpt.py" in source  # comments point back to the model's lines
     assert {s.name for s in shards} == {n for n, _ in MODELS["nanogpt"](0).model.named_parameters()}
     assert collectives > 0

@@ -42,7 +42,7 @@ def bound_case(case):
 @given(CASES, WORLDS)
 def test_partition_space(case, world):
     anno, b, sizes, star_len = bound_case(case)
-    allowed = anno.splittable(star_len)  # not frozen, not a number, not a non-first group factor
+    allowed = anno.splittable(star_len)  # not frozen, not a number, not a group factor after a name
     parts = list(enumerate_partitions(b, world))
     assert parts[0].splits == ()  # pure replication
     for p in parts:
@@ -189,9 +189,10 @@ def test_layouts_follow_the_annotation(case, world, data):
             return None
         out = []
         for ident in p.axis_ids:
-            hits = [d for d, ids in enumerate(dims) if ids[0] == ident]
+            hits = [(d, math.prod(int(y) for y in ids[:j])) for d, ids in enumerate(dims) for j, x in enumerate(ids)
+                    if x == ident and all(y.isdigit() for y in ids[:j])]
             if hits:
-                out.append(Shard(hits[0]))
+                out.append(Shard(*hits[0]))
             elif ident is not None and anno.markers.get(ident) == "+" and partial_ok:
                 out.append(Partial())
             else:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from nnscaler.codegen.emit import shard_slices
 from nnscaler.comm.conversion import conversion
-from nnscaler.dimops.layout import Layout, Partial, Replicate, Shard, layout_str
+from nnscaler.dimops.layout import Layout, Partial, Replicate, Shard, layout_str, take_piece
 from nnscaler.runtime import collectives as C
 from nnscaler.runtime.mesh import GroupCache, RankMesh
 
@@ -35,10 +35,10 @@ def parse_layout(text: str) -> Layout:
             out.append(Replicate())
         elif q == "V":
             out.append(Partial())
-        elif q.startswith("D") and q[1:].isdigit():
-            out.append(Shard(int(q[1:])))
+        elif q.startswith("D") and q[1:].replace("/", "", 1).isdigit() and not q.endswith("/"):
+            out.append(Shard.parse(q))
         else:
-            raise ValueError(f"layout {text!r}: each axis is R, V or D<dim>, separated by 'x'")
+            raise ValueError(f"layout {text!r}: each axis is R, V, D<dim> or D<dim>/<blocks>, separated by 'x'")
     return tuple(out)
 
 
@@ -63,8 +63,7 @@ def _partial_piece(whole: torch.Tensor, coords: Sequence[int], axes: Sequence[in
 
 
 def _piece(whole: torch.Tensor, layout: Layout, mesh: Sequence[int], rank: int) -> torch.Tensor:
-    slices = shard_slices(tuple(whole.shape), layout, tuple(mesh), rank)
-    return whole[tuple(slice(a, b) for a, b in slices)]
+    return take_piece(whole, shard_slices(tuple(whole.shape), layout, tuple(mesh), rank))
 
 
 def _sum_over(x: torch.Tensor, axes: Sequence[int], groups) -> torch.Tensor:

@@ -27,7 +27,7 @@ from nnscaler.codegen.emit import generate
 from nnscaler.parallel import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
-from nnscaler.dimops.layout import Partial, Shard
+from nnscaler.dimops.layout import Partial, Shard, join_blocks
 from nnscaler.ir.graph import IRGraph
 from nnscaler.ops.registry import DEFAULT_REGISTRY
 from nnscaler.policies.plan import Plan, replicated
@@ -95,7 +95,7 @@ class _Recorder:
 def _placements(layout: str) -> list:
     out = []
     for q in layout.split("x"):
-        out.append(Shard(int(q[1:])) if q.startswith("D") else Partial() if q == "V" else None)
+        out.append(Shard.parse(q) if q.startswith("D") else Partial() if q == "V" else None)
     return out
 
 
@@ -110,7 +110,7 @@ def _whole(x: torch.Tensor, layout: str, groups, grad: bool) -> torch.Tensor:
         if isinstance(q, Shard):
             parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, x.contiguous(), group=group)
-            x = torch.cat(parts, dim=q.dim)
+            x = join_blocks(parts, q.dim, q.blocks)
         elif isinstance(q, Partial) and not grad:
             x = x.clone()
             dist.all_reduce(x, group=group)

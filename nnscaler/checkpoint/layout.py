@@ -1,12 +1,17 @@
 """A rank's pieces of the model's tensors as ``DTensor``s: ``torch.distributed.checkpoint`` then
 records each piece's offset in the whole tensor and reshards on load, so no rank ever holds more
 than its own shard. A plan's layout per mesh axis (``D<dim>`` split, ``R`` whole) is exactly a
-``DTensor`` placement; two axes splitting one dim nest axis 0 outside, as ``DTensor`` does."""
+``DTensor`` placement; two axes splitting one dim nest axis 0 outside, as ``DTensor`` does.
+
+A split in blocks (``D0/3``: this rank's chunk of each of the q, k and v blocks of a fused dim) is no
+``DTensor`` placement: such a piece is gathered over its axis before saving (stored replicated on
+that axis), and loaded whole on that axis and cut to this rank's blocks (:func:`load_buffer`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -20,31 +25,85 @@ def device_mesh(module: "ParallelModule") -> DeviceMesh | None:
     axes = _axes(module)
     if not axes:
         return None
-    ranks = torch.arange(mesh.offset, mesh.offset + int(torch.tensor(mesh.shape).prod())).reshape(mesh.shape)
-    ranks = ranks[tuple(slice(None) if a in axes else 0 for a in range(len(mesh.shape)))]  # axes of one rank go
+    keep = _axes(module)  # an axis of one rank (no group) is no DeviceMesh dim
+    if not keep:
+        return None
+    ranks = torch.arange(mesh.offset, mesh.offset + int(torch.tensor(mesh.shape).prod())).reshape(
+        tuple(mesh.shape[a] for a in keep))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    groups = [mesh.groups[a] for a in axes]
+    groups = [mesh.groups[a] for a in keep]
     if len(groups) == 1:
         return DeviceMesh.from_group(groups[0], device, mesh=ranks)
-    return DeviceMesh.from_group(groups, device, mesh=ranks, mesh_dim_names=tuple(f"axis{i}" for i in range(len(groups))))
+    # several groups: torch wants a name per mesh dim
+    return DeviceMesh.from_group(groups, device, mesh=ranks, mesh_dim_names=tuple(f"axis{a}" for a in keep))
 
 
 def _axes(module: "ParallelModule") -> list[int]:
-    """Mesh axes of more than one rank (a DeviceMesh has no use for the others)."""
-    return [a for a, n in enumerate(module._mesh.shape) if n > 1]
+    """The mesh axes with more than one rank."""
+    return [a for a, g in enumerate(module._mesh.groups) if g is not None]
 
 
-def placements(layout, axes: list[int]) -> list:
-    return [Shard(int(layout[a][1:])) if layout[a].startswith("D") else Replicate() for a in axes]
+def placements(layout) -> list:
+    """DTensor placements of a layout's text; a split in blocks is stored whole on its axis."""
+    return [Shard(int(q[1:])) if q.startswith("D") and "/" not in q else Replicate() for q in layout]
 
 
-def sharded(module: "ParallelModule", mesh: DeviceMesh | None, name: str, local: torch.Tensor) -> torch.Tensor:
+def _blocked(layout) -> list[tuple[int, int, int]]:
+    """(axis, dim, blocks) of every split in blocks of a layout's text."""
+    out = []
+    for axis, q in enumerate(layout):
+        if q.startswith("D") and "/" in q:
+            dim, blocks = q[1:].split("/")
+            out.append((axis, int(dim), int(blocks)))
+    return out
+
+
+def _gather_blocks(module: "ParallelModule", layout, local: torch.Tensor) -> torch.Tensor:
+    """``local`` made whole along each axis that splits it in blocks (a collective on those axes)."""
+    from ..dimops.layout import join_blocks
+    for axis, dim, blocks in _blocked(layout):
+        group = module._mesh.groups[axis]
+        if group is None:
+            continue
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        local = join_blocks(parts, dim, blocks)
+    return local
+
+
+def load_buffer(module: "ParallelModule", name: str, like: torch.Tensor):
+    """(buffer to load into, function cutting it to this rank's piece): the buffer is ``like``'s
+    shape, made whole along the axes that split ``name`` in blocks."""
+    layout = module._program.STATE[name][1]
+    blocked = [(a, d, k) for a, d, k in _blocked(layout) if module._mesh.groups[a] is not None]
+    if not blocked:
+        return torch.empty_like(like), lambda buf: buf
+    shape = list(like.shape)
+    for axis, dim, _ in blocked:
+        shape[dim] *= module._mesh.shape[axis]
+    coords = module._mesh.coords
+
+    def cut(buf: torch.Tensor) -> torch.Tensor:
+        for axis, dim, blocks in blocked:
+            f = module._mesh.shape[axis]
+            buf = buf.unflatten(dim, (blocks, -1)).chunk(f, dim + 1)[coords[axis]].flatten(dim, dim + 1)
+        return buf
+    return torch.empty(shape, dtype=like.dtype, device=like.device), cut
+
+
+def sharded(module: "ParallelModule", mesh: DeviceMesh | None, name: str, local: torch.Tensor,
+            widened: bool = False) -> torch.Tensor:
     """``local`` (this rank's piece of model tensor ``name``, or of a tensor laid out like it) as a
-    ``DTensor`` of the whole shape; a plain tensor when the plan has one rank."""
+    ``DTensor`` of the whole shape; a plain tensor when the plan has one rank. A piece split in
+    blocks is gathered over those axes first (all ranks call this in the same order), unless it is
+    ``widened`` already (a :func:`load_buffer`)."""
     shape, layout, _, _ = module._program.STATE[name]
     if mesh is None:
         return local
+    if not widened:
+        local = _gather_blocks(module, layout, local)
     full = torch.Size(shape)
     stride = torch.empty(full, device="meta").stride()
-    return DTensor.from_local(local, mesh, placements(layout, _axes(module)), run_check=False, shape=full,
+    places = placements(layout)
+    return DTensor.from_local(local, mesh, [places[a] for a in _axes(module)], run_check=False, shape=full,
                               stride=stride)

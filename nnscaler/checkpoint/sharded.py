@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from .layout import device_mesh, sharded
+from .layout import device_mesh, load_buffer, sharded
 
 if TYPE_CHECKING:
     from ..runtime.module import ParallelModule
@@ -122,9 +122,9 @@ def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
     state, targets = {}, []
     for key, name in names.items():
         dest = getattr(module, key)
-        buf = torch.empty_like(dest)
-        state[f"model.{name}"] = sharded(module, mesh, name, buf)
-        targets.append((dest, buf))
+        buf, cut = load_buffer(module, name, dest)
+        state[f"model.{name}"] = sharded(module, mesh, name, buf, widened=True)
+        targets.append((dest, buf, cut))
     opt_state = {}
     if optimizer is not None:
         pnames = _param_names(module)
@@ -136,16 +136,18 @@ def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
             for k in meta["state_keys"][name]:
                 md = held[f"optim.{name}.{k}"]
                 whole = tuple(md.size) == tuple(module._program.STATE[name][0]) and len(md.size)
-                buf = torch.empty_like(p) if whole else torch.empty(tuple(md.size), dtype=md.properties.dtype)
-                opt_state[p][k] = buf
-                state[f"optim.{name}.{k}"] = sharded(module, mesh, name, buf) if whole else buf
+                buf, cut = (load_buffer(module, name, p) if whole
+                            else (torch.empty(tuple(md.size), dtype=md.properties.dtype), lambda b: b))
+                opt_state[p][k] = (buf, cut)
+                state[f"optim.{name}.{k}"] = sharded(module, mesh, name, buf, widened=True) if whole else buf
     dcp.load(state, checkpoint_id=str(path), process_group=module.process_group)
     with torch.no_grad():
-        for dest, buf in targets:
-            dest.copy_(buf)
+        for dest, buf, cut in targets:
+            dest.copy_(cut(buf))
     if optimizer is not None:
         for gi, group in enumerate(optimizer.param_groups):
             saved = meta["param_groups"][gi] if gi < len(meta["param_groups"]) else {}
             group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in group})
         for p, st in opt_state.items():
-            optimizer.state[p] = {k: (v._local_tensor if isinstance(v, DTensor) else v) for k, v in st.items()}
+            optimizer.state[p] = {k: cut(v._local_tensor if isinstance(v, DTensor) else v).contiguous()
+                                  for k, (v, cut) in st.items()}

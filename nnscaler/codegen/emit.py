@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..comm.conversion import Step, conversion, step_layout
-from ..dimops.layout import Layout, Partial, Replicate, Shard, layout_str
+from ..dimops.layout import Layout, Partial, Replicate, layout_str, piece
 from ..dimops.partition import axis_groups, coords, local_sizes
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
@@ -71,16 +71,10 @@ def synced_params(graph: IRGraph, plan: Plan) -> dict[IRTensor, int]:
 
 
 def shard_slices(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, ...], rank: int) -> tuple:
-    """``(start, stop)`` per dim of the piece a rank holds under ``layout``: axes in order, each
-    splitting the range the lower axes left (the nesting convention of :mod:`nnscaler.comm.conversion`)."""
-    c = coords(rank, mesh_shape)
-    out = [(0, n) for n in shape]
-    for axis, q in enumerate(layout):
-        if isinstance(q, Shard):
-            start, stop = out[q.dim]
-            step = (stop - start) // mesh_shape[axis]
-            out[q.dim] = (start + c[axis] * step, start + (c[axis] + 1) * step)
-    return tuple(out)
+    """``(start, stop)`` per dim of the piece a rank holds under ``layout`` (``(start, stop, blocks)``
+    for a dim split in blocks): axes in order, each splitting the range the lower axes left (the
+    nesting convention of :mod:`nnscaler.comm.conversion`)."""
+    return piece(shape, layout, mesh_shape, coords(rank, mesh_shape))
 
 
 class _Emitter:
@@ -95,16 +89,19 @@ class _Emitter:
         self.collectives = 0
         self.steps: list[tuple[IRTensor, Layout, Step]] = []  # (tensor, its layout before, step): the cost model reads them
         self.synced = synced_params(graph, plan)
+        self.grads = graph.carries_grad()  # tensors whose conversions need backward collectives
 
     def fetch(self, t: IRTensor, want: Layout, axis_ids) -> str:
         """The variable holding ``t`` in layout ``want`` for a consumer splitting ``axis_ids``."""
         key = (t, want, tuple(axis_ids))
         if key in self.cache:
             return self.cache[key]
-        steps, _ = conversion(self.layouts[t], want, axis_ids, self.plan.mesh_shape, t.shape,
-                              t.dtype.is_floating_point)
+        steps, _ = conversion(self.layouts[t], want, axis_ids, self.plan.mesh_shape, t.shape, t in self.grads)
         if t in self.synced:  # its gradient is summed in buckets after backward instead
-            steps = [st for st in steps if not (st.kind == "grad_all_reduce" and st.axis == self.synced[t])]
+            sync = self.synced[t]
+            steps = [Step(st.axis, "all_gather", st.dims, st.blocks)
+                     if st.kind == "all_gather_sum_grad" and st.axis == sync else st
+                     for st in steps if not (st.kind == "grad_all_reduce" and st.axis == sync)]
         name, cur = self.var[t], self.layouts[t]
         for step in steps:
             self.steps.append((t, cur, step))
@@ -217,6 +214,13 @@ def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False) -> 
     outs = [e._arg(o, lambda t: e.fetch(t, whole, none)) for o in graph.outputs]
     e.lines.append(f"    return {outs[0] if len(outs) == 1 else '(' + ', '.join(outs) + ',)'}")
     return e, shards
+
+
+def conversion_steps(graph: IRGraph, plan: Plan, rank: int = 0) -> list[tuple[Step, bool]]:
+    """Every step plan rank ``rank``'s program takes between layouts, in order, each with whether
+    the tensor it moves carries a gradient (so its backward collective runs)."""
+    e, _ = emit_program(graph, plan, rank)
+    return [(step, t in e.grads) for t, _, step in e.steps]
 
 
 def generate(graph: IRGraph, plan: Plan, rank: int, header: str = "", probe: bool = False

@@ -19,7 +19,11 @@ only where the local shards it produces are the right pieces of the next layout:
 * gathering dim ``d`` on axis ``a`` (``all_gather``, the gather half of ``all_to_all``)
   concatenates neighbours' chunks, which is a contiguous piece only when ``a`` is the innermost axis
   splitting ``d``: legal only when no axis above ``a`` splits ``d``;
-* ``all_reduce`` and ``to_partial`` keep every shard's extent and are always legal.
+* ``all_reduce`` and ``to_partial`` keep every shard's extent and are always legal;
+* a shard in blocks (``D2/3``: one factor of a fused dim, each rank holding its chunk of every block)
+  must be the only split of its dim: it is reached only when it is the target's placement on that
+  axis (by ``split`` or ``reduce_scatter``, with no other axis splitting the dim), no axis splits
+  its dim further, and it is left only by an ``all_gather`` (with ``blocks``).
 
 Every forward step then maps correct local pieces to correct local pieces, so its backward (the
 transpose collective on the same group) maps the right piece of the whole gradient back to the
@@ -32,7 +36,8 @@ as a fraction of the whole tensor's size, so planners multiply by the element co
 
 A consumer that is split along an axis but wants the tensor replicated there (``R*``) produces only a
 partial gradient for it: the conversion ends with ``grad_all_reduce`` (identity forward, all-reduce
-backward).
+backward), or, when it gathers a split tensor last, with ``all_gather_sum_grad`` (all-gather
+forward, reduce-scatter backward).
 """
 from __future__ import annotations
 
@@ -51,18 +56,21 @@ class Step:
 
     axis: int
     kind: str  # split | all_gather | all_reduce | reduce_scatter | all_to_all | to_partial | grad_all_reduce
+    #            | all_gather_sum_grad (all_gather whose backward reduce-scatters partial gradients)
     dims: tuple[int, ...] = ()
+    blocks: int = 1  # split / all_gather / reduce_scatter of one factor of a fused dim
 
     def code(self, x: str, group: str) -> str:
         """The Python expression the generated program uses for this step."""
-        args = ", ".join([x, *map(str, self.dims), group])
+        args = ", ".join([x, *map(str, self.dims), group] + ([f"blocks={self.blocks}"] if self.blocks > 1 else []))
         return f"C.{self.kind}({args})"
 
 
 def step_layout(layout: Layout, step: Step) -> Layout:
     """The layout a tensor has after ``step``."""
-    new = {"split": lambda: Shard(step.dims[0]), "all_gather": Replicate, "all_reduce": Replicate,
-           "reduce_scatter": lambda: Shard(step.dims[0]), "to_partial": Partial,
+    new = {"split": lambda: Shard(step.dims[0], step.blocks), "all_gather": Replicate,
+           "all_gather_sum_grad": Replicate, "all_reduce": Replicate,
+           "reduce_scatter": lambda: Shard(step.dims[0], step.blocks), "to_partial": Partial,
            "all_to_all": lambda: Shard(step.dims[-1])}.get(step.kind)
     if new is None:  # grad_all_reduce: identity forward
         return layout
@@ -79,40 +87,63 @@ def _outermost_free(layout: Layout, axis: int, dim: int) -> bool:
     return not any(isinstance(q, Shard) and q.dim == dim for q in layout[axis + 1:])
 
 
-def _divides(layout: Layout, axis: int, dim: int, mesh_shape: Sequence[int], shape: Sequence[int] | None) -> bool:
-    """Whether the rank's local length of ``dim`` splits evenly into ``mesh_shape[axis]`` chunks."""
+def _unsplit(layout: Layout, dim: int) -> bool:
+    """No axis splits ``dim`` (a shard in blocks must be its dim's only split)."""
+    return not any(isinstance(q, Shard) and q.dim == dim for q in layout)
+
+
+def _in_blocks(layout: Layout, dim: int) -> bool:
+    """Some axis splits ``dim`` in blocks (then nothing may split it further)."""
+    return any(isinstance(q, Shard) and q.dim == dim and q.blocks > 1 for q in layout)
+
+
+def _divides(layout: Layout, axis: int, dim: int, mesh_shape: Sequence[int], shape: Sequence[int] | None,
+             blocks: int = 1) -> bool:
+    """Whether the rank's local length of ``dim`` splits evenly into ``mesh_shape[axis]`` chunks
+    (of each of ``blocks`` blocks)."""
     if shape is None:
         return True
     held = math.prod(f for f, q in zip(mesh_shape, layout) if isinstance(q, Shard) and q.dim == dim)
-    return shape[dim] % (held * mesh_shape[axis]) == 0
+    return shape[dim] % (held * mesh_shape[axis] * blocks) == 0
 
 
-def _edges(lay: Layout, mesh_shape: Sequence[int], ndim: int, shape, grad: bool) -> Iterator[tuple[Layout, Step, float]]:
-    """(next layout, step, cost) of every legal collective from ``lay``."""
+def _edges(lay: Layout, dst: Layout, mesh_shape: Sequence[int], ndim: int, shape,
+           grad: bool) -> Iterator[tuple[Layout, Step, float]]:
+    """(next layout, step, cost) of every legal collective from ``lay`` towards ``dst`` (whose
+    shards in blocks are the only ones reachable)."""
     back = 1.0 if grad else 0.0
     s = local_fraction(lay, mesh_shape)
     for a, (f, p) in enumerate(zip(mesh_shape, lay)):
         if f == 1:
             continue
         frac = (f - 1) / f
+        want = dst[a]
+        blocked = want if isinstance(want, Shard) and want.blocks > 1 else None
 
         def to(q: Placement) -> Layout:
             return lay[:a] + (q,) + lay[a + 1:]
 
         def can_split(d: int, base: Layout) -> bool:
-            return _outermost_free(base, a, d) and _divides(base, a, d, mesh_shape, shape)
+            return (_outermost_free(base, a, d) and not _in_blocks(base, d)
+                    and _divides(base, a, d, mesh_shape, shape))
+
+        def can_split_blocks(base: Layout) -> bool:
+            return (blocked is not None and _unsplit(base, blocked.dim)
+                    and _divides(base, a, blocked.dim, mesh_shape, shape, blocked.blocks))
 
         if isinstance(p, Replicate):
             for d in range(ndim):
                 if can_split(d, lay):
                     yield to(Shard(d)), Step(a, "split", (d,)), back * frac * s  # backward gathers
+            if can_split_blocks(lay):
+                yield to(blocked), Step(a, "split", (blocked.dim,), blocked.blocks), back * frac * s
             yield to(Partial()), Step(a, "to_partial"), 0.0
         elif isinstance(p, Shard):
             if not _outermost_free(lay, a, p.dim):
                 continue
             gathered = to(Replicate())
-            yield gathered, Step(a, "all_gather", (p.dim,)), frac * s * f
-            for d in range(ndim):
+            yield gathered, Step(a, "all_gather", (p.dim,), p.blocks), frac * s * f
+            for d in range(ndim if p.blocks == 1 else 0):  # a shard in blocks is left only by a gather
                 if d != p.dim and can_split(d, gathered):
                     yield to(Shard(d)), Step(a, "all_to_all", (p.dim, d)), (1 + back) * frac * s
         else:  # Partial
@@ -120,6 +151,17 @@ def _edges(lay: Layout, mesh_shape: Sequence[int], ndim: int, shape, grad: bool)
             for d in range(ndim):
                 if can_split(d, lay):
                     yield to(Shard(d)), Step(a, "reduce_scatter", (d,)), (1 + back) * frac * s
+            if can_split_blocks(lay):
+                yield (to(blocked), Step(a, "reduce_scatter", (blocked.dim,), blocked.blocks),
+                       (1 + back) * frac * s)
+
+
+def _check_blocks(layout: Layout, mesh_shape: Sequence[int]) -> None:
+    for a, (f, q) in enumerate(zip(mesh_shape, layout)):
+        if isinstance(q, Shard) and q.blocks > 1 and f > 1 and any(
+                isinstance(o, Shard) and o.dim == q.dim and b != a and mesh_shape[b] > 1 for b, o in enumerate(layout)):
+            raise ValueError(f"layout {'x'.join(map(str, layout))}: dim {q.dim} is split in blocks on axis {a} "
+                             f"and split again on another axis; a split in blocks must be its dim's only split")
 
 
 @lru_cache(maxsize=65536)
@@ -131,6 +173,8 @@ def layout_steps(src: Layout, dst: Layout, mesh_shape: tuple[int, ...], ndim: in
         raise ValueError(f"layouts {src} and {dst} need one placement per axis of mesh {mesh_shape}")
     if src == dst:
         return (), 0.0
+    for lay in (src, dst):
+        _check_blocks(lay, mesh_shape)
     best = {src: (0.0, 0)}
     queue: list = [(0.0, 0, 0, src, ())]
     tie = 1
@@ -140,7 +184,7 @@ def layout_steps(src: Layout, dst: Layout, mesh_shape: tuple[int, ...], ndim: in
             return path, cost
         if (cost, n) > best.get(lay, (math.inf, 0)):
             continue
-        for nxt, step, c in _edges(lay, mesh_shape, ndim, shape, grad):
+        for nxt, step, c in _edges(lay, dst, mesh_shape, ndim, shape, grad):
             key = (cost + c, n + 1)
             if key < best.get(nxt, (math.inf, 0)):
                 best[nxt] = key
@@ -148,7 +192,7 @@ def layout_steps(src: Layout, dst: Layout, mesh_shape: tuple[int, ...], ndim: in
                 tie += 1
     raise ValueError(f"no conversion from {'x'.join(map(str, src))} to {'x'.join(map(str, dst))} on mesh "
                      f"{mesh_shape} for a tensor of shape {shape if shape is not None else f'with {ndim} dims'}: "
-                     f"a split dim's length is not divisible by the ranks splitting it")
+                     f"a split dim's length is not divisible by the ranks (and blocks) splitting it")
 
 
 def conversion(src: Layout, dst: Layout, dst_axis_ids: Sequence[str | None], mesh_shape: Sequence[int],
@@ -156,7 +200,12 @@ def conversion(src: Layout, dst: Layout, dst_axis_ids: Sequence[str | None], mes
     """Steps (and their cost, as a fraction of the whole tensor's bytes) from ``src`` to the layout a
     consumer wants, ``dst``, where ``dst_axis_ids`` are the identifiers the consumer splits along each
     axis (``None``: replicated). ``shape`` is the tensor's shape (every intermediate split must then
-    divide evenly) or just its number of dims (lengths unknown: no divisibility check)."""
+    divide evenly) or just its number of dims (lengths unknown: no divisibility check).
+
+    On an ``R*`` axis (replicated for work split along it) the gradient coming back is partial: when
+    the path's last step on that axis is an ``all_gather``, it becomes ``all_gather_sum_grad``
+    (reduce-scatter backward); otherwise a ``grad_all_reduce`` is appended. Either is right because
+    the backward of every later step (on other axes) commutes with a sum over this axis's group."""
     mesh_shape = tuple(mesh_shape)
     if isinstance(shape, int):
         ndim, lengths = shape, None
@@ -167,9 +216,21 @@ def conversion(src: Layout, dst: Layout, dst_axis_ids: Sequence[str | None], mes
     src, dst = (tuple(Replicate() if f == 1 else q for f, q in zip(mesh_shape, lay)) for lay in (src, dst))
     path, total = layout_steps(src, dst, mesh_shape, ndim, lengths, grad)
     steps = list(path)
+    after, lay = [], src  # the layout after each step
+    for st in steps:
+        lay = step_layout(lay, st)
+        after.append(lay)
     s = local_fraction(dst, mesh_shape)
     for axis, f in enumerate(mesh_shape):
-        if isinstance(dst[axis], Replicate) and dst_axis_ids[axis] is not None and grad and f > 1:
+        if not (isinstance(dst[axis], Replicate) and dst_axis_ids[axis] is not None and grad and f > 1):
+            continue
+        frac = (f - 1) / f
+        last = max((i for i, st in enumerate(path) if st.axis == axis), default=None)
+        if last is not None and path[last].kind == "all_gather":  # gathered for split work: reduce-scatter its gradient
+            st = path[last]
+            steps[last] = Step(axis, "all_gather_sum_grad", st.dims, st.blocks)
+            total += frac * local_fraction(after[last], mesh_shape)
+        else:
             steps.append(Step(axis, "grad_all_reduce"))
-            total += 2 * (f - 1) / f * s
+            total += 2 * frac * s
     return steps, total

@@ -64,7 +64,9 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1) -> 
     per_rank = {k: [0] * world for k in ("param", "buffer")}
     for t, lay in stored.items():
         for r in range(world):
-            n = math.prod(b - a for a, b in shard_slices(t.shape, lay, mesh, r)) * t.dtype.itemsize
+            # (start, stop) per dim, or (start, stop, blocks): that range in each block
+            n = math.prod((sl[1] - sl[0]) * (sl[2] if len(sl) > 2 else 1)
+                          for sl in shard_slices(t.shape, lay, mesh, r)) * t.dtype.itemsize
             per_rank["param" if t in params else "buffer"][r] += n
     grads = list(per_rank["param"])  # one gradient per parameter element, in its dtype
     sharded = [(t.target or t.name, t.shape, layout_str(lay)) for t, lay in stored.items()

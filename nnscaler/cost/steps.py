@@ -13,9 +13,9 @@ from .profiles import DeviceProfile
 OPTIMIZER_STATES = 2  # AdamW keeps exp_avg and exp_avg_sq, each the size of the parameter
 # a step's forward collective, and the one its backward issues (for tensors that carry gradients)
 _FORWARD = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
-            "all_to_all": "all_to_all"}
+            "all_to_all": "all_to_all", "all_gather_sum_grad": "all_gather"}
 _BACKWARD = {"split": "all_gather", "reduce_scatter": "all_gather", "grad_all_reduce": "all_reduce",
-             "all_to_all": "all_to_all"}
+             "all_to_all": "all_to_all", "all_gather_sum_grad": "reduce_scatter"}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def step_collectives(t: IRTensor, before: Layout, step, mesh_shape, axis_names, 
     """The forward and backward collectives one conversion step of ``t`` (in layout ``before``) issues;
     ``bucketed``: a parameter's gradient sum rides in a shared bucket (it pays its share of latency)."""
     f = mesh_shape[step.axis]
-    size = _local(t, before, mesh_shape) * (f if step.kind == "all_gather" else 1)
+    size = _local(t, before, mesh_shape) * (f if step.kind in ("all_gather", "all_gather_sum_grad") else 1)
     across = spans_nodes(mesh_shape, step.axis, profile)
     out = []
     share = min(1.0, size / BUCKET_BYTES) if bucketed and step.kind == "grad_all_reduce" else 1.0

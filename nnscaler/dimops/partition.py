@@ -26,6 +26,7 @@ class Partition:
 
     splits: tuple[tuple[str | None, int], ...]
     world_size: int
+    blocks: tuple[tuple[str, int], ...] = ()  # split identifiers cut in blocks: (ident, count)
 
     @property
     def degree(self) -> int:
@@ -50,10 +51,17 @@ class Partition:
     def factor(self, ident: str) -> int:
         return dict(s for s in self.splits if s[0] is not None).get(ident, 1)
 
+    def block_count(self, ident: str) -> int:
+        """In how many equal blocks ``ident`` is cut before each block is split (1: plainly split)."""
+        return dict(self.blocks).get(ident, 1)
+
     @property
     def label(self) -> str:
-        """``m=2,k=2`` (``replicate`` when nothing is split)."""
-        return ",".join(f"{'~' if i is None else i}={f}" for i, f in self.splits) or "replicate"
+        """``m=2,k=2`` (``replicate`` when nothing is split); ``n=2/3``: n split in 3 blocks."""
+        def one(i, f):
+            k = self.block_count(i) if i is not None else 1
+            return f"{'~' if i is None else i}={f}" + (f"/{k}" if k > 1 else "")
+        return ",".join(one(i, f) for i, f in self.splits) or "replicate"
 
     @classmethod
     def parse(cls, text: str, world_size: int) -> "Partition":
@@ -61,9 +69,14 @@ class Partition:
         text = text.strip()
         if text in ("", "replicate"):
             return cls((), world_size)
-        splits = []
+        splits, blocks = [], []
         for part in text.split(","):
             name, sep, factor = part.partition("=")
+            factor, slash, count = factor.partition("/")
+            if slash:
+                if not count.strip().isdigit() or int(count) < 2:
+                    raise AnnotationError(f"partition {text!r}: block count of {name.strip()!r} must be an integer of at least 2")
+                blocks.append((name.strip(), int(count)))
             if not sep or not factor.strip().isdigit() or not name.strip():
                 raise AnnotationError(f"partition {text!r}: expected IDENT=FACTOR[,IDENT=FACTOR...], e.g. 'm=2,k=2'")
             if int(factor) < 2:
@@ -72,7 +85,7 @@ class Partition:
         named = [n for n, _ in splits if n is not None]
         if len(set(named)) != len(named):
             raise AnnotationError(f"partition {text!r}: an identifier is split twice; give each one factor")
-        p = cls(tuple(splits), world_size)
+        p = cls(tuple(splits), world_size, tuple(blocks))
         if world_size % math.prod(f for _, f in splits):
             raise AnnotationError(f"partition {text!r}: the axes multiply to {math.prod(f for _, f in splits)}, "
                                   f"which does not divide world size {world_size}")
@@ -101,13 +114,18 @@ def axis_groups(shape: Sequence[int]) -> list[list[tuple[int, ...]]]:
     return out
 
 
+def _fixed_prefix(ids: tuple[str, ...], j: int) -> bool:
+    return all(i.isdigit() for i in ids[:j])
+
+
 def splittable(bound: BoundAnno) -> list[str]:
-    """Identifiers that may be split: not frozen, not a number, never a non-first group factor, never
-    one naming several dims of a tensor (``l l``: see :mod:`nnscaler.dimops.grammar`)."""
+    """Identifiers that may be split: not frozen, not a number, never a non-first group factor
+    unless every factor before it is a number (``(3 d)``: d is split in 3 blocks), never one naming
+    several dims of a tensor (``l l``: see :mod:`nnscaler.dimops.grammar`)."""
     barred: set[str] = set(bound.anno.repeated())
     for dims in bound.inputs + bound.outputs:
         for ids in dims or ():
-            barred.update(ids[1:])
+            barred.update(i for j, i in enumerate(ids) if j and not _fixed_prefix(ids, j))
     return [i for i in bound.identifiers()
             if bound.markers.get(i) != FROZEN and i not in barred and i in bound.sizes]
 
@@ -145,9 +163,13 @@ def check_partition(bound: BoundAnno, partition: Partition) -> None:
                                   f"{bound.anno.text!r} (splittable: {', '.join(sorted(allowed)) or 'none'})")
         if f < 2:
             raise AnnotationError(f"partition {partition.label!r}: split factor of {ident!r} must be at least 2")
-        if bound.sizes[ident] % f:
+        k = partition.block_count(ident)
+        if bound.sizes[ident] % (f * k):
             raise AnnotationError(f"partition {partition.label!r}: {ident!r} has length {bound.sizes[ident]}, "
-                                  f"not divisible by {f}")
+                                  f"not divisible by {f * k}" + (f" ({f} ranks x {k} blocks)" if k > 1 else ""))
+    for ident, k in partition.blocks:
+        if ident not in named or k < 2:
+            raise AnnotationError(f"partition {partition.label!r}: blocks need a split identifier and a count of at least 2")
     axes = math.prod(f for _, f in partition.splits)
     if partition.world_size % axes:
         raise AnnotationError(f"partition {partition.label!r} needs a multiple of {axes} ranks, "
@@ -171,14 +193,26 @@ class OpLayout:
     outputs: tuple[Layout | None, ...]
 
 
-def _tensor_layout(dims, axis_ids, markers, partial_ok: bool) -> Layout:
-    """Per mesh axis: D where the tensor holds the split identifier, V where it lacks a split ``+``
-    identifier and may be a partial value (``partial_ok``), else R."""
+def _find(dims, ident: str, bound: BoundAnno, partition: Partition) -> Shard | None:
+    """The placement of a tensor with ``dims`` when ``ident`` is split: on the dim ``ident`` leads,
+    or follows fixed counts in (``(3 d)``: blocks of 3); ``None`` when no dim holds it."""
+    for d, ids in enumerate(dims):
+        for j, i in enumerate(ids):
+            if i == ident and _fixed_prefix(ids, j):
+                return Shard(d, math.prod(int(x) for x in ids[:j]) * partition.block_count(ident))
+    return None
+
+
+def _tensor_layout(dims, partition: Partition, bound: BoundAnno, partial_ok: bool) -> Layout:
+    """Per mesh axis: D where the tensor holds the split identifier (in blocks where it follows fixed
+    counts), V where it lacks a split ``+`` identifier and may be a partial value (``partial_ok``),
+    else R."""
     out = []
-    for ident in axis_ids:
-        dim = None if ident is None else next((d for d, ids in enumerate(dims) if ids[0] == ident), None)
-        if dim is not None:
-            out.append(Shard(dim))
+    markers = bound.markers
+    for ident in partition.axis_ids:
+        shard = None if ident is None else _find(dims, ident, bound, partition)
+        if shard is not None:
+            out.append(shard)
         elif ident is not None and markers.get(ident) == VALUE and partial_ok:
             out.append(Partial())
         else:
@@ -197,8 +231,8 @@ def op_layout(bound: BoundAnno, partition: Partition, partial_inputs: Sequence[b
         partial_inputs = [True] * len(bound.inputs)
     elif len(partial_inputs) != len(bound.inputs):
         raise ValueError(f"partial_inputs has {len(partial_inputs)} entries for {len(bound.inputs)} inputs")
-    ins = tuple(None if dims is None else _tensor_layout(dims, partition.axis_ids, bound.markers, ok and t.partial)
+    ins = tuple(None if dims is None else _tensor_layout(dims, partition, bound, ok and t.partial)
                 for dims, ok, t in zip(bound.inputs, partial_inputs, bound.anno.inputs))
-    outs = tuple(None if dims is None else _tensor_layout(dims, partition.axis_ids, bound.markers, True)
+    outs = tuple(None if dims is None else _tensor_layout(dims, partition, bound, True)
                  for dims in bound.outputs)
     return OpLayout(ins, outs)

@@ -79,6 +79,16 @@ class IRGraph:
     outputs: list[Any]
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted tensor constants by name
 
+    def carries_grad(self) -> set[IRTensor]:
+        """Tensors a gradient can flow to: floating parameters and user inputs, and the floating
+        outputs of differentiable operators reading one (a mask or rotary table made from buffers
+        and positions carries none, so no collective is spent on its gradient)."""
+        out = {t for t in self.params + self.inputs if t.dtype.is_floating_point or t.dtype.is_complex}
+        for op in self.ops:
+            if (op.spec is None or op.spec.differentiable) and any(x in out for x in op.tensor_inputs()):
+                out.update(t for t in op.outputs if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex))
+        return out
+
     def unknown(self) -> list[IROp]:
         return [op for op in self.ops if not op.known]
 

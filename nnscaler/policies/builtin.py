@@ -5,17 +5,15 @@ from __future__ import annotations
 import random as _random
 
 from ..dimops.partition import splittable
-from ..ir.graph import INPUT, IRGraph, IROp, IRTensor
+from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
 from .greedy import parameter_identifiers, plan_greedy, sharded_identifiers
 from .plan import ComputeConfig, Plan, PlanError
 
-# the operators Megatron splits by vocabulary under tensor parallelism
-_VOCAB_OPS = ("aten.embedding.default", "aten.cross_entropy_loss.default")
 
-
-def batch_identifiers(graph: IRGraph) -> dict[str, str | None]:
-    """Per operator, the identifier that carries the batch (dim 0 of the user inputs), if any."""
-    batch_dim: dict[IRTensor, int] = {t: 0 for t in graph.inputs if t.kind == INPUT and t.shape}
+def batch_identifiers(graph: IRGraph, dim: int = 0) -> dict[str, str | None]:
+    """Per operator, the identifier that carries the batch (dim ``dim`` of the user inputs; 1: the
+    sequence of token inputs), if any."""
+    batch_dim: dict[IRTensor, int] = {t: dim for t in graph.inputs if t.kind == INPUT and len(t.shape) > dim}
     out: dict[str, str | None] = {}
     for op in graph.ops:
         ident = None
@@ -39,22 +37,55 @@ def _dp_options(graph: IRGraph):
     return lambda op, axis, layouts: [batch[op.name]] if batch[op.name] is not None else [None]
 
 
-def _tp_options(graph: IRGraph):
+def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
     """Megatron's choices: split a dim of the op's parameters, or follow a split its inputs already
-    have; never the batch (that is data parallelism)."""
+    have; never the batch (that is data parallelism). With ``sequence_parallel``, operators without
+    a weight matrix (norms, dropout, residual adds) may also split the sequence."""
     batch = batch_identifiers(graph)
+    seq = batch_identifiers(graph, 1) if sequence_parallel else {}
 
     def options(op: IROp, axis: int, layouts: dict):
-        if op.overload in _VOCAB_OPS:
+        ids = _megatron(op, axis, layouts)
+        s = seq.get(op.name)
+        if s is not None and s != batch[op.name] and _no_weight_matrix(op):
+            # split, never whole: the sequence, or a split its inputs already have (heads)
+            return [s, *(i for i in ids if i not in (None, s))]
+        return ids
+
+    def _megatron(op: IROp, axis: int, layouts: dict):
+        if op.overload == "aten.cross_entropy_loss.default" or (
+                op.overload == "aten.embedding.default" and _looks_up_inputs(op)):
             return [_vocab(op)]
+        if op.overload == "aten.embedding.default":  # positions, token types: small, replicated
+            return [None]
         allowed = set(parameter_identifiers(op)) | set(sharded_identifiers(op, axis, layouts))
-        return [None, *(i for i in splittable(op.bound) if i in allowed and i != batch[op.name])]
+        never = {batch[op.name], seq.get(op.name)}  # the sequence splits no weight matrix's work
+        return [None, *(i for i in splittable(op.bound) if i in allowed and i not in never)]
 
     return options
 
 
+def _no_weight_matrix(op: IROp) -> bool:
+    return op.overload not in ("aten.embedding.default", "aten.cross_entropy_loss.default") and not any(
+        isinstance(x, IRTensor) and x.kind == PARAM and len(x.shape) >= 2 for x in op.inputs)
+
+
 def _any_options(op: IROp, axis: int, layouts: dict):
     return [None, *splittable(op.bound)]
+
+
+def _looks_up_inputs(op: IROp) -> bool:
+    """An embedding indexed by the user's tokens (a word embedding, split by vocabulary), not by
+    positions or token types the model makes itself (those tables are small and stay whole)."""
+    idx = op.inputs[1] if len(op.inputs) > 1 else None
+    seen = set()
+    while isinstance(idx, IRTensor) and idx.kind != INPUT and idx.producer is not None and id(idx) not in seen:
+        seen.add(id(idx))  # follow reshapes of the ids back to a program input
+        src = [x for x in idx.producer.tensor_inputs()]
+        if len(src) != 1:
+            return False
+        idx = src[0]
+    return isinstance(idx, IRTensor) and idx.kind == INPUT
 
 
 def _vocab(op: IROp) -> str:
@@ -71,8 +102,10 @@ def dp(graph: IRGraph, config: ComputeConfig) -> Plan:
 def tp(graph: IRGraph, config: ComputeConfig) -> Plan:
     """Tensor parallelism, Megatron-style where the annotations allow it: each operator takes the
     split that needs the least communication from its producers' layouts (column- then row-split
-    linear pairs, heads in attention); embedding and cross entropy split their vocabulary."""
-    return plan_greedy(graph, (config.plan_ngpus,), ("tp",), _tp_options(graph), "tp")
+    linear pairs, heads in attention, a fused qkv split by heads); the word embedding and cross
+    entropy split their vocabulary; position tables, norms and biases stay whole.
+    ``config.sequence_parallel`` adds Megatron's sequence parallelism."""
+    return plan_greedy(graph, (config.plan_ngpus,), ("tp",), _tp_options(graph, config.sequence_parallel), "tp")
 
 
 def hybrid(graph: IRGraph, config: ComputeConfig) -> Plan:
@@ -81,7 +114,7 @@ def hybrid(graph: IRGraph, config: ComputeConfig) -> Plan:
     if config.plan_ngpus % t:
         raise PlanError(f"hybrid: tp_size {t} does not divide plan_ngpus {config.plan_ngpus}")
     d = config.plan_ngpus // t
-    dp_opts, tp_opts = _dp_options(graph), _tp_options(graph)
+    dp_opts, tp_opts = _dp_options(graph), _tp_options(graph, config.sequence_parallel)
 
     def options(op: IROp, axis: int, layouts: dict):
         return dp_opts(op, axis, layouts) if axis == 0 else tp_opts(op, axis, layouts)

@@ -28,10 +28,47 @@ PENDING_WEIGHT = 0.5  # a partial output is charged half its all-reduce now: a c
 AxisOptions = Callable[[IROp, int, dict], Sequence[str | None]]
 
 
-def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layouts: dict) -> list[Partition]:
+def fused_blocks(graph: IRGraph) -> dict[str, dict[str, int]]:
+    """Per operator, the identifiers whose split must cut a fused dim in blocks, and their count.
+
+    A consumer that cuts a dim into a fixed number of pieces (``split`` of a fused qkv: ``a b (3
+    d)``) holds each piece's chunk when ``d`` is split; its producers (the fused projection, and any
+    reshape between) then split their identifier for that dim in as many blocks, so the projection's
+    weight rows are stored as Megatron stores them: this rank's heads of q, of k and of v. Found by
+    one pass against program order."""
+    want: dict[tuple[IRTensor, int], int] = {}
+    out: dict[str, dict[str, int]] = {}
+    for op in reversed(graph.ops):
+        if not op.known:
+            continue
+        hint: dict[str, int] = {}
+        for t, dims in zip(op.outputs, op.bound.outputs):
+            for d, ids in enumerate(dims or ()) if t is not None else ():
+                k = want.get((t, d), 1)
+                if k > 1 and not ids[0].isdigit():
+                    hint[ids[0]] = k
+        for x, dims in zip(op.inputs, op.bound.inputs):
+            if not isinstance(x, IRTensor) or dims is None:
+                continue
+            for d, ids in enumerate(dims):
+                lead = list(itertools.takewhile(str.isdigit, ids))
+                if lead and len(lead) < len(ids):
+                    want[(x, d)] = math.prod(map(int, lead))
+                elif ids[0] in hint:
+                    want[(x, d)] = hint[ids[0]]
+        if hint:
+            out[op.name] = hint
+    return out
+
+
+def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layouts: dict,
+               blocks: dict[str, int] | None = None) -> list[Partition]:
     """Every partition of ``op`` on the mesh: one identifier (or None) per axis, each at most once,
-    each dividing its length, drawn from the policy's options for that axis."""
+    each dividing its length, drawn from the policy's options for that axis; an identifier in
+    ``blocks`` is cut in that many blocks where its length allows (never for an operator with a
+    partition-aware kernel, which indexes contiguous chunks)."""
     ok = set(splittable(op.bound))
+    blocks = {} if op.spec.local is not None else (blocks or {})
     per_axis = []
     for axis, f in enumerate(mesh_shape):
         if f == 1:  # a degenerate axis splits nothing
@@ -43,7 +80,9 @@ def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layout
     for combo in itertools.product(*per_axis):
         named = [i for i in combo if i is not None]
         if len(set(named)) == len(named):
-            out.append(Partition(tuple(zip(combo, mesh_shape)), math.prod(mesh_shape)))
+            cut = tuple((i, blocks[i]) for i, f in zip(combo, mesh_shape)
+                        if i in blocks and op.bound.sizes[i] % (f * blocks[i]) == 0)
+            out.append(Partition(tuple(zip(combo, mesh_shape)), math.prod(mesh_shape), cut))
     return out
 
 
@@ -55,13 +94,18 @@ def _free(t: IRTensor, layouts: dict) -> bool:
     return t.kind in (PARAM, BUFFER, CONSTANT) and t not in layouts  # lifted constants live like buffers
 
 
-def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: Sequence[int]) -> float:
-    """Bytes moved to feed ``op`` under ``p`` plus its weighted compute."""
+def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: Sequence[int],
+          made: set | None = None, grads: set | None = None) -> float:
+    """Bytes moved to feed ``op`` under ``p`` plus its weighted compute. A conversion an earlier
+    consumer already made (in ``made``) is free: the program reuses it (q, k and v of one input)."""
     lay = op.layout(p)
     cost = 0.0
     for x, want in zip(op.inputs, lay.inputs):
         if isinstance(x, IRTensor) and want is not None and not _free(x, layouts):
-            cost += conversion(layouts[x], want, p.axis_ids, mesh_shape, len(x.shape), x.dtype.is_floating_point)[1] * numel(x)
+            if made is not None and _conversion_key(x, want, p) in made:
+                continue
+            grad = x.dtype.is_floating_point if grads is None else x in grads
+            cost += conversion(layouts[x], want, p.axis_ids, mesh_shape, len(x.shape), grad)[1] * numel(x)
     for t, lay_out in zip(op.outputs, lay.outputs):  # a partial result will have to be summed
         if t is not None and lay_out is not None:
             for f, q in zip(mesh_shape, lay_out):
@@ -71,12 +115,23 @@ def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: S
     return cost + COMPUTE_WEIGHT * work / p.degree
 
 
+def _conversion_key(x: IRTensor, want: Layout, p: Partition) -> tuple:
+    return (x, want, tuple(i is not None for i in p.axis_ids))
+
+
+def _partial_outputs(op: IROp, p: Partition) -> int:
+    return sum(isinstance(q, Partial) for lay in op.layout(p).outputs if lay is not None for q in lay)
+
+
 def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], options: AxisOptions,
                 policy: str, pick: Callable[[IROp, list[Partition]], Partition] | None = None) -> Plan:
     """Plan every known operator greedily in program order (``pick`` overrides the choice)."""
     plan = Plan(mesh_shape, axis_names, policy=policy)
     everywhere_r = tuple(Replicate() for _ in mesh_shape)
     layouts: dict[IRTensor, Layout] = {t: everywhere_r for t in graph.inputs}
+    fused = fused_blocks(graph)
+    made: set = set()  # conversions the program already makes (reused by later consumers)
+    grads = graph.carries_grad()
     for op in graph.ops:
         if not op.known:
             for x in op.tensor_inputs():
@@ -85,14 +140,16 @@ def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[s
                 if t is not None:
                     layouts[t] = everywhere_r
             continue
-        cands = candidates(op, mesh_shape, options, layouts)
+        cands = candidates(op, mesh_shape, options, layouts, fused.get(op.name))
         if pick is not None:
             best = pick(op, cands)
-        else:
-            best = min(cands, key=lambda p: score(op, p, layouts, mesh_shape))
+        else:  # on a tie, the partition leaving fewer partial sums (column- before row-split)
+            best = min(cands, key=lambda p: (round(score(op, p, layouts, mesh_shape, made, grads), 6), _partial_outputs(op, p)))
         plan.partitions[op.name] = best
         lay = op.layout(best)
         for x, want in zip(op.inputs, lay.inputs):
+            if isinstance(x, IRTensor) and want is not None:
+                made.add(_conversion_key(x, want, best))
             if isinstance(x, IRTensor) and want is not None and _free(x, layouts):
                 # a parameter is stored split or whole; a partial value is made from it each use
                 layouts[x] = tuple(Replicate() if isinstance(q, Partial) else q for q in want)
@@ -108,7 +165,7 @@ def sharded_identifiers(op: IROp, axis: int, layouts: dict) -> list[str]:
     for x, dims in zip(op.inputs, op.bound.inputs):
         lay = layouts.get(x) if isinstance(x, IRTensor) else None
         if lay is not None and dims is not None and isinstance(lay[axis], Shard) and lay[axis].dim < len(dims):
-            out.append(dims[lay[axis].dim][0])
+            out.append(next(i for i in dims[lay[axis].dim] if not i.isdigit()))  # (3 d): d
     return out
 
 

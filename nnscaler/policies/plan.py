@@ -29,7 +29,9 @@ class ComputeConfig:
     the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy;
     ``bucket_bytes`` sets the size of gradient-sync buckets. ``mem_budget`` (bytes per rank) bounds
     ``autodist``'s plans; ``profile`` names the device the cost model assumes (``cpu-gloo``,
-    ``a100``, ``h100``; default ``cpu-gloo``)."""
+    ``a100``, ``h100``; default ``cpu-gloo``). ``sequence_parallel``: under ``tp``/``hybrid``, norms,
+    dropout and residual adds between the tensor-parallel regions are split along the sequence
+    (Megatron-LM's sequence parallelism: each all-reduce becomes a reduce-scatter and an all-gather)."""
 
     plan_ngpus: int
     runtime_ngpus: int | None = None
@@ -38,6 +40,7 @@ class ComputeConfig:
     bucket_bytes: int | None = None  # gradient-sync bucket size (None: nnscaler.runtime.grad_sync.BUCKET_BYTES)
     mem_budget: int | None = None
     profile: str | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.plan_ngpus < 1:

@@ -12,6 +12,7 @@ function            forward                    backward
 ``reduce_scatter``  V -> D: sum, keep chunk     all-gather
 ``to_partial``      R -> V: rank 0 keeps it     identity
 ``grad_all_reduce`` R -> R, consumed split      all-reduce (sum partial grads)
+``all_gather_sum_grad`` D -> R, consumed split  reduce-scatter (sum partial grads)
 ``all_to_all``      D(a) -> D(b)                D(b) -> D(a)
 ==================  =========================  ===========================
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..dimops.layout import join_blocks
+
 
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -31,16 +34,18 @@ def _rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return join_blocks(parts, dim, blocks)
 
 
-def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _chunk(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
     n = _size(group)
-    if x.shape[dim] % n:
-        raise ValueError(f"cannot split dim {dim} of length {x.shape[dim]} into {n} equal chunks")
+    if x.shape[dim] % (n * blocks):
+        raise ValueError(f"cannot split dim {dim} of length {x.shape[dim]} into {n} equal chunks of {blocks} blocks")
+    if blocks > 1:  # this rank's chunk of every block (one factor of a fused dim)
+        return x.unflatten(dim, (blocks, -1)).chunk(n, dim=dim + 1)[_rank(group)].flatten(dim, dim + 1).contiguous()
     return x.chunk(n, dim=dim)[_rank(group)].contiguous()
 
 
@@ -52,24 +57,35 @@ def _sum(x: torch.Tensor, group) -> torch.Tensor:
 
 class _Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _chunk(x, dim, group)
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return _chunk(x, dim, group, blocks)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.group), None, None
+        return _gather(g, ctx.dim, ctx.group, ctx.blocks), None, None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return _gather(x, dim, group, blocks)
 
     @staticmethod
     def backward(ctx, g):
-        return _chunk(g, ctx.dim, ctx.group), None, None
+        return _chunk(g, ctx.dim, ctx.group, ctx.blocks), None, None, None
+
+
+class _AllGatherSumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return _gather(x, dim, group, blocks)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.dim, ctx.group, ctx.blocks), None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -84,13 +100,25 @@ class _AllReduce(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _chunk(_sum(x, group), dim, group)
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return _reduce_scatter(x, dim, group, blocks)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.group), None, None
+        return _gather(g, ctx.dim, ctx.group, ctx.blocks), None, None, None
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
+    """Sum over ``group`` and keep this rank's chunk; one ``reduce_scatter`` call where the
+    backend has it (gloo does not: it sums whole, then keeps the chunk)."""
+    if blocks == 1 and dist.get_backend(group) != "gloo":
+        n = _size(group)
+        parts = [c.contiguous() for c in x.chunk(n, dim=dim)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=group)
+        return out
+    return _chunk(_sum(x, group), dim, group, blocks)
 
 
 class _ToPartial(torch.autograd.Function):
@@ -130,18 +158,28 @@ def _differentiable(x: torch.Tensor) -> bool:
     return x.is_floating_point() or x.is_complex()
 
 
-def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """R -> D along ``dim``; backward all-gathers."""
+def split(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
+    """R -> D along ``dim`` (its chunk of each of ``blocks`` blocks); backward all-gathers."""
     if group is None:
         return x
-    return _Split.apply(x, dim, group) if _differentiable(x) else _chunk(x, dim, group)
+    return _Split.apply(x, dim, group, blocks) if _differentiable(x) else _chunk(x, dim, group, blocks)
 
 
-def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """D -> R along ``dim``; backward keeps this rank's chunk."""
+def all_gather(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
+    """D -> R along ``dim`` (pieces of ``blocks`` blocks interleaved back); backward keeps this
+    rank's chunk."""
     if group is None:
         return x
-    return _AllGather.apply(x, dim, group) if _differentiable(x) else _gather(x, dim, group)
+    return _AllGather.apply(x, dim, group, blocks) if _differentiable(x) else _gather(x, dim, group, blocks)
+
+
+def all_gather_sum_grad(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
+    """D -> R along ``dim`` for work split along this axis, whose gradients are partial sums:
+    backward reduce-scatters them (``all_gather`` then ``grad_all_reduce`` in one collective each
+    way, Megatron's sequence-parallel gather)."""
+    if group is None:
+        return x
+    return _AllGatherSumGrad.apply(x, dim, group, blocks) if _differentiable(x) else _gather(x, dim, group, blocks)
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -151,11 +189,13 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return _AllReduce.apply(x, group) if _differentiable(x) else _sum(x, group)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """V -> D along ``dim``; backward all-gathers."""
+def reduce_scatter(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
+    """V -> D along ``dim`` (its chunk of each of ``blocks`` blocks); backward all-gathers."""
     if group is None:
         return x
-    return _ReduceScatter.apply(x, dim, group) if _differentiable(x) else _chunk(_sum(x, group), dim, group)
+    if _differentiable(x):
+        return _ReduceScatter.apply(x, dim, group, blocks)
+    return _chunk(_sum(x, group), dim, group, blocks)
 
 
 def to_partial(x: torch.Tensor, group) -> torch.Tensor:

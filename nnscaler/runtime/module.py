@@ -9,18 +9,19 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..dimops.layout import Shard
+from ..dimops.layout import Shard, join_blocks, take_piece
 from .grad_sync import GradSync
 from .mesh import RankMesh
 
 
 def _parse_layout(text: Sequence[str]) -> list:
-    return [Shard(int(q[1:])) if q.startswith("D") else None for q in text]
+    return [Shard.parse(q) if q.startswith("D") else None for q in text]
 
 
-def take(full: torch.Tensor, slices: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """The piece of ``full`` at ``slices`` (one ``(start, stop)`` per dim)."""
-    return full[tuple(slice(a, b) for a, b in slices)]
+def take(full: torch.Tensor, slices: Sequence[tuple]) -> torch.Tensor:
+    """The piece of ``full`` at ``slices`` (``(start, stop)`` per dim, ``(start, stop, blocks)``
+    for a dim split in blocks)."""
+    return take_piece(full, slices)
 
 
 class ParallelModule(torch.nn.Module):
@@ -86,7 +87,7 @@ class ParallelModule(torch.nn.Module):
             if q is not None and group is not None:
                 parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
                 dist.all_gather(parts, x.contiguous(), group=group)
-                x = torch.cat(parts, dim=q.dim)
+                x = join_blocks(parts, q.dim, q.blocks)
         return x
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D401

@@ -71,7 +71,7 @@ def distribute(full: torch.Tensor, layout: Layout, mesh: RankMesh, axis_ids: Seq
     for axis, (placement, ident) in enumerate(zip(layout, axis_ids)):
         group = mesh.groups[axis]
         if isinstance(placement, Shard):
-            x = C.split(x, placement.dim, group)
+            x = C.split(x, placement.dim, group, placement.blocks)
         elif isinstance(placement, Partial):
             x = C.to_partial(x, group)
         elif ident is not None:  # replicated, but consumed by work split along this axis
@@ -85,7 +85,7 @@ def collect(local: torch.Tensor, layout: Layout, mesh: RankMesh) -> torch.Tensor
     for axis in reversed(range(len(layout))):
         placement, group = layout[axis], mesh.groups[axis]
         if isinstance(placement, Shard):
-            x = C.all_gather(x, placement.dim, group)
+            x = C.all_gather(x, placement.dim, group, placement.blocks)
         elif isinstance(placement, Partial):
             x = C.all_reduce(x, group)
         else:

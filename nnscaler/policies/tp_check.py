@@ -1,0 +1,58 @@
+"""What a tensor-parallel plan costs, counted from the program the compiler emits: collectives per
+training step (forward and backward, by kind) and how much of a set of parameters is stored split.
+The ``tp`` tests and ``bench/tp_collectives.py`` judge plans against Megatron-LM with these."""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from typing import Callable
+
+from ..codegen.emit import conversion_steps, stored_layouts
+from ..dimops.layout import Shard
+from ..ir.graph import IRGraph
+from .plan import Plan
+
+FORWARD = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_sum_grad"}
+# the collective each step's backward issues (for tensors that carry a gradient)
+BACKWARD = {"grad_all_reduce": "all_reduce", "split": "all_gather", "reduce_scatter": "all_gather",
+            "all_to_all": "all_to_all", "all_gather_sum_grad": "reduce_scatter"}
+_RENAME = {"all_gather_sum_grad": "all_gather"}
+
+
+def collectives(graph: IRGraph, plan: Plan, rank: int = 0) -> tuple[Counter, Counter]:
+    """(forward, backward) collectives of one training step on plan rank ``rank``, by kind."""
+    fwd, bwd = Counter(), Counter()
+    for step, grad in conversion_steps(graph, plan, rank):
+        if step.kind in FORWARD:
+            fwd[_RENAME.get(step.kind, step.kind)] += 1
+        if grad and step.kind in BACKWARD:
+            bwd[BACKWARD[step.kind]] += 1
+    return fwd, bwd
+
+
+LAYER = re.compile(r"\.(h|layers|layer|block)\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The transformer layer a parameter belongs to (``h.3.attn...`` -> 3), if any."""
+    m = LAYER.search("." + name)
+    return int(m.group(2)) if m else None
+
+
+def sharded_fraction(graph: IRGraph, plan: Plan, select: Callable[[str], bool] = lambda n: layer_of(n) is not None
+                     ) -> tuple[float, float]:
+    """Of the parameters whose name ``select`` accepts (default: those inside transformer layers):
+    (fraction of their elements stored split, fraction of their bytes each rank holds)."""
+    stored = stored_layouts(graph, plan)
+    total = split = held = 0
+    for t in graph.params:
+        if not select(t.target or t.name):
+            continue
+        n = math.prod(t.shape)
+        lay = stored.get(t, ())
+        cut = math.prod(f for f, q in zip(plan.mesh_shape, lay) if isinstance(q, Shard))
+        total += n
+        split += n if cut > 1 else 0
+        held += n / cut
+    return (split / total, held / total) if total else (0.0, 1.0)
