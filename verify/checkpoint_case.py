@@ -19,6 +19,7 @@ from nnscaler.parallel import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from .models.loader import file_tag
 from .compare import FACTOR, FLOOR_EPS, Check, check_tensor, check_update
 from .models.builders import build_model
 
@@ -73,7 +74,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     (loss and gradients at the same parameters, against float64; each update against AdamW on one
     device fed plan B's gradients from the same state)."""
     rank = dist.get_rank()
-    path = Path(gen_dir) / f"ckpt-{name}-{policy}-w{world_size}-s{seed}"
+    path = Path(gen_dir) / f"ckpt-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}"
     group = pm.process_group
     if rank == 0 and path.exists():
         shutil.rmtree(path)
@@ -99,7 +100,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         resumed = parallelize(build_model(name, seed).model.to(dtype), _cast(batch(0), dtype), other,
                               ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1), groups=groups,
-                              gen_savedir=Path(gen_dir) / f"{name}-resume-{other}-w{w_b}-{dtype}-s{seed}",
+                              gen_savedir=Path(gen_dir) / f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}",
                               verify=False)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
     checkpoint.load(path, resumed, resumed_opt)

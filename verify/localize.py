@@ -34,6 +34,7 @@ from nnscaler.policies.plan import Plan, replicated
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.mesh import RankMesh
 
+from .models.loader import file_tag
 from .compare import check_tensor
 from .models.builders import build_model
 from .samples import DTYPES
@@ -211,9 +212,8 @@ def localize_model_case(name: str, policy: str, world_size: int, seed: int, grou
     model = case.model.to(dt)
     args = tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case.batch(0))
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed)
-    tag = Path(name).name.replace(":", "-")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(copy.deepcopy(model), args, resolve_policy(policy), config, groups=groups, verify=False,
-                         gen_savedir=Path(gen_dir) / f"localize-{tag}-{Path(policy).name}-w{world_size}-s{seed}")
+                         gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}")
     return first_divergence(pm, model, args, world_size)

@@ -20,6 +20,7 @@ from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
 from .checkpoint_case import resume_checks
+from .models.loader import file_tag
 from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
 from .models.builders import build_model
 from .samples import DTYPES
@@ -128,7 +129,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
     tag = policy.replace("/", "_").replace(":", "-").replace("@", "_")
     pm = _parallelize(case.model, _cast(case.batch(0), dt), policy, config, groups,
-                      Path(gen_dir) / f"{name}-{tag}-w{world_size}-{dtype}-s{seed}")
+                      Path(gen_dir) / f"{file_tag(name)}-{tag}-w{world_size}-{dtype}-s{seed}")
     initial = pm.state_dict()
     checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
     params = dict(ref.named_parameters())
@@ -189,7 +190,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
     other_policy = _other_policy(policy)
     other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
                          ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes),
-                         groups, Path(gen_dir) / f"{name}-reload-w{world_size}-{dt}-s{seed}")
+                         groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}")
     other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
     with torch.no_grad():
         got, want, other_loss = pm(*args), single(*args), other(*args)

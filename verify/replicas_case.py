@@ -16,6 +16,7 @@ from nnscaler.policies import ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from .models.loader import file_tag
 from .compare import Check, check_tensor, check_update
 from .models.builders import build_model
 
@@ -49,7 +50,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(case.batch(0), replica, replicas), policy, config, groups=groups, verify=False,
-                         gen_savedir=Path(gen_dir) / f"{name}-{policy}-p{plan_ngpus}-w{world_size}-s{seed}")
+                         gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}-p{plan_ngpus}-w{world_size}-s{seed}")
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads

@@ -5,6 +5,7 @@ giving the sample arguments of a training step."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -37,6 +38,12 @@ def _import_file(path: Path):
         del sys.modules[name]
         raise ModelNotFound(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
     return module
+
+
+def file_tag(ref: str) -> str:
+    """A file-name-safe tag for a model or policy reference (``/work/m.py:build`` -> ``m.py-build``), so
+    generated programs stay inside the directory meant for them."""
+    return re.sub(r"[^A-Za-z0-9_.@-]+", "-", Path(ref).name).strip("-") or "model"
 
 
 def is_file_reference(ref: str) -> bool:
