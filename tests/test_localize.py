@@ -20,7 +20,7 @@ from verify.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WRONG_RULES = str(FIXTURES / "wrong_norm_rules.py")
-WRONG_GATHER = str(FIXTURES / "wrong_all_gather.py")
+WRONG_COLLECTIVE = str(FIXTURES / "wrong_collective.py")
 
 
 def _row(gang, model: str, policy: str, seed: int, modules=()):
@@ -91,12 +91,18 @@ def test_a_wrong_collective_is_named_at_the_operator_that_consumes_it():
     plan = POLICIES["tp"](graph, ComputeConfig(2))
     source, _, _ = generate(graph, plan, 0)
     lines = source.splitlines()
-    at = next(i for i, line in enumerate(lines) if "C.all_gather(" in line)
-    var = lines[at].split("=")[0].strip()
-    consumer = next(line for line in lines[at + 1:] if re.search(rf"\b{re.escape(var)}\b", line.split("=", 1)[1]))
-    out_var = consumer.split("=")[0].strip().split(",")[0].strip()
-    expected = next(op.name for op in graph.ops for t in op.outputs if t is not None and t.name == out_var)
-    with Gang(2, [WRONG_GATHER], (2,)) as g:
-        row = _row(g, "nanogpt", "tp", 0, [WRONG_GATHER])
+    outputs = {t.name: op.name for op in graph.ops for t in op.outputs if t is not None}
+    at = next(i for i, line in enumerate(lines) if "C.all_reduce(" in line)
+    var, expected = lines[at].split("=")[0].strip(), None
+    for line in lines[at + 1:]:  # follow further conversions of the gathered tensor to the op consuming it
+        if "=" in line and re.search(rf"\b{re.escape(var)}\b", line.split("=", 1)[1]):
+            lhs = line.split("=")[0].strip().split(",")[0].strip()
+            if lhs in outputs:
+                expected = outputs[lhs]
+                break
+            var = lhs
+    assert expected is not None, source
+    with Gang(2, [WRONG_COLLECTIVE], (2,)) as g:
+        row = _row(g, "nanogpt", "tp", 0, [WRONG_COLLECTIVE])
     assert row.status == MISMATCH
     assert f"first divergent operator: {expected} " in row.detail, (expected, row.detail)

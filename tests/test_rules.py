@@ -82,7 +82,7 @@ def test_derived_annotation(overload, args, annotation):
     ("aten.histc.default", (T(64), 3, 0, 2), "a+, ?, ?, ? -> b^"),
     ("aten._grouped_mm.default", (T(16, 8), T(3, 8, 12), T(3, dtype=torch.int32)), "s^ k+, e^ k+ n, e^ -> s^ n"),
     ("aten.conv2d.default", (T(4, 3, 8, 8), T(12, 3, 3, 3), T(12), [1, 1], [1, 1]),
-     "n c+ a^ b^, o c+ d^ e^, o, ?, ? -> n o f^ g^"),
+     "n c+ a^ b^, o c+ d^ e^, +o, ?, ? -> n o f^ g^"),
     ("aten.group_norm.default", (T(4, 12, 8, 8), 3, T(12), T(12), 1e-5, False),
      "n (g 4) a^ b^, ?, (g 4), (g 4), ?, ? -> n (g 4) a^ b^"),
     ("aten.slice.Tensor", (T(4, 3, 8, 16), 3, 16, 2 ** 63 - 1), "a b c e^, ?, ?, ? -> a b c 0"),
