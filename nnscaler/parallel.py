@@ -16,8 +16,8 @@ import torch.distributed as dist
 from .codegen.emit import generate
 from .dimops.partition import Partition
 from .ops.registry import OpRegistry
-from .policies import POLICIES, ComputeConfig, Plan, PlanError, validate
-from .plan_api import attach_stats, write_report
+from .policies import ComputeConfig, Plan, PlanError, validate
+from .plan_api import attach_stats, resolve_policy, write_report
 from .policies.plan import Policy
 from .runtime.mesh import GroupCache, RankMesh
 from .runtime.module import ParallelModule
@@ -28,14 +28,6 @@ CODEGEN_VERSION = "2"
 
 class GenSaveDirError(OSError):
     """``gen_savedir`` cannot hold the generated programs (not a directory, not writable)."""
-
-
-def _policy(policy: str | Policy) -> tuple[str, Policy]:
-    if callable(policy):
-        return getattr(policy, "__name__", "custom"), policy
-    if policy not in POLICIES:
-        raise PlanError(f"unknown policy {policy!r}; built in: {', '.join(POLICIES)} (or pass a function)")
-    return policy, POLICIES[policy]
 
 
 def _ensure_process_group() -> None:
@@ -152,7 +144,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     if world != runtime and not (groups is not None and runtime <= world):
         raise PlanError(f"the process group has {world} ranks but the config asks for {runtime} "
                         f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
-    name, fn = _policy(policy)
+    name, fn = resolve_policy(policy)
     graph = trace(model, sample_args, sample_kwargs, registry=registry, strict=strict)
     canonical = {}  # tied parameters go by their first name, as named_parameters() lists them
     for n, p in model.named_parameters():

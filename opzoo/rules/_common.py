@@ -60,6 +60,16 @@ def arg(call: OpCall, pos: int, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def frozen_dim(names: Names, n: int, sizes: dict) -> str:
+    """A new identifier for a dim of length ``n`` that is never split (``^``), its length noted in
+    ``sizes``; a dim of length 1 stays the number ``1``."""
+    d = names.dim(n)
+    if d != "1":
+        sizes[d] = n
+        d += "^"
+    return d
+
+
 def mark(dim: str, marker: str) -> str:
     """``k`` -> ``k+``; ``1``, numbers and groups are left alone."""
     return dim if (dim.isdigit() or dim.startswith("(")) else dim + marker

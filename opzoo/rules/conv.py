@@ -11,17 +11,9 @@ from __future__ import annotations
 
 from nnscaler.ops import OpCall, Size, TensorMeta, annotation_rule
 
-from ._common import Names, arg, build, mark, usable
+from ._common import Names, arg, build, frozen_dim, mark, usable
 
 FAMILY = "nn"
-
-
-def _frozen(names: Names, n: int, sizes: dict) -> str:
-    d = names.dim(n)
-    if d != "1":
-        sizes[d] = n
-        d += "^"
-    return d
 
 
 @annotation_rule("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
@@ -35,12 +27,12 @@ def conv_rule(call: OpCall):
         return None
     names, sizes = Names(), {}
     n, c, o = names.dim(x.shape[0], "n"), mark(names.dim(x.shape[1], "c"), "+"), names.dim(w.shape[0], "o")
-    ins = {0: [n, c] + [_frozen(names, s, sizes) for s in x.shape[2:]],
-           1: [o, c] + [_frozen(names, s, sizes) for s in w.shape[2:]]}
+    ins = {0: [n, c] + [frozen_dim(names, s, sizes) for s in x.shape[2:]],
+           1: [o, c] + [frozen_dim(names, s, sizes) for s in w.shape[2:]]}
     bias = call.args[2] if len(call.args) > 2 else call.kwargs.get("bias")
     if isinstance(bias, TensorMeta):
         ins[2] = ["+" + o]  # added after the contraction over c: a partial value under a c split
-    return build(call, FAMILY, ins, [[n, o] + [_frozen(names, s, sizes) for s in out.shape[2:]]], sizes=sizes)
+    return build(call, FAMILY, ins, [[n, o] + [frozen_dim(names, s, sizes) for s in out.shape[2:]]], sizes=sizes)
 
 
 @annotation_rule("aten.group_norm.default")
@@ -56,7 +48,7 @@ def group_norm_rule(call: OpCall):
     per = x.shape[1] // groups
     args = {}
     if groups == 1:
-        ch = _frozen(names, x.shape[1], sizes)
+        ch = frozen_dim(names, x.shape[1], sizes)
     elif per == 1:
         ch = names.new("g")
         args[1] = Size(ch)
@@ -64,7 +56,7 @@ def group_norm_rule(call: OpCall):
         g = names.new("g")
         ch = f"({g} {per})"  # the channels per group, a fixed count
         args[1] = Size(g)
-    din = [n, ch] + [_frozen(names, s, sizes) for s in x.shape[2:]]
+    din = [n, ch] + [frozen_dim(names, s, sizes) for s in x.shape[2:]]
     ins = {0: din}
     for pos in (2, 3):
         t = call.args[pos] if len(call.args) > pos else call.kwargs.get(("weight", "bias")[pos - 2])

@@ -18,17 +18,9 @@ import torch
 
 from nnscaler.ops import Index, OpCall, TensorMeta, annotation_rule
 
-from ._common import Names, arg, broadcast, build, norm_dim, usable
+from ._common import Names, arg, broadcast, build, frozen_dim, norm_dim, usable
 
 FAMILY = "indexing"
-
-
-def _frozen(names: Names, n: int, sizes: dict) -> str:
-    d = names.dim(n)
-    if d != "1":
-        sizes[d] = n
-        d += "^"
-    return d
 
 
 @annotation_rule("aten.index.Tensor")
@@ -41,7 +33,7 @@ def index_rule(call: OpCall):
                                            or i.dtype.is_floating_point for i in idx):
         return None
     names, sizes = Names(), {}
-    dx = [_frozen(names, n, sizes) for n in x.shape[:len(idx)]]
+    dx = [frozen_dim(names, n, sizes) for n in x.shape[:len(idx)]]
     rest = [names.dim(n) for n in x.shape[len(idx):]]
     b = broadcast(names, [i.shape for i in idx])
     if b is None:
@@ -69,9 +61,9 @@ def index_put_rule(call: OpCall):
     if any(not isinstance(i, TensorMeta) for i in idx):
         return None
     names, sizes = Names(), {}
-    ins = {0: [_frozen(names, n, sizes) for n in x.shape],
-           1: [[_frozen(names, n, sizes) for n in i.shape] for i in idx],
-           2: [_frozen(names, n, sizes) for n in values.shape]}
+    ins = {0: [frozen_dim(names, n, sizes) for n in x.shape],
+           1: [[frozen_dim(names, n, sizes) for n in i.shape] for i in idx],
+           2: [frozen_dim(names, n, sizes) for n in values.shape]}
     return build(call, FAMILY, ins, [ins[0]], sizes=sizes, fn=partial(index_put, n=len(idx)))
 
 
@@ -90,8 +82,8 @@ def diff_rule(call: OpCall):
         if isinstance(t, TensorMeta):
             if t.ndim != x.ndim or any(t.shape[d] != x.shape[d] for d in range(x.ndim) if d != dim):
                 return None
-            ins[pos] = base[:dim] + [_frozen(names, t.shape[dim], sizes)] + base[dim + 1:]
-    out = base[:dim] + [_frozen(names, call.outputs[0].shape[dim], sizes)] + base[dim + 1:]
+            ins[pos] = base[:dim] + [frozen_dim(names, t.shape[dim], sizes)] + base[dim + 1:]
+    out = base[:dim] + [frozen_dim(names, call.outputs[0].shape[dim], sizes)] + base[dim + 1:]
     return build(call, FAMILY, ins, [out], sizes=sizes, differentiable=x.dtype.is_floating_point)
 
 
@@ -130,8 +122,8 @@ def select_along_rule(call: OpCall):
     names, sizes = Names(), {}
     din = [names.dim(n) for n in x.shape]
     if x.ndim:
-        din[dim] = _frozen(names, x.shape[dim], sizes)
+        din[dim] = frozen_dim(names, x.shape[dim], sizes)
     dout = list(din)
     if x.ndim and call.outputs[0].shape[dim] != x.shape[dim]:
-        dout[dim] = _frozen(names, call.outputs[0].shape[dim], sizes)
+        dout[dim] = frozen_dim(names, call.outputs[0].shape[dim], sizes)
     return build(call, FAMILY, {0: din}, [dout, dout], sizes=sizes)
