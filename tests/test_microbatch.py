@@ -3,6 +3,7 @@ means over a varying number of elements), ``no_sync`` and ``train_step`` on real
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from contextlib import nullcontext
 
 import pytest
@@ -102,10 +103,14 @@ def test_train_step_adds_to_gradients_held_before_and_restores_them_on_error():
 
 
 # -- on real ranks ------------------------------------------------------------------------------------
-def _accumulation(gang, name, policy, mode, world_size=2, plan_ngpus=None, m=2):
+CATALOG = str(Path(__file__).parent / "mutants" / "catalog.py")
+
+
+def _accumulation(gang, name, policy, mode, world_size=2, plan_ngpus=None, m=2, seed=0, mutant=None):
     with tempfile.TemporaryDirectory() as tmp:
         job = {"kind": "accumulation", "model": name, "policy": policy, "mode": mode, "microbatches": m,
-               "world_size": world_size, "plan_ngpus": plan_ngpus or world_size, "seed": 0, "gen_dir": tmp}
+               "world_size": world_size, "plan_ngpus": plan_ngpus or world_size, "seed": seed, "gen_dir": tmp,
+               "mutant": mutant, "catalog": CATALOG}
         return judge(gang.run(job, world_size, 240))
 
 
@@ -122,9 +127,50 @@ def test_two_backwards_equal_one_batch_only_with_no_sync(gang, policy, world_siz
     assert any(not c["ok"] for c in checks if c["name"].startswith("grad"))
 
 
-@pytest.mark.parametrize("policy,world_size,plan_ngpus", [("dp", 2, 2), ("tp", 4, 2)])
-def test_train_step_on_padded_targets_equals_one_device_on_the_whole_batch(gang, policy, world_size, plan_ngpus):
-    """Four uneven micro-batches (padded targets), within a plan and across two replicas."""
-    status, detail, checks, _ = _accumulation(gang, "padded_gpt", policy, "train_step", world_size, plan_ngpus, m=4)
+@pytest.mark.parametrize("policy,world_size,plan_ngpus,seed", [("dp", 2, 2, 0), ("dp", 2, 2, 1), ("tp", 4, 2, 0)])
+def test_train_step_on_padded_targets_equals_one_device_on_the_whole_batch(gang, policy, world_size, plan_ngpus, seed):
+    """Four uneven micro-batches (padded targets), within a plan and across two replicas, across seeds."""
+    status, detail, checks, _ = _accumulation(gang, "padded_gpt", policy, "train_step", world_size, plan_ngpus, m=4,
+                                              seed=seed)
     assert status == MATCH, detail
-    assert checks[0]["name"] == "loss"
+    assert checks[0]["name"] == "loss" and sum(c["name"].startswith("grad") for c in checks) >= 10
+
+
+@pytest.mark.parametrize("mutant,name,policy,world_size,plan_ngpus", [
+    ("grad_sync_before_the_last_micro_batch", "weightnorm_mlp", "tp", 2, 2),
+    ("grad_sync_before_the_last_micro_batch", "weightnorm_mlp", "dp", 4, 2),
+    ("loss_scaled_per_micro_batch", "padded_gpt", "dp", 2, 2)])
+def test_accumulation_bugs_are_caught(gang, mutant, name, policy, world_size, plan_ngpus):
+    """A gradient reducer launched before the last micro-batch, and a loss scaled per micro-batch, each
+    put into the runtime for this case only (the same case passes without them, above)."""
+    status, detail, checks, _ = _accumulation(gang, name, policy, "train_step", world_size, plan_ngpus, m=4,
+                                              mutant=mutant)
+    assert status == MISMATCH, detail
+    assert any(not c["ok"] for c in checks)
+    status, detail, _, _ = _accumulation(gang, name, policy, "train_step", world_size, plan_ngpus, m=4)
+    assert status == MATCH, detail  # and the gang's runtime is clean again
+
+
+# -- the harness: whole-model rows with micro-batches ------------------------------------------------
+def test_a_padded_gpt_row_with_four_micro_batches_matches_one_device(gang):
+    from verify.cases import RunConfig, run_model
+    cfg = RunConfig(world_sizes=(2,), microbatches=4)
+    with tempfile.TemporaryDirectory() as tmp:
+        (row,) = run_model(gang, "padded_gpt", ("dp",), cfg, tmp, steps=2)
+    assert (row.status, row.detail) == (MATCH, "")
+    assert row.partition == "dp mb4" and row.microbatches == 4 and "4 micro-batches" in row.annotation
+    assert row.to_json()["microbatches"] == 4
+    assert "--microbatches 4" in cfg.rerun_model("padded_gpt", "dp", 2, 0, 2)
+    assert "--microbatches" not in RunConfig().rerun_model("padded_gpt", "dp", 2, 0, 2)
+
+
+def test_the_cli_takes_micro_batches_and_refuses_bad_counts(capsys):
+    from verify.cli import build_parser, main
+    assert build_parser().parse_args(["model", "nanogpt", "--microbatches", "4"]).microbatches == 4
+    assert build_parser().parse_args(["model", "nanogpt"]).microbatches == 1
+    assert build_parser().parse_args(["all"]).microbatches == [4]
+    assert build_parser().parse_args(["all", "--microbatches"]).microbatches == []
+    for bad in ("0", "-2", "x"):
+        assert main(["model", "nanogpt", "--microbatches", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--microbatches" in err

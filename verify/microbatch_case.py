@@ -5,6 +5,8 @@ a model's mean loss exact across uneven micro-batches, and one rank's part of an
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -57,7 +59,27 @@ def run_accumulation_job(job: dict, groups: GroupCache) -> list[Check]:
     micro-batches, then every gradient (and for ``train_step`` the loss) against one device on the
     whole batch. ``mode``: ``no_sync`` (the user's loop: backward of each micro-batch's loss / M,
     ``no_sync`` around all but the last), ``synced`` (the same loop without ``no_sync``: gradients
-    synced after every backward), ``train_step``."""
+    synced after every backward), ``train_step``. With ``mutant`` (a name) and ``catalog`` (a file with a
+    context manager ``applied(name)``, as ``tests/mutants/catalog.py``), the case runs with that bug
+    put into the compiler or runtime, and without it again afterwards: the tests prove so, on the
+    shared rank gang, that the harness catches it."""
+    with _mutated(job.get("catalog"), job.get("mutant")):
+        return _accumulation_checks(job, groups)
+
+
+def _mutated(catalog: str | None, name: str | None):
+    if not name:
+        return nullcontext()
+    module = sys.modules.get("verify_mutant_catalog")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("verify_mutant_catalog", catalog)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["verify_mutant_catalog"] = module
+    return module.applied(name)
+
+
+def _accumulation_checks(job: dict, groups: GroupCache) -> list[Check]:
     name, policy, mode, m, seed = job["model"], job["policy"], job["mode"], job["microbatches"], job["seed"]
     world, plan_ngpus = job["world_size"], job.get("plan_ngpus", job["world_size"])
     case = build_model(name, seed)
