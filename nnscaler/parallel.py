@@ -141,6 +141,11 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     """
     if verify not in ("strict", "warn", False):
         raise PlanError(f"verify must be 'strict', 'warn' or False, got {verify!r}")
+    if config.num_microbatches > 1:  # the sample is a whole batch; the program runs one micro-batch
+        try:
+            sample_args, sample_kwargs = split_batch(sample_args, sample_kwargs, config.num_microbatches)[0]
+        except MicroBatchError as exc:
+            raise PlanError(f"sample_args: {exc}") from None
     _ensure_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     runtime = config.runtime_ngpus or config.plan_ngpus
@@ -148,11 +153,6 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         raise PlanError(f"the process group has {world} ranks but the config asks for {runtime} "
                         f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
     name, fn = resolve_policy(policy)
-    if config.num_microbatches > 1:  # the sample is a whole batch; the program runs one micro-batch
-        try:
-            sample_args, sample_kwargs = split_batch(sample_args, sample_kwargs, config.num_microbatches)[0]
-        except MicroBatchError as exc:
-            raise PlanError(f"sample_args: {exc}") from None
     graph = trace(model, sample_args, sample_kwargs, registry=registry, strict=strict)
     canonical = {}  # tied parameters go by their first name, as named_parameters() lists them
     for n, p in model.named_parameters():
