@@ -13,6 +13,7 @@ from nnscaler.ops.spec import OpSpec
 from .gang import Gang, RankAnswer
 from .localize import Divergence
 from .model_case import expected_checks
+from .pipeline_case import pipeline_applies
 from .samples import split_base
 
 MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
@@ -262,7 +263,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
-                if (f"model:{name}", w, policy, cfg.dtype, seed) in skip:
+                if (f"model:{name}", w, policy, cfg.dtype, seed) in skip or not pipeline_applies(policy, w):
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,

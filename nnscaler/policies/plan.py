@@ -31,7 +31,8 @@ class ComputeConfig:
     ``autodist``'s plans; ``profile`` names the device the cost model assumes (``cpu-gloo``,
     ``a100``, ``h100``; default ``cpu-gloo``). ``sequence_parallel``: under ``tp``/``hybrid``, norms,
     dropout and residual adds between the tensor-parallel regions are split along the sequence
-    (Megatron-LM's sequence parallelism: each all-reduce becomes a reduce-scatter and an all-gather)."""
+    (Megatron-LM's sequence parallelism: each all-reduce becomes a reduce-scatter and an all-gather).
+    ``pp_size``/``schedule``/``pp_split``: pipeline stages (see :mod:`nnscaler.pipeline`)."""
 
     plan_ngpus: int
     runtime_ngpus: int | None = None
@@ -41,6 +42,11 @@ class ComputeConfig:
     mem_budget: int | None = None
     profile: str | None = None
     sequence_parallel: bool = False
+    # pipeline parallelism (``nnscaler.pipeline``): ``pp_size`` stages of ``plan_ngpus // pp_size`` ranks each,
+    # run by ``schedule``; ``pp_split`` names the modules where stages 1.. begin (default: balance the cost model)
+    pp_size: int = 1
+    schedule: str = "1F1B"
+    pp_split: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.plan_ngpus < 1:
@@ -51,6 +57,9 @@ class ComputeConfig:
             raise PlanError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.mem_budget is not None and self.mem_budget <= 0:
             raise PlanError(f"mem_budget must be a positive number of bytes per rank, got {self.mem_budget}")
+        if self.pp_size != 1 or self.pp_split is not None or self.schedule != "1F1B":
+            from ..pipeline.checks import check_config
+            check_config(self)
         if self.profile is not None:
             from ..cost.profiles import ProfileError, get_profile
             try:

@@ -1,0 +1,186 @@
+"""The pipelined module: this rank's stages (each a generated :class:`ParallelModule` over the stage's
+ranks) run by a schedule of :mod:`torch.distributed.pipelining`.
+
+Ranks: pipeline rank ``r`` holds stages ``r, r + pp, ...``; each stage has ``k`` ranks (global ranks
+``r * k .. r * k + k - 1``) partitioned by the stage policy. Rank ``local`` of a stage talks to rank
+``local`` of the next stage over the pipeline group ``{local + s * k}``: stage inputs and outputs are
+whole tensors on every rank of a stage, so each of the ``k`` pipelines carries the same values.
+
+Gradients equal single-device gradients of the whole batch: each micro-batch's loss is its mean, the
+schedule divides the accumulated gradients by the number of micro-batches (``scale_grads``); the
+in-stage gradient sync (data-parallel and tensor-parallel sums) runs once, after the last micro-batch;
+a parameter used by several stages (tied embeddings) then gets the sum of its stages' gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from ..ir.graph import IRGraph
+from ..runtime.module import ParallelModule, take
+from .schedules import SCHEDULES, canonical_schedule
+
+
+def _example(t) -> torch.Tensor:
+    """A tensor like IR tensor ``t`` for the stage's static metadata (floating ones carry gradients)."""
+    return torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.dtype.is_floating_point)
+
+
+@contextlib.contextmanager
+def _deferred_sync(module: ParallelModule):
+    """Run backward passes with ``module``'s gradient-sync hooks idle, then sync once (the data-parallel
+    and in-plan sums wait for the last micro-batch)."""
+    sync = module._grad_sync
+    sync._ready = lambda b: None  # the hooks call self._ready; the instance attribute silences them
+    try:
+        yield
+    finally:
+        del sync._ready
+    sync._finish()  # launches every bucket (none was launched) and waits
+
+
+class PipelineModule(torch.nn.Module):
+    """This rank's pipeline stages; :meth:`train_step` runs one training step over micro-batches."""
+
+    def __init__(self, stages: dict[int, ParallelModule], graphs: list[IRGraph], config, num_microbatches: int,
+                 pp_group, prank: int, local: int, stage_ranks: int):
+        super().__init__()
+        self.stages = torch.nn.ModuleDict({str(s): m for s, m in stages.items()})
+        self.num_microbatches = num_microbatches
+        self.schedule_name = canonical_schedule(config.schedule)
+        self._graphs, self._pp_group, self._prank, self._local, self._k = graphs, pp_group, prank, local, stage_ranks
+        self._pp = config.pp_size
+        self._n = len(graphs)
+        self.process_group = None
+        held: dict[str, list[int]] = {}
+        for s, g in enumerate(graphs):
+            for t in g.params:
+                held.setdefault(t.target, []).append(s)
+        self.tied = sorted(n for n, ss in held.items() if len(ss) > 1)  # gradients summed across stages
+        self._owner = {n: ss[0] for n, ss in held.items()}  # the stage whose copy state_dict reports
+        for s, g in enumerate(graphs):
+            for t in g.buffers:
+                self._owner.setdefault(t.target, s)
+        self._shapes = {t.target: tuple(t.shape) for g in graphs for t in g.params + g.buffers}
+        self._pipe_stages = [
+            PipelineStage(mod, s, self._n, torch.device("cpu"),
+                          input_args=tuple(_example(t) for t in graphs[s].inputs),
+                          output_args=tuple(_example(t) for t in _outs(graphs[s])), group=pp_group)
+            for s, mod in sorted(stages.items())]
+        self._loss_fn: Callable | None = None
+        cls = SCHEDULES[self.schedule_name]
+        stage_arg = self._pipe_stages if self.schedule_name.startswith("Interleaved") else self._pipe_stages[0]
+        self._schedule = cls(stage_arg, num_microbatches, loss_fn=self._micro_loss, scale_grads=True)
+
+    # -- running ------------------------------------------------------------------------------------
+    def _micro_loss(self, output, target):
+        return output if self._loss_fn is None else self._loss_fn(output)
+
+    @property
+    def _has_first(self) -> bool:
+        return 0 in self._stage_ids
+
+    @property
+    def _has_last(self) -> bool:
+        return self._n - 1 in self._stage_ids
+
+    @property
+    def _stage_ids(self) -> list[int]:
+        return [int(s) for s in self.stages]
+
+    def _check_batch(self, batch: tuple) -> int:
+        sizes = {a.shape[0] for a in batch if isinstance(a, torch.Tensor) and a.dim()}
+        if len(sizes) != 1 or next(iter(sizes)) % self.num_microbatches:
+            raise ValueError(f"train_step: the batch's dim 0 ({sorted(sizes)}) must be one size divisible by "
+                             f"num_microbatches={self.num_microbatches}")
+        return next(iter(sizes))
+
+    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(())
+        dist.broadcast(loss, group=self._pp_group, group_src=self._pp - 1)
+        return loss
+
+    def train_step(self, *batch: Any, loss_fn: Callable | None = None) -> torch.Tensor:
+        """One training step: the batch (dim 0) cut into micro-batches, run by the schedule; returns the
+        whole batch's loss (the mean of the micro-batch losses) on every rank and leaves every parameter's
+        gradient equal to the single-device gradient of the whole batch. ``loss_fn(output) -> loss`` turns
+        the model's output into its loss (``None``: the model returns its loss)."""
+        b = self._check_batch(batch)
+        self._loss_fn = loss_fn
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(b)  # the model computes its own loss; the schedule wants a target to split
+        with contextlib.ExitStack() as stack:
+            for mod in self.stages.values():
+                stack.enter_context(_deferred_sync(mod))
+            self._schedule.step(*(batch if self._has_first else ()), target=target, losses=losses,
+                                return_outputs=False)
+        self._sum_tied_grads()
+        return self._broadcast_loss(losses)
+
+    def forward(self, *batch: Any) -> torch.Tensor:
+        """The whole batch's loss, forward only (micro-batches through the stages, no gradients)."""
+        b = self._check_batch(batch)
+        losses: list[torch.Tensor] = []
+        self._loss_fn = None
+        with torch.no_grad():
+            self._schedule.eval(*(batch if self._has_first else ()), target=torch.zeros(b), losses=losses,
+                                return_outputs=False)
+        return self._broadcast_loss(losses)
+
+    def _sum_tied_grads(self) -> None:
+        """Every copy of a parameter used by several stages gets the sum of their gradients."""
+        for name in self.tied:
+            total = torch.zeros(self._shapes[name])
+            copies = []
+            for s, mod in self.stages.items():
+                key = name.replace(".", "__")
+                if key in mod._names and isinstance(getattr(mod, key), torch.nn.Parameter):
+                    p = getattr(mod, key)
+                    copies.append((mod, p))
+                    if p.grad is not None:
+                        total += mod._whole(name, p.grad.detach())
+            dist.all_reduce(total, group=self._pp_group)
+            for mod, p in copies:
+                piece = take(total, mod._program.STATE[name][2]).to(p.dtype)
+                p.grad = piece.clone() if p.grad is None else p.grad.copy_(piece)
+
+    # -- whole-model state --------------------------------------------------------------------------
+    def _merged(self, per_stage: Callable[[ParallelModule], Mapping[str, Any]]) -> dict[str, Any]:
+        mine = {}
+        for s, mod in self.stages.items():
+            for n, v in per_stage(mod).items():
+                if self._owner.get(n) == int(s):
+                    mine[n] = v
+        parts: list[dict | None] = [None] * self._pp
+        dist.all_gather_object(parts, mine, group=self._pp_group)
+        out = {}
+        for p in parts:
+            out.update(p)
+        return out
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D401
+        """Whole tensors under the single-device model's names, merged across stages."""
+        return self._merged(lambda mod: mod.state_dict())
+
+    def whole_grads(self) -> dict[str, torch.Tensor | None]:
+        """Whole gradients of the trainable parameters, merged across stages."""
+        return self._merged(lambda mod: mod.whole_grads())
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """Load whole tensors into every stage (each takes the names it holds)."""
+        names = set(self._shapes)
+        missing = sorted(n for n in names if n not in state_dict)
+        unexpected = sorted(n for n in state_dict if n not in names)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing {missing}, unexpected {unexpected}")
+        for mod in self.stages.values():
+            mod.load_state_dict({n: v for n, v in state_dict.items() if n in set(mod._names.values())}, strict=False)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _outs(g: IRGraph) -> list:
+    return [o for o in g.outputs]
