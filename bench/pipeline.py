@@ -81,8 +81,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     with tempfile.TemporaryDirectory() as d:
         for sched in SCHEDULES:
             for m in MICRO:
-                pc = ComputeConfig(world, pp_size=world, schedule=sched)
-                object.__setattr__(pc, "num_microbatches", m)  # until ComputeConfig has the field everywhere
+                pc = ComputeConfig(world, pp_size=world, schedule=sched, num_microbatches=m)
                 pm = parallelize(copy.deepcopy(base), batch, "dp", pc, gen_savedir=f"{d}/pp{sched}{m}")
                 (stage,) = pm._pipe_stages
                 probe = _Probe(stage)
@@ -105,8 +104,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                                                      for t in pm._graphs[rank].inputs)
                     res["saved"] = _saved_bytes(stage_mod, ins)  # one micro-batch of m=4
         # throughput: pp=2 (1F1B, m=8) against dp=2, same model and batch, alternating rounds
-        pc = ComputeConfig(world, pp_size=world)
-        object.__setattr__(pc, "num_microbatches", 8)
+        pc = ComputeConfig(world, pp_size=world, num_microbatches=8)
         runs = {"pp": parallelize(copy.deepcopy(base), batch, "dp", pc, gen_savedir=f"{d}/tput_pp"),
                 "dp": parallelize(copy.deepcopy(base), batch, "dp", ComputeConfig(world), gen_savedir=f"{d}/tput_dp")}
         opts = {k: torch.optim.AdamW(v.parameters()) for k, v in runs.items()}

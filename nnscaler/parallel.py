@@ -21,6 +21,7 @@ from .pipeline import is_pipeline_policy, parallelize_pipeline
 from .plan_api import attach_stats, resolve_policy, write_report
 from .policies.plan import Policy
 from .runtime.mesh import GroupCache, RankMesh
+from .runtime.microbatch import MicroBatchError, split_batch
 from .runtime.module import ParallelModule
 from .trace.build import trace
 
@@ -124,7 +125,9 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     exists) calls this with the same model and sample arguments. The generated program of each
     plan rank is written to ``gen_savedir`` and reused while a hash of the traced graph, the plan and
     the config matches. Ranks beyond ``plan_ngpus`` are data-parallel replicas, each fed its own
-    share of the batch; gradients are averaged over them during backward. ``groups`` reuses process groups made
+    share of the batch; gradients are averaged over them during backward. With ``config.num_microbatches``
+    above 1, ``sample_args`` is a whole batch (each tensor's dim 0 a multiple of it) and the program is
+    compiled for one micro-batch of it; train with ``module.train_step(*batch)``. ``groups`` reuses process groups made
     beforehand (then only ranks ``0 .. runtime_ngpus-1`` take part; others need not call).
 
     A cached program is run only if its text is exactly what the compiler writes now (anything else
@@ -154,6 +157,11 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         raise PlanError(f"the process group has {world} ranks but the config asks for {runtime} "
                         f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
     name, fn = resolve_policy(policy)
+    if config.num_microbatches > 1:  # the sample is a whole batch; the program runs one micro-batch
+        try:
+            sample_args, sample_kwargs = split_batch(sample_args, sample_kwargs, config.num_microbatches)[0]
+        except MicroBatchError as exc:
+            raise PlanError(f"sample_args: {exc}") from None
     graph = trace(model, sample_args, sample_kwargs, registry=registry, strict=strict)
     canonical = {}  # tied parameters go by their first name, as named_parameters() lists them
     for n, p in model.named_parameters():
@@ -198,7 +206,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
     trainable = {n for n, _ in model.named_parameters()}
     module = ParallelModule(program, state, mesh, trainable, replica_group, config.replicas,
-                            bucket_bytes=config.bucket_bytes)
+                            bucket_bytes=config.bucket_bytes, num_microbatches=config.num_microbatches)
     module.plan, module.graph = plan, graph
     module.process_group = None if runtime == world else cache.get(list(range(runtime)))  # all ranks of the module
     return module

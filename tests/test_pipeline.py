@@ -112,26 +112,26 @@ def test_a_schedule_name_is_case_insensitive():
 
 @pytest.mark.parametrize("cfg,args,needle", [
     (dict(plan_ngpus=4, pp_size=4), "batch", None),
-    (dict(plan_ngpus=2, pp_size=2, pp_split=("h.9",)), "batch", "split point 'h.9' is not a module.*did you mean h.0"),
-    (dict(plan_ngpus=2, pp_size=2), "odd", "not divisible by num_microbatches=4"),
+    (dict(plan_ngpus=2, pp_size=2, pp_split=("h.9",)), "batch", "split point 'h.9' is not a module.*did you mean h.1"),
+    (dict(plan_ngpus=2, pp_size=2), "odd", "has 3 rows \\(dim 0\\), not divisible by num_microbatches=4"),
 ])
 def test_model_checks(cfg, args, needle):
     case = build_model("nanogpt", 0)
     batch = case.batch(0) if args == "batch" else tuple(a[:3] for a in case.batch(0))
     if needle is None:
-        check_model(case.model, batch, ComputeConfig(**cfg), 4)
+        check_model(case.model, batch, ComputeConfig(**cfg, num_microbatches=4))
     else:
         with pytest.raises(PlanError, match=needle):
-            check_model(case.model, batch, ComputeConfig(**cfg), 4)
+            check_model(case.model, batch, ComputeConfig(**cfg, num_microbatches=4))
 
 
 def test_more_stages_than_layers_is_refused():
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
     assert cut_units(mlp) == ["0", "2"]
     with pytest.raises(PlanError, match="split point '1' holds no parameters"):
-        check_model(mlp, (torch.randn(4, 4),), ComputeConfig(2, pp_size=2, pp_split=("1",)), 4)
+        check_model(mlp, (torch.randn(4, 4),), ComputeConfig(2, pp_size=2, pp_split=("1",)))
     with pytest.raises(PlanError, match="3 pipeline stages but Sequential has only 2 layers"):
-        check_model(mlp, (torch.randn(4, 4),), ComputeConfig(3, pp_size=3), 4)
+        check_model(mlp, (torch.randn(4, 4),), ComputeConfig(3, pp_size=3))
 
 
 def test_the_cli_refuses_a_bad_pipeline_before_any_rank_starts(tmp_path, capsys):

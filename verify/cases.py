@@ -5,7 +5,7 @@ import inspect
 import math
 import shlex
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
 from nnscaler.ops.spec import OpSpec
@@ -13,7 +13,7 @@ from nnscaler.ops.spec import OpSpec
 from .gang import Gang, RankAnswer
 from .localize import Divergence
 from .model_case import expected_checks
-from .pipeline_case import pipeline_applies
+from .pipeline_case import pipeline_applies, pipeline_microbatches
 from .samples import split_base
 
 MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
@@ -38,13 +38,15 @@ class RunConfig:
     timeout_s: float = 30.0
     partition: str | None = None
     base_override: int | None = None
+    microbatches: int = 1  # whole-model cases: micro-batches per training step (1: plain forward/backward)
 
     def limit_s(self, kind: str = "op", steps: int = 1) -> float:
         """The time limit of one case: ``timeout_s`` for an operator case; a model case traces,
         compiles, trains ``steps`` steps on three copies and reloads its checkpoint twice, so it gets
-        ``MODEL_LIMIT_FACTOR`` times that, growing with the steps beyond three."""
+        ``MODEL_LIMIT_FACTOR`` times that, growing with the steps beyond three and with the
+        micro-batches beyond two (each step then runs that many forward and backward passes)."""
         if kind == "model":
-            return self.timeout_s * MODEL_LIMIT_FACTOR * max(1.0, steps / 3)
+            return self.timeout_s * MODEL_LIMIT_FACTOR * max(1.0, steps / 3) * max(1.0, self.microbatches / 2)
         return self.timeout_s
 
     @property
@@ -63,9 +65,11 @@ class RunConfig:
         return " ".join(shlex.quote(p) for p in parts)
 
     def rerun_model(self, model: str, policy: str, world_size: int, seed: int, steps: int) -> str:
-        """The command that reruns one whole-model row alone (same modules, dtype and steps)."""
+        """The command that reruns one whole-model row alone (same modules, dtype, steps, micro-batches)."""
         parts = ["python", "-m", "verify", "model", model, "--policy", policy, "--world-size", str(world_size),
                  "--seed", str(seed), "--steps", str(steps), "--dtype", self.dtype]
+        if self.microbatches > 1:
+            parts += ["--microbatches", str(self.microbatches)]
         for m in self.modules:
             parts += ["--module", m]
         return " ".join(shlex.quote(p) for p in parts)
@@ -91,6 +95,7 @@ class Row:
     rerun: str = ""
     seconds: float = 0.0
     traceback: str = field(default="", repr=False)
+    microbatches: int = 1  # whole-model rows: micro-batches per step (the partition label says so too)
 
     @property
     def ok(self) -> bool:
@@ -259,21 +264,33 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
     """Train model ``name`` under each policy (a built-in name or ``FILE.py:fn``), world size and seed
     of ``cfg`` in ``cfg.dtype``; one row per case, judged on the loss and every gradient at the
     single-device parameters, every optimizer update, and the reloaded checkpoint (``verify/compare.py``).
-    ``bucket_bytes`` sets the gradient-sync bucket size of the compiled modules."""
+    ``bucket_bytes`` sets the gradient-sync bucket size of the compiled modules. With
+    ``cfg.microbatches`` M above 1, each step trains M stacked batches by ``train_step`` in M
+    micro-batches (against one device on the whole batch); the row's partition reads ``POLICY mbM``."""
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
-                if (f"model:{name}", w, policy, cfg.dtype, seed) in skip or not pipeline_applies(policy, w):
+                m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
+                label = model_label(policy, m)
+                if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w):
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
-                       "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "bucket_bytes": bucket_bytes}
+                       "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "bucket_bytes": bucket_bytes,
+                       "microbatches": m}
                 expected = expected_checks(name, policy, steps, seed)
-                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("model", steps)), expected,
+                status, detail, checks, tb = judge(gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps)), expected,
                                                    cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
                 rerun = cfg.rerun_model(name, policy, w, seed, steps)
-                yield Row(f"model:{name}", "model", f"{steps} AdamW steps vs one device", w, policy, cfg.dtype, seed, status,
+                what = f"{steps} AdamW steps vs one device" if m == 1 else \
+                    f"{steps} AdamW steps of {m} micro-batches vs one device on the whole batch"
+                yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
-                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)
+                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m)
+
+
+def model_label(policy: str, microbatches: int = 1) -> str:
+    """The partition column of a whole-model row: the policy, then ``mbM`` for M micro-batches."""
+    return policy if microbatches == 1 else f"{policy} mb{microbatches}"

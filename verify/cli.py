@@ -23,10 +23,10 @@ from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
 from nnscaler.policies import POLICIES, PlanError
 
-from .cases import BadInput, RunConfig, preflight, run_model, run_op
+from .cases import BadInput, RunConfig, model_label, preflight, run_model, run_op
 from .lint import lint
 from .model_case import PolicyFileError, resolve_policy
-from .pipeline_case import PIPELINE_POLICIES, check_pipeline_input
+from .pipeline_case import PIPELINE_MICROBATCHES, PIPELINE_MODELS, PIPELINE_POLICIES, SWEPT, check_pipeline_input
 from .model_coverage import replicated_lines
 from .models.builders import MODELS, known_model
 from .models.loader import ModelNotFound, check_builder, is_file_reference
@@ -36,6 +36,9 @@ from .report import ReportError, ReportWriter, summary, table
 from .samples import DTYPES
 from .worker import load_modules
 
+
+
+MICROBATCH_POLICIES = ("dp", "tp")  # the micro-batch sweep of `verify all`
 
 
 class UsageError(Exception):
@@ -107,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("--bucket-bytes", type=_positive(int, "--bucket-bytes"), default=None, metavar="N",
                          help="gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)")
     p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
+    p_model.add_argument("--microbatches", type=_positive(int, "--microbatches"), default=1, metavar="M",
+                         help="train each step by train_step in M micro-batches (M of the model's batches stacked), "
+                              "against one device on the whole batch (default 1: plain forward and backward)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
@@ -124,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_all.add_argument("--model", nargs="*", default=None, metavar="NAME",
                        help="whole models to train under every policy (default: all, or none with --op; none with an "
                             "empty list)")
+    p_all.add_argument("--microbatches", type=_positive(int, "--microbatches"), nargs="*", default=[4], metavar="M",
+                       help=f"also train every model under {' and '.join(MICROBATCH_POLICIES)} with M micro-batches per "
+                            "step, for each M (default: 4; none with an empty list)")
     p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
                        help="seeds of the random policy for whole models, each a different plan (default: 0 1 2)")
     return parser
@@ -132,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _config(args) -> RunConfig:
     if args.base is not None and any(args.base % w for w in args.world_size):
         raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
+    microbatches = getattr(args, "microbatches", 1)
     return RunConfig(world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
                      modules=tuple(args.module), timeout_s=args.timeout, partition=getattr(args, "partition", None),
-                     base_override=args.base)
+                     base_override=args.base, microbatches=microbatches if isinstance(microbatches, int) else 1)
 
 
 def _load(modules: Sequence[str]) -> OpRegistry:
@@ -153,8 +163,11 @@ def _load(modules: Sequence[str]) -> OpRegistry:
 
 def _gang(cfg: RunConfig, args) -> Gang:
     """The ranks for ``cfg``: gloo's own timeout stays far above the longest case limit."""
+    sweep = getattr(args, "microbatches", 1)  # `all`: a list of micro-batch counts; the longest case sets the limit
+    most = max([cfg.microbatches, *sweep]) if isinstance(sweep, list) else cfg.microbatches
+    longest = replace(cfg, microbatches=most).limit_s("model", getattr(args, "steps", 3))
     return Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes, memory_mb=args.rank_memory,
-                pg_timeout_s=max(PG_TIMEOUT_S, 2 * cfg.limit_s("model", getattr(args, "steps", 3))))
+                pg_timeout_s=max(PG_TIMEOUT_S, 2 * longest))
 
 
 def _json_target(path: str | None) -> None:
@@ -265,12 +278,13 @@ def cmd_model(args) -> int:
     policies = _policies(args.policy)
     cfg = _config(args)
     try:  # a pipeline the model cannot be cut into, or a batch that does not divide: before any rank starts
-        check_pipeline_input(args.name, policies, cfg.world_sizes)
+        check_pipeline_input(args.name, policies, cfg.world_sizes, cfg.microbatches)
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     _json_target(args.json)
     writer = None if args.reports is None else ReportWriter(args.reports, cfg)
-    print(f"training {args.name} for {args.steps} steps under {', '.join(policies)} at world sizes "
+    mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
+    print(f"training {args.name} for {args.steps} steps{mb} under {', '.join(policies)} at world sizes "
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     for line in replicated_lines(args.name, [p for p in policies if p in POLICIES], cfg.world_sizes):
         print(line, flush=True)
@@ -305,7 +319,11 @@ def cmd_all(args) -> int:
           f"seeds {list(cfg.seeds)}; reports in {args.reports}/", flush=True)
     models = (sorted(MODELS) if not args.op else []) if args.model is None else args.model
     random_cfg = replace(cfg, seeds=tuple(dict.fromkeys(args.random_seeds)))
-    items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p)) for m in models for p in POLICIES]
+    items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p, 1)) for m in models for p in POLICIES]
+    items += [(f"model:{m} {model_label(p, k)}", (m, p, k)) for k in dict.fromkeys(args.microbatches) if k > 1
+              for m in models for p in MICROBATCH_POLICIES]
+    items += [(f"model:{m} {model_label(p, PIPELINE_MICROBATCHES)}", (m, p, PIPELINE_MICROBATCHES))
+              for m in models if m in PIPELINE_MODELS for p in SWEPT]  # pipelines: 1F1B and GPipe, each mesh
 
     try:
         with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items)) as progress:
@@ -313,8 +331,9 @@ def cmd_all(args) -> int:
             for label, item in items:  # each row is written the moment it is known
                 progress.start(label)
                 if isinstance(item, tuple):
-                    name, policy = item  # each seed of random draws another plan
-                    rows = run_model(gang, name, (policy,), random_cfg if policy == "random" else cfg, tmp, skip=done)
+                    name, policy, k = item  # each seed of random draws another plan
+                    rows = run_model(gang, name, (policy,), replace(random_cfg if policy == "random" else cfg,
+                                                                    microbatches=k), tmp, skip=done)
                 else:
                     rows = run_op(gang, item, cfg, skip=done)
                 new = []

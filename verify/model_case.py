@@ -20,9 +20,10 @@ from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
 from .checkpoint_case import resume_checks
-from .pipeline_case import is_pipeline_policy, pipeline_train_step
+from .pipeline_case import is_pipeline_policy, pipeline_microbatches
 from .models.loader import file_tag
 from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
+from .microbatch_case import loss_fn_of, whole_batch
 from .models.builders import build_model
 from .samples import DTYPES
 
@@ -116,22 +117,31 @@ def _parallelize(model, args, policy, config, groups, gen_dir: Path):
 
 def run_model_job(job: dict, groups: GroupCache) -> list[Check]:
     """The checks of a ``model`` job (keys: model, policy, world_size, steps, seed, gen_dir, and
-    optionally dtype and bucket_bytes)."""
+    optionally dtype, bucket_bytes and microbatches)."""
     return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
-                          job["gen_dir"], dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"))
+                          job["gen_dir"], dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
+                          microbatches=job.get("microbatches", 1))
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
-                   gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None) -> list[Check]:
-    """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks."""
+                   gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
+                   microbatches: int = 1) -> list[Check]:
+    """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
+    With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
+    (:func:`~verify.microbatch_case.whole_batch`), trained by ``train_step`` in M micro-batches and
+    judged against one device on that whole batch."""
     dt = DTYPES[dtype]
+    microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
     case.model.to(dt)
     ref, ref64 = copy.deepcopy(case.model), copy.deepcopy(case.model).double()
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed,
-                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
-    tag = policy.replace("/", "_").replace(":", "-").replace("@", "_")
-    pm = _parallelize(case.model, _cast(case.batch(0), dt), policy, config, groups,
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
+                           num_microbatches=microbatches)
+    tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "")
+    batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
+    loss_fn = loss_fn_of(case)
+    pm = _parallelize(case.model, _cast(batch(0), dt), policy, config, groups,
                       Path(gen_dir) / f"{file_tag(name)}-{tag}-w{world_size}-{dtype}-s{seed}")
     initial = pm.state_dict()
     checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
@@ -140,7 +150,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
     fallback = Float64Fallback(dt)
     for step in range(steps):
-        args = _cast(case.batch(step), dt)
+        args = _cast(batch(step), dt)
         point = {k: v.clone() for k, v in own_state(ref).items()}
         try:  # strict: every key of the module's own state_dict
             pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
@@ -148,11 +158,12 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             return checks + [Check(f"load step {step}", float("inf"), 0.0, False, f"{type(exc).__name__}: {exc}")]
         ref64.load_state_dict(_with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
                                                     for k, v in point.items()}), strict=True)
-        if is_pipeline_policy(policy):  # micro-batches through the stages, whole-batch loss and gradients
-            loss, loss_ref = pipeline_train_step(pm, args), ref(*args)
+        if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
+            loss = pm.train_step(*args, loss_fn=loss_fn)
         else:
-            loss, loss_ref = pm(*args), ref(*args)
+            loss = pm(*args)
             loss.backward()
+        loss_ref = ref(*args)
         loss_ref.backward()
         with fallback:
             loss64 = ref64(*_cast(args, torch.float64))

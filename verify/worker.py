@@ -20,6 +20,7 @@ from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 from . import isolation, rank_case
 from .conversion_case import run_conversion
 from .localize import as_dict, localize_model_case
+from .microbatch_case import run_accumulation_job
 from .model_case import run_model_job
 from .replicas_case import run_replicas_case
 from .samples import DTYPES, Sample, make_sample
@@ -79,6 +80,9 @@ def handle(state: RankState, job: dict) -> dict:
     try:
         if job["kind"] == "conversion":
             return dict(run_conversion(job, state.rank, state.groups), seconds=time.perf_counter() - start)
+        if job["kind"] == "accumulation":  # several backward passes per step (verify/microbatch_case.py)
+            checks = run_accumulation_job(job, state.groups)
+            return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
         if job["kind"] == "model" and job.get("plan_ngpus", job["world_size"]) < job["world_size"]:  # replicas
             checks = run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
                                        job["steps"], job["seed"], state.groups, job["gen_dir"])

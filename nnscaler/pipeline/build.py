@@ -16,6 +16,7 @@ from ..codegen.emit import generate
 from ..plan_api import canonical_params, plan_graph
 from ..policies.plan import ComputeConfig, PlanError
 from ..runtime.mesh import GroupCache, RankMesh
+from ..runtime.microbatch import split_batch
 from ..runtime.module import ParallelModule
 from ..trace.build import trace
 from .checks import check_model, n_stages
@@ -24,25 +25,12 @@ from .policies import PIPELINE_POLICIES
 from .runtime import PipelineModule
 from .schedules import canonical_schedule, stages_per_rank
 
-DEFAULT_MICROBATCHES = 4
-
-
 def pipeline_config(policy, config: ComputeConfig) -> tuple[Any, ComputeConfig]:
     """``(stage policy, config)``: a pipeline policy's name sets ``pp_size`` and the schedule."""
     if isinstance(policy, str) and policy in PIPELINE_POLICIES:
         p = PIPELINE_POLICIES[policy]
         return p.stage_policy, dataclasses.replace(config, pp_size=p.pp(config.plan_ngpus), schedule=p.schedule)
     return policy, config
-
-
-def microbatches(config: ComputeConfig) -> int:
-    """The config's ``num_microbatches`` (:data:`DEFAULT_MICROBATCHES` where unset)."""
-    return getattr(config, "num_microbatches", None) or DEFAULT_MICROBATCHES
-
-
-def micro_args(args: Sequence[Any], m: int) -> tuple:
-    """The first micro-batch of ``args`` (dim 0 cut into ``m``)."""
-    return tuple(a[: a.shape[0] // m] if isinstance(a, torch.Tensor) and a.dim() else a for a in args)
 
 
 def pipeline_groups(pp: int, k: int, mesh_shape, cache: GroupCache, create: bool) -> None:
@@ -63,8 +51,8 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
     stage_policy, config = pipeline_config(policy, config)
     if sample_kwargs:
         raise PlanError("a pipelined model takes positional arguments only (sample_kwargs is not supported)")
-    m = microbatches(config)
-    check_model(model, sample_args, config, m)
+    m = config.num_microbatches
+    check_model(model, sample_args, config)
     if config.replicas > 1:
         raise PlanError("pipeline parallelism with runtime_ngpus > plan_ngpus is not supported; use a dp stage "
                         "policy (pp2_dp) for data parallelism inside the stages")
@@ -73,7 +61,7 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
         raise PlanError(f"the process group has {world} ranks but the config asks for {config.plan_ngpus}")
     pp, v = config.pp_size, stages_per_rank(config.schedule)
     k = config.plan_ngpus // pp
-    graph = trace(model, micro_args(sample_args, m), None, registry=registry, strict=strict)
+    graph = trace(model, split_batch(sample_args, None, m)[0][0], None, registry=registry, strict=strict)
     canonical_params(model, graph)
     total = n_stages(config)
     cuts = (split_at_modules(graph, model, tuple(config.pp_split)) if config.pp_split

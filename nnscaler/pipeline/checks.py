@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from ..policies.plan import PlanError
+from ..runtime.microbatch import MicroBatchError, check_divisible
 from .schedules import SCHEDULES, canonical_schedule, stages_per_rank
 
 
@@ -48,7 +49,7 @@ def cut_units(model: torch.nn.Module) -> list[str]:
     return out
 
 
-def check_model(model: torch.nn.Module, args: Sequence[Any], config, num_microbatches: int) -> None:
+def check_model(model: torch.nn.Module, args: Sequence[Any], config) -> None:
     """The model-dependent pipeline checks: enough layers for the stages, split points that exist
     and hold parameters, a batch divisible into micro-batches. Raises :class:`PlanError`."""
     stages = n_stages(config)
@@ -64,9 +65,7 @@ def check_model(model: torch.nn.Module, args: Sequence[Any], config, num_microba
                             + (f"; did you mean {', '.join(close)}?" if close else ""))
         if not any(True for _ in modules[name].parameters()):
             raise PlanError(f"split point {name!r} holds no parameters; name a module with parameters")
-    if num_microbatches < 1:
-        raise PlanError(f"num_microbatches must be at least 1, got {num_microbatches}")
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] % num_microbatches:
-            raise PlanError(f"argument {i} has batch {a.shape[0]}, not divisible by num_microbatches="
-                            f"{num_microbatches}; use a batch that is a multiple of it")
+    try:
+        check_divisible(args, None, config.num_microbatches)
+    except MicroBatchError as exc:
+        raise PlanError(f"sample_args: {exc}") from None

@@ -6,10 +6,14 @@ Ranks: pipeline rank ``r`` holds stages ``r, r + pp, ...``; each stage has ``k``
 ``local`` of the next stage over the pipeline group ``{local + s * k}``: stage inputs and outputs are
 whole tensors on every rank of a stage, so each of the ``k`` pipelines carries the same values.
 
-Gradients equal single-device gradients of the whole batch: each micro-batch's loss is its mean, the
-schedule divides the accumulated gradients by the number of micro-batches (``scale_grads``); the
-in-stage gradient sync (data-parallel and tensor-parallel sums) runs once, after the last micro-batch;
-a parameter used by several stages (tied embeddings) then gets the sum of its stages' gradients.
+Gradients equal single-device gradients of the whole batch's loss, as in
+:mod:`nnscaler.runtime.microbatch`: the last stage turns each micro-batch's output into a pair
+``(loss_sum, count)`` (``loss_fn(output, *micro_batch_args)``, or the output read as a mean over its
+rows), the schedule runs backward on ``loss_sum`` (its own scaling off), and after the last micro-batch
+the accumulated gradients are divided by the total count (broadcast from the last stage). The
+in-stage gradient sync (data-parallel and tensor-parallel sums) is paused during the schedule and runs
+once, after the last micro-batch; a parameter used by several stages (tied embeddings) then gets the
+sum of its stages' gradients.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from ..ir.graph import IRGraph
+from ..runtime.microbatch import Accumulation, MicroBatchError, batch_rows, check_divisible, loss_terms
 from ..runtime.module import ParallelModule, take
 from .schedules import SCHEDULES, canonical_schedule
 
@@ -32,15 +37,11 @@ def _example(t) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _deferred_sync(module: ParallelModule):
-    """Run backward passes with ``module``'s gradient-sync hooks idle, then sync once (the data-parallel
-    and in-plan sums wait for the last micro-batch)."""
-    sync = module._grad_sync
-    sync._ready = lambda b: None  # the hooks call self._ready; the instance attribute silences them
-    try:
+    """Run backward passes with ``module``'s gradient sync paused (``no_sync``), then sync once: the
+    data-parallel and in-plan sums wait for the last micro-batch."""
+    with module.no_sync():
         yield
-    finally:
-        del sync._ready
-    sync._finish()  # launches every bucket (none was launched) and waits
+    module._grad_sync._finish()  # launches every bucket (none was launched during the pause) and waits
 
 
 class PipelineModule(torch.nn.Module):
@@ -54,6 +55,7 @@ class PipelineModule(torch.nn.Module):
         self.schedule_name = canonical_schedule(config.schedule)
         self._graphs, self._pp_group, self._prank, self._local, self._k = graphs, pp_group, prank, local, stage_ranks
         self._pp = config.pp_size
+        self._dtype = next((t.dtype for t in graphs[-1].outputs if hasattr(t, "dtype")), torch.float32)
         self._n = len(graphs)
         self.process_group = None
         held: dict[str, list[int]] = {}
@@ -74,11 +76,20 @@ class PipelineModule(torch.nn.Module):
         self._loss_fn: Callable | None = None
         cls = SCHEDULES[self.schedule_name]
         stage_arg = self._pipe_stages if self.schedule_name.startswith("Interleaved") else self._pipe_stages[0]
-        self._schedule = cls(stage_arg, num_microbatches, loss_fn=self._micro_loss, scale_grads=True)
+        # scale_grads off: the gradients are divided by the whole batch's count at the end (Accumulation)
+        self._schedule = cls(stage_arg, num_microbatches, loss_fn=self._micro_loss, scale_grads=False)
+        self._batch: tuple = ()
+        self._acc: Accumulation | None = None
 
     # -- running ------------------------------------------------------------------------------------
-    def _micro_loss(self, output, target):
-        return output if self._loss_fn is None else self._loss_fn(output)
+    def _micro_loss(self, output, rows: torch.Tensor):
+        """The schedule's loss of one micro-batch (``rows``: its rows of the batch): ``loss_sum``, its
+        ``count`` recorded for the division at the end."""
+        args = tuple(a[rows] if isinstance(a, torch.Tensor) and a.dim() else a for a in self._batch)
+        total, count = loss_terms(output if self._loss_fn is None else self._loss_fn(output, *args), len(rows))
+        if self._acc is not None:
+            self._acc.add(total, count)
+        return total
 
     @property
     def _has_first(self) -> bool:
@@ -92,44 +103,51 @@ class PipelineModule(torch.nn.Module):
     def _stage_ids(self) -> list[int]:
         return [int(s) for s in self.stages]
 
-    def _check_batch(self, batch: tuple) -> int:
-        sizes = {a.shape[0] for a in batch if isinstance(a, torch.Tensor) and a.dim()}
-        if len(sizes) != 1 or next(iter(sizes)) % self.num_microbatches:
-            raise ValueError(f"train_step: the batch's dim 0 ({sorted(sizes)}) must be one size divisible by "
-                             f"num_microbatches={self.num_microbatches}")
-        return next(iter(sizes))
-
-    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(())
-        dist.broadcast(loss, group=self._pp_group, group_src=self._pp - 1)
-        return loss
+    def _run(self, batch: tuple, loss_fn: Callable | None, train: bool) -> torch.Tensor:
+        try:
+            check_divisible(batch, None, self.num_microbatches)
+        except MicroBatchError as exc:
+            raise MicroBatchError(f"train_step: {exc}") from None
+        b = batch_rows(batch)
+        self._batch, self._loss_fn = batch, loss_fn
+        self._acc = Accumulation.begin(self.parameters() if train else ())
+        rows = torch.arange(b)  # the schedule splits it like the batch: each micro-batch's rows
+        args = batch if self._has_first else ()
+        try:
+            if train:
+                with contextlib.ExitStack() as stack:
+                    for mod in self.stages.values():
+                        stack.enter_context(_deferred_sync(mod))
+                    self._schedule.step(*args, target=rows, return_outputs=False)
+            else:
+                with torch.no_grad():
+                    self._schedule.eval(*args, target=rows, return_outputs=False)
+        except BaseException:
+            for p in self._acc.params:  # the gradients as they were before the step
+                p.grad = self._acc.stash.get(id(p))
+            raise
+        finally:
+            self._batch, self._loss_fn = (), None
+        acc, self._acc = self._acc, None
+        totals = torch.stack([acc.loss_sum, acc.count])
+        dist.broadcast(totals, group=self._pp_group, group_src=self._pp - 1)  # the last stage knows them
+        acc.loss_sum, acc.count = totals[0], totals[1]
+        if train:
+            self._sum_tied_grads()
+        return acc.finish(self._dtype)
 
     def train_step(self, *batch: Any, loss_fn: Callable | None = None) -> torch.Tensor:
-        """One training step: the batch (dim 0) cut into micro-batches, run by the schedule; returns the
-        whole batch's loss (the mean of the micro-batch losses) on every rank and leaves every parameter's
-        gradient equal to the single-device gradient of the whole batch. ``loss_fn(output) -> loss`` turns
-        the model's output into its loss (``None``: the model returns its loss)."""
-        b = self._check_batch(batch)
-        self._loss_fn = loss_fn
-        losses: list[torch.Tensor] = []
-        target = torch.zeros(b)  # the model computes its own loss; the schedule wants a target to split
-        with contextlib.ExitStack() as stack:
-            for mod in self.stages.values():
-                stack.enter_context(_deferred_sync(mod))
-            self._schedule.step(*(batch if self._has_first else ()), target=target, losses=losses,
-                                return_outputs=False)
-        self._sum_tied_grads()
-        return self._broadcast_loss(losses)
+        """One training step: the batch (dim 0) cut into ``num_microbatches`` micro-batches run by the
+        schedule; returns the whole batch's loss (detached, on every rank) and leaves every local
+        shard's gradient equal to the single-device gradient of that loss (added to what it held).
+        ``loss_fn(output, *micro_batch_args)`` gives a micro-batch's loss, a mean or a
+        ``(loss_sum, count)`` pair (``None``: the model returns its loss); see
+        :mod:`nnscaler.runtime.microbatch`. The optimizer step stays the caller's."""
+        return self._run(batch, loss_fn, train=True)
 
     def forward(self, *batch: Any) -> torch.Tensor:
         """The whole batch's loss, forward only (micro-batches through the stages, no gradients)."""
-        b = self._check_batch(batch)
-        losses: list[torch.Tensor] = []
-        self._loss_fn = None
-        with torch.no_grad():
-            self._schedule.eval(*(batch if self._has_first else ()), target=torch.zeros(b), losses=losses,
-                                return_outputs=False)
-        return self._broadcast_loss(losses)
+        return self._run(batch, None, train=False)
 
     def _sum_tied_grads(self) -> None:
         """Every copy of a parameter used by several stages gets the sum of their gradients."""

@@ -32,6 +32,10 @@ class ComputeConfig:
     ``a100``, ``h100``; default ``cpu-gloo``). ``sequence_parallel``: under ``tp``/``hybrid``, norms,
     dropout and residual adds between the tensor-parallel regions are split along the sequence
     (Megatron-LM's sequence parallelism: each all-reduce becomes a reduce-scatter and an all-gather).
+    ``num_microbatches``: ``ParallelModule.train_step`` splits each batch into this many micro-batches
+    along dim 0 and accumulates their gradients (one gradient sync, after the last); ``parallelize``
+    then takes a sample of the whole batch and compiles for one micro-batch.
+
     ``pp_size``/``schedule``/``pp_split``: pipeline stages (see :mod:`nnscaler.pipeline`)."""
 
     plan_ngpus: int
@@ -42,6 +46,7 @@ class ComputeConfig:
     mem_budget: int | None = None
     profile: str | None = None
     sequence_parallel: bool = False
+    num_microbatches: int = 1
     # pipeline parallelism (``nnscaler.pipeline``): ``pp_size`` stages of ``plan_ngpus // pp_size`` ranks each,
     # run by ``schedule``; ``pp_split`` names the modules where stages 1.. begin (default: balance the cost model)
     pp_size: int = 1
@@ -53,6 +58,9 @@ class ComputeConfig:
             raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
         if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):
             raise PlanError(f"runtime_ngpus ({self.runtime_ngpus}) must be a multiple of plan_ngpus ({self.plan_ngpus})")
+        if isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int) \
+                or self.num_microbatches < 1:
+            raise PlanError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
         if self.bucket_bytes is not None and self.bucket_bytes < 1:
             raise PlanError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.mem_budget is not None and self.mem_budget <= 0:

@@ -9,10 +9,16 @@ backward the results are waited for and copied back (as DistributedDataParallel 
 Data-parallel replicas of the plan (``runtime_ngpus > plan_ngpus``) average every gradient over the
 replica group the same way, during backward. A parameter also summed within the plan is averaged
 over replicas after that sum (a second stage at the end of backward); the others overlap backward.
+
+Gradient accumulation (several backward passes, one optimizer step): inside :meth:`GradSync.paused`
+the hooks do nothing, so gradients accumulate unsynchronised; the backward after it syncs the sum once
+(DistributedDataParallel's ``no_sync``). Syncing every backward would sum already summed gradients.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,6 +43,7 @@ class GradSync:
 
     buckets: list[_Bucket] = field(default_factory=list)
     _queued: bool = False
+    _paused: bool = False
 
     @classmethod
     def build(cls, pairs: list[tuple[torch.nn.Parameter, object]], bucket_bytes: int | None = None,
@@ -67,7 +74,19 @@ class GradSync:
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(lambda p, b=b: self._ready(b))
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No synchronisation of the backward passes run inside: their gradients accumulate locally
+        and are synced, summed with the next backward's, by the first backward after it."""
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
+
     def _ready(self, b: _Bucket) -> None:
+        if self._paused:
+            return
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)

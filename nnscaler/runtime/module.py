@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import types
 import warnings
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from ..dimops.layout import Shard, join_blocks, take_piece
 from .grad_sync import GradSync
 from .mesh import RankMesh
+from .microbatch import accumulate
 
 
 def _parse_layout(text: Sequence[str]) -> list:
@@ -30,12 +32,15 @@ class ParallelModule(torch.nn.Module):
     ``program`` is the generated module (``forward(p, g, *inputs)``, ``STATE``); parameters are
     registered under their model names with dots replaced by ``__`` (``named_parameters`` and
     optimizers see the local shards); ``state_dict``/``load_state_dict`` speak whole tensors under
-    the original names.
+    the original names. ``forward`` runs one micro-batch; :meth:`train_step` a whole batch of
+    ``num_microbatches`` of them with gradient accumulation.
     """
 
     def __init__(self, program: types.ModuleType, full_state: Mapping[str, torch.Tensor], mesh: RankMesh,
-                 trainable: set[str], replica_group=None, replicas: int = 1, bucket_bytes: int | None = None):
+                 trainable: set[str], replica_group=None, replicas: int = 1, bucket_bytes: int | None = None,
+                 num_microbatches: int = 1):
         super().__init__()
+        self.num_microbatches = num_microbatches
         self._program = program
         self._mesh = mesh
         self._replica_group, self._replicas = replica_group, replicas
@@ -69,6 +74,31 @@ class ParallelModule(torch.nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         return self._program.forward(self._local(), self._mesh.groups, *inputs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients on this rank without synchronising them (as
+        ``DistributedDataParallel.no_sync``); the first backward after it syncs the accumulated sum
+        (within the plan and over data-parallel replicas). Without it, a second backward before the
+        optimizer step would sum gradients that were already summed."""
+        with self._grad_sync.paused():
+            yield
+
+    def train_step(self, *batch: Any, loss_fn: Callable[..., Any] | None = None, **batch_kwargs: Any) -> torch.Tensor:
+        """Forward and backward of one whole batch as ``num_microbatches`` micro-batches (every tensor
+        argument with a dim 0 is split along it), gradients synced once, after the last; return the
+        whole batch's loss (a detached scalar, the same on every rank, over all data-parallel
+        replicas). The local shards' ``.grad`` then hold the single-device gradient of that loss
+        (added to any gradient they held before); the optimizer step stays the caller's.
+
+        The loss of a micro-batch is ``loss_fn(output, *args, **kwargs)`` of its output and arguments,
+        or the output itself: a scalar mean (micro-batches weighted by their rows), or a pair
+        ``(loss_sum, count)`` when the number of elements averaged varies (padded targets with
+        ``ignore_index``): the whole batch's loss is then ``sum(loss_sum) / sum(count)``, exactly
+        (see :mod:`nnscaler.runtime.microbatch`). Raises ``MicroBatchError`` (a ``ValueError``) for a
+        batch not divisible by ``num_microbatches`` or a loss that is neither."""
+        return accumulate(self, batch, batch_kwargs, self.num_microbatches, loss_fn, self.parameters(),
+                          self.no_sync, self._replica_group, self._replicas)
 
     def sync_replica_grads(self) -> None:
         """Deprecated, does nothing: gradients are averaged over replicas during backward."""

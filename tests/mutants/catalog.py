@@ -5,7 +5,9 @@ that survives the full ``verify all`` is either a blind spot of the harness or a
 model reaches (say so in the runner's report)."""
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -355,3 +357,59 @@ def sum_reduction_forgets_partial():
     def maybe(x, group):  # a scalar partial value is left unsummed
         return x if x.dim() == 0 else orig(x, group)
     C.all_reduce = maybe
+
+
+# -- gradient accumulation (micro-batches, ParallelModule.train_step) --------------------------------
+def _MB():
+    from nnscaler.runtime import microbatch
+    return microbatch
+
+
+@mutant
+def grad_sync_before_the_last_micro_batch():
+    """``no_sync`` does nothing: every micro-batch's backward syncs, and the next sums synced gradients again."""
+    @contextmanager
+    def paused(self):
+        yield
+    _GS().GradSync.paused = paused
+
+
+@mutant
+def loss_scaled_per_micro_batch():
+    """Each micro-batch's loss is its own mean and the batch's the mean of those: right only when every
+    micro-batch averages as many elements (not with unevenly padded targets)."""
+    MB = _MB()
+    terms = MB.loss_terms
+
+    def per_micro_batch(loss, rows):
+        total, count = terms(loss, rows)
+        return total / count, torch.ones((), dtype=torch.float64)
+    MB.loss_terms = per_micro_batch
+
+
+# -- applying a mutant for one case only (tests on a shared rank gang) --------------------------------
+PATCHED_MODULES = ("nnscaler.runtime.collectives", "nnscaler.runtime.grad_sync", "nnscaler.runtime.microbatch",
+                   "nnscaler.runtime.module", "nnscaler.runtime.mesh", "nnscaler.codegen.emit",
+                   "nnscaler.dimops.partition", "opzoo._parallel_kernels")
+
+
+@contextmanager
+def applied(name: str) -> Iterator[None]:
+    """Mutant ``name`` applied inside the block only: every attribute of :data:`PATCHED_MODULES` and of
+    the classes they define is put back afterwards, so a rank gang shared with other tests stays clean."""
+    targets = []
+    for module in map(importlib.import_module, PATCHED_MODULES):
+        targets += [module, *(v for v in vars(module).values()
+                              if isinstance(v, type) and v.__module__ == module.__name__)]
+    saved = [(t, dict(vars(t))) for t in targets]
+    apply(name)
+    try:
+        yield
+    finally:
+        for t, before in saved:
+            now = vars(t)
+            for k in [k for k in now if k not in before]:
+                delattr(t, k)
+            for k, v in before.items():
+                if now.get(k) is not v:
+                    setattr(t, k, v)

@@ -17,6 +17,8 @@ class ModelCase:
     model: nn.Module
     batch: Callable[[int], tuple]  # step -> sample arguments
     bucket_bytes: int | None = None  # compile with gradient-sync buckets this small (None: the default)
+    loss_count: Callable[..., object] | None = None  # batch args -> how many elements the loss averages
+    # (None: a fixed number per row); micro-batched steps weigh each micro-batch's mean loss by it
 
 
 def _tokens(vocab: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -41,7 +43,7 @@ def padded_gpt(seed: int, width: int = 32) -> ModelCase:
         targets[-2, 5 + step % 2:] = -100
         return idx, targets
 
-    return ModelCase(case.model, batch)
+    return ModelCase(case.model, batch, loss_count=lambda idx, targets: (targets != -100).sum())
 
 
 class EncoderRegression(nn.Module):
