@@ -23,10 +23,13 @@ def _row(gang, name, policy, world, steps=3, modules=()):
     return row
 
 
-@pytest.mark.parametrize("name,policy,world", [("nanogpt", "pp", 2), ("gpt2", "pp2_tp_gpipe", 4)])
+@pytest.mark.parametrize("name,policy,world", [
+    ("nanogpt", "pp", 2),
+    pytest.param("gpt2", "pp2_tp_gpipe", 4, marks=pytest.mark.slow)])
 def test_pipelines_match_one_device(gang, name, policy, world):
-    row = _row(gang, name, policy, world)
+    row = _row(gang, name, policy, world, steps=2)
     assert row.status == MATCH, (row.detail, row.traceback)
+    assert row.partition == f"{policy} mb4"
 
 
 @pytest.mark.slow

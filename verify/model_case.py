@@ -186,8 +186,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         checks += [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
     checks += _reload_checks(name, policy, pm, _cast(case.batch(steps), dt), groups, gen_dir, world_size,
                              seed, dt, fallback, config.bucket_bytes)
-    if not is_pipeline_policy(policy):  # a pipelined module's sharded checkpoint: not yet (its merged state is checked)
-        checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt)
+    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt)
     if fallback.used:
         checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
                             True))

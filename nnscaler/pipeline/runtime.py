@@ -105,7 +105,8 @@ class PipelineModule(torch.nn.Module):
 
     def _run(self, batch: tuple, loss_fn: Callable | None, train: bool) -> torch.Tensor:
         try:
-            check_divisible(batch, None, self.num_microbatches)
+            if train:
+                check_divisible(batch, None, self.num_microbatches)
         except MicroBatchError as exc:
             raise MicroBatchError(f"train_step: {exc}") from None
         b = batch_rows(batch)
@@ -121,7 +122,7 @@ class PipelineModule(torch.nn.Module):
                     self._schedule.step(*args, target=rows, return_outputs=False)
             else:
                 with torch.no_grad():
-                    self._schedule.eval(*args, target=rows, return_outputs=False)
+                    self._forward_only(batch)
         except BaseException:
             for p in self._acc.params:  # the gradients as they were before the step
                 p.grad = self._acc.stash.get(id(p))
@@ -146,8 +147,36 @@ class PipelineModule(torch.nn.Module):
         return self._run(batch, loss_fn, train=True)
 
     def forward(self, *batch: Any) -> torch.Tensor:
-        """The whole batch's loss, forward only (micro-batches through the stages, no gradients)."""
+        """The loss of ``batch`` (any number of micro-batches of the compiled size), forward only: on
+        every rank, the mean over the batch (``(loss_sum, count)`` weighting), no gradients."""
         return self._run(batch, None, train=False)
+
+    def _forward_only(self, batch: tuple) -> None:
+        """Each micro-batch through the stages in order, activations sent point to point over the
+        pipeline group. Our own loop: the library's ``eval()`` runs its schedule's fixed number of
+        micro-batches, and re-sizing a stage for another count breaks the training schedule's buffers."""
+        micro = self._graphs[0].inputs[0].shape[0]
+        if batch_rows(batch) % micro:
+            raise MicroBatchError(f"forward: the batch's {batch_rows(batch)} rows are not a multiple of the compiled "
+                                  f"micro-batch ({micro} rows)")
+        held = {int(s): mod for s, mod in self.stages.items()}
+        peer = lambda s: dist.get_global_rank(self._pp_group, s % self._pp)  # noqa: E731
+        for i in range(batch_rows(batch) // micro):
+            x = tuple(a[i * micro:(i + 1) * micro] if isinstance(a, torch.Tensor) and a.dim() else a for a in batch)
+            for s in range(self._n):
+                if s not in held:
+                    continue
+                if s > 0 and s - 1 not in held:
+                    x = tuple(_example(t).detach() for t in self._graphs[s].inputs)
+                    for t in x:
+                        dist.recv(t, src=peer(s - 1), group=self._pp_group)
+                out = held[s](*x)
+                x = out if isinstance(out, tuple) else (out,)
+                if s == self._n - 1:
+                    self._micro_loss(x[0], torch.arange(i * micro, (i + 1) * micro))
+                elif s + 1 not in held:
+                    for t in x:
+                        dist.send(t.contiguous(), dst=peer(s + 1), group=self._pp_group)
 
     def _sum_tied_grads(self) -> None:
         """Every copy of a parameter used by several stages gets the sum of their gradients."""
