@@ -44,6 +44,28 @@ def _deferred_sync(module: ParallelModule):
     module._grad_sync._finish()  # launches every bucket (none was launched during the pause) and waits
 
 
+class _GradOutputs(torch.nn.Module):
+    """A stage module whose floating outputs all take part in backward: the zero-bubble schedules
+    differentiate every output (``stage_backward_input``), so an output that carries no gradient (a
+    value made from buffers, an input passed through untouched) becomes a fresh leaf whose gradient
+    is dropped; and every output is a copy (the schedule detaches outputs in place after the input
+    gradients, while the weight gradients may still need the tensors the stage's operators saved)."""
+
+    def __init__(self, module: ParallelModule):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *x):
+        out = self.module(*x)
+        if not torch.is_grad_enabled():
+            return out
+        def fix(t):
+            if t.is_floating_point() and not t.requires_grad:
+                return t.detach().requires_grad_()
+            return t.clone()  # the schedule detaches outputs in place after backward; ops may have saved them
+        return tuple(fix(t) for t in out) if isinstance(out, tuple) else fix(out)
+
+
 class PipelineModule(torch.nn.Module):
     """This rank's pipeline stages; :meth:`train_step` runs one training step over micro-batches."""
 
@@ -68,8 +90,9 @@ class PipelineModule(torch.nn.Module):
             for t in g.buffers:
                 self._owner.setdefault(t.target, s)
         self._shapes = {t.target: tuple(t.shape) for g in graphs for t in g.params + g.buffers}
+        zero_bubble = "ZeroBubble" in self.schedule_name
         self._pipe_stages = [
-            PipelineStage(mod, s, self._n, torch.device("cpu"),
+            PipelineStage(_GradOutputs(mod) if zero_bubble else mod, s, self._n, torch.device("cpu"),
                           input_args=tuple(_example(t) for t in graphs[s].inputs),
                           output_args=tuple(_example(t) for t in _outs(graphs[s])), group=pp_group)
             for s, mod in sorted(stages.items())]
