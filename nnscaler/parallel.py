@@ -17,6 +17,7 @@ from .codegen.emit import generate
 from .dimops.partition import Partition
 from .ops.registry import OpRegistry
 from .policies import ComputeConfig, Plan, PlanError, validate
+from .pipeline import is_pipeline_policy, parallelize_pipeline
 from .plan_api import attach_stats, resolve_policy, write_report
 from .policies.plan import Policy
 from .runtime.mesh import GroupCache, RankMesh
@@ -138,9 +139,17 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     these ranks (cached on disk in ``verify_cache``, default ``~/.cache/nnscaler-verify``):
     ``"strict"`` raises :class:`PlanError` naming a failing operator and partition, ``"warn"`` (the
     default) warns, ``False`` skips it.
+
+    ``config.pp_size > 1`` (or a pipeline policy's name, :data:`nnscaler.pipeline.PIPELINE_POLICIES`)
+    cuts the model into pipeline stages, each partitioned by ``policy`` over its own ranks, and returns a
+    :class:`nnscaler.pipeline.PipelineModule` (train with its ``train_step``; see :mod:`nnscaler.pipeline`).
     """
     if verify not in ("strict", "warn", False):
         raise PlanError(f"verify must be 'strict', 'warn' or False, got {verify!r}")
+    if config.pp_size > 1 or is_pipeline_policy(policy):  # pipeline stages: nnscaler.pipeline
+        _ensure_process_group()
+        return parallelize_pipeline(model, sample_args, policy, config, gen_savedir=gen_savedir, reuse=reuse,
+                                    strict=strict, sample_kwargs=sample_kwargs, registry=registry, groups=groups)
     if config.num_microbatches > 1:  # the sample is a whole batch; the program runs one micro-batch
         try:
             sample_args, sample_kwargs = split_batch(sample_args, sample_kwargs, config.num_microbatches)[0]

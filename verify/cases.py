@@ -5,7 +5,7 @@ import inspect
 import math
 import shlex
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
 from nnscaler.ops.spec import OpSpec
@@ -13,6 +13,7 @@ from nnscaler.ops.spec import OpSpec
 from .gang import Gang, RankAnswer
 from .localize import Divergence
 from .model_case import expected_checks
+from .pipeline_case import pipeline_applies, pipeline_microbatches
 from .samples import split_base
 
 MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
@@ -266,19 +267,19 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
     ``bucket_bytes`` sets the gradient-sync bucket size of the compiled modules. With
     ``cfg.microbatches`` M above 1, each step trains M stacked batches by ``train_step`` in M
     micro-batches (against one device on the whole batch); the row's partition reads ``POLICY mbM``."""
-    m = cfg.microbatches
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
+                m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
                 label = model_label(policy, m)
-                if (f"model:{name}", w, label, cfg.dtype, seed) in skip:
+                if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w):
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
                        "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "bucket_bytes": bucket_bytes,
                        "microbatches": m}
                 expected = expected_checks(name, policy, steps, seed)
-                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("model", steps)), expected,
+                status, detail, checks, tb = judge(gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps)), expected,
                                                    cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")

@@ -37,6 +37,9 @@ def plan_b(policy: str, world_size: int) -> tuple[str, int]:
 
 
 def _moments(model, opt, parallel: bool) -> dict[str, dict[str, torch.Tensor]]:
+    if parallel and hasattr(model, "stages"):  # a pipeline: merged across its stages
+        from nnscaler.pipeline.checkpoint import whole_moments
+        return whole_moments(model, opt)
     names = {id(p): n for n, p in model.named_parameters()} if not parallel else {
         id(getattr(model, k)): n for k, n in model._names.items()}
     out = {}

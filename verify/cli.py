@@ -21,11 +21,12 @@ from tabulate import tabulate
 from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
-from nnscaler.policies import POLICIES
+from nnscaler.policies import POLICIES, PlanError
 
 from .cases import BadInput, RunConfig, model_label, preflight, run_model, run_op
 from .lint import lint
 from .model_case import PolicyFileError, resolve_policy
+from .pipeline_case import PIPELINE_MICROBATCHES, PIPELINE_MODELS, PIPELINE_POLICIES, SWEPT, check_pipeline_input
 from .model_coverage import replicated_lines
 from .models.builders import MODELS, known_model
 from .models.loader import ModelNotFound, check_builder, is_file_reference
@@ -102,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("name", help="a registered model (see --help of 'all') or FILE.py:BUILDER")
     _common(p_model)
     p_model.add_argument("--policy", nargs="+", default=list(POLICIES), metavar="POLICY",
-                         help=f"built-in ({', '.join(sorted(POLICIES))}) or FILE.py:function, your own "
-                              "(graph, config) -> Plan (default: every built-in)")
+                         help=f"built-in ({', '.join(sorted(POLICIES))}), a pipeline ({', '.join(PIPELINE_POLICIES)}: "
+                              "pp = one stage per rank, pp2_tp / pp2_dp = 2 stages each tp / dp over world/2 ranks, "
+                              "1F1B unless _gpipe; pp_interleaved / pp_zb = 2 stages per rank; 4 micro-batches) "
+                              "or FILE.py:function, your own (graph, config) -> Plan (default: every built-in)")
     p_model.add_argument("--bucket-bytes", type=_positive(int, "--bucket-bytes"), default=None, metavar="N",
                          help="gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)")
     p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
@@ -274,6 +277,10 @@ def cmd_model(args) -> int:
                          f"FILE.py:BUILDER where BUILDER(seed) returns a ModelCase or (model, batch_fn))")
     policies = _policies(args.policy)
     cfg = _config(args)
+    try:  # a pipeline the model cannot be cut into, or a batch that does not divide: before any rank starts
+        check_pipeline_input(args.name, policies, cfg.world_sizes, cfg.microbatches)
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
     _json_target(args.json)
     writer = None if args.reports is None else ReportWriter(args.reports, cfg)
     mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
@@ -315,6 +322,8 @@ def cmd_all(args) -> int:
     items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p, 1)) for m in models for p in POLICIES]
     items += [(f"model:{m} {model_label(p, k)}", (m, p, k)) for k in dict.fromkeys(args.microbatches) if k > 1
               for m in models for p in MICROBATCH_POLICIES]
+    items += [(f"model:{m} {model_label(p, PIPELINE_MICROBATCHES)}", (m, p, PIPELINE_MICROBATCHES))
+              for m in models if m in PIPELINE_MODELS for p in SWEPT]  # pipelines: 1F1B and GPipe, each mesh
 
     try:
         with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items)) as progress:

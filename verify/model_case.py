@@ -20,6 +20,7 @@ from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
 from .checkpoint_case import resume_checks
+from .pipeline_case import is_pipeline_policy, pipeline_microbatches
 from .models.loader import file_tag
 from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
 from .microbatch_case import loss_fn_of, whole_batch
@@ -35,6 +36,8 @@ class PolicyFileError(ValueError):
 
 def resolve_policy(spec: str) -> str | Callable:
     """A built-in policy name, or ``FILE.py:fn`` -> the function ``fn`` of that file."""
+    if is_pipeline_policy(spec):
+        return spec
     if spec in POLICIES or ":" not in spec:
         if spec not in POLICIES:
             raise PolicyFileError(f"unknown policy {spec!r}; built-in: {', '.join(sorted(POLICIES))}, "
@@ -128,6 +131,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     (:func:`~verify.microbatch_case.whole_batch`), trained by ``train_step`` in M micro-batches and
     judged against one device on that whole batch."""
     dt = DTYPES[dtype]
+    microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
     case.model.to(dt)
     ref, ref64 = copy.deepcopy(case.model), copy.deepcopy(case.model).double()
@@ -154,7 +158,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             return checks + [Check(f"load step {step}", float("inf"), 0.0, False, f"{type(exc).__name__}: {exc}")]
         ref64.load_state_dict(_with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
                                                     for k, v in point.items()}), strict=True)
-        if microbatches > 1:
+        if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
             loss = pm.train_step(*args, loss_fn=loss_fn)
         else:
             loss = pm(*args)

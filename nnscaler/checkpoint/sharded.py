@@ -49,6 +49,9 @@ def _hyper(group: dict) -> dict:
 def save(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write ``module``'s pieces (and ``optimizer``'s state) under directory ``path``; every rank of
     the module calls this."""
+    if hasattr(module, "stages"):  # a pipeline: nnscaler.pipeline.checkpoint, in this format
+        from ..pipeline.checkpoint import save as save_pipeline
+        return save_pipeline(path, module, optimizer)
     mesh = device_mesh(module)
     state: dict[str, torch.Tensor] = {}
     for key, name in model_names(module).items():
@@ -115,6 +118,9 @@ def check_optimizer(meta: dict, optimizer: torch.optim.Optimizer, names: list[st
 def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a checkpoint written by :func:`save` under any plan into ``module`` (and ``optimizer``,
     built over ``module.parameters()``); each rank reads only what its pieces overlap."""
+    if hasattr(module, "stages"):  # a pipeline: nnscaler.pipeline.checkpoint, in this format
+        from ..pipeline.checkpoint import load as load_pipeline
+        return load_pipeline(path, module, optimizer)
     held, meta = read_meta(path)
     names = model_names(module)
     check_model(held, {n: module._program.STATE[n][0] for n in names.values()})

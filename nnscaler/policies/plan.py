@@ -34,7 +34,9 @@ class ComputeConfig:
     (Megatron-LM's sequence parallelism: each all-reduce becomes a reduce-scatter and an all-gather).
     ``num_microbatches``: ``ParallelModule.train_step`` splits each batch into this many micro-batches
     along dim 0 and accumulates their gradients (one gradient sync, after the last); ``parallelize``
-    then takes a sample of the whole batch and compiles for one micro-batch."""
+    then takes a sample of the whole batch and compiles for one micro-batch.
+
+    ``pp_size``/``schedule``/``pp_split``: pipeline stages (see :mod:`nnscaler.pipeline`)."""
 
     plan_ngpus: int
     runtime_ngpus: int | None = None
@@ -45,6 +47,11 @@ class ComputeConfig:
     profile: str | None = None
     sequence_parallel: bool = False
     num_microbatches: int = 1
+    # pipeline parallelism (``nnscaler.pipeline``): ``pp_size`` stages of ``plan_ngpus // pp_size`` ranks each,
+    # run by ``schedule``; ``pp_split`` names the modules where stages 1.. begin (default: balance the cost model)
+    pp_size: int = 1
+    schedule: str = "1F1B"
+    pp_split: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.plan_ngpus < 1:
@@ -58,6 +65,9 @@ class ComputeConfig:
             raise PlanError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.mem_budget is not None and self.mem_budget <= 0:
             raise PlanError(f"mem_budget must be a positive number of bytes per rank, got {self.mem_budget}")
+        if self.pp_size != 1 or self.pp_split is not None or self.schedule != "1F1B":
+            from ..pipeline.checks import check_config
+            check_config(self)
         if self.profile is not None:
             from ..cost.profiles import ProfileError, get_profile
             try:

@@ -1,0 +1,175 @@
+"""Pipeline schedules on this CPU, world size 2 (two stages of one rank), nanoGPT, in the same processes:
+
+* bubble fraction per schedule: 1 - (time inside the stages' forward/backward) / (step time), the
+  mean over ranks, against (p-1)/(m+p-1) for m in {4, 8, 16} micro-batches (the measured idle time
+  also holds the point-to-point transfers and the schedule's own work, which the formula leaves out);
+* activations in flight per stage (micro-batches whose forward ran and backward has not): 1F1B holds
+  at most p - stage, GPipe m; with the bytes one micro-batch saves for backward, the peak activation
+  memory per stage, as a ratio GPipe / 1F1B;
+* throughput (samples/s) of pp=2 (1F1B, m=8) against dp=2 on the same model and batch.
+
+    python bench/pipeline.py [--layers 4] [--width 128] [--seq 32] [--batch 16] [--steps 4]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SCHEDULES = ("GPipe", "1F1B")
+MICRO = (4, 8, 16)
+
+
+class _Probe:
+    """Time inside a stage's compute, and micro-batches in flight (forward done, backward not)."""
+
+    def __init__(self, stage):
+        self.busy, self.live, self.peak = 0.0, 0, 0
+        for name, delta in (("forward_one_chunk", 1), ("backward_one_chunk", -1), ("backward_weight_one_chunk", 0)):
+            if hasattr(stage, name):
+                setattr(stage, name, self._wrap(getattr(stage, name), delta))
+
+    def _wrap(self, fn, delta):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.busy += time.perf_counter() - t0
+                self.live += delta
+                self.peak = max(self.peak, self.live)
+        return run
+
+
+def _saved_bytes(module, args) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args)
+    return total
+
+
+def _rank(rank: int, world: int, port: int, args, out) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    import opzoo  # noqa: F401
+    from nnscaler import ComputeConfig, parallelize
+    from verify.models.nanogpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.width)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 256, (args.batch, args.seq), generator=g),
+             torch.randint(0, 256, (args.batch, args.seq), generator=g))
+    res = {"bubble": {}, "peak": {}, "saved": 0}
+    with tempfile.TemporaryDirectory() as d:
+        for sched in SCHEDULES:
+            for m in MICRO:
+                pc = ComputeConfig(world, pp_size=world, schedule=sched, num_microbatches=m)
+                pm = parallelize(copy.deepcopy(base), batch, "dp", pc, gen_savedir=f"{d}/pp{sched}{m}")
+                (stage,) = pm._pipe_stages
+                probe = _Probe(stage)
+                opt = torch.optim.AdamW(pm.parameters())
+                pm.train_step(*batch)  # warm-up
+                probe.busy, wall = 0.0, 0.0
+                for _ in range(args.steps):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    pm.train_step(*batch)
+                    wall += time.perf_counter() - t0
+                    opt.step()
+                    opt.zero_grad()
+                res["bubble"][(sched, m)] = 1 - probe.busy / wall
+                res["peak"][(sched, m)] = probe.peak
+                if m == MICRO[0] and sched == SCHEDULES[0]:
+                    mb = tuple(x[: args.batch // m] for x in batch)
+                    stage_mod = next(iter(pm.stages.values()))
+                    ins = mb if rank == 0 else tuple(torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.dtype.is_floating_point)
+                                                     for t in pm._graphs[rank].inputs)
+                    res["saved"] = _saved_bytes(stage_mod, ins)  # one micro-batch of m=4
+        # throughput: pp=2 (1F1B, m=8) against dp=2, same model and batch, alternating rounds
+        pc = ComputeConfig(world, pp_size=world, num_microbatches=8)
+        runs = {"pp": parallelize(copy.deepcopy(base), batch, "dp", pc, gen_savedir=f"{d}/tput_pp"),
+                "dp": parallelize(copy.deepcopy(base), batch, "dp", ComputeConfig(world), gen_savedir=f"{d}/tput_dp")}
+        opts = {k: torch.optim.AdamW(v.parameters()) for k, v in runs.items()}
+        times = {k: [] for k in runs}
+        for _ in range(args.steps):
+            for k, mod in runs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                if k == "pp":
+                    mod.train_step(*batch)
+                else:
+                    mod(*batch).backward()
+                opts[k].step()
+                opts[k].zero_grad()
+                dist.barrier()
+                times[k].append(time.perf_counter() - t0)
+        res["throughput"] = {k: args.batch / statistics.median(v) for k, v in times.items()}
+    out.put((rank, res))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=4)
+    args = ap.parse_args()
+    world = 2
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = dict(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    p_ = world
+    print(f"nanoGPT {args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}; p={p_} stages")
+    print("bubble fraction (mean over ranks) against (p-1)/(m+p-1):")
+    for sched in SCHEDULES:
+        for m in MICRO:
+            got = statistics.mean(res[r]["bubble"][(sched, m)] for r in res)
+            want = (p_ - 1) / (m + p_ - 1)
+            print(f"  {sched:5s} m={m:2d}: measured {got:.3f}, formula {want:.3f}, ratio {got / want:.2f}")
+    print("micro-batches in flight per stage (peak), and peak activation memory GPipe / 1F1B:")
+    for m in MICRO:
+        flights = {s: [res[r]["peak"][(s, m)] for r in sorted(res)] for s in SCHEDULES}
+        ratio = [g / f for g, f in zip(flights["GPipe"], flights["1F1B"])]
+        print(f"  m={m:2d}: 1F1B {flights['1F1B']} (bound p - stage = {[p_ - s for s in range(p_)]}), GPipe "
+              f"{flights['GPipe']} (m); memory ratio per stage {[round(x, 2) for x in ratio]}")
+    for r in sorted(res):
+        kib = res[r]["saved"] / 1024
+        print(f"  stage {r}: one micro-batch (m=4) saves {kib:.0f} KiB for backward: peak at m=4 "
+              f"1F1B {kib * res[r]['peak'][('1F1B', 4)]:.0f} KiB, GPipe {kib * res[r]['peak'][('GPipe', 4)]:.0f} KiB")
+    tp = {k: statistics.mean(res[r]["throughput"][k] for r in res) for k in ("pp", "dp")}
+    print(f"throughput: pp=2 (1F1B, m=8) {tp['pp']:.1f} samples/s, dp=2 {tp['dp']:.1f} samples/s, "
+          f"ratio pp/dp {tp['pp'] / tp['dp']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""``parallelize`` for ``pp_size > 1``: trace one micro-batch, cut the graph into stages, plan and
+generate every stage over its own ranks, and wrap this rank's stages for the schedule."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..codegen.emit import generate
+from ..plan_api import canonical_params, plan_graph
+from ..policies.plan import ComputeConfig, PlanError
+from ..runtime.mesh import GroupCache, RankMesh
+from ..runtime.microbatch import split_batch
+from ..runtime.module import ParallelModule
+from ..trace.build import trace
+from .checks import check_model, n_stages
+from .cut import balanced_cuts, split_at_modules, stage_graphs
+from .policies import PIPELINE_POLICIES
+from .runtime import PipelineModule
+from .schedules import canonical_schedule, stages_per_rank
+
+def pipeline_config(policy, config: ComputeConfig) -> tuple[Any, ComputeConfig]:
+    """``(stage policy, config)``: a pipeline policy's name sets ``pp_size`` and the schedule."""
+    if isinstance(policy, str) and policy in PIPELINE_POLICIES:
+        p = PIPELINE_POLICIES[policy]
+        return p.stage_policy, dataclasses.replace(config, pp_size=p.pp(config.plan_ngpus), schedule=p.schedule)
+    return policy, config
+
+
+def pipeline_groups(pp: int, k: int, mesh_shape, cache: GroupCache, create: bool) -> None:
+    """Create (collectively, same order everywhere) each stage's mesh groups and each pipeline group."""
+    if not create:
+        return
+    for s in range(pp):
+        cache.create_for_shapes([mesh_shape], offset=s * k)
+    cache.create_for_shapes([(pp, k)])  # axis 0: the pipeline groups {local + s*k}
+
+
+def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], policy, config: ComputeConfig, *,
+                         gen_savedir: str | os.PathLike, reuse: bool = True, strict: bool = False,
+                         sample_kwargs: Mapping[str, Any] | None = None, registry=None,
+                         groups: GroupCache | None = None) -> PipelineModule:
+    """This rank's :class:`PipelineModule` (see :func:`nnscaler.parallelize`)."""
+    from ..parallel import _import, _save  # the generated programs are written and imported as parallelize does
+    stage_policy, config = pipeline_config(policy, config)
+    if sample_kwargs:
+        raise PlanError("a pipelined model takes positional arguments only (sample_kwargs is not supported)")
+    m = config.num_microbatches
+    check_model(model, sample_args, config)
+    if config.replicas > 1:
+        raise PlanError("pipeline parallelism with runtime_ngpus > plan_ngpus is not supported; use a dp stage "
+                        "policy (pp2_dp) for data parallelism inside the stages")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != config.plan_ngpus and not (groups is not None and config.plan_ngpus <= world):
+        raise PlanError(f"the process group has {world} ranks but the config asks for {config.plan_ngpus}")
+    pp, v = config.pp_size, stages_per_rank(config.schedule)
+    k = config.plan_ngpus // pp
+    graph = trace(model, split_batch(sample_args, None, m)[0][0], None, registry=registry, strict=strict)
+    canonical_params(model, graph)
+    total = n_stages(config)
+    cuts = (split_at_modules(graph, model, tuple(config.pp_split)) if config.pp_split
+            else balanced_cuts(graph, total, config.profile))
+    graphs = stage_graphs(graph, cuts)
+    stage_cfg = dataclasses.replace(config, plan_ngpus=k, runtime_ngpus=None, pp_size=1, schedule="1F1B",
+                                    pp_split=None, tp_size=min(config.tp_size or k, k))
+    plans = [plan_graph(g, stage_policy, stage_cfg) for g in graphs]
+    cache = groups if groups is not None else GroupCache()
+    pipeline_groups(pp, k, plans[0].mesh_shape, cache, groups is None)
+    prank, local = rank // k, rank % k
+    pp_group = cache.get([local + s * k for s in range(pp)])
+    state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
+    trainable = {n for n, _ in model.named_parameters()}
+    mine = [s for s in range(total) if s % pp == prank]
+    modules = {}
+    for s in mine:
+        g, plan = graphs[s], plans[s]
+        digest = hashlib.sha256("\n".join([str(g), plan.describe(), repr(config), str(s)]).encode()).hexdigest()
+        source, _, _ = generate(g, plan, local, header=f"[{digest}] {type(model).__name__} stage {s} of {total}: ")
+        path = _save(Path(gen_savedir) / f"stage_{s}", local, source, reuse)
+        program = _import(source, path, local)
+        mesh = RankMesh.build(plan.mesh_shape, rank, cache, offset=prank * k)
+        module = ParallelModule(program, state, mesh, trainable, None, 1, bucket_bytes=config.bucket_bytes)
+        module.plan, module.graph = plan, g
+        modules[s] = module
+    if rank == 0:
+        print(f"pipeline: {total} stages ({pp} ranks x {v}), {k} rank(s) each, schedule "
+              f"{canonical_schedule(config.schedule)}, {m} micro-batches; stages begin at operators "
+              f"{[0] + cuts} of {len(graph.ops)}", flush=True)
+    pm = PipelineModule(modules, graphs, config, m, pp_group, prank, local, k)
+    pm.process_group = None if config.plan_ngpus == world else cache.get(list(range(config.plan_ngpus)))
+    pm.plans, pm.graph = plans, graph
+    return pm

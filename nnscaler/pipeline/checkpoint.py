@@ -1,0 +1,128 @@
+"""Sharded checkpoints of a :class:`~nnscaler.pipeline.runtime.PipelineModule`, in the format of
+:mod:`nnscaler.checkpoint` (keys ``model.<name>`` and ``optim.<name>.<state key>`` under the whole
+model's names and shapes), so a pipeline's checkpoint loads under any other plan or on one device,
+and any checkpoint loads into a pipeline. Each stage writes the tensors whose owner it is (a tied
+parameter is written once, by its first stage) and reads every tensor it holds."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from ..checkpoint.layout import device_mesh, load_buffer, sharded
+from ..checkpoint.sharded import META, CheckpointError, _hyper, check_model, check_optimizer, model_names, read_meta
+
+
+def _params(pm) -> dict[int, tuple]:
+    """id(local parameter) -> (stage module, its mesh, model name, whether this stage owns it)."""
+    out = {}
+    for s, mod in pm.stages.items():
+        mesh = device_mesh(mod)
+        for key, name in model_names(mod).items():
+            p = getattr(mod, key)
+            if isinstance(p, torch.nn.Parameter):
+                out[id(p)] = (mod, mesh, name, pm._owner.get(name) == int(s))
+    return out
+
+
+def save(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write ``pm``'s pieces (and ``optimizer``'s state) under directory ``path``; every rank calls this."""
+    state: dict[str, torch.Tensor] = {}
+    for s, mod in pm.stages.items():
+        mesh = device_mesh(mod)
+        for key, name in model_names(mod).items():
+            if pm._owner.get(name) == int(s):
+                state[f"model.{name}"] = sharded(mod, mesh, name, getattr(mod, key).detach())
+    meta = {"optimizer": None}
+    if optimizer is not None:
+        params = _params(pm)
+        keys, groups = {}, {}
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in params:
+                    raise CheckpointError("the optimizer holds a parameter this module does not have; build it "
+                                          "over module.parameters()")
+                mod, mesh, name, own = params[id(p)]
+                groups[name], keys[name] = gi, sorted(optimizer.state.get(p, {}))
+                for k, v in optimizer.state.get(p, {}).items() if own else ():
+                    v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                    state[f"optim.{name}.{k}"] = (sharded(mod, mesh, name, v.detach())
+                                                  if v.shape == p.shape and v.dim() else v.detach())
+        parts: list = [None] * dist.get_world_size(pm.process_group)
+        dist.all_gather_object(parts, (groups, keys), group=pm.process_group)  # every stage's parameters
+        for g, k in parts:
+            groups.update(g)
+            keys.update(k)
+        meta = {"optimizer": type(optimizer).__name__, "param_groups": [_hyper(g) for g in optimizer.param_groups],
+                "group_of": groups, "state_keys": keys}
+    dcp.save(state, checkpoint_id=str(path), process_group=pm.process_group)
+    if dist.get_rank() == 0:
+        Path(path, META).write_text(json.dumps(meta, indent=1))
+    dist.barrier(group=pm.process_group)
+
+
+def load(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a checkpoint written under any plan into ``pm`` (and ``optimizer``, over ``pm.parameters()``)."""
+    held, meta = read_meta(path)
+    constants = set(pm.graph.constants)
+    check_model(held, {n: s for n, s in pm._shapes.items() if n not in constants})
+    state, targets, again = {}, [], []
+    for s, mod in pm.stages.items():
+        mesh = device_mesh(mod)
+        for key, name in model_names(mod).items():
+            dest = getattr(mod, key)
+            if f"model.{name}" in state:  # a tied parameter held twice on this rank: loaded once, copied
+                again.append((dest, state[f"model.{name}"]))
+                continue
+            buf, cut = load_buffer(mod, name, dest)
+            state[f"model.{name}"] = sharded(mod, mesh, name, buf, widened=True)
+            targets.append((dest, buf, cut))
+    opt_state = {}
+    if optimizer is not None:
+        params = _params(pm)
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        check_optimizer(meta, optimizer, [params[id(p)][2] for p in order])
+        for p in order:
+            mod, mesh, name, _ = params[id(p)]
+            opt_state[p] = {}
+            for k in meta["state_keys"][name]:
+                md, key = held[f"optim.{name}.{k}"], f"optim.{name}.{k}"
+                whole = tuple(md.size) == tuple(mod._program.STATE[name][0]) and len(md.size)
+                buf, cut = (load_buffer(mod, name, p) if whole
+                            else (torch.empty(tuple(md.size), dtype=md.properties.dtype), lambda b: b))
+                opt_state[p][k] = (buf, cut)
+                if key not in state:
+                    state[key] = sharded(mod, mesh, name, buf, widened=True) if whole else buf
+                else:
+                    opt_state[p][k] = (state[key], cut)
+    dcp.load(state, checkpoint_id=str(path), process_group=pm.process_group)
+    local = lambda v: v._local_tensor if isinstance(v, DTensor) else v  # noqa: E731
+    with torch.no_grad():
+        for dest, buf, cut in targets:
+            dest.copy_(cut(buf))
+        for dest, src in again:
+            dest.copy_(local(src))
+    if optimizer is not None:
+        for gi, group in enumerate(optimizer.param_groups):
+            saved = meta["param_groups"][gi] if gi < len(meta["param_groups"]) else {}
+            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in group})
+        for p, st in opt_state.items():
+            optimizer.state[p] = {k: cut(local(v)).contiguous() for k, (v, cut) in st.items()}
+
+
+def whole_moments(pm, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """``{name: {state key: whole tensor}}`` of ``optimizer``'s state, merged across stages."""
+    params = _params(pm)
+    mine = {}
+    for s, mod in pm.stages.items():  # every rank of a stage gathers the same names in the same order
+        for key, name in model_names(mod).items():
+            p = getattr(mod, key)
+            if isinstance(p, torch.nn.Parameter) and params[id(p)][3] and p in optimizer.state:
+                mine[name] = {k: (mod._whole(name, v) if v.dim() else v) for k, v in optimizer.state[p].items()}
+    parts: list = [None] * pm._pp
+    dist.all_gather_object(parts, mine, group=pm._pp_group)
+    return {n: st for part in parts for n, st in part.items()}

@@ -1,0 +1,71 @@
+"""Bad pipeline input, refused with one clear line before any rank starts work."""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Sequence
+
+import torch
+
+from ..policies.plan import PlanError
+from ..runtime.microbatch import MicroBatchError, check_divisible
+from .schedules import SCHEDULES, canonical_schedule, stages_per_rank
+
+
+def check_config(config) -> None:
+    """``pp_size`` divides ``plan_ngpus``; the schedule exists; ``pp_split`` names one module per stage
+    boundary. Raises :class:`PlanError`."""
+    pp = config.pp_size
+    if not isinstance(pp, int) or pp < 1:
+        raise PlanError(f"pp_size must be a positive integer, got {pp!r}")
+    if config.plan_ngpus % pp:
+        raise PlanError(f"pp_size {pp} does not divide the world size {config.plan_ngpus} (plan_ngpus); "
+                        f"choose a divisor such as {', '.join(str(d) for d in range(1, config.plan_ngpus + 1) if config.plan_ngpus % d == 0)}")
+    if canonical_schedule(config.schedule) is None:
+        raise PlanError(f"unknown pipeline schedule {config.schedule!r}; valid: {', '.join(SCHEDULES)}")
+    if config.pp_split is not None:
+        split = config.pp_split
+        if isinstance(split, str) or not all(isinstance(s, str) for s in split):
+            raise PlanError(f"pp_split must be a tuple of module names (e.g. ('transformer.h.1',)), got {split!r}")
+        want = pp * stages_per_rank(config.schedule) - 1
+        if len(split) != want:
+            raise PlanError(f"pp_split names {len(split)} modules but {pp * stages_per_rank(config.schedule)} stages "
+                            f"need {want} split points")
+
+
+def n_stages(config) -> int:
+    """Pipeline stages in all (``pp_size`` times the stages per rank of the schedule)."""
+    return config.pp_size * stages_per_rank(config.schedule)
+
+
+def cut_units(model: torch.nn.Module) -> list[str]:
+    """Modules owning parameters directly (each tied tensor counted once), in definition order: the
+    finest units a stage cut may fall between (the "layers" a pipeline can count on)."""
+    seen, out = set(), []
+    for name, mod in model.named_modules():
+        own = [p for p in mod.parameters(recurse=False) if id(p) not in seen]
+        if own:
+            seen.update(id(p) for p in own)
+            out.append(name)
+    return out
+
+
+def check_model(model: torch.nn.Module, args: Sequence[Any], config) -> None:
+    """The model-dependent pipeline checks: enough layers for the stages, split points that exist
+    and hold parameters, a batch divisible into micro-batches. Raises :class:`PlanError`."""
+    stages = n_stages(config)
+    units = cut_units(model)
+    if stages > len(units):
+        raise PlanError(f"{stages} pipeline stages but {type(model).__name__} has only {len(units)} layers "
+                        f"(modules with parameters) to cut between; use pp_size <= {len(units) // (stages // config.pp_size)}")
+    modules = dict(model.named_modules())
+    for name in config.pp_split or ():
+        if name not in modules:
+            close = difflib.get_close_matches(name, list(modules), n=3)
+            raise PlanError(f"split point {name!r} is not a module of {type(model).__name__}"
+                            + (f"; did you mean {', '.join(close)}?" if close else ""))
+        if not any(True for _ in modules[name].parameters()):
+            raise PlanError(f"split point {name!r} holds no parameters; name a module with parameters")
+    try:
+        check_divisible(args, None, config.num_microbatches)
+    except MicroBatchError as exc:
+        raise PlanError(f"sample_args: {exc}") from None

@@ -1,0 +1,52 @@
+"""Pipeline policies by name (what ``python -m verify model --policy`` accepts): the number of
+stages, the policy that partitions each stage over its own ranks, and the schedule.
+
+===================  ==========================================================================
+``pp``               one stage per rank (pp = world size), 1F1B
+``pp_gpipe``         one stage per rank, GPipe
+``pp2_tp``           2 stages, each tensor-parallel (``tp``) over world/2 ranks, 1F1B
+``pp2_tp_gpipe``     the same under GPipe
+``pp2_dp``           2 stages, each data-parallel (``dp``) over world/2 ranks, 1F1B
+``pp2_dp_gpipe``     the same under GPipe
+``pp_interleaved``   two stages per rank (2 x world stages), interleaved 1F1B
+``pp_zb``            two stages per rank, interleaved zero-bubble (input and weight gradients apart)
+===================  ==========================================================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PipelinePolicy:
+    pp_size: int | None  # None: the world size
+    stage_policy: str
+    schedule: str
+
+    def pp(self, world_size: int) -> int:
+        return world_size if self.pp_size is None else self.pp_size
+
+
+PIPELINE_POLICIES = {
+    "pp": PipelinePolicy(None, "dp", "1F1B"),
+    "pp_gpipe": PipelinePolicy(None, "dp", "GPipe"),
+    "pp2_tp": PipelinePolicy(2, "tp", "1F1B"),
+    "pp2_tp_gpipe": PipelinePolicy(2, "tp", "GPipe"),
+    "pp2_dp": PipelinePolicy(2, "dp", "1F1B"),
+    "pp2_dp_gpipe": PipelinePolicy(2, "dp", "GPipe"),
+    "pp_interleaved": PipelinePolicy(None, "dp", "Interleaved1F1B"),
+    "pp_zb": PipelinePolicy(None, "dp", "InterleavedZeroBubble"),
+}
+# what verify all sweeps: each mesh of the issue under 1F1B and GPipe (pp2_* need world size 4)
+SWEPT = ("pp", "pp_gpipe", "pp2_tp", "pp2_tp_gpipe", "pp2_dp", "pp2_dp_gpipe")
+
+
+def is_pipeline_policy(policy) -> bool:
+    return isinstance(policy, str) and policy in PIPELINE_POLICIES
+
+
+def applies(policy: str, world_size: int) -> bool:
+    """Whether a pipeline policy runs at ``world_size`` (a 2-stage policy of more than one rank per
+    stage needs a world of 4 or more)."""
+    p = PIPELINE_POLICIES[policy]
+    return world_size % p.pp(world_size) == 0 and (p.pp_size is None or world_size > p.pp_size)

@@ -1,0 +1,48 @@
+"""Pipeline policies in the whole-model harness: which apply at a world size, and the bad input a
+pipeline case is refused for before any rank starts (too few layers, a batch that does not divide
+into micro-batches)."""
+from __future__ import annotations
+
+from nnscaler.pipeline import PIPELINE_POLICIES, check_model, is_pipeline_policy
+from nnscaler.pipeline.build import pipeline_config
+from nnscaler.pipeline.policies import SWEPT, applies
+from nnscaler.policies import ComputeConfig, PlanError
+
+from .microbatch_case import whole_batch
+from .models.builders import build_model
+
+__all__ = ["PIPELINE_MICROBATCHES", "PIPELINE_MODELS", "PIPELINE_POLICIES", "SWEPT", "check_pipeline_input", "is_pipeline_policy", "pipeline_applies",
+           "pipeline_microbatches"]
+
+
+PIPELINE_MODELS = ("nanogpt", "llama", "gpt2", "bert", "transformer_encoder")  # swept under SWEPT by verify all
+PIPELINE_MICROBATCHES = 4  # micro-batches of a pipeline case unless --microbatches asks for more
+
+
+def pipeline_microbatches(policy: str, microbatches: int) -> int:
+    """The micro-batches of a whole-model case: at least :data:`PIPELINE_MICROBATCHES` under a pipeline."""
+    return max(microbatches, PIPELINE_MICROBATCHES) if is_pipeline_policy(policy) else microbatches
+
+
+def pipeline_applies(policy: str, world_size: int) -> bool:
+    """False for a pipeline policy that does not run at ``world_size`` (pp2_* at W=2); True otherwise."""
+    return not is_pipeline_policy(policy) or applies(policy, world_size)
+
+
+def check_pipeline_input(name: str, policies, world_sizes, microbatches: int = 1, seed: int = 0) -> None:
+    """Raise ``PlanError`` (one line) for a pipeline policy that cannot run on model ``name`` at any
+    of ``world_sizes`` it applies to."""
+    wanted = [p for p in policies if is_pipeline_policy(p)]
+    if not wanted:
+        return
+    case = build_model(name, seed)
+    for policy in wanted:
+        if not any(applies(policy, w) for w in world_sizes):
+            raise PlanError(f"pipeline policy {policy} runs at none of the world sizes {list(world_sizes)}: "
+                            f"{PIPELINE_POLICIES[policy].pp_size or 'world'} stages of several ranks each need "
+                            f"a world size of {2 * (PIPELINE_POLICIES[policy].pp_size or 1)} or more")
+        for w in world_sizes:
+            if applies(policy, w):
+                m = pipeline_microbatches(policy, microbatches)
+                _, config = pipeline_config(policy, ComputeConfig(w, num_microbatches=m))
+                check_model(case.model, whole_batch(case.batch, 0, m), config)
