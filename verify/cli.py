@@ -37,6 +37,10 @@ from .worker import load_modules
 
 
 
+SEEDED_POLICIES = ("random", "random2d")
+"""Policies whose plan is drawn from the seed: ``verify all`` runs each under every ``--random-seeds``."""
+
+
 class UsageError(Exception):
     """Bad input: reported in one line, exit code 2."""
 
@@ -122,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="whole models to train under every policy (default: all, or none with --op; none with an "
                             "empty list)")
     p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
-                       help="seeds of the random policy for whole models, each a different plan (default: 0 1 2)")
+                       help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
+                            "different plan (default: 0 1 2)")
     return parser
 
 
@@ -306,8 +311,8 @@ def cmd_all(args) -> int:
             for label, item in items:  # each row is written the moment it is known
                 progress.start(label)
                 if isinstance(item, tuple):
-                    name, policy = item  # each seed of random draws another plan
-                    rows = run_model(gang, name, (policy,), random_cfg if policy == "random" else cfg, tmp, skip=done)
+                    name, policy = item  # each seed of a seeded policy draws another plan
+                    rows = run_model(gang, name, (policy,), random_cfg if policy in SEEDED_POLICIES else cfg, tmp, skip=done)
                 else:
                     rows = run_op(gang, item, cfg, skip=done)
                 new = []
