@@ -8,7 +8,7 @@ run exits 1 (some row failed). Prints one line per mutant (with the first failin
 The reduced selection (two operators, the fast models; every policy, the default world sizes and
 random seeds) is a subset of the rows ``python -m verify all`` runs by default, so a mutant killed
 here is killed by ``verify all`` too (``tests/mutants/test_runner.py`` checks the subset). Runs are one
-at a time, fast models first, and stop at the first failing item (``--no-fail-fast`` runs all).
+at a time, fast models first, and stop at the first failing row (``--no-fail-fast`` runs all).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -52,14 +53,17 @@ def run_one(name: str | None, args, tmp: Path) -> tuple[str, float, str]:
     start = time.perf_counter()
     lines: list[str] = []
     killed = False
+    reports = tmp / f"reports_{name}"
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True) as proc:
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if args.fail_fast and " cases " in line and _failed_count(line) > 0:
+        reader = threading.Thread(target=lambda: lines.extend(ln.rstrip() for ln in proc.stdout), daemon=True)
+        reader.start()  # the output is kept for a broken run; rows are read from cases.jsonl as written
+        while proc.poll() is None:
+            if args.fail_fast and first_failure(reports):
                 killed = True  # the first failing row kills the mutant; stop this run (our own child):
                 proc.send_signal(signal.SIGINT)  # an interrupt lets it stop its rank gang cleanly
                 break
+            time.sleep(0.5)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -69,8 +73,9 @@ def run_one(name: str | None, args, tmp: Path) -> tuple[str, float, str]:
         except ProcessLookupError:
             pass
         proc.wait()
+        reader.join(timeout=5)
     status = "killed" if killed else {0: "survived", 1: "killed"}.get(proc.returncode, "broken")
-    tail = first_failure(tmp / f"reports_{name}") if status == "killed" else ""
+    tail = first_failure(reports) if status == "killed" else ""
     return status, time.perf_counter() - start, tail or "\n".join(lines[-3:])
 
 
@@ -97,15 +102,6 @@ def write_results(path: str, results: dict[str, tuple[str, float, str]], argv: l
         lines.append(f"| {name} | {status} | {row} | {secs:.0f} |")
     lines += ["", f"Kill rate: {killed}/{len(results)} = {killed / max(len(results), 1):.0%}.", ""]
     Path(path).write_text("\n".join(lines))
-
-
-def _failed_count(line: str) -> int:
-    """The failed count of a ``verify all`` progress line (``label N cases M match K failed T s``)."""
-    words = line.split()
-    try:
-        return int(words[words.index("failed") - 1])
-    except (ValueError, IndexError):
-        return 0
 
 
 def parser() -> argparse.ArgumentParser:
