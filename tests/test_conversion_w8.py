@@ -25,6 +25,7 @@ def gang8(registry):
         yield g
 
 
+@pytest.mark.slow  # the 8-rank gang alone takes 40 s to start on 2 loaded cores
 @pytest.mark.parametrize("src,dst,mesh,shape", [
     ("D0xD0xD0", "RxRxD1", (2, 2, 2), (8, 4)),     # one dim on three axes, nested, gathered, another split
     ("D0xD1xD2", "D2xD0xD1", (2, 2, 2), (2, 2, 2)),  # every axis moves to another dim
