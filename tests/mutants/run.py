@@ -96,6 +96,9 @@ def write_results(path: str, results: dict[str, tuple[str, float, str]], argv: l
     """A markdown table: mutant, verdict, the row that killed it, seconds; then the kill rate."""
     killed = sum(s == "killed" for s, _, _ in results.values())
     lines = ["# Mutation results", "", f"`python -m tests.mutants.run {' '.join(argv)}`".replace("``", ""), "",
+             "Each mutant runs alone against the runner's selection of `python -m verify all` rows (two operators, "
+             "the fast models, every policy at W=2 and 4, seeds 0 1 2 for the seeded policies), stopping at the "
+             "first failing row; `killed by` is that row, `s` the wall time of the whole run (startup included).", "",
              "| mutant | verdict | killed by (first failing row) | s |", "|---|---|---|---|"]
     for name, (status, secs, row) in results.items():
         row = row.replace("|", "/").replace("\n", " ") if status == "killed" else ""
