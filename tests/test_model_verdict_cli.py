@@ -41,6 +41,27 @@ def test_verify_all_runs_several_random_seeds_by_default():
     assert len(set(args.random_seeds)) >= 3
 
 
+def test_every_built_in_policy_whose_plan_follows_the_seed_gets_every_random_seed():
+    """``verify all`` runs ``--random-seeds`` for :data:`SEEDED_POLICIES`: each built-in policy
+    whose plans differ across those seeds must be one of them (``random`` and ``random2d`` both)."""
+    import warnings
+
+    import opzoo  # noqa: F401
+    from nnscaler.policies import POLICIES, ComputeConfig
+    from nnscaler.trace.build import trace
+    from verify.cli import SEEDED_POLICIES
+    from verify.models.builders import build_model
+    case = build_model("nanogpt", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(case.model, case.batch(0))
+    seeds = build_parser().parse_args(["all"]).random_seeds
+    seeded = {name for name, policy in POLICIES.items() if name != "autodist"  # a search: deterministic, slow
+              and len({repr(sorted(policy(graph, ComputeConfig(4, tp_size=2, seed=s)).partitions.items()))
+                       for s in seeds}) > 1}
+    assert seeded >= {"random", "random2d"} and seeded <= set(SEEDED_POLICIES), (seeded, SEEDED_POLICIES)
+
+
 def test_the_mutation_runner_kills_one_mutant_and_not_a_harmless_one(capsys):
     from tests.mutants.run import main as run_mutants
     code = run_mutants(["--mutants", "all_reduce_missing", "loss_mean_over_local_count", "--model", "weightnorm_mlp",

@@ -39,6 +39,8 @@ from .worker import load_modules
 
 
 MICROBATCH_POLICIES = ("dp", "tp")  # the micro-batch sweep of `verify all`
+SEEDED_POLICIES = ("random", "random2d")
+"""Policies whose plan is drawn from the seed: ``verify all`` runs each under every ``--random-seeds``."""
 
 
 class UsageError(Exception):
@@ -134,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"also train every model under {' and '.join(MICROBATCH_POLICIES)} with M micro-batches per "
                             "step, for each M (default: 4; none with an empty list)")
     p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
-                       help="seeds of the random policy for whole models, each a different plan (default: 0 1 2)")
+                       help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
+                            "different plan (default: 0 1 2)")
     return parser
 
 
@@ -331,8 +334,8 @@ def cmd_all(args) -> int:
             for label, item in items:  # each row is written the moment it is known
                 progress.start(label)
                 if isinstance(item, tuple):
-                    name, policy, k = item  # each seed of random draws another plan
-                    rows = run_model(gang, name, (policy,), replace(random_cfg if policy == "random" else cfg,
+                    name, policy, k = item  # each seed of a seeded policy draws another plan
+                    rows = run_model(gang, name, (policy,), replace(random_cfg if policy in SEEDED_POLICIES else cfg,
                                                                     microbatches=k), tmp, skip=done)
                 else:
                     rows = run_op(gang, item, cfg, skip=done)

@@ -27,6 +27,14 @@ def apply(name: str) -> None:
     MUTANTS[name]()
 
 
+def patch(owner, attr: str, value) -> None:
+    """``setattr(owner, attr, value)``, refusing an attribute ``owner`` lacks: a mutant whose target
+    was renamed fails to apply (the run is broken) instead of patching nothing and surviving."""
+    if not hasattr(owner, attr):
+        raise AttributeError(f"mutant target {getattr(owner, '__name__', owner)}.{attr} does not exist")
+    setattr(owner, attr, value)
+
+
 # -- differentiable collectives ----------------------------------------------------------------------
 def _C():
     from nnscaler.runtime import collectives as C
@@ -35,76 +43,84 @@ def _C():
 
 @mutant
 def all_reduce_missing():
-    _C().all_reduce = lambda x, group: x
+    patch(_C(), "all_reduce", lambda x, group: x)
 
 
 @mutant
 def all_reduce_averages():
     C = _C()
     orig = C._sum
-    C._sum = lambda x, group: orig(x, group) / C._size(group)
+    patch(C, "_sum", lambda x, group: orig(x, group) / C._size(group))
 
 
 @mutant
 def all_gather_reversed_chunks():
     C = _C()
 
-    def gather(x, dim, group):
+    def gather(x, dim, group, blocks=1):
         parts = [torch.empty_like(x) for _ in range(C._size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts[::-1], dim=dim)
-    C._gather = gather
+        return C.join_blocks(parts[::-1], dim, blocks)
+    patch(C, "_gather", gather)
 
 
 @mutant
 def split_off_by_one_chunk():
     C = _C()
 
-    def chunk(x, dim, group):
+    orig = C._chunk
+
+    def chunk(x, dim, group, blocks=1):
+        if blocks > 1:
+            return orig(x, dim, group, blocks)
         n = C._size(group)
         return x.chunk(n, dim=dim)[(C._rank(group) + 1) % n].contiguous()
-    C._chunk = chunk
+    patch(C, "_chunk", chunk)
 
 
 @mutant
 def split_backward_scaled():
     C = _C()
-    C._Split.backward = staticmethod(lambda ctx, g: (C._gather(g, ctx.dim, ctx.group) * C._size(ctx.group), None, None))
+    patch(C._Split, "backward", staticmethod(
+        lambda ctx, g: (C._gather(g, ctx.dim, ctx.group, ctx.blocks) * C._size(ctx.group), None, None, None)))
 
 
 @mutant
 def all_gather_backward_sums():
     C = _C()
-    C._AllGather.backward = staticmethod(lambda ctx, g: (C._chunk(C._sum(g, ctx.group), ctx.dim, ctx.group), None, None))
+    patch(C._AllGather, "backward", staticmethod(
+        lambda ctx, g: (C._chunk(C._sum(g, ctx.group), ctx.dim, ctx.group, ctx.blocks), None, None, None)))
 
 
 @mutant
 def all_reduce_backward_sums():
     C = _C()
-    C._AllReduce.backward = staticmethod(lambda ctx, g: (C._sum(g, ctx.group), None))
+    patch(C._AllReduce, "backward", staticmethod(lambda ctx, g: (C._sum(g, ctx.group), None)))
 
 
 @mutant
 def grad_all_reduce_backward_missing():
-    _C()._GradAllReduce.backward = staticmethod(lambda ctx, g: (g, None))
+    patch(_C()._GradAllReduce, "backward", staticmethod(lambda ctx, g: (g, None)))
 
 
 @mutant
 def grad_all_reduce_backward_averages():
     C = _C()
-    C._GradAllReduce.backward = staticmethod(lambda ctx, g: (C._sum(g, ctx.group) / C._size(ctx.group), None))
+    patch(C._GradAllReduce, "backward", staticmethod(lambda ctx, g: (C._sum(g, ctx.group) / C._size(ctx.group), None)))
 
 
 @mutant
 def to_partial_on_every_rank():
-    _C()._ToPartial.forward = staticmethod(lambda ctx, x, group: x.clone())
+    patch(_C()._ToPartial, "forward", staticmethod(lambda ctx, x, group: x.clone()))
 
 
 @mutant
 def reduce_scatter_skips_the_sum():
     C = _C()
-    C._ReduceScatter.forward = staticmethod(lambda ctx, x, dim, group: (setattr(ctx, "dim", dim), setattr(ctx, "group", group),
-                                                                       C._chunk(x, dim, group))[-1])
+    def forward(ctx, x, dim, group, blocks):
+        ctx.dim, ctx.group, ctx.blocks = dim, group, blocks
+        return C._chunk(x, dim, group, blocks)
+    patch(C._ReduceScatter, "forward", staticmethod(forward))
 
 
 @mutant
@@ -114,7 +130,7 @@ def all_to_all_backward_wrong_dims():
     def backward(ctx, g):
         gather_dim, split_dim = ctx.dims
         return C._chunk(C._gather(g, gather_dim, ctx.group), split_dim, ctx.group), None, None, None
-    C._AllToAll.backward = staticmethod(backward)
+    patch(C._AllToAll, "backward", staticmethod(backward))
 
 
 @mutant
@@ -122,14 +138,15 @@ def collectives_on_the_world_group():
     C = _C()
     for name in ("all_reduce", "grad_all_reduce", "to_partial"):
         orig = getattr(C, name)
-        setattr(C, name, lambda x, group, _o=orig: _o(x, None if group is None else dist.group.WORLD))
+        patch(C, name, lambda x, group, _o=orig: _o(x, None if group is None else dist.group.WORLD))
 
 
 @mutant
 def all_gather_on_one_rank_only():
     C = _C()
     orig = C.all_gather
-    C.all_gather = lambda x, dim, group: x.repeat_interleave(C._size(group), dim) if group is not None and C._rank(group) == 0 and x.is_floating_point() else orig(x, dim, group)
+    patch(C, "all_gather", lambda x, dim, group, blocks=1: x.repeat_interleave(C._size(group), dim)
+          if group is not None and C._rank(group) == 0 and x.is_floating_point() else orig(x, dim, group, blocks))
 
 
 # -- gradient sync -----------------------------------------------------------------------------------
@@ -140,7 +157,7 @@ def _GS():
 
 @mutant
 def grad_sync_missing():
-    _GS().GradSync.attach = lambda self: None
+    patch(_GS().GradSync, "attach", lambda self: None)
 
 
 @mutant
@@ -152,7 +169,7 @@ def grad_sync_averages():
         launch(self, b)
         b.handle.wait()
         b.flat /= dist.get_world_size(b.group)
-    GS._launch = mean
+    patch(GS, "_launch", mean)
 
 
 @mutant
@@ -175,7 +192,7 @@ def grad_sync_offset_not_reset():
                 offset += n
             b.flat, b.handle = None, None
         self._queued = False
-    GS._finish = finish
+    patch(GS, "_finish", finish)
 
 
 @mutant
@@ -186,7 +203,7 @@ def grad_sync_on_the_world_group():
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         b.flat = torch.cat([g.reshape(-1) for g in grads])
         b.handle = dist.all_reduce(b.flat, async_op=True)
-    GS._launch = launch
+    patch(GS, "_launch", launch)
 
 
 @mutant
@@ -206,7 +223,7 @@ def grad_sync_first_bucket_only():
             finish(self)
         finally:
             self.buckets = keep
-    GS._finish = first_only
+    patch(GS, "_finish", first_only)
 
 
 @mutant
@@ -218,7 +235,7 @@ def grad_sync_bucket_keeps_stale_params():
         grads[-1] = torch.zeros_like(grads[-1])  # the bucket's last gradient is lost
         b.flat = torch.cat([g.reshape(-1) for g in grads])
         b.handle = dist.all_reduce(b.flat, group=b.group, async_op=True)
-    GS._launch = launch
+    patch(GS, "_launch", launch)
 
 
 # -- the compiled module: shards, merges, loads ------------------------------------------------------
@@ -231,19 +248,10 @@ def _M():
 def shard_offset_reversed():
     from nnscaler.codegen import emit
 
-    def slices(shape, layout, mesh_shape, rank):
-        from nnscaler.dimops.layout import Shard
-        from nnscaler.dimops.partition import coords
-        c = coords(rank, mesh_shape)
-        out = [(0, n) for n in shape]
-        for axis, q in enumerate(layout):
-            if isinstance(q, Shard):
-                start, stop = out[q.dim]
-                step = (stop - start) // mesh_shape[axis]
-                k = mesh_shape[axis] - 1 - c[axis]
-                out[q.dim] = (start + k * step, start + (k + 1) * step)
-        return tuple(out)
-    emit.shard_slices = slices
+    def slices(shape, layout, mesh_shape, rank):  # each axis's coordinate counted from the other end
+        c = emit.coords(rank, mesh_shape)
+        return emit.piece(shape, layout, mesh_shape, tuple(m - 1 - i for m, i in zip(mesh_shape, c)))
+    patch(emit, "shard_slices", slices)
 
 
 @mutant
@@ -258,9 +266,9 @@ def checkpoint_merge_reversed():
             if q is not None and group is not None:
                 parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
                 dist.all_gather(parts, x.contiguous(), group=group)
-                x = torch.cat(parts[::-1], dim=q.dim)
+                x = M.join_blocks(parts[::-1], q.dim, q.blocks)
         return x
-    M.ParallelModule._whole = whole
+    patch(M.ParallelModule, "_whole", whole)
 
 
 @mutant
@@ -271,18 +279,19 @@ def checkpoint_drops_a_parameter():
     def state_dict(self, *a, **k):
         out = orig(self, *a, **k)
         return {n: v for i, (n, v) in enumerate(out.items()) if i != 1}
-    M.ParallelModule.state_dict = state_dict
+    patch(M.ParallelModule, "state_dict", state_dict)
 
 
 @mutant
 def load_state_dict_ignored():
-    _M().ParallelModule.load_state_dict = lambda self, state_dict, strict=True, assign=False: None
+    patch(_M().ParallelModule, "load_state_dict", lambda self, state_dict, strict=True, assign=False: None)
 
 
 @mutant
 def load_state_dict_first_shard_everywhere():
     M = _M()
-    M.take = lambda full, slices: full[tuple(slice(0, b - a) for a, b in slices)]
+    orig = M.take
+    patch(M, "take", lambda full, slices: orig(full, tuple((0, s[1] - s[0], *s[2:]) for s in slices)))
 
 
 @mutant
@@ -292,7 +301,7 @@ def grad_all_reduce_forward_sums():
     def forward(ctx, x, group):
         ctx.group = group
         return C._sum(x, group)
-    C._GradAllReduce.forward = staticmethod(forward)
+    patch(C._GradAllReduce, "forward", staticmethod(forward))
 
 
 # -- plans, meshes, annotations, kernels ------------------------------------------------------------
@@ -304,7 +313,7 @@ def mesh_axis_groups_swapped():
     def swapped(cls, shape, rank, cache, offset=0):
         m = build(cls, shape, rank, cache, offset)
         return cls(m.shape, m.rank, tuple(reversed(m.groups)), m.offset) if len(m.groups) > 1 else m
-    mesh.RankMesh.build = classmethod(swapped)
+    patch(mesh.RankMesh, "build", classmethod(swapped))
 
 
 @mutant
@@ -315,13 +324,13 @@ def synced_over_the_wrong_axis():
     def wrong(graph, plan):
         n = len(plan.mesh_shape)
         return {t: (a + 1) % n for t, a in orig(graph, plan).items()}
-    emit.synced_params = wrong
+    patch(emit, "synced_params", wrong)
 
 
 @mutant
 def value_split_treated_as_spatial():
     from nnscaler.dimops import partition
-    partition.VALUE = "+~"  # outputs lacking a '+' dimension are no longer partial sums
+    patch(partition, "VALUE", "+~")  # outputs lacking a '+' dimension are no longer partial sums
 
 
 @mutant
@@ -335,7 +344,7 @@ def loss_mean_over_local_count():
         if reduction == "sum":
             return loss.sum()
         return loss.sum() / (valid.sum() * C._size(shard.group(row)))
-    K._reduce_rows = reduce_rows
+    patch(K, "_reduce_rows", reduce_rows)
 
 
 @mutant
@@ -346,7 +355,7 @@ def vocab_parallel_lookup_off_by_one():
     def lookup(shard, cls, target, n):
         li, inside = orig(shard, cls, target, n)
         return li, inside if shard.group(cls) is None else (inside & (li != n - 1))
-    K.lookup = lookup
+    patch(K, "lookup", lookup)
 
 
 @mutant
@@ -356,7 +365,73 @@ def sum_reduction_forgets_partial():
 
     def maybe(x, group):  # a scalar partial value is left unsummed
         return x if x.dim() == 0 else orig(x, group)
-    C.all_reduce = maybe
+    patch(C, "all_reduce", maybe)
+
+
+# -- layout conversions (nnscaler/comm) and annotations ----------------------------------------------
+def _conv():
+    from nnscaler.comm import conversion
+    return conversion
+
+
+@mutant
+def conversion_ignores_nesting():
+    """Any axis may split or gather a dim another axis splits too (the per-axis bug of issue 13)."""
+    patch(_conv(), "_outermost_free", lambda layout, axis, dim: True)
+    _conv().layout_steps.cache_clear()
+
+
+@mutant
+def conversion_drops_the_partial_gradient_sum():
+    """An ``R*`` consumer's partial gradient is never summed (no ``grad_all_reduce`` appended)."""
+    conv = _conv()
+    orig = conv.conversion
+    patch(conv, "conversion", lambda src, dst, ids, mesh_shape, shape, grad:
+          orig(src, dst, [None] * len(ids), mesh_shape, shape, grad))
+    from nnscaler.codegen import emit
+    if hasattr(emit, "conversion"):
+        patch(emit, "conversion", conv.conversion)
+
+
+@mutant
+def all_to_all_reversed_chunks():
+    C = _C()
+
+    def forward(ctx, x, gather_dim, split_dim, group):
+        ctx.dims, ctx.group = (gather_dim, split_dim), group
+        parts = [torch.empty_like(x) for _ in range(C._size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return C._chunk(torch.cat(parts[::-1], dim=gather_dim), split_dim, group)
+    patch(C._AllToAll, "forward", staticmethod(forward))
+
+
+@mutant
+def all_gather_sum_grad_backward_unsummed():
+    C = _C()
+    patch(C._AllGatherSumGrad, "backward", staticmethod(
+        lambda ctx, g: (C._chunk(g, ctx.dim, ctx.group, ctx.blocks), None, None, None)))
+
+
+@mutant
+def split_ignores_blocks():
+    """A split of one factor of a fused dim (``D1/3``) takes a contiguous chunk instead."""
+    C = _C()
+    orig = C._chunk
+    patch(C, "_chunk", lambda x, dim, group, blocks=1: orig(x, dim, group, 1))
+
+
+@mutant
+def layer_norm_annotation_splits_its_dim():
+    """A wrong annotation: layer_norm's normalised dim marked splittable (``h`` for ``h^``)."""
+    import dataclasses
+
+    import opzoo  # noqa: F401  (registers layer_norm)
+    from nnscaler.dimops.grammar import parse
+    from nnscaler.ops.registry import DEFAULT_REGISTRY
+    for name in ("layer_norm", "layer_norm_noaffine"):
+        spec = DEFAULT_REGISTRY.get(name)
+        text = spec.annotation.replace("h^", "h")
+        DEFAULT_REGISTRY._ops[name] = dataclasses.replace(spec, annotation=text, anno=parse(text))
 
 
 # -- gradient accumulation (micro-batches, ParallelModule.train_step) --------------------------------
@@ -371,7 +446,7 @@ def grad_sync_before_the_last_micro_batch():
     @contextmanager
     def paused(self):
         yield
-    _GS().GradSync.paused = paused
+    patch(_GS().GradSync, "paused", paused)
 
 
 @mutant
@@ -384,7 +459,7 @@ def loss_scaled_per_micro_batch():
     def per_micro_batch(loss, rows):
         total, count = terms(loss, rows)
         return total / count.to(total.dtype), torch.ones((), dtype=torch.float64)
-    MB.loss_terms = per_micro_batch
+    patch(MB, "loss_terms", per_micro_batch)
 
 
 # -- applying a mutant for one case only (tests on a shared rank gang) --------------------------------

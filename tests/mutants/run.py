@@ -1,9 +1,14 @@
 """Apply each mutant of ``catalog.py`` in turn and run a reduced ``python -m verify all`` against it
 (every rank imports a shim ``--module`` file that applies the mutant); a mutant is killed when the
-run exits 1 (some row failed). Prints one line per mutant and the kill rate.
+run exits 1 (some row failed). Prints one line per mutant (with the first failing row) and the kill rate.
 
     python -m tests.mutants.run [--mutants NAME ...] [--model nanogpt padded_gpt ...] [--op linear]
-        [--world-size 2 4] [--random-seeds 0 1 2] [--json results.json]
+        [--world-size 2 4] [--random-seeds 0 1 2] [--json results.json] [--results tests/mutants/RESULTS.md]
+
+The reduced selection (two operators, the fast models; every policy, the default world sizes and
+random seeds) is a subset of the rows ``python -m verify all`` runs by default, so a mutant killed
+here is killed by ``verify all`` too (``tests/mutants/test_runner.py`` checks the subset). Runs are one
+at a time, fast models first, and stop at the first failing row (``--no-fail-fast`` runs all).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +43,8 @@ def shim(directory: Path, name: str) -> Path:
 
 
 def run_one(name: str | None, args, tmp: Path) -> tuple[str, float, str]:
-    """(``killed`` | ``survived`` | ``broken``, seconds, last lines) of one mutant (None: no mutant)."""
+    """(``killed`` | ``survived`` | ``broken``, seconds, the first failing row or the last lines) of
+    one mutant (None: no mutant)."""
     cmd = [sys.executable, "-m", "verify", "all", "--reports", str(tmp / f"reports_{name}"), "--op", *args.op,
            "--model", *args.model, "--world-size", *map(str, args.world_size),
            "--random-seeds", *map(str, args.random_seeds), "--timeout", str(args.timeout)]
@@ -46,14 +53,17 @@ def run_one(name: str | None, args, tmp: Path) -> tuple[str, float, str]:
     start = time.perf_counter()
     lines: list[str] = []
     killed = False
+    reports = tmp / f"reports_{name}"
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True) as proc:
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if args.fail_fast and " cases " in line and _failed_count(line) > 0:
+        reader = threading.Thread(target=lambda: lines.extend(ln.rstrip() for ln in proc.stdout), daemon=True)
+        reader.start()  # the output is kept for a broken run; rows are read from cases.jsonl as written
+        while proc.poll() is None:
+            if args.fail_fast and first_failure(reports):
                 killed = True  # the first failing row kills the mutant; stop this run (our own child):
                 proc.send_signal(signal.SIGINT)  # an interrupt lets it stop its rank gang cleanly
                 break
+            time.sleep(0.5)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -63,21 +73,42 @@ def run_one(name: str | None, args, tmp: Path) -> tuple[str, float, str]:
         except ProcessLookupError:
             pass
         proc.wait()
-    tail = "\n".join(lines[-3:])
+        reader.join(timeout=5)
     status = "killed" if killed else {0: "survived", 1: "killed"}.get(proc.returncode, "broken")
-    return status, time.perf_counter() - start, tail
+    tail = first_failure(reports) if status == "killed" else ""
+    return status, time.perf_counter() - start, tail or "\n".join(lines[-3:])
 
 
-def _failed_count(line: str) -> int:
-    """The failed count of a ``verify all`` progress line (``label N cases M match K failed T s``)."""
-    words = line.split()
+def first_failure(reports: Path) -> str:
+    """The first failing row of a run's ``cases.jsonl``: ``op W=n partition seed s: status, detail``."""
     try:
-        return int(words[words.index("failed") - 1])
-    except (ValueError, IndexError):
-        return 0
+        rows = [json.loads(line) for line in (reports / "cases.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return ""
+    for r in rows:
+        if r.get("status") != "match":
+            detail = " ".join(str(r.get("detail", "")).split())[:160]
+            return f"{r['op']} W={r['world_size']} {r['partition']} seed {r['seed']}: {r['status']}, {detail}"
+    return ""
 
 
-def main(argv=None) -> int:
+def write_results(path: str, results: dict[str, tuple[str, float, str]], argv: list[str]) -> None:
+    """A markdown table: mutant, verdict, the row that killed it, seconds; then the kill rate."""
+    killed = sum(s == "killed" for s, _, _ in results.values())
+    lines = ["# Mutation results", "", f"`python -m tests.mutants.run {' '.join(argv)}`".replace("``", ""), "",
+             "Each mutant runs alone against the runner's selection of `python -m verify all` rows (two operators, "
+             "the fast models, every policy at W=2 and 4, seeds 0 1 2 for the seeded policies), stopping at the "
+             "first failing row; `killed by` is that row, `s` the wall time of the whole run (startup included).", "",
+             "| mutant | verdict | killed by (first failing row) | s |", "|---|---|---|---|"]
+    for name, (status, secs, row) in results.items():
+        row = row.replace("|", "/").replace("\n", " ") if status == "killed" else ""
+        lines.append(f"| {name} | {status} | {row} | {secs:.0f} |")
+    lines += ["", f"Kill rate: {killed}/{len(results)} = {killed / max(len(results), 1):.0%}.", ""]
+    Path(path).write_text("\n".join(lines))
+
+
+def parser() -> argparse.ArgumentParser:
+    """The runner's options (its defaults are the reduced ``verify all`` selection)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mutants", nargs="+", default=list(MUTANTS), choices=list(MUTANTS), metavar="NAME")
     ap.add_argument("--model", nargs="+", default=MODELS)
@@ -89,8 +120,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fail-fast", dest="fail_fast", action="store_false",
                     help="run every case of a mutant even after its first failing row")
     ap.add_argument("--json", default=None, metavar="PATH")
-    args = ap.parse_args(argv)
-    results: dict[str, str] = {}
+    ap.add_argument("--results", default=None, metavar="PATH.md", help="write the results table here")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    results: dict[str, tuple[str, float, str]] = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if not args.no_baseline:
@@ -101,16 +137,18 @@ def main(argv=None) -> int:
                 return 2
         for name in args.mutants:
             status, secs, tail = run_one(name, args, tmp)
-            results[name] = status
+            results[name] = (status, secs, tail)
             print(f"{name:<40} {status:<9} {secs:6.0f} s", flush=True)
-            if status == "broken":
-                print("   ", tail.replace("\n", "\n    "))
+            if status != "survived":
+                print("   ", tail.replace("\n", "\n    "), flush=True)
             if args.json:
-                Path(args.json).write_text(json.dumps(results, indent=1))
-    killed = sum(s == "killed" for s in results.values())
+                Path(args.json).write_text(json.dumps({n: s for n, (s, _, _) in results.items()}, indent=1))
+            if args.results:
+                write_results(args.results, results, list(argv if argv is not None else sys.argv[1:]))
+    killed = sum(s == "killed" for s, _, _ in results.values())
     print(f"kill rate: {killed}/{len(results)} = {killed / max(len(results), 1):.0%}; survived: "
-          f"{', '.join(n for n, s in results.items() if s == 'survived') or 'none'}")
-    return 0 if all(s != "broken" for s in results.values()) else 1
+          f"{', '.join(n for n, (s, _, _) in results.items() if s == 'survived') or 'none'}")
+    return 0 if all(s != "broken" for s, _, _ in results.values()) else 1
 
 
 if __name__ == "__main__":
