@@ -139,13 +139,14 @@ def _sample(op: IROp, bound: BoundAnno, seed: int) -> tuple[Sample, tuple]:
     return Sample(spec, bound, inputs, cots, dtype, seed), outs
 
 
-def plan_pairs(graph: IRGraph, plan: Plan, dtype: str) -> dict[str, Pair]:
-    """The distinct (operator, partition) pairs of a plan, by cache key, first use first."""
+def plan_pairs(graph: IRGraph, plan: Plan, dtype: str, reduce: bool = True) -> dict[str, Pair]:
+    """The distinct (operator, partition) pairs of a plan, by cache key, first use first
+    (``reduce=False``: each at its traced lengths)."""
     out: dict[str, Pair] = {}
     for op in graph.ops:
         if op.known:
             part = _op_partition(plan, op)
-            small = reduced_bound(op.spec, op.bound, part)
+            small = reduced_bound(op.spec, op.bound, part) if reduce else None
             full = pair_key(op, part, dtype)
             key = full if small is None else pair_key(op, part, dtype, small.sizes)
             out.setdefault(key, Pair(op, part, small, key, full))
@@ -203,15 +204,16 @@ def cached_verdicts(graph: IRGraph, plan: Plan, cache_path: str | os.PathLike | 
 
 def verify_plan(graph: IRGraph, plan: Plan, *, groups: GroupCache | None = None, rank: int | None = None,
                 cache_path: str | os.PathLike | None = None, dtype: str = "float32", seed: int = 0,
-                group=None) -> list[PairVerdict]:
+                group=None, reduce: bool = True) -> list[PairVerdict]:
     """Verify every pair of ``plan`` not already in the cache, on ``plan.world_size`` ranks (``group``:
     their process group, default the whole default group; every one of them calls this, in the same
-    order, each with its ``rank`` in the plan); returns one verdict per pair."""
+    order, each with its ``rank`` in the plan); returns one verdict per pair. ``reduce=False``
+    verifies every pair at its traced lengths (for measuring what the reduction saves)."""
     path = Path(cache_path) if cache_path is not None else DEFAULT_CACHE
     world = plan.world_size
     rank = dist.get_rank(group) if rank is None else rank
     cache = _load_cache(path)
-    pairs = plan_pairs(graph, plan, dtype)
+    pairs = plan_pairs(graph, plan, dtype, reduce)
     mine = sorted(k for k, p in pairs.items() if _cached(p, cache) is None)
     everyone: list = [None] * world  # ranks may have read different caches: what any rank lacks, all run
     dist.all_gather_object(everyone, mine, group=group)

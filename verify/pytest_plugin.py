@@ -97,7 +97,8 @@ def _report(subtests, rows: list[Row], what: str) -> list[Row]:
     if not rows:
         pytest.fail(f"{what}: no case ran")
     for row in rows:
-        with subtests.test(msg=f"{row.case_label} seed={row.seed}"):
+        where = f"W={row.world_size} {row.partition}" if row.world_size else "sampling"
+        with subtests.test(msg=f"{where} seed={row.seed}"):
             assert row.ok, (f"{what} {row.case_label} seed {row.seed}: {row.status}: "
                             f"{row.detail}\nrerun: {row.rerun}")
     return rows
