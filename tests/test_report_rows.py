@@ -56,3 +56,12 @@ def test_every_rerun_goes_through_one_builder():
     spy.rerun("relu", 2, "a=2", 0)
     spy.rerun_model("nanogpt", "dp", 2, 0, 3)
     assert calls == [("op", "relu"), ("model", "nanogpt")]
+
+
+def test_all_with_op_trains_no_model_unless_asked(tmp_path, capsys):
+    from verify.cli import main
+    from verify.report import load_rows
+    assert main(["all", "--op", "relu", "--world-size", "2", "--reports", str(tmp_path)]) == 0
+    rows = load_rows(tmp_path)
+    assert rows and {r.op for r in rows} == {"relu"}, [r.op for r in rows]
+    assert "model:" not in capsys.readouterr().out
