@@ -20,7 +20,7 @@ from .policies import ComputeConfig, Plan, PlanError, validate
 from .pipeline import is_pipeline_policy, parallelize_pipeline
 from .plan_api import attach_stats, resolve_policy, write_report
 from .policies.plan import Policy
-from .runtime.mesh import GroupCache, RankMesh
+from .runtime.mesh import GroupCache, RankMesh, mesh_shapes
 from .runtime.microbatch import MicroBatchError, split_batch
 from .runtime.module import ParallelModule
 from .trace.build import trace
@@ -180,8 +180,9 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         raise PlanError(f"policy {name} gave operator {odd[0]} a {type(odd[1]).__name__} ({odd[1]!r}), not a "
                         f"Partition (use Partition.parse(label, world_size))")
     validate(plan, graph, config)
+    cache = groups if groups is not None else GroupCache()
     if verify:
-        _verify_plan(graph, plan, config, verify, groups, verify_cache)
+        _verify_plan(graph, plan, config, verify, cache, groups is not None, verify_cache)
     attach_stats(plan, graph, config)
     plan_rank, replica = rank % config.plan_ngpus, rank // config.plan_ngpus
     digest = hashlib.sha256("\n".join([CODEGEN_VERSION, str(graph), plan.describe(), repr(plan.mesh_shape),
@@ -192,7 +193,6 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         print(plan.one_line(), flush=True)
         write_report(plan, gen_savedir)
     program = _import(source, path, plan_rank)
-    cache = groups if groups is not None else GroupCache()
     for r in range(config.replicas if groups is None else 0):  # every rank creates every group, in order
         cache.create_for_shapes([plan.mesh_shape], offset=r * config.plan_ngpus)
     replica_group = None
@@ -216,17 +216,39 @@ class UnverifiedPlanWarning(UserWarning):
     """An operator of the plan failed verification under the partition the plan gives it."""
 
 
-def _verify_plan(graph, plan: Plan, config: ComputeConfig, mode: str, groups, cache) -> None:
-    """Verify the plan's (operator, partition) pairs on the live ranks; refuse or warn on failures."""
-    import warnings
-    from verify.plan_check import failures, verify_plan  # the harness, imported only when asked for
+def _verify_plan(graph, plan: Plan, config: ComputeConfig, mode: str, groups: GroupCache, user_groups: bool,
+                 cache) -> None:
+    """Verify the plan's (operator, partition) pairs on the plan ranks of the process group (ranks
+    ``0 .. plan_ngpus-1``; replicas receive their verdicts); refuse or warn on failures."""
+    from verify.plan_check import cached_verdicts, verify_plan  # the harness, imported only when asked for
 
-    if config.replicas > 1 or dist.get_world_size() != plan.world_size:
-        warnings.warn("parallelize(verify=...): verification before compiling runs when every rank of the process "
-                      "group is a plan rank (no replicas yet); run `python -m verify model` instead",
-                      UnverifiedPlanWarning, stacklevel=3)
-        return
-    bad = failures(verify_plan(graph, plan, groups=groups, cache_path=cache))
+    world, rank, n = dist.get_world_size(), dist.get_rank(), plan.world_size
+    if n == 1:
+        return  # one plan rank: nothing is partitioned
+    runtime = config.runtime_ngpus or config.plan_ngpus
+    every = None if runtime == world else groups.get(list(range(runtime)))  # all ranks of this module
+    verdicts = cached_verdicts(graph, plan, cache)
+    complete: list = [None] * runtime
+    dist.all_gather_object(complete, verdicts is not None, group=every)
+    if not all(complete):  # something to verify: on the plan ranks, the replicas take their verdicts
+        if not user_groups:  # new_group is collective: every rank creates every group, in order
+            groups.create_for_shapes(mesh_shapes(n))
+        verdicts = None
+        if rank < n:
+            plan_group = None if n == world else groups.get(list(range(n)))
+            verdicts = verify_plan(graph, plan, groups=groups, rank=rank, cache_path=cache, group=plan_group)
+        if runtime > n:
+            box = [verdicts]
+            dist.broadcast_object_list(box, src=0, group=every)
+            verdicts = box[0]
+    judge_verdicts(verdicts, mode, stacklevel=4)
+
+
+def judge_verdicts(verdicts, mode: str, stacklevel: int = 2) -> None:
+    """Raise :class:`PlanError` (``"strict"``) or warn :class:`UnverifiedPlanWarning` (``"warn"``)
+    when a verdict failed, naming the operators and partitions."""
+    import warnings
+    bad = [v for v in verdicts if not v.ok]
     if not bad:
         return
     text = "; ".join(f"{v.op} ({v.spec}) under {v.partition}: {v.reason}" for v in bad[:3])
@@ -235,4 +257,4 @@ def _verify_plan(graph, plan: Plan, config: ComputeConfig, mode: str, groups, ca
         raise PlanError(f"{len(bad)} operator partitions of the plan failed verification: {text}{more}; fix the "
                         f"annotations (python -m verify op NAME) or pass verify='warn'")
     warnings.warn(f"{len(bad)} operator partitions of the plan failed verification: {text}{more}",
-                  UnverifiedPlanWarning, stacklevel=3)
+                  UnverifiedPlanWarning, stacklevel=stacklevel)

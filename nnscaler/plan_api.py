@@ -96,12 +96,24 @@ def plan_graph(graph: IRGraph, policy: str | Policy, config: ComputeConfig) -> P
 
 def plan_model(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
                sample_kwargs: Mapping[str, Any] | None = None, *, registry: OpRegistry | None = None,
-               strict: bool = False) -> Plan:
+               strict: bool = False, verify: str | bool = False, verify_cache: str | os.PathLike | None = None
+               ) -> Plan:
     """Trace ``model`` and plan it for ``config.plan_ngpus`` ranks, with no process group.
 
     A model built under ``with torch.device("meta"):`` (and meta sample arguments) plans without
     allocating its weights. The plan carries its cost estimate: ``plan.summary()``, ``plan.report()``.
+    ``verify="strict"`` / ``"warn"`` verifies every (operator, partition) pair of the plan on a local
+    gang of ``plan_ngpus`` ranks launched for it (as ``parallelize`` does on its process group; same
+    cache); default ``False``.
     """
+    if verify not in ("strict", "warn", False):
+        raise PlanError(f"verify must be 'strict', 'warn' or False, got {verify!r}")
     graph = trace(model, sample_args, sample_kwargs, registry=registry, strict=strict)
     canonical_params(model, graph)
-    return plan_graph(graph, policy, config)
+    plan = plan_graph(graph, policy, config)
+    if verify and plan.world_size > 1:
+        from verify.plan_offline import verify_offline  # the harness, imported only when asked for
+
+        from .parallel import judge_verdicts
+        judge_verdicts(verify_offline(graph, plan, cache_path=verify_cache), verify, stacklevel=3)
+    return plan

@@ -6,7 +6,7 @@ import math
 import shlex
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from nnscaler.ops.spec import OpSpec
 
@@ -54,25 +54,31 @@ class RunConfig:
         """Splittable lengths are multiples of this (the lcm of the world sizes unless overridden)."""
         return self.base_override or split_base(self.world_sizes)
 
-    def rerun(self, op: str, world_size: int, partition: str, seed: int) -> str:
-        """The command that reruns one row alone."""
-        parts = ["python", "-m", "verify", "op", op, "--world-size", str(world_size), "--partition", partition,
-                 "--seed", str(seed), "--dtype", self.dtype]
-        if split_base([world_size]) != self.base:
-            parts += ["--base", str(self.base)]
+    def command(self, kind: str, name: str, flags: Sequence[tuple[str, object]]) -> str:
+        """The one place a rerun command is assembled: ``python -m verify KIND NAME`` with ``flags`` in
+        order (a ``None`` value leaves its flag out), then this run's ``--module`` files. A setting
+        that decides a row is one more ``(flag, value)`` pair in :meth:`rerun` or :meth:`rerun_model`."""
+        parts = ["python", "-m", "verify", kind, name]
+        for flag, value in flags:
+            if value is not None:
+                parts += [flag, str(value)]
         for m in self.modules:
             parts += ["--module", m]
         return " ".join(shlex.quote(p) for p in parts)
 
-    def rerun_model(self, model: str, policy: str, world_size: int, seed: int, steps: int) -> str:
-        """The command that reruns one whole-model row alone (same modules, dtype, steps, micro-batches)."""
-        parts = ["python", "-m", "verify", "model", model, "--policy", policy, "--world-size", str(world_size),
-                 "--seed", str(seed), "--steps", str(steps), "--dtype", self.dtype]
-        if self.microbatches > 1:
-            parts += ["--microbatches", str(self.microbatches)]
-        for m in self.modules:
-            parts += ["--module", m]
-        return " ".join(shlex.quote(p) for p in parts)
+    def rerun(self, op: str, world_size: int, partition: str, seed: int) -> str:
+        """The command that reruns one row alone."""
+        return self.command("op", op, [
+            ("--world-size", world_size), ("--partition", partition), ("--seed", seed), ("--dtype", self.dtype),
+            ("--base", None if split_base([world_size]) == self.base else self.base)])
+
+    def rerun_model(self, model: str, policy: str, world_size: int, seed: int, steps: int,
+                    bucket_bytes: int | None = None) -> str:
+        """The command that reruns one whole-model row alone (same modules, dtype, steps, buckets, micro-batches)."""
+        return self.command("model", model, [
+            ("--policy", policy), ("--world-size", world_size), ("--seed", seed), ("--steps", steps),
+            ("--dtype", self.dtype), ("--bucket-bytes", bucket_bytes),
+            ("--microbatches", self.microbatches if self.microbatches > 1 else None)])
 
 
 @dataclass
@@ -100,6 +106,11 @@ class Row:
     @property
     def ok(self) -> bool:
         return self.status == MATCH
+
+    @property
+    def case_label(self) -> str:
+        """``W=2 [m=2]``; ``sampling`` for the row of an op whose sample could not be made (no world size)."""
+        return f"W={self.world_size} [{self.partition}]" if self.world_size else "sampling"
 
     @property
     def key(self) -> tuple:
@@ -194,7 +205,7 @@ def plan_op(gang: Gang, spec: OpSpec, cfg: RunConfig, seed: int) -> tuple[dict[i
                        + ("; the annotation must name one input per argument" if call_error else ""))
     if answer.failure or answer.result.get("error"):
         status, detail, _, tb = judge([answer])
-        return None, Row(spec.name, spec.family, spec.annotation, 0, "-", cfg.dtype, seed, status,
+        return None, Row(spec.name, spec.family, spec.annotation, 0, "sampling", cfg.dtype, seed, status,
                          detail=f"sampling failed: {detail}", rerun=cfg.rerun(spec.name, max(cfg.world_sizes), "replicate", seed),
                          traceback=tb)
     empty = sorted(k for k, n in answer.result["sizes"].items() if n == 0)
@@ -283,7 +294,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                                                    cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
-                rerun = cfg.rerun_model(name, policy, w, seed, steps)
+                rerun = cfg.rerun_model(name, policy, w, seed, steps, bucket_bytes)
                 what = f"{steps} AdamW steps vs one device" if m == 1 else \
                     f"{steps} AdamW steps of {m} micro-batches vs one device on the whole batch"
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed, status,

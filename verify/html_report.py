@@ -90,7 +90,7 @@ def render(rows: Sequence[Row], meta: dict) -> str:
         out.append("<h2 id='failures'>Failing cases</h2><table><tr><th>op / model</th><th>W</th><th>partition / "
                    "policy</th><th>seed</th><th>status</th><th>reason (first divergent operator)</th><th>rerun</th></tr>")
         for r in failed:
-            out.append("<tr class='fail'>" + _cell(r.op) + _cell(r.world_size) + _cell(r.partition) + _cell(r.seed)
+            out.append("<tr class='fail'>" + _cell(r.op) + _cell(r.world_size or "-") + _cell(r.partition) + _cell(r.seed)
                        + _cell(r.status) + _cell(r.detail) + f"<td><code>{html.escape(r.rerun)}</code></td></tr>")
         out.append("</table>")
     out.append("<h2>How close every case came to failing</h2>" + plot(rows))

@@ -97,8 +97,9 @@ def _report(subtests, rows: list[Row], what: str) -> list[Row]:
     if not rows:
         pytest.fail(f"{what}: no case ran")
     for row in rows:
-        with subtests.test(msg=f"W={row.world_size} {row.partition} seed={row.seed}"):
-            assert row.ok, (f"{what} W={row.world_size} [{row.partition}] seed {row.seed}: {row.status}: "
+        where = f"W={row.world_size} {row.partition}" if row.world_size else "sampling"
+        with subtests.test(msg=f"{where} seed={row.seed}"):
+            assert row.ok, (f"{what} {row.case_label} seed {row.seed}: {row.status}: "
                             f"{row.detail}\nrerun: {row.rerun}")
     return rows
 

@@ -32,7 +32,7 @@ def table(rows: Sequence[Row], with_op: bool = False) -> str:
     first mismatching tensor and the command that reruns the row alone."""
     headers = (["op"] if with_op else []) + ["W", "partition", "seed", "output err / tol", "grad err / tol",
                                              "status", "first mismatch / reason", "rerun"]
-    body = [([r.op] if with_op else []) + [r.world_size, r.partition, r.seed, _err(r.out_err, r.out_tol),
+    body = [([r.op] if with_op else []) + [r.world_size or "-", r.partition, r.seed, _err(r.out_err, r.out_tol),
                                             _err(r.grad_err, r.grad_tol), r.status, r.detail, r.rerun]
             for r in rows]
     return tabulate(body, headers=headers, tablefmt="github")

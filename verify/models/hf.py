@@ -48,7 +48,8 @@ def gpt2(seed: int) -> ModelCase:
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=99, n_embd=48, n_layer=2, n_head=3, n_positions=32, attn_pdrop=0.0, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_implementation="eager", use_cache=False)
+                     embd_pdrop=0.0, attn_implementation="eager", use_cache=False,
+                     bos_token_id=0, eos_token_id=0)  # inside the vocabulary: transformers warns otherwise
     return ModelCase(LossOf(GPT2LMHeadModel(cfg)), _lm_batch(99, seed))
 
 

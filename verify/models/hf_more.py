@@ -66,7 +66,8 @@ def gemma(seed: int) -> ModelCase:
 def phi3(seed: int) -> ModelCase:
     from transformers import Phi3Config, Phi3ForCausalLM
     return _decoder(Phi3Config, Phi3ForCausalLM, 101, seed, num_attention_heads=3, num_key_value_heads=3,
-                    resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0)
+                    resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, bos_token_id=1,
+                    eos_token_id=2)  # inside the vocabulary: transformers warns otherwise
 
 
 @register_model("t5")

@@ -1,0 +1,67 @@
+"""How rows read: a sampling failure is labelled as such everywhere (not ``W0[-]``), and rerun commands
+carry every setting that decides a row, assembled in one place."""
+from __future__ import annotations
+
+import shlex
+import xml.etree.ElementTree as ET
+
+from verify import html_report
+from verify.cases import ERROR, RunConfig, Row
+from verify.report import junit, table
+
+
+def _sampling_row() -> Row:
+    return Row("my_op", "custom", "a -> a", 0, "sampling", "float32", 0, ERROR, detail="sampling failed: boom")
+
+
+def test_a_sampling_failure_reads_as_sampling_everywhere():
+    row = _sampling_row()
+    assert row.case_label == "sampling"
+    assert Row("my_op", "custom", "a -> a", 2, "a=2", "float32", 0, ERROR).case_label == "W=2 [a=2]"
+    line = next(line for line in table([row]).splitlines() if "my_op" in line or "sampling failed" in line)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:2] == ["-", "sampling"], cells
+    (case,) = ET.fromstring(junit([row]).split("?>", 1)[1]).iter("testcase")
+    assert case.get("name").startswith("sampling") and "W0" not in case.get("name")
+    page = html_report.render([row], {"config": {"world_sizes": [2], "dtype": "float32", "seeds": [0]},
+                                      "summary": {"cases": 1, ERROR: 1}, "seconds": 0.0, "host": "h", "finished": "t"})
+    assert "<td>-</td><td>sampling</td>" in page.replace("\n", ""), page[:3000]
+
+
+def test_rerun_commands_carry_every_setting_of_the_row():
+    cfg = RunConfig(world_sizes=(2, 4), dtype="float64", modules=("my ops.py",))
+    op = shlex.split(cfg.rerun("bmm", 2, "m=2", 3))
+    assert op[:5] == ["python", "-m", "verify", "op", "bmm"]
+    flags = dict(zip(op[5::2], op[6::2]))
+    assert flags == {"--world-size": "2", "--partition": "m=2", "--seed": "3", "--dtype": "float64", "--base": "4",
+                     "--module": "my ops.py"}
+    model = shlex.split(cfg.rerun_model("nanogpt", "tp", 4, 1, 5, bucket_bytes=256))
+    flags = dict(zip(model[5::2], model[6::2]))
+    assert flags == {"--policy": "tp", "--world-size": "4", "--seed": "1", "--steps": "5", "--dtype": "float64",
+                     "--bucket-bytes": "256", "--module": "my ops.py"}
+    assert "--bucket-bytes" not in cfg.rerun_model("nanogpt", "tp", 4, 1, 5)  # left out when not set
+
+
+def test_every_rerun_goes_through_one_builder():
+    cfg = RunConfig(world_sizes=(2,))
+    calls = []
+    original = RunConfig.command
+
+    class Spy(RunConfig):
+        def command(self, kind, name, flags):
+            calls.append((kind, name))
+            return original(self, kind, name, flags)
+
+    spy = Spy(**{f: getattr(cfg, f) for f in ("world_sizes", "dtype", "seeds", "modules")})
+    spy.rerun("relu", 2, "a=2", 0)
+    spy.rerun_model("nanogpt", "dp", 2, 0, 3)
+    assert calls == [("op", "relu"), ("model", "nanogpt")]
+
+
+def test_all_with_op_trains_no_model_unless_asked(tmp_path, capsys):
+    from verify.cli import main
+    from verify.report import load_rows
+    assert main(["all", "--op", "relu", "--world-size", "2", "--reports", str(tmp_path)]) == 0
+    rows = load_rows(tmp_path)
+    assert rows and {r.op for r in rows} == {"relu"}, [r.op for r in rows]
+    assert "model:" not in capsys.readouterr().out
