@@ -76,13 +76,14 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1) -> 
     colls = []
     for t, before, step in e.steps:
         colls += step_collectives(t, before, step, mesh, names, profile)
-    by_axis: dict[int, int] = defaultdict(int)
+    by_axis: dict[int, list[int]] = defaultdict(list)
     for t, axis in synced.items():
-        by_axis[axis] += _local(t, stored[t], mesh)
-    for axis, total in sorted(by_axis.items()):
-        colls += _buckets(total, mesh[axis], names[axis], profile, spans_nodes(mesh, axis, profile))
+        by_axis[axis].append(_local(t, stored[t], mesh))
+    for axis, sizes in sorted(by_axis.items()):
+        colls += _buckets(sizes, mesh[axis], names[axis], profile, spans_nodes(mesh, axis, profile))
     if replicas > 1:
-        colls += _buckets(per_rank["param"][0], replicas, "replicas", profile, world * replicas > profile.ranks_per_node)
+        colls += _buckets([_local(t, stored[t], mesh) for t in graph.params], replicas, "replicas", profile,
+                          world * replicas > profile.ranks_per_node)
     compute = sum(op_time(op, plan.partition(op) if op.known else None, profile, ranks_here) for op in graph.ops)
     compute += optimizer_time(max(per_rank["param"]), profile, ranks_here)
     act = activation_bytes(graph, plan)
@@ -95,9 +96,18 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1) -> 
                      colls, compute, sum(c.seconds for c in colls))
 
 
-def _buckets(total: int, f: int, axis: str, profile: DeviceProfile, across: bool) -> list[Collective]:
-    """Gradient all-reduces of ``total`` bytes in buckets, as :mod:`nnscaler.runtime.grad_sync` sends them."""
-    n = max(1, math.ceil(total / BUCKET_BYTES))
-    return [Collective("grad sync", "all_reduce", axis, f, total // n,
-                       collective_time("all_reduce", total / n, f, profile, across)) for _ in range(n)]
+def bucket_bytes(sizes: list[int], limit: int = BUCKET_BYTES) -> list[int]:
+    """Bytes of each gradient bucket, filled as :meth:`nnscaler.runtime.grad_sync.GradSync.build`
+    fills them: in reverse order, a bucket closed once it holds ``limit`` bytes."""
+    out: list[int] = []
+    for n in reversed(sizes):
+        if not out or out[-1] >= limit:
+            out.append(0)
+        out[-1] += n
+    return out
 
+
+def _buckets(sizes: list[int], f: int, axis: str, profile: DeviceProfile, across: bool) -> list[Collective]:
+    """Gradient all-reduces of parameters of ``sizes`` bytes, in buckets as the runtime sends them."""
+    return [Collective("grad sync", "all_reduce", axis, f, n, collective_time("all_reduce", n, f, profile, across))
+            for n in bucket_bytes(sizes)]

@@ -20,9 +20,9 @@ from ..cost.compute import op_flops
 from ..cost.profiles import get_profile
 from ..dimops.partition import splittable
 from ..ir.graph import IRGraph, IROp
-from .autodist_program import Program, build_program, op_classes
+from .autodist_program import Program, Shared, build_program, op_classes
 from .builtin import batch_identifiers
-from .greedy import candidates
+from .greedy import candidates, fused_blocks
 from .plan import ComputeConfig, Plan, PlanError
 from .summary import human, seconds
 
@@ -104,6 +104,8 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
             rows.append((0.0, 0.0, [base + a * cv + b for b in range(cv)] + [offset[u] + a], [1.0] * cv + [-1.0]))
         for b in range(cv):
             rows.append((0.0, 0.0, [base + a * cv + b for a in range(cu)] + [offset[v] + b], [1.0] * cu + [-1.0]))
+    for g in prog.shared if not minimize_memory else ():
+        n = _add_shared(g, offset, classes, n, rows, pair_costs)
     if budget is not None and not minimize_memory:
         mem = np.concatenate(prog.memory)
         rows.append((-highspy.kHighsInf, budget - prog.fixed_memory, list(range(nx)), list(mem)))
@@ -136,10 +138,36 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
         raise PlanError(f"autodist: HiGHS stopped without a plan on mesh {prog.mesh_shape}: status {text!r}")
     x = np.array(h.getSolution().col_value[:nx])
     sol.choice = [int(np.argmax(x[offset[k]:offset[k] + len(c.cands)])) for k, c in enumerate(classes)]
-    sol.seconds = fixed / _MS + sum(prog.seconds[k][c] for k, c in enumerate(sol.choice)) + sum(
-        prog.pairs[(u, v)][sol.choice[u], sol.choice[v]] for (u, v) in prog.pairs)
-    sol.memory = prog.fixed_memory + sum(prog.memory[k][c] for k, c in enumerate(sol.choice))
+    sol.seconds, sol.memory = prog.evaluate(sol.choice)
     return sol
+
+
+def _add_shared(g: Shared, offset: list[int], classes, n: int, rows: list, costs: list) -> int:
+    """Columns and rows of one shared tensor. ``s[k]``: layout ``k`` is made, ``s[k] >= x[v, c]`` for
+    every reader's candidate ``c`` wanting it (minimised, so the OR of binaries). With a producer
+    class ``u``, ``z[c, k] = x[u, c] AND s[k]`` pays the conversion from ``u``'s candidate ``c``, as
+    ``z[c, k] <= x[u, c]`` and ``sum_c z[c, k] = s[k]``: the marginal form, as for pairs (a tight
+    relaxation; ``z >= x + s - 1`` left HiGHS minutes of branching on Llama). Returns the column count."""
+    nc, nk = g.seconds.shape
+    s0 = n
+    n += nk
+    for v, keys in g.consumers:
+        for k in set(keys):
+            cols = [offset[v] + c for c, kk in enumerate(keys) if kk == k]
+            rows.append((0.0, highspy.kHighsInf, [s0 + k] + cols, [1.0] + [-1.0] * len(cols)))
+    if g.producer is None:
+        costs.append(g.seconds[0] * _MS)
+        return n
+    costs.append(np.zeros(nk))
+    z0 = n
+    n += nc * nk
+    for k in range(nk):
+        rows.append((0.0, 0.0, [z0 + c * nk + k for c in range(nc)] + [s0 + k], [1.0] * nc + [-1.0]))
+    for c in range(nc):
+        for k in range(nk):
+            rows.append((-highspy.kHighsInf, 0.0, [z0 + c * nk + k, offset[g.producer] + c], [1.0, -1.0]))
+    costs.append(g.seconds.reshape(-1) * _MS)
+    return n
 
 
 def _heaviest(graph: IRGraph) -> IROp | None:
@@ -173,13 +201,13 @@ def autodist(graph: IRGraph, config: ComputeConfig) -> Plan:
     world = config.plan_ngpus
     batch = batch_identifiers(graph)
     check_world_size(graph, world, batch)
-    classes, of = op_classes(graph, batch)
+    classes, of = op_classes(graph, batch, fused_blocks(graph))
     start = time.perf_counter()
     progs, sols = [], []
     shapes = meshes(world)
     for mesh, names in shapes:
         prog = build_program(graph, classes, of, mesh, names, axis_options(names, batch), profile, config.replicas)
-        prog.classes = [type(k)(k.ops, list(k.cands), list(k.layouts)) for k in classes]  # keep this mesh's
+        prog.classes = [type(k)(k.ops, list(k.cands), list(k.layouts), k.blocks) for k in classes]  # keep this mesh's
         progs.append(prog)
         sols.append(solve(prog, config.mem_budget, TIME_LIMIT))
     fits = [s for s in sols if s.choice is not None]
