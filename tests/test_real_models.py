@@ -35,7 +35,6 @@ LIMITS = {
     # sort, the gathers by its permutation and the grouped matmuls over its offsets see the whole batch
     "mixtral": (8, 13),
 }
-NEEDS_LIFTED_CONSTANTS = "T5's relative-position buckets are a lifted tensor constant (fixed on the ckpt branch)"
 
 
 def _needs(name: str) -> None:
@@ -62,28 +61,9 @@ def dp_report(graph, world: int = 2) -> tuple[int, int, int]:
     return len(whole), len(FORWARD.findall(source)), len(replicated_operators(graph, plan))
 
 
-def _xfail_t5(name: str):
-    reason = _t5_broken() if name == "t5" else ""
-    if reason:
-        pytest.xfail(reason)
-
-
-@functools.lru_cache(maxsize=None)
-def _t5_broken() -> str:
-    try:
-        graph = _trace("t5")
-        POLICIES["dp"](graph, ComputeConfig(2))
-    except KeyError:
-        return NEEDS_LIFTED_CONSTANTS
-    if graph.unknown():  # the functionalized in-place writes of _shift_right have no rules yet
-        return f"T5 has operators without annotation: {graph.unknown_summary()[:200]}"
-    return ""
-
-
 @pytest.mark.parametrize("name", BUILT_IN + NEW)
 def test_dp_splits_every_batch_operator_and_only_reduces_the_loss(name):
     _needs(name)
-    _xfail_t5(name)
     graph = _trace(name)
     assert not graph.unknown(), graph.unknown_summary()
     whole, collectives, replicated = dp_report(graph)
@@ -121,8 +101,6 @@ def test_the_measure_catches_an_unannotated_operator(name, missing):
 
 
 CFG = RunConfig(world_sizes=(2, 4))
-NO_FLOAT64_GROUPED_MM = ("torch._grouped_mm (transformers' default experts, run by the single-device reference) has "
-                         "no float64 kernel; the float64 fallback of the tolerance policy is on the verdict branch")
 
 
 @pytest.mark.slow
@@ -130,14 +108,6 @@ NO_FLOAT64_GROUPED_MM = ("torch._grouped_mm (transformers' default experts, run 
 @pytest.mark.parametrize("name", NEW)
 def test_new_model_trains_like_on_one_device(gang, name, policy):
     _needs(name)
-    _xfail_t5(name)
-    if name == "mixtral":
-        try:
-            case = MODELS[name](0)
-            case.model.double()(*case.batch(0))
-        except RuntimeError as exc:
-            if "Double" in str(exc):
-                pytest.xfail(NO_FLOAT64_GROUPED_MM)
     with tempfile.TemporaryDirectory() as tmp:
         rows = list(run_model(gang, name, (policy,), CFG, tmp, steps=3))
     assert len(rows) == 2

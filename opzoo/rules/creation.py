@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from nnscaler.ops import OpCall, TensorMeta, annotation_rule
+from nnscaler.ops import OpCall, Size, TensorMeta, annotation_rule
 
 from ._common import Names, build, usable
 
@@ -71,10 +71,18 @@ def new_filled(ignored, size, fill_value=None, *, fill, dtype, **options):
 
 @annotation_rule(*_NEW)
 def new_rule(call: OpCall):
-    """``?, ? -> a^`` with ``self`` as a ``?`` (only its dtype matters)."""
+    """``?, ? -> a^`` with ``self`` as a ``?`` (only its dtype matters); of ``self``'s own shape
+    (``labels.new_zeros(labels.shape)``), ``a b, ? -> a b`` like ``zeros_like``, the size following
+    the local lengths, so the result is split as ``self`` is and writes into it stay split."""
     out = call.outputs[0] if len(call.outputs) == 1 else None
     if not isinstance(out, TensorMeta) or not usable(call):
         return None
+    x = call.args[0]
+    if isinstance(x, TensorMeta) and x.ndim and tuple(x.shape) == tuple(out.shape):
+        names = Names()
+        dims = [names.dim(n) for n in x.shape]
+        fn = partial(new_filled, fill=_NEW[call.overload], dtype=out.dtype)
+        return build(call, FAMILY, {0: dims}, [dims], args={1: Size(" ".join(dims))}, fn=fn, differentiable=False)
     dims, sizes = _frozen(Names(), out.shape)
     fn = partial(new_filled, fill=_NEW[call.overload], dtype=out.dtype)
     return build(call, FAMILY, {}, [dims], args={0: None}, sizes=sizes, fn=fn, differentiable=False)
