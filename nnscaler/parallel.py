@@ -17,7 +17,8 @@ from .codegen.emit import generate
 from .dimops.partition import Partition
 from .ops.registry import OpRegistry
 from .policies import ComputeConfig, Plan, PlanError, validate
-from .pipeline import is_pipeline_policy, parallelize_pipeline
+from .pipeline import check_model, is_pipeline_policy, parallelize_pipeline
+from .pipeline.build import pipeline_config
 from .plan_api import attach_stats, resolve_policy, write_report
 from .policies.plan import Policy
 from .runtime.mesh import GroupCache, RankMesh
@@ -147,9 +148,15 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     if verify not in ("strict", "warn", False):
         raise PlanError(f"verify must be 'strict', 'warn' or False, got {verify!r}")
     if config.pp_size > 1 or is_pipeline_policy(policy):  # pipeline stages: nnscaler.pipeline
+        check_model(model, sample_args, pipeline_config(policy, config)[1])  # bad input before any process group
         _ensure_process_group()
         return parallelize_pipeline(model, sample_args, policy, config, gen_savedir=gen_savedir, reuse=reuse,
                                     strict=strict, sample_kwargs=sample_kwargs, registry=registry, groups=groups)
+    if config.num_microbatches > 1:  # the sample is a whole batch; the program runs one micro-batch
+        try:
+            sample_args, sample_kwargs = split_batch(sample_args, sample_kwargs, config.num_microbatches)[0]
+        except MicroBatchError as exc:
+            raise PlanError(f"sample_args: {exc}") from None
     _ensure_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     runtime = config.runtime_ngpus or config.plan_ngpus
@@ -157,11 +164,6 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         raise PlanError(f"the process group has {world} ranks but the config asks for {runtime} "
                         f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
     name, fn = resolve_policy(policy)
-    if config.num_microbatches > 1:  # the sample is a whole batch; the program runs one micro-batch
-        try:
-            sample_args, sample_kwargs = split_batch(sample_args, sample_kwargs, config.num_microbatches)[0]
-        except MicroBatchError as exc:
-            raise PlanError(f"sample_args: {exc}") from None
     graph = trace(model, sample_args, sample_kwargs, registry=registry, strict=strict)
     canonical = {}  # tied parameters go by their first name, as named_parameters() lists them
     for n, p in model.named_parameters():

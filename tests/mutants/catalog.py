@@ -383,7 +383,7 @@ def loss_scaled_per_micro_batch():
 
     def per_micro_batch(loss, rows):
         total, count = terms(loss, rows)
-        return total / count, torch.ones((), dtype=torch.float64)
+        return total / count.to(total.dtype), torch.ones((), dtype=torch.float64)
     MB.loss_terms = per_micro_batch
 
 
