@@ -139,12 +139,15 @@ def stage_graphs(graph: IRGraph, cuts: list[int]) -> list[IRGraph]:
         made = [t for op in ops for t in op.outputs if t is not None]
         after = [t for t in live + made if last_use.get(t, -2) > s]
         outputs = final if s == len(bounds) - 2 else after
-        out.append(_subgraph(graph, ops, live, outputs))
+        # parameters and buffers no operator reads still belong to the model's state: stage 0 keeps them
+        unread = [t for t in graph.params + graph.buffers if t not in last_use] if s == 0 else []
+        out.append(_subgraph(graph, ops, live, outputs, unread))
         live = after
     return out
 
 
-def _subgraph(graph: IRGraph, ops: list[IROp], inputs: list[IRTensor], outputs: list[Any]) -> IRGraph:
+def _subgraph(graph: IRGraph, ops: list[IROp], inputs: list[IRTensor], outputs: list[Any],
+              unread: list[IRTensor] = ()) -> IRGraph:
     copies: dict[IRTensor, IRTensor] = {}
 
     def cp(t: IRTensor, kind: str | None = None) -> IRTensor:
@@ -172,6 +175,8 @@ def _subgraph(graph: IRGraph, ops: list[IROp], inputs: list[IRTensor], outputs: 
             if t is not None:
                 t.producer = new
         new_ops.append(new)
+    for t in unread:
+        cp(t)
     used = set(copies)
     params = [copies[t] for t in graph.params if t in used]
     buffers = [copies[t] for t in graph.buffers if t in used]
