@@ -421,17 +421,12 @@ def split_ignores_blocks():
 
 
 @mutant
-def layer_norm_annotation_splits_its_dim():
-    """A wrong annotation: layer_norm's normalised dim marked splittable (``h`` for ``h^``)."""
-    import dataclasses
-
-    import opzoo  # noqa: F401  (registers layer_norm)
-    from nnscaler.dimops.grammar import parse
-    from nnscaler.ops.registry import DEFAULT_REGISTRY
-    for name in ("layer_norm", "layer_norm_noaffine"):
-        spec = DEFAULT_REGISTRY.get(name)
-        text = spec.annotation.replace("h^", "h")
-        DEFAULT_REGISTRY._ops[name] = dataclasses.replace(spec, annotation=text, anno=parse(text))
+def rules_lose_frozen_dims():
+    """Wrong annotations: the layer rules (layer_norm, rms_norm, attention) leave the dims they must
+    keep whole (``h^``, the key length, the head dim) splittable."""
+    import opzoo.rules.nn as nn
+    mark = nn.mark
+    patch(nn, "mark", lambda dim, marker: dim if marker == "^" else mark(dim, marker))
 
 
 # -- gradient accumulation (micro-batches, ParallelModule.train_step) --------------------------------
