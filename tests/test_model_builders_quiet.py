@@ -1,5 +1,6 @@
 """The built-in model builders say nothing: a transformers config whose token ids lie outside its
-vocabulary makes transformers log a warning per build (per rank, per case), which flooded `verify all`."""
+vocabulary makes transformers log a warning per build, and a model whose class names no loss (GPT-2)
+one at its first loss, per rank and per case, which flooded `verify all`."""
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,7 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "phi3", "gpt2_v96", "llama", "bert"])
+@pytest.mark.parametrize("name", ["gpt2", "phi3", "gpt2_v96", "tp_gpt2", "llama", "bert"])
 def test_builder_is_quiet(name, capfd):
     handler = _Records()
     root = logging.getLogger("transformers")
@@ -31,9 +32,15 @@ def test_builder_is_quiet(name, capfd):
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            MODELS[name](0)
+            case = MODELS[name](0)
+            case.model(*case.batch(0))
     finally:
         root.removeHandler(handler)
     out, err = capfd.readouterr()
     said = [r.getMessage() for r in handler.records] + [str(w.message) for w in seen]
     assert not said and "[transformers]" not in out + err, (said, err[-2000:])
+    from transformers import PreTrainedModel
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    for m in case.model.modules():  # what decides the loss warning (said once per process, so checked too)
+        if isinstance(m, PreTrainedModel) and m.__class__.__name__.endswith(("LMHeadModel", "ForCausalLM")):
+            assert getattr(m, "loss_type", None) in LOSS_MAPPING, (name, type(m).__name__)

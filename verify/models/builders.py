@@ -124,12 +124,12 @@ def gpt2_v96(seed: int, width: int = 48) -> ModelCase:
     degree, so vocabulary-parallel embedding and loss split it without padding."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from .hf import LossOf, _lm_batch
+    from .hf import LossOf, _causal_lm, _lm_batch
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=96, n_embd=width, n_layer=2, n_head=3, n_positions=32, attn_pdrop=0.0,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="eager", use_cache=False,
                      bos_token_id=0, eos_token_id=0)
-    return ModelCase(LossOf(GPT2LMHeadModel(cfg)), _lm_batch(96, seed))
+    return ModelCase(LossOf(_causal_lm(GPT2LMHeadModel(cfg))), _lm_batch(96, seed))
 
 
 MODELS: dict[str, Callable[[int], ModelCase]] = {

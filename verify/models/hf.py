@@ -24,6 +24,13 @@ class MaskedLossOf(LossOf):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """``model`` with its loss named: GPT-2's class name names none, and transformers warns on every
+    first loss of a process (once per rank, per case) unless it is set."""
+    model.loss_type = "ForCausalLM"
+    return model
+
+
 def _lm_batch(vocab: int, seed: int, masked: bool = False):
     def batch(step: int):
         ids = _tokens(vocab, (4, 8), 100 * seed + step)
@@ -50,7 +57,7 @@ def gpt2(seed: int) -> ModelCase:
     cfg = GPT2Config(vocab_size=99, n_embd=48, n_layer=2, n_head=3, n_positions=32, attn_pdrop=0.0, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_implementation="eager", use_cache=False,
                      bos_token_id=0, eos_token_id=0)  # inside the vocabulary: transformers warns otherwise
-    return ModelCase(LossOf(GPT2LMHeadModel(cfg)), _lm_batch(99, seed))
+    return ModelCase(LossOf(_causal_lm(GPT2LMHeadModel(cfg))), _lm_batch(99, seed))
 
 
 @register_model("bert")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .builders import ModelCase, _tokens
-from .hf import LossOf, MaskedLossOf, _lm_batch
+from .hf import LossOf, MaskedLossOf, _causal_lm, _lm_batch
 from .nanogpt import GPT, GPTConfig
 
 VOCAB = 128
@@ -28,7 +28,7 @@ def gpt2(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> Mod
     cfg = GPT2Config(vocab_size=VOCAB, n_embd=width, n_layer=layers, n_head=heads, n_positions=32, attn_pdrop=0.0,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="eager", use_cache=False,
                      bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
-    return ModelCase(LossOf(GPT2LMHeadModel(cfg)), _lm_batch(VOCAB, seed))
+    return ModelCase(LossOf(_causal_lm(GPT2LMHeadModel(cfg))), _lm_batch(VOCAB, seed))
 
 
 def llama(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> ModelCase:
