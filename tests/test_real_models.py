@@ -23,7 +23,7 @@ from verify.cases import MATCH, RunConfig, run_model
 from verify.models.builders import MODELS
 
 BUILT_IN = ["nanogpt", "transformer_encoder", "llama", "gpt2", "bert"]
-NEW = ["mixtral", "mixtral_batched", "qwen3", "gemma", "phi3", "t5", "vit", "resnet_gn"]
+NEW = ["mixtral", "mixtral_batched", "mixtral_ep", "qwen3", "gemma", "phi3", "t5", "vit", "resnet_gn"]
 FORWARD = re.compile(r"= C\.(all_gather|all_reduce|reduce_scatter|all_to_all)\(")
 
 # model -> (batch operators left whole, forward collectives under dp at W=2), the most allowed
