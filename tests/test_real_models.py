@@ -100,6 +100,30 @@ def test_the_measure_catches_an_unannotated_operator(name, missing):
     assert "(no annotation)" in replicated_line(graph, POLICIES["dp"](graph, ComputeConfig(2)))
 
 
+EXPERTS = "nnscaler.moe_experts.default"
+
+
+@pytest.mark.parametrize("policy", ["dp", "tp", "random"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_mixtral_shards_experts_by_expert(policy, world):
+    """Under dp and tp every mixture-of-experts layer is split by expert on all ranks (each holds
+    1/W of the expert weights, the tokens go by all-to-all); without the rule it is not."""
+    _needs("mixtral_ep")
+    graph = _trace("mixtral_ep")
+    layers = [op for op in graph.ops if op.overload == EXPERTS]
+    assert len(layers) == 2
+    plan = POLICIES[policy](graph, ComputeConfig(world, seed=1))
+    split = [plan.partition(op).factor(op.bound.inputs[3][0][0]) for op in layers]
+    if policy == "random":  # any valid choice, but a split is always by expert, tokens with it
+        assert all(f in (1, 2, 4) for f in split)
+        return
+    assert split == [world, world]
+    source, _, _ = generate(graph, plan, 0)
+    assert source.count("expert_parallel") == 2
+    bare = _trace("mixtral_ep", _without(EXPERTS))
+    assert {op.overload for op in bare.unknown()} == {EXPERTS}
+
+
 CFG = RunConfig(world_sizes=(2, 4))
 
 
