@@ -23,7 +23,7 @@ from verify.cases import MATCH, RunConfig, run_model
 from verify.models.builders import MODELS
 
 BUILT_IN = ["nanogpt", "transformer_encoder", "llama", "gpt2", "bert"]
-NEW = ["mixtral", "mixtral_batched", "qwen3", "gemma", "phi3", "t5", "vit", "resnet_gn"]
+NEW = ["mixtral", "mixtral_batched", "mixtral_ep", "qwen3", "gemma", "phi3", "t5", "vit", "resnet_gn"]
 FORWARD = re.compile(r"= C\.(all_gather|all_reduce|reduce_scatter|all_to_all)\(")
 
 # model -> (batch operators left whole, forward collectives under dp at W=2), the most allowed
@@ -98,6 +98,30 @@ def test_the_measure_catches_an_unannotated_operator(name, missing):
     whole, collectives, replicated = dp_report(graph)
     assert collectives > 1 and replicated > 0
     assert "(no annotation)" in replicated_line(graph, POLICIES["dp"](graph, ComputeConfig(2)))
+
+
+EXPERTS = "nnscaler.moe_experts.default"
+
+
+@pytest.mark.parametrize("policy", ["dp", "tp", "random"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_mixtral_shards_experts_by_expert(policy, world):
+    """Under dp and tp every mixture-of-experts layer is split by expert on all ranks (each holds
+    1/W of the expert weights, the tokens go by all-to-all); without the rule it is not."""
+    _needs("mixtral_ep")
+    graph = _trace("mixtral_ep")
+    layers = [op for op in graph.ops if op.overload == EXPERTS]
+    assert len(layers) == 2
+    plan = POLICIES[policy](graph, ComputeConfig(world, seed=1))
+    split = [plan.partition(op).factor(op.bound.inputs[3][0][0]) for op in layers]
+    if policy == "random":  # any valid choice, but a split is always by expert, tokens with it
+        assert all(f in (1, 2, 4) for f in split)
+        return
+    assert split == [world, world]
+    source, _, _ = generate(graph, plan, 0)
+    assert source.count("expert_parallel") == 2
+    bare = _trace("mixtral_ep", _without(EXPERTS))
+    assert {op.overload for op in bare.unknown()} == {EXPERTS}
 
 
 CFG = RunConfig(world_sizes=(2, 4))

@@ -27,7 +27,8 @@ matmul.default embedding.default scaled_dot_product_attention.default dropout.de
 cross_entropy_loss.default to.dtype _to_copy.default _assert_tensor_metadata.default type_as.default arange.default
 arange.start zeros.default full.default new_ones.default empty_like.default diff.default index.Tensor index_put_.default
 repeat_interleave.self_int histc.default floor_divide.default _grouped_mm.default conv1d.default conv2d.default
-group_norm.default mse_loss.default broadcast_tensors.default div_.Tensor""".split()
+group_norm.default mse_loss.default broadcast_tensors.default div_.Tensor slice_scatter.default
+select_scatter.default copy.default fill.Tensor new_zeros.default""".split()
 
 
 # --- (a) every rule has examples in the zoo --------------------------------------------------------

@@ -58,8 +58,11 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
             return [_vocab(op)]
         if op.overload == "aten.embedding.default":  # positions, token types: small, replicated
             return [None]
-        allowed = set(parameter_identifiers(op)) | set(sharded_identifiers(op, axis, layouts))
-        never = {batch[op.name], seq.get(op.name)}  # the sequence splits no weight matrix's work
+        params = set(parameter_identifiers(op))
+        allowed = params | set(sharded_identifiers(op, axis, layouts))
+        # the sequence splits no weight matrix's work; an identifier that also splits a parameter
+        # (experts, which opzoo.experts ties to the tokens) is model parallelism, not the batch
+        never = {batch[op.name], seq.get(op.name)} - params
         return [None, *(i for i in splittable(op.bound) if i in allowed and i not in never)]
 
     return options

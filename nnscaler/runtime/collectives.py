@@ -14,6 +14,7 @@ function            forward                    backward
 ``grad_all_reduce`` R -> R, consumed split      all-reduce (sum partial grads)
 ``all_gather_sum_grad`` D -> R, consumed split  reduce-scatter (sum partial grads)
 ``all_to_all``      D(a) -> D(b)                D(b) -> D(a)
+``all_to_all_v``    rows to the ranks of counts the rows back
 ==================  =========================  ===========================
 
 A ``group`` of ``None`` means a single rank: every function is then the identity.
@@ -154,6 +155,25 @@ class _AllToAll(torch.autograd.Function):
         return _chunk(_gather(g, split_dim, ctx.group), gather_dim, ctx.group), None, None, None
 
 
+def _exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """``dist.all_to_all_single`` with split sizes (gloo has it on CPU, as nccl does on CUDA)."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.counts, ctx.group = (send, recv), group
+        return _exchange_rows(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        send, recv = ctx.counts
+        return _exchange_rows(g, recv, send, ctx.group), None, None, None
+
+
 def _differentiable(x: torch.Tensor) -> bool:
     return x.is_floating_point() or x.is_complex()
 
@@ -220,3 +240,22 @@ def all_to_all(x: torch.Tensor, gather_dim: int, split_dim: int, group) -> torch
     if not _differentiable(x):
         return _chunk(_gather(x, gather_dim, group), split_dim, group)
     return _AllToAll.apply(x, gather_dim, split_dim, group)
+
+
+def all_to_all_v(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows of ``x`` in rank order: the first ``send[0]`` go to rank 0 of ``group``, the next
+    ``send[1]`` to rank 1, ...; returns the ``recv[j]`` rows from each rank ``j``, in rank order
+    (expert parallelism's token dispatch). Backward sends the gradient rows back the same way."""
+    if group is None:
+        return x
+    return _AllToAllV.apply(x, list(send), list(recv), group) if _differentiable(x) else \
+        _exchange_rows(x, list(send), list(recv), group)
+
+
+def exchange_counts(send: torch.Tensor, group) -> torch.Tensor:
+    """Each rank's ``send[j]`` (how many rows it sends rank ``j``) -> how many it receives from each."""
+    if group is None:
+        return send
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    return recv

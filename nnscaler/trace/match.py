@@ -106,7 +106,7 @@ def derive(call: OpCall, registry: OpRegistry) -> tuple[OpSpec, BoundAnno] | Non
         spec = rule(call)
         if spec is not None:
             try:
-                return spec, bind(spec.anno, ins[:len(spec.anno.inputs)], outs)
+                return spec, bind(spec.anno, ins[:len(spec.anno.inputs)], outs, known=dict(spec.sizes) or None)
             except AnnotationError as exc:
                 raise AnnotationError(f"rule {getattr(rule, '__name__', rule)} for {call.overload} gave "
                                       f"{spec.annotation!r}, which does not fit the call: {exc}") from None

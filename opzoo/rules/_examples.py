@@ -87,7 +87,7 @@ def register_examples(overload: str, calls: Iterable[ex | tuple]) -> list[str]:
         spec = derive(call)
         if spec is None:
             raise ValueError(f"no rule annotates the example {call}")
-        bind(spec.anno, *shapes_of(call))
+        bind(spec.anno, *shapes_of(call), known=dict(spec.sizes) or None)
         name = f"rule.{short_name(overload)}.{len(names)}"
         DEFAULT_REGISTRY.add(dataclasses.replace(spec, name=name, family=FAMILY))
         names.append(name)

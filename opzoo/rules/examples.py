@@ -192,3 +192,4 @@ register_examples("aten.select_scatter.default", [(T(4, 8), T(4), 1, 0), (T(3, 4
 register_examples("aten.copy.default", [(T(4, 7), T(4, 7)), (I(4, 6), I(6))])
 register_examples("aten.fill.Tensor", [(I(4,), I()), (T(4, 8), T())])
 register_examples("aten.fill.Scalar", [(T(4, 8), 0.5)])
+

@@ -8,6 +8,8 @@ Mixtral's experts run through ``config._experts_implementation``, which transfor
 projection) or ``"batched_mm"`` (each token-expert pair gathers its expert's weights and runs a
 ``bmm``); ``"eager"`` loops over the experts hit, which ``torch.export`` cannot trace (a
 data-dependent loop). Both traceable variants are registered: ``mixtral`` and ``mixtral_batched``.
+``mixtral_ep`` runs its experts as :mod:`opzoo.experts`' one annotated operator (``"nnscaler_ep"``),
+4 experts, which the planners split by expert with an all-to-all token dispatch (expert parallelism).
 """
 from __future__ import annotations
 
@@ -28,13 +30,16 @@ def _decoder(cls_cfg, cls_model, vocab: int, seed: int, **cfg) -> ModelCase:
     return ModelCase(hf.LossOf(cls_model(config)), hf._lm_batch(vocab, seed))
 
 
-def _mixtral(seed: int, experts: str) -> ModelCase:
+def _mixtral(seed: int, experts: str, num_experts: int = 3) -> ModelCase:
     import transformers.integrations.moe  # noqa: F401  (defines transformers::grouped_mm_fallback)
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from opzoo.rules.moe import register_transformers_grouped_mm
     register_transformers_grouped_mm()
-    return _decoder(MixtralConfig, MixtralForCausalLM, 97, seed, num_local_experts=3, num_experts_per_tok=2,
+    if experts == "nnscaler_ep":
+        from opzoo.experts import register_transformers
+        register_transformers()
+    return _decoder(MixtralConfig, MixtralForCausalLM, 97, seed, num_local_experts=num_experts, num_experts_per_tok=2,
                     experts_implementation=experts, router_jitter_noise=0.0, **HEADS)
 
 
@@ -48,6 +53,12 @@ def mixtral(seed: int) -> ModelCase:
 def mixtral_batched(seed: int) -> ModelCase:
     """Mixtral with batched experts (per token-expert pair, a gathered weight and a ``bmm``)."""
     return _mixtral(seed, "batched_mm")
+
+
+@register_model("mixtral_ep")
+def mixtral_ep(seed: int) -> ModelCase:
+    """Mixtral with 4 experts as one expert-parallel operator (``opzoo.experts``)."""
+    return _mixtral(seed, "nnscaler_ep", num_experts=4)
 
 
 @register_model("qwen3")
