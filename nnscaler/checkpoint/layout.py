@@ -71,6 +71,40 @@ def _gather_blocks(module: "ParallelModule", layout, local: torch.Tensor) -> tor
     return local
 
 
+GATHER_BYTES = 2**20  # pieces gathered together in one collective: few collectives, little memory beyond the pieces
+
+
+def gather_blocks(module: "ParallelModule", items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each ``(name, local)`` made whole along the axes that split ``name`` in blocks, as
+    :func:`_gather_blocks` does one by one, but with one all-gather per axis, dtype and
+    ``GATHER_BYTES`` of pieces (every rank calls this with the same names in the same order)."""
+    from ..dimops.layout import join_blocks
+    out = [local for _, local in items]
+    layouts = [module._program.STATE[name][1] for name, _ in items]
+    for axis, group in enumerate(module._mesh.groups):
+        if group is None:
+            continue
+        todo: dict[torch.dtype, list[list[tuple[int, int, int]]]] = {}
+        for i, layout in enumerate(layouts):
+            for a, dim, blocks in _blocked(layout):
+                if a == axis:
+                    runs = todo.setdefault(out[i].dtype, [[]])
+                    if sum(out[j].numel() * out[j].element_size() for j, _, _ in runs[-1]) >= GATHER_BYTES:
+                        runs.append([])
+                    runs[-1].append((i, dim, blocks))
+        for runs in todo.values():
+            for run in runs:
+                flat = torch.cat([out[i].reshape(-1) for i, _, _ in run])
+                parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, flat, group=group)
+                offset = 0
+                for i, dim, blocks in run:
+                    n, shape = out[i].numel(), out[i].shape
+                    out[i] = join_blocks([q[offset:offset + n].view(shape) for q in parts], dim, blocks)
+                    offset += n
+    return out
+
+
 def load_buffer(module: "ParallelModule", name: str, like: torch.Tensor):
     """(buffer to load into, function cutting it to this rank's piece): the buffer is ``like``'s
     shape, made whole along the axes that split ``name`` in blocks."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from .layout import device_mesh, load_buffer, sharded
+from .layout import device_mesh, gather_blocks, load_buffer, sharded
 
 if TYPE_CHECKING:
     from ..runtime.module import ParallelModule
@@ -50,9 +50,10 @@ def save(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
     """Write ``module``'s pieces (and ``optimizer``'s state) under directory ``path``; every rank of
     the module calls this."""
     mesh = device_mesh(module)
-    state: dict[str, torch.Tensor] = {}
+    pieces: dict[str, tuple[str, torch.Tensor]] = {}  # checkpoint key -> (model name it is laid out like, piece)
+    plain: dict[str, torch.Tensor] = {}  # optimizer scalars, stored whole
     for key, name in model_names(module).items():
-        state[f"model.{name}"] = sharded(module, mesh, name, getattr(module, key).detach())
+        pieces[f"model.{name}"] = (name, getattr(module, key).detach())
     meta = {"optimizer": None}
     if optimizer is not None:
         names = _param_names(module)
@@ -67,11 +68,15 @@ def save(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
                 keys[name] = sorted(optimizer.state.get(p, {}))
                 for k, v in optimizer.state.get(p, {}).items():
                     v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                    state[f"optim.{name}.{k}"] = (sharded(module, mesh, name, v.detach())
-                                                  if v.shape == p.shape and v.dim() else v.detach())
+                    if v.shape == p.shape and v.dim():
+                        pieces[f"optim.{name}.{k}"] = (name, v.detach())
+                    else:
+                        plain[f"optim.{name}.{k}"] = v.detach()
         meta = {"optimizer": type(optimizer).__name__, "param_groups": [_hyper(g) for g in optimizer.param_groups],
                 "group_of": groups, "state_keys": keys}
-    dcp.save(state, checkpoint_id=str(path), process_group=module.process_group)
+    whole = gather_blocks(module, list(pieces.values())) if mesh is not None else [t for _, t in pieces.values()]
+    state = {k: sharded(module, mesh, name, t, widened=True) for (k, (name, _)), t in zip(pieces.items(), whole)}
+    dcp.save({**state, **plain}, checkpoint_id=str(path), process_group=module.process_group)
     if not dist.is_initialized() or dist.get_rank() == 0:  # the module's ranks are 0 .. runtime_ngpus-1
         Path(path, META).write_text(json.dumps(meta, indent=1))
     if dist.is_initialized():
