@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases import MATCH, MISMATCH, RunConfig, judge, run_replicas
-from verify.cli import main, model_items
+from verify.cases import MATCH, MISMATCH, RunConfig, judge
+from verify.cli import main
+from verify.replica_rows import replica_items, run_replicas
 from verify.gang import Gang
 
 UNSYNCED = str(Path(__file__).parent / "fixtures" / "replicas_unsynced.py")
@@ -56,9 +57,9 @@ def test_replicas_that_are_not_averaged_fail_the_case():
 
 
 def test_verify_all_runs_a_tp_plan_times_two_replicas_for_every_model_where_the_world_allows():
-    items = dict(model_items(["nanogpt", "t5"], (2, 4)))
-    assert items["model:nanogpt tp x2 replicas"] == ("nanogpt", "tp", 2) and "model:t5 tp x2 replicas" in items
-    assert not any("replicas" in label for label, _ in model_items(["nanogpt"], (2,)))
+    items = dict(replica_items(["nanogpt", "t5"], (2, 4)))
+    assert items["model:nanogpt tp x2 replicas"] == ("nanogpt", "tp", 2, (4,)) and "model:t5 tp x2 replicas" in items
+    assert replica_items(["nanogpt"], (2,)) == [] and replica_items(["nanogpt"], (2, 4, 8))[0][1][3] == (4, 8)
 
 
 @pytest.mark.parametrize("args,needle", [(["--world-size", "4", "--replicas", "3"], "world size 4 is not a multiple"),

@@ -13,7 +13,6 @@ from nnscaler.ops.spec import OpSpec
 from .gang import Gang, RankAnswer
 from .localize import Divergence
 from .model_case import expected_checks
-from .replicas_case import expected_replica_checks, replica_label
 from .samples import split_base
 
 MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
@@ -276,28 +275,4 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 rerun = cfg.rerun_model(name, policy, w, seed, steps)
                 yield Row(f"model:{name}", "model", f"{steps} AdamW steps vs one device", w, policy, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
-                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)
-
-
-def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, replicas: int,
-                 steps: int = 3, skip: frozenset | set = frozenset()) -> Iterator[Row]:
-    """Model ``name`` planned by each policy on ``W / replicas`` ranks and run as ``replicas``
-    data-parallel replicas on W ranks, for each world size W of ``cfg`` (a multiple of ``replicas``),
-    seed and ``cfg.dtype``: one row per case, judged against one device (``verify/replicas_case.py``)."""
-    for seed in cfg.seeds:
-        for w in cfg.world_sizes:
-            for policy in policies:
-                label = replica_label(policy, replicas)
-                if (f"model:{name}", w, label, cfg.dtype, seed) in skip:
-                    continue
-                start = time.perf_counter()
-                job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "plan_ngpus": w // replicas,
-                       "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype}
-                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("model", steps)),
-                                                   expected_replica_checks(name, steps, seed), cfg.modules)
-                out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
-                grad = _worst(checks, "grad")
-                rerun = cfg.rerun_model(name, policy, w, seed, steps) + f" --replicas {replicas}"
-                yield Row(f"model:{name}", "model", f"{steps} AdamW steps vs one device", w, label, cfg.dtype, seed,
-                          status, out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)

@@ -23,7 +23,7 @@ from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
 from nnscaler.policies import POLICIES
 
-from .cases import BadInput, RunConfig, preflight, run_model, run_op, run_replicas
+from .cases import BadInput, RunConfig, preflight, run_model, run_op
 from .lint import lint
 from .model_case import PolicyFileError, resolve_policy
 from .model_coverage import replicated_lines
@@ -31,13 +31,11 @@ from .models.builders import MODELS, known_model
 from .models.loader import ModelNotFound, check_builder, is_file_reference
 from .gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
 from .progress import RunProgress
+from .replica_rows import replica_items, run_replicas
 from .report import ReportError, ReportWriter, summary, table
 from .samples import DTYPES
 from .worker import load_modules
 
-
-
-REPLICAS = 2  # verify all: each model's tp plan on W/2 ranks, run as 2 data-parallel replicas at every W >= 4
 
 
 class UsageError(Exception):
@@ -106,10 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "(graph, config) -> Plan (default: every built-in)")
     p_model.add_argument("--bucket-bytes", type=_positive(int, "--bucket-bytes"), default=None, metavar="N",
                          help="gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)")
-    p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
     p_model.add_argument("--replicas", type=_positive(int, "--replicas"), default=1, metavar="R",
                          help="plan each policy on W/R ranks and run it as R data-parallel replicas on W ranks, "
                               "each fed its share of the batch (default 1: no replicas)")
+    p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
@@ -296,20 +294,6 @@ def cmd_model(args) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
-def replica_world_sizes(world_sizes: Sequence[int]) -> tuple[int, ...]:
-    """The world sizes ``verify all`` runs replicas at: a plan of at least 2 ranks, times ``REPLICAS``."""
-    return tuple(w for w in world_sizes if w >= 2 * REPLICAS and w % REPLICAS == 0)
-
-
-def model_items(models: Sequence[str], world_sizes: Sequence[int]) -> list[tuple[str, tuple]]:
-    """``verify all``'s whole-model items: (label, (model, policy)) for every built-in policy, and
-    (label, (model, "tp", REPLICAS)) for a tp plan run as data-parallel replicas where a world size allows."""
-    items = [(f"model:{m} {p}", (m, p)) for m in models for p in POLICIES]
-    if replica_world_sizes(world_sizes):
-        items += [(f"model:{m} tp x{REPLICAS} replicas", (m, "tp", REPLICAS)) for m in models]
-    return items
-
-
 def cmd_all(args) -> int:
     reg = _load(args.module)
     cfg = _config(args)
@@ -324,27 +308,31 @@ def cmd_all(args) -> int:
     print(f"verifying {len(specs)} operators at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, "
           f"seeds {list(cfg.seeds)}; reports in {args.reports}/", flush=True)
     models = (sorted(MODELS) if not args.op else []) if args.model is None else args.model
+    replicas = replica_items(models, cfg.world_sizes)  # a tp plan as data-parallel replicas, every model
     random_cfg = replace(cfg, seeds=tuple(dict.fromkeys(args.random_seeds)))
-    items = [(spec.name, spec) for spec in specs] + model_items(models, cfg.world_sizes)
-    replica_sizes = replica_world_sizes(cfg.world_sizes)
+    items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p)) for m in models for p in POLICIES]
 
     try:
-        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items)) as progress:
+        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items) + len(replicas)) as progress:
             preflight(gang, specs, cfg)
             for label, item in items:  # each row is written the moment it is known
                 progress.start(label)
                 if isinstance(item, tuple):
-                    name, policy, *replicas = item  # each seed of random draws another plan
-                    if replicas:
-                        rows = run_replicas(gang, name, (policy,), replace(cfg, world_sizes=replica_sizes), tmp,
-                                            replicas[0], skip=done)
-                    else:
-                        rows = run_model(gang, name, (policy,), random_cfg if policy == "random" else cfg, tmp,
-                                         skip=done)
+                    name, policy = item  # each seed of random draws another plan
+                    rows = run_model(gang, name, (policy,), random_cfg if policy == "random" else cfg, tmp, skip=done)
                 else:
                     rows = run_op(gang, item, cfg, skip=done)
                 new = []
                 for row in rows:
+                    writer.add(row)
+                    new.append(row)
+                progress.done(label, new)
+                writer.seconds = time.perf_counter() - start
+                writer.flush()
+            for label, (name, policy, r, sizes) in replicas:
+                progress.start(label)
+                new = []
+                for row in run_replicas(gang, name, (policy,), replace(cfg, world_sizes=sizes), tmp, r, skip=done):
                     writer.add(row)
                     new.append(row)
                 progress.done(label, new)

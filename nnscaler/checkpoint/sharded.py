@@ -75,7 +75,7 @@ def save(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
         meta = {"optimizer": type(optimizer).__name__, "param_groups": [_hyper(g) for g in optimizer.param_groups],
                 "group_of": groups, "state_keys": keys}
     whole = gather_blocks(module, list(pieces.values())) if mesh is not None else [t for _, t in pieces.values()]
-    state = {k: sharded(module, mesh, name, t, widened=True) for (k, (name, _)), t in zip(pieces.items(), whole)}
+    state = {k: sharded(module, mesh, name, t) for (k, (name, _)), t in zip(pieces.items(), whole)}
     dcp.save({**state, **plain}, checkpoint_id=str(path), process_group=module.process_group)
     if not dist.is_initialized() or dist.get_rank() == 0:  # the module's ranks are 0 .. runtime_ngpus-1
         Path(path, META).write_text(json.dumps(meta, indent=1))
@@ -128,7 +128,7 @@ def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
     for key, name in names.items():
         dest = getattr(module, key)
         buf, cut = load_buffer(module, name, dest)
-        state[f"model.{name}"] = sharded(module, mesh, name, buf, widened=True)
+        state[f"model.{name}"] = sharded(module, mesh, name, buf)
         targets.append((dest, buf, cut))
     opt_state = {}
     if optimizer is not None:
@@ -144,7 +144,7 @@ def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
                 buf, cut = (load_buffer(module, name, p) if whole
                             else (torch.empty(tuple(md.size), dtype=md.properties.dtype), lambda b: b))
                 opt_state[p][k] = (buf, cut)
-                state[f"optim.{name}.{k}"] = sharded(module, mesh, name, buf, widened=True) if whole else buf
+                state[f"optim.{name}.{k}"] = sharded(module, mesh, name, buf) if whole else buf
     dcp.load(state, checkpoint_id=str(path), process_group=module.process_group)
     with torch.no_grad():
         for dest, buf, cut in targets:
