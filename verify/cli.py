@@ -265,10 +265,10 @@ def cmd_model(args) -> int:
                          f"FILE.py:BUILDER where BUILDER(seed) returns a ModelCase or (model, batch_fn))")
     policies = _policies(args.policy)
     cfg = _config(args)
+    _json_target(args.json)
     odd = [w for w in cfg.world_sizes if w % args.replicas]
     if odd:
         raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")
-    _json_target(args.json)
     writer = None if args.reports is None else ReportWriter(args.reports, cfg)
     print(f"training {args.name} for {args.steps} steps under {', '.join(policies)} at world sizes "
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
