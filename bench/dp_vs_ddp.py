@@ -1,13 +1,18 @@
 """Train-step time of nnscaler's ``dp`` (and of data-parallel replicas) against ``DistributedDataParallel``, world size 2, same
-model and batch, in the same processes (alternating rounds, so machine noise hits both alike).
+model and batch, in the same processes.
 
-    python bench/dp_vs_ddp.py [--layers 4] [--width 256] [--batch 8] [--seq 64] [--steps 10]
+    python bench/dp_vs_ddp.py [--layers 4] [--width 256] [--batch 8] [--seq 64] [--steps 20] [--repeats 3]
 
+Steps of the three runs are interleaved one by one (the order rotating every step), so machine noise
+hits each alike; every repeat reports the median over its steps of each run's ratio to the DDP step
+next to it, in wall time and in CPU time of the rank process (all its threads, gloo's included: on a
+shared machine this is the steadier figure, as it does not count time spent waiting for a core).
 Goal: ratio (nnscaler / DDP) <= 1.05.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 import statistics
@@ -20,17 +25,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _steps(module, opt, batch, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        loss = module(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _step(module, opt, batch) -> tuple[float, float]:
+    """(wall, CPU) seconds of one train step, ranks in step at both ends."""
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    loss = module(*batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    dist.barrier()
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _rank(rank: int, world: int, port: int, args, out) -> None:
@@ -38,7 +42,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=300))
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize
     from verify.models.nanogpt import GPT, GPTConfig
@@ -51,21 +55,30 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     local = tuple(x.chunk(world)[rank] for x in full)  # DDP: each rank its share of the same batch
     ddp_model = torch.nn.parallel.DistributedDataParallel(GPT(cfg).requires_grad_(True))
     ddp_model.module.load_state_dict(base.state_dict())
-    import copy
     with tempfile.TemporaryDirectory() as d:
-        pm = parallelize(copy.deepcopy(base), full, "dp", ComputeConfig(world), gen_savedir=d + "/dp")
+        pm = parallelize(copy.deepcopy(base), full, "dp", ComputeConfig(world), gen_savedir=d + "/dp", verify=False)
         # replicas: a one-rank plan run on every rank, gradients averaged during backward
-        rep = parallelize(base, local, "dp", ComputeConfig(1, runtime_ngpus=world), gen_savedir=d + "/rep")
-    runs = {"ddp": (ddp_model, local), "nnscaler": (pm, full), "replicas": (rep, local)}
+        rep = parallelize(base, local, "dp", ComputeConfig(1, runtime_ngpus=world), gen_savedir=d + "/rep",
+                          verify=False)
+    runs = {"ddp": (ddp_model, local), "dp": (pm, full), "replicas": (rep, local)}
     opts = {k: torch.optim.AdamW(m.parameters()) for k, (m, _) in runs.items()}
-    results = {k: [] for k in runs}
-    for k, (m, b) in runs.items():
-        _steps(m, opts[k], b, 2)
-    for _ in range(args.rounds):
+    names = list(runs)
+    for _ in range(2):  # warm up (DDP rebuilds its buckets after its first step)
         for k, (m, b) in runs.items():
-            results[k].append(_steps(m, opts[k], b, args.steps))
+            _step(m, opts[k], b)
+    repeats = []
+    for _ in range(args.repeats):
+        times = {k: [] for k in runs}
+        for i in range(args.steps):
+            for k in names[i % 3:] + names[:i % 3]:
+                m, b = runs[k]
+                times[k].append(_step(m, opts[k], b))
+        ratio = {k: tuple(statistics.median(t[j] / d[j] for t, d in zip(times[k], times["ddp"])) for j in (0, 1))
+                 for k in ("dp", "replicas")}
+        step = {k: tuple(statistics.median(t[j] for t in v) for j in (0, 1)) for k, v in times.items()}
+        repeats.append((ratio, step))
     if rank == 0:
-        out.put({k: statistics.median(v) for k, v in results.items()})
+        out.put(repeats)
     dist.destroy_process_group()
 
 
@@ -75,18 +88,23 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20, help="steps of each run per repeat")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     from verify.gang import free_port
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     mp.start_processes(_rank, args=(2, free_port(), args, out), nprocs=2, start_method="spawn")
-    r = out.get()
-    print(f"GPT {args.layers}x{args.width}, batch {args.batch}x{args.seq}, world size 2 (gloo, CPU): "
-          f"DDP {r['ddp'] * 1e3:.1f} ms/step, nnscaler dp {r['nnscaler'] * 1e3:.1f} ms/step, "
-          f"ratio {r['nnscaler'] / r['ddp']:.3f}; replicas of a one-rank plan {r['replicas'] * 1e3:.1f} ms/step, "
-          f"ratio {r['replicas'] / r['ddp']:.3f} (goal <= 1.05)")
+    repeats = out.get()
+    print(f"GPT {args.layers}x{args.width}, batch {args.batch}x{args.seq}, world size 2 (gloo, CPU), "
+          f"{args.steps} interleaved steps per repeat; ratio to DDP (median of per-step ratios), wall | CPU:")
+    for i, (ratio, step) in enumerate(repeats):
+        print(f"  repeat {i}: DDP {step['ddp'][0] * 1e3:.1f} ms/step ({step['ddp'][1] * 1e3:.1f} ms CPU); "
+              f"nnscaler dp {ratio['dp'][0]:.3f} | {ratio['dp'][1]:.3f}; "
+              f"replicas of a one-rank plan {ratio['replicas'][0]:.3f} | {ratio['replicas'][1]:.3f}")
+    for k, label in (("dp", "nnscaler dp"), ("replicas", "replicas")):
+        print(f"{label}: median over repeats {statistics.median(r[0][k][0] for r in repeats):.3f} wall, "
+              f"{statistics.median(r[0][k][1] for r in repeats):.3f} CPU (goal <= 1.05)")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ and bad input named precisely."""
 from __future__ import annotations
 
 import copy
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -97,6 +98,9 @@ def test_a_checkpoint_that_does_not_fit_names_the_tensor_and_both_shapes(saved):
     deeper = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=32))
     with pytest.raises(checkpoint.CheckpointError, match=r"missing \['h.2.attn"):
         checkpoint.load_single(saved / "merged.pt", deeper)
+    messages = checkpoint_ranks.run(str(saved), "wider")  # the sharded load under tp says the same
+    assert all(re.fullmatch(r"[\w.]+: the checkpoint holds shape \((\d+, )?32\), the model has \((\d+, )?48\)", m)
+               for m in messages), messages
 
 
 def test_an_incompatible_optimizer_names_the_parameter(saved):
@@ -107,16 +111,25 @@ def test_an_incompatible_optimizer_names_the_parameter(saved):
     assert all("the checkpoint holds AdamW state" in m and m.startswith("parameter ") for m in messages), messages
 
 
-def test_every_model_case_resumes_under_another_plan_at_another_world_size(gang):
+def test_a_sharded_checkpoint_at_w4_resumes_under_another_sharded_plan_at_w2_and_on_one_device(gang):
+    """tp at W=4 -> random at W=2 (parameters split along other dims) and one device: what is loaded
+    equals what was saved, and the next AdamW steps under plan B equal the run resumed on one device,
+    which in turn equals uninterrupted single-device training (the first test above)."""
     with tempfile.TemporaryDirectory() as tmp:
         job = {"kind": "model", "model": "nanogpt", "policy": "tp", "world_size": 4, "steps": 2, "seed": 0,
                "gen_dir": tmp}
         status, detail, checks, _ = judge(gang.run(job, 4, 300))
     assert status == MATCH, detail
     names = [c["name"] for c in checks]
-    for where in ("under dp at W=2", "on one device"):  # what was loaded equals what was saved
+    for where in ("under random at W=2", "on one device"):  # what was loaded equals what was saved
         assert any(n.startswith(f"resumed {where}: optimizer exp_avg_sq") for n in names), where
         assert any(n.startswith(f"resumed {where}: param") for n in names), where
     # training on under plan B is judged against the run resumed on one device, step by step
-    assert any(n.startswith("resumed under dp at W=2: grad") for n in names)
-    assert any(n.startswith("resumed under dp at W=2: param") and "after step" in n for n in names)
+    assert any(n.startswith("resumed under random at W=2: grad") for n in names)
+    assert any(n.startswith("resumed under random at W=2: param") and "after step" in n for n in names)
+
+
+def test_plan_b_of_every_policy_is_sharded_and_smaller():
+    from verify.checkpoint_case import plan_b
+    assert {p: plan_b(p, 4) for p in ("dp", "tp", "random2d")} == {"dp": ("tp", 2), "tp": ("random", 2),
+                                                                  "random2d": ("tp", 2)}

@@ -1,6 +1,6 @@
 """The resume check every whole-model case runs: after training under plan A, checkpoint the model
 and its AdamW state (sharded, ``nnscaler.checkpoint``), resume on one device (the merged single-file
-export) and under plan B (another policy, and from W=4 another world size, W=2); what is loaded must
+export) and under plan B (another sharded policy, and from W=4 another world size, W=2); what is loaded must
 equal what was saved bit for bit, and training on must be right step by step (see
 :func:`resume_checks`). With the case's own checks (plan A against one device at every step), this
 chains the resumed runs to single-device training that never stopped."""
@@ -31,9 +31,10 @@ def _cast(args: tuple, dtype: torch.dtype) -> tuple:
 
 
 def plan_b(policy: str, world_size: int) -> tuple[str, int]:
-    """Where a checkpoint of ``policy`` at ``world_size`` is resumed: another policy, and a smaller
+    """Where a checkpoint of ``policy`` at ``world_size`` is resumed: another sharded plan (``tp``;
+    a ``tp`` checkpoint under ``random``, which splits parameters along other dims), and a smaller
     world size where there is one (ranks of a case are 0 .. world_size-1)."""
-    return ("tp" if policy != "tp" else "dp"), (2 if world_size >= 4 else world_size)
+    return ("tp" if policy != "tp" else "random"), (2 if world_size >= 4 else world_size)
 
 
 def _moments(model, opt, parallel: bool) -> dict[str, dict[str, torch.Tensor]]:

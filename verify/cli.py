@@ -32,6 +32,7 @@ from .models.builders import MODELS, known_model
 from .models.loader import ModelNotFound, check_builder, is_file_reference
 from .gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
 from .progress import RunProgress
+from .replica_rows import replica_items, run_replicas
 from .report import ReportError, ReportWriter, summary, table
 from .samples import DTYPES
 from .worker import load_modules
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "or FILE.py:function, your own (graph, config) -> Plan (default: every built-in)")
     p_model.add_argument("--bucket-bytes", type=_positive(int, "--bucket-bytes"), default=None, metavar="N",
                          help="gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)")
+    p_model.add_argument("--replicas", type=_positive(int, "--replicas"), default=1, metavar="R",
+                         help="plan each policy on W/R ranks and run it as R data-parallel replicas on W ranks, "
+                              "each fed its share of the batch (default 1: no replicas)")
     p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
     p_model.add_argument("--microbatches", type=_positive(int, "--microbatches"), default=1, metavar="M",
                          help="train each step by train_step in M micro-batches (M of the model's batches stacked), "
@@ -285,6 +289,9 @@ def cmd_model(args) -> int:
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     _json_target(args.json)
+    odd = [w for w in cfg.world_sizes if w % args.replicas]
+    if odd:
+        raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")
     writer = None if args.reports is None else ReportWriter(args.reports, cfg)
     mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
     print(f"training {args.name} for {args.steps} steps{mb} under {', '.join(policies)} at world sizes "
@@ -296,8 +303,12 @@ def cmd_model(args) -> int:
         for policy in policies:
             label = f"model:{args.name} {policy}"
             progress.start(label)
-            new = list(run_model(gang, args.name, (policy,), cfg, args.gen_dir or tmp, args.steps,
-                                 bucket_bytes=args.bucket_bytes))
+            if args.replicas > 1:
+                new = list(run_replicas(gang, args.name, (policy,), cfg, args.gen_dir or tmp, args.replicas,
+                                        args.steps))
+            else:
+                new = list(run_model(gang, args.name, (policy,), cfg, args.gen_dir or tmp, args.steps,
+                                     bucket_bytes=args.bucket_bytes))
             progress.done(label, new)
             rows += new
     print(table(rows))
@@ -321,6 +332,7 @@ def cmd_all(args) -> int:
     print(f"verifying {len(specs)} operators at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, "
           f"seeds {list(cfg.seeds)}; reports in {args.reports}/", flush=True)
     models = (sorted(MODELS) if not args.op else []) if args.model is None else args.model
+    replicas = replica_items(models, cfg.world_sizes)  # a tp plan as data-parallel replicas, every model
     random_cfg = replace(cfg, seeds=tuple(dict.fromkeys(args.random_seeds)))
     items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p, 1)) for m in models for p in POLICIES]
     items += [(f"model:{m} {model_label(p, k)}", (m, p, k)) for k in dict.fromkeys(args.microbatches) if k > 1
@@ -329,7 +341,7 @@ def cmd_all(args) -> int:
               for m in models if m in PIPELINE_MODELS for p in SWEPT]  # pipelines: 1F1B and GPipe, each mesh
 
     try:
-        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items)) as progress:
+        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items) + len(replicas)) as progress:
             preflight(gang, specs, cfg)
             for label, item in items:  # each row is written the moment it is known
                 progress.start(label)
@@ -341,6 +353,15 @@ def cmd_all(args) -> int:
                     rows = run_op(gang, item, cfg, skip=done)
                 new = []
                 for row in rows:
+                    writer.add(row)
+                    new.append(row)
+                progress.done(label, new)
+                writer.seconds = time.perf_counter() - start
+                writer.flush()
+            for label, (name, policy, r, sizes) in replicas:
+                progress.start(label)
+                new = []
+                for row in run_replicas(gang, name, (policy,), replace(cfg, world_sizes=sizes), tmp, r, skip=done):
                     writer.add(row)
                     new.append(row)
                 progress.done(label, new)

@@ -1,11 +1,11 @@
 """A rank's pieces of the model's tensors as ``DTensor``s: ``torch.distributed.checkpoint`` then
-records each piece's offset in the whole tensor and reshards on load, so no rank ever holds more
-than its own shard. A plan's layout per mesh axis (``D<dim>`` split, ``R`` whole) is exactly a
+records each piece's offset in the whole tensor and reshards on load, so no rank gathers the
+model: it holds its own shard (and, below, the whole of pieces split in blocks along their axis). A plan's layout per mesh axis (``D<dim>`` split, ``R`` whole) is exactly a
 ``DTensor`` placement; two axes splitting one dim nest axis 0 outside, as ``DTensor`` does.
 
 A split in blocks (``D0/3``: this rank's chunk of each of the q, k and v blocks of a fused dim) is no
 ``DTensor`` placement: such a piece is gathered over its axis before saving (stored replicated on
-that axis), and loaded whole on that axis and cut to this rank's blocks (:func:`load_buffer`)."""
+that axis; :func:`gather_blocks`, a few collectives for all of them), and loaded whole on that axis and cut to this rank's blocks (:func:`load_buffer`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -58,17 +58,38 @@ def _blocked(layout) -> list[tuple[int, int, int]]:
     return out
 
 
-def _gather_blocks(module: "ParallelModule", layout, local: torch.Tensor) -> torch.Tensor:
-    """``local`` made whole along each axis that splits it in blocks (a collective on those axes)."""
+GATHER_BYTES = 2**20  # pieces gathered together in one collective: few collectives, little memory beyond the pieces
+
+
+def gather_blocks(module: "ParallelModule", items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each ``(name, local)`` made whole along the axes that split ``name`` in blocks (stored
+    replicated on those axes), with one all-gather per axis, dtype and ``GATHER_BYTES`` of pieces
+    rather than one per tensor (every rank calls this with the same names in the same order)."""
     from ..dimops.layout import join_blocks
-    for axis, dim, blocks in _blocked(layout):
-        group = module._mesh.groups[axis]
+    out = [local for _, local in items]
+    layouts = [module._program.STATE[name][1] for name, _ in items]
+    for axis, group in enumerate(module._mesh.groups):
         if group is None:
             continue
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        local = join_blocks(parts, dim, blocks)
-    return local
+        todo: dict[torch.dtype, list[list[tuple[int, int, int]]]] = {}
+        for i, layout in enumerate(layouts):
+            for a, dim, blocks in _blocked(layout):
+                if a == axis:
+                    runs = todo.setdefault(out[i].dtype, [[]])
+                    if sum(out[j].numel() * out[j].element_size() for j, _, _ in runs[-1]) >= GATHER_BYTES:
+                        runs.append([])
+                    runs[-1].append((i, dim, blocks))
+        for runs in todo.values():
+            for run in runs:
+                flat = torch.cat([out[i].reshape(-1) for i, _, _ in run])
+                parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, flat, group=group)
+                offset = 0
+                for i, dim, blocks in run:
+                    n, shape = out[i].numel(), out[i].shape
+                    out[i] = join_blocks([q[offset:offset + n].view(shape) for q in parts], dim, blocks)
+                    offset += n
+    return out
 
 
 def load_buffer(module: "ParallelModule", name: str, like: torch.Tensor):
@@ -91,17 +112,13 @@ def load_buffer(module: "ParallelModule", name: str, like: torch.Tensor):
     return torch.empty(shape, dtype=like.dtype, device=like.device), cut
 
 
-def sharded(module: "ParallelModule", mesh: DeviceMesh | None, name: str, local: torch.Tensor,
-            widened: bool = False) -> torch.Tensor:
-    """``local`` (this rank's piece of model tensor ``name``, or of a tensor laid out like it) as a
-    ``DTensor`` of the whole shape; a plain tensor when the plan has one rank. A piece split in
-    blocks is gathered over those axes first (all ranks call this in the same order), unless it is
-    ``widened`` already (a :func:`load_buffer`)."""
+def sharded(module: "ParallelModule", mesh: DeviceMesh | None, name: str, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's piece of model tensor ``name``, or of a tensor laid out like it, made
+    whole along the axes that split it in blocks: :func:`gather_blocks`, :func:`load_buffer`) as a
+    ``DTensor`` of the whole shape; a plain tensor when the plan has one rank."""
     shape, layout, _, _ = module._program.STATE[name]
     if mesh is None:
         return local
-    if not widened:
-        local = _gather_blocks(module, layout, local)
     full = torch.Size(shape)
     stride = torch.empty(full, device="meta").stride()
     places = placements(layout)

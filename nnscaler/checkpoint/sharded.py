@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from .layout import device_mesh, load_buffer, sharded
+from .layout import device_mesh, gather_blocks, load_buffer, sharded
 
 if TYPE_CHECKING:
     from ..runtime.module import ParallelModule
@@ -53,9 +53,10 @@ def save(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
         from ..pipeline.checkpoint import save as save_pipeline
         return save_pipeline(path, module, optimizer)
     mesh = device_mesh(module)
-    state: dict[str, torch.Tensor] = {}
+    pieces: dict[str, tuple[str, torch.Tensor]] = {}  # checkpoint key -> (model name it is laid out like, piece)
+    plain: dict[str, torch.Tensor] = {}  # optimizer scalars, stored whole
     for key, name in model_names(module).items():
-        state[f"model.{name}"] = sharded(module, mesh, name, getattr(module, key).detach())
+        pieces[f"model.{name}"] = (name, getattr(module, key).detach())
     meta = {"optimizer": None}
     if optimizer is not None:
         names = _param_names(module)
@@ -70,11 +71,15 @@ def save(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
                 keys[name] = sorted(optimizer.state.get(p, {}))
                 for k, v in optimizer.state.get(p, {}).items():
                     v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                    state[f"optim.{name}.{k}"] = (sharded(module, mesh, name, v.detach())
-                                                  if v.shape == p.shape and v.dim() else v.detach())
+                    if v.shape == p.shape and v.dim():
+                        pieces[f"optim.{name}.{k}"] = (name, v.detach())
+                    else:
+                        plain[f"optim.{name}.{k}"] = v.detach()
         meta = {"optimizer": type(optimizer).__name__, "param_groups": [_hyper(g) for g in optimizer.param_groups],
                 "group_of": groups, "state_keys": keys}
-    dcp.save(state, checkpoint_id=str(path), process_group=module.process_group)
+    whole = gather_blocks(module, list(pieces.values())) if mesh is not None else [t for _, t in pieces.values()]
+    state = {k: sharded(module, mesh, name, t) for (k, (name, _)), t in zip(pieces.items(), whole)}
+    dcp.save({**state, **plain}, checkpoint_id=str(path), process_group=module.process_group)
     if not dist.is_initialized() or dist.get_rank() == 0:  # the module's ranks are 0 .. runtime_ngpus-1
         Path(path, META).write_text(json.dumps(meta, indent=1))
     if dist.is_initialized():
@@ -129,7 +134,7 @@ def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
     for key, name in names.items():
         dest = getattr(module, key)
         buf, cut = load_buffer(module, name, dest)
-        state[f"model.{name}"] = sharded(module, mesh, name, buf, widened=True)
+        state[f"model.{name}"] = sharded(module, mesh, name, buf)
         targets.append((dest, buf, cut))
     opt_state = {}
     if optimizer is not None:
@@ -145,7 +150,7 @@ def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
                 buf, cut = (load_buffer(module, name, p) if whole
                             else (torch.empty(tuple(md.size), dtype=md.properties.dtype), lambda b: b))
                 opt_state[p][k] = (buf, cut)
-                state[f"optim.{name}.{k}"] = sharded(module, mesh, name, buf, widened=True) if whole else buf
+                state[f"optim.{name}.{k}"] = sharded(module, mesh, name, buf) if whole else buf
     dcp.load(state, checkpoint_id=str(path), process_group=module.process_group)
     with torch.no_grad():
         for dest, buf, cut in targets:

@@ -3,8 +3,10 @@
 A parameter held whole on a mesh axis along which its consumers split their work gets a partial
 gradient on each rank of that axis. Rather than summing it at every use, the generated program
 leaves it partial and this hook sums it: parameters are grouped into buckets per axis group; when
-every gradient of a bucket is ready it is flattened and all-reduced asynchronously; at the end of
-backward the results are waited for and copied back (as DistributedDataParallel does).
+every gradient of a bucket is ready it is copied into the bucket's flat buffer and all-reduced
+asynchronously; at the end of backward the results are waited for. Each gradient is then a view into
+its bucket's buffer (DistributedDataParallel's ``gradient_as_bucket_view``): nothing is copied back,
+and a gradient accumulated into a view (``zero_grad(set_to_none=False)``) is not copied at all.
 
 Data-parallel replicas of the plan (``runtime_ngpus > plan_ngpus``) average every gradient over the
 replica group the same way, during backward. A parameter also summed within the plan is averaged
@@ -33,7 +35,8 @@ class _Bucket:
     scale: float = 1.0  # the reduced sum is multiplied by this (1 / replicas for an average)
     deferred: bool = False  # launched only after the in-plan sums (its parameters need them first)
     pending: int = 0
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor | None = None  # allocated at the first launch, kept: the gradients are views into it
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's piece of ``flat``, shaped like it
     handle: object = None
 
 
@@ -59,7 +62,7 @@ class GradSync:
         if replica_group is not None:
             todo += [(p, replica_group, 1.0 / n_replicas, id(p) in in_plan) for p in replicas]
         for p, group, scale, deferred in reversed(todo):
-            key = (id(group), deferred)
+            key = (id(group), deferred, p.dtype, p.device)  # one buffer per bucket: one dtype, one device
             b = open_.get(key)
             if b is None or sum(q.numel() * q.element_size() for q in b.params) >= bucket_bytes:
                 b = _Bucket([], group, scale, deferred)
@@ -97,8 +100,17 @@ class GradSync:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        b.flat = torch.cat([g.reshape(-1) for g in grads])
+        if b.flat is None:
+            b.flat = torch.empty(sum(p.numel() for p in b.params), dtype=b.params[0].dtype, device=b.params[0].device)
+            sizes = [p.numel() for p in b.params]
+            b.views = [v.view_as(p) for v, p in zip(b.flat.split(sizes), b.params)]
+        for p, view in zip(b.params, b.views):
+            g = p.grad
+            if g is None:  # no gradient on this rank: it sums zeros (and gets the others' sum)
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
+                view.copy_(g)
+            p.grad = view  # already the view when the gradient was accumulated into it
         b.handle = dist.all_reduce(b.flat, group=b.group, async_op=True)
 
     def _finish(self) -> None:
@@ -111,11 +123,5 @@ class GradSync:
                 b.handle.wait()
                 if b.scale != 1.0:
                     b.flat.mul_(b.scale)
-                offset = 0
-                for p in b.params:
-                    n = p.numel()
-                    p.grad = b.flat[offset:offset + n].view_as(p).clone() if p.grad is None else p.grad.copy_(
-                        b.flat[offset:offset + n].view_as(p))
-                    offset += n
-                b.flat, b.handle = None, None
+                b.handle = None
         self._queued = False

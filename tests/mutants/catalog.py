@@ -198,44 +198,50 @@ def grad_sync_offset_not_reset():
 @mutant
 def grad_sync_on_the_world_group():
     GS = _GS().GradSync
+    launch = GS._launch
 
-    def launch(self, b):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        b.flat = torch.cat([g.reshape(-1) for g in grads])
-        b.handle = dist.all_reduce(b.flat, async_op=True)
-    patch(GS, "_launch", launch)
+    def on_world(self, b):
+        group, b.group = b.group, None  # None: the default group, every rank
+        try:
+            launch(self, b)
+        finally:
+            b.group = group
+    patch(GS, "_launch", on_world)
+
+
+class _NotIssued:
+    """The handle of a collective that was never issued."""
+
+    def wait(self):
+        return True
 
 
 @mutant
 def grad_sync_first_bucket_only():
     GS = _GS().GradSync
-    finish = GS._finish
+    launch = GS._launch
 
-    def first_only(self):
-        keep = self.buckets
-        for b in keep[1:]:
-            if b.handle is None:
-                self._launch(b)
-            b.handle.wait()
-            b.flat, b.handle = None, None
-        self.buckets = keep[:1]
+    def first_only(self, b):
+        if b is self.buckets[0]:
+            return launch(self, b)
+        real = dist.all_reduce
+        dist.all_reduce = lambda *args, **kwargs: _NotIssued()  # the other buckets keep this rank's own grads
         try:
-            finish(self)
+            launch(self, b)
         finally:
-            self.buckets = keep
-    patch(GS, "_finish", first_only)
+            dist.all_reduce = real
+    patch(GS, "_launch", first_only)
 
 
 @mutant
 def grad_sync_bucket_keeps_stale_params():
     GS = _GS().GradSync
+    launch = GS._launch
 
-    def launch(self, b):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        grads[-1] = torch.zeros_like(grads[-1])  # the bucket's last gradient is lost
-        b.flat = torch.cat([g.reshape(-1) for g in grads])
-        b.handle = dist.all_reduce(b.flat, group=b.group, async_op=True)
-    patch(GS, "_launch", launch)
+    def lose_last(self, b):
+        b.params[-1].grad = torch.zeros_like(b.params[-1])  # the bucket's last gradient is lost
+        launch(self, b)
+    patch(GS, "_launch", lose_last)
 
 
 # -- the compiled module: shards, merges, loads ------------------------------------------------------

@@ -1,0 +1,50 @@
+"""Rows of replicas cases, driven on a :class:`Gang`: a plan on ``W / R`` ranks run as ``R``
+data-parallel replicas on W ranks (``verify model --replicas R``; ``verify all`` runs a ``tp`` plan
+times :data:`ALL_REPLICAS` for every model). The ranks' part is :mod:`verify.replicas_case`."""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Sequence
+
+from .cases import MATCH, Row, RunConfig, _worst, judge
+from .gang import Gang
+from .replicas_case import expected_replica_checks, replica_label
+
+ALL_REPLICAS = 2  # verify all: each model's tp plan on W/2 ranks, run as 2 replicas at every W >= 4
+
+
+def replica_world_sizes(world_sizes: Sequence[int], replicas: int = ALL_REPLICAS) -> tuple[int, ...]:
+    """The world sizes ``verify all`` runs replicas at: a plan of at least 2 ranks, times ``replicas``."""
+    return tuple(w for w in world_sizes if w >= 2 * replicas and w % replicas == 0)
+
+
+def replica_items(models: Sequence[str], world_sizes: Sequence[int]) -> list[tuple[str, tuple]]:
+    """``verify all``'s replicas items: ``(label, (model, "tp", ALL_REPLICAS, world sizes))`` for every
+    model, where a world size allows (none otherwise)."""
+    sizes = replica_world_sizes(world_sizes)
+    label = replica_label("tp", ALL_REPLICAS)
+    return [(f"model:{m} {label}", (m, "tp", ALL_REPLICAS, sizes)) for m in models] if sizes else []
+
+
+def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, replicas: int,
+                 steps: int = 3, skip: frozenset | set = frozenset()) -> Iterator[Row]:
+    """Model ``name`` planned by each policy on ``W / replicas`` ranks and run as ``replicas``
+    data-parallel replicas on W ranks, for each world size W of ``cfg`` (a multiple of ``replicas``),
+    seed and ``cfg.dtype``: one row per case, judged against one device (``verify/replicas_case.py``)."""
+    for seed in cfg.seeds:
+        for w in cfg.world_sizes:
+            for policy in policies:
+                label = replica_label(policy, replicas)
+                if (f"model:{name}", w, label, cfg.dtype, seed) in skip:
+                    continue
+                start = time.perf_counter()
+                job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "plan_ngpus": w // replicas,
+                       "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype}
+                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("model", steps)),
+                                                   expected_replica_checks(name, steps, seed), cfg.modules)
+                out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
+                grad = _worst(checks, "grad")
+                rerun = cfg.rerun_model(name, policy, w, seed, steps) + f" --replicas {replicas}"
+                yield Row(f"model:{name}", "model", f"{steps} AdamW steps vs one device", w, label, cfg.dtype, seed,
+                          status, out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
+                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)
