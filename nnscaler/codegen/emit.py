@@ -216,11 +216,12 @@ def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False) -> 
     return e, shards
 
 
-def conversion_steps(graph: IRGraph, plan: Plan, rank: int = 0) -> list[tuple[Step, bool]]:
+def conversion_steps(graph: IRGraph, plan: Plan, rank: int = 0, tensors: bool = False) -> list[tuple]:
     """Every step plan rank ``rank``'s program takes between layouts, in order, each with whether
-    the tensor it moves carries a gradient (so its backward collective runs)."""
+    the tensor it moves carries a gradient (so its backward collective runs) and, with ``tensors``,
+    that tensor."""
     e, _ = emit_program(graph, plan, rank)
-    return [(step, t in e.grads) for t, _, step in e.steps]
+    return [(step, t in e.grads, t) if tensors else (step, t in e.grads) for t, _, step in e.steps]
 
 
 def generate(graph: IRGraph, plan: Plan, rank: int, header: str = "", probe: bool = False

@@ -69,8 +69,12 @@ def _decomposes(mat: np.ndarray) -> bool:
     return np.allclose(mat, mat[:, :1] + mat[:1, :] - mat[0, 0], rtol=1e-9, atol=1e-15)
 
 
-def solve(prog: Program, budget: float | None, time_limit: float, minimize_memory: bool = False) -> Solution:
-    """Solve one mesh's program with HiGHS (minimum step time under ``budget``, or minimum memory)."""
+def solve(prog: Program, budget: float | None, time_limit: float, minimize_memory: bool = False,
+          relax: bool = False, cutoff: float | None = None) -> Solution:
+    """Solve one mesh's program with HiGHS (minimum step time under ``budget``, or minimum memory).
+    ``relax``: only the linear relaxation (its ``seconds`` bound every plan on the mesh from below,
+    ``choice`` stays None); ``cutoff``: seconds of a plan already found (the search proves this mesh
+    cannot beat it, or finds one that does; status ``Objective bound`` when it cannot)."""
     classes = prog.classes
     unary = [s.copy() * _MS for s in prog.seconds]
     fixed = prog.fixed_seconds * _MS
@@ -115,10 +119,13 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", MIP_GAP)
     h.setOptionValue("mip_max_nodes", MIP_NODES)
+    if cutoff is not None and not relax:
+        h.setOptionValue("objective_bound", (cutoff - prog.fixed_seconds) * _MS)
     costs = np.concatenate([cost, *pair_costs]) if pair_costs else cost
     h.addCols(n, costs, np.zeros(n), np.ones(n), 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
-    h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32),
-                            np.array([highspy.HighsVarType.kInteger] * nx))
+    if not relax:
+        h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32),
+                                np.array([highspy.HighsVarType.kInteger] * nx))
     starts, idx, vals = [], [], []
     for _, _, cols, coefs in rows:
         starts.append(len(idx))
@@ -131,7 +138,11 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
     text = h.modelStatusToString(status)
     has_solution = h.getInfo().primal_solution_status == 2
     sol = Solution(prog.mesh_shape, prog.axis_names, text)
-    if status == highspy.HighsModelStatus.kInfeasible:
+    if status == highspy.HighsModelStatus.kInfeasible or (
+            status == highspy.HighsModelStatus.kObjectiveBound and not has_solution):
+        return sol
+    if relax and status == highspy.HighsModelStatus.kOptimal:
+        sol.seconds = prog.fixed_seconds + h.getInfo().objective_function_value / _MS
         return sol
     if status == highspy.HighsModelStatus.kTimeLimit or (status != highspy.HighsModelStatus.kOptimal
                                                          and not has_solution):
@@ -203,13 +214,12 @@ def autodist(graph: IRGraph, config: ComputeConfig) -> Plan:
     check_world_size(graph, world, batch)
     classes, of = op_classes(graph, batch, fused_blocks(graph))
     start = time.perf_counter()
-    progs, sols = [], []
-    shapes = meshes(world)
-    for mesh, names in shapes:
+    progs = []
+    for mesh, names in meshes(world):
         prog = build_program(graph, classes, of, mesh, names, axis_options(names, batch), profile, config.replicas)
         prog.classes = [type(k)(k.ops, list(k.cands), list(k.layouts), k.blocks) for k in classes]  # keep this mesh's
         progs.append(prog)
-        sols.append(solve(prog, config.mem_budget, TIME_LIMIT))
+    sols = _search(progs, config.mem_budget)
     fits = [s for s in sols if s.choice is not None]
     if not fits:
         least = min((solve(p, None, TIME_LIMIT, minimize_memory=True) for p in progs),
@@ -222,9 +232,34 @@ def autodist(graph: IRGraph, config: ComputeConfig) -> Plan:
     best, prog = sols[best_i], progs[best_i]
     partitions = {op.name: k.cands[c] for k, c in zip(prog.classes, best.choice) for op in k.ops}
     tried = "; ".join(f"{s.mesh_shape}{'x'.join(s.axis_names)}: "
-                      + (f"{seconds(s.seconds)}, {human(s.memory)}/rank" if s.choice is not None else s.status.lower())
+                      + (f"{seconds(s.seconds)}, {human(s.memory)}/rank" if s.choice is not None else s.status)
                       for s in sols)
     note = (f"autodist ({profile.name}, budget {human(config.mem_budget) if config.mem_budget else 'none'}, "
             f"{len(classes)} operator classes, {time.perf_counter() - start:.1f} s): chose mesh {best.mesh_shape} "
             f"{best.axis_names}; searched {tried}")
     return Plan(best.mesh_shape, best.axis_names, partitions, policy="autodist", note=note)
+
+
+def _search(progs: list[Program], budget: float | None) -> list[Solution]:
+    """Every mesh's best plan, or why it has none. Meshes are solved in order of their linear
+    relaxation's bound, each with the best plan so far as a cutoff: a mesh whose bound cannot beat it
+    is not branched on (on a tight budget, proving a poor mesh optimal took HiGHS most of the search)."""
+    bounds = [solve(p, budget, TIME_LIMIT, relax=True) for p in progs]
+    sols: list[Solution] = [None] * len(progs)  # type: ignore[list-item]
+    best: Solution | None = None
+    for i in sorted(range(len(progs)), key=lambda i: bounds[i].seconds):
+        b = bounds[i]
+        if b.seconds == math.inf:
+            sols[i] = Solution(b.mesh_shape, b.axis_names, "infeasible")
+            continue
+        if best is not None and b.seconds >= best.seconds:
+            sols[i] = Solution(b.mesh_shape, b.axis_names, f"no faster plan (bound {seconds(b.seconds)})")
+            continue
+        sol = solve(progs[i], budget, TIME_LIMIT, cutoff=best.seconds if best is not None else None)
+        if sol.choice is None:
+            sol.status = ("infeasible" if best is None or sol.status.lower() == "infeasible"
+                          else f"no faster plan (bound {seconds(b.seconds)})")
+        sols[i] = sol
+        if sol.choice is not None and (best is None or sol.seconds < best.seconds):
+            best = sol
+    return sols

@@ -15,7 +15,7 @@ import itertools
 import math
 from typing import Callable, Sequence
 
-from ..comm.conversion import conversion
+from ..comm.conversion import conversion, local_fraction
 from ..dimops.layout import Layout, Partial, Replicate, Shard
 from ..dimops.partition import Partition, splittable
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
@@ -109,8 +109,8 @@ def score(op: IROp, p: Partition, layouts: dict[IRTensor, Layout], mesh_shape: S
     for t, lay_out in zip(op.outputs, lay.outputs):  # a partial result will have to be summed
         if t is not None and lay_out is not None:
             for f, q in zip(mesh_shape, lay_out):
-                if isinstance(q, Partial):
-                    cost += PENDING_WEIGHT * 2 * (f - 1) / f * numel(t)
+                if isinstance(q, Partial):  # over this rank's share, as conversion costs count it
+                    cost += PENDING_WEIGHT * 2 * (f - 1) / f * numel(t) * local_fraction(lay_out, mesh_shape)
     work = math.prod(op.bound.sizes.values()) if op.bound.sizes else 1
     return cost + COMPUTE_WEIGHT * work / p.degree
 

@@ -20,10 +20,15 @@ BACKWARD = {"grad_all_reduce": "all_reduce", "split": "all_gather", "reduce_scat
 _RENAME = {"all_gather_sum_grad": "all_gather"}
 
 
-def collectives(graph: IRGraph, plan: Plan, rank: int = 0) -> tuple[Counter, Counter]:
-    """(forward, backward) collectives of one training step on plan rank ``rank``, by kind."""
+def collectives(graph: IRGraph, plan: Plan, rank: int = 0, params: bool = True) -> tuple[Counter, Counter]:
+    """(forward, backward) collectives of one training step on plan rank ``rank``, by kind;
+    ``params=False`` leaves out those on parameters (gradient sums of weights kept whole, such as a
+    sequence-parallel norm's over both axes of a dp x tp mesh)."""
     fwd, bwd = Counter(), Counter()
-    for step, grad in conversion_steps(graph, plan, rank):
+    keep = None if params else {t for t in graph.params}
+    for step, grad, t in conversion_steps(graph, plan, rank, tensors=True):
+        if keep is not None and t in keep:
+            continue
         if step.kind in FORWARD:
             fwd[_RENAME.get(step.kind, step.kind)] += 1
         if grad and step.kind in BACKWARD:
