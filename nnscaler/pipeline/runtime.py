@@ -45,20 +45,22 @@ def _deferred_sync(module: ParallelModule):
 
 
 class _GradOutputs(torch.nn.Module):
-    """A stage module whose floating outputs all take part in backward: the zero-bubble schedules
+    """A stage module whose outputs are contiguous (gloo's send needs it). Under the zero-bubble
+    schedules its floating outputs all take part in backward: the zero-bubble schedules
     differentiate every output (``stage_backward_input``), so an output that carries no gradient (a
     value made from buffers, an input passed through untouched) becomes a fresh leaf whose gradient
     is dropped; and every output is a copy (the schedule detaches outputs in place after the input
     gradients, while the weight gradients may still need the tensors the stage's operators saved)."""
 
-    def __init__(self, module: ParallelModule):
+    def __init__(self, module: ParallelModule, zero_bubble: bool):
         super().__init__()
-        self.module = module
+        self.module, self.zero_bubble = module, zero_bubble
 
     def forward(self, *x):
         out = self.module(*x)
-        if not torch.is_grad_enabled():
-            return out
+        if not (self.zero_bubble and torch.is_grad_enabled()):  # gloo sends contiguous tensors only
+            return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
+
         def fix(t):
             if t.is_floating_point() and not t.requires_grad:
                 return t.detach().requires_grad_()
@@ -92,7 +94,7 @@ class PipelineModule(torch.nn.Module):
         self._shapes = {t.target: tuple(t.shape) for g in graphs for t in g.params + g.buffers}
         zero_bubble = "ZeroBubble" in self.schedule_name
         self._pipe_stages = [
-            PipelineStage(_GradOutputs(mod) if zero_bubble else mod, s, self._n, torch.device("cpu"),
+            PipelineStage(_GradOutputs(mod, zero_bubble), s, self._n, torch.device("cpu"),
                           input_args=tuple(_example(t) for t in graphs[s].inputs),
                           output_args=tuple(_example(t) for t in _outs(graphs[s])), group=pp_group)
             for s, mod in sorted(stages.items())]
