@@ -15,7 +15,6 @@ import datetime
 import io
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -26,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from verify.gang import free_port
 
 
 def spearman(a, b) -> float:
@@ -96,12 +97,6 @@ def _rank(rank: int, world: int, port: int, args, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2)
@@ -115,7 +110,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for world in (2, 4):
             path = os.path.join(tmp, f"w{world}.json")
-            mp.spawn(_rank, args=(world, _free_port(), args, path), nprocs=world)
+            mp.spawn(_rank, args=(world, free_port(), args, path), nprocs=world)
             with open(path) as f:
                 rows += json.load(f)
     print(f"{'W':>2} {'policy':<15} {'seed':>4} {'mesh':<8} {'estimated':>10} {'measured':>10}")

@@ -136,10 +136,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     world = 2
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from verify.gang import free_port
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, world, port, args, out)) for r in range(world)]
