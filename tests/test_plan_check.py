@@ -46,9 +46,10 @@ def test_replicas_take_the_verdicts_of_the_plan_ranks(tmp_path):
     out = r.stdout
     assert r.returncode == 0, out[-2000:] + r.stderr[-3000:]
     for rank in range(4):  # every rank refuses the wrong op, every rank compiles the right model
-        refused = next(line for line in out.splitlines() if line.startswith(f"RANK {rank} STRICT"))
+        found = (tmp_path / f"rank{rank}.txt").read_text()
+        refused = next(line for line in found.splitlines() if line.startswith(f"RANK {rank} STRICT"))
         assert "REFUSED" in refused and "wrong_row_softmax" in refused and "b=2" in refused, refused
-        assert f"RANK {rank} TRAINED" in out, out
+        assert f"RANK {rank} TRAINED" in found, found
     cache = _load_cache(tmp_path / "verdicts.json")
     assert cache and any(not v.get("ok", True) and v["spec"] == "wrong_row_softmax" for v in cache.values())
 
