@@ -14,7 +14,12 @@ over replicas after that sum (a second stage at the end of backward); the others
 
 Gradient accumulation (several backward passes, one optimizer step): inside :meth:`GradSync.paused`
 the hooks do nothing, so gradients accumulate unsynchronised; the backward after it syncs the sum once
-(DistributedDataParallel's ``no_sync``). Syncing every backward would sum already summed gradients.
+(DistributedDataParallel's ``no_sync``). A loop written for one device (every backward synced) is
+right too, only slower: an average over replicas is idempotent, but a sum is not (summing a gradient
+that already holds the group's sum ``S`` would count ``S`` once per rank), so a gradient that holds a
+synced sum is divided by its group's size just before the next backward accumulates into it (a
+hook on the parameter, which autograd runs before accumulating): the next sum then yields
+``S + sum(new)``, exact for the power-of-two groups used here.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ class GradSync:
     buckets: list[_Bucket] = field(default_factory=list)
     _queued: bool = False
     _paused: bool = False
+    _synced: set = field(default_factory=set)  # ids of parameters whose .grad holds their group's sum
 
     @classmethod
     def build(cls, pairs: list[tuple[torch.nn.Parameter, object]], bucket_bytes: int | None = None,
@@ -76,6 +82,17 @@ class GradSync:
             if not b.deferred:
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(lambda p, b=b: self._ready(b))
+            if b.scale == 1.0:  # a sum (not an average): a synced gradient must not be counted again
+                for p in b.params:
+                    p.register_hook(lambda g, p=p, b=b: self._unsum(p, b))
+
+    def _unsum(self, p: torch.nn.Parameter, b: _Bucket) -> None:
+        """Before a backward accumulates into ``p.grad``: if it holds the group's sum from an earlier
+        sync, divide it by the group's size, so that the next sum counts it once."""
+        if id(p) in self._synced:
+            self._synced.discard(id(p))
+            if p.grad is not None:
+                p.grad.div_(dist.get_world_size(b.group))
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -123,5 +140,7 @@ class GradSync:
                 b.handle.wait()
                 if b.scale != 1.0:
                     b.flat.mul_(b.scale)
+                else:
+                    self._synced.update(id(p) for p in b.params)
                 b.handle = None
         self._queued = False

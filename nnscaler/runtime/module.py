@@ -79,8 +79,8 @@ class ParallelModule(torch.nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients on this rank without synchronising them (as
         ``DistributedDataParallel.no_sync``); the first backward after it syncs the accumulated sum
-        (within the plan and over data-parallel replicas). Without it, a second backward before the
-        optimizer step would sum gradients that were already summed."""
+        (within the plan and over data-parallel replicas). Without it every backward syncs: the same
+        gradients, only more communication (see :mod:`nnscaler.runtime.grad_sync`)."""
         with self._grad_sync.paused():
             yield
 

@@ -449,11 +449,14 @@ def _MB():
 
 @mutant
 def grad_sync_before_the_last_micro_batch():
-    """``no_sync`` does nothing: every micro-batch's backward syncs, and the next sums synced gradients again."""
+    """``no_sync`` does nothing, and a gradient already holding its group's sum is not divided back
+    before the next backward: every micro-batch's backward syncs, and the next sums synced gradients
+    again (the reducer launched before the last micro-batch counts the earlier ones once per rank)."""
     @contextmanager
     def paused(self):
         yield
     patch(_GS().GradSync, "paused", paused)
+    patch(_GS().GradSync, "_unsum", lambda self, p, b: None)
 
 
 @mutant
