@@ -56,6 +56,7 @@ def test_correct_annotation_passes(gang, registry, name, seed, dtype, base):
 
 @pytest.mark.parametrize("name,status,reason", [
     ("faulty_raise", ERROR, "boom on a shard"),
+    ("faulty_base_exception", ERROR, "ShardFailure: a BaseException on a shard"),
     ("faulty_exit", CRASH, "exit code 7"),
     ("faulty_hang", TIMEOUT, "no answer"),
     ("faulty_nan", MISMATCH, "NaN"),

@@ -69,6 +69,34 @@ def _loaded_checks(where: str, params: dict, moments: dict, saved: dict, saved_m
     return checks
 
 
+def pipeline_plan_b(policy: str, world_size: int) -> tuple[str, int]:
+    """Where a pipeline's checkpoint is loaded into another pipeline: 2 tensor-parallel stages at W=4
+    (pieces split in blocks, a fused qkv's, are cut on load), or one stage per rank at W=2."""
+    return ("pp2_tp", 4) if policy != "pp2_tp" and world_size >= 4 else ("pp", 2)
+
+
+def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
+                     saved_moments) -> list[Check]:
+    """The checkpoint loaded into a pipeline of another plan: parameters and AdamW moments, merged
+    across its stages, equal what was saved bit for bit."""
+    from verify.pipeline_case import PIPELINE_MICROBATCHES
+    from verify.microbatch_case import whole_batch
+    other, w_b = pipeline_plan_b(policy, world_size)
+    if dist.get_rank() >= w_b:
+        return []
+    case = build_model(name, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        resumed = parallelize(case.model.to(dtype), _cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype),
+                              other, ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES),
+                              groups=groups, verify=False,
+                              gen_savedir=Path(gen_dir) / f"{file_tag(name)}-reload-{other}-w{w_b}-{dtype}-s{seed}")
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
+    checkpoint.load(path, resumed, resumed_opt)
+    return _loaded_checks(f"under {other} at W={w_b}", resumed.state_dict(), _moments(resumed, resumed_opt, True),
+                          saved, saved_moments)
+
+
 def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int, pm, opt, groups, gen_dir: str,
                   dtype: torch.dtype) -> list[Check]:
     """Checkpoint ``pm`` and its AdamW ``opt`` after ``steps`` steps; load the merged export on one
@@ -96,10 +124,13 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     checkpoint.load_single(path / "merged.pt", single, single_opt)
     checks = _loaded_checks("on one device", {n: p.detach() for n, p in single.named_parameters()},
                             _moments(single, single_opt, False), saved, saved_moments)
+    batch = build_model(name, seed).batch
+    if hasattr(pm, "stages"):  # a pipeline's checkpoint also loads into another pipeline
+        checks += _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
+                                   saved_moments)
     other, w_b = plan_b(policy, world_size)
     if rank >= w_b:
         return checks
-    batch = build_model(name, seed).batch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         resumed = parallelize(build_model(name, seed).model.to(dtype), _cast(batch(0), dtype), other,

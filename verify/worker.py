@@ -111,7 +111,11 @@ def handle(state: RankState, job: dict) -> dict:
         mesh = RankMesh.build(partition.mesh_shape, state.rank, state.groups)
         checks = rank_case.run_case(sample, ref, partition, mesh, state.device)
         return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
-    except (Exception, SystemExit) as exc:  # a failing case is a result, never a dead rank
+    except BaseException as exc:  # a failing case is a result, never a dead rank
+        # other BaseExceptions (SystemExit, torch.distributed.checkpoint's CheckpointException) are
+        # the case's own errors; an interrupt stops the rank
+        if isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
+            raise
         return {"error": _short(exc), "error_type": type(exc).__name__, "traceback": traceback.format_exc(),
                 "seconds": time.perf_counter() - start}
 

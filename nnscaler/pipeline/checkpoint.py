@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint.layout import device_mesh, load_buffer, sharded
+from ..checkpoint.layout import device_mesh, gather_blocks, load_buffer, sharded
 from ..checkpoint.sharded import META, CheckpointError, _hyper, check_model, check_optimizer, model_names, read_meta
 
 
@@ -31,15 +31,17 @@ def _params(pm) -> dict[int, tuple]:
 
 def save(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write ``pm``'s pieces (and ``optimizer``'s state) under directory ``path``; every rank calls this."""
-    state: dict[str, torch.Tensor] = {}
+    pieces: dict[int, dict[str, tuple[str, torch.Tensor]]] = {}  # stage -> key -> (name laid out like, piece)
     for s, mod in pm.stages.items():
-        mesh = device_mesh(mod)
+        pieces[s] = {}
         for key, name in model_names(mod).items():
             if pm._owner.get(name) == int(s):
-                state[f"model.{name}"] = sharded(mod, mesh, name, getattr(mod, key).detach())
+                pieces[s][f"model.{name}"] = (name, getattr(mod, key).detach())
+    plain: dict[str, torch.Tensor] = {}  # optimizer scalars, stored whole
     meta = {"optimizer": None}
     if optimizer is not None:
         params = _params(pm)
+        stage_of = {id(mod): s for s, mod in pm.stages.items()}
         keys, groups = {}, {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -50,8 +52,10 @@ def save(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
                 groups[name], keys[name] = gi, sorted(optimizer.state.get(p, {}))
                 for k, v in optimizer.state.get(p, {}).items() if own else ():
                     v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                    state[f"optim.{name}.{k}"] = (sharded(mod, mesh, name, v.detach())
-                                                  if v.shape == p.shape and v.dim() else v.detach())
+                    if v.shape == p.shape and v.dim():
+                        pieces[stage_of[id(mod)]][f"optim.{name}.{k}"] = (name, v.detach())
+                    else:
+                        plain[f"optim.{name}.{k}"] = v.detach()
         parts: list = [None] * dist.get_world_size(pm.process_group)
         dist.all_gather_object(parts, (groups, keys), group=pm.process_group)  # every stage's parameters
         for g, k in parts:
@@ -59,6 +63,13 @@ def save(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
             keys.update(k)
         meta = {"optimizer": type(optimizer).__name__, "param_groups": [_hyper(g) for g in optimizer.param_groups],
                 "group_of": groups, "state_keys": keys}
+    state: dict[str, torch.Tensor] = dict(plain)
+    for s in sorted(pieces):  # the ranks of a stage hold the same names in the same order
+        mod, mesh = pm.stages[s], device_mesh(pm.stages[s])
+        items = pieces[s]
+        # pieces split in blocks (a fused qkv) are made whole on their axis first, as nnscaler.checkpoint does
+        whole = gather_blocks(mod, list(items.values())) if mesh is not None else [t for _, t in items.values()]
+        state.update({k: sharded(mod, mesh, name, t) for (k, (name, _)), t in zip(items.items(), whole)})
     dcp.save(state, checkpoint_id=str(path), process_group=pm.process_group)
     if dist.get_rank() == 0:
         Path(path, META).write_text(json.dumps(meta, indent=1))
@@ -79,7 +90,7 @@ def load(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
                 again.append((dest, state[f"model.{name}"]))
                 continue
             buf, cut = load_buffer(mod, name, dest)
-            state[f"model.{name}"] = sharded(mod, mesh, name, buf, widened=True)
+            state[f"model.{name}"] = sharded(mod, mesh, name, buf)
             targets.append((dest, buf, cut))
     opt_state = {}
     if optimizer is not None:
@@ -96,7 +107,7 @@ def load(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
                             else (torch.empty(tuple(md.size), dtype=md.properties.dtype), lambda b: b))
                 opt_state[p][k] = (buf, cut)
                 if key not in state:
-                    state[key] = sharded(mod, mesh, name, buf, widened=True) if whole else buf
+                    state[key] = sharded(mod, mesh, name, buf) if whole else buf
                 else:
                     opt_state[p][k] = (state[key], cut)
     dcp.load(state, checkpoint_id=str(path), process_group=pm.process_group)

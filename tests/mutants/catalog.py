@@ -473,9 +473,17 @@ def loss_scaled_per_micro_batch():
 
 
 # -- applying a mutant for one case only (tests on a shared rank gang) --------------------------------
+
+@mutant
+def pipeline_checkpoint_saves_blocked_pieces_as_shards():
+    """A pipeline's checkpoint writes a piece split in blocks (a fused qkv's rows: this rank's chunk of
+    q, of k and of v) as if it were a contiguous shard, without making it whole on its axis first."""
+    from nnscaler.pipeline import checkpoint as PC
+    patch(PC, "gather_blocks", lambda module, items: [t for _, t in items])
+
 PATCHED_MODULES = ("nnscaler.runtime.collectives", "nnscaler.runtime.grad_sync", "nnscaler.runtime.microbatch",
                    "nnscaler.runtime.module", "nnscaler.runtime.mesh", "nnscaler.codegen.emit",
-                   "nnscaler.dimops.partition", "opzoo._parallel_kernels")
+                   "nnscaler.dimops.partition", "opzoo._parallel_kernels", "nnscaler.pipeline.checkpoint")
 
 
 @contextmanager
