@@ -148,3 +148,12 @@ def test_the_cli_refuses_a_bad_pipeline_before_any_rank_starts(tmp_path, capsys)
     assert main(["model", "nanogpt", "--policy", "pp2_tp", "--world-size", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pp2_tp runs at none of the world sizes [2]" in err[0], err
+
+
+def test_random_stage_plans_are_swept_at_every_random_seed():
+    """``verify all`` draws random plans on pipeline meshes too (issue 13): a pipeline policy whose
+    stages are planned by a seeded policy is swept, once per ``--random-seeds``."""
+    from nnscaler.pipeline.policies import PIPELINE_POLICIES, SWEPT
+    from verify.cli import SEEDED_POLICIES
+    seeded = {n for n, p in PIPELINE_POLICIES.items() if p.stage_policy in ("random", "random2d")}
+    assert seeded and seeded <= set(SWEPT) and seeded <= set(SEEDED_POLICIES)

@@ -40,7 +40,7 @@ from .worker import load_modules
 
 
 MICROBATCH_POLICIES = ("dp", "tp")  # the micro-batch sweep of `verify all`
-SEEDED_POLICIES = ("random", "random2d")
+SEEDED_POLICIES = ("random", "random2d", "pp2_random")  # each seed draws another plan
 """Policies whose plan is drawn from the seed: ``verify all`` runs each under every ``--random-seeds``."""
 
 

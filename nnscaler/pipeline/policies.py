@@ -8,6 +8,8 @@ stages, the policy that partitions each stage over its own ranks, and the schedu
 ``pp2_tp_gpipe``     the same under GPipe
 ``pp2_dp``           2 stages, each data-parallel (``dp``) over world/2 ranks, 1F1B
 ``pp2_dp_gpipe``     the same under GPipe
+``pp2_random``       2 stages, each a seeded random valid partition per operator (``random``) over
+                     world/2 ranks, 1F1B: the harness's draw over pipeline meshes
 ``pp_interleaved``   two stages per rank (2 x world stages), interleaved 1F1B
 ``pp_zb``            two stages per rank, interleaved zero-bubble (input and weight gradients apart)
 ===================  ==========================================================================
@@ -34,11 +36,13 @@ PIPELINE_POLICIES = {
     "pp2_tp_gpipe": PipelinePolicy(2, "tp", "GPipe"),
     "pp2_dp": PipelinePolicy(2, "dp", "1F1B"),
     "pp2_dp_gpipe": PipelinePolicy(2, "dp", "GPipe"),
+    "pp2_random": PipelinePolicy(2, "random", "1F1B"),
     "pp_interleaved": PipelinePolicy(None, "dp", "Interleaved1F1B"),
     "pp_zb": PipelinePolicy(None, "dp", "InterleavedZeroBubble"),
 }
-# what verify all sweeps: each mesh of the issue under 1F1B and GPipe (pp2_* need world size 4)
-SWEPT = ("pp", "pp_gpipe", "pp2_tp", "pp2_tp_gpipe", "pp2_dp", "pp2_dp_gpipe")
+# what verify all sweeps: each mesh of the issue under 1F1B and GPipe, and random stage plans (pp2_*
+# need world size 4)
+SWEPT = ("pp", "pp_gpipe", "pp2_tp", "pp2_tp_gpipe", "pp2_dp", "pp2_dp_gpipe", "pp2_random")
 
 
 def is_pipeline_policy(policy) -> bool:
