@@ -124,13 +124,13 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     checkpoint.load_single(path / "merged.pt", single, single_opt)
     checks = _loaded_checks("on one device", {n: p.detach() for n, p in single.named_parameters()},
                             _moments(single, single_opt, False), saved, saved_moments)
-    batch = build_model(name, seed).batch
     if hasattr(pm, "stages"):  # a pipeline's checkpoint also loads into another pipeline
         checks += _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
                                    saved_moments)
     other, w_b = plan_b(policy, world_size)
     if rank >= w_b:
         return checks
+    batch = build_model(name, seed).batch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         resumed = parallelize(build_model(name, seed).model.to(dtype), _cast(batch(0), dtype), other,
