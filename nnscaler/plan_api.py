@@ -67,7 +67,12 @@ def attach_stats(plan: Plan, graph: IRGraph, config: ComputeConfig) -> Plan:
     plan.stats.replicated_ops = [(r.op.name, r.op.overload, r.reason) for r in replicated_operators(graph, plan)]
     t = _promised_tp(plan)
     frac = param_fraction(plan.stats)
-    if t > 1 and frac > 1 / t + SLACK:
+    if t > 1 and frac > 1 / t + SLACK and plan.policy == "autodist" and not plan.stats.sharded:
+        warnings.warn(f"autodist ran the whole model on every rank (no tensor split on its tp axis of {t}): on "
+                      f"profile {config.profile} no partition it searched beat that (estimated step "
+                      f"{1e3 * plan.stats.step_seconds:.3g} ms); on tiny models this is expected, use tp or dp "
+                      f"to force a split", PlanWarning, stacklevel=3)
+    elif t > 1 and frac > 1 / t + SLACK:
         warnings.warn(f"policy {plan.policy} promises tensor parallelism of degree {t} but a rank keeps "
                       f"{100 * frac:.0f}% of the parameters (at most {100 * (1 / t + SLACK):.0f}% expected); "
                       f"see Plan.report() for what stays whole", PlanWarning, stacklevel=3)

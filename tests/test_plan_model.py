@@ -15,11 +15,11 @@ import nnscaler
 import opzoo  # noqa: F401  (the operator catalogue)
 from nnscaler import ComputeConfig, PlanWarning, plan_model
 from nnscaler.codegen.emit import generate
-from nnscaler.plan_api import REPORT_NAME, plan_graph
+from nnscaler.plan_api import REPORT_NAME, attach_stats, plan_graph
 from nnscaler.policies import PlanError
 from nnscaler.trace.build import UnknownOperatorWarning, trace
 from verify.cases import MATCH, RunConfig, run_model
-from verify.models.builders import EncoderRegression
+from verify.models.builders import MODELS, EncoderRegression
 from verify.models.nanogpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -123,6 +123,24 @@ def test_tensor_parallelism_that_keeps_the_model_whole_warns():
             plan_model(model, args, "tp", ComputeConfig(4))
         warnings.simplefilter("error", PlanWarning)
         plan_model(model, args, "dp", ComputeConfig(4))  # dp promises no sharding: quiet
+
+
+def test_autodist_that_keeps_the_model_whole_says_why_not_that_it_broke_a_promise():
+    """Tiny BERT on cpu-gloo: autodist picks a tp mesh and splits nothing (the fastest plan)."""
+    if "bert" not in MODELS:
+        pytest.skip("bert needs transformers")
+    case = MODELS["bert"](0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        graph = trace(case.model, case.batch(0))
+    plan = nnscaler.policies.POLICIES["autodist"](graph, ComputeConfig(2))
+    assert "tp" in plan.axis_names
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", PlanWarning)
+        attach_stats(plan, graph, ComputeConfig(2))
+    text = " ".join(str(w.message) for w in seen)
+    assert not plan.stats.sharded  # the situation under test (if the cost model changes, pick another model)
+    assert "ran the whole model on every rank" in text and "promises" not in text
 
 
 def test_unknown_profile_names_the_closest():
