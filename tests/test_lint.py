@@ -58,3 +58,13 @@ def test_cli_lint_exit_codes(tmp_path):
     assert good.returncode == 0 and "0 findings" in good.stdout
     unknown = run("nope", "--module", str(ops))
     assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("sizes, flagged", [({"b": 1}, False), ({}, True), ({"b": 2}, True)])
+def test_a_consumed_dim_is_flagged_unless_its_length_is_fixed_at_one(sizes, flagged):
+    """nnScaler's squeeze ``a b c -> a c`` with ``b`` of length 1 is right: no split of b exists."""
+    reg = OpRegistry()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", AnnotationWarning)
+        register_op("a b c -> a c", "sq", registry=reg, kwargs={"dim": 1}, sizes=sizes)(torch.squeeze if sizes.get("b") == 1 else torch.sum)
+    assert any(issubclass(w.category, AnnotationWarning) for w in seen) == flagged

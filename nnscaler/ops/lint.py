@@ -40,7 +40,8 @@ def lint_static(spec: OpSpec) -> list[Finding]:
     markers = anno.markers()
     hidden = {i.name for t in anno.inputs + anno.outputs for d in t.dims for i in d.idents[1:]}  # never split
     found = []
-    for ident in sorted(_named(anno, anno.inputs) - outs - hidden):
+    ones = {k for k, v in spec.sizes.items() if v == 1}  # a length fixed at 1 is never split
+    for ident in sorted(_named(anno, anno.inputs) - outs - hidden - ones):
         if markers.get(ident) == SPATIAL:
             found.append(Finding(spec.name, ident, "consumed", (
                 f"identifier {ident!r} is in the inputs of {spec.annotation!r} but in no output, and it is marked "
