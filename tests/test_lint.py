@@ -68,3 +68,12 @@ def test_a_consumed_dim_is_flagged_unless_its_length_is_fixed_at_one(sizes, flag
         warnings.simplefilter("always", AnnotationWarning)
         register_op("a b c -> a c", "sq", registry=reg, kwargs={"dim": 1}, sizes=sizes)(torch.squeeze if sizes.get("b") == 1 else torch.sum)
     assert any(issubclass(w.category, AnnotationWarning) for w in seen) == flagged
+
+
+def test_a_diagonal_identifier_is_not_flagged():
+    """``l l -> 1`` (a trace): the grammar never splits an identifier repeated in one tensor."""
+    reg = OpRegistry()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", AnnotationWarning)
+        register_op("l l -> 1", "tr", registry=reg)(torch.trace)
+    assert not [w for w in seen if issubclass(w.category, AnnotationWarning)]

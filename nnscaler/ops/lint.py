@@ -41,6 +41,9 @@ def lint_static(spec: OpSpec) -> list[Finding]:
     hidden = {i.name for t in anno.inputs + anno.outputs for d in t.dims for i in d.idents[1:]}  # never split
     found = []
     ones = {k for k, v in spec.sizes.items() if v == 1}  # a length fixed at 1 is never split
+    for t in anno.inputs:  # an identifier twice in one tensor (``l l``: a diagonal) is never split
+        names = [i.name for d in t.dims for i in d.idents if not (i.is_number or i.is_star)]
+        ones |= {n for n in names if names.count(n) > 1}
     for ident in sorted(_named(anno, anno.inputs) - outs - hidden - ones):
         if markers.get(ident) == SPATIAL:
             found.append(Finding(spec.name, ident, "consumed", (
