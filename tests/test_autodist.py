@@ -140,3 +140,21 @@ def test_searched_plans_under_a_budget_verify(gang, name, worlds):
     with tempfile.TemporaryDirectory() as tmp:
         rows = list(run_model(gang, name, ("autodist_tight",), RunConfig(world_sizes=worlds), tmp, steps=2))
     assert [(r.world_size, r.status, r.detail) for r in rows if r.status != MATCH] == []
+
+
+def test_a_model_with_no_annotated_operator_gets_the_whole_model_plan_not_a_solver_status():
+    """Nothing to choose (every operator unknown, e.g. opzoo not imported): the plan runs every
+    operator whole, with its estimate; HiGHS would call the empty program 'Empty'."""
+    import warnings
+    from nnscaler.ops.registry import OpRegistry
+    from nnscaler.trace.build import UnknownOperatorWarning, trace
+    from verify.models.builders import MODELS
+    case = MODELS["nanogpt"](0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        graph = trace(case.model, case.batch(0), registry=OpRegistry())
+    assert not [op for op in graph.ops if op.known]
+    from nnscaler.policies import POLICIES
+    plan = POLICIES["autodist"](graph, ComputeConfig(2))
+    assert plan.partitions == {} or all(not p.splits or all(i is None for i, _ in p.splits)
+                                        for p in plan.partitions.values())

@@ -113,6 +113,12 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
     if budget is not None and not minimize_memory:
         mem = np.concatenate(prog.memory)
         rows.append((-highspy.kHighsInf, budget - prog.fixed_memory, list(range(nx)), list(mem)))
+    sol = Solution(prog.mesh_shape, prog.axis_names, "Optimal")
+    if not classes:  # nothing to choose (no annotated operator): HiGHS calls an empty model 'Empty'
+        seconds, memory = prog.evaluate([])
+        if budget is None or minimize_memory or memory <= budget:
+            sol.choice, sol.seconds, sol.memory = [], seconds, memory
+        return sol
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", max(1e-3, time_limit))
