@@ -29,20 +29,25 @@ def pipeline_applies(policy: str, world_size: int) -> bool:
     return not is_pipeline_policy(policy) or applies(policy, world_size)
 
 
-def check_pipeline_input(name: str, policies, world_sizes, microbatches: int = 1, seed: int = 0) -> None:
+def check_pipeline_input(name: str, policies, world_sizes, microbatches: int = 1, seed: int = 0,
+                         replicas: int = 1) -> None:
     """Raise ``PlanError`` (one line) for a pipeline policy that cannot run on model ``name`` at any
-    of ``world_sizes`` it applies to."""
+    of ``world_sizes`` it applies to (with ``replicas``, the pipeline is planned on ``W / replicas``
+    ranks)."""
     wanted = [p for p in policies if is_pipeline_policy(p)]
     if not wanted:
         return
     case = build_model(name, seed)
+    plans = [w // replicas for w in world_sizes if w % replicas == 0]
     for policy in wanted:
-        if not any(applies(policy, w) for w in world_sizes):
-            raise PlanError(f"pipeline policy {policy} runs at none of the world sizes {list(world_sizes)}: "
+        if not any(applies(policy, p) for p in plans):
+            need = 2 * (PIPELINE_POLICIES[policy].pp_size or 1)
+            raise PlanError(f"pipeline policy {policy} runs at none of the world sizes {list(world_sizes)}"
+                            + (f" with {replicas} replicas" if replicas > 1 else "") + ": "
                             f"{PIPELINE_POLICIES[policy].pp_size or 'world'} stages of several ranks each need "
-                            f"a world size of {2 * (PIPELINE_POLICIES[policy].pp_size or 1)} or more")
-        for w in world_sizes:
-            if applies(policy, w):
+                            f"{'a plan' if replicas > 1 else 'a world size'} of {need} or more ranks")
+        for p in plans:
+            if applies(policy, p):
                 m = pipeline_microbatches(policy, microbatches)
-                _, config = pipeline_config(policy, ComputeConfig(w, num_microbatches=m))
+                _, config = pipeline_config(policy, ComputeConfig(p, runtime_ngpus=p * replicas, num_microbatches=m))
                 check_model(case.model, whole_batch(case.batch, 0, m), config)

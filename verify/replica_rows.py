@@ -4,10 +4,12 @@ times :data:`ALL_REPLICAS` for every model). The ranks' part is :mod:`verify.rep
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 from .cases import MATCH, Row, RunConfig, _worst, judge
 from .gang import Gang
+from .pipeline_case import pipeline_applies, pipeline_microbatches
 from .replicas_case import expected_replica_checks, replica_label
 
 ALL_REPLICAS = 2  # verify all: each model's tp plan on W/2 ranks, run as 2 replicas at every W >= 4
@@ -35,13 +37,14 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
         for w in cfg.world_sizes:
             for policy in policies:
                 label = replica_label(policy, replicas)
-                if (f"model:{name}", w, label, cfg.dtype, seed) in skip:
+                if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w // replicas):
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "plan_ngpus": w // replicas,
                        "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype}
-                status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("model", steps)),
-                                                   expected_replica_checks(name, steps, seed), cfg.modules)
+                limit = replace(cfg, microbatches=pipeline_microbatches(policy, cfg.microbatches)).limit_s("model", steps)
+                status, detail, checks, tb = judge(gang.run(job, w, limit), expected_replica_checks(name, steps, seed, policy),
+                                                   cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
                 rerun = cfg.rerun_model(name, policy, w, seed, steps) + f" --replicas {replicas}"

@@ -72,8 +72,9 @@ class PipelineModule(torch.nn.Module):
     """This rank's pipeline stages; :meth:`train_step` runs one training step over micro-batches."""
 
     def __init__(self, stages: dict[int, ParallelModule], graphs: list[IRGraph], config, num_microbatches: int,
-                 pp_group, prank: int, local: int, stage_ranks: int):
+                 pp_group, prank: int, local: int, stage_ranks: int, replica_group=None, replicas: int = 1):
         super().__init__()
+        self._replica_group, self._replicas = replica_group, replicas  # data-parallel copies of the pipeline
         self.stages = torch.nn.ModuleDict({str(s): m for s, m in stages.items()})
         self.num_microbatches = num_microbatches
         self.schedule_name = canonical_schedule(config.schedule)
@@ -136,7 +137,7 @@ class PipelineModule(torch.nn.Module):
             raise MicroBatchError(f"train_step: {exc}") from None
         b = batch_rows(batch)
         self._batch, self._loss_fn = batch, loss_fn
-        self._acc = Accumulation.begin(self.parameters() if train else ())
+        self._acc = Accumulation.begin(self.parameters() if train else (), self._replica_group, self._replicas)
         rows = torch.arange(b)  # the schedule splits it like the batch: each micro-batch's rows
         args = batch if self._has_first else ()
         try:
