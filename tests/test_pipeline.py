@@ -114,6 +114,11 @@ def test_a_schedule_name_is_case_insensitive():
     (dict(plan_ngpus=4, pp_size=4), "batch", None),
     (dict(plan_ngpus=2, pp_size=2, pp_split=("h.9",)), "batch", "split point 'h.9' is not a module.*did you mean h.1"),
     (dict(plan_ngpus=2, pp_size=2), "odd", "has 3 rows \\(dim 0\\), not divisible by num_microbatches=4"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("h.1", "h.0")), "batch", "not in program order \\('h.0' comes before"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("ln_f", "h.1")), "batch", "not in program order"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("h.1", "h.1")), "batch", "are the same module"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("h", "h.1")), "batch", "'h' and 'h.1' nest"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("h.1", "ln_f")), "batch", None),
 ])
 def test_model_checks(cfg, args, needle):
     case = build_model("nanogpt", 0)

@@ -59,9 +59,12 @@ def pipeline_groups(pp: int, k: int, mesh_shapes, cache: GroupCache, create: boo
 def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], policy, config: ComputeConfig, *,
                          gen_savedir: str | os.PathLike, reuse: bool = True, strict: bool = False,
                          sample_kwargs: Mapping[str, Any] | None = None, registry=None,
-                         groups: GroupCache | None = None) -> PipelineModule:
-    """This rank's :class:`PipelineModule` (see :func:`nnscaler.parallelize`)."""
-    from ..parallel import _import, _save  # the generated programs are written and imported as parallelize does
+                         groups: GroupCache | None = None, verify: str | bool = False,
+                         verify_cache: str | os.PathLike | None = None) -> PipelineModule:
+    """This rank's :class:`PipelineModule` (see :func:`nnscaler.parallelize`). ``verify``: every stage
+    plan's (operator, partition) pairs verified as ``parallelize`` verifies a plan (on the first
+    stage's ranks, the rest take their verdicts; same cache), refused or warned before any code."""
+    from ..parallel import _import, _save, _verify_plan  # as parallelize writes, imports and verifies
     stage_policy, config = pipeline_config(policy, config)
     if sample_kwargs:
         raise PlanError("a pipelined model takes positional arguments only (sample_kwargs is not supported)")
@@ -83,6 +86,10 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
     plans = [plan_graph(g, stage_policy, stage_config(config)) for g in graphs]
     cache = groups if groups is not None else GroupCache()
     pipeline_groups(pp, k, [p.mesh_shape for p in plans], cache, groups is None, replicas)
+    if verify:  # ranks 0 .. k-1 verify each stage plan; every rank of the pipeline takes the verdicts
+        checked = dataclasses.replace(stage_config(config), runtime_ngpus=runtime)
+        for g, plan in zip(graphs, plans):
+            _verify_plan(g, plan, checked, verify, cache, groups is not None, verify_cache)
     replica, plan_rank = rank // plan_ngpus, rank % plan_ngpus
     base = replica * plan_ngpus  # this replica's first rank
     prank, local = plan_rank // k, plan_rank % k
