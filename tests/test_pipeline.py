@@ -171,3 +171,17 @@ def test_a_checkpoint_is_reloaded_at_a_world_size_the_gang_has_groups_for():
     assert [pipeline_plan_b("pp", w) for w in (2, 3, 4, 6, 8)] == [("pp", 2), ("pp", 3), ("pp2_tp", 4), ("pp", 2),
                                                                    ("pp2_tp", 4)]
     assert pipeline_plan_b("pp2_tp", 8) == ("pp", 2) and plan_b("tp", 3) == ("random", 3) and plan_b("dp", 5)[1] == 5
+
+
+def test_interleaved_schedules_are_swept_and_skipped_where_the_model_has_too_few_layers():
+    """``verify all`` sweeps pp_interleaved and pp_zb (2 stages per rank); a world size whose stages
+    outnumber the model's layers is skipped (no row), as a world size a policy does not apply to."""
+    from nnscaler.pipeline.policies import SWEPT
+    from verify.pipeline_case import check_pipeline_input, pipeline_applies
+    assert {"pp_interleaved", "pp_zb"} <= set(SWEPT)
+    assert len(cut_units(build_model("transformer_encoder", 0).model)) == 12  # 16 stages at W=8 do not fit
+    assert pipeline_applies("pp_zb", 4, "transformer_encoder") and not pipeline_applies("pp_zb", 8, "transformer_encoder")
+    assert pipeline_applies("pp_zb", 8) and not pipeline_applies("pp2_tp", 2, "nanogpt")
+    check_pipeline_input("transformer_encoder", ["pp_zb"], (4, 8))  # W=8 skipped, W=4 runs: no error
+    with pytest.raises(PlanError, match="16 pipeline stages but"):
+        check_pipeline_input("transformer_encoder", ["pp_zb"], (8,))

@@ -37,7 +37,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
         for w in cfg.world_sizes:
             for policy in policies:
                 label = replica_label(policy, replicas)
-                if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w // replicas):
+                if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w // replicas, name, seed):
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "plan_ngpus": w // replicas,
