@@ -1,6 +1,6 @@
 """Rows of replicas cases, driven on a :class:`Gang`: a plan on ``W / R`` ranks run as ``R``
 data-parallel replicas on W ranks (``verify model --replicas R``; ``verify all`` runs a ``tp`` plan
-times :data:`ALL_REPLICAS` for every model). The ranks' part is :mod:`verify.replicas_case`."""
+times :data:`ALL_REPLICAS` for every model, and the ``pp`` pipeline for the pipeline models). The ranks' part is :mod:`verify.replicas_case`."""
 from __future__ import annotations
 
 import time
@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 from .cases import MATCH, Row, RunConfig, _worst, judge
 from .gang import Gang
-from .pipeline_case import pipeline_applies, pipeline_microbatches
+from .pipeline_case import PIPELINE_MODELS, pipeline_applies, pipeline_microbatches
 from .replicas_case import expected_replica_checks, replica_label
 
 ALL_REPLICAS = 2  # verify all: each model's tp plan on W/2 ranks, run as 2 replicas at every W >= 4
@@ -21,11 +21,13 @@ def replica_world_sizes(world_sizes: Sequence[int], replicas: int = ALL_REPLICAS
 
 
 def replica_items(models: Sequence[str], world_sizes: Sequence[int]) -> list[tuple[str, tuple]]:
-    """``verify all``'s replicas items: ``(label, (model, "tp", ALL_REPLICAS, world sizes))`` for every
-    model, where a world size allows (none otherwise)."""
+    """``verify all``'s replicas items: ``(label, (model, policy, ALL_REPLICAS, world sizes))``: ``tp`` for
+    every model and the ``pp`` pipeline for the pipeline models, where a world size allows (none otherwise)."""
     sizes = replica_world_sizes(world_sizes)
-    label = replica_label("tp", ALL_REPLICAS)
-    return [(f"model:{m} {label}", (m, "tp", ALL_REPLICAS, sizes)) for m in models] if sizes else []
+    if not sizes:
+        return []
+    pairs = [(m, "tp") for m in models] + [(m, "pp") for m in models if m in PIPELINE_MODELS]
+    return [(f"model:{m} {replica_label(p, ALL_REPLICAS)}", (m, p, ALL_REPLICAS, sizes)) for m, p in pairs]
 
 
 def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, replicas: int,

@@ -61,10 +61,11 @@ class _GradOutputs(torch.nn.Module):
         if not (self.zero_bubble and torch.is_grad_enabled()):  # gloo sends contiguous tensors only
             return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
 
-        def fix(t):
+        def fix(t):  # contiguous copies (clone alone keeps a strided layout, which gloo refuses to send)
             if t.is_floating_point() and not t.requires_grad:
-                return t.detach().requires_grad_()
-            return t.clone()  # the schedule detaches outputs in place after backward; ops may have saved them
+                return t.detach().contiguous().requires_grad_()
+            return t.clone(memory_format=torch.contiguous_format)  # the schedule detaches outputs in place
+            # after backward, and ops may have saved them
         return tuple(fix(t) for t in out) if isinstance(out, tuple) else fix(out)
 
 
