@@ -1,7 +1,7 @@
 """One rank's part of a replicas case under a pipeline policy: the pipeline planned on ``plan_ngpus``
 ranks, run as data-parallel replicas on ``world_size`` ranks (``ComputeConfig(runtime_ngpus=...)``).
-Each replica trains its share of the batch (``PIPELINE_MICROBATCHES`` of the model's batches per
-replica) by ``train_step``; the replicas' gradients are averaged once, after the last micro-batch,
+Each replica trains its share of the batch (``microbatches``, at least ``PIPELINE_MICROBATCHES``, of
+the model's batches per replica) by ``train_step``; the replicas' gradients are averaged once, after the last micro-batch,
 with the exact whole-batch weighting ``(loss_sum, count)`` over replicas. So the reference is one
 device on the WHOLE batch (every replica's share), as for micro-batches (``verify/microbatch_case.py``),
 not the mean of the shares' losses. Judged as every whole-model case: loss, every gradient and every
@@ -42,17 +42,18 @@ def _share(args: tuple, replica: int, replicas: int) -> tuple:
 
 
 def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
-                               groups: GroupCache, gen_dir: str, dtype: str = "float32") -> list[Check]:
+                               groups: GroupCache, gen_dir: str, dtype: str = "float32",
+                               microbatches: int = PIPELINE_MICROBATCHES) -> list[Check]:
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
     ref = copy.deepcopy(case.model)
     replicas, replica = world_size // plan_ngpus, dist.get_rank() // plan_ngpus
-    m = PIPELINE_MICROBATCHES
+    m = max(microbatches, PIPELINE_MICROBATCHES)
     batch = lambda step: _cast(whole_batch(case.batch, step, m * replicas), dt)  # noqa: E731 (every replica's share)
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=m,
                            tp_size=2 if plan_ngpus % 2 == 0 else 1, bucket_bytes=case.bucket_bytes)
-    tag = f"{file_tag(name)}-{file_tag(policy)}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}"
+    tag = f"{file_tag(name)}-{file_tag(policy)}-mb{m}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, _share(batch(0), replica, replicas), policy, config, groups=groups,

@@ -42,9 +42,10 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                 if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w // replicas, name, seed):
                     continue
                 start = time.perf_counter()
+                m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "plan_ngpus": w // replicas,
-                       "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype}
-                limit = replace(cfg, microbatches=pipeline_microbatches(policy, cfg.microbatches)).limit_s("model", steps)
+                       "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "microbatches": m}
+                limit = replace(cfg, microbatches=m).limit_s("model", steps)
                 status, detail, checks, tb = judge(gang.run(job, w, limit), expected_replica_checks(name, steps, seed, policy),
                                                    cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")

@@ -65,11 +65,12 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "") 
 
 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
-                      groups: GroupCache, gen_dir: str, dtype: str = "float32") -> list[Check]:
+                      groups: GroupCache, gen_dir: str, dtype: str = "float32", microbatches: int = 1) -> list[Check]:
     """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to ``world_size``
     (a pipeline policy: :mod:`verify.pipeline_replicas`)."""
     if is_pipeline_policy(policy):
-        return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype)
+        return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
+                                          microbatches)
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
