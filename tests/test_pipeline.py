@@ -153,6 +153,9 @@ def test_the_cli_refuses_a_bad_pipeline_before_any_rank_starts(tmp_path, capsys)
     assert main(["model", "nanogpt", "--policy", "pp2_tp", "--world-size", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pp2_tp runs at none of the world sizes [2]" in err[0], err
+    assert main(["model", "nanogpt", "--policy", "pp2_tp", "--replicas", "2", "--world-size", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # replicas: the pipeline is planned on W / R = 2 ranks
+    assert len(err) == 1 and "runs at none of the world sizes [4] with 2 replicas" in err[0], err
 
 
 def test_random_stage_plans_are_swept_at_every_random_seed():
