@@ -111,4 +111,5 @@ def test_stages_failing_on_every_rank_name_every_ranks_reason(mutant_gang):
     row = _row(mutant_gang, "nanogpt", "pp_zb", 4, steps=1, modules=(MUTANTS,))
     assert row.status == ERROR, row.detail
     for rank, stages in enumerate([[0, 4], [1, 5], [2, 6], [3, 7]]):
-        assert f"rank {rank}: RuntimeError: injected failure of stages {stages} on rank {rank}" in row.detail, row.detail
+        want = f"rank {rank}: RuntimeError: injected failure of stages {stages} on rank {rank}"
+        assert want in row.detail, row.detail

@@ -150,7 +150,8 @@ def judge(answers: list[RankAnswer], expected: list[str] | None = None, modules=
     if errors:  # every rank's own reason (a failing pipeline stage names each rank that raised)
         a = errors[0]
         same = [b.rank for b in errors[1:] if b.result["error"] == a.result["error"]]
-        other = "".join(f"; rank {b.rank}: {b.result['error']}" for b in errors[1:] if b.result["error"] != a.result["error"])
+        other = "".join(f"; rank {b.rank}: {b.result['error']}" for b in errors[1:]
+                        if b.result["error"] != a.result["error"])
         peers = sorted(b.rank for b in answers if b.failure)
         note = f" (ranks {peers} then gave no answer)" if peers else ""
         also = f"; the same on ranks {same}" if same else ""

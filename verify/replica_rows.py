@@ -1,6 +1,7 @@
 """Rows of replicas cases, driven on a :class:`Gang`: a plan on ``W / R`` ranks run as ``R``
 data-parallel replicas on W ranks (``verify model --replicas R``; ``verify all`` runs a ``tp`` plan
-times :data:`ALL_REPLICAS` for every model, and the ``pp`` pipeline for the pipeline models). The ranks' part is :mod:`verify.replicas_case`."""
+times :data:`ALL_REPLICAS` for every model, and the ``pp`` pipeline for the pipeline models). The
+ranks' part is :mod:`verify.replicas_case`."""
 from __future__ import annotations
 
 import time
@@ -39,18 +40,21 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
         for w in cfg.world_sizes:
             for policy in policies:
                 label = replica_label(policy, replicas)
-                if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w // replicas, name, seed):
+                if ((f"model:{name}", w, label, cfg.dtype, seed) in skip
+                        or not pipeline_applies(policy, w // replicas, name, seed)):
                     continue
                 start = time.perf_counter()
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "plan_ngpus": w // replicas,
                        "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "microbatches": m}
                 limit = replace(cfg, microbatches=m).limit_s("model", steps)
-                status, detail, checks, tb = judge(gang.run(job, w, limit), expected_replica_checks(name, steps, seed, policy),
-                                                   cfg.modules)
+                expected = expected_replica_checks(name, steps, seed, policy)
+                status, detail, checks, tb = judge(gang.run(job, w, limit), expected, cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
                 rerun = cfg.rerun_model(name, policy, w, seed, steps) + f" --replicas {replicas}"
-                yield Row(f"model:{name}", "model", f"{steps} AdamW steps vs one device", w, label, cfg.dtype, seed,
+                what = f"{steps} AdamW steps vs one device" if m == 1 else \
+                    f"{steps} AdamW steps of {m} micro-batches per replica vs one device on the whole batch"
+                yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed,
                           status, out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)
