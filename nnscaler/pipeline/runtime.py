@@ -4,7 +4,9 @@ ranks) run by a schedule of :mod:`torch.distributed.pipelining`.
 Ranks: pipeline rank ``r`` holds stages ``r, r + pp, ...``; each stage has ``k`` ranks (global ranks
 ``r * k .. r * k + k - 1``) partitioned by the stage policy. Rank ``local`` of a stage talks to rank
 ``local`` of the next stage over the pipeline group ``{local + s * k}``: stage inputs and outputs are
-whole tensors on every rank of a stage, so each of the ``k`` pipelines carries the same values.
+whole tensors on every rank of a stage, so each of the ``k`` pipelines carries the same values. With
+data-parallel replicas (``runtime_ngpus = R * plan_ngpus``) replica ``r`` runs the same layout on ranks
+``r * plan_ngpus ..``; each stage's gradients are averaged over the ranks holding the same plan rank.
 
 Gradients equal single-device gradients of the whole batch's loss, as in
 :mod:`nnscaler.runtime.microbatch`: the last stage turns each micro-batch's output into a pair
@@ -12,8 +14,10 @@ Gradients equal single-device gradients of the whole batch's loss, as in
 rows), the schedule runs backward on ``loss_sum`` (its own scaling off), and after the last micro-batch
 the accumulated gradients are divided by the total count (broadcast from the last stage). The
 in-stage gradient sync (data-parallel and tensor-parallel sums) is paused during the schedule and runs
-once, after the last micro-batch; a parameter used by several stages (tied embeddings) then gets the
-sum of its stages' gradients.
+once, after the last micro-batch (with replicas, their average too: each stage's own
+:class:`~nnscaler.runtime.grad_sync.GradSync`), and ``(loss_sum, count)`` is summed over replicas
+(:class:`~nnscaler.runtime.microbatch.Accumulation`); a parameter used by several stages (tied
+embeddings) then gets the sum of its stages' gradients.
 """
 from __future__ import annotations
 
