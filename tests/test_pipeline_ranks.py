@@ -54,12 +54,15 @@ def _replica_row(gang, name, policy, world, replicas=2, steps=2, modules=()):
     return row
 
 
-def test_replicas_of_a_whole_pipeline_train_like_one_device_on_the_whole_batch(gang):
-    """``pp`` on 2 ranks x 2 replicas: each replica pipelines its share in 4 micro-batches; gradients
-    averaged over replicas once, the loss weighted over the whole batch; the checkpoint resumes."""
-    row = _replica_row(gang, "nanogpt", "pp", 4)
+@pytest.mark.parametrize("name,policy", [("nanogpt", "pp"),
+                                         ("padded_gpt", "pp_zb")])  # unevenly padded shares: (loss_sum, count)
+def test_replicas_of_a_whole_pipeline_train_like_one_device_on_the_whole_batch(gang, name, policy):
+    """A pipeline on 2 ranks x 2 replicas: each replica pipelines its share in 4 micro-batches;
+    gradients averaged over replicas once, the loss weighted over the whole batch (exactly, also when
+    the shares hold different numbers of targets); the checkpoint resumes."""
+    row = _replica_row(gang, name, policy, 4)
     assert (row.status, row.detail) == (MATCH, ""), row.traceback
-    assert row.partition == "pp x2 replicas"
+    assert row.partition == f"{policy} x2 replicas"
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,7 @@ class PipelineModule(torch.nn.Module):
         total, count = loss_terms(output if self._loss_fn is None else self._loss_fn(output, *args), len(rows))
         if self._acc is not None:
             self._acc.add(total, count)
-        return total
+        return total.clone() if total._base is not None else total  # zero-bubble detaches it in place: no view
 
     @property
     def _has_first(self) -> bool:
