@@ -189,3 +189,19 @@ def test_interleaved_schedules_are_swept_and_skipped_where_the_model_has_too_few
     check_pipeline_input("transformer_encoder", ["pp_zb"], (4, 8))  # W=8 skipped, W=4 runs: no error
     with pytest.raises(PlanError, match="16 pipeline stages but"):
         check_pipeline_input("transformer_encoder", ["pp_zb"], (8,))
+
+
+def test_hybrid_stages_at_eight_ranks_are_dp_by_tp_meshes():
+    """``pp2_hybrid`` at W=8 is pp2 x dp2 x tp2: each stage a (2, 2) mesh whose operators split on
+    both axes (the batch on dp, Megatron's dims on tp)."""
+    import opzoo  # noqa: F401
+    from nnscaler.pipeline.build import pipeline_config, stage_config
+    from nnscaler.plan_api import plan_graph
+    case = build_model("nanogpt", 0)
+    policy, cfg = pipeline_config("pp2_hybrid", ComputeConfig(8, num_microbatches=4, tp_size=2))
+    graph = trace(case.model, case.batch(0))
+    canonical_params(case.model, graph)
+    for g in stage_graphs(graph, balanced_cuts(graph, cfg.pp_size)):
+        plan = plan_graph(g, policy, stage_config(cfg))
+        assert plan.mesh_shape == (2, 2) and plan.axis_names == ("dp", "tp")
+        assert any(plan.partition(op).label.count("=2") == 2 for op in g.ops)
