@@ -4,8 +4,12 @@
   mean over ranks, against (p-1)/(m+p-1) for m in {4, 8, 16} micro-batches (the measured idle time
   also holds the point-to-point transfers and the schedule's own work, which the formula leaves out);
 * activations in flight per stage (micro-batches whose forward ran and backward has not): 1F1B holds
-  at most p - stage, GPipe m; with the bytes one micro-batch saves for backward, the peak activation
-  memory per stage, as a ratio GPipe / 1F1B;
+  at most p - stage, GPipe m;
+* peak activation memory per stage, measured: ``saved_tensors_hooks`` around each stage's forward
+  count the bytes of every storage autograd saves for backward (parameters excluded, a storage saved
+  twice counted once) while it is held, released when autograd frees it; the peak in bytes, in units
+  of one micro-batch's saved bytes (measured alike) against the bound (1F1B p - stage, GPipe m), and
+  the ratio GPipe / 1F1B per stage;
 * throughput (samples/s) of pp=2 (1F1B, m=8) against dp=2 on the same model and batch.
 
     python bench/pipeline.py [--layers 4] [--width 128] [--seq 32] [--batch 16] [--steps 4]
@@ -20,6 +24,7 @@ import statistics
 import tempfile
 import time
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -50,16 +55,66 @@ class _Probe:
         return run
 
 
-def _saved_bytes(module, args) -> int:
-    total = 0
+class _Held:
+    """What a saved tensor is packed into: freed when autograd frees the saved tensor."""
 
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*args)
-    return total
+    def __init__(self, t):
+        self.t = t
+
+
+class SavedBytes:
+    """Live bytes of the storages autograd holds for backward (saved under :meth:`hooks`), and their
+    peak. Parameters' storages are not activations and are left out; a storage is counted once however
+    many operators save it."""
+
+    def __init__(self, params=()):
+        self.exclude = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, list[int]] = {}  # storage pointer -> [holders alive, bytes]
+        self.live = self.peak = 0
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t if isinstance(h, _Held) else h)
+
+    def _pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.exclude or not ptr:
+            return t
+        entry = self.refs.get(ptr)
+        if entry is None:
+            entry = self.refs[ptr] = [0, t.untyped_storage().nbytes()]
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        held = _Held(t)
+        weakref.finalize(held, self._release, ptr)
+        return held
+
+    def _release(self, ptr: int) -> None:
+        entry = self.refs[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self.refs[ptr]
+
+
+def _measure(stage, params) -> SavedBytes:
+    """Count what ``stage`` (a ``PipelineStage``) saves in its forward passes."""
+    saved, forward = SavedBytes(params), stage.submod.forward
+
+    def run(*a, **k):
+        with saved.hooks():
+            return forward(*a, **k)
+    stage.submod.forward = run
+    return saved
+
+
+def _one_micro_batch(module, args, params) -> int:
+    """The bytes one forward of ``module`` saves for backward (counted as in the schedule)."""
+    saved = SavedBytes(params)
+    with saved.hooks():
+        out = module(*args)
+    del out
+    return saved.peak
 
 
 def _rank(rank: int, world: int, port: int, args, out) -> None:
@@ -78,7 +133,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     g = torch.Generator().manual_seed(1)
     batch = (torch.randint(0, 256, (args.batch, args.seq), generator=g),
              torch.randint(0, 256, (args.batch, args.seq), generator=g))
-    res = {"bubble": {}, "peak": {}, "saved": 0}
+    res = {"bubble": {}, "peak": {}, "act": {}, "unit": {}}
     with tempfile.TemporaryDirectory() as d:
         for sched in SCHEDULES:
             for m in MICRO:
@@ -86,6 +141,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                 pm = parallelize(copy.deepcopy(base), batch, "dp", pc, gen_savedir=f"{d}/pp{sched}{m}")
                 (stage,) = pm._pipe_stages
                 probe = _Probe(stage)
+                saved = _measure(stage, list(pm.parameters()))
                 opt = torch.optim.AdamW(pm.parameters())
                 pm.train_step(*batch)  # warm-up
                 probe.busy, wall = 0.0, 0.0
@@ -98,12 +154,14 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                     opt.zero_grad()
                 res["bubble"][(sched, m)] = 1 - probe.busy / wall
                 res["peak"][(sched, m)] = probe.peak
-                if m == MICRO[0] and sched == SCHEDULES[0]:
+                res["act"][(sched, m)] = saved.peak  # over the warm-up and every step
+                if sched == SCHEDULES[0]:  # one micro-batch of this m, saved as in the schedule
                     mb = tuple(x[: args.batch // m] for x in batch)
                     stage_mod = next(iter(pm.stages.values()))
-                    ins = mb if rank == 0 else tuple(torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.dtype.is_floating_point)
-                                                     for t in pm._graphs[rank].inputs)
-                    res["saved"] = _saved_bytes(stage_mod, ins)  # one micro-batch of m=4
+                    ins = mb if rank == 0 else tuple(
+                        torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.dtype.is_floating_point)
+                        for t in pm._graphs[rank].inputs)
+                    res["unit"][m] = _one_micro_batch(stage_mod, ins, list(pm.parameters()))
         # throughput: pp=2 (1F1B, m=8) against dp=2, same model and batch, alternating rounds
         pc = ComputeConfig(world, pp_size=world, num_microbatches=8)
         runs = {"pp": parallelize(copy.deepcopy(base), batch, "dp", pc, gen_savedir=f"{d}/tput_pp"),
@@ -160,10 +218,15 @@ def main() -> None:
         ratio = [g / f for g, f in zip(flights["GPipe"], flights["1F1B"])]
         print(f"  m={m:2d}: 1F1B {flights['1F1B']} (bound p - stage = {[p_ - s for s in range(p_)]}), GPipe "
               f"{flights['GPipe']} (m); memory ratio per stage {[round(x, 2) for x in ratio]}")
-    for r in sorted(res):
-        kib = res[r]["saved"] / 1024
-        print(f"  stage {r}: one micro-batch (m=4) saves {kib:.0f} KiB for backward: peak at m=4 "
-              f"1F1B {kib * res[r]['peak'][('1F1B', 4)]:.0f} KiB, GPipe {kib * res[r]['peak'][('GPipe', 4)]:.0f} KiB")
+    print("peak activation memory per stage, measured (saved tensors held for backward): KiB, and in micro-batches "
+          "(peak / one micro-batch's saved bytes) against the bound; GPipe / 1F1B:")
+    for m in MICRO:
+        for r in sorted(res):
+            unit = res[r]["unit"][m]
+            got = {s: res[r]["act"][(s, m)] for s in SCHEDULES}
+            print(f"  m={m:2d} stage {r}: one micro-batch {unit / 1024:.0f} KiB; 1F1B {got['1F1B'] / 1024:.0f} KiB = "
+                  f"{got['1F1B'] / unit:.2f} (bound {p_ - r}), GPipe {got['GPipe'] / 1024:.0f} KiB = "
+                  f"{got['GPipe'] / unit:.2f} (bound {m}); GPipe / 1F1B {got['GPipe'] / got['1F1B']:.2f}")
     tp = {k: statistics.mean(res[r]["throughput"][k] for r in res) for k in ("pp", "dp")}
     print(f"throughput: pp=2 (1F1B, m=8) {tp['pp']:.1f} samples/s, dp=2 {tp['dp']:.1f} samples/s, "
           f"ratio pp/dp {tp['pp'] / tp['dp']:.2f}")

@@ -143,7 +143,8 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
 
     ``config.pp_size > 1`` (or a pipeline policy's name, :data:`nnscaler.pipeline.PIPELINE_POLICIES`)
     cuts the model into pipeline stages, each partitioned by ``policy`` over its own ranks, and returns a
-    :class:`nnscaler.pipeline.PipelineModule` (train with its ``train_step``; see :mod:`nnscaler.pipeline`).
+    :class:`nnscaler.pipeline.PipelineModule` (train with its ``train_step``; see :mod:`nnscaler.pipeline`);
+    ``verify`` then checks every stage's plan.
     """
     if verify not in ("strict", "warn", False):
         raise PlanError(f"verify must be 'strict', 'warn' or False, got {verify!r}")
@@ -151,7 +152,8 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         check_model(model, sample_args, pipeline_config(policy, config)[1])  # bad input before any process group
         _ensure_process_group()
         return parallelize_pipeline(model, sample_args, policy, config, gen_savedir=gen_savedir, reuse=reuse,
-                                    strict=strict, sample_kwargs=sample_kwargs, registry=registry, groups=groups)
+                                    strict=strict, sample_kwargs=sample_kwargs, registry=registry, groups=groups,
+                                    verify=verify, verify_cache=verify_cache)
     if config.num_microbatches > 1:  # the sample is a whole batch; the program runs one micro-batch
         try:
             sample_args, sample_kwargs = split_batch(sample_args, sample_kwargs, config.num_microbatches)[0]

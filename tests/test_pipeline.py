@@ -114,6 +114,11 @@ def test_a_schedule_name_is_case_insensitive():
     (dict(plan_ngpus=4, pp_size=4), "batch", None),
     (dict(plan_ngpus=2, pp_size=2, pp_split=("h.9",)), "batch", "split point 'h.9' is not a module.*did you mean h.1"),
     (dict(plan_ngpus=2, pp_size=2), "odd", "has 3 rows \\(dim 0\\), not divisible by num_microbatches=4"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("h.1", "h.0")), "batch", "not in program order \\('h.0' comes before"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("ln_f", "h.1")), "batch", "not in program order"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("h.1", "h.1")), "batch", "are the same module"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("h", "h.1")), "batch", "'h' and 'h.1' nest"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("h.1", "ln_f")), "batch", None),
 ])
 def test_model_checks(cfg, args, needle):
     case = build_model("nanogpt", 0)
@@ -148,6 +153,9 @@ def test_the_cli_refuses_a_bad_pipeline_before_any_rank_starts(tmp_path, capsys)
     assert main(["model", "nanogpt", "--policy", "pp2_tp", "--world-size", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pp2_tp runs at none of the world sizes [2]" in err[0], err
+    assert main(["model", "nanogpt", "--policy", "pp2_tp", "--replicas", "2", "--world-size", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # replicas: the pipeline is planned on W / R = 2 ranks
+    assert len(err) == 1 and "runs at none of the world sizes [4] with 2 replicas" in err[0], err
 
 
 def test_random_stage_plans_are_swept_at_every_random_seed():
@@ -157,3 +165,43 @@ def test_random_stage_plans_are_swept_at_every_random_seed():
     from verify.cli import SEEDED_POLICIES
     seeded = {n for n, p in PIPELINE_POLICIES.items() if p.stage_policy in ("random", "random2d")}
     assert seeded and seeded <= set(SWEPT) and seeded <= set(SEEDED_POLICIES)
+
+
+def test_a_checkpoint_is_reloaded_at_a_world_size_the_gang_has_groups_for():
+    """At W=3 (``verify model nanogpt --policy pp --world-size 3``) the gang has no group of 2 ranks:
+    the reload runs at W=3 (it used to ask for ranks (0, 1) and fail the row)."""
+    from verify.checkpoint_case import pipeline_plan_b, plan_b
+    assert [pipeline_plan_b("pp", w) for w in (2, 3, 4, 6, 8)] == [("pp", 2), ("pp", 3), ("pp2_tp", 4), ("pp", 2),
+                                                                   ("pp2_tp", 4)]
+    assert pipeline_plan_b("pp2_tp", 8) == ("pp", 2) and plan_b("tp", 3) == ("random", 3) and plan_b("dp", 5)[1] == 5
+
+
+def test_interleaved_schedules_are_swept_and_skipped_where_the_model_has_too_few_layers():
+    """``verify all`` sweeps pp_interleaved and pp_zb (2 stages per rank); a world size whose stages
+    outnumber the model's layers is skipped (no row), as a world size a policy does not apply to."""
+    from nnscaler.pipeline.policies import SWEPT
+    from verify.pipeline_case import check_pipeline_input, pipeline_applies
+    assert {"pp_interleaved", "pp_zb"} <= set(SWEPT)
+    assert len(cut_units(build_model("transformer_encoder", 0).model)) == 12  # 16 stages at W=8 do not fit
+    assert pipeline_applies("pp_zb", 4, "transformer_encoder")
+    assert not pipeline_applies("pp_zb", 8, "transformer_encoder")
+    assert pipeline_applies("pp_zb", 8) and not pipeline_applies("pp2_tp", 2, "nanogpt")
+    check_pipeline_input("transformer_encoder", ["pp_zb"], (4, 8))  # W=8 skipped, W=4 runs: no error
+    with pytest.raises(PlanError, match="16 pipeline stages but"):
+        check_pipeline_input("transformer_encoder", ["pp_zb"], (8,))
+
+
+def test_hybrid_stages_at_eight_ranks_are_dp_by_tp_meshes():
+    """``pp2_hybrid`` at W=8 is pp2 x dp2 x tp2: each stage a (2, 2) mesh whose operators split on
+    both axes (the batch on dp, Megatron's dims on tp)."""
+    import opzoo  # noqa: F401
+    from nnscaler.pipeline.build import pipeline_config, stage_config
+    from nnscaler.plan_api import plan_graph
+    case = build_model("nanogpt", 0)
+    policy, cfg = pipeline_config("pp2_hybrid", ComputeConfig(8, num_microbatches=4, tp_size=2))
+    graph = trace(case.model, case.batch(0))
+    canonical_params(case.model, graph)
+    for g in stage_graphs(graph, balanced_cuts(graph, cfg.pp_size)):
+        plan = plan_graph(g, policy, stage_config(cfg))
+        assert plan.mesh_shape == (2, 2) and plan.axis_names == ("dp", "tp")
+        assert any(plan.partition(op).label.count("=2") == 2 for op in g.ops)

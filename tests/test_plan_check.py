@@ -5,6 +5,7 @@ is ignored."""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,25 @@ def test_replicas_take_the_verdicts_of_the_plan_ranks(tmp_path):
         assert f"RANK {rank} TRAINED" in found, found
     cache = _load_cache(tmp_path / "verdicts.json")
     assert cache and any(not v.get("ok", True) and v["spec"] == "wrong_row_softmax" for v in cache.values())
+
+
+def test_every_stage_of_a_pipeline_is_verified(tmp_path):
+    """parallelize(verify=...) of a pipeline (2 stages x tp 2): a wrong op in the second stage is refused
+    under strict and warned under warn on every rank; a right pipeline compiles under strict."""
+    script = Path(__file__).parent / "fixtures" / "verify_pipeline_script.py"
+    from verify.torchrun import command
+    root = str(Path(__file__).parent.parent)  # this checkout's nnscaler, whatever is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run(command(["--nproc_per_node", "4", str(script), str(tmp_path)]),
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for rank in range(4):
+        found = (tmp_path / f"rank{rank}.txt").read_text()
+        refused = next(line for line in found.splitlines() if line.startswith(f"RANK {rank} STRICT"))
+        assert "REFUSED" in refused and "wrong_row_softmax" in refused and "b=2" in refused, refused
+        warned = next(line for line in found.splitlines() if line.startswith(f"RANK {rank} WARNED"))
+        assert "wrong_row_softmax" in warned, warned
+        assert f"RANK {rank} TRAINED" in found, found
 
 
 @settings(max_examples=200, deadline=None)

@@ -59,6 +59,8 @@ def test_replicas_that_are_not_averaged_fail_the_case():
 def test_verify_all_runs_a_tp_plan_times_two_replicas_for_every_model_where_the_world_allows():
     items = dict(replica_items(["nanogpt", "t5"], (2, 4)))
     assert items["model:nanogpt tp x2 replicas"] == ("nanogpt", "tp", 2, (4,)) and "model:t5 tp x2 replicas" in items
+    assert items["model:nanogpt pp x2 replicas"] == ("nanogpt", "pp", 2, (4,))
+    assert "model:t5 pp x2 replicas" not in items
     assert replica_items(["nanogpt"], (2,)) == [] and replica_items(["nanogpt"], (2, 4, 8))[0][1][3] == (4, 8)
 
 

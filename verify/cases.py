@@ -147,14 +147,19 @@ def judge(answers: list[RankAnswer], expected: list[str] | None = None, modules=
         if dead:
             return status, dead[0].failure, [], ""
     errors = [a for a in answers if a.result and a.result.get("error")]
-    if errors:
+    if errors:  # every rank's own reason (a failing pipeline stage names each rank that raised)
         a = errors[0]
+        same = [b.rank for b in errors[1:] if b.result["error"] == a.result["error"]]
+        other = "".join(f"; rank {b.rank}: {b.result['error']}" for b in errors[1:]
+                        if b.result["error"] != a.result["error"])
         peers = sorted(b.rank for b in answers if b.failure)
         note = f" (ranks {peers} then gave no answer)" if peers else ""
-        return ERROR, f"rank {a.rank}: {a.result['error']}{note}", [], a.result.get("traceback", "")
+        also = f"; the same on ranks {same}" if same else ""
+        return ERROR, f"rank {a.rank}: {a.result['error']}{also}{other}{note}", [], a.result.get("traceback", "")
     late = [a for a in answers if a.failure]
     if late:
-        return TIMEOUT, late[0].failure, [], ""
+        more = f" (and ranks {[b.rank for b in late[1:]]})" if len(late) > 1 else ""
+        return TIMEOUT, late[0].failure + more, [], ""
     unverifiable = next((a.result["unverifiable"] for a in answers if a.result.get("unverifiable")), None)
     if unverifiable:
         return UNVERIFIABLE, unverifiable, [], ""
@@ -283,7 +288,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
             for policy in policies:
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
                 label = model_label(policy, m)
-                if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w):
+                if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w, name, seed):
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,

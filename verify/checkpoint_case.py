@@ -34,7 +34,7 @@ def plan_b(policy: str, world_size: int) -> tuple[str, int]:
     """Where a checkpoint of ``policy`` at ``world_size`` is resumed: another sharded plan (``tp``;
     a ``tp`` checkpoint under ``random``, which splits parameters along other dims), and a smaller
     world size where there is one (ranks of a case are 0 .. world_size-1)."""
-    return ("tp" if policy != "tp" else "random"), (2 if world_size >= 4 else world_size)
+    return ("tp" if policy != "tp" else "random"), (2 if world_size >= 4 and world_size % 2 == 0 else world_size)
 
 
 def _moments(model, opt, parallel: bool) -> dict[str, dict[str, torch.Tensor]]:
@@ -71,8 +71,11 @@ def _loaded_checks(where: str, params: dict, moments: dict, saved: dict, saved_m
 
 def pipeline_plan_b(policy: str, world_size: int) -> tuple[str, int]:
     """Where a pipeline's checkpoint is loaded into another pipeline: 2 tensor-parallel stages at W=4
-    (pieces split in blocks, a fused qkv's, are cut on load), or one stage per rank at W=2."""
-    return ("pp2_tp", 4) if policy != "pp2_tp" and world_size >= 4 else ("pp", 2)
+    (pieces split in blocks, a fused qkv's, are cut on load), or one stage per rank at W=2; at a world
+    size that neither divides (3, 5, ...: the gang has no groups for them), one stage per rank at W."""
+    if policy != "pp2_tp" and world_size % 4 == 0:
+        return "pp2_tp", 4
+    return "pp", (2 if world_size % 2 == 0 else world_size)
 
 
 def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,

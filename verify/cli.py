@@ -285,7 +285,7 @@ def cmd_model(args) -> int:
     policies = _policies(args.policy)
     cfg = _config(args)
     try:  # a pipeline the model cannot be cut into, or a batch that does not divide: before any rank starts
-        check_pipeline_input(args.name, policies, cfg.world_sizes, cfg.microbatches)
+        check_pipeline_input(args.name, policies, cfg.world_sizes, cfg.microbatches, replicas=args.replicas)
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     _json_target(args.json)

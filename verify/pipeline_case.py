@@ -3,7 +3,10 @@ pipeline case is refused for before any rank starts (too few layers, a batch tha
 into micro-batches)."""
 from __future__ import annotations
 
-from nnscaler.pipeline import PIPELINE_POLICIES, check_model, is_pipeline_policy
+import functools
+
+from nnscaler.pipeline import PIPELINE_POLICIES, check_model, cut_units, is_pipeline_policy
+from nnscaler.pipeline.checks import n_stages
 from nnscaler.pipeline.build import pipeline_config
 from nnscaler.pipeline.policies import SWEPT, applies
 from nnscaler.policies import ComputeConfig, PlanError
@@ -24,25 +27,46 @@ def pipeline_microbatches(policy: str, microbatches: int) -> int:
     return max(microbatches, PIPELINE_MICROBATCHES) if is_pipeline_policy(policy) else microbatches
 
 
-def pipeline_applies(policy: str, world_size: int) -> bool:
-    """False for a pipeline policy that does not run at ``world_size`` (pp2_* at W=2); True otherwise."""
-    return not is_pipeline_policy(policy) or applies(policy, world_size)
+def pipeline_applies(policy: str, world_size: int, name: str | None = None, seed: int = 0) -> bool:
+    """False for a pipeline policy that does not run at ``world_size`` (pp2_* at W=2), or, given model
+    ``name``, that needs more stages than the model has layers (``pp_interleaved`` at W=8 on a
+    12-layer model); True otherwise."""
+    if not is_pipeline_policy(policy):
+        return True
+    return applies(policy, world_size) and (name is None or _fits(name, seed, policy, world_size))
 
 
-def check_pipeline_input(name: str, policies, world_sizes, microbatches: int = 1, seed: int = 0) -> None:
+@functools.lru_cache(maxsize=64)
+def _layers(name: str, seed: int) -> int:
+    return len(cut_units(build_model(name, seed).model))
+
+
+def _fits(name: str, seed: int, policy: str, world_size: int) -> bool:
+    return n_stages(pipeline_config(policy, ComputeConfig(world_size))[1]) <= _layers(name, seed)
+
+
+def check_pipeline_input(name: str, policies, world_sizes, microbatches: int = 1, seed: int = 0,
+                         replicas: int = 1) -> None:
     """Raise ``PlanError`` (one line) for a pipeline policy that cannot run on model ``name`` at any
-    of ``world_sizes`` it applies to."""
+    of ``world_sizes`` it applies to (with ``replicas``, the pipeline is planned on ``W / replicas``
+    ranks)."""
     wanted = [p for p in policies if is_pipeline_policy(p)]
     if not wanted:
         return
     case = build_model(name, seed)
+    plans = [w // replicas for w in world_sizes if w % replicas == 0]
     for policy in wanted:
-        if not any(applies(policy, w) for w in world_sizes):
-            raise PlanError(f"pipeline policy {policy} runs at none of the world sizes {list(world_sizes)}: "
+        fit = [p for p in plans if applies(policy, p) and _fits(name, seed, policy, p)]
+        if not fit and any(applies(policy, p) for p in plans):  # too few layers wherever it applies: say so
+            fit = [next(p for p in plans if applies(policy, p))]
+        if not any(applies(policy, p) for p in plans):
+            need = 2 * (PIPELINE_POLICIES[policy].pp_size or 1)
+            raise PlanError(f"pipeline policy {policy} runs at none of the world sizes {list(world_sizes)}"
+                            + (f" with {replicas} replicas" if replicas > 1 else "") + ": "
                             f"{PIPELINE_POLICIES[policy].pp_size or 'world'} stages of several ranks each need "
-                            f"a world size of {2 * (PIPELINE_POLICIES[policy].pp_size or 1)} or more")
-        for w in world_sizes:
-            if applies(policy, w):
+                            f"{'a plan' if replicas > 1 else 'a world size'} of {need} or more ranks")
+        for p in fit:  # a world size whose stages outnumber the layers is skipped when another fits
+            if applies(policy, p):
                 m = pipeline_microbatches(policy, microbatches)
-                _, config = pipeline_config(policy, ComputeConfig(w, num_microbatches=m))
+                _, config = pipeline_config(policy, ComputeConfig(p, runtime_ngpus=p * replicas, num_microbatches=m))
                 check_model(case.model, whole_batch(case.batch, 0, m), config)

@@ -25,6 +25,8 @@ from .models.loader import file_tag
 from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
 from .models.builders import build_model
 from .model_case import resolve_policy
+from .pipeline_case import is_pipeline_policy
+from .pipeline_replicas import LOSS, run_pipeline_replicas_case
 from .samples import DTYPES
 
 LR = 1e-2
@@ -51,19 +53,24 @@ def replica_label(policy: str, replicas: int) -> str:
     return f"{policy} x{replicas} replicas"
 
 
-def expected_replica_checks(name: str, steps: int, seed: int) -> list[str]:
+def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "") -> list[str]:
     """The names of every check a rank must return for a replicas case (a short list is a failure)."""
     params = [n for n, _ in build_model(name, seed).model.named_parameters()]
+    loss = LOSS if is_pipeline_policy(policy) else "loss step {} (mean over replicas)"
     names = []
     for s in range(steps):
-        names += [f"loss step {s} (mean over replicas)", *(f"grad {n} step {s}" for n in params),
+        names += [loss.format(s), *(f"grad {n} step {s}" for n in params),
                   *(f"param {n} after step {s}" for n in params)]
     return names
 
 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
-                      groups: GroupCache, gen_dir: str, dtype: str = "float32") -> list[Check]:
-    """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to ``world_size``."""
+                      groups: GroupCache, gen_dir: str, dtype: str = "float32", microbatches: int = 1) -> list[Check]:
+    """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to ``world_size``
+    (a pipeline policy: :mod:`verify.pipeline_replicas`)."""
+    if is_pipeline_policy(policy):
+        return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
+                                          microbatches)
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)

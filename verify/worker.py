@@ -86,7 +86,7 @@ def handle(state: RankState, job: dict) -> dict:
         if job["kind"] == "model" and job.get("plan_ngpus", job["world_size"]) < job["world_size"]:  # replicas
             checks = run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
                                        job["steps"], job["seed"], state.groups, job["gen_dir"],
-                                       dtype=job.get("dtype", "float32"))
+                                       dtype=job.get("dtype", "float32"), microbatches=job.get("microbatches", 1))
             return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
         if job["kind"] == "model":
             checks = run_model_job(job, state.groups)

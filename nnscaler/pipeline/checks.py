@@ -49,6 +49,20 @@ def cut_units(model: torch.nn.Module) -> list[str]:
     return out
 
 
+def check_split_order(model: torch.nn.Module, split: tuple[str, ...]) -> None:
+    """Split points name distinct, disjoint modules in the order the model defines them (taken as the
+    order it runs them; the traced program confirms it, :func:`~nnscaler.pipeline.cut.split_at_modules`).
+    Raises :class:`PlanError`."""
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    for a, b in zip(split, split[1:]):
+        if a == b or b.startswith(a + ".") or a.startswith(b + "."):
+            raise PlanError(f"split points {a!r} and {b!r} {'are the same module' if a == b else 'nest'}; name one "
+                            f"module per stage boundary, each after the previous one")
+        if order[b] < order[a]:
+            raise PlanError(f"split points {list(split)} are not in program order ({b!r} comes before {a!r} in "
+                            f"{type(model).__name__}); name them in the order the model runs them")
+
+
 def check_model(model: torch.nn.Module, args: Sequence[Any], config) -> None:
     """The model-dependent pipeline checks: enough layers for the stages, split points that exist
     and hold parameters, a batch divisible into micro-batches. Raises :class:`PlanError`."""
@@ -65,6 +79,7 @@ def check_model(model: torch.nn.Module, args: Sequence[Any], config) -> None:
                             + (f"; did you mean {', '.join(close)}?" if close else ""))
         if not any(True for _ in modules[name].parameters()):
             raise PlanError(f"split point {name!r} holds no parameters; name a module with parameters")
+    check_split_order(model, tuple(config.pp_split or ()))
     try:
         check_divisible(args, None, config.num_microbatches)
     except MicroBatchError as exc:

@@ -10,6 +10,8 @@ stages, the policy that partitions each stage over its own ranks, and the schedu
 ``pp2_dp_gpipe``     the same under GPipe
 ``pp2_random``       2 stages, each a seeded random valid partition per operator (``random``) over
                      world/2 ranks, 1F1B: the harness's draw over pipeline meshes
+``pp2_hybrid``       2 stages, each ``hybrid`` (dp x tp, ``tp_size`` inside) over world/2 ranks, 1F1B:
+                     at world size 8, pp2 x dp2 x tp2
 ``pp_interleaved``   two stages per rank (2 x world stages), interleaved 1F1B
 ``pp_zb``            two stages per rank, interleaved zero-bubble (input and weight gradients apart)
 ===================  ==========================================================================
@@ -37,12 +39,14 @@ PIPELINE_POLICIES = {
     "pp2_dp": PipelinePolicy(2, "dp", "1F1B"),
     "pp2_dp_gpipe": PipelinePolicy(2, "dp", "GPipe"),
     "pp2_random": PipelinePolicy(2, "random", "1F1B"),
+    "pp2_hybrid": PipelinePolicy(2, "hybrid", "1F1B"),
     "pp_interleaved": PipelinePolicy(None, "dp", "Interleaved1F1B"),
     "pp_zb": PipelinePolicy(None, "dp", "InterleavedZeroBubble"),
 }
-# what verify all sweeps: each mesh of the issue under 1F1B and GPipe, and random stage plans (pp2_*
-# need world size 4)
-SWEPT = ("pp", "pp_gpipe", "pp2_tp", "pp2_tp_gpipe", "pp2_dp", "pp2_dp_gpipe", "pp2_random")
+# what verify all sweeps: each mesh of the issue under 1F1B and GPipe, random stage plans, and the
+# interleaved schedules (pp2_* need world size 4; a model with fewer layers than stages is skipped)
+SWEPT = ("pp", "pp_gpipe", "pp2_tp", "pp2_tp_gpipe", "pp2_dp", "pp2_dp_gpipe", "pp2_random", "pp_interleaved",
+         "pp_zb")
 
 
 def is_pipeline_policy(policy) -> bool:

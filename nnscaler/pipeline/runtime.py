@@ -4,7 +4,9 @@ ranks) run by a schedule of :mod:`torch.distributed.pipelining`.
 Ranks: pipeline rank ``r`` holds stages ``r, r + pp, ...``; each stage has ``k`` ranks (global ranks
 ``r * k .. r * k + k - 1``) partitioned by the stage policy. Rank ``local`` of a stage talks to rank
 ``local`` of the next stage over the pipeline group ``{local + s * k}``: stage inputs and outputs are
-whole tensors on every rank of a stage, so each of the ``k`` pipelines carries the same values.
+whole tensors on every rank of a stage, so each of the ``k`` pipelines carries the same values. With
+data-parallel replicas (``runtime_ngpus = R * plan_ngpus``) replica ``r`` runs the same layout on ranks
+``r * plan_ngpus ..``; each stage's gradients are averaged over the ranks holding the same plan rank.
 
 Gradients equal single-device gradients of the whole batch's loss, as in
 :mod:`nnscaler.runtime.microbatch`: the last stage turns each micro-batch's output into a pair
@@ -12,8 +14,10 @@ Gradients equal single-device gradients of the whole batch's loss, as in
 rows), the schedule runs backward on ``loss_sum`` (its own scaling off), and after the last micro-batch
 the accumulated gradients are divided by the total count (broadcast from the last stage). The
 in-stage gradient sync (data-parallel and tensor-parallel sums) is paused during the schedule and runs
-once, after the last micro-batch; a parameter used by several stages (tied embeddings) then gets the
-sum of its stages' gradients.
+once, after the last micro-batch (with replicas, their average too: each stage's own
+:class:`~nnscaler.runtime.grad_sync.GradSync`), and ``(loss_sum, count)`` is summed over replicas
+(:class:`~nnscaler.runtime.microbatch.Accumulation`); a parameter used by several stages (tied
+embeddings) then gets the sum of its stages' gradients.
 """
 from __future__ import annotations
 
@@ -61,10 +65,11 @@ class _GradOutputs(torch.nn.Module):
         if not (self.zero_bubble and torch.is_grad_enabled()):  # gloo sends contiguous tensors only
             return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
 
-        def fix(t):
+        def fix(t):  # contiguous copies (clone alone keeps a strided layout, which gloo refuses to send)
             if t.is_floating_point() and not t.requires_grad:
-                return t.detach().requires_grad_()
-            return t.clone()  # the schedule detaches outputs in place after backward; ops may have saved them
+                return t.detach().contiguous().requires_grad_()
+            return t.clone(memory_format=torch.contiguous_format)  # the schedule detaches outputs in place
+            # after backward, and ops may have saved them
         return tuple(fix(t) for t in out) if isinstance(out, tuple) else fix(out)
 
 
@@ -72,8 +77,9 @@ class PipelineModule(torch.nn.Module):
     """This rank's pipeline stages; :meth:`train_step` runs one training step over micro-batches."""
 
     def __init__(self, stages: dict[int, ParallelModule], graphs: list[IRGraph], config, num_microbatches: int,
-                 pp_group, prank: int, local: int, stage_ranks: int):
+                 pp_group, prank: int, local: int, stage_ranks: int, replica_group=None, replicas: int = 1):
         super().__init__()
+        self._replica_group, self._replicas = replica_group, replicas  # data-parallel copies of the pipeline
         self.stages = torch.nn.ModuleDict({str(s): m for s, m in stages.items()})
         self.num_microbatches = num_microbatches
         self.schedule_name = canonical_schedule(config.schedule)
@@ -114,7 +120,7 @@ class PipelineModule(torch.nn.Module):
         total, count = loss_terms(output if self._loss_fn is None else self._loss_fn(output, *args), len(rows))
         if self._acc is not None:
             self._acc.add(total, count)
-        return total
+        return total.clone() if total._base is not None else total  # zero-bubble detaches it in place: no view
 
     @property
     def _has_first(self) -> bool:
@@ -136,7 +142,7 @@ class PipelineModule(torch.nn.Module):
             raise MicroBatchError(f"train_step: {exc}") from None
         b = batch_rows(batch)
         self._batch, self._loss_fn = batch, loss_fn
-        self._acc = Accumulation.begin(self.parameters() if train else ())
+        self._acc = Accumulation.begin(self.parameters() if train else (), self._replica_group, self._replicas)
         rows = torch.arange(b)  # the schedule splits it like the batch: each micro-batch's rows
         args = batch if self._has_first else ()
         try:
