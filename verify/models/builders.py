@@ -164,10 +164,14 @@ def build_model(name: str, seed: int) -> ModelCase:
     return WIDENABLE[base](seed, int(width))
 
 
-def register_model(name: str) -> Callable[[Callable[[int], ModelCase]], Callable[[int], ModelCase]]:
-    """Decorator: make ``builder(seed) -> ModelCase`` verifiable as ``python -m verify model NAME``."""
+def register_model(name: str, widenable: bool = False) -> Callable[[Callable[[int], ModelCase]], Callable[[int], ModelCase]]:
+    """Decorator: make ``builder(seed) -> ModelCase`` verifiable as ``python -m verify model NAME``;
+    with ``widenable`` the builder is ``builder(seed, width=DEFAULT)`` and ``NAME@WIDTH`` builds it at
+    that width too."""
     def deco(builder):
         MODELS[name] = builder
+        if widenable:
+            WIDENABLE[name] = builder
         return builder
     return deco
 
