@@ -63,8 +63,10 @@ class _GradOutputs(torch.nn.Module):
 
         def fix(t):
             if t.is_floating_point() and not t.requires_grad:
-                return t.detach().requires_grad_()
-            return t.clone()  # the schedule detaches outputs in place after backward; ops may have saved them
+                return t.detach().contiguous().requires_grad_()
+            # a contiguous copy: the schedule detaches outputs in place after backward (ops may have saved
+            # them), and clone() alone keeps a transposed view's strides, which gloo cannot send
+            return t.clone(memory_format=torch.contiguous_format)
         return tuple(fix(t) for t in out) if isinstance(out, tuple) else fix(out)
 
 
