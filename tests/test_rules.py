@@ -26,7 +26,7 @@ where.self softmax.int log_softmax.int sum.dim_IntList mean.dim layer_norm.defau
 matmul.default embedding.default scaled_dot_product_attention.default dropout.default
 cross_entropy_loss.default to.dtype _to_copy.default _assert_tensor_metadata.default type_as.default arange.default
 arange.start zeros.default full.default new_ones.default empty_like.default diff.default index.Tensor index_put_.default
-repeat_interleave.self_int histc.default floor_divide.default _grouped_mm.default conv1d.default conv2d.default
+repeat_interleave.self_int histc.default floor_divide.default _grouped_mm.default conv1d.default conv2d.default conv1d.padding
 group_norm.default mse_loss.default broadcast_tensors.default div_.Tensor slice_scatter.default
 select_scatter.default copy.default fill.Tensor new_zeros.default""".split()
 
@@ -107,7 +107,14 @@ def test_rules_decline_what_they_cannot_split():
     ce = make_call("aten.cross_entropy_loss.default", (T(4, 8), T(4, 8), None, 1, -100, 0.0))
     assert derive(ce) is None  # probability targets
     assert derive(make_call("aten.index.Tensor", (T(4, 8), [T(4, 8, dtype=torch.bool)]))) is None  # a mask
-    assert derive(make_call("aten.conv2d.default", (T(2, 4, 6, 6), T(4, 2, 3, 3), None, [1, 1], [0, 0], [1, 1], 2))) is None
+    assert derive(make_call("aten.conv1d.default", (T(4, 10), T(6, 4, 3)))) is None  # unbatched input
+
+
+def test_grouped_and_depthwise_convolutions_split_by_group():
+    grouped = derive(make_call("aten.conv2d.default", (T(2, 4, 6, 6), T(6, 2, 3, 3), None, [1, 1], [0, 0], [1, 1], 2)))
+    assert grouped.anno.text == "n (g 2) a^ b^, (g 3) 2 c^ d^, ?, ?, ?, ?, ? -> n (g 3) e^ f^"
+    depthwise = derive(make_call("aten.conv1d.padding", (T(2, 4, 6), T(4, 1, 3), T(4), [1], "same", [1], 4)))
+    assert depthwise.anno.text == "n g a^, g 1 b^, g, ?, ?, ?, ? -> n g c^"
 
 
 def test_list_arguments_are_flattened_in_place():

@@ -276,13 +276,15 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
 
 
 def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, steps: int = 3,
-              skip: frozenset | set = frozenset(), bucket_bytes: int | None = None) -> Iterator[Row]:
+              skip: frozenset | set = frozenset(), bucket_bytes: int | None = None,
+              checkpoint: bool = True) -> Iterator[Row]:
     """Train model ``name`` under each policy (a built-in name or ``FILE.py:fn``), world size and seed
     of ``cfg`` in ``cfg.dtype``; one row per case, judged on the loss and every gradient at the
     single-device parameters, every optimizer update, and the reloaded checkpoint (``verify/compare.py``).
     ``bucket_bytes`` sets the gradient-sync bucket size of the compiled modules. With
     ``cfg.microbatches`` M above 1, each step trains M stacked batches by ``train_step`` in M
-    micro-batches (against one device on the whole batch); the row's partition reads ``POLICY mbM``."""
+    micro-batches (against one device on the whole batch); the row's partition reads ``POLICY mbM``.
+    ``checkpoint=False`` judges the training steps alone (no checkpoint reloads, no resume)."""
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
@@ -293,8 +295,8 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
                        "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "bucket_bytes": bucket_bytes,
-                       "microbatches": m}
-                expected = expected_checks(name, policy, steps, seed)
+                       "microbatches": m, "checkpoint": checkpoint}
+                expected = expected_checks(name, policy, steps, seed, checkpoint)
                 status, detail, checks, tb = judge(gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps)), expected,
                                                    cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")

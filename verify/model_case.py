@@ -86,7 +86,7 @@ def _with_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dic
     return {k: state[first[id(v)]] for k, v in model.state_dict(keep_vars=True).items() if first[id(v)] in state}
 
 
-def expected_checks(name: str, policy: str, steps: int, seed: int) -> list[str]:
+def expected_checks(name: str, policy: str, steps: int, seed: int, checkpoint: bool = True) -> list[str]:
     """The names of every check a rank must return for this case (a short list is a failure)."""
     model = build_model(name, seed).model
     names = [f"initial {k}" for k in own_state(model)]
@@ -94,6 +94,8 @@ def expected_checks(name: str, policy: str, steps: int, seed: int) -> list[str]:
     for s in range(steps):
         names += [f"loss step {s}", *(f"grad {n} step {s}" for n in params),
                   *(f"param {n} after step {s}" for n in params)]
+    if not checkpoint:
+        return names
     return names + ["checkpoint keys", "loss of the checkpoint on one device",
                     f"loss of the checkpoint under {_other_policy(policy)}"]
 
@@ -117,19 +119,20 @@ def _parallelize(model, args, policy, config, groups, gen_dir: Path):
 
 def run_model_job(job: dict, groups: GroupCache) -> list[Check]:
     """The checks of a ``model`` job (keys: model, policy, world_size, steps, seed, gen_dir, and
-    optionally dtype, bucket_bytes and microbatches)."""
+    optionally dtype, bucket_bytes, microbatches and checkpoint)."""
     return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
                           job["gen_dir"], dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
-                          microbatches=job.get("microbatches", 1))
+                          microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True))
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
                    gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
-                   microbatches: int = 1) -> list[Check]:
+                   microbatches: int = 1, checkpoint: bool = True) -> list[Check]:
     """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
     With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
     (:func:`~verify.microbatch_case.whole_batch`), trained by ``train_step`` in M micro-batches and
-    judged against one device on that whole batch."""
+    judged against one device on that whole batch. ``checkpoint=False`` leaves out the checkpoint
+    reloads and the resume (the training checks alone, for benchmarks that sweep many cases)."""
     dt = DTYPES[dtype]
     microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
@@ -184,9 +187,10 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         ref64.zero_grad()
         after = pm.state_dict()
         checks += [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
-    checks += _reload_checks(name, policy, pm, _cast(case.batch(steps), dt), groups, gen_dir, world_size,
-                             seed, dt, fallback, config.bucket_bytes)
-    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt)
+    if checkpoint:
+        checks += _reload_checks(name, policy, pm, _cast(case.batch(steps), dt), groups, gen_dir, world_size,
+                                 seed, dt, fallback, config.bucket_bytes)
+        checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt)
     if fallback.used:
         checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
                             True))

@@ -1,9 +1,10 @@
 """Rules for convolutions and ``group_norm`` as real ``nn.Conv1d/2d`` and ``nn.GroupNorm`` trace
 them (``padding``/``stride`` as lists, ``cudnn_enabled`` given), any batch and spatial rank.
 
-* ``conv1d``/``conv2d`` (``groups == 1``): ``n c+ h^ w^, o c+ kh^ kw^, o -> n o ho^ wo^``: batch and
-  output channels spatial, input channels split by value (the bias is then held by one rank), the
-  spatial extents frozen (a split would need halos);
+* ``conv1d``/``conv2d``/``conv3d`` (``groups == 1``): ``n c+ h^ w^, o c+ kh^ kw^, o -> n o ho^ wo^``:
+  batch and output channels spatial, input channels split by value (the bias is then held by one
+  rank), the spatial extents frozen (a split would need halos); grouped and depthwise convolutions
+  split by group; ``padding="same"`` (the ``.padding`` overloads) alike;
 * ``group_norm``: ``n (g c) h^ w^, ?, (g c), (g c), ?, ? -> n (g c) h^ w^`` with ``num_groups``
   ``Size("g")``: a rank normalises whole groups; one group (``g == 1``) freezes the channels.
 """
@@ -16,23 +17,43 @@ from ._common import Names, arg, build, frozen_dim, mark, usable
 FAMILY = "nn"
 
 
-@annotation_rule("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
+@annotation_rule("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",
+                 "aten.conv1d.padding", "aten.conv2d.padding", "aten.conv3d.padding")
 def conv_rule(call: OpCall):
-    """``n c+ h^ w^, o c+ kh^ kw^, +o, ? .. -> n o ho^ wo^`` (``groups == 1``)."""
+    """``groups == 1``: ``n c+ h^ w^, o c+ kh^ kw^, +o, ? .. -> n o ho^ wo^``; ``groups == g > 1``:
+    ``n (g c) h^, (g o) c kh^, (g o), ? .. -> n (g o) ho^`` (``c``, ``o`` the channels per group, fixed
+    counts; a rank convolves whole groups, ``groups`` follows as ``Size("g")``). ``padding`` may be a
+    list or a string (``"same"``, the ``.padding`` overloads)."""
     if not usable(call):
         return None
     x, w = call.tensor(0), call.tensor(1)
     out = call.outputs[0]
-    if arg(call, 6, "groups", 1) != 1 or w.ndim != x.ndim or x.ndim < 3 or w.shape[1] != x.shape[1]:
+    groups = arg(call, 6, "groups", 1)
+    if not isinstance(groups, int) or w.ndim != x.ndim or x.ndim < 3 or w.shape[1] * groups != x.shape[1] \
+            or w.shape[0] % groups:
         return None
     names, sizes = Names(), {}
-    n, c, o = names.dim(x.shape[0], "n"), mark(names.dim(x.shape[1], "c"), "+"), names.dim(w.shape[0], "o")
-    ins = {0: [n, c] + [frozen_dim(names, s, sizes) for s in x.shape[2:]],
-           1: [o, c] + [frozen_dim(names, s, sizes) for s in w.shape[2:]]}
+    n = names.dim(x.shape[0], "n")
     bias = call.args[2] if len(call.args) > 2 else call.kwargs.get("bias")
+    args, kwargs = {}, dict(call.kwargs)
+    if groups == 1:
+        c, o = mark(names.dim(x.shape[1], "c"), "+"), names.dim(w.shape[0], "o")
+        cin, wc, bias_dim = c, c, "+" + o  # the bias is added after the contraction over c: partial under a c split
+    else:
+        g = names.new("g")
+        per_in, per_out = w.shape[1], w.shape[0] // groups
+        cin, wc = (g if per_in == 1 else f"({g} {per_in})"), str(per_in)
+        o = bias_dim = g if per_out == 1 else f"({g} {per_out})"
+        if len(call.args) > 6:
+            args[6] = Size(g)
+        else:
+            kwargs["groups"] = Size(g)
+    ins = {0: [n, cin] + [frozen_dim(names, s, sizes) for s in x.shape[2:]],
+           1: [o, wc] + [frozen_dim(names, s, sizes) for s in w.shape[2:]]}
     if isinstance(bias, TensorMeta):
-        ins[2] = ["+" + o]  # added after the contraction over c: a partial value under a c split
-    return build(call, FAMILY, ins, [[n, o] + [frozen_dim(names, s, sizes) for s in out.shape[2:]]], sizes=sizes)
+        ins[2] = [bias_dim]
+    return build(call, FAMILY, ins, [[n, o] + [frozen_dim(names, s, sizes) for s in out.shape[2:]]], sizes=sizes,
+                 args=args, kwargs=kwargs)
 
 
 @annotation_rule("aten.group_norm.default")

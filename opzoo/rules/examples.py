@@ -175,7 +175,12 @@ register_examples("aten.mse_loss.default", [(T(4, 8, 6), T(4, 8, 6)), (T(4, 8), 
 register_examples("aten.conv2d.default", [(T(4, 3, 8, 8), T(12, 3, 3, 3), T(12), [1, 1], [1, 1]),
                                           (T(4, 12, 8, 8), T(24, 12, 3, 3), None, [2, 2], [1, 1]),
                                           (T(4, 3, 8, 8), T(6, 3, 4, 4), T(6), [4, 4])])
-register_examples("aten.conv1d.default", [(T(4, 6, 9), T(8, 6, 3), T(8), [1], [1]), (T(2, 4, 10), T(6, 4, 2))])
+register_examples("aten.conv1d.default", [(T(4, 6, 9), T(8, 6, 3), T(8), [1], [1]), (T(2, 4, 10), T(6, 4, 2)),
+                                          (T(4, 12, 9), T(12, 4, 3), T(12), [1], [1], [1], 3),  # grouped
+                                          (T(4, 8, 10), T(8, 1, 5), None, [1], [2], [1], 8)])  # depthwise
+register_examples("aten.conv1d.padding", [(T(4, 6, 9), T(8, 6, 3), T(8), [1], "same"),
+                                          (T(4, 12, 16), T(12, 4, 3), None, [1], "same", [2], 3)])
+register_examples("aten.conv2d.padding", [(T(4, 6, 8, 8), T(12, 2, 3, 3), T(12), [1, 1], "same", [1, 1], 3)])
 register_examples("aten.group_norm.default", [(T(4, 12, 8, 8), 3, T(12), T(12), 1e-5, False),
                                               (T(4, 6, 5), 6, T(6), T(6)), (T(2, 6, 4, 4), 1, T(6), T(6), 1e-5, True),
                                               (T(4, 12, 5), 3)])

@@ -164,17 +164,21 @@ def build_model(name: str, seed: int) -> ModelCase:
     return WIDENABLE[base](seed, int(width))
 
 
-def register_model(name: str) -> Callable[[Callable[[int], ModelCase]], Callable[[int], ModelCase]]:
-    """Decorator: make ``builder(seed) -> ModelCase`` verifiable as ``python -m verify model NAME``."""
+def register_model(name: str, widenable: bool = False) -> Callable[[Callable[[int], ModelCase]], Callable[[int], ModelCase]]:
+    """Decorator: make ``builder(seed) -> ModelCase`` verifiable as ``python -m verify model NAME``;
+    with ``widenable`` the builder is ``builder(seed, width=DEFAULT)`` and ``NAME@WIDTH`` builds it at
+    that width too."""
     def deco(builder):
         MODELS[name] = builder
+        if widenable:
+            WIDENABLE[name] = builder
         return builder
     return deco
 
 
 def _load_optional() -> None:
-    """The plain-torch ResNet, and the ``transformers`` models where that package is installed."""
-    from . import resnet_gn  # noqa: F401
+    """The plain-torch ResNet and 1-D conv net, and the ``transformers`` models where that package is installed."""
+    from . import conv1d, resnet_gn  # noqa: F401
     try:
         import transformers  # noqa: F401
     except ImportError:

@@ -41,11 +41,12 @@ def _lm_batch(vocab: int, seed: int, masked: bool = False):
     return batch
 
 
-@register_model("llama")
-def llama(seed: int) -> ModelCase:
+@register_model("llama", widenable=True)
+def llama(seed: int, width: int = 32) -> ModelCase:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(vocab_size=101, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                      num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager", use_cache=False)
     return ModelCase(LossOf(LlamaForCausalLM(cfg)), _lm_batch(101, seed))
 

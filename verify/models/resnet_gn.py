@@ -49,7 +49,8 @@ class ResNetGN(nn.Module):
         return F.cross_entropy(self.head(x), labels)
 
 
-@register_model("resnet_gn")
-def resnet_gn(seed: int) -> ModelCase:
+@register_model("resnet_gn", widenable=True)
+def resnet_gn(seed: int, width: int = 12) -> ModelCase:
+    """``resnet_gn@WIDTH``: ``WIDTH`` stem channels in ``WIDTH // 4`` groups (3 groups of 4 by default)."""
     torch.manual_seed(seed)
-    return ModelCase(ResNetGN(), image_batch(5, seed))
+    return ModelCase(ResNetGN(width=width, groups=max(1, width // 4)), image_batch(5, seed))
