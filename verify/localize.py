@@ -36,6 +36,7 @@ from nnscaler.runtime.mesh import RankMesh
 
 from .models.loader import file_tag
 from .compare import check_tensor
+from .plan_check import op_partition
 from .models.builders import build_model
 from .samples import DTYPES
 
@@ -51,7 +52,7 @@ class Divergence:
     direction: str  # "forward" (its output) | "backward" (its output's gradient)
     err: float
     tol: float
-    rerun: str = ""  # python -m verify op NAME --partition ... (registered operators only)
+    rerun: str = ""  # python -m verify op ... --partition ... that runs this operator alone (annotated ones)
 
     def describe(self, modules=()) -> str:
         """One line for the report; ``modules`` are the ``--module`` files the op's rerun needs."""
@@ -141,9 +142,24 @@ def _single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: t
     return _run(program, state, (None,), args)
 
 
-def first_divergence(pm: ParallelModule, model: torch.nn.Module, args: tuple, world_size: int) -> Divergence | None:
+def rerun_command(op, plan: Plan, world_size: int, model: str, seed: int, dtype: str) -> str:
+    """``verify op`` for ``op`` alone under its plan partition (``--module`` files are the caller's):
+    a registered operator by name, at its sample lengths; any other annotated operator as node
+    ``op.name`` of ``model`` traced in ``dtype`` with ``seed`` (:mod:`verify.node_case`)."""
+    if not op.known:
+        return ""
+    registered = op.spec.name in DEFAULT_REGISTRY and DEFAULT_REGISTRY.get(op.spec.name) is op.spec
+    what = [op.spec.name] if registered or not model else ["--model", model, "--node", op.name]
+    return " ".join(shlex.quote(p) for p in ["python", "-m", "verify", "op", *what, "--world-size", str(world_size),
+                                             "--partition", op_partition(plan, op).label, "--seed", str(seed),
+                                             "--dtype", dtype])
+
+
+def first_divergence(pm: ParallelModule, model: torch.nn.Module, args: tuple, world_size: int, model_ref: str = "",
+                     seed: int = 0, dtype: str = "float32") -> Divergence | None:
     """Run ``pm``'s plan instrumented on ``args`` (every rank of the plan calls this) and compare
-    each operator with the single-device run of the same graph; ``None`` if none diverges."""
+    each operator with the single-device run of the same graph; ``None`` if none diverges.
+    ``model_ref``, ``seed`` and ``dtype`` name the traced model for the culprit's rerun command."""
     graph, plan = pm.graph, pm.plan
     mesh: RankMesh = pm._mesh
     rank = mesh.rank - mesh.offset
@@ -180,21 +196,10 @@ def first_divergence(pm: ParallelModule, model: torch.nn.Module, args: tuple, wo
     op_name, direction, c = found
     op = ops[op_name]
     label = plan.partition(op).label if op.known else "replicate (no annotation)"
-    rerun = ""
-    if op.known and op.spec.name in DEFAULT_REGISTRY and DEFAULT_REGISTRY.get(op.spec.name) is op.spec:
-        op_label = _op_partition(plan, op)
-        rerun = " ".join(shlex.quote(p) for p in ["python", "-m", "verify", "op", op.spec.name, "--world-size",
-                                                  str(world_size), "--partition", op_label])
+    rerun = rerun_command(op, plan, world_size, model_ref, seed, dtype)
     name = op.spec.name if op.known else op.overload
     return Divergence(op_name, name if name == op.overload else f"{op.overload}, registered as {name}", op.source,
                       label, direction, c.err if math.isfinite(c.err) else float("inf"), c.tol, rerun)
-
-
-def _op_partition(plan: Plan, op) -> str:
-    """The op's plan partition as ``verify op --partition`` writes it (split axes only)."""
-    p = plan.partition(op)
-    named = [(i, f) for i, f in p.splits if i is not None]
-    return ",".join(f"{i}={f}" for i, f in named) or "replicate"
 
 
 def as_dict(d: Divergence | None) -> dict | None:
@@ -216,4 +221,4 @@ def localize_model_case(name: str, policy: str, world_size: int, seed: int, grou
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(copy.deepcopy(model), args, resolve_policy(policy), config, groups=groups, verify=False,
                          gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}")
-    return first_divergence(pm, model, args, world_size)
+    return first_divergence(pm, model, args, world_size, name, seed, dtype)

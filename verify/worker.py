@@ -21,6 +21,7 @@ from . import isolation, rank_case
 from .conversion_case import run_conversion
 from .localize import as_dict, localize_model_case
 from .microbatch_case import run_accumulation_job
+from .node_case import node_sample
 from .model_case import run_model_job
 from .replicas_case import run_replicas_case
 from .samples import DTYPES, Sample, make_sample
@@ -55,11 +56,13 @@ class RankState:
 
     def sample(self, job: dict) -> tuple[Sample, rank_case.Reference]:
         """The sample and reference of a job, reused across its partitions."""
-        key = (job["op"], job["dtype"], job["seed"], job["base"])
+        key = (job["op"], job.get("model"), job["dtype"], job["seed"], job["base"])
         if key not in self.cache:
             self.cache.clear()
-            spec = self.registry.get(job["op"])
-            sample = make_sample(spec, DTYPES[job["dtype"]], job["seed"], job["base"])
+            if job.get("model"):  # an operator of a traced model, at its traced lengths
+                sample = node_sample(job["model"], job["op"], job["dtype"], job["seed"])
+            else:
+                sample = make_sample(self.registry.get(job["op"]), DTYPES[job["dtype"]], job["seed"], job["base"])
             self.cache[key] = (sample, rank_case.reference(sample, self.device))
         return self.cache[key]
 
