@@ -200,6 +200,8 @@ def judge(answers: list[RankAnswer], expected: list[str] | None = None, modules=
         where = answers[0].result.get("divergence")
         if where:
             detail += "; " + Divergence(**where).describe(modules)
+        elif answers[0].result.get("divergence_note"):
+            detail += "; " + answers[0].result["divergence_note"]
         elif answers[0].result.get("divergence_error"):
             detail += f"; no operator localised ({answers[0].result['divergence_error']})"
         return MISMATCH, detail, checks, ""
