@@ -338,7 +338,7 @@ def cmd_model(args) -> int:
             progress.start(label)
             if args.replicas > 1:
                 new = list(run_replicas(gang, args.name, (policy,), cfg, args.gen_dir or tmp, args.replicas,
-                                        args.steps))
+                                        args.steps, bucket_bytes=args.bucket_bytes))
             else:
                 new = list(run_model(gang, args.name, (policy,), cfg, args.gen_dir or tmp, args.steps,
                                      bucket_bytes=args.bucket_bytes))
