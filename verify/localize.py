@@ -128,7 +128,8 @@ def _run(program, state: dict, groups, args: tuple) -> _Recorder:
     return rec
 
 
-def single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch.dtype | None) -> _Recorder:
+def single_program(graph: IRGraph, model: torch.nn.Module, dtype: torch.dtype | None = None):
+    """``graph`` generated for one device (instrumented) and its state, in ``dtype`` (``None``: as traced)."""
     plan = Plan((1,), ("r",), {op.name: replicated((1,)) for op in graph.ops if op.known}, policy="single")
     source, _, _ = generate(graph, plan, 0, probe=True)
     if dtype == torch.float64:  # the float64 reference of the same graph: its dtype literals follow
@@ -140,6 +141,13 @@ def single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: to
     if dtype is not None:
         state = {k: (v.detach().to(dtype).requires_grad_(v.requires_grad) if v.is_floating_point() else v)
                  for k, v in state.items()}
+    return program, state
+
+
+def single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch.dtype | None) -> _Recorder:
+    """Every output and output gradient of ``graph`` run on one device on ``args``, in ``dtype``."""
+    program, state = single_program(graph, model, dtype)
+    if dtype is not None:
         args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
     return _run(program, state, (None,), args)
 

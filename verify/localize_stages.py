@@ -22,7 +22,8 @@ from nnscaler.parallel import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
 
-from .localize import Divergence, _Recorder, divergence, first_bad, localize_model_case, probed_program, single_device
+from .localize import (Divergence, _Recorder, divergence, first_bad, localize_model_case, probed_program,
+                       single_device, single_program)
 from .microbatch_case import whole_batch
 from .models.builders import build_model
 from .models.loader import file_tag
@@ -36,27 +37,50 @@ def _cast(args: tuple, dt: torch.dtype) -> tuple:
     return tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
-def _run_stage(module, model: torch.nn.Module, graph_inputs: dict, dev: _Recorder, last: bool) -> _Recorder:
-    """One stage's program, instrumented, on the single-device values at its inputs, back-propagated
-    from the single-device gradients at its outputs (this rank's part; its stage ranks all call it)."""
-    g, mesh = module.graph, module._mesh
-    program, local = probed_program(g, module.plan, mesh, model)
-    inputs = []
+def _inputs(g, dev: _Recorder, graph_inputs: dict) -> list[torch.Tensor]:
+    """A stage's inputs: the single-device values, floating ones that carry a gradient as leaves."""
+    out = []
     for t in g.inputs:
         v = (dev.values[t.name] if t.name in dev.values else graph_inputs[t.name]).clone()
-        inputs.append(v.requires_grad_(v.is_floating_point() and t.name in dev.grads))
-    rec = _Recorder()
-    outs = program.forward(local, mesh.groups, *inputs, probe=rec)
+        out.append(v.requires_grad_(v.is_floating_point() and t.name in dev.grads))
+    return out
+
+
+def _backward(g, outs, cotangents: dict) -> None:
+    """Backward from a stage's outputs: each output's cotangent, or 1 for the loss (no cotangent, 0-dim)."""
     outs = outs if isinstance(outs, tuple) else (outs,)
     pairs = []
     for t, y in zip(g.outputs, outs):
-        grad = dev.grads.get(getattr(t, "name", None))
-        if grad is None and last and y.dim() == 0:
-            grad = torch.ones_like(y)  # the loss
+        grad = cotangents.get(getattr(t, "name", None))
+        if grad is None and not cotangents and y.dim() == 0:
+            grad = torch.ones_like(y)  # the last stage's loss
         if grad is not None and isinstance(y, torch.Tensor) and y.requires_grad:
             pairs.append((y, grad.to(y.dtype)))
     if pairs:
         torch.autograd.backward([y for y, _ in pairs], [gr for _, gr in pairs])
+
+
+def stage_cotangents(graphs, model, dev: _Recorder, graph_inputs: dict) -> list[dict]:
+    """Per stage, the single-device gradient of the loss at each of its outputs through the later
+    stages only (the whole run's gradient of a cut tensor also counts its uses inside the stage):
+    the stages run on one device from the last back, each fed the gradients of the next one's inputs."""
+    out: list[dict] = [{} for _ in graphs]
+    for s in range(len(graphs) - 1, -1, -1):
+        program, state = single_program(graphs[s], model)
+        inputs = _inputs(graphs[s], dev, graph_inputs)
+        _backward(graphs[s], program.forward(state, (None,), *inputs, probe=_Recorder()), out[s])
+        if s:
+            out[s - 1] = {t.name: x.grad for t, x in zip(graphs[s].inputs, inputs) if x.grad is not None}
+    return out
+
+
+def _run_stage(module, model: torch.nn.Module, graph_inputs: dict, dev: _Recorder, cotangents: dict) -> _Recorder:
+    """One stage's program, instrumented, on the single-device values at its inputs, back-propagated
+    from the single-device ``cotangents`` at its outputs (this rank's part; its stage ranks all call it)."""
+    g, mesh = module.graph, module._mesh
+    program, local = probed_program(g, module.plan, mesh, model)
+    rec = _Recorder()
+    _backward(g, program.forward(local, mesh.groups, *_inputs(g, dev, graph_inputs), probe=rec), cotangents)
     return rec
 
 
@@ -80,10 +104,11 @@ def localize_pipeline_case(name: str, policy: str, world_size: int, seed: int, g
     dev, ref = single_device(graph, model, micro, None), single_device(graph, model, micro, torch.float64)
     graph_inputs = {t.name: a for t, a in zip(graph.inputs, micro)}
     n = len(pm.plans)
+    cotangents = stage_cotangents(pm._graphs, model, dev, graph_inputs)
     mine = {}
     for s in sorted(int(k) for k in pm.stages):  # a rank's stages in order: their ranks meet in the same order
         module = pm.stages[str(s)]
-        par = _run_stage(module, model, graph_inputs, dev, s == n - 1)
+        par = _run_stage(module, model, graph_inputs, dev, cotangents[s])
         found = first_bad(par, dev, ref, module._mesh.groups)
         if found is not None:
             k, first = module.plan.world_size, module._mesh.offset
