@@ -123,11 +123,10 @@ def test_a_small_bucket_size_spreads_the_gradients_over_several_buckets():
 @pytest.mark.parametrize("name,policy,world", [("nanogpt@128", "tp", 2), ("transformer_encoder@256", "dp", 2),
                                                ("bucketed_mlp", "dp", 4), ("weightnorm_mlp", "tp", 4),
                                                ("padded_gpt", "dp", 4), ("gpt2_v96", "tp", 2)])
-def test_correct_programs_match_across_widths_and_seeds(gang, name, policy, world):
+def test_correct_programs_match_across_widths_and_seeds(verify_model, name, policy, world):
     if name.startswith("gpt2") and not _has_transformers():
         pytest.skip("needs transformers")
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = list(run_model(gang, name, (policy,), RunConfig(world_sizes=(world,), seeds=(3,)), tmp, steps=3))
+    rows = verify_model(name, policies=[policy], world_sizes=[world], seeds=[3], steps=3)
     assert [(r.status, r.detail) for r in rows] == [(MATCH, "")]
 
 
