@@ -28,6 +28,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 WRONG_RULES = str(FIXTURES / "wrong_norm_rules.py")
 MUTANTS = str(FIXTURES / "pipeline_mutants.py")
 UNSYNCED = str(FIXTURES / "replicas_unsynced.py")
+FORCED = str(FIXTURES / "force_localize.py")
 
 
 def _row(gang, model, policy, world, modules, **cfg):
@@ -97,6 +98,18 @@ def test_a_pipeline_whose_stages_match_alone_says_the_fault_lies_between_them(mu
     # the GPipe mutant scales each micro-batch's loss as the whole batch's: every stage program is right
     row = _row(mutant_gang, "nanogpt", "pp_gpipe", 2, (MUTANTS, UNSYNCED))
     assert row.status == MISMATCH and BETWEEN_STAGES in row.detail, row.detail
+
+
+@pytest.fixture(scope="module")
+def forced_gang(registry):  # every model case fails one extra check: correct programs get localised
+    with Gang(2, (FORCED,), (2,)) as g:
+        yield g
+
+
+@pytest.mark.parametrize("policy", ["pp_zb", "pp"])  # two stages per rank, one stage per rank
+def test_a_correct_pipeline_names_no_operator(forced_gang, policy):
+    row = _row(forced_gang, "nanogpt", policy, 2, (FORCED,))
+    assert row.status == MISMATCH and row.detail.endswith(BETWEEN_STAGES), row.detail
 
 
 def test_replicas_whose_plan_matches_alone_blame_replica_sync_and_keep_their_options(mutant_gang):

@@ -30,7 +30,8 @@ from .models.loader import file_tag
 from .pipeline_case import pipeline_microbatches
 from .samples import DTYPES
 
-BETWEEN_STAGES = "every stage matches alone: the divergence lies between stages (transfers, schedule, loss scaling)"
+BETWEEN_STAGES = ("every stage matches alone: the divergence lies between stages (transfers, schedule, loss "
+                  "scaling, gradients of parameters shared by stages)")
 
 
 def _cast(args: tuple, dt: torch.dtype) -> tuple:
