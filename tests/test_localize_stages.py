@@ -122,6 +122,15 @@ def test_replicas_whose_plan_matches_alone_blame_replica_sync_and_keep_their_opt
         assert flag in row.rerun, row.rerun
 
 
+def test_a_wrong_operator_in_a_replicated_plan_is_named_on_the_plan_ranks(gang):
+    with tempfile.TemporaryDirectory() as tmp:  # tp splits the softmax's normalised dim: wrong on 2 ranks
+        (row,) = run_replicas(gang, "wrong_softmax_head", ("tp",), RunConfig(world_sizes=(4,)), tmp, 2, steps=1)
+    assert row.status == MISMATCH, row.detail
+    assert ("first divergent operator: row_softmax (" in row.detail
+            and "in the plan alone on 2 of 4 ranks" in row.detail), row.detail
+    assert "alone: python -m verify op wrong_row_softmax --world-size 2 --partition b=2" in row.detail, row.detail
+
+
 def test_replicas_micro_batched_with_small_buckets_train_like_one_device(gang):
     cfg = RunConfig(world_sizes=(2,), microbatches=4)
     with tempfile.TemporaryDirectory() as tmp:
