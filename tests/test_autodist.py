@@ -2,7 +2,6 @@
 budget forces it, clear errors when nothing fits, and programs the harness verifies."""
 from __future__ import annotations
 
-import tempfile
 import warnings
 
 import pytest
@@ -18,7 +17,6 @@ from nnscaler.policies.builtin import batch_identifiers
 from nnscaler.policies.greedy import fused_blocks
 from nnscaler.cost.profiles import get_profile
 from nnscaler.trace.build import trace
-from verify.cases import MATCH, RunConfig, run_model
 from verify.models.builders import MODELS
 from verify.models.nanogpt import GPT, GPTConfig
 
@@ -134,12 +132,10 @@ def test_repeated_layers_share_variables():
 
 
 @pytest.mark.parametrize("name, worlds", [("nanogpt", (2, 4)), ("llama", (2, 4))])
-def test_searched_plans_under_a_budget_verify(gang, name, worlds):
+def test_searched_plans_under_a_budget_verify(verify_model, name, worlds):
     if name not in MODELS:
         pytest.skip("needs transformers")
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = list(run_model(gang, name, ("autodist_tight",), RunConfig(world_sizes=worlds), tmp, steps=2))
-    assert [(r.world_size, r.status, r.detail) for r in rows if r.status != MATCH] == []
+    assert len(verify_model(name, policies=["autodist_tight"], world_sizes=list(worlds), steps=2)) == len(worlds)
 
 
 def test_a_model_with_no_annotated_operator_gets_the_whole_model_plan_not_a_solver_status():

@@ -2,32 +2,30 @@
 (``t[..., 0] = scalar``), custom ``autograd.Function``s, and ``register_op`` on plain functions."""
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 
-from verify.cases import MATCH, RunConfig, run_model
+from verify.cases import MATCH
 from verify.models.builders import MODELS
 
 
-def _rows(gang, name, policies, world_sizes=(2,), steps=2):
-    with tempfile.TemporaryDirectory() as tmp:
-        return [(r.world_size, r.partition, r.status, r.detail)
-                for r in run_model(gang, name, policies, RunConfig(world_sizes=world_sizes), tmp, steps=steps)]
+def _rows(verify_model, name, policies, world_sizes=(2,), steps=2):
+    """Through the plugin: one subtest per (world size, policy, seed), each failing on a mismatch."""
+    return [(r.world_size, r.partition, r.status, r.detail)
+            for r in verify_model(name, policies=list(policies), world_sizes=list(world_sizes), steps=steps)]
 
 
-def test_a_scalar_written_into_a_slice_compiles_and_matches_under_every_policy(gang):
-    rows = _rows(gang, "lifted_constant", ("dp", "tp", "hybrid", "random"), (2, 4))
+def test_a_scalar_written_into_a_slice_compiles_and_matches_under_every_policy(verify_model):
+    rows = _rows(verify_model, "lifted_constant", ("dp", "tp", "hybrid", "random"), (2, 4))
     assert [r for r in rows if r[2] != MATCH] == [] and len(rows) == 8
 
 
-def test_t5_with_labels_compiles_and_matches_under_every_policy(gang):
+def test_t5_with_labels_compiles_and_matches_under_every_policy(verify_model):
     pytest.importorskip("transformers")
-    rows = _rows(gang, "t5_labels", ("dp", "tp", "hybrid", "random"), steps=1)
+    rows = _rows(verify_model, "t5_labels", ("dp", "tp", "hybrid", "random"), steps=1)
     assert [r for r in rows if r[2] != MATCH] == [] and len(rows) == 4
 
 
-def test_registered_autograd_functions_and_functions_stay_one_operator_and_match(gang):
+def test_registered_autograd_functions_and_functions_stay_one_operator_and_match(verify_model):
     import opzoo  # noqa: F401
     from nnscaler.trace.build import trace
     case = MODELS["custom_backward"](0)
@@ -35,7 +33,7 @@ def test_registered_autograd_functions_and_functions_stay_one_operator_and_match
     assert {"nnscaler_user.test_ste_round.default", "nnscaler_user.test_clipped_tanh.default",
             "nnscaler_user.test_scaled_gelu.default"} <= set(ops)
     assert "aten.round.default" not in ops and "aten.tanh.default" not in ops  # not inlined
-    rows = _rows(gang, "custom_backward", ("dp", "tp", "hybrid", "random"))
+    rows = _rows(verify_model, "custom_backward", ("dp", "tp", "hybrid", "random"))
     assert [r for r in rows if r[2] != MATCH] == [] and len(rows) == 4
 
 

@@ -4,6 +4,9 @@ nanoGPT, Llama and a user's model, and a wrong collective injected into the runt
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -19,6 +22,7 @@ from verify.models.builders import MODELS
 from verify.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).parent.parent
 WRONG_RULES = str(FIXTURES / "wrong_norm_rules.py")
 WRONG_COLLECTIVE = str(FIXTURES / "wrong_collective.py")
 
@@ -81,6 +85,32 @@ def test_a_wrong_annotation_inside_a_model_is_named(wrong_rules_gang, model, ove
     assert found, row.detail
     assert found.group(1) == culprit.name and found.group(2).startswith(culprit.overload), (row.detail, culprit)
     assert culprit.source and culprit.source in row.detail  # the model's own line
+    if model == "nanogpt":  # the printed command reruns that very operator alone, at the model's shapes
+        _rerun_reproduces(row.detail, culprit.name, seed)
+
+
+def _rerun_reproduces(detail: str, node: str, seed: int) -> None:
+    """The ``alone:`` command fails (exit 1, MISMATCH) under the wrong rules; the same node under the
+    right annotation (no --module, every partition it admits) passes."""
+    found = re.search(r"; alone: (python -m verify op .*)$", detail)
+    assert found, detail
+    argv = shlex.split(found.group(1))
+    assert ["--model", "nanogpt", "--node", node] == argv[4:8], argv
+    assert all(f in argv for f in ("--partition", "--world-size", "--dtype", "--seed", "--module")), argv
+    assert argv[argv.index("--seed") + 1] == str(seed) and argv[argv.index("--module") + 1] == WRONG_RULES, argv
+    wrong = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert wrong.returncode == 1 and "MISMATCH" in wrong.stdout, wrong.stdout[-2000:] + wrong.stderr[-2000:]
+    cut = argv.index("--module")
+    right = [a for i, a in enumerate(argv[1:cut], 1) if a != "--partition" and argv[i - 1] != "--partition"]
+    ok = subprocess.run([sys.executable, *right], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert ok.returncode == 0 and "MISMATCH" not in ok.stdout, ok.stdout[-2000:] + ok.stderr[-2000:]
+
+
+def test_verify_op_of_a_model_node_refuses_unknown_nodes():
+    r = subprocess.run([sys.executable, "-m", "verify", "op", "--model", "nanogpt", "--node", "linar_3"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "no operator 'linar_3'; closest: linear_3" in r.stderr, r.stderr
 
 
 def test_a_wrong_collective_is_named_at_the_operator_that_consumes_it():

@@ -182,10 +182,7 @@ def test_the_cli_takes_micro_batches_and_refuses_bad_counts(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["dp", "tp"])
 @pytest.mark.parametrize("name", sorted(n for n, b in MODELS.items() if b.__module__.startswith("verify.models")))
-def test_every_model_trains_with_four_micro_batches_like_one_device(gang, name, policy):
+def test_every_model_trains_with_four_micro_batches_like_one_device(verify_model, name, policy):
     """The micro-batch sweep of ``verify all``: M=4 under dp and tp at W=2 and 4, every built-in model."""
-    from verify.cases import RunConfig, run_model
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = list(run_model(gang, name, (policy,), RunConfig(world_sizes=(2, 4), microbatches=4), tmp, steps=3))
-    assert len(rows) == 2
-    assert [(r.world_size, r.status, r.detail) for r in rows if r.status != MATCH] == []
+    rows = verify_model(name, policies=[policy], world_sizes=[2, 4], steps=3, microbatches=4)
+    assert [(r.world_size, r.partition) for r in rows] == [(2, f"{policy} mb4"), (4, f"{policy} mb4")]

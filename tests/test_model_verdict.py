@@ -124,11 +124,10 @@ def test_a_small_bucket_size_spreads_the_gradients_over_several_buckets():
                                                ("bucketed_mlp", "dp", 4), ("weightnorm_mlp", "tp", 4),
                                                ("padded_gpt", "dp", 4), ("gpt2_v96", "tp", 2), ("vit@128", "tp", 2),
                                                ("conv1d_net@32", "dp", 4)])
-def test_correct_programs_match_across_widths_and_seeds(gang, name, policy, world):
+def test_correct_programs_match_across_widths_and_seeds(verify_model, name, policy, world):
     if name.startswith(("gpt2", "vit")) and not _has_transformers():
         pytest.skip("needs transformers")
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = list(run_model(gang, name, (policy,), RunConfig(world_sizes=(world,), seeds=(3,)), tmp, steps=3))
+    rows = verify_model(name, policies=[policy], world_sizes=[world], seeds=[3], steps=3)
     assert [(r.status, r.detail) for r in rows] == [(MATCH, "")]
 
 

@@ -10,7 +10,7 @@ import pytest
 from nnscaler.codegen.emit import generate
 from nnscaler.policies import POLICIES, ComputeConfig, Plan, PlanError, validate
 from nnscaler.trace.build import UnknownOperatorWarning, trace
-from verify.cases import MATCH, MISMATCH, RunConfig, run_model
+from verify.cases import MISMATCH, RunConfig, run_model
 from verify.models.builders import MODELS
 
 CFG = RunConfig(world_sizes=(2, 4))
@@ -18,13 +18,13 @@ CFG = RunConfig(world_sizes=(2, 4))
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("name", ["nanogpt", "transformer_encoder", "llama", "gpt2", "bert"])
-def test_model_trains_like_on_one_device(gang, name, policy):
+def test_model_trains_like_on_one_device(verify_model, name, policy):
+    """Through the pytest plugin, as a user's suite runs it: one subtest per (world size, policy, seed),
+    a failing one carrying the tolerance message and the rerun line."""
     if name not in MODELS:
         pytest.skip(f"{name} needs transformers (pip install -e '.[models]')")
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = list(run_model(gang, name, (policy,), CFG, tmp, steps=3))
-    assert len(rows) == 2
-    assert [(r.world_size, r.status, r.detail) for r in rows if r.status != MATCH] == []
+    rows = verify_model(name, policies=[policy], world_sizes=CFG.world_sizes, steps=3)
+    assert [(r.world_size, r.partition) for r in rows] == [(w, policy) for w in CFG.world_sizes]
 
 
 def test_a_wrong_annotation_inside_a_model_is_caught(gang, registry):

@@ -28,6 +28,9 @@ def test_my_wrong_matmul(verify_op):
 
 def test_user_model(verify_model):
     verify_model("user_model.py:build", policies=["dp"])
+
+def test_wrong_model(verify_model):
+    verify_model("wrong_model.py:wrong_softmax_head", policies=["tp"], steps=1)
 '''
 
 
@@ -38,7 +41,8 @@ def _plugin_args() -> list[str]:
 
 def test_user_suite_reports_one_subtest_per_row(pytester):
     pytester.makepyfile(test_user=USER_TESTS)
-    shutil.copy(Path(__file__).parent / "fixtures" / "user_model.py", pytester.path / "user_model.py")
+    for f in ("user_model.py", "wrong_model.py"):
+        shutil.copy(Path(__file__).parent / "fixtures" / f, pytester.path / f)
     result = pytester.runpytest_subprocess(*_plugin_args(), "--verify-world-size", "2", "-p", "no:cacheprovider",
                                            "-W", "ignore::UserWarning", timeout=600)
     out = result.stdout.str()
@@ -47,6 +51,9 @@ def test_user_suite_reports_one_subtest_per_row(pytester):
     assert "SUBFAILED[W=2 k=2 seed=0] test_user.py::test_my_wrong_matmul" in summary, out[-3000:]
     assert "rerun: python -m verify op my_wrong_matmul --world-size 2 --partition k=2" in out, out[-3000:]
     assert "W=2 m=2" not in summary and "W=2 replicate" not in summary, summary
+    # a model that mismatches fails its subtest, naming the divergent operator and the rerun line
+    assert "SUBFAILED[W=2 tp seed=0] test_user.py::test_wrong_model" in summary, out[-3000:]
+    assert "first divergent operator: row_softmax" in out and "rerun: python -m verify model" in out, out[-3000:]
     # the right matmul and the user's model pass
     assert "test_my_matmul" not in summary and "test_user_model" not in summary, summary
     assert result.parseoutcomes().get("passed") == 2, summary

@@ -5,7 +5,6 @@ and the programs train like one device."""
 from __future__ import annotations
 
 import math
-import tempfile
 import warnings
 from collections import Counter
 
@@ -20,7 +19,6 @@ from nnscaler.dimops.partition import Partition, check_partition, op_layout
 from nnscaler.policies import POLICIES, ComputeConfig
 from nnscaler.policies.tp_check import collectives, sharded_fraction
 from nnscaler.trace.build import UnknownOperatorWarning, trace
-from verify.cases import MATCH, RunConfig, run_model
 from verify.models.builders import MODELS
 from verify.models.megatron import TP_MODELS
 
@@ -141,9 +139,7 @@ def test_a_factor_after_fixed_counts_splits_in_blocks():
                                                ("tp_nanogpt", "tp_sp", 2), ("tp_llama", "tp_sp", 2),
                                                ("tp_nanogpt", "hybrid", 4), ("tp_nanogpt", "tp_sp", 4),
                                                ("tp_nanogpt", "hybrid_sp", 4), ("tp_llama", "hybrid_sp", 4)])
-def test_tp_programs_train_like_one_device(gang, name, policy, world):
+def test_tp_programs_train_like_one_device(verify_model, name, policy, world):
     if name not in MODELS:
         pytest.skip(f"{name} needs transformers (pip install -e '.[models]')")
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = list(run_model(gang, name, (policy,), RunConfig(world_sizes=(world,)), tmp, steps=2))
-    assert [(r.world_size, r.status, r.detail) for r in rows if r.status != MATCH] == []
+    assert len(verify_model(name, policies=[policy], world_sizes=[world], steps=2)) == 1

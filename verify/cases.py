@@ -39,6 +39,7 @@ class RunConfig:
     partition: str | None = None
     base_override: int | None = None
     microbatches: int = 1  # whole-model cases: micro-batches per training step (1: plain forward/backward)
+    node: tuple[str, str] | None = None  # (model, operator): verify that traced operator (verify op --model --node)
 
     def limit_s(self, kind: str = "op", steps: int = 1) -> float:
         """The time limit of one case: ``timeout_s`` for an operator case; a model case traces,
@@ -54,11 +55,22 @@ class RunConfig:
         """Splittable lengths are multiples of this (the lcm of the world sizes unless overridden)."""
         return self.base_override or split_base(self.world_sizes)
 
-    def command(self, kind: str, name: str, flags: Sequence[tuple[str, object]]) -> str:
-        """The one place a rerun command is assembled: ``python -m verify KIND NAME`` with ``flags`` in
-        order (a ``None`` value leaves its flag out), then this run's ``--module`` files. A setting
-        that decides a row is one more ``(flag, value)`` pair in :meth:`rerun` or :meth:`rerun_model`."""
-        parts = ["python", "-m", "verify", kind, name]
+    def job(self, spec: OpSpec) -> dict:
+        """What names the operator in a rank job: a registered name, or a model's traced node."""
+        if self.node is None:
+            return {"op": spec.name}
+        return {"op": self.node[1], "model": self.node[0]}
+
+    def row_name(self, spec: OpSpec) -> str:
+        """The op column of a row: the registered name, or ``MODEL:NODE``."""
+        return spec.name if self.node is None else f"{self.node[0]}:{self.node[1]}"
+
+    def command(self, kind: str, name: str | None, flags: Sequence[tuple[str, object]]) -> str:
+        """The one place a rerun command is assembled: ``python -m verify KIND NAME`` (no ``NAME`` when
+        ``None``) with ``flags`` in order (a ``None`` value leaves its flag out), then this run's
+        ``--module`` files. A setting that decides a row is one more ``(flag, value)`` pair in
+        :meth:`rerun` or :meth:`rerun_model`."""
+        parts = ["python", "-m", "verify", kind] + ([] if name is None else [name])
         for flag, value in flags:
             if value is not None:
                 parts += [flag, str(value)]
@@ -67,7 +79,11 @@ class RunConfig:
         return " ".join(shlex.quote(p) for p in parts)
 
     def rerun(self, op: str, world_size: int, partition: str, seed: int) -> str:
-        """The command that reruns one row alone."""
+        """The command that reruns one row alone (an operator of a model: ``--model M --node N``)."""
+        if self.node is not None:
+            return self.command("op", None, [
+                ("--model", self.node[0]), ("--node", self.node[1]), ("--world-size", world_size),
+                ("--partition", partition), ("--seed", seed), ("--dtype", self.dtype)])
         return self.command("op", op, [
             ("--world-size", world_size), ("--partition", partition), ("--seed", seed), ("--dtype", self.dtype),
             ("--base", None if split_base([world_size]) == self.base else self.base)])
@@ -189,6 +205,8 @@ def judge(answers: list[RankAnswer], expected: list[str] | None = None, modules=
         where = answers[0].result.get("divergence")
         if where:
             detail += "; " + Divergence(**where).describe(modules)
+        elif answers[0].result.get("divergence_note"):
+            detail += "; " + answers[0].result["divergence_note"]
         elif answers[0].result.get("divergence_error"):
             detail += f"; no operator localised ({answers[0].result['divergence_error']})"
         return MISMATCH, detail, checks, ""
@@ -199,7 +217,7 @@ def judge(answers: list[RankAnswer], expected: list[str] | None = None, modules=
 
 def plan_op(gang: Gang, spec: OpSpec, cfg: RunConfig, seed: int) -> tuple[dict[int, list[str]] | None, Row | None]:
     """The partitions to run per world size (computed on rank 0), or an error row for the op."""
-    job = {"kind": "plan", "op": spec.name, "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
+    job = {"kind": "plan", **cfg.job(spec), "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
            "world_sizes": list(cfg.world_sizes), "partition": cfg.partition}
     (answer,) = gang.run(job, 1, cfg.timeout_s)
     call_error = answer.result and answer.result.get("error_type") == "TypeError" and \
@@ -210,7 +228,7 @@ def plan_op(gang: Gang, spec: OpSpec, cfg: RunConfig, seed: int) -> tuple[dict[i
                        + ("; the annotation must name one input per argument" if call_error else ""))
     if answer.failure or answer.result.get("error"):
         status, detail, _, tb = judge([answer])
-        return None, Row(spec.name, spec.family, spec.annotation, 0, "sampling", cfg.dtype, seed, status,
+        return None, Row(cfg.row_name(spec), spec.family, spec.annotation, 0, "sampling", cfg.dtype, seed, status,
                          detail=f"sampling failed: {detail}", rerun=cfg.rerun(spec.name, max(cfg.world_sizes), "replicate", seed),
                          traceback=tb)
     empty = sorted(k for k, n in answer.result["sizes"].items() if n == 0)
@@ -258,16 +276,17 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
         if failed:
             yield failed
             continue
+        name = cfg.row_name(spec)
         for w in cfg.world_sizes:
             for label in plans[w]:
-                if (spec.name, w, label, cfg.dtype, seed) in skip:
+                if (name, w, label, cfg.dtype, seed) in skip:
                     continue
                 start = time.perf_counter()
-                job = {"kind": "case", "op": spec.name, "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
+                job = {"kind": "case", **cfg.job(spec), "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
                        "world_size": w, "partition": label}
                 status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("op")))
                 out, grad = _worst(checks, "output"), _worst(checks, "grad")
-                yield Row(spec.name, spec.family, spec.annotation, w, label, cfg.dtype, seed, status,
+                yield Row(name, spec.family, spec.annotation, w, label, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else cfg.rerun(spec.name, w, label, seed),
                           time.perf_counter() - start, tb)

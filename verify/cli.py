@@ -28,6 +28,7 @@ from .lint import lint
 from .model_case import PolicyFileError, resolve_policy
 from .pipeline_case import PIPELINE_MICROBATCHES, PIPELINE_MODELS, PIPELINE_POLICIES, SWEPT, check_pipeline_input
 from .model_coverage import replicated_lines
+from .node_case import UnknownNode, model_graph, node_op
 from .models.builders import MODELS, known_model
 from .models.loader import ModelNotFound, check_builder, is_file_reference
 from .gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
@@ -96,8 +97,14 @@ def _common(p: argparse.ArgumentParser, run: bool = True) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m verify", description="Verify partitioned operators on real ranks.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p_op = sub.add_parser("op", help="verify one operator under every partition it admits")
-    p_op.add_argument("name")
+    p_op = sub.add_parser("op", help="verify one operator under every partition it admits",
+                          description="Verify a registered operator NAME, or (--model M --node N) the operator N of "
+                                      "model M as traced on its step-0 batch in --dtype with --seed: its annotation, "
+                                      "lengths and arguments there. Localised model rows print the second form.")
+    p_op.add_argument("name", nargs="?", help="a registered operator (see 'list'); leave out with --model")
+    p_op.add_argument("--model", default=None, metavar="MODEL",
+                      help="a model (built-in, NAME@WIDTH or FILE.py:BUILDER) whose traced operator --node to verify")
+    p_op.add_argument("--node", default=None, metavar="NODE", help="the operator's name in the traced model (linear_3)")
     _common(p_op)
     p_op.add_argument("--partition", default=None, metavar="SPEC", help="only this partition, e.g. 'm=2,k=2'")
     p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
@@ -227,22 +234,55 @@ def _write_reports(writer: ReportWriter | None, rows) -> None:
     writer.close()
 
 
+def _check_model(name: str) -> None:
+    """A model reference that names a builder (exit 2 otherwise, before any rank starts)."""
+    if is_file_reference(name):
+        try:
+            check_builder(name)  # exists, returns a case, its batch fits: before any rank starts
+        except ModelNotFound as exc:
+            raise UsageError(str(exc)) from None
+    elif not known_model(name):
+        raise UsageError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))} (or NAME@WIDTH, or "
+                         f"FILE.py:BUILDER where BUILDER(seed) returns a ModelCase or (model, batch_fn))")
+
+
+def _node_spec(args, cfg: RunConfig):
+    """``op --model M --node N``: the traced operator's spec and a line saying what it is."""
+    if args.name is not None:
+        raise UsageError(f"give an operator NAME or --model MODEL --node NODE, not both (got {args.name!r} and --model)")
+    if args.node is None:
+        raise UsageError("--model needs --node NODE, the operator's name in the traced model")
+    _check_model(args.model)
+    try:
+        op = node_op(model_graph(args.model, cfg.seeds[0], cfg.dtype), args.model, args.node)
+    except UnknownNode as exc:
+        raise UsageError(str(exc)) from None
+    return op.spec, f"{args.model}:{args.node} ({op.overload}{', ' + op.source if op.source else ''})"
+
+
 def cmd_op(args) -> int:
     reg = _load(args.module)
-    spec = reg.get(args.name)
     cfg = _config(args)
+    if args.model is not None:
+        cfg = replace(cfg, node=(args.model, args.node or ""))
+        spec, what = _node_spec(args, cfg)
+    elif args.name is None or args.node is not None:
+        raise UsageError("give an operator NAME, or --model MODEL --node NODE")
+    else:
+        spec = reg.get(args.name)
+        what = spec.name
+        for finding in lint([spec]):  # before any rank runs: the likely mistake, with its fix
+            if finding.kind != "failed":  # a function that cannot run at all is bad input, said below in one line
+                print(f"verify: warning: {finding}", file=sys.stderr)
     _json_target(args.json)
-    for finding in lint([spec]):  # before any rank runs: the likely mistake, with its fix
-        if finding.kind != "failed":  # a function that cannot run at all is bad input, said below in one line
-            print(f"verify: warning: {finding}", file=sys.stderr)
     writer = None if args.reports is None else ReportWriter(args.reports, cfg)  # refuses an unwritable directory
-    print(f"verifying {spec.name} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
+    print(f"verifying {what} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
           f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     rows = []
     with _gang(cfg, args) as gang, RunProgress(len(cfg.world_sizes)) as progress:
         preflight(gang, [spec], cfg)
         for w in cfg.world_sizes:  # one progress item per world size, at the lengths of the whole run
-            label = f"{spec.name} W={w}"
+            label = f"{cfg.row_name(spec)} W={w}"
             progress.start(label)
             new = list(run_op(gang, spec, replace(cfg, world_sizes=(w,), base_override=cfg.base)))
             progress.done(label, new)
@@ -274,14 +314,7 @@ def _policies(specs: Sequence[str]) -> tuple[str, ...]:
 
 def cmd_model(args) -> int:
     _load(args.module)
-    if is_file_reference(args.name):
-        try:
-            check_builder(args.name)  # exists, returns a case, its batch fits: before any rank starts
-        except ModelNotFound as exc:
-            raise UsageError(str(exc)) from None
-    elif not known_model(args.name):
-        raise UsageError(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))} (or NAME@WIDTH, or "
-                         f"FILE.py:BUILDER where BUILDER(seed) returns a ModelCase or (model, batch_fn))")
+    _check_model(args.name)
     policies = _policies(args.policy)
     cfg = _config(args)
     try:  # a pipeline the model cannot be cut into, or a batch that does not divide: before any rank starts
@@ -305,7 +338,7 @@ def cmd_model(args) -> int:
             progress.start(label)
             if args.replicas > 1:
                 new = list(run_replicas(gang, args.name, (policy,), cfg, args.gen_dir or tmp, args.replicas,
-                                        args.steps))
+                                        args.steps, bucket_bytes=args.bucket_bytes))
             else:
                 new = list(run_model(gang, args.name, (policy,), cfg, args.gen_dir or tmp, args.steps,
                                      bucket_bytes=args.bucket_bytes))

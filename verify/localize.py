@@ -36,6 +36,7 @@ from nnscaler.runtime.mesh import RankMesh
 
 from .models.loader import file_tag
 from .compare import check_tensor
+from .plan_check import op_partition
 from .models.builders import build_model
 from .samples import DTYPES
 
@@ -51,12 +52,14 @@ class Divergence:
     direction: str  # "forward" (its output) | "backward" (its output's gradient)
     err: float
     tol: float
-    rerun: str = ""  # python -m verify op NAME --partition ... (registered operators only)
+    rerun: str = ""  # python -m verify op ... --partition ... that runs this operator alone (annotated ones)
+    where: str = ""  # the program it was found in, when not the case's own (``stage 1 of 2 (ranks 2-3)``)
 
     def describe(self, modules=()) -> str:
         """One line for the report; ``modules`` are the ``--module`` files the op's rerun needs."""
         what = "output" if self.direction == "forward" else "gradient of its output"
-        text = (f"first divergent operator: {self.op} ({self.overload}) [{self.partition}], {what} error "
+        text = (f"first divergent operator: {self.op} ({self.overload}) [{self.partition}]"
+                + (f" in {self.where}" if self.where else "") + f", {what} error "
                 f"{self.err:.3g} > tolerance {self.tol:.3g}")
         if self.source:
             text += f" at {self.source}"
@@ -125,7 +128,8 @@ def _run(program, state: dict, groups, args: tuple) -> _Recorder:
     return rec
 
 
-def _single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch.dtype | None) -> _Recorder:
+def single_program(graph: IRGraph, model: torch.nn.Module, dtype: torch.dtype | None = None):
+    """``graph`` generated for one device (instrumented) and its state, in ``dtype`` (``None``: as traced)."""
     plan = Plan((1,), ("r",), {op.name: replicated((1,)) for op in graph.ops if op.known}, policy="single")
     source, _, _ = generate(graph, plan, 0, probe=True)
     if dtype == torch.float64:  # the float64 reference of the same graph: its dtype literals follow
@@ -137,64 +141,91 @@ def _single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: t
     if dtype is not None:
         state = {k: (v.detach().to(dtype).requires_grad_(v.requires_grad) if v.is_floating_point() else v)
                  for k, v in state.items()}
+    return program, state
+
+
+def single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch.dtype | None) -> _Recorder:
+    """Every output and output gradient of ``graph`` run on one device on ``args``, in ``dtype``."""
+    program, state = single_program(graph, model, dtype)
+    if dtype is not None:
         args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
     return _run(program, state, (None,), args)
 
 
-def first_divergence(pm: ParallelModule, model: torch.nn.Module, args: tuple, world_size: int) -> Divergence | None:
-    """Run ``pm``'s plan instrumented on ``args`` (every rank of the plan calls this) and compare
-    each operator with the single-device run of the same graph; ``None`` if none diverges."""
-    graph, plan = pm.graph, pm.plan
-    mesh: RankMesh = pm._mesh
+def rerun_command(op, plan: Plan, world_size: int, model: str, seed: int, dtype: str) -> str:
+    """``verify op`` for ``op`` alone under its plan partition (``--module`` files are the caller's):
+    a registered operator by name, at its sample lengths; any other annotated operator as node
+    ``op.name`` of ``model`` traced in ``dtype`` with ``seed`` (:mod:`verify.node_case`)."""
+    if not op.known:
+        return ""
+    registered = op.spec.name in DEFAULT_REGISTRY and DEFAULT_REGISTRY.get(op.spec.name) is op.spec
+    what = [op.spec.name] if registered or not model else ["--model", model, "--node", op.name]
+    return " ".join(shlex.quote(p) for p in ["python", "-m", "verify", "op", *what, "--world-size", str(world_size),
+                                             "--partition", op_partition(plan, op).label, "--seed", str(seed),
+                                             "--dtype", dtype])
+
+
+def probed_program(graph: IRGraph, plan: Plan, mesh: RankMesh, model: torch.nn.Module):
+    """This rank's instrumented program of ``plan`` and its local state (the model's tensors)."""
     rank = mesh.rank - mesh.offset
     source, _, _ = generate(graph, plan, rank, probe=True)
     program = _import_source(source, f"rank{rank}")
     probed = ParallelModule(program, {**graph.constants, **dict(model.named_buffers()),
                                       **dict(model.named_parameters())}, mesh,
                             {n for n, _ in model.named_parameters()})
-    par = _run(program, probed._local(), mesh.groups, args)
-    dev, ref = _single_device(graph, model, args, None), _single_device(graph, model, args, torch.float64)
-    ops = {op.name: op for op in graph.ops}
+    return program, probed._local()
+
+
+def first_bad(par: _Recorder, dev: _Recorder, ref: _Recorder, groups) -> tuple[str, str, Any] | None:
+    """``(op, direction, check)`` of the first tensor of ``par`` (a run on ranks whose mesh groups are
+    ``groups``; every one of them calls this) that leaves tolerance against the single-device runs
+    ``dev`` and ``ref``: outputs in program order, then gradients latest first."""
     scale = max((float(g.abs().max()) for g in ref.grads.values() if g.numel()), default=0.0)
 
-    def check(op_name, name, layout, direction):
+    def check(name, layout, direction):
         if direction == "forward":
-            whole = _whole(par.values[name], layout, mesh.groups, grad=False)
+            whole = _whole(par.values[name], layout, groups, grad=False)
             return check_tensor(name, whole, dev.values.get(name), ref.values.get(name))
         g = par.grads.get(name)
-        whole = None if g is None else _whole(g, layout, mesh.groups, grad=True)
+        whole = None if g is None else _whole(g, layout, groups, grad=True)
         return check_tensor(name, whole, dev.grads.get(name), ref.grads.get(name), scale=scale)
 
     found = None
     for op_name, name, layout in par.order:  # every rank gathers every tensor, in the same order
-        c = check(op_name, name, layout, "forward")
+        c = check(name, layout, "forward")
         if found is None and not c.ok:
             found = (op_name, "forward", c)
     if found is None:
         for op_name, name, layout in reversed(par.order):
-            c = check(op_name, name, layout, "backward")
+            c = check(name, layout, "backward")
             if found is None and not c.ok:
                 found = (op_name, "backward", c)
-    if found is None:
-        return None
+    return found
+
+
+def divergence(graph: IRGraph, plan: Plan, found: tuple[str, str, Any], world_size: int, model_ref: str = "",
+               seed: int = 0, dtype: str = "float32", where: str = "") -> Divergence:
+    """The :class:`Divergence` of ``first_bad``'s answer for ``plan`` on ``world_size`` ranks."""
     op_name, direction, c = found
-    op = ops[op_name]
+    op = next(o for o in graph.ops if o.name == op_name)
     label = plan.partition(op).label if op.known else "replicate (no annotation)"
-    rerun = ""
-    if op.known and op.spec.name in DEFAULT_REGISTRY and DEFAULT_REGISTRY.get(op.spec.name) is op.spec:
-        op_label = _op_partition(plan, op)
-        rerun = " ".join(shlex.quote(p) for p in ["python", "-m", "verify", "op", op.spec.name, "--world-size",
-                                                  str(world_size), "--partition", op_label])
+    rerun = rerun_command(op, plan, world_size, model_ref, seed, dtype)
     name = op.spec.name if op.known else op.overload
     return Divergence(op_name, name if name == op.overload else f"{op.overload}, registered as {name}", op.source,
-                      label, direction, c.err if math.isfinite(c.err) else float("inf"), c.tol, rerun)
+                      label, direction, c.err if math.isfinite(c.err) else float("inf"), c.tol, rerun, where)
 
 
-def _op_partition(plan: Plan, op) -> str:
-    """The op's plan partition as ``verify op --partition`` writes it (split axes only)."""
-    p = plan.partition(op)
-    named = [(i, f) for i, f in p.splits if i is not None]
-    return ",".join(f"{i}={f}" for i, f in named) or "replicate"
+def first_divergence(pm: ParallelModule, model: torch.nn.Module, args: tuple, world_size: int, model_ref: str = "",
+                     seed: int = 0, dtype: str = "float32") -> Divergence | None:
+    """Run ``pm``'s plan instrumented on ``args`` (every rank of the plan calls this) and compare
+    each operator with the single-device run of the same graph; ``None`` if none diverges.
+    ``model_ref``, ``seed`` and ``dtype`` name the traced model for the culprit's rerun command."""
+    graph, plan, mesh = pm.graph, pm.plan, pm._mesh
+    program, local = probed_program(graph, plan, mesh, model)
+    par = _run(program, local, mesh.groups, args)
+    dev, ref = single_device(graph, model, args, None), single_device(graph, model, args, torch.float64)
+    found = first_bad(par, dev, ref, mesh.groups)
+    return None if found is None else divergence(graph, plan, found, world_size, model_ref, seed, dtype)
 
 
 def as_dict(d: Divergence | None) -> dict | None:
@@ -216,4 +247,4 @@ def localize_model_case(name: str, policy: str, world_size: int, seed: int, grou
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(copy.deepcopy(model), args, resolve_policy(policy), config, groups=groups, verify=False,
                          gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}")
-    return first_divergence(pm, model, args, world_size)
+    return first_divergence(pm, model, args, world_size, name, seed, dtype)

@@ -69,7 +69,7 @@ class Pair:
     full_key: str
 
 
-def _op_partition(plan: Plan, op: IROp) -> Partition:
+def op_partition(plan: Plan, op: IROp) -> Partition:
     p = plan.partition(op)  # the replication axis carries no split, its place does not change a verdict
     return Partition(tuple((i, f) for i, f in p.splits if i is not None), p.world_size, p.blocks)
 
@@ -121,7 +121,7 @@ def _save_cache(path: Path, cache: dict) -> None:
     tmp.replace(path)
 
 
-def _sample(op: IROp, bound: BoundAnno, seed: int) -> tuple[Sample, tuple]:
+def op_sample(op: IROp, bound: BoundAnno, seed: int) -> tuple[Sample, tuple]:
     """Inputs at ``bound``'s lengths in the op's traced dtypes (constraints of the spec honoured),
     and the op's outputs on them."""
     spec = op.spec
@@ -145,7 +145,7 @@ def plan_pairs(graph: IRGraph, plan: Plan, dtype: str, reduce: bool = True) -> d
     out: dict[str, Pair] = {}
     for op in graph.ops:
         if op.known:
-            part = _op_partition(plan, op)
+            part = op_partition(plan, op)
             small = reduced_bound(op.spec, op.bound, part) if reduce else None
             full = pair_key(op, part, dtype)
             key = full if small is None else pair_key(op, part, dtype, small.sizes)
@@ -168,7 +168,7 @@ def _run_pair(pair: Pair, rank: int, groups: GroupCache, seed: int, cache: dict)
     key, sample = pair.full_key, None
     if pair.small is not None and not cache.get(pair.key, {}).get("unfit"):
         try:
-            small, outs = _sample(op, pair.small, seed)
+            small, outs = op_sample(op, pair.small, seed)
             if fits(pair.small, outs):
                 key, sample = pair.key, small
         except Exception:  # noqa: BLE001  (an op that cannot run reduced is verified at its traced lengths)
@@ -177,7 +177,7 @@ def _run_pair(pair: Pair, rank: int, groups: GroupCache, seed: int, cache: dict)
             cache[pair.key] = {"unfit": True, "spec": op.spec.name}
     try:
         if sample is None:
-            sample, _ = _sample(op, op.bound, seed)
+            sample, _ = op_sample(op, op.bound, seed)
         device = torch.device("cpu")
         ref = rank_case.reference(sample, device)
         mesh = RankMesh.build(part.mesh_shape, rank, groups)

@@ -8,8 +8,8 @@ Fixtures:
   verifies a registered operator (its name, or the function given to ``register_op``) under every
   partition it admits: one subtest per (world size, partition, seed).
 * ``verify_model``: ``verify_model(model, *, policies=("dp", "tp"), world_sizes=None, seeds=(0,),
-  steps=3)`` trains a model (a registered name, ``"file.py:builder"``, or the builder function
-  itself) under each policy: one subtest per (world size, policy, seed).
+  steps=3, dtype="float32", microbatches=1)`` trains a model (a registered name, ``"file.py:builder"``,
+  or the builder function itself) under each policy: one subtest per (world size, policy, seed).
 
 A failing subtest carries the tolerance message and the command that reruns the row alone. The
 file that defines the operator or builder is imported by the ranks too (the gang restarts once to
@@ -132,13 +132,13 @@ def verify_model(verify_gang: GangSession, subtests) -> Callable[..., list[Row]]
     """``verify_model(model, ...)``: train under each policy against one device, one subtest per row."""
 
     def run(model, *, policies: Sequence[str] = ("dp", "tp"), world_sizes: Sequence[int] | None = None,
-            seeds: Sequence[int] = (0,), steps: int = 3) -> list[Row]:
+            seeds: Sequence[int] = (0,), steps: int = 3, dtype: str = "float32", microbatches: int = 1) -> list[Row]:
         if callable(model):
             path = _source_file(model)
             if path is None:
                 raise LookupError(f"cannot find the file that defines {model!r}; pass 'file.py:builder'")
             model = f"{path}:{model.__name__}"  # the ranks import the builder's file themselves
-        cfg = verify_gang.config(world_sizes, seeds=tuple(seeds))
+        cfg = verify_gang.config(world_sizes, seeds=tuple(seeds), dtype=dtype, microbatches=microbatches)
         with tempfile.TemporaryDirectory() as tmp:
             rows = list(run_model(verify_gang.gang, model, tuple(policies), cfg, tmp, steps=steps))
         return _report(subtests, rows, model)

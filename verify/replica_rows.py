@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from typing import Iterator, Sequence
 
-from .cases import MATCH, Row, RunConfig, _worst, judge
+from .cases import MATCH, Row, RunConfig, _worst, judge, model_label
 from .gang import Gang
 from .pipeline_case import PIPELINE_MODELS, pipeline_applies, pipeline_microbatches
 from .replicas_case import expected_replica_checks, replica_label
@@ -32,29 +32,31 @@ def replica_items(models: Sequence[str], world_sizes: Sequence[int]) -> list[tup
 
 
 def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, replicas: int,
-                 steps: int = 3, skip: frozenset | set = frozenset()) -> Iterator[Row]:
+                 steps: int = 3, skip: frozenset | set = frozenset(), bucket_bytes: int | None = None) -> Iterator[Row]:
     """Model ``name`` planned by each policy on ``W / replicas`` ranks and run as ``replicas``
     data-parallel replicas on W ranks, for each world size W of ``cfg`` (a multiple of ``replicas``),
-    seed and ``cfg.dtype``: one row per case, judged against one device (``verify/replicas_case.py``)."""
+    seed and ``cfg.dtype``: one row per case, judged against one device (``verify/replicas_case.py``),
+    with ``cfg.microbatches`` micro-batches per step and gradient-sync buckets of ``bucket_bytes``."""
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
-                label = replica_label(policy, replicas)
+                label = replica_label(model_label(policy, cfg.microbatches), replicas)
                 if ((f"model:{name}", w, label, cfg.dtype, seed) in skip
                         or not pipeline_applies(policy, w // replicas, name, seed)):
                     continue
                 start = time.perf_counter()
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "plan_ngpus": w // replicas,
-                       "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "microbatches": m}
+                       "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype,
+                       "bucket_bytes": bucket_bytes, "microbatches": m}
                 limit = replace(cfg, microbatches=m).limit_s("model", steps)
                 expected = expected_replica_checks(name, steps, seed, policy)
                 status, detail, checks, tb = judge(gang.run(job, w, limit), expected, cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
-                rerun = cfg.rerun_model(name, policy, w, seed, steps) + f" --replicas {replicas}"
+                rerun = cfg.rerun_model(name, policy, w, seed, steps, bucket_bytes) + f" --replicas {replicas}"
                 what = f"{steps} AdamW steps vs one device" if m == 1 else \
                     f"{steps} AdamW steps of {m} micro-batches per replica vs one device on the whole batch"
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed,
                           status, out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
-                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb)
+                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m)

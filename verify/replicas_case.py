@@ -23,6 +23,7 @@ from nnscaler.trace.build import UnknownOperatorWarning
 
 from .models.loader import file_tag
 from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
+from .microbatch_case import loss_fn_of, whole_batch
 from .models.builders import build_model
 from .model_case import resolve_policy
 from .pipeline_case import is_pipeline_policy
@@ -65,9 +66,14 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "") 
 
 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
-                      groups: GroupCache, gen_dir: str, dtype: str = "float32", microbatches: int = 1) -> list[Check]:
-    """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to ``world_size``
-    (a pipeline policy: :mod:`verify.pipeline_replicas`)."""
+                      groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
+                      microbatches: int = 1) -> list[Check]:
+    """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to
+    ``world_size`` (gradient-sync buckets of ``bucket_bytes``, default the model's). With
+    ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
+    trains its share by ``train_step`` in M micro-batches (the loss exact over all replicas), and the
+    reference is one device on the whole batch. A pipeline policy: :mod:`verify.pipeline_replicas`
+    (default buckets)."""
     if is_pipeline_policy(policy):
         return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
                                           microbatches)
@@ -77,12 +83,16 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     ref = copy.deepcopy(case.model)
     replicas, rank = world_size // plan_ngpus, dist.get_rank()
     replica = rank // plan_ngpus
-    config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed)
+    config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=microbatches,
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
+    batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
+    loss_fn = loss_fn_of(case)
+    mb = f"-mb{microbatches}" if microbatches > 1 else ""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(case.model, share(_cast(case.batch(0), dt), replica, replicas), resolve_policy(policy), config,
+        pm = parallelize(case.model, share(_cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
                          groups=groups, verify=False,
-                         gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}")
+                         gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}")
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
@@ -90,23 +100,29 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     checks: list[Check] = []
     fallback = Float64Fallback(dt)
     for step in range(steps):  # judged as every whole-model case is (verify/compare.py)
-        args = _cast(case.batch(step), dt)
+        args = _cast(batch(step), dt)
         shares = [share(args, r, replicas) for r in range(replicas)]
         point = {n: p.detach().clone() for n, p in params.items()}
         pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
         ref64 = copy.deepcopy(ref).double()
-        loss = pm(*shares[replica])
-        loss.backward()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=groups.get(replica_ranks))
-        loss_ref = sum(ref(*a) for a in shares) / replicas  # the data-parallel objective (see above)
+        if microbatches > 1:  # the whole batch's loss over every replica, exactly (train_step's weighting)
+            mean = pm.train_step(*shares[replica], loss_fn=loss_fn)
+            refs = [args]
+        else:
+            loss = pm(*shares[replica])
+            loss.backward()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=groups.get(replica_ranks))
+            mean = mean / replicas
+            refs = shares  # the data-parallel objective (see above)
+        loss_ref = sum(ref(*a) for a in refs) / len(refs)
         loss_ref.backward()
         with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
-            loss64 = sum(ref64(*_cast(a, torch.float64)) for a in shares) / replicas
+            loss64 = sum(ref64(*_cast(a, torch.float64)) for a in refs) / len(refs)
             loss64.backward()
         widen = FALLBACK_WIDEN if fallback.used else 1.0
         kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
-        checks.append(check_tensor(f"loss step {step} (mean over replicas)", mean / replicas, loss_ref.detach(),
+        checks.append(check_tensor(f"loss step {step} (mean over replicas)", mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
         grads, rp64 = pm.whole_grads(), dict(ref64.named_parameters())
         scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)

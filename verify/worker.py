@@ -20,7 +20,10 @@ from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 from . import isolation, rank_case
 from .conversion_case import run_conversion
 from .localize import as_dict, localize_model_case
+from .localize_stages import localize_pipeline_case, localize_replicas_case
+from .pipeline_case import is_pipeline_policy
 from .microbatch_case import run_accumulation_job
+from .node_case import node_sample
 from .model_case import run_model_job
 from .replicas_case import run_replicas_case
 from .samples import DTYPES, Sample, make_sample
@@ -55,11 +58,13 @@ class RankState:
 
     def sample(self, job: dict) -> tuple[Sample, rank_case.Reference]:
         """The sample and reference of a job, reused across its partitions."""
-        key = (job["op"], job["dtype"], job["seed"], job["base"])
+        key = (job["op"], job.get("model"), job["dtype"], job["seed"], job["base"])
         if key not in self.cache:
             self.cache.clear()
-            spec = self.registry.get(job["op"])
-            sample = make_sample(spec, DTYPES[job["dtype"]], job["seed"], job["base"])
+            if job.get("model"):  # an operator of a traced model, at its traced lengths
+                sample = node_sample(job["model"], job["op"], job["dtype"], job["seed"])
+            else:
+                sample = make_sample(self.registry.get(job["op"]), DTYPES[job["dtype"]], job["seed"], job["base"])
             self.cache[key] = (sample, rank_case.reference(sample, self.device))
         return self.cache[key]
 
@@ -70,6 +75,29 @@ def _short(exc: BaseException) -> str:
     loc = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {msg}{loc}"
+
+
+def _localized(job: dict, checks: list, state: RankState) -> dict:
+    """A model job's result: its checks and, when one fails, where the programs part ways (the
+    first divergent operator, or a line saying where else the fault lies)."""
+    result = {"checks": [c.__dict__ for c in checks]}
+    if all(c.ok for c in checks):
+        return result
+    name, policy, w, seed, gen, dtype = (job["model"], job["policy"], job["world_size"], job["seed"], job["gen_dir"],
+                                         job.get("dtype", "float32"))
+    try:
+        if job.get("plan_ngpus", w) < w:
+            found = localize_replicas_case(name, policy, w, job["plan_ngpus"], seed, state.groups, gen, dtype,
+                                           job.get("microbatches", 1))
+        elif is_pipeline_policy(policy):
+            found = localize_pipeline_case(name, policy, w, seed, state.groups, gen, dtype, job.get("microbatches", 1))
+        else:
+            found = localize_model_case(name, policy, w, seed, state.groups, gen, dtype=dtype)
+    except Exception as exc:  # the verdict stands; say why no operator could be named
+        return dict(result, divergence_error=_short(exc))
+    if isinstance(found, str):
+        return dict(result, divergence_note=found)
+    return dict(result, divergence=as_dict(found))
 
 
 def handle(state: RankState, job: dict) -> dict:
@@ -86,19 +114,12 @@ def handle(state: RankState, job: dict) -> dict:
         if job["kind"] == "model" and job.get("plan_ngpus", job["world_size"]) < job["world_size"]:  # replicas
             checks = run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
                                        job["steps"], job["seed"], state.groups, job["gen_dir"],
-                                       dtype=job.get("dtype", "float32"), microbatches=job.get("microbatches", 1))
-            return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
+                                       dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
+                                       microbatches=job.get("microbatches", 1))
+            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         if job["kind"] == "model":
             checks = run_model_job(job, state.groups)
-            result = {"checks": [c.__dict__ for c in checks]}
-            if not all(c.ok for c in checks):  # name the operator where the programs part ways
-                try:
-                    result["divergence"] = as_dict(localize_model_case(
-                        job["model"], job["policy"], job["world_size"], job["seed"], state.groups, job["gen_dir"],
-                        dtype=job.get("dtype", "float32")))
-                except Exception as exc:  # the verdict stands; say why no operator could be named
-                    result["divergence_error"] = _short(exc)
-            return dict(result, seconds=time.perf_counter() - start)
+            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         sample, ref = state.sample(job)
         if job["kind"] == "plan":
             plans = {w: [p.label for p in rank_case.partitions_of(sample, w, job.get("partition"))]
