@@ -34,3 +34,21 @@ def registry(pytestconfig):
 def gang(registry, verify_gang):
     """Four ranks serving world sizes 2 and 4 for the whole session (the plugin's gang)."""
     return verify_gang.gang
+
+
+@pytest.fixture(scope="module")
+def wrong_norm_rules():
+    """``tests/fixtures/wrong_norm_rules.py`` loaded into this process for one test module (it plans
+    with the same wrong rules as the ranks), then taken out again, module and rules, so the next
+    module that asks loads it afresh and the rest of the session plans with the right rules."""
+    import sys
+    from nnscaler import DEFAULT_REGISTRY
+    path = str(FIXTURES / "wrong_norm_rules.py")
+    load_modules([path])
+    try:
+        yield path
+    finally:
+        tag = "verify_user_" + str(abs(hash(str(Path(path).resolve()))))
+        for rules in DEFAULT_REGISTRY._rules.values():
+            rules[:] = [r for r in rules if r.__module__ != tag]
+        sys.modules.pop(tag, None)

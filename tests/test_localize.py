@@ -19,7 +19,6 @@ from nnscaler.trace.build import trace
 from verify.cases import MISMATCH, RunConfig, run_model
 from verify.gang import Gang
 from verify.models.builders import MODELS
-from verify.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent
@@ -58,13 +57,9 @@ def _wrong_splits(model: str, overloads: tuple[str, ...]):
 
 
 @pytest.fixture(scope="module")
-def wrong_rules_gang():
-    load_modules([WRONG_RULES])  # this process plans with the same wrong rules as the ranks
-    with Gang(2, [WRONG_RULES], (2,)) as g:
+def wrong_rules_gang(wrong_norm_rules):
+    with Gang(2, [wrong_norm_rules], (2,)) as g:
         yield g
-    from nnscaler import DEFAULT_REGISTRY  # take the wrong rules out again for the rest of the session
-    for rules in DEFAULT_REGISTRY._rules.values():
-        rules[:] = [r for r in rules if r.__module__ != "verify_user_" + str(abs(hash(str(Path(WRONG_RULES).resolve()))))]
 
 
 @pytest.mark.parametrize("model,overloads", [("nanogpt", ("aten.layer_norm.default",)),

@@ -22,7 +22,6 @@ from verify.gang import Gang, RankAnswer
 from verify.localize_stages import BETWEEN_STAGES
 from verify.models.builders import MODELS
 from verify.replica_rows import run_replicas
-from verify.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WRONG_RULES = str(FIXTURES / "wrong_norm_rules.py")
@@ -59,16 +58,9 @@ def _wrong_stage_splits():
 
 
 @pytest.fixture(scope="module")
-def wrong_rules_gang4():
-    load_modules([WRONG_RULES])  # this process plans with the same wrong rules as the ranks
-    try:
-        with Gang(4, [WRONG_RULES], (4,)) as g:
-            yield g
-    finally:
-        from nnscaler import DEFAULT_REGISTRY  # take the wrong rules out again for the rest of the session
-        tag = "verify_user_" + str(abs(hash(str(Path(WRONG_RULES).resolve()))))
-        for rules in DEFAULT_REGISTRY._rules.values():
-            rules[:] = [r for r in rules if r.__module__ != tag]
+def wrong_rules_gang4(wrong_norm_rules):
+    with Gang(4, [wrong_norm_rules], (4,)) as g:
+        yield g
 
 
 def test_a_wrong_annotation_inside_a_pipelined_model_is_named_with_its_stage(wrong_rules_gang4):

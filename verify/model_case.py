@@ -174,19 +174,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         widen = FALLBACK_WIDEN if fallback.used else 1.0
         kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
         checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
-        grads, rp64 = pm.whole_grads(), dict(ref64.named_parameters())
-        scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
-        for n, p in params.items():
-            checks.append(check_tensor(f"grad {n} step {step}", grads.get(n), p.grad, rp64[n].grad, scale=scale, **kw))
-        for n, t in shadow.items():
-            t.copy_(point[n])
-            t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        ref64.zero_grad()
-        after = pm.state_dict()
-        checks += [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
     if checkpoint:
         checks += _reload_checks(name, policy, pm, _cast(case.batch(steps), dt), groups, gen_dir, world_size,
                                  seed, dt, fallback, config.bucket_bytes)
@@ -195,6 +183,27 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
                             True))
     return checks
+
+
+def step_checks(pm, params: dict, ref64: torch.nn.Module, shadow: dict, point: dict, opts: list, step: int,
+                widen: float, kw: dict) -> list[Check]:
+    """The checks of one training step after its backward: the gradient of every parameter of the
+    single-device model (against its float32 ``params`` and float64 ``ref64`` runs), then AdamW on one
+    device applied to the parallel gradients from ``point`` (in ``shadow``, stepped by ``opts``)
+    against the parallel module's parameters after its own step. Zeroes ``ref64``'s gradients."""
+    grads, rp64 = pm.whole_grads(), dict(ref64.named_parameters())
+    scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
+    checks = [check_tensor(f"grad {n} step {step}", grads.get(n), p.grad, rp64[n].grad, scale=scale, **kw)
+              for n, p in params.items()]
+    for n, t in shadow.items():
+        t.copy_(point[n])
+        t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    ref64.zero_grad()
+    after = pm.state_dict()
+    return checks + [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
 
 
 def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt, fallback,

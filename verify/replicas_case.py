@@ -22,15 +22,14 @@ from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
 from .models.loader import file_tag
-from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
+from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
 from .microbatch_case import loss_fn_of, whole_batch
 from .models.builders import build_model
-from .model_case import resolve_policy
+from .model_case import LR, resolve_policy, step_checks
 from .pipeline_case import is_pipeline_policy
 from .pipeline_replicas import LOSS, run_pipeline_replicas_case
 from .samples import DTYPES
 
-LR = 1e-2
 
 
 def _cast(args: tuple, dtype: torch.dtype) -> tuple:
@@ -124,18 +123,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
         checks.append(check_tensor(f"loss step {step} (mean over replicas)", mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
-        grads, rp64 = pm.whole_grads(), dict(ref64.named_parameters())
-        scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
-        for n, p in params.items():
-            checks.append(check_tensor(f"grad {n} step {step}", grads.get(n), p.grad, rp64[n].grad, scale=scale, **kw))
-        for n, t in shadow.items():
-            t.copy_(point[n])
-            t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        after = pm.state_dict()
-        checks += [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
     if fallback.used:
         checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
                             True))
