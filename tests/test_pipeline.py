@@ -171,9 +171,10 @@ def test_a_checkpoint_is_reloaded_at_a_world_size_the_gang_has_groups_for():
     """At W=3 (``verify model nanogpt --policy pp --world-size 3``) the gang has no group of 2 ranks:
     the reload runs at W=3 (it used to ask for ranks (0, 1) and fail the row)."""
     from verify.checkpoint_case import pipeline_plan_b, plan_b
-    assert [pipeline_plan_b("pp", w) for w in (2, 3, 4, 6, 8)] == [("pp", 2), ("pp", 3), ("pp2_tp", 4), ("pp", 2),
-                                                                   ("pp2_tp", 4)]
-    assert pipeline_plan_b("pp2_tp", 8) == ("pp", 2) and plan_b("tp", 3) == ("random", 3) and plan_b("dp", 5)[1] == 5
+    assert [pipeline_plan_b("pp", w) for w in (2, 3, 4, 6, 8)] == [("pp_interleaved", 2), ("pp", 3), ("pp2_tp", 4),
+                                                                   ("pp_interleaved", 2), ("pp2_tp", 4)]
+    assert pipeline_plan_b("pp2_tp", 8) == ("pp_interleaved", 2) and pipeline_plan_b("pp_interleaved", 2) == ("pp", 2)
+    assert plan_b("tp", 3) == ("random", 3) and plan_b("dp", 5)[1] == 5
 
 
 def test_interleaved_schedules_are_swept_and_skipped_where_the_model_has_too_few_layers():

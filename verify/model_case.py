@@ -19,6 +19,7 @@ from nnscaler.policies import POLICIES, ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from .batch import cast
 from .checkpoint_case import resume_checks
 from .pipeline_case import is_pipeline_policy, pipeline_microbatches
 from .models.loader import file_tag
@@ -57,10 +58,6 @@ def resolve_policy(spec: str) -> str | Callable:
     if not callable(func):
         raise PolicyFileError(f"policy {spec!r}: {path} has no function {fn!r} (it must be (graph, config) -> Plan)")
     return func
-
-
-def _cast(args: tuple, dtype: torch.dtype) -> tuple:
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 def _other_policy(policy: str) -> str:
@@ -144,7 +141,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "")
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
-    pm = _parallelize(case.model, _cast(batch(0), dt), policy, config, groups,
+    pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
                       Path(gen_dir) / f"{file_tag(name)}-{tag}-w{world_size}-{dtype}-s{seed}")
     initial = pm.state_dict()
     checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
@@ -153,7 +150,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
     fallback = Float64Fallback(dt)
     for step in range(steps):
-        args = _cast(batch(step), dt)
+        args = cast(batch(step), dt)
         point = {k: v.clone() for k, v in own_state(ref).items()}
         try:  # strict: every key of the module's own state_dict
             pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
@@ -169,14 +166,14 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         loss_ref = ref(*args)
         loss_ref.backward()
         with fallback:
-            loss64 = ref64(*_cast(args, torch.float64))
+            loss64 = ref64(*cast(args, torch.float64))
             loss64.backward()
         widen = FALLBACK_WIDEN if fallback.used else 1.0
         kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
         checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
     if checkpoint:
-        checks += _reload_checks(name, policy, pm, _cast(case.batch(steps), dt), groups, gen_dir, world_size,
+        checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
                                  seed, dt, fallback, config.bucket_bytes)
         checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt)
     if fallback.used:
@@ -225,7 +222,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
     with torch.no_grad():
         got, want, other_loss = pm(*args), single(*args), other(*args)
         with fallback:
-            want64 = single64(*_cast(args, torch.float64))
+            want64 = single64(*cast(args, torch.float64))
     return [Check("checkpoint keys", 0.0, 0.0, True),
             check_tensor("loss of the checkpoint on one device", got, want, want64),
             check_tensor(f"loss of the checkpoint under {other_policy}", other_loss, want, want64)]
