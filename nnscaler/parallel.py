@@ -149,7 +149,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     if verify not in ("strict", "warn", False):
         raise PlanError(f"verify must be 'strict', 'warn' or False, got {verify!r}")
     if config.pp_size > 1 or is_pipeline_policy(policy):  # pipeline stages: nnscaler.pipeline
-        check_model(model, sample_args, pipeline_config(policy, config)[1])  # bad input before any process group
+        check_model(model, sample_args, pipeline_config(policy, config)[1], sample_kwargs)  # bad input, no ranks yet
         _ensure_process_group()
         return parallelize_pipeline(model, sample_args, policy, config, gen_savedir=gen_savedir, reuse=reuse,
                                     strict=strict, sample_kwargs=sample_kwargs, registry=registry, groups=groups,
