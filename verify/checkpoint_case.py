@@ -23,6 +23,7 @@ from .batch import cast
 from .models.loader import file_tag
 from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
 from .models.builders import build_model
+from .traces import TraceCache, tracer_of
 
 MORE_STEPS = 2
 
@@ -83,7 +84,7 @@ def pipeline_plan_b(policy: str, world_size: int, name: str | None = None, seed:
 
 
 def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
-                     saved_moments) -> list[Check]:
+                     saved_moments, traces: TraceCache | None = None) -> list[Check]:
     """The checkpoint loaded into a pipeline of another plan: parameters and AdamW moments, merged
     across its stages, equal what was saved bit for bit."""
     from verify.pipeline_case import PIPELINE_MICROBATCHES
@@ -96,7 +97,7 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         resumed = parallelize(case.model.to(dtype), cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype),
                               other, ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES),
-                              groups=groups, verify=False,
+                              groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
                               gen_savedir=Path(gen_dir) / f"{file_tag(name)}-reload-{other}-w{w_b}-{dtype}-s{seed}")
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
     checkpoint.load(path, resumed, resumed_opt)
@@ -105,7 +106,7 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
 
 
 def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int, pm, opt, groups, gen_dir: str,
-                  dtype: torch.dtype) -> list[Check]:
+                  dtype: torch.dtype, traces: TraceCache | None = None) -> list[Check]:
     """Checkpoint ``pm`` and its AdamW ``opt`` after ``steps`` steps; load the merged export on one
     device and the sharded checkpoint under plan B; every parameter and optimizer moment must equal
     what was saved, bit for bit. Then train ``MORE_STEPS`` more steps: the run resumed on one device
@@ -133,7 +134,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
                             _moments(single, single_opt, False), saved, saved_moments)
     if hasattr(pm, "stages"):  # a pipeline's checkpoint also loads into another pipeline
         checks += _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
-                                   saved_moments)
+                                   saved_moments, traces)
     other, w_b = plan_b(policy, world_size)
     if rank >= w_b:
         return checks
@@ -143,7 +144,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
         resumed = parallelize(build_model(name, seed).model.to(dtype), cast(batch(0), dtype), other,
                               ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1), groups=groups,
                               gen_savedir=Path(gen_dir) / f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}",
-                              verify=False)
+                              verify=False, tracer=tracer_of(traces, (name, seed)))
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
     checkpoint.load(path, resumed, resumed_opt)
     where = f"under {other} at W={w_b}"

@@ -31,13 +31,15 @@ from .model_case import LR, step_checks
 from .models.loader import file_tag
 from .pipeline_case import PIPELINE_MICROBATCHES
 from .samples import DTYPES
+from .traces import TraceCache, tracer_of
 
 LOSS = "loss step {} (whole batch over replicas)"
 
 
 def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                                groups: GroupCache, gen_dir: str, dtype: str = "float32",
-                               microbatches: int = PIPELINE_MICROBATCHES, bucket_bytes: int | None = None) -> list[Check]:
+                               microbatches: int = PIPELINE_MICROBATCHES, bucket_bytes: int | None = None,
+                               traces: TraceCache | None = None) -> list[Check]:
     """Checks for ``steps`` AdamW steps of pipeline ``policy`` planned on ``plan_ngpus`` ranks and run as
     replicas on ``world_size`` (each stage's gradient-sync buckets of ``bucket_bytes``, default the model's)."""
     dt = DTYPES[dtype]
@@ -54,7 +56,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(batch(0), replica, replicas), policy, config, groups=groups,
-                         verify=False, gen_savedir=Path(gen_dir) / tag)
+                         verify=False, tracer=tracer_of(traces, (name, seed)), gen_savedir=Path(gen_dir) / tag)
     loss_fn = loss_fn_of(case)
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
@@ -76,7 +78,8 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
         checks.append(check_tensor(LOSS.format(step), loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
-    checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt)
+    checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
+                            traces)
     if fallback.used:
         checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
                             True))

@@ -30,6 +30,7 @@ from .model_case import LR, resolve_policy, step_checks
 from .pipeline_case import is_pipeline_policy
 from .pipeline_replicas import LOSS, run_pipeline_replicas_case
 from .samples import DTYPES
+from .traces import TraceCache, tracer_of
 
 
 def replica_label(policy: str, replicas: int) -> str:
@@ -59,7 +60,7 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", 
 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                       groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
-                      microbatches: int = 1) -> list[Check]:
+                      microbatches: int = 1, traces: TraceCache | None = None) -> list[Check]:
     """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to
     ``world_size`` (gradient-sync buckets of ``bucket_bytes``, default the model's). With
     ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
@@ -67,7 +68,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     reference is one device on the whole batch. A pipeline policy: :mod:`verify.pipeline_replicas`."""
     if is_pipeline_policy(policy):
         return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
-                                          microbatches, bucket_bytes)
+                                          microbatches, bucket_bytes, traces)
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
@@ -82,7 +83,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
-                         groups=groups, verify=False,
+                         groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
                          gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}")
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())
