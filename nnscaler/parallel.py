@@ -24,7 +24,7 @@ from .policies.plan import Policy
 from .runtime.mesh import GroupCache, RankMesh, mesh_shapes
 from .runtime.microbatch import MicroBatchError, split_batch
 from .runtime.module import ParallelModule
-from .trace.build import trace
+from .trace.build import Tracer, trace
 
 CODEGEN_VERSION = "2"
 
@@ -119,7 +119,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
                 *, gen_savedir: str | os.PathLike = ".nnscaler", reuse: bool = True, strict: bool = False,
                 sample_kwargs: Mapping[str, Any] | None = None, registry: OpRegistry | None = None,
                 groups: GroupCache | None = None, verify: str | bool = "warn",
-                verify_cache: str | os.PathLike | None = None) -> ParallelModule:
+                verify_cache: str | os.PathLike | None = None, tracer: Tracer | None = None) -> ParallelModule:
     """Compile ``model`` for ``config.plan_ngpus`` ranks under ``policy`` and return this rank's module.
 
     Every rank of the default process group (created from the ``torchrun`` environment if none
@@ -145,15 +145,19 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     cuts the model into pipeline stages, each partitioned by ``policy`` over its own ranks, and returns a
     :class:`nnscaler.pipeline.PipelineModule` (train with its ``train_step``; see :mod:`nnscaler.pipeline`);
     ``verify`` then checks every stage's plan.
+
+    ``tracer``: what traces the model, called as :func:`nnscaler.trace.build.trace` is (default: that);
+    a caller compiling one model under several plans may hand back a graph it traced before, on a
+    copy (:meth:`~nnscaler.ir.graph.IRGraph.copy`), as ``verify``'s per-rank trace cache does.
     """
     if verify not in ("strict", "warn", False):
         raise PlanError(f"verify must be 'strict', 'warn' or False, got {verify!r}")
     if config.pp_size > 1 or is_pipeline_policy(policy):  # pipeline stages: nnscaler.pipeline
-        check_model(model, sample_args, pipeline_config(policy, config)[1])  # bad input before any process group
+        check_model(model, sample_args, pipeline_config(policy, config)[1], sample_kwargs)  # bad input, no ranks yet
         _ensure_process_group()
         return parallelize_pipeline(model, sample_args, policy, config, gen_savedir=gen_savedir, reuse=reuse,
                                     strict=strict, sample_kwargs=sample_kwargs, registry=registry, groups=groups,
-                                    verify=verify, verify_cache=verify_cache)
+                                    verify=verify, verify_cache=verify_cache, tracer=tracer)
     if config.num_microbatches > 1:  # the sample is a whole batch; the program runs one micro-batch
         try:
             sample_args, sample_kwargs = split_batch(sample_args, sample_kwargs, config.num_microbatches)[0]
@@ -166,7 +170,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         raise PlanError(f"the process group has {world} ranks but the config asks for {runtime} "
                         f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
     name, fn = resolve_policy(policy)
-    graph = trace(model, sample_args, sample_kwargs, registry=registry, strict=strict)
+    graph = (tracer or trace)(model, sample_args, sample_kwargs, registry=registry, strict=strict)
     canonical = {}  # tied parameters go by their first name, as named_parameters() lists them
     for n, p in model.named_parameters():
         canonical.setdefault(id(p), n)

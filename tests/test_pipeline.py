@@ -114,7 +114,7 @@ def test_a_schedule_name_is_case_insensitive():
     (dict(plan_ngpus=4, pp_size=4), "batch", None),
     (dict(plan_ngpus=2, pp_size=2, pp_split=("h.9",)), "batch", "split point 'h.9' is not a module.*did you mean h.1"),
     (dict(plan_ngpus=2, pp_size=2), "odd", "has 3 rows \\(dim 0\\), not divisible by num_microbatches=4"),
-    (dict(plan_ngpus=3, pp_size=3, pp_split=("h.1", "h.0")), "batch", "not in program order \\('h.0' comes before"),
+    (dict(plan_ngpus=3, pp_size=3, pp_split=("h.1", "h.0")), "batch", "not in program order \\('h.0' runs before"),
     (dict(plan_ngpus=3, pp_size=3, pp_split=("ln_f", "h.1")), "batch", "not in program order"),
     (dict(plan_ngpus=3, pp_size=3, pp_split=("h.1", "h.1")), "batch", "are the same module"),
     (dict(plan_ngpus=3, pp_size=3, pp_split=("h", "h.1")), "batch", "'h' and 'h.1' nest"),
@@ -128,6 +128,38 @@ def test_model_checks(cfg, args, needle):
     else:
         with pytest.raises(PlanError, match=needle):
             check_model(case.model, batch, ComputeConfig(**cfg, num_microbatches=4))
+
+
+class _DefinedBackwards(torch.nn.Module):
+    """Defines its head, then its body, but runs the body first (as many models define modules)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 1)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.body = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x, y):
+        for layer in self.body:
+            x = self.drop(torch.relu(layer(x)))
+        return ((self.head(self.norm(x)) - y) ** 2).mean()
+
+
+def test_split_points_are_ordered_as_the_model_runs_them_not_as_it_defines_them():
+    """Split points in run order pass though the model defines them the other way round; in reverse
+    they are refused naming the one that runs first; the check's forward leaves the batch norm's
+    running statistics and the random state as they were."""
+    torch.manual_seed(0)
+    model, batch = _DefinedBackwards(), (torch.randn(8, 4), torch.randn(8, 1))
+    stats, rng = {k: b.clone() for k, b in model.named_buffers()}, torch.get_rng_state()
+    check_model(model, batch, ComputeConfig(3, pp_size=3, pp_split=("body.1", "head"), num_microbatches=4))
+    assert all(torch.equal(stats[k], b) for k, b in model.named_buffers()) and torch.equal(rng, torch.get_rng_state())
+    with pytest.raises(PlanError, match=r"not in program order \('body.1' runs before 'head'"):
+        check_model(model, batch, ComputeConfig(3, pp_size=3, pp_split=("head", "body.1"), num_microbatches=4))
+    with pytest.raises(PlanError, match="_DefinedBackwards fails on the sample arguments"):
+        check_model(model, (torch.randn(8, 5), torch.randn(8, 1)),
+                    ComputeConfig(3, pp_size=3, pp_split=("body.1", "head"), num_microbatches=4))
 
 
 def test_more_stages_than_layers_is_refused():
@@ -171,9 +203,10 @@ def test_a_checkpoint_is_reloaded_at_a_world_size_the_gang_has_groups_for():
     """At W=3 (``verify model nanogpt --policy pp --world-size 3``) the gang has no group of 2 ranks:
     the reload runs at W=3 (it used to ask for ranks (0, 1) and fail the row)."""
     from verify.checkpoint_case import pipeline_plan_b, plan_b
-    assert [pipeline_plan_b("pp", w) for w in (2, 3, 4, 6, 8)] == [("pp", 2), ("pp", 3), ("pp2_tp", 4), ("pp", 2),
-                                                                   ("pp2_tp", 4)]
-    assert pipeline_plan_b("pp2_tp", 8) == ("pp", 2) and plan_b("tp", 3) == ("random", 3) and plan_b("dp", 5)[1] == 5
+    assert [pipeline_plan_b("pp", w) for w in (2, 3, 4, 6, 8)] == [("pp_interleaved", 2), ("pp", 3), ("pp2_tp", 4),
+                                                                   ("pp_interleaved", 2), ("pp2_tp", 4)]
+    assert pipeline_plan_b("pp2_tp", 8) == ("pp_interleaved", 2) and pipeline_plan_b("pp_interleaved", 2) == ("pp", 2)
+    assert plan_b("tp", 3) == ("random", 3) and plan_b("dp", 5)[1] == 5
 
 
 def test_interleaved_schedules_are_swept_and_skipped_where_the_model_has_too_few_layers():

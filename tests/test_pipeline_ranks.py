@@ -47,20 +47,21 @@ def test_every_model_under_every_pipeline(gang, name, policy, world):
     assert row.status == MATCH, (row.detail, row.traceback)
 
 
-def _replica_row(gang, name, policy, world, replicas=2, steps=2, modules=()):
+def _replica_row(gang, name, policy, world, replicas=2, steps=2, modules=(), bucket_bytes=None):
     with tempfile.TemporaryDirectory() as tmp:
         (row,) = run_replicas(gang, name, (policy,), RunConfig(world_sizes=(world,), modules=modules), tmp, replicas,
-                              steps=steps)
+                              steps=steps, bucket_bytes=bucket_bytes)
     return row
 
 
-@pytest.mark.parametrize("name,policy", [("nanogpt", "pp"),
-                                         ("padded_gpt", "pp_zb")])  # unevenly padded shares: (loss_sum, count)
-def test_replicas_of_a_whole_pipeline_train_like_one_device_on_the_whole_batch(gang, name, policy):
+@pytest.mark.parametrize("name,policy,bucket_bytes", [("nanogpt", "pp", None),
+                                                      ("padded_gpt", "pp_zb", 512)])  # uneven shares, small buckets
+def test_replicas_of_a_whole_pipeline_train_like_one_device_on_the_whole_batch(gang, name, policy, bucket_bytes):
     """A pipeline on 2 ranks x 2 replicas: each replica pipelines its share in 4 micro-batches;
-    gradients averaged over replicas once, the loss weighted over the whole batch (exactly, also when
-    the shares hold different numbers of targets); the checkpoint resumes."""
-    row = _replica_row(gang, name, policy, 4)
+    gradients averaged over replicas once (in the model's buckets, or many small ones), the loss
+    weighted over the whole batch (exactly, also when the shares hold different numbers of targets);
+    the checkpoint resumes."""
+    row = _replica_row(gang, name, policy, 4, bucket_bytes=bucket_bytes)
     assert (row.status, row.detail) == (MATCH, ""), row.traceback
     assert row.partition == f"{policy} x2 replicas"
 

@@ -19,15 +19,13 @@ from nnscaler.parallel import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from .batch import cast
 from .models.loader import file_tag
 from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
 from .models.builders import build_model
+from .traces import TraceCache, tracer_of
 
 MORE_STEPS = 2
-
-
-def _cast(args: tuple, dtype: torch.dtype) -> tuple:
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 def plan_b(policy: str, world_size: int) -> tuple[str, int]:
@@ -69,30 +67,37 @@ def _loaded_checks(where: str, params: dict, moments: dict, saved: dict, saved_m
     return checks
 
 
-def pipeline_plan_b(policy: str, world_size: int) -> tuple[str, int]:
+def pipeline_plan_b(policy: str, world_size: int, name: str | None = None, seed: int = 0) -> tuple[str, int]:
     """Where a pipeline's checkpoint is loaded into another pipeline: 2 tensor-parallel stages at W=4
-    (pieces split in blocks, a fused qkv's, are cut on load), or one stage per rank at W=2; at a world
-    size that neither divides (3, 5, ...: the gang has no groups for them), one stage per rank at W."""
+    (pieces split in blocks, a fused qkv's, are cut on load); else at W=2 the interleaved pipeline
+    (4 stages, cut elsewhere than 2 stages are), or one stage per rank when the checkpoint is the
+    interleaved one's or model ``name`` has too few layers for 4 stages; at a world size that neither
+    divides (3, 5, ...: the gang has no groups for them), one stage per rank at W."""
+    from verify.pipeline_case import pipeline_applies
     if policy != "pp2_tp" and world_size % 4 == 0:
         return "pp2_tp", 4
-    return "pp", (2 if world_size % 2 == 0 else world_size)
+    if world_size % 2:
+        return "pp", world_size
+    if policy != "pp_interleaved" and pipeline_applies("pp_interleaved", 2, name, seed):
+        return "pp_interleaved", 2
+    return "pp", 2
 
 
 def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
-                     saved_moments) -> list[Check]:
+                     saved_moments, traces: TraceCache | None = None) -> list[Check]:
     """The checkpoint loaded into a pipeline of another plan: parameters and AdamW moments, merged
     across its stages, equal what was saved bit for bit."""
     from verify.pipeline_case import PIPELINE_MICROBATCHES
     from verify.microbatch_case import whole_batch
-    other, w_b = pipeline_plan_b(policy, world_size)
+    other, w_b = pipeline_plan_b(policy, world_size, name, seed)
     if dist.get_rank() >= w_b:
         return []
     case = build_model(name, seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        resumed = parallelize(case.model.to(dtype), _cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype),
+        resumed = parallelize(case.model.to(dtype), cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype),
                               other, ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES),
-                              groups=groups, verify=False,
+                              groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
                               gen_savedir=Path(gen_dir) / f"{file_tag(name)}-reload-{other}-w{w_b}-{dtype}-s{seed}")
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
     checkpoint.load(path, resumed, resumed_opt)
@@ -101,7 +106,7 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
 
 
 def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int, pm, opt, groups, gen_dir: str,
-                  dtype: torch.dtype) -> list[Check]:
+                  dtype: torch.dtype, traces: TraceCache | None = None) -> list[Check]:
     """Checkpoint ``pm`` and its AdamW ``opt`` after ``steps`` steps; load the merged export on one
     device and the sharded checkpoint under plan B; every parameter and optimizer moment must equal
     what was saved, bit for bit. Then train ``MORE_STEPS`` more steps: the run resumed on one device
@@ -129,17 +134,17 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
                             _moments(single, single_opt, False), saved, saved_moments)
     if hasattr(pm, "stages"):  # a pipeline's checkpoint also loads into another pipeline
         checks += _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
-                                   saved_moments)
+                                   saved_moments, traces)
     other, w_b = plan_b(policy, world_size)
     if rank >= w_b:
         return checks
     batch = build_model(name, seed).batch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        resumed = parallelize(build_model(name, seed).model.to(dtype), _cast(batch(0), dtype), other,
+        resumed = parallelize(build_model(name, seed).model.to(dtype), cast(batch(0), dtype), other,
                               ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1), groups=groups,
                               gen_savedir=Path(gen_dir) / f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}",
-                              verify=False)
+                              verify=False, tracer=tracer_of(traces, (name, seed)))
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
     checkpoint.load(path, resumed, resumed_opt)
     where = f"under {other} at W={w_b}"
@@ -151,7 +156,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     sp, hp = dict(single.named_parameters()), dict(shadow.named_parameters())
     fallback = Float64Fallback(dtype)  # an operator without a float64 kernel runs in the test dtype (bound widens)
     for step in range(steps, steps + MORE_STEPS):
-        args = _cast(batch(step), dtype)
+        args = cast(batch(step), dtype)
         point = {n: p.detach().clone() for n, p in sp.items()}
         resumed.load_state_dict({k: point.get(k, v) for k, v in resumed.state_dict().items()})
         single64 = copy.deepcopy(single).double()
@@ -159,7 +164,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
         for x in (loss, loss_ref):
             x.backward()
         with fallback:
-            loss64 = single64(*_cast(args, torch.float64))
+            loss64 = single64(*cast(args, torch.float64))
             loss64.backward()
         widen = FALLBACK_WIDEN if fallback.used else 1.0
         checks.append(check_tensor(f"resumed {where}: loss step {step}", loss.detach(), loss_ref.detach(),

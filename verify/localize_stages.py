@@ -22,6 +22,7 @@ from nnscaler.parallel import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from .batch import cast
 from .localize import (Divergence, _Recorder, divergence, first_bad, localize_model_case, probed_program,
                        single_device, single_program)
 from .microbatch_case import whole_batch
@@ -32,10 +33,6 @@ from .samples import DTYPES
 
 BETWEEN_STAGES = ("every stage matches alone: the divergence lies between stages (transfers, schedule, loss "
                   "scaling, gradients of parameters shared by stages)")
-
-
-def _cast(args: tuple, dt: torch.dtype) -> tuple:
-    return tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 def _inputs(g, dev: _Recorder, graph_inputs: dict) -> list[torch.Tensor]:
@@ -94,11 +91,11 @@ def localize_pipeline_case(name: str, policy: str, world_size: int, seed: int, g
     m = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
     model = case.model.to(dt)
-    micro = _cast(case.batch(0), dt)  # the first micro-batch of step 0, the shapes the stages are made for
+    micro = cast(case.batch(0), dt)  # the first micro-batch of step 0, the shapes the stages are made for
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed, num_microbatches=m)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(copy.deepcopy(model), _cast(whole_batch(case.batch, 0, m), dt), resolve_policy(policy),
+        pm = parallelize(copy.deepcopy(model), cast(whole_batch(case.batch, 0, m), dt), resolve_policy(policy),
                          config, groups=groups, verify=False,
                          gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}")
     graph = pm.graph

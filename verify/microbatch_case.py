@@ -20,6 +20,7 @@ from nnscaler.policies import ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from .batch import share
 from .compare import Check, check_tensor
 from .models.builders import ModelCase, build_model
 from .models.loader import file_tag
@@ -47,10 +48,6 @@ def loss_fn_of(case: ModelCase):
         count = case.loss_count(*args)
         return out * count, count
     return loss_fn
-
-
-def _share(args: tuple, replica: int, replicas: int) -> tuple:
-    return tuple(a.chunk(replicas)[replica] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args)
 
 
 def run_accumulation_job(job: dict, groups: GroupCache) -> list[Check]:
@@ -87,10 +84,10 @@ def _accumulation_checks(job: dict, groups: GroupCache) -> list[Check]:
     ref = copy.deepcopy(case.model)
     replicas, replica = world // plan_ngpus, dist.get_rank() // plan_ngpus
     full = whole_batch(case.batch, 0, m)
-    mine = _share(full, replica, replicas)
+    mine = share(full, replica, replicas)
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world, seed=seed, tp_size=2 if plan_ngpus % 2 == 0 else 1,
                            num_microbatches=m if mode == "train_step" else 1)
-    sample = mine if mode == "train_step" else _share(case.batch(0), replica, replicas)
+    sample = mine if mode == "train_step" else share(case.batch(0), replica, replicas)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, sample, policy, config, groups=groups, verify=False,
@@ -102,7 +99,7 @@ def _accumulation_checks(job: dict, groups: GroupCache) -> list[Check]:
         loss = pm.train_step(*mine, loss_fn=loss_fn)
     else:
         for i in range(m):
-            mb = _share(case.batch(i), replica, replicas)
+            mb = share(case.batch(i), replica, replicas)
             with pm.no_sync() if mode == "no_sync" and i < m - 1 else nullcontext():
                 (pm(*mb) / m).backward()
     loss_ref = ref(*full)

@@ -19,6 +19,7 @@ from nnscaler.policies import POLICIES, ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from .batch import cast
 from .checkpoint_case import resume_checks
 from .pipeline_case import is_pipeline_policy, pipeline_microbatches
 from .models.loader import file_tag
@@ -26,6 +27,7 @@ from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, 
 from .microbatch_case import loss_fn_of, whole_batch
 from .models.builders import build_model
 from .samples import DTYPES
+from .traces import TraceCache, tracer_of
 
 LR = 1e-2
 
@@ -57,10 +59,6 @@ def resolve_policy(spec: str) -> str | Callable:
     if not callable(func):
         raise PolicyFileError(f"policy {spec!r}: {path} has no function {fn!r} (it must be (graph, config) -> Plan)")
     return func
-
-
-def _cast(args: tuple, dtype: torch.dtype) -> tuple:
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 def _other_policy(policy: str) -> str:
@@ -110,29 +108,31 @@ def _equal(name: str, par, want) -> Check:
     return Check(name, err, 0.0, ok, "" if ok else f"differs from the model's own tensor by {err:.3g}")
 
 
-def _parallelize(model, args, policy, config, groups, gen_dir: Path):
+def _parallelize(model, args, policy, config, groups, gen_dir: Path, tracer=None):
     with warnings.catch_warnings():  # replicated unknown operators are verified like the rest
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        return parallelize(model, args, resolve_policy(policy), config, groups=groups, gen_savedir=gen_dir,
+        return parallelize(model, args, resolve_policy(policy), config, groups=groups, gen_savedir=gen_dir, tracer=tracer,
                            verify=False)  # the whole model is verified here, operator verdicts add nothing
 
 
-def run_model_job(job: dict, groups: GroupCache) -> list[Check]:
+def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = None) -> list[Check]:
     """The checks of a ``model`` job (keys: model, policy, world_size, steps, seed, gen_dir, and
-    optionally dtype, bucket_bytes, microbatches and checkpoint)."""
+    optionally dtype, bucket_bytes, microbatches and checkpoint); ``traces``: the rank's trace cache."""
     return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
                           job["gen_dir"], dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
-                          microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True))
+                          microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True),
+                          traces=traces)
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
                    gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
-                   microbatches: int = 1, checkpoint: bool = True) -> list[Check]:
+                   microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None) -> list[Check]:
     """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
     With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
     (:func:`~verify.microbatch_case.whole_batch`), trained by ``train_step`` in M micro-batches and
     judged against one device on that whole batch. ``checkpoint=False`` leaves out the checkpoint
-    reloads and the resume (the training checks alone, for benchmarks that sweep many cases)."""
+    reloads and the resume (the training checks alone, for benchmarks that sweep many cases).
+    ``traces`` (a rank's :class:`~verify.traces.TraceCache`) lets every compile of the case reuse one trace."""
     dt = DTYPES[dtype]
     microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
@@ -144,8 +144,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "")
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
-    pm = _parallelize(case.model, _cast(batch(0), dt), policy, config, groups,
-                      Path(gen_dir) / f"{file_tag(name)}-{tag}-w{world_size}-{dtype}-s{seed}")
+    pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
+                      Path(gen_dir) / f"{file_tag(name)}-{tag}-w{world_size}-{dtype}-s{seed}", tracer_of(traces, (name, seed)))
     initial = pm.state_dict()
     checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
     params = dict(ref.named_parameters())
@@ -153,7 +153,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
     fallback = Float64Fallback(dt)
     for step in range(steps):
-        args = _cast(batch(step), dt)
+        args = cast(batch(step), dt)
         point = {k: v.clone() for k, v in own_state(ref).items()}
         try:  # strict: every key of the module's own state_dict
             pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
@@ -169,16 +169,16 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         loss_ref = ref(*args)
         loss_ref.backward()
         with fallback:
-            loss64 = ref64(*_cast(args, torch.float64))
+            loss64 = ref64(*cast(args, torch.float64))
             loss64.backward()
         widen = FALLBACK_WIDEN if fallback.used else 1.0
         kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
         checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
     if checkpoint:
-        checks += _reload_checks(name, policy, pm, _cast(case.batch(steps), dt), groups, gen_dir, world_size,
-                                 seed, dt, fallback, config.bucket_bytes)
-        checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt)
+        checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
+                                 seed, dt, fallback, config.bucket_bytes, traces)
+        checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces)
     if fallback.used:
         checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
                             True))
@@ -207,7 +207,7 @@ def step_checks(pm, params: dict, ref64: torch.nn.Module, shadow: dict, point: d
 
 
 def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt, fallback,
-                   bucket_bytes) -> list[Check]:
+                   bucket_bytes, traces: TraceCache | None = None) -> list[Check]:
     """The merged checkpoint loads strictly into the single-device model and into a module under
     another plan; each computes the loss of the next batch as the parallel module does."""
     state = pm.state_dict()
@@ -220,12 +220,13 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
     other_policy = _other_policy(policy)
     other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
                          ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes),
-                         groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}")
+                         groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",
+                         tracer_of(traces, (name, seed)))
     other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
     with torch.no_grad():
         got, want, other_loss = pm(*args), single(*args), other(*args)
         with fallback:
-            want64 = single64(*_cast(args, torch.float64))
+            want64 = single64(*cast(args, torch.float64))
     return [Check("checkpoint keys", 0.0, 0.0, True),
             check_tensor("loss of the checkpoint on one device", got, want, want64),
             check_tensor(f"loss of the checkpoint under {other_policy}", other_loss, want, want64)]

@@ -22,6 +22,7 @@ from nnscaler.policies import ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from .batch import cast, share
 from .checkpoint_case import resume_checks
 from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
 from .microbatch_case import loss_fn_of, whole_batch
@@ -30,35 +31,32 @@ from .model_case import LR, step_checks
 from .models.loader import file_tag
 from .pipeline_case import PIPELINE_MICROBATCHES
 from .samples import DTYPES
+from .traces import TraceCache, tracer_of
 
 LOSS = "loss step {} (whole batch over replicas)"
 
 
-def _cast(args: tuple, dtype: torch.dtype) -> tuple:
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-
-
-def _share(args: tuple, replica: int, replicas: int) -> tuple:
-    return tuple(a.chunk(replicas)[replica] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args)
-
-
 def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                                groups: GroupCache, gen_dir: str, dtype: str = "float32",
-                               microbatches: int = PIPELINE_MICROBATCHES) -> list[Check]:
+                               microbatches: int = PIPELINE_MICROBATCHES, bucket_bytes: int | None = None,
+                               traces: TraceCache | None = None) -> list[Check]:
+    """Checks for ``steps`` AdamW steps of pipeline ``policy`` planned on ``plan_ngpus`` ranks and run as
+    replicas on ``world_size`` (each stage's gradient-sync buckets of ``bucket_bytes``, default the model's)."""
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
     ref = copy.deepcopy(case.model)
     replicas, replica = world_size // plan_ngpus, dist.get_rank() // plan_ngpus
     m = max(microbatches, PIPELINE_MICROBATCHES)
-    batch = lambda step: _cast(whole_batch(case.batch, step, m * replicas), dt)  # noqa: E731 (every replica's share)
+    batch = lambda step: cast(whole_batch(case.batch, step, m * replicas), dt)  # noqa: E731 (every replica's share)
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=m,
-                           tp_size=2 if plan_ngpus % 2 == 0 else 1, bucket_bytes=case.bucket_bytes)
+                           tp_size=2 if plan_ngpus % 2 == 0 else 1,
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
     tag = f"{file_tag(name)}-{file_tag(policy)}-mb{m}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(case.model, _share(batch(0), replica, replicas), policy, config, groups=groups,
-                         verify=False, gen_savedir=Path(gen_dir) / tag)
+        pm = parallelize(case.model, share(batch(0), replica, replicas), policy, config, groups=groups,
+                         verify=False, tracer=tracer_of(traces, (name, seed)), gen_savedir=Path(gen_dir) / tag)
     loss_fn = loss_fn_of(case)
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
@@ -70,17 +68,18 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         point = {n: p.detach().clone() for n, p in params.items()}
         pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
         ref64 = copy.deepcopy(ref).double()
-        loss = pm.train_step(*_share(args, replica, replicas), loss_fn=loss_fn)
+        loss = pm.train_step(*share(args, replica, replicas), loss_fn=loss_fn)
         loss_ref = ref(*args)
         loss_ref.backward()
         with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
-            loss64 = ref64(*_cast(args, torch.float64))
+            loss64 = ref64(*cast(args, torch.float64))
             loss64.backward()
         widen = FALLBACK_WIDEN if fallback.used else 1.0
         kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
         checks.append(check_tensor(LOSS.format(step), loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
-    checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt)
+    checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
+                            traces)
     if fallback.used:
         checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
                             True))

@@ -50,7 +50,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                        "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype,
                        "bucket_bytes": bucket_bytes, "microbatches": m}
                 limit = replace(cfg, microbatches=m).limit_s("model", steps)
-                expected = expected_replica_checks(name, steps, seed, policy)
+                expected = expected_replica_checks(name, steps, seed, policy, m)
                 status, detail, checks, tb = judge(gang.run(job, w, limit), expected, cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")

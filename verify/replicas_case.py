@@ -21,6 +21,7 @@ from nnscaler.policies import ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from .batch import cast, share
 from .models.loader import file_tag
 from .compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
 from .microbatch_case import loss_fn_of, whole_batch
@@ -29,23 +30,7 @@ from .model_case import LR, resolve_policy, step_checks
 from .pipeline_case import is_pipeline_policy
 from .pipeline_replicas import LOSS, run_pipeline_replicas_case
 from .samples import DTYPES
-
-
-
-def _cast(args: tuple, dtype: torch.dtype) -> tuple:
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-
-
-def share(args: tuple, replica: int, replicas: int) -> tuple:
-    """This replica's rows of every batched tensor argument (dim 0, equal shares)."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() > 0:
-            if a.shape[0] % replicas:
-                raise ValueError(f"a batch of {a.shape[0]} rows cannot be shared by {replicas} replicas")
-            a = a.chunk(replicas)[replica]
-        out.append(a)
-    return tuple(out)
+from .traces import TraceCache, tracer_of
 
 
 def replica_label(policy: str, replicas: int) -> str:
@@ -53,10 +38,19 @@ def replica_label(policy: str, replicas: int) -> str:
     return f"{policy} x{replicas} replicas"
 
 
-def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "") -> list[str]:
+MEAN = "loss step {} (mean over replicas)"
+
+
+def _loss_check(policy: str, microbatches: int) -> str:
+    """The loss check's name: the mean of the replicas' losses (one batch per replica), or, with
+    micro-batches or a pipeline (``train_step``), the exact loss of the whole batch over replicas."""
+    return LOSS if is_pipeline_policy(policy) or microbatches > 1 else MEAN
+
+
+def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", microbatches: int = 1) -> list[str]:
     """The names of every check a rank must return for a replicas case (a short list is a failure)."""
     params = [n for n, _ in build_model(name, seed).model.named_parameters()]
-    loss = LOSS if is_pipeline_policy(policy) else "loss step {} (mean over replicas)"
+    loss = _loss_check(policy, microbatches)
     names = []
     for s in range(steps):
         names += [loss.format(s), *(f"grad {n} step {s}" for n in params),
@@ -66,16 +60,15 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "") 
 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                       groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
-                      microbatches: int = 1) -> list[Check]:
+                      microbatches: int = 1, traces: TraceCache | None = None) -> list[Check]:
     """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to
     ``world_size`` (gradient-sync buckets of ``bucket_bytes``, default the model's). With
     ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
     trains its share by ``train_step`` in M micro-batches (the loss exact over all replicas), and the
-    reference is one device on the whole batch. A pipeline policy: :mod:`verify.pipeline_replicas`
-    (default buckets)."""
+    reference is one device on the whole batch. A pipeline policy: :mod:`verify.pipeline_replicas`."""
     if is_pipeline_policy(policy):
         return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
-                                          microbatches)
+                                          microbatches, bucket_bytes, traces)
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
@@ -89,8 +82,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     mb = f"-mb{microbatches}" if microbatches > 1 else ""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(case.model, share(_cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
-                         groups=groups, verify=False,
+        pm = parallelize(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
+                         groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
                          gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}")
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())
@@ -99,7 +92,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     checks: list[Check] = []
     fallback = Float64Fallback(dt)
     for step in range(steps):  # judged as every whole-model case is (verify/compare.py)
-        args = _cast(batch(step), dt)
+        args = cast(batch(step), dt)
         shares = [share(args, r, replicas) for r in range(replicas)]
         point = {n: p.detach().clone() for n, p in params.items()}
         pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
@@ -117,11 +110,11 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         loss_ref = sum(ref(*a) for a in refs) / len(refs)
         loss_ref.backward()
         with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
-            loss64 = sum(ref64(*_cast(a, torch.float64)) for a in refs) / len(refs)
+            loss64 = sum(ref64(*cast(a, torch.float64)) for a in refs) / len(refs)
             loss64.backward()
         widen = FALLBACK_WIDEN if fallback.used else 1.0
         kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
-        checks.append(check_tensor(f"loss step {step} (mean over replicas)", mean, loss_ref.detach(),
+        checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
     if fallback.used:

@@ -27,6 +27,7 @@ from .node_case import node_sample
 from .model_case import run_model_job
 from .replicas_case import run_replicas_case
 from .samples import DTYPES, Sample, make_sample
+from .traces import TraceCache
 
 
 def load_modules(paths: Sequence[str]) -> OpRegistry:
@@ -55,6 +56,7 @@ class RankState:
     groups: GroupCache
     device: torch.device
     cache: dict = field(default_factory=dict)
+    traces: TraceCache = field(default_factory=TraceCache)  # whole models traced once, compiled under many plans
 
     def sample(self, job: dict) -> tuple[Sample, rank_case.Reference]:
         """The sample and reference of a job, reused across its partitions."""
@@ -115,10 +117,10 @@ def handle(state: RankState, job: dict) -> dict:
             checks = run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
                                        job["steps"], job["seed"], state.groups, job["gen_dir"],
                                        dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
-                                       microbatches=job.get("microbatches", 1))
+                                       microbatches=job.get("microbatches", 1), traces=state.traces)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         if job["kind"] == "model":
-            checks = run_model_job(job, state.groups)
+            checks = run_model_job(job, state.groups, state.traces)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         sample, ref = state.sample(job)
         if job["kind"] == "plan":

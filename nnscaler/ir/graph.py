@@ -7,6 +7,7 @@ replicated). Several operators may read one tensor; each is free to want its own
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,17 @@ class IRGraph:
     buffers: list[IRTensor]
     outputs: list[Any]
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted tensor constants by name
+
+    def copy(self) -> "IRGraph":
+        """A copy to compile on (``parallelize`` renames tied parameters and keeps the graph): new
+        tensors, operators and constants; the registry's specs and bound annotations, never written,
+        are shared."""
+        memo: dict[int, Any] = {}
+        for op in self.ops:
+            for shared in (op.spec, op.bound):
+                if shared is not None:
+                    memo[id(shared)] = shared
+        return copy.deepcopy(self, memo)
 
     def carries_grad(self) -> set[IRTensor]:
         """Tensors a gradient can flow to: floating parameters and user inputs, and the floating

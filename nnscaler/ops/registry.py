@@ -67,6 +67,12 @@ class OpRegistry:
     def __len__(self) -> int:
         return len(self._ops)
 
+    def fingerprint(self) -> tuple:
+        """What annotating a traced operator depends on: every operator's name and annotation, and
+        which rules stand for each overload (equal fingerprints annotate every graph alike)."""
+        return (tuple((n, s.annotation, id(s)) for n, s in sorted(self._ops.items())),
+                tuple((o, tuple(id(r) for r in rules)) for o, rules in sorted(self._rules.items())))
+
 
 DEFAULT_REGISTRY = OpRegistry()
 """Filled at import time by ``opzoo`` and ``register_op`` decorators, as ``torch.library`` is."""

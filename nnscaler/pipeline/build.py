@@ -60,10 +60,11 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
                          gen_savedir: str | os.PathLike, reuse: bool = True, strict: bool = False,
                          sample_kwargs: Mapping[str, Any] | None = None, registry=None,
                          groups: GroupCache | None = None, verify: str | bool = False,
-                         verify_cache: str | os.PathLike | None = None) -> PipelineModule:
+                         verify_cache: str | os.PathLike | None = None, tracer=None) -> PipelineModule:
     """This rank's :class:`PipelineModule` (see :func:`nnscaler.parallelize`). ``verify``: every stage
     plan's (operator, partition) pairs verified as ``parallelize`` verifies a plan (on the first
-    stage's ranks, the rest take their verdicts; same cache), refused or warned before any code."""
+    stage's ranks, the rest take their verdicts; same cache), refused or warned before any code.
+    ``tracer`` traces one micro-batch, as in ``parallelize``."""
     from ..parallel import _import, _save, _verify_plan  # as parallelize writes, imports and verifies
     stage_policy, config = pipeline_config(policy, config)
     if sample_kwargs:
@@ -77,7 +78,7 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
                         f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
     pp, v = config.pp_size, stages_per_rank(config.schedule)
     k = plan_ngpus // pp
-    graph = trace(model, split_batch(sample_args, None, m)[0][0], None, registry=registry, strict=strict)
+    graph = (tracer or trace)(model, split_batch(sample_args, None, m)[0][0], None, registry=registry, strict=strict)
     canonical_params(model, graph)
     total = n_stages(config)
     cuts = (split_at_modules(graph, model, tuple(config.pp_split)) if config.pp_split

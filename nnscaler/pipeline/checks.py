@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -49,21 +49,57 @@ def cut_units(model: torch.nn.Module) -> list[str]:
     return out
 
 
-def check_split_order(model: torch.nn.Module, split: tuple[str, ...]) -> None:
-    """Split points name distinct, disjoint modules in the order the model defines them (taken as the
-    order it runs them; the traced program confirms it, :func:`~nnscaler.pipeline.cut.split_at_modules`).
-    Raises :class:`PlanError`."""
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+def run_order(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
+              names: Sequence[str]) -> dict[str, int]:
+    """The order in which the named modules first run in one forward of ``model`` on the sample (no
+    gradients; the random state and every buffer, a batch norm's running statistics, left as they were).
+    A module that never runs is absent."""
+    order: dict[str, int] = {}
+
+    def seen(name: str):
+        def hook(module, inputs) -> None:  # returns None: the inputs pass unchanged
+            order.setdefault(name, len(order))
+        return hook
+    hooks = [model.get_submodule(n).register_forward_pre_hook(seen(n)) for n in names]
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(*args, **(kwargs or {}))
+    except Exception as exc:  # the sample does not fit the model: say so in one line, not a deep traceback
+        raise PlanError(f"{type(model).__name__} fails on the sample arguments ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}); pass a batch the model accepts") from None
+    finally:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+    return order
+
+
+def check_split_order(model: torch.nn.Module, split: tuple[str, ...], args: Sequence[Any] = (),
+                      kwargs: Mapping[str, Any] | None = None) -> None:
+    """Split points name distinct, disjoint modules in the order the model runs them (found by one
+    forward on the sample, :func:`run_order`; the traced program confirms it,
+    :func:`~nnscaler.pipeline.cut.split_at_modules`). Raises :class:`PlanError`."""
     for a, b in zip(split, split[1:]):
         if a == b or b.startswith(a + ".") or a.startswith(b + "."):
             raise PlanError(f"split points {a!r} and {b!r} {'are the same module' if a == b else 'nest'}; name one "
                             f"module per stage boundary, each after the previous one")
+    if len(split) < 2:
+        return
+    order = run_order(model, args, kwargs, split)
+    idle = [n for n in split if n not in order]
+    if idle:
+        raise PlanError(f"split point {idle[0]!r} never runs in {type(model).__name__}'s forward on the sample; "
+                        f"name modules the model runs")
+    for a, b in zip(split, split[1:]):
         if order[b] < order[a]:
-            raise PlanError(f"split points {list(split)} are not in program order ({b!r} comes before {a!r} in "
+            raise PlanError(f"split points {list(split)} are not in program order ({b!r} runs before {a!r} in "
                             f"{type(model).__name__}); name them in the order the model runs them")
 
 
-def check_model(model: torch.nn.Module, args: Sequence[Any], config) -> None:
+def check_model(model: torch.nn.Module, args: Sequence[Any], config, kwargs: Mapping[str, Any] | None = None) -> None:
     """The model-dependent pipeline checks: enough layers for the stages, split points that exist
     and hold parameters, a batch divisible into micro-batches. Raises :class:`PlanError`."""
     stages = n_stages(config)
@@ -79,8 +115,8 @@ def check_model(model: torch.nn.Module, args: Sequence[Any], config) -> None:
                             + (f"; did you mean {', '.join(close)}?" if close else ""))
         if not any(True for _ in modules[name].parameters()):
             raise PlanError(f"split point {name!r} holds no parameters; name a module with parameters")
-    check_split_order(model, tuple(config.pp_split or ()))
     try:
-        check_divisible(args, None, config.num_microbatches)
+        check_divisible(args, kwargs, config.num_microbatches)
     except MicroBatchError as exc:
         raise PlanError(f"sample_args: {exc}") from None
+    check_split_order(model, tuple(config.pp_split or ()), args, kwargs)

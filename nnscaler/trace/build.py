@@ -6,7 +6,7 @@ import operator
 import re
 from pathlib import Path
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 import torch.fx
@@ -24,6 +24,13 @@ _KINDS = {InputKind.PARAMETER: PARAM, InputKind.BUFFER: BUFFER, InputKind.USER_I
 
 
 _SET_GRAD_ENABLED = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+
+
+class Tracer(Protocol):
+    """What ``parallelize`` traces a model with: :func:`trace`'s signature."""
+
+    def __call__(self, model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *,
+                 registry: OpRegistry | None = None, strict: bool = False) -> IRGraph: ...
 
 
 class UnknownOperatorWarning(UserWarning):
