@@ -220,7 +220,7 @@ def first_divergence(pm: ParallelModule, model: torch.nn.Module, args: tuple, wo
     """Run ``pm``'s plan instrumented on ``args`` (every rank of the plan calls this) and compare
     each operator with the single-device run of the same graph; ``None`` if none diverges.
     ``model_ref``, ``seed`` and ``dtype`` name the traced model for the culprit's rerun command."""
-    graph, plan, mesh = pm.graph, pm.plan, pm._mesh
+    graph, plan, mesh = pm.graph, pm.plan, pm.mesh
     program, local = probed_program(graph, plan, mesh, model)
     par = _run(program, local, mesh.groups, args)
     dev, ref = single_device(graph, model, args, None), single_device(graph, model, args, torch.float64)

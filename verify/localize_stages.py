@@ -44,13 +44,14 @@ def _inputs(g, dev: _Recorder, graph_inputs: dict) -> list[torch.Tensor]:
     return out
 
 
-def _backward(g, outs, cotangents: dict) -> None:
-    """Backward from a stage's outputs: each output's cotangent, or 1 for the loss (no cotangent, 0-dim)."""
+def _backward(g, outs, cotangents: dict, last: bool) -> None:
+    """Backward from a stage's outputs: each output's cotangent, or, in the ``last`` stage, 1 for the
+    loss (its 0-dim output)."""
     outs = outs if isinstance(outs, tuple) else (outs,)
     pairs = []
     for t, y in zip(g.outputs, outs):
         grad = cotangents.get(getattr(t, "name", None))
-        if grad is None and not cotangents and y.dim() == 0:
+        if grad is None and last and isinstance(y, torch.Tensor) and y.dim() == 0:
             grad = torch.ones_like(y)  # the last stage's loss
         if grad is not None and isinstance(y, torch.Tensor) and y.requires_grad:
             pairs.append((y, grad.to(y.dtype)))
@@ -66,19 +67,20 @@ def stage_cotangents(graphs, model, dev: _Recorder, graph_inputs: dict) -> list[
     for s in range(len(graphs) - 1, -1, -1):
         program, state = single_program(graphs[s], model)
         inputs = _inputs(graphs[s], dev, graph_inputs)
-        _backward(graphs[s], program.forward(state, (None,), *inputs, probe=_Recorder()), out[s])
+        _backward(graphs[s], program.forward(state, (None,), *inputs, probe=_Recorder()), out[s], s == len(graphs) - 1)
         if s:
             out[s - 1] = {t.name: x.grad for t, x in zip(graphs[s].inputs, inputs) if x.grad is not None}
     return out
 
 
-def _run_stage(module, model: torch.nn.Module, graph_inputs: dict, dev: _Recorder, cotangents: dict) -> _Recorder:
+def _run_stage(module, model: torch.nn.Module, graph_inputs: dict, dev: _Recorder, cotangents: dict,
+               last: bool) -> _Recorder:
     """One stage's program, instrumented, on the single-device values at its inputs, back-propagated
     from the single-device ``cotangents`` at its outputs (this rank's part; its stage ranks all call it)."""
-    g, mesh = module.graph, module._mesh
+    g, mesh = module.graph, module.mesh
     program, local = probed_program(g, module.plan, mesh, model)
     rec = _Recorder()
-    _backward(g, program.forward(local, mesh.groups, *_inputs(g, dev, graph_inputs), probe=rec), cotangents)
+    _backward(g, program.forward(local, mesh.groups, *_inputs(g, dev, graph_inputs), probe=rec), cotangents, last)
     return rec
 
 
@@ -102,14 +104,14 @@ def localize_pipeline_case(name: str, policy: str, world_size: int, seed: int, g
     dev, ref = single_device(graph, model, micro, None), single_device(graph, model, micro, torch.float64)
     graph_inputs = {t.name: a for t, a in zip(graph.inputs, micro)}
     n = len(pm.plans)
-    cotangents = stage_cotangents(pm._graphs, model, dev, graph_inputs)
+    cotangents = stage_cotangents(pm.graphs, model, dev, graph_inputs)
     mine = {}
     for s in sorted(int(k) for k in pm.stages):  # a rank's stages in order: their ranks meet in the same order
         module = pm.stages[str(s)]
-        par = _run_stage(module, model, graph_inputs, dev, cotangents[s])
-        found = first_bad(par, dev, ref, module._mesh.groups)
+        par = _run_stage(module, model, graph_inputs, dev, cotangents[s], s == n - 1)
+        found = first_bad(par, dev, ref, module.mesh.groups)
         if found is not None:
-            k, first = module.plan.world_size, module._mesh.offset
+            k, first = module.plan.world_size, module.mesh.offset
             where = f"stage {s} of {n} (ranks {first}-{first + k - 1})" if k > 1 else f"stage {s} of {n} (rank {first})"
             mine[s] = divergence(module.graph, module.plan, found, k, name, seed, dtype, where)
     everyone: list = [None] * world_size

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def device_mesh(module: "ParallelModule") -> DeviceMesh | None:
     """The plan's rank mesh as a ``DeviceMesh`` over the module's existing groups (no new groups)."""
-    mesh = module._mesh
+    mesh = module.mesh
     axes = _axes(module)
     if not axes:
         return None
@@ -40,7 +40,7 @@ def device_mesh(module: "ParallelModule") -> DeviceMesh | None:
 
 def _axes(module: "ParallelModule") -> list[int]:
     """The mesh axes with more than one rank."""
-    return [a for a, g in enumerate(module._mesh.groups) if g is not None]
+    return [a for a, g in enumerate(module.mesh.groups) if g is not None]
 
 
 def placements(layout) -> list:
@@ -68,7 +68,7 @@ def gather_blocks(module: "ParallelModule", items: list[tuple[str, torch.Tensor]
     from ..dimops.layout import join_blocks
     out = [local for _, local in items]
     layouts = [module._program.STATE[name][1] for name, _ in items]
-    for axis, group in enumerate(module._mesh.groups):
+    for axis, group in enumerate(module.mesh.groups):
         if group is None:
             continue
         todo: dict[torch.dtype, list[list[tuple[int, int, int]]]] = {}
@@ -96,17 +96,17 @@ def load_buffer(module: "ParallelModule", name: str, like: torch.Tensor):
     """(buffer to load into, function cutting it to this rank's piece): the buffer is ``like``'s
     shape, made whole along the axes that split ``name`` in blocks."""
     layout = module._program.STATE[name][1]
-    blocked = [(a, d, k) for a, d, k in _blocked(layout) if module._mesh.groups[a] is not None]
+    blocked = [(a, d, k) for a, d, k in _blocked(layout) if module.mesh.groups[a] is not None]
     if not blocked:
         return torch.empty_like(like), lambda buf: buf
     shape = list(like.shape)
     for axis, dim, _ in blocked:
-        shape[dim] *= module._mesh.shape[axis]
-    coords = module._mesh.coords
+        shape[dim] *= module.mesh.shape[axis]
+    coords = module.mesh.coords
 
     def cut(buf: torch.Tensor) -> torch.Tensor:
         for axis, dim, blocks in blocked:
-            f = module._mesh.shape[axis]
+            f = module.mesh.shape[axis]
             buf = buf.unflatten(dim, (blocks, -1)).chunk(f, dim + 1)[coords[axis]].flatten(dim, dim + 1)
         return buf
     return torch.empty(shape, dtype=like.dtype, device=like.device), cut

@@ -123,6 +123,11 @@ class PipelineModule(torch.nn.Module):
         return total.clone() if total._base is not None else total  # zero-bubble detaches it in place: no view
 
     @property
+    def graphs(self) -> list:
+        """Every stage's graph, in stage order (the stages this rank runs are :attr:`stages`)."""
+        return list(self._graphs)
+
+    @property
     def _has_first(self) -> bool:
         return 0 in self._stage_ids
 

@@ -72,6 +72,11 @@ class ParallelModule(torch.nn.Module):
     def _local(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, key) for key, name in self._names.items()}
 
+    @property
+    def mesh(self) -> RankMesh:
+        """This rank's mesh: its process group per plan axis (None where the axis is 1) and its offset."""
+        return self._mesh
+
     def forward(self, *inputs: Any) -> Any:
         return self._program.forward(self._local(), self._mesh.groups, *inputs)
 
