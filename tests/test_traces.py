@@ -45,3 +45,38 @@ def test_the_cache_keeps_the_most_recent_graphs_only():
     for rows in (2, 3, 4, 2):
         tracer(model, (torch.randn(rows, 4),))
     assert traces.misses == 4 and len(traces.graphs) == 2
+
+
+class _Chain(torch.nn.Module):
+    """A long chain of operators: each output links to the next op (a deep model's graph)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.w = n, torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        for _ in range(self.n):
+            x = x * self.w
+        return x.sum()
+
+
+def _links(graph) -> list:
+    """Every tensor's producer and consumers, by name, in graph order (what a copy must keep)."""
+    seen, out = set(), []
+    for op in graph.ops:
+        for t in (*op.tensor_inputs(), *op.outputs):
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out.append((t.name, t.producer and t.producer.name, [c.name for c in t.consumers]))
+    return out
+
+
+def test_a_copy_keeps_every_link_and_a_deep_graph_copies_without_recursion():
+    for model, args in ((build_model("nanogpt", 0).model, build_model("nanogpt", 0).batch(0)),
+                        (_Chain(600), (torch.randn(3, 4),))):
+        graph = trace(model, args)
+        copy = graph.copy()
+        assert _links(copy) == _links(graph) and str(copy) == str(graph)
+        assert not {id(t) for op in copy.ops for t in op.outputs} & {id(t) for op in graph.ops for t in op.outputs}
+        assert [t.name for t in copy.params] == [t.name for t in graph.params]
+        assert all(t.consumers for t in copy.params if t.consumers is not None)

@@ -7,7 +7,7 @@ replicated). Several operators may read one tensor; each is free to want its own
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,14 +82,39 @@ class IRGraph:
 
     def copy(self) -> "IRGraph":
         """A copy to compile on (``parallelize`` renames tied parameters and keeps the graph): new
-        tensors, operators and constants; the registry's specs and bound annotations, never written,
-        are shared."""
-        memo: dict[int, Any] = {}
-        for op in self.ops:
-            for shared in (op.spec, op.bound):
-                if shared is not None:
-                    memo[id(shared)] = shared
-        return copy.deepcopy(self, memo)
+        tensors and operators, linked alike; the registry's specs and bound annotations, constant
+        values and lifted constants are shared (never written). Iterative: ``copy.deepcopy`` recurses
+        along producer/consumer links and overflows the stack on a deep model."""
+        tensors: dict[int, IRTensor] = {}
+
+        def tensor(t: IRTensor) -> IRTensor:
+            if id(t) not in tensors:
+                tensors[id(t)] = dataclasses.replace(t, producer=None, consumers=[])
+            return tensors[id(t)]
+
+        def value(v: Any) -> Any:
+            if isinstance(v, IRTensor):
+                return tensor(v)
+            if isinstance(v, (list, tuple)):
+                return type(v)(value(x) for x in v)
+            if isinstance(v, dict):
+                return {k: value(x) for k, x in v.items()}
+            return v
+
+        ops = {id(op): dataclasses.replace(op, inputs=value(op.inputs), kwargs=value(op.kwargs),
+                                           outputs=[None if t is None else tensor(t) for t in op.outputs])
+               for op in self.ops}
+        graph = dataclasses.replace(self, ops=[ops[id(op)] for op in self.ops], inputs=value(self.inputs),
+                                    params=value(self.params), buffers=value(self.buffers),
+                                    outputs=value(self.outputs), constants=dict(self.constants))
+        olds = {id(t): t for op in self.ops for t in (*op.tensor_inputs(), *op.outputs) if t is not None}
+        olds.update((id(t), t) for t in (*self.inputs, *self.params, *self.buffers))
+        for key, new in tensors.items():
+            old = olds.get(key)
+            if old is not None:
+                new.producer = None if old.producer is None else ops.get(id(old.producer))
+                new.consumers = [ops[id(c)] for c in old.consumers if id(c) in ops]
+        return graph
 
     def carries_grad(self) -> set[IRTensor]:
         """Tensors a gradient can flow to: floating parameters and user inputs, and the floating
