@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -69,6 +69,18 @@ class IROp:
         return f"{self.name} = {self.overload}({', '.join(map(repr, self.inputs))})  # {anno}"
 
 
+def remap(value: Any, tensor: Callable[[IRTensor], IRTensor]) -> Any:
+    """``value`` (an operator's argument: a tensor, or lists, tuples and dicts of them and of
+    constants) with every :class:`IRTensor` replaced by ``tensor(it)``."""
+    if isinstance(value, IRTensor):
+        return tensor(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(remap(x, tensor) for x in value)
+    if isinstance(value, dict):
+        return {k: remap(x, tensor) for k, x in value.items()}
+    return value
+
+
 @dataclass
 class IRGraph:
     """Operators in program order, with the program's inputs, parameters, buffers and outputs."""
@@ -93,13 +105,7 @@ class IRGraph:
             return tensors[id(t)]
 
         def value(v: Any) -> Any:
-            if isinstance(v, IRTensor):
-                return tensor(v)
-            if isinstance(v, (list, tuple)):
-                return type(v)(value(x) for x in v)
-            if isinstance(v, dict):
-                return {k: value(x) for k, x in v.items()}
-            return v
+            return remap(v, tensor)
 
         ops = {id(op): dataclasses.replace(op, inputs=value(op.inputs), kwargs=value(op.kwargs),
                                            outputs=[None if t is None else tensor(t) for t in op.outputs])

@@ -19,7 +19,7 @@ import torch
 
 from ..cost.compute import op_time
 from ..cost.profiles import get_profile
-from ..ir.graph import ACTIVATION, INPUT, PARAM, IRGraph, IROp, IRTensor
+from ..ir.graph import ACTIVATION, INPUT, PARAM, IRGraph, IROp, IRTensor, remap
 from ..policies.plan import PlanError
 
 
@@ -155,20 +155,11 @@ def _subgraph(graph: IRGraph, ops: list[IROp], inputs: list[IRTensor], outputs: 
             copies[t] = replace(t, kind=kind or t.kind, producer=None, consumers=[])
         return copies[t]
 
-    def remap(x: Any) -> Any:
-        if isinstance(x, IRTensor):
-            return cp(x)
-        if isinstance(x, (list, tuple)):
-            return type(x)(remap(v) for v in x)
-        if isinstance(x, dict):
-            return {k: remap(v) for k, v in x.items()}
-        return x
-
     ins = [cp(t, INPUT) for t in inputs]
     new_ops = []
     for op in ops:
-        new = replace(op, inputs=remap(op.inputs), outputs=[None if t is None else cp(t, ACTIVATION) for t in op.outputs],
-                      kwargs=remap(op.kwargs))
+        new = replace(op, inputs=remap(op.inputs, cp), outputs=[None if t is None else cp(t, ACTIVATION) for t in op.outputs],
+                      kwargs=remap(op.kwargs, cp))
         for t in new.tensor_inputs():
             t.consumers.append(new)
         for t in new.outputs:
@@ -181,4 +172,4 @@ def _subgraph(graph: IRGraph, ops: list[IROp], inputs: list[IRTensor], outputs: 
     params = [copies[t] for t in graph.params if t in used]
     buffers = [copies[t] for t in graph.buffers if t in used]
     constants = {k: v for k, v in graph.constants.items() if any(t.target == k for t in graph.buffers if t in used)}
-    return IRGraph(new_ops, ins, params, buffers, [remap(o) for o in outputs], constants)
+    return IRGraph(new_ops, ins, params, buffers, [remap(o, cp) for o in outputs], constants)
