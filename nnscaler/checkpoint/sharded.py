@@ -120,6 +120,26 @@ def check_optimizer(meta: dict, optimizer: torch.optim.Optimizer, names: list[st
                                   f"which a {type(optimizer).__name__} cannot resume from")
 
 
+def optimizer_buffer(module: "ParallelModule", name: str, param: torch.Tensor, md):
+    """(buffer, cut, laid out like the parameter) for one saved optimizer state tensor of parameter
+    ``name`` (``md``: its DCP metadata): a moment shaped like the whole parameter loads into the
+    parameter's own piece (:func:`load_buffer`), anything else (a scalar ``step``) whole."""
+    if tuple(md.size) == tuple(module._program.STATE[name][0]) and len(md.size):
+        return (*load_buffer(module, name, param), True)
+    return torch.empty(tuple(md.size), dtype=md.properties.dtype), lambda b: b, False
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, meta: dict, opt_state: dict) -> None:
+    """Put the loaded hyperparameters (``meta``'s, group by group) and state (``opt_state``: parameter ->
+    {key: (loaded tensor or DTensor, cut to this rank's piece)}) into ``optimizer``."""
+    for gi, group in enumerate(optimizer.param_groups):
+        saved = meta["param_groups"][gi] if gi < len(meta["param_groups"]) else {}
+        group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in group})
+    for p, st in opt_state.items():
+        optimizer.state[p] = {k: cut(v._local_tensor if isinstance(v, DTensor) else v).contiguous()
+                              for k, (v, cut) in st.items()}
+
+
 def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a checkpoint written by :func:`save` under any plan into ``module`` (and ``optimizer``,
     built over ``module.parameters()``); each rank reads only what its pieces overlap."""
@@ -145,10 +165,7 @@ def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
             name = pnames[id(p)]
             opt_state[p] = {}
             for k in meta["state_keys"][name]:
-                md = held[f"optim.{name}.{k}"]
-                whole = tuple(md.size) == tuple(module._program.STATE[name][0]) and len(md.size)
-                buf, cut = (load_buffer(module, name, p) if whole
-                            else (torch.empty(tuple(md.size), dtype=md.properties.dtype), lambda b: b))
+                buf, cut, whole = optimizer_buffer(module, name, p, held[f"optim.{name}.{k}"])
                 opt_state[p][k] = (buf, cut)
                 state[f"optim.{name}.{k}"] = sharded(module, mesh, name, buf) if whole else buf
     dcp.load(state, checkpoint_id=str(path), process_group=module.process_group)
@@ -156,9 +173,4 @@ def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
         for dest, buf, cut in targets:
             dest.copy_(cut(buf))
     if optimizer is not None:
-        for gi, group in enumerate(optimizer.param_groups):
-            saved = meta["param_groups"][gi] if gi < len(meta["param_groups"]) else {}
-            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in group})
-        for p, st in opt_state.items():
-            optimizer.state[p] = {k: cut(v._local_tensor if isinstance(v, DTensor) else v).contiguous()
-                                  for k, (v, cut) in st.items()}
+        restore_optimizer(optimizer, meta, opt_state)
