@@ -7,6 +7,14 @@ import torch.distributed as dist
 from ._base import _GS, mutant, patch, swapped
 
 
+def _around_launch(around) -> None:
+    """``GradSync._launch`` (a bucket's all-reduce) becomes ``around(launch, self, bucket)``, ``launch``
+    the real one."""
+    GS = _GS().GradSync
+    launch = GS._launch
+    patch(GS, "_launch", lambda self, b: around(launch, self, b))
+
+
 @mutant
 def grad_sync_missing():
     patch(_GS().GradSync, "attach", lambda self: None)
@@ -14,14 +22,11 @@ def grad_sync_missing():
 
 @mutant
 def grad_sync_averages():
-    GS = _GS().GradSync
-    launch = GS._launch
-
-    def mean(self, b):
+    def mean(launch, self, b):
         launch(self, b)
         b.handle.wait()
         b.flat /= dist.get_world_size(b.group)
-    patch(GS, "_launch", mean)
+    _around_launch(mean)
 
 
 @mutant
@@ -49,13 +54,10 @@ def grad_sync_offset_not_reset():
 
 @mutant
 def grad_sync_on_the_world_group():
-    GS = _GS().GradSync
-    launch = GS._launch
-
-    def on_world(self, b):
+    def on_world(launch, self, b):
         with swapped(b, "group", None):  # None: the default group, every rank
             launch(self, b)
-    patch(GS, "_launch", on_world)
+    _around_launch(on_world)
 
 
 class _NotIssued:
@@ -67,24 +69,18 @@ class _NotIssued:
 
 @mutant
 def grad_sync_first_bucket_only():
-    GS = _GS().GradSync
-    launch = GS._launch
-
-    def first_only(self, b):
+    def first_only(launch, self, b):
         if b is self.buckets[0]:
             return launch(self, b)
         # the other buckets keep this rank's own grads
         with swapped(dist, "all_reduce", lambda *args, **kwargs: _NotIssued()):
             launch(self, b)
-    patch(GS, "_launch", first_only)
+    _around_launch(first_only)
 
 
 @mutant
 def grad_sync_bucket_keeps_stale_params():
-    GS = _GS().GradSync
-    launch = GS._launch
-
-    def lose_last(self, b):
+    def lose_last(launch, self, b):
         b.params[-1].grad = torch.zeros_like(b.params[-1])  # the bucket's last gradient is lost
         launch(self, b)
-    patch(GS, "_launch", lose_last)
+    _around_launch(lose_last)
