@@ -19,7 +19,7 @@ from .ops.registry import OpRegistry
 from .policies import ComputeConfig, Plan, PlanError, validate
 from .pipeline import check_model, is_pipeline_policy, parallelize_pipeline
 from .pipeline.build import pipeline_config
-from .plan_api import attach_stats, resolve_policy, write_report
+from .plan_api import attach_stats, canonical_params, resolve_policy, write_report
 from .policies.plan import Policy
 from .runtime.mesh import GroupCache, RankMesh, mesh_shapes
 from .runtime.microbatch import MicroBatchError, split_batch
@@ -171,15 +171,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
                         f"(runtime_ngpus, or plan_ngpus when runtime_ngpus is unset)")
     name, fn = resolve_policy(policy)
     graph = (tracer or trace)(model, sample_args, sample_kwargs, registry=registry, strict=strict)
-    canonical = {}  # tied parameters go by their first name, as named_parameters() lists them
-    for n, p in model.named_parameters():
-        canonical.setdefault(id(p), n)
-    by_target: dict[str, object] = {}
-    for t in graph.params:
-        t.target = canonical.get(id(model.get_parameter(t.target)), t.target)
-        if t.target not in by_target or (t.consumers and not by_target[t.target].consumers):
-            by_target[t.target] = t  # export may list a tied parameter twice, using one of them
-    graph.params[:] = list(by_target.values())
+    canonical_params(model, graph)  # tied parameters go by their first name, once each
     plan: Plan = fn(graph, config)
     if not isinstance(plan, Plan):
         raise PlanError(f"policy {name} returned {type(plan).__name__}, not a Plan")

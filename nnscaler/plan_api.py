@@ -47,7 +47,7 @@ def canonical_params(model: torch.nn.Module, graph: IRGraph) -> None:
     for t in graph.params:
         t.target = canonical.get(id(model.get_parameter(t.target)), t.target)
         if t.target not in by_target or (t.consumers and not by_target[t.target].consumers):
-            by_target[t.target] = t
+            by_target[t.target] = t  # export may list a tied parameter twice, using one of them
     graph.params[:] = list(by_target.values())
 
 

@@ -24,6 +24,19 @@ def _ini_modules() -> tuple[str, ...]:
 MODULES = _ini_modules()
 
 
+def first_mismatch(cases, run):
+    """``(case, row)`` of the first of ``cases`` whose row (``run(case)``) mismatches. Every row must
+    fail: a wrong split may make a later view fail outright (an error row, also a failure), and then
+    the next case is tried; the test fails when every one errored."""
+    from verify.cases import MATCH, MISMATCH
+    for case in cases:
+        row = run(case)
+        assert row.status != MATCH, row
+        if row.status == MISMATCH:
+            return case, row
+    pytest.fail("every wrong split errored")
+
+
 @pytest.fixture(scope="session")
 def registry(pytestconfig):
     """The default registry with opzoo and the test fixtures' operators (the ranks' own)."""

@@ -16,6 +16,7 @@ import pytest
 from nnscaler.codegen.emit import generate
 from nnscaler.policies import POLICIES, ComputeConfig
 from nnscaler.trace.build import trace
+from tests.conftest import first_mismatch
 from verify.cases import MISMATCH, RunConfig, run_model
 from verify.gang import Gang
 from verify.models.builders import MODELS
@@ -67,15 +68,9 @@ def wrong_rules_gang(wrong_norm_rules):
 def test_a_wrong_annotation_inside_a_model_is_named(wrong_rules_gang, model, overloads):
     if model not in MODELS:
         pytest.skip("needs transformers")
-    # some wrong splits make a later view fail outright (an error row, also a failure): take the
-    # first seed whose program runs and mismatches
-    for seed, culprit in _wrong_splits(model, overloads):
-        row = _row(wrong_rules_gang, model, "random", seed, [WRONG_RULES])
-        assert row.status != "match", row
-        if row.status == MISMATCH:
-            break
-    else:
-        pytest.fail("every wrong split errored")
+    # the first seed whose program runs and mismatches (some wrong splits error: also a failure)
+    (seed, culprit), row = first_mismatch(_wrong_splits(model, overloads),
+                                          lambda c: _row(wrong_rules_gang, model, "random", c[0], [WRONG_RULES]))
     found = re.search(r"first divergent operator: (\S+) \(([^)]*)\) \[([^\]]*)\]", row.detail)
     assert found, row.detail
     assert found.group(1) == culprit.name and found.group(2).startswith(culprit.overload), (row.detail, culprit)

@@ -107,7 +107,7 @@ def test_train_step_adds_to_gradients_held_before_and_restores_them_on_error():
 
 
 # -- on real ranks ------------------------------------------------------------------------------------
-CATALOG = str(Path(__file__).parent / "mutants" / "catalog.py")
+CATALOG = str(Path(__file__).parent / "mutants" / "catalog")  # a package, loaded by path in the ranks
 
 
 def _accumulation(gang, name, policy, mode, world_size=2, plan_ngpus=None, m=2, seed=0, mutant=None):

@@ -56,8 +56,8 @@ def run_accumulation_job(job: dict, groups: GroupCache) -> list[Check]:
     micro-batches, then every gradient (and for ``train_step`` the loss) against one device on the
     whole batch. ``mode``: ``no_sync`` (the user's loop: backward of each micro-batch's loss / M,
     ``no_sync`` around all but the last), ``synced`` (the same loop without ``no_sync``: gradients
-    synced after every backward), ``train_step``. With ``mutant`` (a name) and ``catalog`` (a file with a
-    context manager ``applied(name)``, as ``tests/mutants/catalog.py``), the case runs with that bug
+    synced after every backward), ``train_step``. With ``mutant`` (a name) and ``catalog`` (a file or a
+    package folder with a context manager ``applied(name)``, as ``tests/mutants/catalog/``), the case runs with that bug
     put into the compiler or runtime, and without it again afterwards: the tests prove so, on the
     shared rank gang, that the harness catches it."""
     with _mutated(job.get("catalog"), job.get("mutant")):
@@ -69,10 +69,19 @@ def _mutated(catalog: str | None, name: str | None):
         return nullcontext()
     module = sys.modules.get("verify_mutant_catalog")
     if module is None:
-        spec = importlib.util.spec_from_file_location("verify_mutant_catalog", catalog)
+        path = Path(catalog)
+        if path.is_dir():  # a package: its modules import each other relatively, under this name
+            spec = importlib.util.spec_from_file_location("verify_mutant_catalog", path / "__init__.py",
+                                                          submodule_search_locations=[str(path)])
+        else:
+            spec = importlib.util.spec_from_file_location("verify_mutant_catalog", catalog)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["verify_mutant_catalog"] = module
+        sys.modules["verify_mutant_catalog"] = module  # before running it: relative imports look here
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules["verify_mutant_catalog"]
+            raise
     return module.applied(name)
 
 

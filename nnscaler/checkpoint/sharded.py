@@ -120,6 +120,49 @@ def check_optimizer(meta: dict, optimizer: torch.optim.Optimizer, names: list[st
                                   f"which a {type(optimizer).__name__} cannot resume from")
 
 
+def _optimizer_buffer(module: "ParallelModule", name: str, param: torch.Tensor, md):
+    """(buffer, cut, laid out like the parameter) for one saved optimizer state tensor of parameter
+    ``name`` (``md``: its DCP metadata): a moment shaped like the whole parameter loads into the
+    parameter's own piece (:func:`load_buffer`), anything else (a scalar ``step``) whole."""
+    if tuple(md.size) == tuple(module._program.STATE[name][0]) and len(md.size):
+        return (*load_buffer(module, name, param), True)
+    return torch.empty(tuple(md.size), dtype=md.properties.dtype), lambda b: b, False
+
+
+def optimizer_targets(held: dict, meta: dict, optimizer: torch.optim.Optimizer, place, state: dict) -> dict:
+    """Check the checkpoint's optimizer state against ``optimizer`` and plan its load: add a buffer (a
+    ``DTensor`` where laid out like the parameter) to DCP's ``state`` for each saved state tensor, and
+    return parameter -> {key: (buffer, cut to this rank's piece)} for :func:`restore_optimizer`.
+    ``place(param)``: (module holding it, that module's device mesh, model name). A state tensor
+    already in ``state`` (a tied parameter held twice on this rank) is loaded once and shared."""
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    check_optimizer(meta, optimizer, [place(p)[2] for p in order])
+    opt_state: dict = {}
+    for p in order:
+        mod, mesh, name = place(p)
+        opt_state[p] = {}
+        for k in meta["state_keys"][name]:
+            key = f"optim.{name}.{k}"
+            buf, cut, whole = _optimizer_buffer(mod, name, p, held[key])
+            if key in state:
+                opt_state[p][k] = (state[key], cut)
+            else:
+                opt_state[p][k] = (buf, cut)
+                state[key] = sharded(mod, mesh, name, buf) if whole else buf
+    return opt_state
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, meta: dict, opt_state: dict) -> None:
+    """Put the loaded hyperparameters (``meta``'s, group by group) and state (``opt_state``: parameter ->
+    {key: (loaded tensor or DTensor, cut to this rank's piece)}) into ``optimizer``."""
+    for gi, group in enumerate(optimizer.param_groups):
+        saved = meta["param_groups"][gi] if gi < len(meta["param_groups"]) else {}
+        group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in group})
+    for p, st in opt_state.items():
+        optimizer.state[p] = {k: cut(v._local_tensor if isinstance(v, DTensor) else v).contiguous()
+                              for k, (v, cut) in st.items()}
+
+
 def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a checkpoint written by :func:`save` under any plan into ``module`` (and ``optimizer``,
     built over ``module.parameters()``); each rank reads only what its pieces overlap."""
@@ -136,29 +179,12 @@ def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
         buf, cut = load_buffer(module, name, dest)
         state[f"model.{name}"] = sharded(module, mesh, name, buf)
         targets.append((dest, buf, cut))
-    opt_state = {}
     if optimizer is not None:
         pnames = _param_names(module)
-        order = [p for g in optimizer.param_groups for p in g["params"]]
-        check_optimizer(meta, optimizer, [pnames[id(p)] for p in order])
-        for p in order:
-            name = pnames[id(p)]
-            opt_state[p] = {}
-            for k in meta["state_keys"][name]:
-                md = held[f"optim.{name}.{k}"]
-                whole = tuple(md.size) == tuple(module._program.STATE[name][0]) and len(md.size)
-                buf, cut = (load_buffer(module, name, p) if whole
-                            else (torch.empty(tuple(md.size), dtype=md.properties.dtype), lambda b: b))
-                opt_state[p][k] = (buf, cut)
-                state[f"optim.{name}.{k}"] = sharded(module, mesh, name, buf) if whole else buf
+        opt_state = optimizer_targets(held, meta, optimizer, lambda p: (module, mesh, pnames[id(p)]), state)
     dcp.load(state, checkpoint_id=str(path), process_group=module.process_group)
     with torch.no_grad():
         for dest, buf, cut in targets:
             dest.copy_(cut(buf))
     if optimizer is not None:
-        for gi, group in enumerate(optimizer.param_groups):
-            saved = meta["param_groups"][gi] if gi < len(meta["param_groups"]) else {}
-            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in group})
-        for p, st in opt_state.items():
-            optimizer.state[p] = {k: cut(v._local_tensor if isinstance(v, DTensor) else v).contiguous()
-                                  for k, (v, cut) in st.items()}
+        restore_optimizer(optimizer, meta, opt_state)

@@ -14,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.layout import device_mesh, gather_blocks, load_buffer, sharded
-from ..checkpoint.sharded import META, CheckpointError, _hyper, check_model, check_optimizer, model_names, read_meta
+from ..checkpoint.sharded import (META, CheckpointError, _hyper, check_model, model_names, optimizer_targets,
+                                  read_meta, restore_optimizer)
 
 
 def _params(pm) -> dict[int, tuple]:
@@ -92,24 +93,9 @@ def load(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
             buf, cut = load_buffer(mod, name, dest)
             state[f"model.{name}"] = sharded(mod, mesh, name, buf)
             targets.append((dest, buf, cut))
-    opt_state = {}
     if optimizer is not None:
         params = _params(pm)
-        order = [p for g in optimizer.param_groups for p in g["params"]]
-        check_optimizer(meta, optimizer, [params[id(p)][2] for p in order])
-        for p in order:
-            mod, mesh, name, _ = params[id(p)]
-            opt_state[p] = {}
-            for k in meta["state_keys"][name]:
-                md, key = held[f"optim.{name}.{k}"], f"optim.{name}.{k}"
-                whole = tuple(md.size) == tuple(mod._program.STATE[name][0]) and len(md.size)
-                buf, cut = (load_buffer(mod, name, p) if whole
-                            else (torch.empty(tuple(md.size), dtype=md.properties.dtype), lambda b: b))
-                opt_state[p][k] = (buf, cut)
-                if key not in state:
-                    state[key] = sharded(mod, mesh, name, buf) if whole else buf
-                else:
-                    opt_state[p][k] = (state[key], cut)
+        opt_state = optimizer_targets(held, meta, optimizer, lambda p: params[id(p)][:3], state)
     dcp.load(state, checkpoint_id=str(path), process_group=pm.process_group)
     local = lambda v: v._local_tensor if isinstance(v, DTensor) else v  # noqa: E731
     with torch.no_grad():
@@ -118,11 +104,7 @@ def load(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
         for dest, src in again:
             dest.copy_(local(src))
     if optimizer is not None:
-        for gi, group in enumerate(optimizer.param_groups):
-            saved = meta["param_groups"][gi] if gi < len(meta["param_groups"]) else {}
-            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in group})
-        for p, st in opt_state.items():
-            optimizer.state[p] = {k: cut(local(v)).contiguous() for k, (v, cut) in st.items()}
+        restore_optimizer(optimizer, meta, opt_state)
 
 
 def whole_moments(pm, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""Apply each mutant of ``catalog.py`` in turn and run a reduced ``python -m verify all`` against it
+"""Apply each mutant of ``catalog/`` in turn and run a reduced ``python -m verify all`` against it
 (every rank imports a shim ``--module`` file that applies the mutant); a mutant is killed when the
 run exits 1 (some row failed). Prints one line per mutant (with the first failing row) and the kill rate.
 
@@ -32,12 +32,15 @@ MODELS = ["weightnorm_mlp", "bucketed_mlp", "padded_gpt", "nanogpt", "gpt2_v96"]
 def shim(directory: Path, name: str) -> Path:
     """A ``--module`` file that applies mutant ``name`` on import."""
     path = directory / f"mutant_{name}.py"
+    catalog = Path(__file__).with_name("catalog")  # a package: its families import ``_base`` relatively
     path.write_text("import importlib.util, sys\n"
-                    f"spec = importlib.util.spec_from_file_location('nnscaler_mutants', {str(Path(__file__).with_name('catalog.py'))!r})\n"
                     "mod = sys.modules.get('nnscaler_mutants')\n"
                     "if mod is None:\n"
-                    "    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
-                    "    sys.modules['nnscaler_mutants'] = mod\n"
+                    f"    spec = importlib.util.spec_from_file_location('nnscaler_mutants', {str(catalog / '__init__.py')!r},\n"
+                    f"                                                  submodule_search_locations=[{str(catalog)!r}])\n"
+                    "    mod = importlib.util.module_from_spec(spec)\n"
+                    "    sys.modules['nnscaler_mutants'] = mod  # before running it: its relative imports look here\n"
+                    "    spec.loader.exec_module(mod)\n"
                     f"    mod.apply({name!r})\n")
     return path
 

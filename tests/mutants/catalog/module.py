@@ -1,0 +1,71 @@
+"""Mutants of the compiled module and its checkpoints: shards, merges, loads (``nnscaler/runtime/module.py``,
+``nnscaler/codegen/emit.py``, ``nnscaler/pipeline/checkpoint.py``)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._base import mutant, patch
+
+
+def _M():
+    from nnscaler.runtime import module
+    return module
+
+
+@mutant
+def shard_offset_reversed():
+    from nnscaler.codegen import emit
+
+    def slices(shape, layout, mesh_shape, rank):  # each axis's coordinate counted from the other end
+        c = emit.coords(rank, mesh_shape)
+        return emit.piece(shape, layout, mesh_shape, tuple(m - 1 - i for m, i in zip(mesh_shape, c)))
+    patch(emit, "shard_slices", slices)
+
+
+@mutant
+def checkpoint_merge_reversed():
+    M = _M()
+
+    def whole(self, name, x):
+        layout = self._program.STATE[name][1]
+        for axis in reversed(range(len(layout))):
+            q = M._parse_layout(layout)[axis]
+            group = self._mesh.groups[axis]
+            if q is not None and group is not None:
+                parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, x.contiguous(), group=group)
+                x = M.join_blocks(parts[::-1], q.dim, q.blocks)
+        return x
+    patch(M.ParallelModule, "_whole", whole)
+
+
+@mutant
+def checkpoint_drops_a_parameter():
+    M = _M()
+    orig = M.ParallelModule.state_dict
+
+    def state_dict(self, *a, **k):
+        out = orig(self, *a, **k)
+        return {n: v for i, (n, v) in enumerate(out.items()) if i != 1}
+    patch(M.ParallelModule, "state_dict", state_dict)
+
+
+@mutant
+def load_state_dict_ignored():
+    patch(_M().ParallelModule, "load_state_dict", lambda self, state_dict, strict=True, assign=False: None)
+
+
+@mutant
+def load_state_dict_first_shard_everywhere():
+    M = _M()
+    orig = M.take
+    patch(M, "take", lambda full, slices: orig(full, tuple((0, s[1] - s[0], *s[2:]) for s in slices)))
+
+
+@mutant
+def pipeline_checkpoint_saves_blocked_pieces_as_shards():
+    """A pipeline's checkpoint writes a piece split in blocks (a fused qkv's rows: this rank's chunk of
+    q, of k and of v) as if it were a contiguous shard, without making it whole on its axis first."""
+    from nnscaler.pipeline import checkpoint as PC
+    patch(PC, "gather_blocks", lambda module, items: [t for _, t in items])
