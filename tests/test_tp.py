@@ -1,5 +1,5 @@
 """Megatron-grade tensor parallelism: the ``tp`` plan of nanoGPT (fused qkv), GPT-2 (Conv1D fused
-qkv), Llama (GQA, rotary) issues 2 all-reduces forward and 2 backward per layer and stores each
+qkv), Llama (GQA, rotary) and torch's TransformerEncoder (nn.MultiheadAttention) issues 2 all-reduces forward and 2 backward per layer and stores each
 layer's parameters split; with ``sequence_parallel`` they become all-gather / reduce-scatter pairs;
 and the programs train like one device."""
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _needs(name: str) -> None:
 
 # --- the plans -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "llama"])
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "llama", "transformer_encoder"])
 def test_tp_is_megatrons_plan(name):
     _needs(name)
     world = 2
@@ -138,7 +138,8 @@ def test_a_factor_after_fixed_counts_splits_in_blocks():
 @pytest.mark.parametrize("name,policy,world", [("tp_nanogpt", "tp", 2), ("tp_gpt2", "tp", 2), ("tp_llama", "tp", 2),
                                                ("tp_nanogpt", "tp_sp", 2), ("tp_llama", "tp_sp", 2),
                                                ("tp_nanogpt", "hybrid", 4), ("tp_nanogpt", "tp_sp", 4),
-                                               ("tp_nanogpt", "hybrid_sp", 4), ("tp_llama", "hybrid_sp", 4)])
+                                               ("tp_nanogpt", "hybrid_sp", 4), ("tp_llama", "hybrid_sp", 4),
+                                               ("tp_transformer_encoder", "tp", 2), ("tp_transformer_encoder", "tp", 4)])
 def test_tp_programs_train_like_one_device(verify_model, name, policy, world):
     if name not in MODELS:
         pytest.skip(f"{name} needs transformers (pip install -e '.[models]')")

@@ -16,6 +16,7 @@ from ..ir.graph import ACTIVATION, BUFFER, CONSTANT, INPUT, PARAM, IRGraph, IROp
 from ..ops.registry import DEFAULT_REGISTRY, OpRegistry
 from .calls import call_of, flatten_tensor_lists, meta_of
 from .export import TraceError, export_model
+from .heads import heads_outer
 from .rows import batch_major_rows
 from .match import derive
 
@@ -64,7 +65,9 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     """
     registry = DEFAULT_REGISTRY if registry is None else registry
     ep = export_model(model, args, kwargs)
-    if batch_major_rows(ep.graph):  # rows merged batch-second (nn.MultiheadAttention): batch first
+    rewrites = batch_major_rows(ep.graph)  # rows merged batch-second (nn.MultiheadAttention): batch first
+    rewrites += heads_outer(ep.graph)  # heads merged into the batch (nn.MultiheadAttention): a dim of their own
+    if rewrites:
         ep.graph_module.recompile()
     kinds = {s.arg.name: (_KINDS.get(s.kind, CONSTANT), s.target or "") for s in ep.graph_signature.input_specs
              if hasattr(s.arg, "name")}

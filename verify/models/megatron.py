@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .builders import ModelCase, _tokens
+from .builders import EncoderRegression, ModelCase, _tokens
 from .hf import LossOf, MaskedLossOf, _causal_lm, _lm_batch
 from .nanogpt import GPT, GPTConfig
 
@@ -70,7 +70,19 @@ def t5(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> Model
     return ModelCase(T5Loss(T5ForConditionalGeneration(cfg)), _lm_batch(VOCAB, seed))
 
 
-TP_MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5}
+def transformer_encoder(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> ModelCase:
+    """``torch.nn.TransformerEncoder``: ``nn.MultiheadAttention``'s packed projection and heads merged
+    into the batch (the tracer keeps the heads apart, ``nnscaler/trace/heads.py``)."""
+    torch.manual_seed(seed)
+
+    def batch(step: int):
+        g = torch.Generator().manual_seed(1000 + step + seed)
+        return torch.randn(4, 8, width, generator=g), torch.randn(4, 8, width, generator=g)
+    return ModelCase(EncoderRegression(width, heads, layers), batch)
+
+
+TP_MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5,
+             "transformer_encoder": transformer_encoder}
 
 
 def _register() -> None:
