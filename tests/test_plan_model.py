@@ -19,7 +19,7 @@ from nnscaler.plan_api import REPORT_NAME, attach_stats, plan_graph
 from nnscaler.policies import PlanError
 from nnscaler.trace.build import UnknownOperatorWarning, trace
 from verify.cases import MATCH, RunConfig, run_model
-from verify.models.builders import MODELS, EncoderRegression
+from verify.models.builders import MODELS
 from verify.models.nanogpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -115,8 +115,19 @@ def test_a_plan_without_estimate_says_how_to_get_one(gpt_graph):
         plan.summary()
 
 
+class _OddRegression(torch.nn.Module):
+    """Widths 6 and 10: no dimension of a weight divides by 4 ranks, so ``tp`` at W=4 keeps it whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(6, 10), torch.nn.Linear(10, 6)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.down(torch.relu(self.up(x))), y)
+
+
 def test_tensor_parallelism_that_keeps_the_model_whole_warns():
-    model, args = EncoderRegression(), (torch.randn(4, 8, 32), torch.randn(4, 8, 32))
+    model, args = _OddRegression(), (torch.randn(4, 8, 6), torch.randn(4, 8, 6))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         with pytest.warns(PlanWarning, match="promises tensor parallelism"):
