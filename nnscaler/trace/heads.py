@@ -22,13 +22,9 @@ import operator
 import torch
 import torch.fx
 
+from .rewrite import RESHAPES, set_meta, shape_of
+
 aten = torch.ops.aten
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def _shape(node) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -44,9 +40,9 @@ def _is(node, target, *args) -> bool:
 def _merge(node: torch.fx.Node):
     """``(view, transpose, view back, s, b, h, d)`` when ``node`` is ``view(x, [s, b*h, d])`` of an
     ``x`` shaped ``(s, b, h*d)``, read only by ``transpose(0, 1)``, read only by ``view([b, h, s, d])``."""
-    if node.op != "call_function" or node.target not in VIEWS or not isinstance(node.args[0], torch.fx.Node):
+    if node.op != "call_function" or node.target not in RESHAPES or not isinstance(node.args[0], torch.fx.Node):
         return None
-    xs, out = _shape(node.args[0]), _shape(node)
+    xs, out = shape_of(node.args[0]), shape_of(node)
     if not xs or not out or len(xs) != 3 or len(out) != 3 or out[0] != xs[0]:
         return None
     s, bh, d = out
@@ -58,16 +54,9 @@ def _merge(node: torch.fx.Node):
     if t is None or not (_is(t, aten.transpose.int, 0, 1) and t.args[0] is node):
         return None
     back = _only_user(t)
-    if back is None or back.op != "call_function" or back.target not in VIEWS or _shape(back) != (b, h, s, d):
+    if back is None or back.op != "call_function" or back.target not in RESHAPES or shape_of(back) != (b, h, s, d):
         return None
     return node, t, back, s, b, h, d
-
-
-def _meta(node: torch.fx.Node, like: torch.fx.Node, val) -> None:
-    node.meta["val"] = val
-    for key in ("stack_trace", "nn_module_stack"):
-        if key in like.meta:
-            node.meta[key] = like.meta[key]
 
 
 def heads_apart(graph: torch.fx.Graph) -> int:
@@ -81,9 +70,9 @@ def heads_apart(graph: torch.fx.Graph) -> int:
         x = view.args[0]
         with graph.inserting_before(back):
             apart = graph.call_function(aten.reshape.default, (x, [s, b, h, d]))
-            _meta(apart, view, x.meta["val"].reshape(s, b, h, d))
+            set_meta(apart, view, x.meta["val"].reshape(s, b, h, d))
             heads = graph.call_function(aten.permute.default, (apart, [1, 2, 0, 3]))
-            _meta(heads, back, apart.meta["val"].permute(1, 2, 0, 3))
+            set_meta(heads, back, apart.meta["val"].permute(1, 2, 0, 3))
         back.replace_all_uses_with(heads)
         for dead in (back, t, view):
             graph.erase_node(dead)
@@ -97,7 +86,7 @@ def _unpacked(node: torch.fx.Node):
     if node.op != "call_function" or node.target is not aten.unflatten.int or len(node.args) != 3:
         return None
     dim, sizes = node.args[1], node.args[2]
-    ps = _shape(node.args[0])
+    ps = shape_of(node.args[0])
     if not ps or dim not in (-1, len(ps) - 1) or list(sizes)[:1] != [3] or len(sizes) != 2 or ps[-1] != 3 * sizes[1]:
         return None
     chain = [node]
@@ -132,11 +121,11 @@ def split_packed(graph: torch.fx.Graph) -> int:
         with graph.inserting_before(node):
             parts = graph.call_function(aten.split.Tensor, (packed, e, -1))
             vals = packed.meta["val"].split(e, -1)
-            _meta(parts, node, list(vals))
+            set_meta(parts, node, list(vals))
         for i, sel in selects.items():
             with graph.inserting_after(parts):
                 part = graph.call_function(operator.getitem, (parts, i))
-            _meta(part, sel, vals[i])
+            set_meta(part, sel, vals[i])
             sel.replace_all_uses_with(part)
             graph.erase_node(sel)
         for dead in reversed(chain):

@@ -18,22 +18,18 @@ import math
 import torch
 import torch.fx
 
+from .rewrite import RESHAPES, set_meta, shape_of
+
 aten = torch.ops.aten
-RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 ROW_WISE = (aten.linear.default, aten.dropout.default)  # act on each row alone (first argument)
 PERMUTES = (aten.permute.default, aten.transpose.int)
 
 
-def _shape(node) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
-
-
 def _swapped(node: torch.fx.Node) -> bool:
     """``node`` permutes its input so that its dims 0 and 1 come in the reverse of their input order."""
-    if node.op != "call_function" or node.target not in PERMUTES or not _shape(node):
+    if node.op != "call_function" or node.target not in PERMUTES or not shape_of(node):
         return False
-    ndim = len(_shape(node))
+    ndim = len(shape_of(node))
     if node.target is aten.permute.default:
         perm = [d % ndim for d in node.args[1]]
     else:
@@ -48,7 +44,7 @@ def _pattern(node: torch.fx.Node):
     (s, b) of a permute into rows that reach a split back into ``(s, b, e)`` through row-wise ops."""
     if node.op != "call_function" or node.target not in RESHAPES or not isinstance(node.args[0], torch.fx.Node):
         return None
-    xs, out = _shape(node.args[0]), _shape(node)
+    xs, out = shape_of(node.args[0]), shape_of(node)
     if not xs or not out or len(xs) < 3 or len(out) != 2 or not _swapped(node.args[0]):
         return None
     s, b = xs[0], xs[1]
@@ -60,20 +56,12 @@ def _pattern(node: torch.fx.Node):
         if user.op == "call_function" and user.target in ROW_WISE and user.args[0] is last:
             last = user
             continue
-        shape = _shape(user)
+        shape = shape_of(user)
         if user.op == "call_function" and user.target in RESHAPES and user.args[0] is last and shape \
                 and len(shape) == 3 and shape[:2] == (s, b) and last is not node:
             return s, b, last, user
         return None
     return None
-
-
-def _meta(node: torch.fx.Node, like: torch.fx.Node, val) -> None:
-    node.meta["val"] = val
-    if "stack_trace" in like.meta:
-        node.meta["stack_trace"] = like.meta["stack_trace"]
-    if "nn_module_stack" in like.meta:
-        node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
 
 
 def batch_major_rows(graph: torch.fx.Graph) -> int:
@@ -87,15 +75,15 @@ def batch_major_rows(graph: torch.fx.Graph) -> int:
         x = node.args[0]
         with graph.inserting_before(node):
             swap = graph.call_function(aten.transpose.int, (x, 0, 1))
-        _meta(swap, node, x.meta["val"].transpose(0, 1))
+        set_meta(swap, node, x.meta["val"].transpose(0, 1))
         node.args = (swap, *node.args[1:])
-        e = _shape(back)[2]
+        e = shape_of(back)[2]
         back.args = (back.args[0], [b, s, e])
         old = back.meta["val"]
         back.meta["val"] = old.transpose(0, 1).contiguous()  # now (b, s, e)
         with graph.inserting_after(back):
             restore = graph.call_function(aten.transpose.int, (back, 0, 1))
-        _meta(restore, back, old)
+        set_meta(restore, back, old)
         back.replace_all_uses_with(restore, delete_user_cb=lambda user: user is not restore)
         count += 1
     return count
