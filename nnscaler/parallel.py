@@ -17,8 +17,7 @@ from .codegen.emit import generate
 from .dimops.partition import Partition
 from .ops.registry import OpRegistry
 from .policies import ComputeConfig, Plan, PlanError, validate
-from .pipeline import check_model, is_pipeline_policy, parallelize_pipeline
-from .pipeline.build import pipeline_config
+from .pipeline import is_pipeline_policy, parallelize_pipeline
 from .plan_api import attach_stats, canonical_params, resolve_policy, write_report
 from .policies.plan import Policy
 from .runtime.mesh import GroupCache, RankMesh, mesh_shapes
@@ -153,8 +152,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     if verify not in ("strict", "warn", False):
         raise PlanError(f"verify must be 'strict', 'warn' or False, got {verify!r}")
     if config.pp_size > 1 or is_pipeline_policy(policy):  # pipeline stages: nnscaler.pipeline
-        check_model(model, sample_args, pipeline_config(policy, config)[1], sample_kwargs)  # bad input, no ranks yet
-        _ensure_process_group()
+        # parallelize_pipeline checks its input before it makes the process group
         return parallelize_pipeline(model, sample_args, policy, config, gen_savedir=gen_savedir, reuse=reuse,
                                     strict=strict, sample_kwargs=sample_kwargs, registry=registry, groups=groups,
                                     verify=verify, verify_cache=verify_cache, tracer=tracer)

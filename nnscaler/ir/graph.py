@@ -97,12 +97,12 @@ class IRGraph:
         tensors and operators, linked alike; the registry's specs and bound annotations, constant
         values and lifted constants are shared (never written). Iterative: ``copy.deepcopy`` recurses
         along producer/consumer links and overflows the stack on a deep model."""
-        tensors: dict[int, IRTensor] = {}
+        pairs: dict[int, tuple[IRTensor, IRTensor]] = {}  # id(old) -> (old, new)
 
         def tensor(t: IRTensor) -> IRTensor:
-            if id(t) not in tensors:
-                tensors[id(t)] = dataclasses.replace(t, producer=None, consumers=[])
-            return tensors[id(t)]
+            if id(t) not in pairs:
+                pairs[id(t)] = (t, dataclasses.replace(t, producer=None, consumers=[]))
+            return pairs[id(t)][1]
 
         def value(v: Any) -> Any:
             return remap(v, tensor)
@@ -113,13 +113,9 @@ class IRGraph:
         graph = dataclasses.replace(self, ops=[ops[id(op)] for op in self.ops], inputs=value(self.inputs),
                                     params=value(self.params), buffers=value(self.buffers),
                                     outputs=value(self.outputs), constants=dict(self.constants))
-        olds = {id(t): t for op in self.ops for t in (*op.tensor_inputs(), *op.outputs) if t is not None}
-        olds.update((id(t), t) for t in (*self.inputs, *self.params, *self.buffers))
-        for key, new in tensors.items():
-            old = olds.get(key)
-            if old is not None:
-                new.producer = None if old.producer is None else ops.get(id(old.producer))
-                new.consumers = [ops[id(c)] for c in old.consumers if id(c) in ops]
+        for old, new in pairs.values():
+            new.producer = None if old.producer is None else ops.get(id(old.producer))
+            new.consumers = [ops[id(c)] for c in old.consumers if id(c) in ops]
         return graph
 
     def carries_grad(self) -> set[IRTensor]:

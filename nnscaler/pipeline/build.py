@@ -65,12 +65,13 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
     plan's (operator, partition) pairs verified as ``parallelize`` verifies a plan (on the first
     stage's ranks, the rest take their verdicts; same cache), refused or warned before any code.
     ``tracer`` traces one micro-batch, as in ``parallelize``."""
-    from ..parallel import _import, _save, _verify_plan  # as parallelize writes, imports and verifies
+    from ..parallel import _ensure_process_group, _import, _save, _verify_plan  # as parallelize does
     stage_policy, config = pipeline_config(policy, config)
     if sample_kwargs:
         raise PlanError("a pipelined model takes positional arguments only (sample_kwargs is not supported)")
     m = config.num_microbatches
-    check_model(model, sample_args, config)
+    check_model(model, sample_args, config)  # bad input, before any process group
+    _ensure_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     runtime, replicas, plan_ngpus = config.runtime_ngpus or config.plan_ngpus, config.replicas, config.plan_ngpus
     if world != runtime and not (groups is not None and runtime <= world):
