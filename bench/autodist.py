@@ -17,8 +17,8 @@ import torch
 
 import opzoo  # noqa: F401
 from nnscaler import ComputeConfig, PlanError
-from nnscaler.plan_api import canonical_params, plan_graph
-from nnscaler.policies.summary import human
+from nnscaler.compile.plan import canonical_params, plan_graph
+from nnscaler.cost.summary import human
 from nnscaler.trace.build import trace
 from verify.models.nanogpt import GPT, GPTConfig
 

@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    from verify.gang import free_port
+    from verify.runner.gang import free_port
     # the ranks' allocator returns every large block to the system when it is freed (glibc raises its
     # mmap threshold after frees otherwise), so the resident set size follows live memory
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)

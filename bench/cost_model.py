@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verify.gang import free_port
+from verify.runner.gang import free_port
 
 
 def spearman(a, b) -> float:

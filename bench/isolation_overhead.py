@@ -1,5 +1,5 @@
 """What isolating each case costs: the per-job state reset, drift check and process-tree sweep of
-``verify.isolation`` (plus the parent's liveness/memory poll), as a ratio of one operator case on the
+``verify.runner.isolation`` (plus the parent's liveness/memory poll), as a ratio of one operator case on the
 persistent gang, both measured in this run.
 
     python bench/isolation_overhead.py [--ops linear bmm softmax] [--repeat 2000]
@@ -10,9 +10,10 @@ import argparse
 import os
 import time
 
-from verify import isolation
-from verify.cases import RunConfig, run_op
-from verify.gang import Gang, rss_tree_mb
+from verify.runner import isolation
+from verify.cases.config import RunConfig
+from verify.sweep import run_op
+from verify.runner.gang import Gang, rss_tree_mb
 from verify.worker import load_modules
 
 

@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     world = 2
-    from verify.gang import free_port
+    from verify.runner.gang import free_port
     port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

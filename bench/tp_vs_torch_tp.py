@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from verify.gang import free_port
+    from verify.runner.gang import free_port
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     mp.start_processes(_rank, args=(2, free_port(), args, out), nprocs=2, start_method="spawn")

@@ -29,8 +29,8 @@ def _rank(rank: int, port: int, models, policies, rounds: int, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600))
     import opzoo  # noqa: F401  (the operator catalogue)
     from nnscaler.runtime.mesh import GroupCache, mesh_shapes
-    from verify.model_case import run_model_case
-    from verify.traces import TraceCache
+    from verify.cases.model import run_model_case
+    from verify.cases.traces import TraceCache
     groups = GroupCache(datetime.timedelta(seconds=600))
     groups.create_for_shapes(mesh_shapes(WORLD))
     box = [tempfile.mkdtemp() if rank == 0 else None]
@@ -58,7 +58,7 @@ def main() -> None:
     p.add_argument("--policies", nargs="+", default=["dp", "tp", "hybrid"])
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
-    from verify.gang import free_port
+    from verify.runner.gang import free_port
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(_rank, args=(free_port(), args.models, args.policies, args.rounds, out), nprocs=WORLD,

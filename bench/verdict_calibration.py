@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages, not an installed copy
 
-from verify.cases import judge  # noqa: E402
-from verify.gang import Gang  # noqa: E402
-from verify.model_case import expected_checks  # noqa: E402
+from verify.judge.verdict import judge  # noqa: E402
+from verify.runner.gang import Gang  # noqa: E402
+from verify.cases.model import expected_checks  # noqa: E402
 
 ARCHITECTURES = ["nanogpt", "llama", "gemma", "qwen3", "phi3", "t5", "vit", "resnet_gn", "mixtral_batched",
                  "transformer_encoder"]

@@ -4,8 +4,8 @@
 Prints, in one run: the compile time without verification (the baseline, after one warm-up compile
 so torch.export's first-call costs are not counted), with verification on an empty cache (cold) and
 on the filled cache (warm), each as a ratio against the baseline; and the verification alone
-(``verify.plan_check.verify_plan`` on the compiled plan), cold and warm. ``--unreduced`` also times
-verifying every (operator, partition) pair at its traced lengths (what :mod:`verify.plan_shrink`
+(``verify.plan.check.verify_plan`` on the compiled plan), cold and warm. ``--unreduced`` also times
+verifying every (operator, partition) pair at its traced lengths (what :mod:`verify.plan.shrink`
 saves; minutes here: the 50304-wide embedding and LM head in float64).
 
     python bench/verify_compile.py [--unreduced]     # spawns 2 ranks with torchrun (loopback)
@@ -28,7 +28,7 @@ def _rank_main(out: Path, unreduced: bool) -> None:
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize
     from verify.models.nanogpt import GPT, GPTConfig
-    from verify.plan_check import plan_pairs, verify_plan
+    from verify.plan.check import plan_pairs, verify_plan
 
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo")
@@ -70,7 +70,7 @@ def _rank_main(out: Path, unreduced: bool) -> None:
 
 
 def main() -> None:
-    from verify.torchrun import command
+    from verify.runner.torchrun import command
     with tempfile.TemporaryDirectory() as tmp:
         extra = ["--unreduced"] if "--unreduced" in sys.argv else []
         subprocess.run(command(["--nproc_per_node", "2", __file__, "--rank", tmp, *extra]), check=True,

@@ -13,9 +13,11 @@ import argparse
 import tempfile
 import time
 
-from verify.cases import RunConfig, plan_op, run_op
-from verify.gang import Gang
-from verify.report import ReportWriter
+from verify.cases.config import RunConfig
+
+from verify.sweep import plan_op, run_op
+from verify.runner.gang import Gang
+from verify.report.writer import ReportWriter
 from verify.worker import load_modules
 
 

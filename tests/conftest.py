@@ -28,7 +28,7 @@ def first_mismatch(cases, run):
     """``(case, row)`` of the first of ``cases`` whose row (``run(case)``) mismatches. Every row must
     fail: a wrong split may make a later view fail outright (an error row, also a failure), and then
     the next case is tried; the test fails when every one errored."""
-    from verify.cases import MATCH, MISMATCH
+    from verify.judge.verdict import MATCH, MISMATCH
     for case in cases:
         row = run(case)
         assert row.status != MATCH, row
@@ -62,6 +62,5 @@ def wrong_norm_rules():
         yield path
     finally:
         tag = "verify_user_" + str(abs(hash(str(Path(path).resolve()))))
-        for rules in DEFAULT_REGISTRY._rules.values():
-            rules[:] = [r for r in rules if r.__module__ != tag]
+        DEFAULT_REGISTRY.remove_rules(lambda r: r.__module__ != tag)
         sys.modules.pop(tag, None)

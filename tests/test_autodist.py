@@ -9,15 +9,15 @@ import torch
 
 import opzoo  # noqa: F401
 from nnscaler import ComputeConfig, PlanError
-from nnscaler.plan_api import PlanWarning
-from nnscaler.plan_api import canonical_params, plan_graph
+from nnscaler.compile.plan import PlanWarning
+from nnscaler.compile.plan import canonical_params, plan_graph
 from nnscaler.policies.autodist import MIP_GAP, axis_options, solve
 from nnscaler.policies.autodist_program import build_program, op_classes
 from nnscaler.policies.builtin import batch_identifiers
 from nnscaler.policies.greedy import fused_blocks
 from nnscaler.cost.profiles import get_profile
 from nnscaler.trace.build import trace
-from verify.models.builders import MODELS
+from verify.models.registry import MODELS
 from verify.models.nanogpt import GPT, GPTConfig
 
 
@@ -38,7 +38,7 @@ def _meta_gpt(width=256, batch=64, seq=256, vocab=512, layers=2):
 
 def _meta_hf(kind: str):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-    from verify.models.hf import LossOf
+    from verify.models.common import LossOf
     with torch.device("meta"):
         if kind == "gpt2":
             m = GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_embd=1024, n_layer=2, n_head=16, n_positions=512,
@@ -144,7 +144,7 @@ def test_a_model_with_no_annotated_operator_gets_the_whole_model_plan_not_a_solv
     import warnings
     from nnscaler.ops.registry import OpRegistry
     from nnscaler.trace.build import UnknownOperatorWarning, trace
-    from verify.models.builders import MODELS
+    from verify.models.registry import MODELS
     case = MODELS["nanogpt"](0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)

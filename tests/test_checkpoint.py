@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from nnscaler import checkpoint
-from verify.cases import MATCH, RunConfig, judge
-from verify.models.builders import MODELS
+from verify.judge.verdict import MATCH, judge
+from verify.cases.config import RunConfig
+from verify.models.registry import MODELS
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import checkpoint_ranks  # noqa: E402
@@ -130,6 +131,6 @@ def test_a_sharded_checkpoint_at_w4_resumes_under_another_sharded_plan_at_w2_and
 
 
 def test_plan_b_of_every_policy_is_sharded_and_smaller():
-    from verify.checkpoint_case import plan_b
+    from verify.cases.resume import plan_b
     assert {p: plan_b(p, 4) for p in ("dp", "tp", "random2d")} == {"dp": ("tp", 2), "tp": ("random", 2),
                                                                   "random2d": ("tp", 2)}

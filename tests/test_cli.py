@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases import MATCH, Row, RunConfig
+from verify.judge.verdict import MATCH
+
+from verify.cases.config import Row, RunConfig
 from verify.cli import main
-from verify.report import ReportWriter, load_rows
+from verify.report.writer import ReportWriter, load_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 WRONG = str(ROOT / "tests" / "fixtures" / "wrong_ops.py")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from nnscaler.comm.conversion import Step, conversion, layout_steps
 from nnscaler.dimops.layout import Partial, Replicate, Shard, layout_str
-from verify.conversion_case import parse_layout
+from verify.cases.conversion import parse_layout
 
 # meshes of the 4-rank session gang: 1-D, 2-D and 3-D with a degenerate axis
 MESHES_4 = [(4,), (2, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2)]

@@ -11,8 +11,10 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.conftest import MODULES
 from tests.test_conversion import cases, run_on_ranks
-from verify.cases import MATCH, RunConfig, run_model
-from verify.gang import Gang, max_ranks
+from verify.judge.verdict import MATCH
+from verify.cases.config import RunConfig
+from verify.sweep import run_model
+from verify.runner.gang import Gang, max_ranks
 
 MESHES_8 = [(2, 2, 2), (2, 4), (4, 2)]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from verify.cases import MATCH
-from verify.models.builders import MODELS
+from verify.judge.verdict import MATCH
+from verify.models.registry import MODELS
 
 
 def _rows(verify_model, name, policies, world_sizes=(2,), steps=2):

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from verify import isolation
-from verify.cases import CRASH, ERROR, MATCH, MISMATCH, TIMEOUT, UNVERIFIABLE, RunConfig, run_op
-from verify.gang import Gang, WorldSizeError, max_ranks
+from verify.runner import isolation
+from verify.judge.verdict import CRASH, ERROR, MATCH, MISMATCH, TIMEOUT, UNVERIFIABLE
+from verify.cases.config import RunConfig
+from verify.sweep import run_op
+from verify.runner.gang import Gang, WorldSizeError, max_ranks
 
 from conftest import FIXTURES, MODULES
 

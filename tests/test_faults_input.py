@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases import ERROR, MATCH, MISMATCH, Row, RunConfig
+from verify.judge.verdict import ERROR, MATCH, MISMATCH
+
+from verify.cases.config import Row, RunConfig
 from verify.cli import main
-from verify.gang import max_ranks
-from verify.report import CASES_FILE, ReportError, ReportWriter, load_rows
+from verify.runner.gang import max_ranks
+from verify.report.writer import CASES_FILE, ReportError, ReportWriter, load_rows
 
 from conftest import FIXTURES
 
@@ -146,12 +148,12 @@ def test_generated_code_is_not_run_on_trust(tmp_path):
 
 
 def test_two_jobs_sharing_gen_savedir_never_see_each_others_half_written_program(tmp_path):
-    from nnscaler.parallel import _import, _save
-    code = ("from nnscaler.parallel import _import, _save\nimport sys\nfrom pathlib import Path\n"
+    from nnscaler.compile.artifacts import import_program, save_program
+    code = ("from nnscaler.compile.artifacts import import_program, save_program\nimport sys\nfrom pathlib import Path\n"
             "d, me = Path(sys.argv[1]), sys.argv[2]\n"
             "for i in range(200):\n"
             "    src = f'WHO = {me!r}\\nPAD = {\"x\" * 200000!r}\\n'\n"
-            "    assert _import(src, _save(d, 0, src, True), 0).WHO == me\n")
+            "    assert import_program(src, save_program(d, 0, src, True), 0).WHO == me\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), who], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
              for who in ("a", "b")]
     seen = set()
@@ -171,7 +173,7 @@ def _listening(pids: set[int]) -> list[str]:
 
 @pytest.mark.skipif(subprocess.run(["which", "ss"], capture_output=True).returncode != 0, reason="needs ss")
 def test_the_gang_listens_on_loopback_only(gang):
-    from verify import isolation
+    from verify.runner import isolation
     pids = {os.getpid(), *gang.pids}
     pids |= {c for p in list(pids) for c in isolation.descendants(p)}
     addrs = _listening(pids)

@@ -4,7 +4,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from verify.cases import CRASH, ERROR, MATCH, MISMATCH, TIMEOUT, RunConfig, run_op
+from verify.judge.verdict import CRASH, ERROR, MATCH, MISMATCH, TIMEOUT
+
+from verify.cases.config import RunConfig
+
+from verify.sweep import run_op
 
 WRONG = {  # op -> the identifier whose split makes it wrong
     "wrong_softmax": "b",

@@ -8,9 +8,11 @@ import subprocess
 
 import pytest
 
-from verify.cases import MATCH, MISMATCH, Row, RunConfig
-from verify.html_report import FAIL_COLOR
-from verify.report import ReportWriter
+from verify.judge.verdict import MATCH, MISMATCH
+
+from verify.cases.config import Row, RunConfig
+from verify.report.html import FAIL_COLOR
+from verify.report.writer import ReportWriter
 
 
 def _rows() -> list[Row]:

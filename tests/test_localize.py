@@ -17,9 +17,11 @@ from nnscaler.codegen.emit import generate
 from nnscaler.policies import POLICIES, ComputeConfig
 from nnscaler.trace.build import trace
 from tests.conftest import first_mismatch
-from verify.cases import MISMATCH, RunConfig, run_model
-from verify.gang import Gang
-from verify.models.builders import MODELS
+from verify.judge.verdict import MISMATCH
+from verify.cases.config import RunConfig
+from verify.sweep import run_model
+from verify.runner.gang import Gang
+from verify.models.registry import MODELS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent

@@ -12,17 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from nnscaler.pipeline.cut import balanced_cuts, stage_graphs
-from nnscaler.plan_api import canonical_params, plan_graph
+from nnscaler.policies.cut import balanced_cuts, stage_graphs
+from nnscaler.compile.plan import canonical_params, plan_graph
 from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import trace
 from tests.conftest import first_mismatch
 from verify import cli
-from verify.cases import MATCH, MISMATCH, RunConfig, run_model
-from verify.gang import Gang, RankAnswer
-from verify.localize_stages import BETWEEN_STAGES
-from verify.models.builders import MODELS
-from verify.replica_rows import run_replicas
+from verify.judge.verdict import MATCH, MISMATCH
+from verify.cases.config import RunConfig
+from verify.sweep import run_model
+from verify.runner.gang import Gang
+from verify.runner.answer import RankAnswer
+from verify.cases.localize_stages import BETWEEN_STAGES
+from verify.models.registry import MODELS
+from verify.cases.replica_rows import run_replicas
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WRONG_RULES = str(FIXTURES / "wrong_norm_rules.py")

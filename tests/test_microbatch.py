@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from nnscaler.policies import ComputeConfig, PlanError
 from nnscaler.runtime.microbatch import MicroBatchError, accumulate, check_divisible, loss_terms, split_batch
-from verify.cases import MATCH, MISMATCH, judge
-from verify.models.builders import MODELS
+from verify.judge.verdict import MATCH, MISMATCH, judge
+from verify.models.registry import MODELS
 
 
 # -- on one process: splitting and the weighting of losses -------------------------------------------
@@ -37,7 +37,7 @@ def test_bad_micro_batch_configs_are_one_line_errors():
             ComputeConfig(2, num_microbatches=bad)
     with pytest.raises(MicroBatchError, match="scalar floating loss"):
         loss_terms(torch.ones(3), 4)
-    from nnscaler.parallel import parallelize  # refused before any process group or trace
+    from nnscaler import parallelize  # refused before any process group or trace
     with pytest.raises(PlanError, match=r"sample_args: batch argument 0 has 6 rows .*num_microbatches=4"):
         parallelize(torch.nn.Linear(3, 3), (torch.ones(6, 3),), "dp", ComputeConfig(2, num_microbatches=4))
 
@@ -156,7 +156,8 @@ def test_accumulation_bugs_are_caught(gang, mutant, name, policy, world_size, pl
 
 # -- the harness: whole-model rows with micro-batches ------------------------------------------------
 def test_a_padded_gpt_row_with_four_micro_batches_matches_one_device(gang):
-    from verify.cases import RunConfig, run_model
+    from verify.cases.config import RunConfig
+    from verify.sweep import run_model
     cfg = RunConfig(world_sizes=(2,), microbatches=4)
     with tempfile.TemporaryDirectory() as tmp:
         (row,) = run_model(gang, "padded_gpt", ("dp",), cfg, tmp, steps=2)

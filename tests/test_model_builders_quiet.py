@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import verify.models.hf  # noqa: E402,F401  (registers the transformers models)
 import verify.models.hf_more  # noqa: E402,F401
-from verify.models.builders import MODELS  # noqa: E402
+from verify.models.registry import MODELS  # noqa: E402
 
 
 class _Records(logging.Handler):

@@ -50,7 +50,7 @@ def test_every_built_in_policy_whose_plan_follows_the_seed_gets_every_random_see
     from nnscaler.policies import POLICIES, ComputeConfig
     from nnscaler.trace.build import trace
     from verify.cli import SEEDED_POLICIES
-    from verify.models.builders import build_model
+    from verify.models.loader import build_model
     case = build_model("nanogpt", 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases import BadInput, MATCH, RunConfig, run_op
+from verify.cases.config import BadInput, RunConfig
+
+from verify.judge.verdict import MATCH
+
+from verify.sweep import run_op
 from verify.worker import load_modules
 
 CATALOGUE = str(Path(__file__).parent / "fixtures" / "nnscaler_catalogue.py")

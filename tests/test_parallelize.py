@@ -10,8 +10,10 @@ import pytest
 from nnscaler.codegen.emit import generate
 from nnscaler.policies import POLICIES, ComputeConfig, Plan, PlanError, validate
 from nnscaler.trace.build import UnknownOperatorWarning, trace
-from verify.cases import MISMATCH, RunConfig, run_model
-from verify.models.builders import MODELS
+from verify.judge.verdict import MISMATCH
+from verify.cases.config import RunConfig
+from verify.sweep import run_model
+from verify.models.registry import MODELS
 
 CFG = RunConfig(world_sizes=(2, 4))
 
@@ -84,7 +86,7 @@ def test_torchrun_replicas_and_reuse_of_generated_code(tmp_path):
     import sys
     from pathlib import Path
 
-    from verify.torchrun import command
+    from verify.runner.torchrun import command
     script = Path(__file__).parent / "fixtures" / "replicas_script.py"
     r = subprocess.run(command(["--nproc_per_node", "4", str(script), str(tmp_path)]),  # loopback-only torchrun
                        capture_output=True, text=True, timeout=300)

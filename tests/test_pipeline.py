@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from nnscaler import ComputeConfig, PlanError
-from nnscaler.pipeline import check_model, cut_units
-from nnscaler.pipeline.cut import balanced_cuts, best_cuts, candidates, split_at_modules, stage_graphs, stage_costs
-from nnscaler.plan_api import canonical_params
+from nnscaler.policies.cut import check_model, cut_units
+from nnscaler.policies.cut import balanced_cuts, best_cuts, candidates, split_at_modules, stage_graphs, stage_costs
+from nnscaler.compile.plan import canonical_params
 from nnscaler.trace.build import trace
 from verify.cli import main
-from verify.models.builders import build_model
+from verify.models.loader import build_model
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_the_cli_refuses_a_bad_pipeline_before_any_rank_starts(tmp_path, capsys)
 def test_random_stage_plans_are_swept_at_every_random_seed():
     """``verify all`` draws random plans on pipeline meshes too (issue 13): a pipeline policy whose
     stages are planned by a seeded policy is swept, once per ``--random-seeds``."""
-    from nnscaler.pipeline.policies import PIPELINE_POLICIES, SWEPT
+    from nnscaler.policies.pipeline import PIPELINE_POLICIES, SWEPT
     from verify.cli import SEEDED_POLICIES
     seeded = {n for n, p in PIPELINE_POLICIES.items() if p.stage_policy in ("random", "random2d")}
     assert seeded and seeded <= set(SWEPT) and seeded <= set(SEEDED_POLICIES)
@@ -202,7 +202,7 @@ def test_random_stage_plans_are_swept_at_every_random_seed():
 def test_a_checkpoint_is_reloaded_at_a_world_size_the_gang_has_groups_for():
     """At W=3 (``verify model nanogpt --policy pp --world-size 3``) the gang has no group of 2 ranks:
     the reload runs at W=3 (it used to ask for ranks (0, 1) and fail the row)."""
-    from verify.checkpoint_case import pipeline_plan_b, plan_b
+    from verify.cases.resume import pipeline_plan_b, plan_b
     assert [pipeline_plan_b("pp", w) for w in (2, 3, 4, 6, 8)] == [("pp_interleaved", 2), ("pp", 3), ("pp2_tp", 4),
                                                                    ("pp_interleaved", 2), ("pp2_tp", 4)]
     assert pipeline_plan_b("pp2_tp", 8) == ("pp_interleaved", 2) and pipeline_plan_b("pp_interleaved", 2) == ("pp", 2)
@@ -212,8 +212,8 @@ def test_a_checkpoint_is_reloaded_at_a_world_size_the_gang_has_groups_for():
 def test_interleaved_schedules_are_swept_and_skipped_where_the_model_has_too_few_layers():
     """``verify all`` sweeps pp_interleaved and pp_zb (2 stages per rank); a world size whose stages
     outnumber the model's layers is skipped (no row), as a world size a policy does not apply to."""
-    from nnscaler.pipeline.policies import SWEPT
-    from verify.pipeline_case import check_pipeline_input, pipeline_applies
+    from nnscaler.policies.pipeline import SWEPT
+    from verify.cases.pipeline import check_pipeline_input, pipeline_applies
     assert {"pp_interleaved", "pp_zb"} <= set(SWEPT)
     assert len(cut_units(build_model("transformer_encoder", 0).model)) == 12  # 16 stages at W=8 do not fit
     assert pipeline_applies("pp_zb", 4, "transformer_encoder")
@@ -228,8 +228,8 @@ def test_hybrid_stages_at_eight_ranks_are_dp_by_tp_meshes():
     """``pp2_hybrid`` at W=8 is pp2 x dp2 x tp2: each stage a (2, 2) mesh whose operators split on
     both axes (the batch on dp, Megatron's dims on tp)."""
     import opzoo  # noqa: F401
-    from nnscaler.pipeline.build import pipeline_config, stage_config
-    from nnscaler.plan_api import plan_graph
+    from nnscaler.policies.pipeline import pipeline_config, stage_config
+    from nnscaler.compile.plan import plan_graph
     case = build_model("nanogpt", 0)
     policy, cfg = pipeline_config("pp2_hybrid", ComputeConfig(8, num_microbatches=4, tp_size=2))
     graph = trace(case.model, case.batch(0))

@@ -10,11 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases import ERROR, MATCH, MISMATCH, TIMEOUT, RunConfig, run_model
+from verify.judge.verdict import ERROR, MATCH, MISMATCH, TIMEOUT
+
+from verify.cases.config import RunConfig
+
+from verify.sweep import run_model
 from tests.conftest import MODULES
-from verify.gang import Gang, max_ranks
-from verify.pipeline_case import SWEPT, pipeline_applies
-from verify.replica_rows import run_replicas
+from verify.runner.gang import Gang, max_ranks
+from verify.cases.pipeline import SWEPT, pipeline_applies
+from verify.cases.replica_rows import run_replicas
 from verify.worker import load_modules
 
 MUTANTS = str(Path(__file__).parent / "fixtures" / "pipeline_mutants.py")

@@ -15,11 +15,13 @@ import nnscaler
 import opzoo  # noqa: F401  (the operator catalogue)
 from nnscaler import ComputeConfig, PlanWarning, plan_model
 from nnscaler.codegen.emit import generate
-from nnscaler.plan_api import REPORT_NAME, attach_stats, plan_graph
+from nnscaler.compile.plan import REPORT_NAME, attach_stats, plan_graph
 from nnscaler.policies import PlanError
 from nnscaler.trace.build import UnknownOperatorWarning, trace
-from verify.cases import MATCH, RunConfig, run_model
-from verify.models.builders import MODELS
+from verify.judge.verdict import MATCH
+from verify.cases.config import RunConfig
+from verify.sweep import run_model
+from verify.models.registry import MODELS
 from verify.models.nanogpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)

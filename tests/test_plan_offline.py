@@ -11,9 +11,9 @@ import pytest
 
 import opzoo  # noqa: F401
 from nnscaler import ComputeConfig, PlanError, plan_model
-from nnscaler.parallel import UnverifiedPlanWarning
-from verify.models.builders import MODELS
-from verify.plan_offline import verify_offline
+from nnscaler import UnverifiedPlanWarning
+from verify.models.registry import MODELS
+from verify.plan.offline import verify_offline
 
 
 @pytest.mark.parametrize("corrupt", [b"{not json", b"\x00\xff\xfe garbage", b'{"k": {"ok": "yes"}}', b"[1, 2]"])
@@ -38,7 +38,7 @@ def test_offline_passes_a_right_model_and_then_launches_nothing(registry, tmp_pa
     plan = plan_model(case.model, case.batch(0), "tp", ComputeConfig(2), verify="strict", verify_cache=cache)
     from nnscaler.trace.build import trace
     graph = trace(case.model, case.batch(0))
-    from nnscaler.plan_api import canonical_params
+    from nnscaler.compile.plan import canonical_params
     canonical_params(case.model, graph)
     again = verify_offline(graph, plan, cache_path=cache)  # every verdict from the cache: no gang
     assert again and all(v.ok and v.cached for v in again)

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import io
 
-from verify.cases import MATCH, MISMATCH, Row
-from verify.progress import RunProgress
+from verify.judge.verdict import MATCH, MISMATCH
+
+from verify.cases.config import Row
+from verify.report.progress import RunProgress
 
 
 def _row(status):

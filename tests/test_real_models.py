@@ -19,8 +19,10 @@ from nnscaler.policies import POLICIES, ComputeConfig
 from nnscaler.policies.builtin import batch_identifiers
 from nnscaler.policies.coverage import replicated_line, replicated_operators
 from nnscaler.trace.build import UnknownOperatorWarning, trace
-from verify.cases import MATCH, RunConfig, run_model
-from verify.models.builders import MODELS
+from verify.judge.verdict import MATCH
+from verify.cases.config import RunConfig
+from verify.sweep import run_model
+from verify.models.registry import MODELS
 
 BUILT_IN = ["nanogpt", "transformer_encoder", "llama", "gpt2", "bert"]
 NEW = ["mixtral", "mixtral_batched", "mixtral_ep", "qwen3", "gemma", "phi3", "t5", "vit", "resnet_gn", "conv1d_net"]

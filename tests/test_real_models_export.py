@@ -55,7 +55,7 @@ def test_untraceable_model_names_its_line_and_the_fix(capfd):
 def test_a_library_models_own_line_is_named_not_the_wrapper():
     pytest.importorskip("transformers")
     from transformers import MixtralConfig, MixtralForCausalLM
-    from verify.models.hf import LossOf
+    from verify.models.common import LossOf
     cfg = MixtralConfig(vocab_size=97, hidden_size=48, intermediate_size=32, num_hidden_layers=1,
                         num_attention_heads=3, num_key_value_heads=1, head_dim=16, num_local_experts=3,
                         num_experts_per_tok=2, experts_implementation="eager", use_cache=False,

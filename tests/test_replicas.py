@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases import MATCH, MISMATCH, RunConfig, judge
+from verify.judge.verdict import MATCH, MISMATCH, judge
+
+from verify.cases.config import RunConfig
 from verify.cli import main
-from verify.replica_rows import replica_items, run_replicas
-from verify.gang import Gang
+from verify.cases.replica_rows import replica_items, run_replicas
+from verify.runner.gang import Gang
 
 UNSYNCED = str(Path(__file__).parent / "fixtures" / "replicas_unsynced.py")
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import shlex
 import xml.etree.ElementTree as ET
 
-from verify import html_report
-from verify.cases import ERROR, RunConfig, Row
-from verify.report import junit, table
+from verify.report import html as html_report
+from verify.judge.verdict import ERROR
+from verify.cases.config import RunConfig, Row
+from verify.report.writer import junit, table
 
 
 def _sampling_row() -> Row:
@@ -60,7 +61,7 @@ def test_every_rerun_goes_through_one_builder():
 
 def test_all_with_op_trains_no_model_unless_asked(tmp_path, capsys):
     from verify.cli import main
-    from verify.report import load_rows
+    from verify.report.writer import load_rows
     assert main(["all", "--op", "relu", "--world-size", "2", "--reports", str(tmp_path)]) == 0
     rows = load_rows(tmp_path)
     assert rows and {r.op for r in rows} == {"relu"}, [r.op for r in rows]

@@ -19,7 +19,7 @@ from nnscaler.dimops.partition import Partition, check_partition, op_layout
 from nnscaler.policies import POLICIES, ComputeConfig
 from nnscaler.policies.tp_check import collectives, sharded_fraction
 from nnscaler.trace.build import UnknownOperatorWarning, trace
-from verify.models.builders import MODELS
+from verify.models.registry import MODELS
 from verify.models.megatron import TP_MODELS
 
 MEGATRON = (Counter(all_reduce=2), Counter(all_reduce=2))

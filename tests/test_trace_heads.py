@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from nnscaler.trace.export import export_model
 from nnscaler.trace.heads import heads_outer
-from verify.models.builders import build_model
+from verify.models.loader import build_model
 
 aten = torch.ops.aten
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from nnscaler.trace.export import export_model
 from nnscaler.trace.rows import batch_major_rows
-from verify.models.builders import build_model
+from verify.models.loader import build_model
 
 
 class SelfAttention(nn.Module):

@@ -7,8 +7,8 @@ import torch
 
 from nnscaler.ops.registry import OpRegistry
 from nnscaler.trace.build import UnknownOperatorWarning, trace
-from verify.models.builders import build_model
-from verify.traces import TraceCache
+from verify.models.loader import build_model
+from verify.cases.traces import TraceCache
 
 
 def test_a_second_compile_gets_a_copy_of_the_same_graph():

@@ -1,7 +1,7 @@
 """``python -m verify``: see :mod:`verify.cli`."""
 import sys
 
-from .cli import main
+from verify.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

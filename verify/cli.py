@@ -23,20 +23,23 @@ from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
 from nnscaler.policies import POLICIES, PlanError
 
-from .cases import BadInput, RunConfig, model_label, preflight, run_model, run_op
-from .lint import lint
-from .model_case import PolicyFileError, resolve_policy
-from .pipeline_case import PIPELINE_MICROBATCHES, PIPELINE_MODELS, PIPELINE_POLICIES, SWEPT, check_pipeline_input
-from .model_coverage import replicated_lines
-from .node_case import UnknownNode, model_graph, node_op
-from .models.builders import MODELS, known_model
-from .models.loader import ModelNotFound, check_builder, is_file_reference
-from .gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
-from .progress import RunProgress
-from .replica_rows import replica_items, run_replicas
-from .report import ReportError, ReportWriter, summary, table
-from .samples import DTYPES
-from .worker import load_modules
+from verify.cases.config import BadInput, RunConfig, model_label
+
+from verify.sweep import preflight, run_model, run_op
+from verify.lint import lint
+from verify.cases.model import PolicyFileError, resolve_policy
+from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, PIPELINE_POLICIES, SWEPT, check_pipeline_input
+from verify.cases.coverage import replicated_lines
+from verify.cases.node import UnknownNode, model_graph, node_op
+from verify.models.registry import MODELS
+from verify.models.loader import known_model
+from verify.models.loader import ModelNotFound, check_builder, is_file_reference
+from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
+from verify.report.progress import RunProgress
+from verify.cases.replica_rows import replica_items, run_replicas
+from verify.report.writer import ReportError, ReportWriter, summary, table
+from verify.cases.samples import DTYPES
+from verify.worker import load_modules
 
 
 

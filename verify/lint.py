@@ -28,7 +28,7 @@ from nnscaler.ops.lint import Finding, lint_static
 from nnscaler.ops.spec import OpSpec, resolve
 from nnscaler.runtime.partitioned import as_tuple
 
-from .samples import make_sample
+from verify.cases.samples import make_sample
 
 PERTURB = 0.75  # added to one slice; large against rounding, small enough to stay in any domain
 RTOL = 1e-7  # float64: anything above this is a real change, not rounding

@@ -24,9 +24,11 @@ from typing import Callable, Sequence
 
 import pytest
 
-from .cases import RunConfig, Row, run_model, run_op
-from .gang import Gang
-from .worker import load_modules
+from verify.cases.config import RunConfig, Row
+
+from verify.sweep import run_model, run_op
+from verify.runner.gang import Gang
+from verify.worker import load_modules
 
 
 

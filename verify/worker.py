@@ -17,17 +17,19 @@ import torch.distributed as dist
 from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
-from . import isolation, rank_case
-from .conversion_case import run_conversion
-from .localize import as_dict, localize_model_case
-from .localize_stages import localize_pipeline_case, localize_replicas_case
-from .pipeline_case import is_pipeline_policy
-from .microbatch_case import run_accumulation_job
-from .node_case import node_sample
-from .model_case import run_model_job
-from .replicas_case import run_replicas_case
-from .samples import DTYPES, Sample, make_sample
-from .traces import TraceCache
+from verify.runner import isolation
+
+from verify.cases import op as rank_case
+from verify.cases.conversion import run_conversion
+from verify.cases.localize import as_dict, localize_model_case
+from verify.cases.localize_stages import localize_pipeline_case, localize_replicas_case
+from verify.cases.pipeline import is_pipeline_policy
+from verify.cases.microbatch import run_accumulation_job
+from verify.cases.node import node_sample
+from verify.cases.model import run_model_job
+from verify.cases.replicas import run_replicas_case
+from verify.cases.samples import DTYPES, Sample, make_sample
+from verify.cases.traces import TraceCache
 
 
 def load_modules(paths: Sequence[str]) -> OpRegistry:
@@ -105,7 +107,7 @@ def _localized(job: dict, checks: list, state: RankState) -> dict:
 def handle(state: RankState, job: dict) -> dict:
     """Answer one job: ``plan`` (partitions of an op), ``case`` (one partition on these ranks) or
     ``model`` (train a whole model under a policy) or ``conversion`` (one layout conversion, see
-    :mod:`verify.conversion_case`)."""
+    :mod:`verify.cases.conversion`)."""
     start = time.perf_counter()
     try:
         if job["kind"] == "conversion":

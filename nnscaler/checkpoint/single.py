@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from .sharded import CheckpointError, check_optimizer, read_meta
+from .format import CheckpointError, check_optimizer, read_meta
 
 
 def export_merged(path: str | Path, out_file: str | Path) -> None:

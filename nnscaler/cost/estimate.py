@@ -13,7 +13,8 @@ from ..runtime.grad_sync import BUCKET_BYTES
 from .comm import collective_time, spans_nodes
 from .compute import op_time, optimizer_time
 from .profiles import DeviceProfile
-from .steps import OPTIMIZER_STATES, Collective, _carries_grad, _local, _nbytes, step_collectives
+from . import summary as printing
+from .steps import OPTIMIZER_STATES, Collective, carries_grad, local_nbytes, nbytes, step_collectives
 
 @dataclass
 class PlanStats:
@@ -42,6 +43,15 @@ class PlanStats:
         return [sum(x) for x in zip(self.param_bytes, self.grad_bytes, self.optim_bytes, self.buffer_bytes,
                                     self.activation_bytes)]
 
+    def summary(self, plan) -> dict:
+        return printing.summary(plan, self)
+
+    def report(self, plan) -> str:
+        return printing.report(plan, self)
+
+    def one_line(self, plan) -> str:
+        return printing.one_line(plan, self)
+
 
 def activation_bytes(graph: IRGraph, plan) -> int:
     """Bytes of every operator output one rank keeps for backward (the estimate of peak activations)."""
@@ -50,12 +60,14 @@ def activation_bytes(graph: IRGraph, plan) -> int:
         lay = op.layout(plan.partition(op)).outputs if op.known else [None] * len(op.outputs)
         for t, q in zip(op.outputs, lay):
             if t is not None:
-                total += _local(t, q, plan.mesh_shape) if q is not None else _nbytes(t)
+                total += local_nbytes(t, q, plan.mesh_shape) if q is not None else nbytes(t)
     return total
 
 
-def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1) -> PlanStats:
-    """Costs of ``plan`` on ``graph``; ``replicas`` data-parallel copies of the plan sync gradients."""
+def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, steps: list | None = None) -> PlanStats:
+    """Costs of ``plan`` on ``graph``; ``replicas`` data-parallel copies of the plan sync gradients.
+    ``steps``: the conversion steps of the plan's program when the caller emitted it already (any rank's:
+    every rank takes the same steps), so the program is emitted once per plan."""
     mesh, names = plan.mesh_shape, plan.axis_names
     world = plan.world_size
     stored = stored_layouts(graph, plan)
@@ -71,25 +83,25 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1) -> 
     grads = list(per_rank["param"])  # one gradient per parameter element, in its dtype
     sharded = [(t.target or t.name, t.shape, layout_str(lay)) for t, lay in stored.items()
                if any(isinstance(q, Shard) for q in lay)]
-    e, _ = emit_program(graph, plan, 0)
+    steps = emit_program(graph, plan, 0).steps if steps is None else steps
     ranks_here = min(world * replicas, profile.ranks_per_node)
     colls = []
-    for t, before, step in e.steps:
+    for t, before, step in steps:
         colls += step_collectives(t, before, step, mesh, names, profile)
     by_axis: dict[int, list[int]] = defaultdict(list)
     for t, axis in synced.items():
-        by_axis[axis].append(_local(t, stored[t], mesh))
+        by_axis[axis].append(local_nbytes(t, stored[t], mesh))
     for axis, sizes in sorted(by_axis.items()):
         colls += _buckets(sizes, mesh[axis], names[axis], profile, spans_nodes(mesh, axis, profile))
     if replicas > 1:
-        colls += _buckets([_local(t, stored[t], mesh) for t in graph.params], replicas, "replicas", profile,
+        colls += _buckets([local_nbytes(t, stored[t], mesh) for t in graph.params], replicas, "replicas", profile,
                           world * replicas > profile.ranks_per_node)
     compute = sum(op_time(op, plan.partition(op) if op.known else None, profile, ranks_here) for op in graph.ops)
     compute += optimizer_time(max(per_rank["param"]), profile, ranks_here)
     act = activation_bytes(graph, plan)
-    whole_params = sum(_nbytes(t) for t in graph.params)
+    whole_params = sum(nbytes(t) for t in graph.params)
     single = {"param": whole_params, "grad": whole_params, "optim": OPTIMIZER_STATES * whole_params,
-              "buffer": sum(_nbytes(t) for t in graph.buffers), "activation": sum(_nbytes(t) for op in graph.ops for t in op.outputs if t is not None)}
+              "buffer": sum(nbytes(t) for t in graph.buffers), "activation": sum(nbytes(t) for op in graph.ops for t in op.outputs if t is not None)}
     return PlanStats(profile.name, per_rank["param"], grads, [OPTIMIZER_STATES * p for p in per_rank["param"]],
                      per_rank["buffer"], [act] * world, single, sharded,
                      sum(1 for t in graph.params if not any(isinstance(q, Shard) for q in stored[t])),

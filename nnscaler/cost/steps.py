@@ -31,16 +31,16 @@ class Collective:
     tensor: str = ""
 
 
-def _nbytes(t: IRTensor) -> int:
+def nbytes(t: IRTensor) -> int:
     return math.prod(t.shape) * t.dtype.itemsize
 
 
-def _local(t: IRTensor, layout: Layout, mesh_shape) -> int:
+def local_nbytes(t: IRTensor, layout: Layout, mesh_shape) -> int:
     split = math.prod(f for f, q in zip(mesh_shape, layout) if isinstance(q, Shard))
-    return _nbytes(t) // split
+    return nbytes(t) // split
 
 
-def _carries_grad(t: IRTensor) -> bool:
+def carries_grad(t: IRTensor) -> bool:
     return t.dtype.is_floating_point and t.kind in (PARAM, ACTIVATION)
 
 
@@ -49,13 +49,13 @@ def step_collectives(t: IRTensor, before: Layout, step, mesh_shape, axis_names, 
     """The forward and backward collectives one conversion step of ``t`` (in layout ``before``) issues;
     ``bucketed``: a parameter's gradient sum rides in a shared bucket (it pays its share of latency)."""
     f = mesh_shape[step.axis]
-    size = _local(t, before, mesh_shape) * (f if step.kind in ("all_gather", "all_gather_sum_grad") else 1)
+    size = local_nbytes(t, before, mesh_shape) * (f if step.kind in ("all_gather", "all_gather_sum_grad") else 1)
     across = spans_nodes(mesh_shape, step.axis, profile)
     out = []
     share = min(1.0, size / BUCKET_BYTES) if bucketed and step.kind == "grad_all_reduce" else 1.0
     for phase, table in (("forward", _FORWARD), ("backward", _BACKWARD)):
         kind = table.get(step.kind)
-        if kind is None or (phase == "backward" and not _carries_grad(t)):
+        if kind is None or (phase == "backward" and not carries_grad(t)):
             continue
         out.append(Collective(phase, kind, axis_names[step.axis], f, size,
                               runtime_time(kind, size, f, profile, across, share), t.name))

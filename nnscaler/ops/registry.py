@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import warnings
+from importlib.metadata import entry_points
 from typing import Any, Callable, Iterator, Mapping
 
 from .lint import AnnotationWarning, lint_static
@@ -20,26 +21,50 @@ class UnknownOpError(KeyError):
 
 
 class OpRegistry:
-    """Operators by name, and by the ATen overloads they stand for."""
+    """Operators by name, and by the ATen overloads they stand for.
 
-    def __init__(self) -> None:
+    ``catalogues``: an entry-point group whose modules register the built-in operators; they are
+    imported the first time the registry is read (as DTensor's package loads its op catalogue), so
+    no user has to import the catalogue first. The default registry reads ``nnscaler.ops``, under
+    which ``opzoo`` is installed."""
+
+    def __init__(self, catalogues: str | None = None) -> None:
         self._ops: dict[str, OpSpec] = {}
         self._rules: dict[str, list[Rule]] = {}
+        self._catalogues = catalogues  # set to None once they are loaded
 
-    def add_rule(self, overload: str, rule: Rule) -> Rule:
-        """Register ``rule`` for every call of ``overload`` (e.g. ``"aten.view.default"``)."""
+    def _load(self) -> None:
+        if self._catalogues is None:
+            return
+        group, self._catalogues = self._catalogues, None  # first: the catalogue reads the registry as it loads
+        for ep in sorted(entry_points(group=group), key=lambda e: e.name):
+            ep.load()
+
+    def add_rule(self, overload: str, rule: Rule, *, first: bool = False) -> Rule:
+        """Register ``rule`` for every call of ``overload`` (e.g. ``"aten.view.default"``); ``first``
+        puts it before the rules already there (it is asked first)."""
         aten_overload(overload)  # fail now on a misspelt overload
-        if rule not in self._rules.setdefault(overload, []):
-            self._rules[overload].append(rule)
+        self._load()  # the catalogue first: a rule added now comes after (or, ``first``, before) its rules
+        rules = self._rules.setdefault(overload, [])
+        if rule not in rules:
+            rules.insert(0, rule) if first else rules.append(rule)
         return rule
 
+    def remove_rules(self, keep: Callable[[Rule], bool]) -> None:
+        """Drop every rule for which ``keep(rule)`` is false."""
+        for rules in self._rules.values():
+            rules[:] = [r for r in rules if keep(r)]
+
     def rules(self, overload: str) -> list[Rule]:
+        self._load()
         return list(self._rules.get(overload, ()))
 
     def rule_overloads(self) -> list[str]:
+        self._load()
         return sorted(self._rules)
 
     def add(self, spec: OpSpec) -> OpSpec:
+        self._load()  # the catalogue first: a user's operator of the same name is refused, not the catalogue
         old = self._ops.get(spec.name)
         if old is not None and (old.fn is not spec.fn or old.annotation != spec.annotation):
             raise ValueError(f"operator {spec.name!r} is already registered (as {old.annotation!r}); pick another name")
@@ -47,6 +72,7 @@ class OpRegistry:
         return spec
 
     def get(self, name: str) -> OpSpec:
+        self._load()
         try:
             return self._ops[name]
         except KeyError:
@@ -56,26 +82,32 @@ class OpRegistry:
 
     def by_aten(self, overload: str) -> list[OpSpec]:
         """Specs standing for an ATen overload such as ``aten.linear.default``."""
+        self._load()
         return [s for s in self._ops.values() if overload in s.aten]
 
     def __contains__(self, name: str) -> bool:
+        self._load()
         return name in self._ops
 
     def __iter__(self) -> Iterator[OpSpec]:
+        self._load()
         return iter(sorted(self._ops.values(), key=lambda s: (s.family, s.name)))
 
     def __len__(self) -> int:
+        self._load()
         return len(self._ops)
 
     def fingerprint(self) -> tuple:
         """What annotating a traced operator depends on: every operator's name and annotation, and
         which rules stand for each overload (equal fingerprints annotate every graph alike)."""
+        self._load()
         return (tuple((n, s.annotation, id(s)) for n, s in sorted(self._ops.items())),
                 tuple((o, tuple(id(r) for r in rules)) for o, rules in sorted(self._rules.items())))
 
 
-DEFAULT_REGISTRY = OpRegistry()
-"""Filled at import time by ``opzoo`` and ``register_op`` decorators, as ``torch.library`` is."""
+DEFAULT_REGISTRY = OpRegistry(catalogues="nnscaler.ops")
+"""Filled by the catalogues installed under the ``nnscaler.ops`` entry point (``opzoo``), loaded on
+first use, and by ``register_op`` decorators, as ``torch.library`` is."""
 
 
 def _position(fn: Callable, key: int | str, nargs: int) -> int:

@@ -1,6 +1,7 @@
 """Policies: functions ``(graph, config) -> Plan`` that give every operator a partition."""
 from .builtin import POLICIES, dp, hybrid, random, random2d, tp
-from .plan import ComputeConfig, Plan, PlanError, validate
+from ..config import ComputeConfig, PlanError
+from ..ir.plan import Plan, validate
 from .autodist import autodist
 
 POLICIES["autodist"] = autodist

@@ -23,8 +23,9 @@ from ..ir.graph import IRGraph, IROp
 from .autodist_program import Program, Shared, build_program, op_classes
 from .builtin import batch_identifiers
 from .greedy import candidates, fused_blocks
-from .plan import ComputeConfig, Plan, PlanError
-from .summary import human, seconds
+from ..config import ComputeConfig, PlanError
+from ..cost.summary import human, seconds
+from ..ir.plan import Plan
 
 # Every rank runs the search and must reach the same plan, so the search is bounded by work (branch-
 # and-bound nodes; HiGHS is deterministic on one thread), not by the clock; the time limit is only a

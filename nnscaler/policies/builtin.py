@@ -7,7 +7,8 @@ import random as _random
 from ..dimops.partition import splittable
 from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
 from .greedy import parameter_identifiers, plan_greedy, sharded_identifiers
-from .plan import ComputeConfig, Plan, PlanError
+from ..config import ComputeConfig, PlanError
+from ..ir.plan import Plan
 
 
 def batch_identifiers(graph: IRGraph, dim: int = 0) -> dict[str, str | None]:

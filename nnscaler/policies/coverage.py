@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..dimops.partition import splittable
 from ..ir.graph import IRGraph, IROp
-from .plan import Plan
+from ..ir.plan import Plan
 
 
 LISTED = 10  # overloads named in the one-line summary

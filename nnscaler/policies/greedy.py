@@ -19,7 +19,7 @@ from ..comm.conversion import conversion, local_fraction
 from ..dimops.layout import Layout, Partial, Replicate, Shard
 from ..dimops.partition import Partition, splittable
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
-from .plan import Plan
+from ..ir.plan import Plan
 
 COMPUTE_WEIGHT = 0.05
 PENDING_WEIGHT = 0.5  # a partial output is charged half its all-reduce now: a consumer may absorb it

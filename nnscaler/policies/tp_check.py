@@ -11,7 +11,7 @@ from typing import Callable
 from ..codegen.emit import conversion_steps, stored_layouts
 from ..dimops.layout import Shard
 from ..ir.graph import IRGraph
-from .plan import Plan
+from ..ir.plan import Plan
 
 FORWARD = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_sum_grad"}
 # the collective each step's backward issues (for tensors that carry a gradient)

@@ -7,7 +7,7 @@ import json
 from nnscaler.policies import POLICIES
 from tests.mutants.run import first_failure, parser, write_results
 from verify.cli import build_parser
-from verify.models.builders import MODELS
+from verify.models.registry import MODELS
 from verify.worker import load_modules
 
 

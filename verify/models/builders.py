@@ -1,5 +1,6 @@
-"""Whole models for end-to-end verification: each builder returns a model that returns its loss,
-and a function giving the sample batch of a step (same on every rank, seeded)."""
+"""Small plain-torch models for end-to-end verification (nanoGPT, the TransformerEncoder, and coverage
+models): each builder returns a model that returns its loss, and a function giving the sample batch of
+a step (same on every rank, seeded)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,28 +10,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .nanogpt import GPT, GPTConfig
+from verify.models.nanogpt import GPT, GPTConfig
+from verify.models.registry import ModelCase, register_model, tokens
 
 
-@dataclass
-class ModelCase:
-    model: nn.Module
-    batch: Callable[[int], tuple]  # step -> sample arguments
-    bucket_bytes: int | None = None  # compile with gradient-sync buckets this small (None: the default)
-    loss_count: Callable[..., object] | None = None  # batch args -> how many elements the loss averages
-    # (None: a fixed number per row); micro-batched steps weigh each micro-batch's mean loss by it
-
-
-def _tokens(vocab: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
-
-
+@register_model('nanogpt', widenable=True)
 def nanogpt(seed: int, width: int = 32) -> ModelCase:
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=width)
-    return ModelCase(GPT(cfg), lambda step: (_tokens(64, (4, 8), 2 * step + seed), _tokens(64, (4, 8), 2 * step + 1 + seed)))
+    return ModelCase(GPT(cfg), lambda step: (tokens(64, (4, 8), 2 * step + seed), tokens(64, (4, 8), 2 * step + 1 + seed)))
 
 
+@register_model('padded_gpt', widenable=True)
 def padded_gpt(seed: int, width: int = 32) -> ModelCase:
     """nanoGPT whose targets are padded (``ignore_index``) at the end of the batch, unevenly: the last
     rows hold fewer real targets, so a loss mean that is right only for balanced shards fails."""
@@ -58,6 +49,7 @@ class EncoderRegression(nn.Module):
         return F.mse_loss(self.encoder(x), y)
 
 
+@register_model('transformer_encoder', widenable=True)
 def transformer_encoder(seed: int, width: int = 32) -> ModelCase:
     torch.manual_seed(seed)
 
@@ -106,6 +98,7 @@ def _regression_batch(width: int, seed: int):
     return batch
 
 
+@register_model('bucketed_mlp', widenable=True)
 def bucketed_mlp(seed: int, width: int = 32) -> ModelCase:
     """A model whose synced gradients span many buckets (512 bytes each, so every weight is one or
     more buckets of its own and small parameters share one)."""
@@ -113,78 +106,8 @@ def bucketed_mlp(seed: int, width: int = 32) -> ModelCase:
     return ModelCase(DeepMLP(width), _regression_batch(width, seed), bucket_bytes=512)
 
 
+@register_model('weightnorm_mlp', widenable=True)
 def weightnorm_mlp(seed: int, width: int = 32) -> ModelCase:
     """The same model, one block, default buckets: under ``tp`` its gain is synced over the tp axis."""
     torch.manual_seed(seed)
     return ModelCase(DeepMLP(width, blocks=1), _regression_batch(width, seed))
-
-
-def gpt2_v96(seed: int, width: int = 48) -> ModelCase:
-    """Tiny GPT-2 from ``transformers`` (as ``hf.gpt2``) with a vocabulary of 96, divisible by the
-    degree, so vocabulary-parallel embedding and loss split it without padding."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from .hf import LossOf, _causal_lm, _lm_batch
-    torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=96, n_embd=width, n_layer=2, n_head=3, n_positions=32, attn_pdrop=0.0,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="eager", use_cache=False,
-                     bos_token_id=0, eos_token_id=0)
-    return ModelCase(LossOf(_causal_lm(GPT2LMHeadModel(cfg))), _lm_batch(96, seed))
-
-
-MODELS: dict[str, Callable[[int], ModelCase]] = {
-    "nanogpt": nanogpt, "transformer_encoder": transformer_encoder, "padded_gpt": padded_gpt,
-    "bucketed_mlp": bucketed_mlp, "weightnorm_mlp": weightnorm_mlp}
-"""Model builders by name; ``register_model`` adds a user's (``--module`` files are imported first)."""
-
-WIDENABLE: dict[str, Callable[[int, int], ModelCase]] = {
-    "nanogpt": nanogpt, "transformer_encoder": transformer_encoder, "padded_gpt": padded_gpt,
-    "bucketed_mlp": bucketed_mlp, "weightnorm_mlp": weightnorm_mlp, "gpt2_v96": gpt2_v96}
-"""Builders that take a width: ``NAME@WIDTH`` (e.g. ``nanogpt@128``) builds that model at that width."""
-
-
-def known_model(name: str) -> bool:
-    """Whether :func:`build_model` knows ``name`` (a registered model or ``NAME@WIDTH``)."""
-    base, _, width = name.partition("@")
-    return name in MODELS or (base in WIDENABLE and width.isdigit() and int(width) > 0)
-
-
-def build_model(name: str, seed: int) -> ModelCase:
-    """The case of model ``name`` (see :data:`MODELS` and :data:`WIDENABLE`, or ``FILE.py:builder``)
-    for ``seed``."""
-    from .loader import find_builder, is_file_reference  # the loader imports this module
-    if is_file_reference(name):
-        return find_builder(name)(seed)
-    if name in MODELS:
-        return MODELS[name](seed)
-    base, _, width = name.partition("@")
-    if not known_model(name):
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}, or NAME@WIDTH for "
-                       f"{', '.join(sorted(WIDENABLE))}")
-    return WIDENABLE[base](seed, int(width))
-
-
-def register_model(name: str, widenable: bool = False) -> Callable[[Callable[[int], ModelCase]], Callable[[int], ModelCase]]:
-    """Decorator: make ``builder(seed) -> ModelCase`` verifiable as ``python -m verify model NAME``;
-    with ``widenable`` the builder is ``builder(seed, width=DEFAULT)`` and ``NAME@WIDTH`` builds it at
-    that width too."""
-    def deco(builder):
-        MODELS[name] = builder
-        if widenable:
-            WIDENABLE[name] = builder
-        return builder
-    return deco
-
-
-def _load_optional() -> None:
-    """The plain-torch ResNet and 1-D conv net, and the ``transformers`` models where that package is installed."""
-    from . import conv1d, resnet_gn  # noqa: F401
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return
-    from . import hf, hf_more  # noqa: F401  (register llama, gpt2, bert; mixtral, qwen3, gemma, phi3, t5, vit)
-    MODELS["gpt2_v96"] = gpt2_v96
-
-
-_load_optional()

@@ -9,14 +9,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .builders import ModelCase, _tokens, register_model
+from verify.models.registry import ModelCase, register_model, tokens
 
 
 def sequence_batch(classes: int, seed: int, channels: int = 5, length: int = 16):
     """Step -> (sequences ``4 x channels x length``, labels), seeded."""
     def batch(step: int):
         g = torch.Generator().manual_seed(9000 + 100 * seed + step)
-        return torch.randn(4, channels, length, generator=g), _tokens(classes, (4,), 9000 + 100 * seed + step)
+        return torch.randn(4, channels, length, generator=g), tokens(classes, (4,), 9000 + 100 * seed + step)
     return batch
 
 

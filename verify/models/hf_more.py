@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .builders import ModelCase, register_model
-from .resnet_gn import image_batch
-from . import hf  # (its names are read at call time: builders imports this module while hf may be half-loaded)
+from verify.models.common import LossOf, causal_lm, lm_batch
+from verify.models.registry import ModelCase, register_model
+from verify.models.resnet_gn import image_batch
 
 WIDTH = 48  # the default hidden size; ``NAME@WIDTH`` changes it (heads of 16: ``width // 16`` of them)
 
@@ -33,7 +33,7 @@ def _decoder(cls_cfg, cls_model, vocab: int, seed: int, width: int = WIDTH, **cf
     cfg = {**heads(width), **cfg}
     config = cls_cfg(vocab_size=vocab, hidden_size=width, intermediate_size=4 * width // 3, num_hidden_layers=2,
                      max_position_embeddings=32, attn_implementation="eager", use_cache=False, **cfg)
-    return ModelCase(hf.LossOf(cls_model(config)), hf._lm_batch(vocab, seed))
+    return ModelCase(LossOf(cls_model(config)), lm_batch(vocab, seed))
 
 
 def _mixtral(seed: int, experts: str, num_experts: int = 3, width: int = WIDTH) -> ModelCase:
@@ -97,7 +97,7 @@ def t5(seed: int, width: int = WIDTH) -> ModelCase:
                    num_heads=max(1, width // 16),
                    relative_attention_num_buckets=8, dropout_rate=0.0, use_cache=False, pad_token_id=0,
                    decoder_start_token_id=0, eos_token_id=1, attn_implementation="eager")
-    return ModelCase(hf.LossOf(T5ForConditionalGeneration(cfg)), hf._lm_batch(101, seed))
+    return ModelCase(LossOf(T5ForConditionalGeneration(cfg)), lm_batch(101, seed))
 
 
 class ClassifierLoss(nn.Module):

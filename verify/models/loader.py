@@ -1,6 +1,6 @@
 """A model to verify, named either as a registered model (``nanogpt``) or as a user's builder in a
 file (``path/to/file.py:builder``). A builder is ``builder(seed)`` returning a
-:class:`~verify.models.builders.ModelCase`, or a pair ``(model, batch_fn)`` with ``batch_fn(step)``
+:class:`~verify.models.registry.ModelCase`, or a pair ``(model, batch_fn)`` with ``batch_fn(step)``
 giving the sample arguments of a training step."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .builders import MODELS, ModelCase
+from verify.models.registry import MODELS, WIDENABLE, ModelCase
 
 
 class ModelNotFound(ValueError):
@@ -102,3 +102,23 @@ def check_builder(ref: str, seed: int = 0) -> None:
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
         raise ModelNotFound(f"model {ref!r}: the model must return its scalar loss, got "
                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+
+
+def known_model(name: str) -> bool:
+    """Whether :func:`build_model` knows ``name`` (a registered model or ``NAME@WIDTH``)."""
+    base, _, width = name.partition("@")
+    return name in MODELS or (base in WIDENABLE and width.isdigit() and int(width) > 0)
+
+
+def build_model(name: str, seed: int) -> ModelCase:
+    """The case of model ``name`` (see :data:`MODELS` and :data:`WIDENABLE`, or ``FILE.py:builder``)
+    for ``seed``."""
+    if is_file_reference(name):
+        return find_builder(name)(seed)
+    if name in MODELS:
+        return MODELS[name](seed)
+    base, _, width = name.partition("@")
+    if not known_model(name):
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}, or NAME@WIDTH for "
+                       f"{', '.join(sorted(WIDENABLE))}")
+    return WIDENABLE[base](seed, int(width))

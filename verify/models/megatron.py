@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .builders import EncoderRegression, ModelCase, _tokens
-from .hf import LossOf, MaskedLossOf, _causal_lm, _lm_batch
-from .nanogpt import GPT, GPTConfig
+from verify.models.builders import EncoderRegression
+from verify.models.common import LossOf, MaskedLossOf, causal_lm, lm_batch
+from verify.models.nanogpt import GPT, GPTConfig
+from verify.models.registry import ModelCase, register_model, tokens
 
 VOCAB = 128
 
@@ -18,8 +19,8 @@ VOCAB = 128
 def nanogpt(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> ModelCase:
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=layers, n_head=heads, n_embd=width)
-    return ModelCase(GPT(cfg), lambda step: (_tokens(VOCAB, (4, 8), 2 * step + seed),
-                                             _tokens(VOCAB, (4, 8), 2 * step + 1 + seed)))
+    return ModelCase(GPT(cfg), lambda step: (tokens(VOCAB, (4, 8), 2 * step + seed),
+                                             tokens(VOCAB, (4, 8), 2 * step + 1 + seed)))
 
 
 def gpt2(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> ModelCase:
@@ -28,7 +29,7 @@ def gpt2(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> Mod
     cfg = GPT2Config(vocab_size=VOCAB, n_embd=width, n_layer=layers, n_head=heads, n_positions=32, attn_pdrop=0.0,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="eager", use_cache=False,
                      bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
-    return ModelCase(LossOf(_causal_lm(GPT2LMHeadModel(cfg))), _lm_batch(VOCAB, seed))
+    return ModelCase(LossOf(causal_lm(GPT2LMHeadModel(cfg))), lm_batch(VOCAB, seed))
 
 
 def llama(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> ModelCase:
@@ -37,7 +38,7 @@ def llama(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> Mo
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=32,
                       attn_implementation="eager", use_cache=False)
-    return ModelCase(LossOf(LlamaForCausalLM(cfg)), _lm_batch(VOCAB, seed))
+    return ModelCase(LossOf(LlamaForCausalLM(cfg)), lm_batch(VOCAB, seed))
 
 
 def bert(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> ModelCase:
@@ -46,7 +47,7 @@ def bert(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> Mod
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=2 * width, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                      max_position_embeddings=32, attn_implementation="eager")
-    return ModelCase(MaskedLossOf(BertForMaskedLM(cfg)), _lm_batch(VOCAB, seed, masked=True))
+    return ModelCase(MaskedLossOf(BertForMaskedLM(cfg)), lm_batch(VOCAB, seed, masked=True))
 
 
 class T5Loss(torch.nn.Module):
@@ -67,7 +68,7 @@ def t5(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> Model
     cfg = T5Config(vocab_size=VOCAB, d_model=width, d_kv=width // heads, d_ff=2 * width, num_layers=layers,
                    num_decoder_layers=layers, num_heads=heads, dropout_rate=0.0, use_cache=False,
                    decoder_start_token_id=0, pad_token_id=0)
-    return ModelCase(T5Loss(T5ForConditionalGeneration(cfg)), _lm_batch(VOCAB, seed))
+    return ModelCase(T5Loss(T5ForConditionalGeneration(cfg)), lm_batch(VOCAB, seed))
 
 
 def transformer_encoder(layers: int = 2, width: int = 64, heads: int = 4, seed: int = 0) -> ModelCase:
@@ -87,7 +88,6 @@ TP_MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "llama": llama, "bert": bert, "t5
 
 def _register() -> None:
     """``tp_nanogpt``, ``tp_gpt2``, ... for ``python -m verify model`` (two layers, width 32, 4 heads)."""
-    from .builders import register_model
     for name, build in TP_MODELS.items():
         register_model(f"tp_{name}")(lambda seed, build=build: build(width=32, seed=seed))
 

@@ -7,14 +7,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .builders import ModelCase, _tokens, register_model
+from verify.models.registry import ModelCase, register_model, tokens
 
 
 def image_batch(classes: int, seed: int, size: int = 8, channels: int = 3):
     """Step -> (images ``4 x channels x size x size``, labels), seeded."""
     def batch(step: int):
         g = torch.Generator().manual_seed(7000 + 100 * seed + step)
-        return torch.randn(4, channels, size, size, generator=g), _tokens(classes, (4,), 7000 + 100 * seed + step)
+        return torch.randn(4, channels, size, size, generator=g), tokens(classes, (4,), 7000 + 100 * seed + step)
     return batch
 
 

@@ -67,5 +67,5 @@ def load_state_dict_first_shard_everywhere():
 def pipeline_checkpoint_saves_blocked_pieces_as_shards():
     """A pipeline's checkpoint writes a piece split in blocks (a fused qkv's rows: this rank's chunk of
     q, of k and of v) as if it were a contiguous shard, without making it whole on its axis first."""
-    from nnscaler.pipeline import checkpoint as PC
+    from nnscaler.checkpoint import pipeline as PC
     patch(PC, "gather_blocks", lambda module, items: [t for _, t in items])

@@ -1,0 +1,97 @@
+"""What a plan is asked for, as data: :class:`ComputeConfig` (ranks, mesh, pipeline, cost profile) and
+:class:`PlanError`, the one error every stage of the compiler raises for input it cannot plan.
+
+The bottom of the compiler: it imports only leaf data (the pipeline schedules' names, the device
+profiles), so every stage above may import it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost.profiles import ProfileError, get_profile
+from .runtime.schedules import SCHEDULES, canonical_schedule, stages_per_rank
+
+
+class PlanError(ValueError):
+    """A plan that cannot run: wrong mesh, an operator without a partition, an invalid split."""
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """How many ranks one copy of the plan uses (``plan_ngpus``) and how many run in all
+    (``runtime_ngpus``, a multiple: the extra copies are data-parallel replicas). ``tp_size`` is
+    the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy;
+    ``bucket_bytes`` sets the size of gradient-sync buckets. ``mem_budget`` (bytes per rank) bounds
+    ``autodist``'s plans; ``profile`` names the device the cost model assumes (``cpu-gloo``,
+    ``a100``, ``h100``; default ``cpu-gloo``). ``sequence_parallel``: under ``tp``/``hybrid``, norms,
+    dropout and residual adds between the tensor-parallel regions are split along the sequence
+    (Megatron-LM's sequence parallelism: each all-reduce becomes a reduce-scatter and an all-gather).
+    ``num_microbatches``: ``ParallelModule.train_step`` splits each batch into this many micro-batches
+    along dim 0 and accumulates their gradients (one gradient sync, after the last); ``parallelize``
+    then takes a sample of the whole batch and compiles for one micro-batch.
+
+    ``pp_size``/``schedule``/``pp_split``: pipeline stages (see :mod:`nnscaler.compile.pipeline`)."""
+
+    plan_ngpus: int
+    runtime_ngpus: int | None = None
+    tp_size: int | None = None
+    seed: int = 0
+    bucket_bytes: int | None = None  # gradient-sync bucket size (None: nnscaler.runtime.grad_sync.BUCKET_BYTES)
+    mem_budget: int | None = None
+    profile: str | None = None
+    sequence_parallel: bool = False
+    num_microbatches: int = 1
+    # pipeline parallelism (``nnscaler.compile.pipeline``): ``pp_size`` stages of ``plan_ngpus // pp_size`` ranks each,
+    # run by ``schedule``; ``pp_split`` names the modules where stages 1.. begin (default: balance the cost model)
+    pp_size: int = 1
+    schedule: str = "1F1B"
+    pp_split: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.plan_ngpus < 1:
+            raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
+        if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):
+            raise PlanError(f"runtime_ngpus ({self.runtime_ngpus}) must be a multiple of plan_ngpus ({self.plan_ngpus})")
+        if isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int) \
+                or self.num_microbatches < 1:
+            raise PlanError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
+        if self.bucket_bytes is not None and self.bucket_bytes < 1:
+            raise PlanError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.mem_budget is not None and self.mem_budget <= 0:
+            raise PlanError(f"mem_budget must be a positive number of bytes per rank, got {self.mem_budget}")
+        if self.pp_size != 1 or self.pp_split is not None or self.schedule != "1F1B":
+            check_config(self)
+        if self.profile is not None:
+            try:
+                get_profile(self.profile)
+            except ProfileError as exc:
+                raise PlanError(str(exc)) from None
+
+    @property
+    def replicas(self) -> int:
+        return (self.runtime_ngpus or self.plan_ngpus) // self.plan_ngpus
+
+
+def check_config(config) -> None:
+    """``pp_size`` divides ``plan_ngpus``; the schedule exists; ``pp_split`` names one module per stage
+    boundary. Raises :class:`PlanError`."""
+    pp = config.pp_size
+    if not isinstance(pp, int) or pp < 1:
+        raise PlanError(f"pp_size must be a positive integer, got {pp!r}")
+    if config.plan_ngpus % pp:
+        raise PlanError(f"pp_size {pp} does not divide the world size {config.plan_ngpus} (plan_ngpus); "
+                        f"choose a divisor such as {', '.join(str(d) for d in range(1, config.plan_ngpus + 1) if config.plan_ngpus % d == 0)}")
+    if canonical_schedule(config.schedule) is None:
+        raise PlanError(f"unknown pipeline schedule {config.schedule!r}; valid: {', '.join(SCHEDULES)}")
+    if config.pp_split is not None:
+        split = config.pp_split
+        if isinstance(split, str) or not all(isinstance(s, str) for s in split):
+            raise PlanError(f"pp_split must be a tuple of module names (e.g. ('transformer.h.1',)), got {split!r}")
+        want = pp * stages_per_rank(config.schedule) - 1
+        if len(split) != want:
+            raise PlanError(f"pp_split names {len(split)} modules but {pp * stages_per_rank(config.schedule)} stages "
+                            f"need {want} split points")
+
+
+def n_stages(config) -> int:
+    """Pipeline stages in all (``pp_size`` times the stages per rank of the schedule)."""
+    return config.pp_size * stages_per_rank(config.schedule)

@@ -1,0 +1,269 @@
+"""The pipelined module: this rank's stages (each a generated :class:`ParallelModule` over the stage's
+ranks) run by a schedule of :mod:`torch.distributed.pipelining`.
+
+Ranks: pipeline rank ``r`` holds stages ``r, r + pp, ...``; each stage has ``k`` ranks (global ranks
+``r * k .. r * k + k - 1``) partitioned by the stage policy. Rank ``local`` of a stage talks to rank
+``local`` of the next stage over the pipeline group ``{local + s * k}``: stage inputs and outputs are
+whole tensors on every rank of a stage, so each of the ``k`` pipelines carries the same values. With
+data-parallel replicas (``runtime_ngpus = R * plan_ngpus``) replica ``r`` runs the same layout on ranks
+``r * plan_ngpus ..``; each stage's gradients are averaged over the ranks holding the same plan rank.
+
+Gradients equal single-device gradients of the whole batch's loss, as in
+:mod:`nnscaler.runtime.microbatch`: the last stage turns each micro-batch's output into a pair
+``(loss_sum, count)`` (``loss_fn(output, *micro_batch_args)``, or the output read as a mean over its
+rows), the schedule runs backward on ``loss_sum`` (its own scaling off), and after the last micro-batch
+the accumulated gradients are divided by the total count (broadcast from the last stage). The
+in-stage gradient sync (data-parallel and tensor-parallel sums) is paused during the schedule and runs
+once, after the last micro-batch (with replicas, their average too: each stage's own
+:class:`~nnscaler.runtime.grad_sync.GradSync`), and ``(loss_sum, count)`` is summed over replicas
+(:class:`~nnscaler.runtime.microbatch.Accumulation`); a parameter used by several stages (tied
+embeddings) then gets the sum of its stages' gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from ..ir.graph import IRGraph
+from .microbatch import Accumulation, MicroBatchError, batch_rows, check_divisible, loss_terms
+from .module import ParallelModule, take
+from .schedules import SCHEDULES, canonical_schedule
+
+
+def _example(t) -> torch.Tensor:
+    """A tensor like IR tensor ``t`` for the stage's static metadata (floating ones carry gradients)."""
+    return torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.dtype.is_floating_point)
+
+
+@contextlib.contextmanager
+def _deferred_sync(module: ParallelModule):
+    """Run backward passes with ``module``'s gradient sync paused (``no_sync``), then sync once: the
+    data-parallel and in-plan sums wait for the last micro-batch."""
+    with module.no_sync():
+        yield
+    module._grad_sync._finish()  # launches every bucket (none was launched during the pause) and waits
+
+
+class _GradOutputs(torch.nn.Module):
+    """A stage module whose outputs are contiguous (gloo's send needs it). Under the zero-bubble
+    schedules its floating outputs all take part in backward: the zero-bubble schedules
+    differentiate every output (``stage_backward_input``), so an output that carries no gradient (a
+    value made from buffers, an input passed through untouched) becomes a fresh leaf whose gradient
+    is dropped; and every output is a copy (the schedule detaches outputs in place after the input
+    gradients, while the weight gradients may still need the tensors the stage's operators saved)."""
+
+    def __init__(self, module: ParallelModule, zero_bubble: bool):
+        super().__init__()
+        self.module, self.zero_bubble = module, zero_bubble
+
+    def forward(self, *x):
+        out = self.module(*x)
+        if not (self.zero_bubble and torch.is_grad_enabled()):  # gloo sends contiguous tensors only
+            return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
+
+        def fix(t):  # contiguous copies (clone alone keeps a strided layout, which gloo refuses to send)
+            if t.is_floating_point() and not t.requires_grad:
+                return t.detach().contiguous().requires_grad_()
+            return t.clone(memory_format=torch.contiguous_format)  # the schedule detaches outputs in place
+            # after backward, and ops may have saved them
+        return tuple(fix(t) for t in out) if isinstance(out, tuple) else fix(out)
+
+
+class PipelineModule(torch.nn.Module):
+    """This rank's pipeline stages; :meth:`train_step` runs one training step over micro-batches."""
+
+    def __init__(self, stages: dict[int, ParallelModule], graphs: list[IRGraph], config, num_microbatches: int,
+                 pp_group, prank: int, local: int, stage_ranks: int, replica_group=None, replicas: int = 1):
+        super().__init__()
+        self._replica_group, self._replicas = replica_group, replicas  # data-parallel copies of the pipeline
+        self.stages = torch.nn.ModuleDict({str(s): m for s, m in stages.items()})
+        self.num_microbatches = num_microbatches
+        self.schedule_name = canonical_schedule(config.schedule)
+        self._graphs, self._pp_group, self._prank, self._local, self._k = graphs, pp_group, prank, local, stage_ranks
+        self._pp = config.pp_size
+        self._dtype = next((t.dtype for t in graphs[-1].outputs if hasattr(t, "dtype")), torch.float32)
+        self._n = len(graphs)
+        self.process_group = None
+        held: dict[str, list[int]] = {}
+        for s, g in enumerate(graphs):
+            for t in g.params:
+                held.setdefault(t.target, []).append(s)
+        self.tied = sorted(n for n, ss in held.items() if len(ss) > 1)  # gradients summed across stages
+        self._owner = {n: ss[0] for n, ss in held.items()}  # the stage whose copy state_dict reports
+        for s, g in enumerate(graphs):
+            for t in g.buffers:
+                self._owner.setdefault(t.target, s)
+        self._shapes = {t.target: tuple(t.shape) for g in graphs for t in g.params + g.buffers}
+        zero_bubble = "ZeroBubble" in self.schedule_name
+        self._pipe_stages = [
+            PipelineStage(_GradOutputs(mod, zero_bubble), s, self._n, torch.device("cpu"),
+                          input_args=tuple(_example(t) for t in graphs[s].inputs),
+                          output_args=tuple(_example(t) for t in _outs(graphs[s])), group=pp_group)
+            for s, mod in sorted(stages.items())]
+        self._loss_fn: Callable | None = None
+        cls = SCHEDULES[self.schedule_name]
+        stage_arg = self._pipe_stages if self.schedule_name.startswith("Interleaved") else self._pipe_stages[0]
+        # scale_grads off: the gradients are divided by the whole batch's count at the end (Accumulation)
+        self._schedule = cls(stage_arg, num_microbatches, loss_fn=self._micro_loss, scale_grads=False)
+        self._batch: tuple = ()
+        self._acc: Accumulation | None = None
+
+    # -- running ------------------------------------------------------------------------------------
+    def _micro_loss(self, output, rows: torch.Tensor):
+        """The schedule's loss of one micro-batch (``rows``: its rows of the batch): ``loss_sum``, its
+        ``count`` recorded for the division at the end."""
+        args = tuple(a[rows] if isinstance(a, torch.Tensor) and a.dim() else a for a in self._batch)
+        total, count = loss_terms(output if self._loss_fn is None else self._loss_fn(output, *args), len(rows))
+        if self._acc is not None:
+            self._acc.add(total, count)
+        return total.clone() if total._base is not None else total  # zero-bubble detaches it in place: no view
+
+    @property
+    def graphs(self) -> list:
+        """Every stage's graph, in stage order (the stages this rank runs are :attr:`stages`)."""
+        return list(self._graphs)
+
+    @property
+    def _has_first(self) -> bool:
+        return 0 in self._stage_ids
+
+    @property
+    def _has_last(self) -> bool:
+        return self._n - 1 in self._stage_ids
+
+    @property
+    def _stage_ids(self) -> list[int]:
+        return [int(s) for s in self.stages]
+
+    def _run(self, batch: tuple, loss_fn: Callable | None, train: bool) -> torch.Tensor:
+        try:
+            if train:
+                check_divisible(batch, None, self.num_microbatches)
+        except MicroBatchError as exc:
+            raise MicroBatchError(f"train_step: {exc}") from None
+        b = batch_rows(batch)
+        self._batch, self._loss_fn = batch, loss_fn
+        self._acc = Accumulation.begin(self.parameters() if train else (), self._replica_group, self._replicas)
+        rows = torch.arange(b)  # the schedule splits it like the batch: each micro-batch's rows
+        args = batch if self._has_first else ()
+        try:
+            if train:
+                with contextlib.ExitStack() as stack:
+                    for mod in self.stages.values():
+                        stack.enter_context(_deferred_sync(mod))
+                    self._schedule.step(*args, target=rows, return_outputs=False)
+            else:
+                with torch.no_grad():
+                    self._forward_only(batch)
+        except BaseException:
+            for p in self._acc.params:  # the gradients as they were before the step
+                p.grad = self._acc.stash.get(id(p))
+            raise
+        finally:
+            self._batch, self._loss_fn = (), None
+        acc, self._acc = self._acc, None
+        totals = torch.stack([acc.loss_sum, acc.count])
+        dist.broadcast(totals, group=self._pp_group, group_src=self._pp - 1)  # the last stage knows them
+        acc.loss_sum, acc.count = totals[0], totals[1]
+        if train:
+            self._sum_tied_grads()
+        return acc.finish(self._dtype)
+
+    def train_step(self, *batch: Any, loss_fn: Callable | None = None) -> torch.Tensor:
+        """One training step: the batch (dim 0) cut into ``num_microbatches`` micro-batches run by the
+        schedule; returns the whole batch's loss (detached, on every rank) and leaves every local
+        shard's gradient equal to the single-device gradient of that loss (added to what it held).
+        ``loss_fn(output, *micro_batch_args)`` gives a micro-batch's loss, a mean or a
+        ``(loss_sum, count)`` pair (``None``: the model returns its loss); see
+        :mod:`nnscaler.runtime.microbatch`. The optimizer step stays the caller's."""
+        return self._run(batch, loss_fn, train=True)
+
+    def forward(self, *batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` (any number of micro-batches of the compiled size), forward only: on
+        every rank, the mean over the batch (``(loss_sum, count)`` weighting), no gradients."""
+        return self._run(batch, None, train=False)
+
+    def _forward_only(self, batch: tuple) -> None:
+        """Each micro-batch through the stages in order, activations sent point to point over the
+        pipeline group. Our own loop: the library's ``eval()`` runs its schedule's fixed number of
+        micro-batches, and re-sizing a stage for another count breaks the training schedule's buffers."""
+        micro = self._graphs[0].inputs[0].shape[0]
+        if batch_rows(batch) % micro:
+            raise MicroBatchError(f"forward: the batch's {batch_rows(batch)} rows are not a multiple of the compiled "
+                                  f"micro-batch ({micro} rows)")
+        held = {int(s): mod for s, mod in self.stages.items()}
+        peer = lambda s: dist.get_global_rank(self._pp_group, s % self._pp)  # noqa: E731
+        for i in range(batch_rows(batch) // micro):
+            x = tuple(a[i * micro:(i + 1) * micro] if isinstance(a, torch.Tensor) and a.dim() else a for a in batch)
+            for s in range(self._n):
+                if s not in held:
+                    continue
+                if s > 0 and s - 1 not in held:
+                    x = tuple(_example(t).detach() for t in self._graphs[s].inputs)
+                    for t in x:
+                        dist.recv(t, src=peer(s - 1), group=self._pp_group)
+                out = held[s](*x)
+                x = out if isinstance(out, tuple) else (out,)
+                if s == self._n - 1:
+                    self._micro_loss(x[0], torch.arange(i * micro, (i + 1) * micro))
+                elif s + 1 not in held:
+                    for t in x:
+                        dist.send(t.contiguous(), dst=peer(s + 1), group=self._pp_group)
+
+    def _sum_tied_grads(self) -> None:
+        """Every copy of a parameter used by several stages gets the sum of their gradients."""
+        for name in self.tied:
+            total = torch.zeros(self._shapes[name])
+            copies = []
+            for s, mod in self.stages.items():
+                key = name.replace(".", "__")
+                if key in mod._names and isinstance(getattr(mod, key), torch.nn.Parameter):
+                    p = getattr(mod, key)
+                    copies.append((mod, p))
+                    if p.grad is not None:
+                        total += mod._whole(name, p.grad.detach())
+            dist.all_reduce(total, group=self._pp_group)
+            for mod, p in copies:
+                piece = take(total, mod._program.STATE[name][2]).to(p.dtype)
+                p.grad = piece.clone() if p.grad is None else p.grad.copy_(piece)
+
+    # -- whole-model state --------------------------------------------------------------------------
+    def _merged(self, per_stage: Callable[[ParallelModule], Mapping[str, Any]]) -> dict[str, Any]:
+        mine = {}
+        for s, mod in self.stages.items():
+            for n, v in per_stage(mod).items():
+                if self._owner.get(n) == int(s):
+                    mine[n] = v
+        parts: list[dict | None] = [None] * self._pp
+        dist.all_gather_object(parts, mine, group=self._pp_group)
+        out = {}
+        for p in parts:
+            out.update(p)
+        return out
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D401
+        """Whole tensors under the single-device model's names, merged across stages."""
+        return self._merged(lambda mod: mod.state_dict())
+
+    def whole_grads(self) -> dict[str, torch.Tensor | None]:
+        """Whole gradients of the trainable parameters, merged across stages."""
+        return self._merged(lambda mod: mod.whole_grads())
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """Load whole tensors into every stage (each takes the names it holds)."""
+        names = set(self._shapes)
+        missing = sorted(n for n in names if n not in state_dict)
+        unexpected = sorted(n for n in state_dict if n not in names)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing {missing}, unexpected {unexpected}")
+        for mod in self.stages.values():
+            mod.load_state_dict({n: v for n, v in state_dict.items() if n in set(mod._names.values())}, strict=False)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _outs(g: IRGraph) -> list:
+    return [o for o in g.outputs]

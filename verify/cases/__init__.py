@@ -1,0 +1,2 @@
+"""What one case runs on a rank (an operator under a partition, a layout conversion, a whole model
+under a policy, micro-batched, resumed, as replicas or a pipeline), its samples, and localisation."""

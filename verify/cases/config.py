@@ -1,0 +1,132 @@
+"""What a run is asked for (:class:`RunConfig`, passed explicitly to every stage), one case's verdict
+(:class:`Row`), and bad input (:class:`BadInput`, exit 2)."""
+from __future__ import annotations
+
+import shlex
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from nnscaler.ops.spec import OpSpec
+
+from verify.cases.samples import split_base
+from verify.judge.verdict import MATCH
+
+MODEL_LIMIT_FACTOR = 8  # a model case traces, compiles, trains and reloads: far more than one operator
+
+
+class BadInput(ValueError):
+    """The user asked for something that does not exist (an unknown partition, say): exit code 2."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Settings of one verification run, passed explicitly to every stage."""
+
+    world_sizes: tuple[int, ...] = (2, 4)
+    dtype: str = "float32"
+    seeds: tuple[int, ...] = (0,)
+    modules: tuple[str, ...] = ()
+    timeout_s: float = 30.0
+    partition: str | None = None
+    base_override: int | None = None
+    microbatches: int = 1  # whole-model cases: micro-batches per training step (1: plain forward/backward)
+    node: tuple[str, str] | None = None  # (model, operator): verify that traced operator (verify op --model --node)
+
+    def limit_s(self, kind: str = "op", steps: int = 1) -> float:
+        """The time limit of one case: ``timeout_s`` for an operator case; a model case traces,
+        compiles, trains ``steps`` steps on three copies and reloads its checkpoint twice, so it gets
+        ``MODEL_LIMIT_FACTOR`` times that, growing with the steps beyond three and with the
+        micro-batches beyond two (each step then runs that many forward and backward passes)."""
+        if kind == "model":
+            return self.timeout_s * MODEL_LIMIT_FACTOR * max(1.0, steps / 3) * max(1.0, self.microbatches / 2)
+        return self.timeout_s
+
+    @property
+    def base(self) -> int:
+        """Splittable lengths are multiples of this (the lcm of the world sizes unless overridden)."""
+        return self.base_override or split_base(self.world_sizes)
+
+    def job(self, spec: OpSpec) -> dict:
+        """What names the operator in a rank job: a registered name, or a model's traced node."""
+        if self.node is None:
+            return {"op": spec.name}
+        return {"op": self.node[1], "model": self.node[0]}
+
+    def row_name(self, spec: OpSpec) -> str:
+        """The op column of a row: the registered name, or ``MODEL:NODE``."""
+        return spec.name if self.node is None else f"{self.node[0]}:{self.node[1]}"
+
+    def command(self, kind: str, name: str | None, flags: Sequence[tuple[str, object]]) -> str:
+        """The one place a rerun command is assembled: ``python -m verify KIND NAME`` (no ``NAME`` when
+        ``None``) with ``flags`` in order (a ``None`` value leaves its flag out), then this run's
+        ``--module`` files. A setting that decides a row is one more ``(flag, value)`` pair in
+        :meth:`rerun` or :meth:`rerun_model`."""
+        parts = ["python", "-m", "verify", kind] + ([] if name is None else [name])
+        for flag, value in flags:
+            if value is not None:
+                parts += [flag, str(value)]
+        for m in self.modules:
+            parts += ["--module", m]
+        return " ".join(shlex.quote(p) for p in parts)
+
+    def rerun(self, op: str, world_size: int, partition: str, seed: int) -> str:
+        """The command that reruns one row alone (an operator of a model: ``--model M --node N``)."""
+        if self.node is not None:
+            return self.command("op", None, [
+                ("--model", self.node[0]), ("--node", self.node[1]), ("--world-size", world_size),
+                ("--partition", partition), ("--seed", seed), ("--dtype", self.dtype)])
+        return self.command("op", op, [
+            ("--world-size", world_size), ("--partition", partition), ("--seed", seed), ("--dtype", self.dtype),
+            ("--base", None if split_base([world_size]) == self.base else self.base)])
+
+    def rerun_model(self, model: str, policy: str, world_size: int, seed: int, steps: int,
+                    bucket_bytes: int | None = None) -> str:
+        """The command that reruns one whole-model row alone (same modules, dtype, steps, buckets, micro-batches)."""
+        return self.command("model", model, [
+            ("--policy", policy), ("--world-size", world_size), ("--seed", seed), ("--steps", steps),
+            ("--dtype", self.dtype), ("--bucket-bytes", bucket_bytes),
+            ("--microbatches", self.microbatches if self.microbatches > 1 else None)])
+
+
+@dataclass
+class Row:
+    """The verdict of one case."""
+
+    op: str
+    family: str
+    annotation: str
+    world_size: int
+    partition: str
+    dtype: str
+    seed: int
+    status: str
+    out_err: float | None = None
+    out_tol: float | None = None
+    grad_err: float | None = None
+    grad_tol: float | None = None
+    detail: str = ""
+    rerun: str = ""
+    seconds: float = 0.0
+    traceback: str = field(default="", repr=False)
+    microbatches: int = 1  # whole-model rows: micro-batches per step (the partition label says so too)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == MATCH
+
+    @property
+    def case_label(self) -> str:
+        """``W=2 [m=2]``; ``sampling`` for the row of an op whose sample could not be made (no world size)."""
+        return f"W={self.world_size} [{self.partition}]" if self.world_size else "sampling"
+
+    @property
+    def key(self) -> tuple:
+        return (self.op, self.world_size, self.partition, self.dtype, self.seed)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def model_label(policy: str, microbatches: int = 1) -> str:
+    """The partition column of a whole-model row: the policy, then ``mbM`` for M micro-batches."""
+    return policy if microbatches == 1 else f"{policy} mb{microbatches}"

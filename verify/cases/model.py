@@ -1,0 +1,232 @@
+"""One rank's part of a whole-model case: compile with ``nnscaler.parallelize``, train a few AdamW
+steps, and judge each step in two parts (see ``verify/compare.py``): the loss and every gradient of
+the single-device model at the single-device run's parameters, and the parallel optimizer's update
+against AdamW on one device from the same point; then the merged checkpoint, reloaded strictly on one
+device and under another plan."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from nnscaler import parallelize
+from nnscaler.policies import POLICIES, ComputeConfig
+from nnscaler.runtime.mesh import GroupCache
+from nnscaler.trace.build import UnknownOperatorWarning
+
+from verify.cases.batch import cast
+from verify.cases.resume import resume_checks
+from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
+from verify.models.loader import file_tag
+from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
+from verify.cases.microbatch import loss_fn_of, whole_batch
+from verify.models.loader import build_model
+from verify.cases.samples import DTYPES
+from verify.cases.traces import TraceCache, tracer_of
+
+LR = 1e-2
+
+
+class PolicyFileError(ValueError):
+    """``--policy FILE.py:fn`` names no file or no function in it."""
+
+
+def resolve_policy(spec: str) -> str | Callable:
+    """A built-in policy name, or ``FILE.py:fn`` -> the function ``fn`` of that file."""
+    if is_pipeline_policy(spec):
+        return spec
+    if spec in POLICIES or ":" not in spec:
+        if spec not in POLICIES:
+            raise PolicyFileError(f"unknown policy {spec!r}; built-in: {', '.join(sorted(POLICIES))}, "
+                                  f"or FILE.py:function for your own")
+        return spec
+    path, _, fn = spec.rpartition(":")
+    p = Path(path).resolve()
+    if not p.is_file() or p.suffix != ".py":
+        raise PolicyFileError(f"policy {spec!r}: {path} is not a Python file (give FILE.py:function)")
+    name = f"verify_policy_{abs(hash(str(p)))}"
+    if name not in sys.modules:
+        mod_spec = importlib.util.spec_from_file_location(name, p)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+        sys.modules[name] = module
+    func = getattr(sys.modules[name], fn, None)
+    if not callable(func):
+        raise PolicyFileError(f"policy {spec!r}: {path} has no function {fn!r} (it must be (graph, config) -> Plan)")
+    return func
+
+
+def _other_policy(policy: str) -> str:
+    return "dp" if policy != "dp" else "tp"
+
+
+def own_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without aliases: a tied tensor goes by its first name only (as
+    ``named_parameters()`` and the compiled module name it)."""
+    seen, out = set(), {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if id(v) not in seen:
+            seen.add(id(v))
+            out[k] = v.detach()
+    return out
+
+
+def _with_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (first names only) completed with every alias ``model.state_dict()`` lists."""
+    first: dict[int, str] = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        first.setdefault(id(v), k)
+    return {k: state[first[id(v)]] for k, v in model.state_dict(keep_vars=True).items() if first[id(v)] in state}
+
+
+def expected_checks(name: str, policy: str, steps: int, seed: int, checkpoint: bool = True) -> list[str]:
+    """The names of every check a rank must return for this case (a short list is a failure)."""
+    model = build_model(name, seed).model
+    names = [f"initial {k}" for k in own_state(model)]
+    params = [n for n, _ in model.named_parameters()]
+    for s in range(steps):
+        names += [f"loss step {s}", *(f"grad {n} step {s}" for n in params),
+                  *(f"param {n} after step {s}" for n in params)]
+    if not checkpoint:
+        return names
+    return names + ["checkpoint keys", "loss of the checkpoint on one device",
+                    f"loss of the checkpoint under {_other_policy(policy)}"]
+
+
+def _equal(name: str, par, want) -> Check:
+    if par is None:
+        return Check(name, float("inf"), 0.0, False, "the parallel module does not hold it")
+    if par.shape != want.shape or par.dtype != want.dtype:
+        return Check(name, float("inf"), 0.0, False, f"{tuple(par.shape)} {par.dtype} != {tuple(want.shape)} {want.dtype}")
+    err = float((par.double() - want.double()).abs().max()) if par.numel() else 0.0
+    ok = torch.equal(par, want)
+    return Check(name, err, 0.0, ok, "" if ok else f"differs from the model's own tensor by {err:.3g}")
+
+
+def _parallelize(model, args, policy, config, groups, gen_dir: Path, tracer=None):
+    with warnings.catch_warnings():  # replicated unknown operators are verified like the rest
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        return parallelize(model, args, resolve_policy(policy), config, groups=groups, gen_savedir=gen_dir, tracer=tracer,
+                           verify=False)  # the whole model is verified here, operator verdicts add nothing
+
+
+def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = None) -> list[Check]:
+    """The checks of a ``model`` job (keys: model, policy, world_size, steps, seed, gen_dir, and
+    optionally dtype, bucket_bytes, microbatches and checkpoint); ``traces``: the rank's trace cache."""
+    return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
+                          job["gen_dir"], dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
+                          microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True),
+                          traces=traces)
+
+
+def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
+                   gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
+                   microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None) -> list[Check]:
+    """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
+    With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
+    (:func:`~verify.cases.microbatch.whole_batch`), trained by ``train_step`` in M micro-batches and
+    judged against one device on that whole batch. ``checkpoint=False`` leaves out the checkpoint
+    reloads and the resume (the training checks alone, for benchmarks that sweep many cases).
+    ``traces`` (a rank's :class:`~verify.cases.traces.TraceCache`) lets every compile of the case reuse one trace."""
+    dt = DTYPES[dtype]
+    microbatches = pipeline_microbatches(policy, microbatches)
+    case = build_model(name, seed)
+    case.model.to(dt)
+    ref, ref64 = copy.deepcopy(case.model), copy.deepcopy(case.model).double()
+    config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed,
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
+                           num_microbatches=microbatches)
+    tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "")
+    batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
+    loss_fn = loss_fn_of(case)
+    pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
+                      Path(gen_dir) / f"{file_tag(name)}-{tag}-w{world_size}-{dtype}-s{seed}", tracer_of(traces, (name, seed)))
+    initial = pm.state_dict()
+    checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
+    params = dict(ref.named_parameters())
+    shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the parallel grads
+    opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
+    fallback = Float64Fallback(dt)
+    for step in range(steps):
+        args = cast(batch(step), dt)
+        point = {k: v.clone() for k, v in own_state(ref).items()}
+        try:  # strict: every key of the module's own state_dict
+            pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
+        except (RuntimeError, KeyError) as exc:  # the rest of the case cannot run: its checks go missing
+            return checks + [Check(f"load step {step}", float("inf"), 0.0, False, f"{type(exc).__name__}: {exc}")]
+        ref64.load_state_dict(_with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
+                                                    for k, v in point.items()}), strict=True)
+        if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
+            loss = pm.train_step(*args, loss_fn=loss_fn)
+        else:
+            loss = pm(*args)
+            loss.backward()
+        loss_ref = ref(*args)
+        loss_ref.backward()
+        with fallback:
+            loss64 = ref64(*cast(args, torch.float64))
+            loss64.backward()
+        widen = FALLBACK_WIDEN if fallback.used else 1.0
+        kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
+        checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+    if checkpoint:
+        checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
+                                 seed, dt, fallback, config.bucket_bytes, traces)
+        checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces)
+    if fallback.used:
+        checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
+                            True))
+    return checks
+
+
+def step_checks(pm, params: dict, ref64: torch.nn.Module, shadow: dict, point: dict, opts: list, step: int,
+                widen: float, kw: dict) -> list[Check]:
+    """The checks of one training step after its backward: the gradient of every parameter of the
+    single-device model (against its float32 ``params`` and float64 ``ref64`` runs), then AdamW on one
+    device applied to the parallel gradients from ``point`` (in ``shadow``, stepped by ``opts``)
+    against the parallel module's parameters after its own step. Zeroes ``ref64``'s gradients."""
+    grads, rp64 = pm.whole_grads(), dict(ref64.named_parameters())
+    scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
+    checks = [check_tensor(f"grad {n} step {step}", grads.get(n), p.grad, rp64[n].grad, scale=scale, **kw)
+              for n, p in params.items()]
+    for n, t in shadow.items():
+        t.copy_(point[n])
+        t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    ref64.zero_grad()
+    after = pm.state_dict()
+    return checks + [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
+
+
+def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt, fallback,
+                   bucket_bytes, traces: TraceCache | None = None) -> list[Check]:
+    """The merged checkpoint loads strictly into the single-device model and into a module under
+    another plan; each computes the loss of the next batch as the parallel module does."""
+    state = pm.state_dict()
+    single = build_model(name, seed).model.to(dt)
+    missing = [k for k in own_state(single) if k not in state]
+    if missing:
+        return [Check("checkpoint keys", float("inf"), 0.0, False, f"the checkpoint lacks {', '.join(missing[:5])}")]
+    single.load_state_dict(_with_aliases(single, state), strict=True)
+    single64 = copy.deepcopy(single).double()
+    other_policy = _other_policy(policy)
+    other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
+                         ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes),
+                         groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",
+                         tracer_of(traces, (name, seed)))
+    other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
+    with torch.no_grad():
+        got, want, other_loss = pm(*args), single(*args), other(*args)
+        with fallback:
+            want64 = single64(*cast(args, torch.float64))
+    return [Check("checkpoint keys", 0.0, 0.0, True),
+            check_tensor("loss of the checkpoint on one device", got, want, want64),
+            check_tensor(f"loss of the checkpoint under {other_policy}", other_loss, want, want64)]

@@ -1,0 +1,86 @@
+"""One rank's part of a replicas case under a pipeline policy: the pipeline planned on ``plan_ngpus``
+ranks, run as data-parallel replicas on ``world_size`` ranks (``ComputeConfig(runtime_ngpus=...)``).
+Each replica trains its share of the batch (``microbatches``, at least ``PIPELINE_MICROBATCHES``, of
+the model's batches per replica) by ``train_step``; the replicas' gradients are averaged once, after
+the last micro-batch, with the exact whole-batch weighting ``(loss_sum, count)`` over replicas. So the
+reference is one device on the WHOLE batch (every replica's share), as for micro-batches
+(``verify/microbatch_case.py``), not the mean of the shares' losses. Judged as every whole-model case:
+loss, every gradient and every parameter after AdamW steps; then the sharded checkpoint (replicas
+write their pieces once) resumed on one device, under another pipeline and under another plan
+(``verify/checkpoint_case.py``)."""
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nnscaler import parallelize
+from nnscaler.policies import ComputeConfig
+from nnscaler.runtime.mesh import GroupCache
+from nnscaler.trace.build import UnknownOperatorWarning
+
+from verify.cases.batch import cast, share
+from verify.cases.resume import resume_checks
+from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
+from verify.cases.microbatch import loss_fn_of, whole_batch
+from verify.models.loader import build_model
+from verify.cases.model import LR, step_checks
+from verify.models.loader import file_tag
+from verify.cases.pipeline import PIPELINE_MICROBATCHES
+from verify.cases.samples import DTYPES
+from verify.cases.traces import TraceCache, tracer_of
+
+LOSS = "loss step {} (whole batch over replicas)"
+
+
+def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
+                               groups: GroupCache, gen_dir: str, dtype: str = "float32",
+                               microbatches: int = PIPELINE_MICROBATCHES, bucket_bytes: int | None = None,
+                               traces: TraceCache | None = None) -> list[Check]:
+    """Checks for ``steps`` AdamW steps of pipeline ``policy`` planned on ``plan_ngpus`` ranks and run as
+    replicas on ``world_size`` (each stage's gradient-sync buckets of ``bucket_bytes``, default the model's)."""
+    dt = DTYPES[dtype]
+    case = build_model(name, seed)
+    case.model.to(dt)
+    ref = copy.deepcopy(case.model)
+    replicas, replica = world_size // plan_ngpus, dist.get_rank() // plan_ngpus
+    m = max(microbatches, PIPELINE_MICROBATCHES)
+    batch = lambda step: cast(whole_batch(case.batch, step, m * replicas), dt)  # noqa: E731 (every replica's share)
+    config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=m,
+                           tp_size=2 if plan_ngpus % 2 == 0 else 1,
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
+    tag = f"{file_tag(name)}-{file_tag(policy)}-mb{m}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        pm = parallelize(case.model, share(batch(0), replica, replicas), policy, config, groups=groups,
+                         verify=False, tracer=tracer_of(traces, (name, seed)), gen_savedir=Path(gen_dir) / tag)
+    loss_fn = loss_fn_of(case)
+    params = dict(ref.named_parameters())
+    shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
+    opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
+    checks: list[Check] = []
+    fallback = Float64Fallback(dt)
+    for step in range(steps):
+        args = batch(step)
+        point = {n: p.detach().clone() for n, p in params.items()}
+        pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
+        ref64 = copy.deepcopy(ref).double()
+        loss = pm.train_step(*share(args, replica, replicas), loss_fn=loss_fn)
+        loss_ref = ref(*args)
+        loss_ref.backward()
+        with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
+            loss64 = ref64(*cast(args, torch.float64))
+            loss64.backward()
+        widen = FALLBACK_WIDEN if fallback.used else 1.0
+        kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
+        checks.append(check_tensor(LOSS.format(step), loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+    checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
+                            traces)
+    if fallback.used:
+        checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
+                            True))
+    return checks

@@ -1,0 +1,123 @@
+"""One rank's part of a replicas case: a plan for ``plan_ngpus`` ranks run as data-parallel replicas
+on ``world_size`` ranks, each replica fed its share of the batch; the loss averaged over replicas,
+every gradient (averaged during backward, no call from the training loop) and every parameter after
+AdamW steps are judged against single-device training on the whole batch.
+
+The single-device objective is the data-parallel one: the mean over replicas of each share's loss
+(what ``DistributedDataParallel`` trains). It is the whole batch's loss whenever every share's loss
+averages over as many elements; a loss over targets padded unevenly (``ignore_index``) is not, and
+the harness judges the replicas against what they are meant to compute."""
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nnscaler import parallelize
+from nnscaler.policies import ComputeConfig
+from nnscaler.runtime.mesh import GroupCache
+from nnscaler.trace.build import UnknownOperatorWarning
+
+from verify.cases.batch import cast, share
+from verify.models.loader import file_tag
+from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
+from verify.cases.microbatch import loss_fn_of, whole_batch
+from verify.models.loader import build_model
+from verify.cases.model import LR, resolve_policy, step_checks
+from verify.cases.pipeline import is_pipeline_policy
+from verify.cases.pipeline_replicas import LOSS, run_pipeline_replicas_case
+from verify.cases.samples import DTYPES
+from verify.cases.traces import TraceCache, tracer_of
+
+
+def replica_label(policy: str, replicas: int) -> str:
+    """The partition column of a replicas row: ``tp x2 replicas``."""
+    return f"{policy} x{replicas} replicas"
+
+
+MEAN = "loss step {} (mean over replicas)"
+
+
+def _loss_check(policy: str, microbatches: int) -> str:
+    """The loss check's name: the mean of the replicas' losses (one batch per replica), or, with
+    micro-batches or a pipeline (``train_step``), the exact loss of the whole batch over replicas."""
+    return LOSS if is_pipeline_policy(policy) or microbatches > 1 else MEAN
+
+
+def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", microbatches: int = 1) -> list[str]:
+    """The names of every check a rank must return for a replicas case (a short list is a failure)."""
+    params = [n for n, _ in build_model(name, seed).model.named_parameters()]
+    loss = _loss_check(policy, microbatches)
+    names = []
+    for s in range(steps):
+        names += [loss.format(s), *(f"grad {n} step {s}" for n in params),
+                  *(f"param {n} after step {s}" for n in params)]
+    return names
+
+
+def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
+                      groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
+                      microbatches: int = 1, traces: TraceCache | None = None) -> list[Check]:
+    """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to
+    ``world_size`` (gradient-sync buckets of ``bucket_bytes``, default the model's). With
+    ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
+    trains its share by ``train_step`` in M micro-batches (the loss exact over all replicas), and the
+    reference is one device on the whole batch. A pipeline policy: :mod:`verify.cases.pipeline_replicas`."""
+    if is_pipeline_policy(policy):
+        return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
+                                          microbatches, bucket_bytes, traces)
+    dt = DTYPES[dtype]
+    case = build_model(name, seed)
+    case.model.to(dt)
+    ref = copy.deepcopy(case.model)
+    replicas, rank = world_size // plan_ngpus, dist.get_rank()
+    replica = rank // plan_ngpus
+    config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=microbatches,
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
+    batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
+    loss_fn = loss_fn_of(case)
+    mb = f"-mb{microbatches}" if microbatches > 1 else ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        pm = parallelize(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
+                         groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
+                         gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}")
+    replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
+    params = dict(ref.named_parameters())
+    shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
+    opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
+    checks: list[Check] = []
+    fallback = Float64Fallback(dt)
+    for step in range(steps):  # judged as every whole-model case is (verify/compare.py)
+        args = cast(batch(step), dt)
+        shares = [share(args, r, replicas) for r in range(replicas)]
+        point = {n: p.detach().clone() for n, p in params.items()}
+        pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
+        ref64 = copy.deepcopy(ref).double()
+        if microbatches > 1:  # the whole batch's loss over every replica, exactly (train_step's weighting)
+            mean = pm.train_step(*shares[replica], loss_fn=loss_fn)
+            refs = [args]
+        else:
+            loss = pm(*shares[replica])
+            loss.backward()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=groups.get(replica_ranks))
+            mean = mean / replicas
+            refs = shares  # the data-parallel objective (see above)
+        loss_ref = sum(ref(*a) for a in refs) / len(refs)
+        loss_ref.backward()
+        with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
+            loss64 = sum(ref64(*cast(a, torch.float64)) for a in refs) / len(refs)
+            loss64.backward()
+        widen = FALLBACK_WIDEN if fallback.used else 1.0
+        kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
+        checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
+                                   loss64.detach(), **kw))
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+    if fallback.used:
+        checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
+                            True))
+    return checks

@@ -1,0 +1,187 @@
+"""The resume check every whole-model case runs: after training under plan A, checkpoint the model
+and its AdamW state (sharded, ``nnscaler.checkpoint``), resume on one device (the merged single-file
+export) and under plan B (another sharded policy, and from W=4 another world size, W=2); what is loaded must
+equal what was saved bit for bit, and training on must be right step by step (see
+:func:`resume_checks`). With the case's own checks (plan A against one device at every step), this
+chains the resumed runs to single-device training that never stopped."""
+from __future__ import annotations
+
+import copy
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nnscaler import checkpoint
+from nnscaler import parallelize
+from nnscaler.policies import ComputeConfig
+from nnscaler.trace.build import UnknownOperatorWarning
+
+from verify.cases.batch import cast
+from verify.models.loader import file_tag
+from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
+from verify.models.loader import build_model
+from verify.cases.traces import TraceCache, tracer_of
+
+MORE_STEPS = 2
+
+
+def plan_b(policy: str, world_size: int) -> tuple[str, int]:
+    """Where a checkpoint of ``policy`` at ``world_size`` is resumed: another sharded plan (``tp``;
+    a ``tp`` checkpoint under ``random``, which splits parameters along other dims), and a smaller
+    world size where there is one (ranks of a case are 0 .. world_size-1)."""
+    return ("tp" if policy != "tp" else "random"), (2 if world_size >= 4 and world_size % 2 == 0 else world_size)
+
+
+def _moments(model, opt, parallel: bool) -> dict[str, dict[str, torch.Tensor]]:
+    if parallel and hasattr(model, "stages"):  # a pipeline: merged across its stages
+        from nnscaler.checkpoint.pipeline import whole_moments
+        return whole_moments(model, opt)
+    names = {id(p): n for n, p in model.named_parameters()} if not parallel else {
+        id(getattr(model, k)): n for k, n in model._names.items()}
+    out = {}
+    for p, st in opt.state.items():
+        n = names[id(p)]
+        out[n] = {k: (model._whole(n, v) if parallel and v.dim() else v) for k, v in st.items()}
+    return out
+
+
+def _exact(name: str, got, want) -> Check:
+    """A checkpoint moves data; nothing is computed, so loaded tensors equal saved ones bit for bit."""
+    if got is None or want is None:
+        return Check(name, float("inf"), 0.0, False, "missing after the load" if got is None else "not saved")
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return Check(name, float("inf"), 0.0, False, f"{tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}")
+    ok = torch.equal(got, want)
+    err = 0.0 if ok else float((got.double() - want.double()).abs().max())
+    return Check(name, err, 0.0, ok, "" if ok else f"differs from the saved tensor by {err:.3g}")
+
+
+def _loaded_checks(where: str, params: dict, moments: dict, saved: dict, saved_moments: dict) -> list[Check]:
+    checks = [_exact(f"resumed {where}: param {n}", params.get(n), t) for n, t in saved.items()]
+    for n, st in saved_moments.items():
+        for k, t in st.items():
+            checks.append(_exact(f"resumed {where}: optimizer {k} of {n}", moments.get(n, {}).get(k), t))
+    return checks
+
+
+def pipeline_plan_b(policy: str, world_size: int, name: str | None = None, seed: int = 0) -> tuple[str, int]:
+    """Where a pipeline's checkpoint is loaded into another pipeline: 2 tensor-parallel stages at W=4
+    (pieces split in blocks, a fused qkv's, are cut on load); else at W=2 the interleaved pipeline
+    (4 stages, cut elsewhere than 2 stages are), or one stage per rank when the checkpoint is the
+    interleaved one's or model ``name`` has too few layers for 4 stages; at a world size that neither
+    divides (3, 5, ...: the gang has no groups for them), one stage per rank at W."""
+    from verify.cases.pipeline import pipeline_applies
+    if policy != "pp2_tp" and world_size % 4 == 0:
+        return "pp2_tp", 4
+    if world_size % 2:
+        return "pp", world_size
+    if policy != "pp_interleaved" and pipeline_applies("pp_interleaved", 2, name, seed):
+        return "pp_interleaved", 2
+    return "pp", 2
+
+
+def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
+                     saved_moments, traces: TraceCache | None = None) -> list[Check]:
+    """The checkpoint loaded into a pipeline of another plan: parameters and AdamW moments, merged
+    across its stages, equal what was saved bit for bit."""
+    from verify.cases.pipeline import PIPELINE_MICROBATCHES
+    from verify.cases.microbatch import whole_batch
+    other, w_b = pipeline_plan_b(policy, world_size, name, seed)
+    if dist.get_rank() >= w_b:
+        return []
+    case = build_model(name, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        resumed = parallelize(case.model.to(dtype), cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype),
+                              other, ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES),
+                              groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
+                              gen_savedir=Path(gen_dir) / f"{file_tag(name)}-reload-{other}-w{w_b}-{dtype}-s{seed}")
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
+    checkpoint.load(path, resumed, resumed_opt)
+    return _loaded_checks(f"under {other} at W={w_b}", resumed.state_dict(), _moments(resumed, resumed_opt, True),
+                          saved, saved_moments)
+
+
+def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int, pm, opt, groups, gen_dir: str,
+                  dtype: torch.dtype, traces: TraceCache | None = None) -> list[Check]:
+    """Checkpoint ``pm`` and its AdamW ``opt`` after ``steps`` steps; load the merged export on one
+    device and the sharded checkpoint under plan B; every parameter and optimizer moment must equal
+    what was saved, bit for bit. Then train ``MORE_STEPS`` more steps: the run resumed on one device
+    is the reference, and plan B is judged against it exactly as a whole-model case judges a plan
+    (loss and gradients at the same parameters, against float64; each update against AdamW on one
+    device fed plan B's gradients from the same state)."""
+    rank = dist.get_rank()
+    path = Path(gen_dir) / f"ckpt-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}"
+    group = pm.process_group
+    if rank == 0 and path.exists():
+        shutil.rmtree(path)
+    dist.barrier(group=group)
+    checkpoint.save(path, pm, opt)
+    if rank == 0:
+        checkpoint.export_merged(path, path / "merged.pt")
+    dist.barrier(group=group)
+    saved, saved_moments = {n: t for n, t in pm.state_dict().items()}, _moments(pm, opt, True)
+    params = {n for n, _ in build_model(name, seed).model.named_parameters()}
+    saved = {n: t for n, t in saved.items() if n in params}
+    lr = opt.defaults["lr"]
+    single = build_model(name, seed).model.to(dtype)
+    single_opt = torch.optim.AdamW(single.parameters(), lr=lr)
+    checkpoint.load_single(path / "merged.pt", single, single_opt)
+    checks = _loaded_checks("on one device", {n: p.detach() for n, p in single.named_parameters()},
+                            _moments(single, single_opt, False), saved, saved_moments)
+    if hasattr(pm, "stages"):  # a pipeline's checkpoint also loads into another pipeline
+        checks += _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
+                                   saved_moments, traces)
+    other, w_b = plan_b(policy, world_size)
+    if rank >= w_b:
+        return checks
+    batch = build_model(name, seed).batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        resumed = parallelize(build_model(name, seed).model.to(dtype), cast(batch(0), dtype), other,
+                              ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1), groups=groups,
+                              gen_savedir=Path(gen_dir) / f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}",
+                              verify=False, tracer=tracer_of(traces, (name, seed)))
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
+    checkpoint.load(path, resumed, resumed_opt)
+    where = f"under {other} at W={w_b}"
+    checks += _loaded_checks(where, resumed.state_dict(), _moments(resumed, resumed_opt, True), saved,
+                             saved_moments)
+    shadow = copy.deepcopy(single)  # AdamW on one device, from the checkpoint, fed plan B's gradients
+    shadow_opt = torch.optim.AdamW(shadow.parameters(), lr=lr)
+    shadow_opt.load_state_dict(copy.deepcopy(single_opt.state_dict()))
+    sp, hp = dict(single.named_parameters()), dict(shadow.named_parameters())
+    fallback = Float64Fallback(dtype)  # an operator without a float64 kernel runs in the test dtype (bound widens)
+    for step in range(steps, steps + MORE_STEPS):
+        args = cast(batch(step), dtype)
+        point = {n: p.detach().clone() for n, p in sp.items()}
+        resumed.load_state_dict({k: point.get(k, v) for k, v in resumed.state_dict().items()})
+        single64 = copy.deepcopy(single).double()
+        loss, loss_ref = resumed(*args), single(*args)
+        for x in (loss, loss_ref):
+            x.backward()
+        with fallback:
+            loss64 = single64(*cast(args, torch.float64))
+            loss64.backward()
+        widen = FALLBACK_WIDEN if fallback.used else 1.0
+        checks.append(check_tensor(f"resumed {where}: loss step {step}", loss.detach(), loss_ref.detach(),
+                                   loss64.detach(), factor=FACTOR * widen, floor_eps=FLOOR_EPS * widen))
+        grads, rp64 = resumed.whole_grads(), dict(single64.named_parameters())
+        scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
+        for n, p in sp.items():
+            checks.append(check_tensor(f"resumed {where}: grad {n} step {step}", grads.get(n), p.grad, rp64[n].grad,
+                                       factor=FACTOR * widen, floor_eps=FLOOR_EPS * widen, scale=scale))
+        with torch.no_grad():
+            for n, t in hp.items():
+                t.copy_(point[n])
+                t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
+        for o in (resumed_opt, single_opt, shadow_opt):
+            o.step()
+            o.zero_grad()
+        after = resumed.state_dict()
+        checks += [check_update(f"resumed {where}: param {n} after step {step}", after.get(n), t.detach(), lr, widen)
+                   for n, t in hp.items()]
+    return checks

@@ -1,0 +1,117 @@
+"""A case's verdict from its ranks' answers: the statuses, the worst check of a kind, and where a
+mismatching program first diverged (:class:`Divergence`)."""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from verify.runner.answer import RankAnswer
+
+MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
+UNVERIFIABLE = "unverifiable"  # a random operator: never a match, never a mismatch
+
+
+@dataclass
+class Divergence:
+    """Where a parallel program first leaves the single-device one."""
+
+    op: str  # IR name
+    overload: str  # ATen overload, or the registered name
+    source: str  # the model's file:line: code
+    partition: str  # the op's partition in the plan (``m=2``), or ``replicate``
+    direction: str  # "forward" (its output) | "backward" (its output's gradient)
+    err: float
+    tol: float
+    rerun: str = ""  # python -m verify op ... --partition ... that runs this operator alone (annotated ones)
+    where: str = ""  # the program it was found in, when not the case's own (``stage 1 of 2 (ranks 2-3)``)
+
+    def describe(self, modules=()) -> str:
+        """One line for the report; ``modules`` are the ``--module`` files the op's rerun needs."""
+        what = "output" if self.direction == "forward" else "gradient of its output"
+        text = (f"first divergent operator: {self.op} ({self.overload}) [{self.partition}]"
+                + (f" in {self.where}" if self.where else "") + f", {what} error "
+                f"{self.err:.3g} > tolerance {self.tol:.3g}")
+        if self.source:
+            text += f" at {self.source}"
+        if self.rerun:
+            text += f"; alone: {self.rerun}" + "".join(f" --module {shlex.quote(m)}" for m in modules)
+        return text
+
+
+def worst(checks: list[dict], kind: str) -> dict | None:
+    mine = [c for c in checks if c["name"].startswith(kind)]
+    if not mine:
+        return None
+
+    def ratio(c):
+        if not c["ok"]:
+            return float("inf")
+        return c["err"] / c["tol"] if c["tol"] > 0 else 0.0
+
+    return max(mine, key=ratio)
+
+
+def judge(answers: list[RankAnswer], expected: list[str] | None = None, modules=()
+          ) -> tuple[str, str, list[dict], str]:
+    """Status, detail, merged checks (worst rank per tensor) and a traceback from per-rank answers.
+
+    A dead rank (crash, memory cap) outranks everything; then a rank's own exception, with its
+    traceback, whatever its peers did (a peer stuck in a collective after the error is a consequence);
+    a timeout only when no rank raised and the limit truly passed. A rank that returns no checks, or
+    (given ``expected``) lacks any expected check, fails the case. A mismatching model case names its
+    first divergent operator (``modules``: the files that operator's rerun command needs)."""
+    for kinds, status in ((("crash", "memory"), CRASH),):
+        dead = [a for a in answers if a.failure and a.kind in kinds]
+        if dead:
+            return status, dead[0].failure, [], ""
+    errors = [a for a in answers if a.result and a.result.get("error")]
+    if errors:  # every rank's own reason (a failing pipeline stage names each rank that raised)
+        a = errors[0]
+        same = [b.rank for b in errors[1:] if b.result["error"] == a.result["error"]]
+        other = "".join(f"; rank {b.rank}: {b.result['error']}" for b in errors[1:]
+                        if b.result["error"] != a.result["error"])
+        peers = sorted(b.rank for b in answers if b.failure)
+        note = f" (ranks {peers} then gave no answer)" if peers else ""
+        also = f"; the same on ranks {same}" if same else ""
+        return ERROR, f"rank {a.rank}: {a.result['error']}{also}{other}{note}", [], a.result.get("traceback", "")
+    late = [a for a in answers if a.failure]
+    if late:
+        more = f" (and ranks {[b.rank for b in late[1:]]})" if len(late) > 1 else ""
+        return TIMEOUT, late[0].failure + more, [], ""
+    unverifiable = next((a.result["unverifiable"] for a in answers if a.result.get("unverifiable")), None)
+    if unverifiable:
+        return UNVERIFIABLE, unverifiable, [], ""
+    merged: dict[str, dict] = {}
+    order: list[str] = []
+    short = ""
+    for a in answers:
+        names = {c["name"] for c in a.result.get("checks", [])}
+        if not names:
+            return MISMATCH, f"rank {a.rank} returned no checks", [], ""
+        lacking = [n for n in expected or () if n not in names]
+        if lacking and not short:
+            short = f"rank {a.rank} returned {len(names)} checks and lacks {len(lacking)}: {', '.join(lacking[:3])}"
+        for c in a.result["checks"]:
+            c = dict(c, rank=a.rank)
+            if c["name"] not in merged:
+                order.append(c["name"])
+                merged[c["name"]] = c
+            else:
+                old = merged[c["name"]]
+                if (not c["ok"] and old["ok"]) or (c["ok"] == old["ok"] and c["err"] > old["err"]):
+                    merged[c["name"]] = c
+    checks = [merged[n] for n in order]
+    bad = next((c for c in checks if not c["ok"]), None)
+    if bad:
+        detail = f"{bad['name']} on rank {bad['rank']}: {bad['reason']}"
+        where = answers[0].result.get("divergence")
+        if where:
+            detail += "; " + Divergence(**where).describe(modules)
+        elif answers[0].result.get("divergence_note"):
+            detail += "; " + answers[0].result["divergence_note"]
+        elif answers[0].result.get("divergence_error"):
+            detail += f"; no operator localised ({answers[0].result['divergence_error']})"
+        return MISMATCH, detail, checks, ""
+    if short:
+        return MISMATCH, short, checks, ""
+    return MATCH, "", checks, ""

@@ -1,0 +1,250 @@
+"""Tables and reports: the terminal table (tabulate), and ``reports/`` as JSON lines (appended case
+by case, so an interrupted run keeps what it finished), JSON, Markdown, JUnit XML and HTML."""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+import xml.etree.ElementTree as ET
+from collections import OrderedDict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from tabulate import tabulate
+
+from verify.report import html as html_report
+from verify.judge.verdict import MATCH
+from verify.cases.config import Row, RunConfig
+
+CASES_FILE = "cases.jsonl"
+LOCK_FILE = ".lock"  # flock'ed by the one run writing the directory
+
+
+def _err(err: float | None, tol: float | None) -> str:
+    if err is None:
+        return "-"
+    return f"{err:.2e} / {tol:.2e}"
+
+
+def table(rows: Sequence[Row], with_op: bool = False) -> str:
+    """One line per (world size, partition): errors against tolerances, status, and for a failure the
+    first mismatching tensor and the command that reruns the row alone."""
+    headers = (["op"] if with_op else []) + ["W", "partition", "seed", "output err / tol", "grad err / tol",
+                                             "status", "first mismatch / reason", "rerun"]
+    body = [([r.op] if with_op else []) + [r.world_size or "-", r.partition, r.seed, _err(r.out_err, r.out_tol),
+                                            _err(r.grad_err, r.grad_tol), r.status, r.detail, r.rerun]
+            for r in rows]
+    return tabulate(body, headers=headers, tablefmt="github")
+
+
+def summary(rows: Sequence[Row]) -> dict[str, int]:
+    out: dict[str, int] = {"cases": len(rows)}
+    for r in rows:
+        out[r.status] = out.get(r.status, 0) + 1
+    return out
+
+
+def _config_of(cfg: RunConfig) -> dict:
+    """Everything that decides what a row means: resumed rows must come from the same configuration."""
+    return {"world_sizes": list(cfg.world_sizes), "dtype": cfg.dtype, "seeds": list(cfg.seeds),
+            "modules": [str(Path(m).resolve()) for m in cfg.modules], "base": cfg.base, "partition": cfg.partition}
+
+
+class ReportError(RuntimeError):
+    """The reports directory cannot be used (busy, unwritable, full, another configuration): one line."""
+
+
+def _oserror(what: str, exc: OSError) -> ReportError:
+    return ReportError(f"{what}: {exc.strerror or exc}")
+
+
+def _valid_lines(path: Path) -> tuple[list[Row], bytes]:
+    """Rows of whole, valid lines, and those lines' bytes (a line cut short by an interruption, or
+    garbage, is left out: the next row then starts on a line of its own)."""
+    rows, keep = [], []
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            rows.append(Row(**json.loads(line)))
+            keep.append(line + b"\n")
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError, ValueError):
+            continue
+    return rows, b"".join(keep)
+
+
+def load_rows(directory: Path) -> list[Row]:
+    """Rows already written to ``directory`` (for resuming an interrupted run)."""
+    path = Path(directory) / CASES_FILE
+    return _valid_lines(path)[0] if path.exists() else []
+
+
+class ReportWriter:
+    """Writes ``reports/``: each row is appended to ``cases.jsonl`` the moment it is known (one
+    ``write`` of a whole line on an append-only descriptor); ``report.json``, ``report.md`` and
+    ``junit.xml`` are rewritten atomically from all rows by :meth:`flush`.
+
+    One writer per directory: a second run into a directory in use is refused (``ReportError``).
+    ``resume`` keeps the valid rows of a run with the same configuration (another configuration is
+    refused), each case once, and drops failed-to-run rows (error, timeout, crash) so they run again.
+    """
+
+    RERUN = ("error", "timeout", "crash")
+
+    def __init__(self, directory: str | os.PathLike, cfg: RunConfig, resume: bool = False):
+        self.dir = Path(directory)
+        self.cfg = cfg
+        self.seconds = 0.0
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _oserror(f"cannot create the reports directory {self.dir}", exc) from None
+        if not self.dir.is_dir():
+            raise ReportError(f"reports directory {self.dir} is not a directory")
+        self._lock = self._acquire()
+        self.rows: list[Row] = self._resume() if resume else []
+        try:
+            kept = b"".join((json.dumps(r.to_json()) + "\n").encode() for r in self.rows)
+            _atomic_bytes(self.dir / CASES_FILE, kept)
+            self._fd = os.open(self.dir / CASES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.flush()
+        except OSError as exc:
+            self._lock.close()
+            raise _oserror(f"cannot write reports into {self.dir}", exc) from None
+
+    def _acquire(self):
+        try:
+            fh = open(self.dir / LOCK_FILE, "a+")
+        except OSError as exc:
+            raise _oserror(f"cannot write reports into {self.dir}", exc) from None
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "?"
+            fh.close()
+            raise ReportError(f"reports directory {self.dir} is in use by another run (pid {holder}); wait for "
+                              f"it to finish or pass another --reports") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        return fh
+
+    def _resume(self) -> list[Row]:
+        meta = self.dir / "report.json"
+        if meta.exists():
+            try:
+                before = json.loads(meta.read_text()).get("config", {})
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                before = None
+            now = _config_of(self.cfg)
+            if before is None:
+                raise ReportError(f"--resume: {meta} is damaged; run without --resume to start over")
+            diff = [k for k in now if before.get(k) != now[k]]
+            if diff:
+                raise ReportError(f"--resume: {self.dir} holds a run with other settings ("
+                                  + ", ".join(f"{k} {before.get(k)} there, {now[k]} now" for k in diff)
+                                  + "); resume with the same options or pass another --reports")
+        rows = {}
+        for r in load_rows(self.dir):
+            if r.status in self.RERUN:
+                rows.pop(r.key, None)
+            else:
+                rows[r.key] = r  # each case once, the latest verdict
+        return list(rows.values())
+
+    def done(self) -> set[tuple]:
+        return {r.key for r in self.rows}
+
+    def add(self, row: Row) -> None:
+        data = (json.dumps(row.to_json()) + "\n").encode()
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(28, f"only {written} of {len(data)} bytes written")
+        except OSError as exc:
+            raise _oserror(f"writing {self.dir / CASES_FILE} failed", exc) from None
+        self.rows.append(row)
+
+    def flush(self) -> None:
+        ops = _by_op(self.rows)
+        meta = {"config": _config_of(self.cfg), "summary": summary(self.rows), "seconds": round(self.seconds, 2),
+                "host": socket.gethostname(), "finished": _now()}
+        try:
+            _atomic(self.dir / "report.json", json.dumps(dict(meta, cases=[r.to_json() for r in self.rows]), indent=1))
+            _atomic(self.dir / "report.md", markdown(self.rows, ops, meta))
+            _atomic(self.dir / "junit.xml", junit(self.rows))
+            _atomic(self.dir / "report.html", html_report.render(self.rows, meta))
+        except OSError as exc:
+            raise _oserror(f"writing reports into {self.dir} failed", exc) from None
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            os.close(self._fd)
+            self._lock.close()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _atomic(path: Path, text: str) -> None:
+    _atomic_bytes(path, text.encode("utf-8"))
+
+
+def _by_op(rows: Iterable[Row]) -> "OrderedDict[str, list[Row]]":
+    ops: OrderedDict[str, list[Row]] = OrderedDict()
+    for r in rows:
+        ops.setdefault(r.op, []).append(r)
+    return ops
+
+
+def markdown(rows: Sequence[Row], ops: "OrderedDict[str, list[Row]]", meta: dict) -> str:
+    s = meta["summary"]
+    cfg = meta["config"]
+    failed = [r for r in rows if not r.ok]
+    lines = ["# Operator verification report", "",
+             f"World sizes {cfg['world_sizes']}, dtype {cfg['dtype']}, seeds {cfg['seeds']}; "
+             f"{len(ops)} operators, {s['cases']} cases: "
+             + ", ".join(f"{v} {k}" for k, v in s.items() if k != "cases")
+             + f"; {meta['seconds']:.1f} s.", "",
+             "Each case runs the operator on real ranks under one partition and compares every output and "
+             "the gradient of every floating input (random cotangent per output) against float64, within the "
+             "tolerance policy of `verify/compare.py`.", ""]
+    if failed:
+        lines += ["## Failures", "", table(failed, with_op=True), ""]
+    lines += ["## Operators", ""]
+    body = [[name, rs[0].family, f"`{rs[0].annotation}`", len(rs), sum(r.ok for r in rs), len(rs) - sum(r.ok for r in rs)]
+            for name, rs in ops.items()]
+    lines += [tabulate(body, headers=["op", "family", "annotation", "cases", "match", "failed"], tablefmt="github"), ""]
+    return "\n".join(lines)
+
+
+def junit(rows: Sequence[Row]) -> str:
+    suite = ET.Element("testsuite", name="verify", tests=str(len(rows)), timestamp=_now(),
+                       hostname=socket.gethostname(),
+                       failures=str(sum(r.status == "MISMATCH" for r in rows)),
+                       errors=str(sum(r.status not in (MATCH, "MISMATCH") for r in rows)),
+                       time=f"{sum(r.seconds for r in rows):.3f}")
+    for r in rows:
+        name = (f"W{r.world_size}[{r.partition}] {r.dtype} seed{r.seed}" if r.world_size else
+                f"sampling {r.dtype} seed{r.seed}")  # a row for an op whose sample could not be made
+        case = ET.SubElement(suite, "testcase", classname=f"verify.{r.op}", name=name, time=f"{r.seconds:.4f}")
+        if not r.ok:
+            tag = "failure" if r.status == "MISMATCH" else "error"
+            el = ET.SubElement(case, tag, message=f"{r.status}: {r.detail}", type=r.status)
+            el.text = f"rerun: {r.rerun}\n{r.traceback}"
+    ET.indent(suite)
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True)

@@ -1,0 +1,1 @@
+"""Processes: the persistent gang of ranks, their isolation (memory caps, parent death), and torchrun."""
