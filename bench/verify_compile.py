@@ -70,7 +70,7 @@ def _rank_main(out: Path, unreduced: bool) -> None:
 
 
 def main() -> None:
-    from verify.runner.torchrun import command
+    from verify.torchrun import command
     with tempfile.TemporaryDirectory() as tmp:
         extra = ["--unreduced"] if "--unreduced" in sys.argv else []
         subprocess.run(command(["--nproc_per_node", "2", __file__, "--rank", tmp, *extra]), check=True,

@@ -1,9 +1,9 @@
 """Train a small GPT with nnscaler, one process per rank.
 
-    python -m verify.runner.torchrun --nproc_per_node 2 examples/train_gpt.py [--policy dp|tp|hybrid|random|autodist]
+    python -m verify.torchrun --nproc_per_node 2 examples/train_gpt.py [--policy dp|tp|hybrid|random|autodist]
         [--steps 10] [--mem-budget-mib N] [--profile cpu-gloo|a100|h100]
 
-(``verify.runner.torchrun`` is torchrun listening on 127.0.0.1 only; plain ``torchrun`` works too, but its
+(``verify.torchrun`` is torchrun listening on 127.0.0.1 only; plain ``torchrun`` works too, but its
 stores listen on every interface.) ``autodist`` searches meshes and partitions with HiGHS for the
 fastest plan the cost model of ``--profile`` knows that fits ``--mem-budget-mib`` per rank. Rank 0
 prints the plan's one-line summary; the full report is ``plan_report.txt`` next to the generated code.

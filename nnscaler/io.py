@@ -13,7 +13,7 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         if isinstance(data, str):
-            tmp.write_text(data)
+            tmp.write_text(data, encoding="utf-8")
         else:
             tmp.write_bytes(data)
         tmp.replace(path)

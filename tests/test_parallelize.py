@@ -86,7 +86,7 @@ def test_torchrun_replicas_and_reuse_of_generated_code(tmp_path):
     import sys
     from pathlib import Path
 
-    from verify.runner.torchrun import command
+    from verify.torchrun import command
     script = Path(__file__).parent / "fixtures" / "replicas_script.py"
     r = subprocess.run(command(["--nproc_per_node", "4", str(script), str(tmp_path)]),  # loopback-only torchrun
                        capture_output=True, text=True, timeout=300)

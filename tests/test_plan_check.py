@@ -23,7 +23,7 @@ from verify.plan.shrink import reduced_sizes
 def test_compile_only_what_passed(tmp_path):
     script = Path(__file__).parent / "fixtures" / "verify_compile_script.py"
     (tmp_path / "verdicts.json").write_text("{not json")  # corrupt: ignored and rebuilt
-    from verify.runner.torchrun import command
+    from verify.torchrun import command
     r = subprocess.run(command(["--nproc_per_node", "2", str(script), str(tmp_path)]),  # loopback-only torchrun
                        capture_output=True, text=True, timeout=300)
     out = r.stdout
@@ -41,7 +41,7 @@ def test_compile_only_what_passed(tmp_path):
 
 def test_replicas_take_the_verdicts_of_the_plan_ranks(tmp_path):
     script = Path(__file__).parent / "fixtures" / "verify_replicas_script.py"
-    from verify.runner.torchrun import command
+    from verify.torchrun import command
     r = subprocess.run(command(["--nproc_per_node", "4", str(script), str(tmp_path)]),
                        capture_output=True, text=True, timeout=600)
     out = r.stdout
@@ -59,7 +59,7 @@ def test_every_stage_of_a_pipeline_is_verified(tmp_path):
     """parallelize(verify=...) of a pipeline (2 stages x tp 2): a wrong op in the second stage is refused
     under strict and warned under warn on every rank; a right pipeline compiles under strict."""
     script = Path(__file__).parent / "fixtures" / "verify_pipeline_script.py"
-    from verify.runner.torchrun import command
+    from verify.torchrun import command
     root = str(Path(__file__).parent.parent)  # this checkout's nnscaler, whatever is installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     r = subprocess.run(command(["--nproc_per_node", "4", str(script), str(tmp_path)]),

@@ -32,7 +32,8 @@ from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, PIPELI
 from verify.cases.coverage import replicated_lines
 from verify.cases.node import UnknownNode, model_graph, node_op
 from verify.models.registry import MODELS
-from verify.models.loader import known_model
+from verify.models.loader import build_model, known_model
+from verify.models.registry import ModelCase
 from verify.models.loader import ModelNotFound, check_builder, is_file_reference
 from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
 from verify.report.progress import RunProgress
@@ -237,16 +238,19 @@ def _write_reports(writer: ReportWriter | None, rows) -> None:
     writer.close()
 
 
-def _check_model(name: str) -> None:
-    """A model reference that names a builder (exit 2 otherwise, before any rank starts)."""
+def _check_model(name: str, build: bool = False) -> ModelCase | None:
+    """A model reference that names a builder (exit 2 otherwise, before any rank starts); with
+    ``build`` (or a file reference, which is checked by building it), the parent's one inspection
+    build of it at seed 0, which every check before the ranks start reads."""
     if is_file_reference(name):
         try:
-            check_builder(name)  # exists, returns a case, its batch fits: before any rank starts
+            return check_builder(name)  # exists, returns a case, its batch fits: before any rank starts
         except ModelNotFound as exc:
             raise UsageError(str(exc)) from None
-    elif not known_model(name):
+    if not known_model(name):
         raise UsageError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))} (or NAME@WIDTH, or "
                          f"FILE.py:BUILDER where BUILDER(seed) returns a ModelCase or (model, batch_fn))")
+    return build_model(name, 0) if build else None
 
 
 def _node_spec(args, cfg: RunConfig):
@@ -317,11 +321,11 @@ def _policies(specs: Sequence[str]) -> tuple[str, ...]:
 
 def cmd_model(args) -> int:
     _load(args.module)
-    _check_model(args.name)
+    case = _check_model(args.name, build=True)  # the one build before the ranks start
     policies = _policies(args.policy)
     cfg = _config(args)
     try:  # a pipeline the model cannot be cut into, or a batch that does not divide: before any rank starts
-        check_pipeline_input(args.name, policies, cfg.world_sizes, cfg.microbatches, replicas=args.replicas)
+        check_pipeline_input(args.name, policies, cfg.world_sizes, cfg.microbatches, replicas=args.replicas, case=case)
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     _json_target(args.json)
@@ -332,7 +336,7 @@ def cmd_model(args) -> int:
     mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
     print(f"training {args.name} for {args.steps} steps{mb} under {', '.join(policies)} at world sizes "
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
-    for line in replicated_lines(args.name, [p for p in policies if p in POLICIES], cfg.world_sizes):
+    for line in replicated_lines(args.name, [p for p in policies if p in POLICIES], cfg.world_sizes, case=case):
         print(line, flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang, RunProgress(len(policies)) as progress:

@@ -76,9 +76,9 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         except MicroBatchError as exc:
             raise PlanError(f"sample_args: {exc}") from None
     name, _ = resolve_policy(policy)
-    world, rank, runtime = ensure_process_group(config, groups)
     graph = trace_model(model, sample_args, sample_kwargs, registry=registry, strict=strict, tracer=tracer)
-    plan = choose_plan(graph, policy, config)
+    plan = choose_plan(graph, policy, config)  # a policy's bad answer is refused before any process group
+    world, rank, runtime = ensure_process_group(config, groups)
     cache = groups if groups is not None else GroupCache()
     verify_on_ranks(graph, plan, config, verify, verifier, cache, groups is not None, verify_cache)
     plan_rank, replica = rank % config.plan_ngpus, rank // config.plan_ngpus

@@ -56,7 +56,6 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
         raise PlanError("a pipelined model takes positional arguments only (sample_kwargs is not supported)")
     m = config.num_microbatches
     check_model(model, sample_args, config)  # bad input, before any process group
-    world, rank, runtime = ensure_process_group(config, groups)
     replicas, plan_ngpus = config.replicas, config.plan_ngpus
     pp, v = config.pp_size, stages_per_rank(config.schedule)
     k = plan_ngpus // pp
@@ -67,7 +66,8 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
             else balanced_cuts(graph, total, config.profile))
     graphs = stage_graphs(graph, cuts)
     each = stage_config(config)
-    plans = [choose_plan(g, stage_policy, each) for g in graphs]
+    plans = [choose_plan(g, stage_policy, each) for g in graphs]  # refused before any process group
+    world, rank, runtime = ensure_process_group(config, groups)
     cache = groups if groups is not None else GroupCache()
     pipeline_groups(pp, k, [p.mesh_shape for p in plans], cache, groups is None, replicas)
     checked = dataclasses.replace(each, runtime_ngpus=runtime)  # ranks 0 .. k-1 verify, every rank takes verdicts

@@ -11,12 +11,15 @@ from nnscaler.policies.coverage import replicated_line
 from nnscaler.trace.build import UnknownOperatorWarning, trace
 
 from verify.models.loader import build_model
+from verify.models.registry import ModelCase
 
 
-def replicated_lines(name: str, policies: Sequence[str], world_sizes: Sequence[int], seed: int = 0) -> Iterator[str]:
-    """``model NAME, POLICY, W=n: k of m operators replicated: ...`` per policy and world size."""
+def replicated_lines(name: str, policies: Sequence[str], world_sizes: Sequence[int], seed: int = 0,
+                     case: ModelCase | None = None) -> Iterator[str]:
+    """``model NAME, POLICY, W=n: k of m operators replicated: ...`` per policy and world size
+    (``case``: the caller's inspection build of the model at ``seed``, else built here)."""
     try:
-        case = build_model(name, seed)
+        case = build_model(name, seed) if case is None else case
         with warnings.catch_warnings():  # the lines below list them
             warnings.simplefilter("ignore", UnknownOperatorWarning)
             graph = trace(case.model, case.batch(0))

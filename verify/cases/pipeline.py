@@ -14,6 +14,7 @@ from nnscaler.policies import ComputeConfig, PlanError
 
 from verify.cases.microbatch import whole_batch
 from verify.models.loader import build_model
+from verify.models.registry import ModelCase
 
 __all__ = ["PIPELINE_MICROBATCHES", "PIPELINE_MODELS", "PIPELINE_POLICIES", "SWEPT", "check_pipeline_input", "is_pipeline_policy", "pipeline_applies",
            "pipeline_microbatches"]
@@ -42,22 +43,24 @@ def _layers(name: str, seed: int) -> int:
     return len(cut_units(build_model(name, seed).model))
 
 
-def _fits(name: str, seed: int, policy: str, world_size: int) -> bool:
-    return n_stages(pipeline_config(policy, ComputeConfig(world_size))[1]) <= _layers(name, seed)
+def _fits(name: str, seed: int, policy: str, world_size: int, layers: int | None = None) -> bool:
+    layers = _layers(name, seed) if layers is None else layers
+    return n_stages(pipeline_config(policy, ComputeConfig(world_size))[1]) <= layers
 
 
 def check_pipeline_input(name: str, policies, world_sizes, microbatches: int = 1, seed: int = 0,
-                         replicas: int = 1) -> None:
+                         replicas: int = 1, case: ModelCase | None = None) -> None:
     """Raise ``PlanError`` (one line) for a pipeline policy that cannot run on model ``name`` at any
     of ``world_sizes`` it applies to (with ``replicas``, the pipeline is planned on ``W / replicas``
     ranks)."""
     wanted = [p for p in policies if is_pipeline_policy(p)]
     if not wanted:
         return
-    case = build_model(name, seed)
+    case = build_model(name, seed) if case is None else case  # the caller's inspection build, when it has one
+    layers = len(cut_units(case.model))
     plans = [w // replicas for w in world_sizes if w % replicas == 0]
     for policy in wanted:
-        fit = [p for p in plans if applies(policy, p) and _fits(name, seed, policy, p)]
+        fit = [p for p in plans if applies(policy, p) and _fits(name, seed, policy, p, layers)]
         if not fit and any(applies(policy, p) for p in plans):  # too few layers wherever it applies: say so
             fit = [next(p for p in plans if applies(policy, p))]
         if not any(applies(policy, p) for p in plans):

@@ -85,10 +85,10 @@ def _checked(builder: Callable, ref: str) -> Callable[[int], ModelCase]:
     return build
 
 
-def check_builder(ref: str, seed: int = 0) -> None:
+def check_builder(ref: str, seed: int = 0) -> ModelCase:
     """Build once in this process and run one forward on the step-0 batch: a builder that does not
     exist, returns the wrong type, or whose batch does not fit the model fails here, in one line,
-    before any rank starts."""
+    before any rank starts. Returns the case (the parent's one inspection build)."""
     case = find_builder(ref)(seed)
     args = case.batch(0)
     if not isinstance(args, tuple):
@@ -102,6 +102,7 @@ def check_builder(ref: str, seed: int = 0) -> None:
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
         raise ModelNotFound(f"model {ref!r}: the model must return its scalar loss, got "
                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    return case
 
 
 def known_model(name: str) -> bool:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from nnscaler.dimops.binding import BoundAnno
 from nnscaler.dimops.partition import Partition
 from nnscaler.ir.graph import IRGraph, IROp, IRTensor
+from nnscaler.io import atomic_write
 from nnscaler.ir.plan import Plan
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 from nnscaler.ops.spec import outputs_of, resolve
@@ -116,9 +117,7 @@ def _save_cache(path: Path, cache: dict) -> None:
     if path.exists() and not path.is_file():
         raise OSError(f"{path} is not a file")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=0))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(cache, indent=0))
 
 
 def op_sample(op: IROp, bound: BoundAnno, seed: int) -> tuple[Sample, tuple]:

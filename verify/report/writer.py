@@ -14,6 +14,8 @@ from typing import Iterable, Sequence
 
 from tabulate import tabulate
 
+from nnscaler.io import atomic_write
+
 from verify.report import html as html_report
 from verify.judge.verdict import MATCH
 from verify.cases.config import Row, RunConfig
@@ -105,7 +107,7 @@ class ReportWriter:
         self.rows: list[Row] = self._resume() if resume else []
         try:
             kept = b"".join((json.dumps(r.to_json()) + "\n").encode() for r in self.rows)
-            _atomic_bytes(self.dir / CASES_FILE, kept)
+            atomic_write(self.dir / CASES_FILE, kept)
             self._fd = os.open(self.dir / CASES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self.flush()
         except OSError as exc:
@@ -172,10 +174,10 @@ class ReportWriter:
         meta = {"config": _config_of(self.cfg), "summary": summary(self.rows), "seconds": round(self.seconds, 2),
                 "host": socket.gethostname(), "finished": _now()}
         try:
-            _atomic(self.dir / "report.json", json.dumps(dict(meta, cases=[r.to_json() for r in self.rows]), indent=1))
-            _atomic(self.dir / "report.md", markdown(self.rows, ops, meta))
-            _atomic(self.dir / "junit.xml", junit(self.rows))
-            _atomic(self.dir / "report.html", html_report.render(self.rows, meta))
+            atomic_write(self.dir / "report.json", json.dumps(dict(meta, cases=[r.to_json() for r in self.rows]), indent=1))
+            atomic_write(self.dir / "report.md", markdown(self.rows, ops, meta))
+            atomic_write(self.dir / "junit.xml", junit(self.rows))
+            atomic_write(self.dir / "report.html", html_report.render(self.rows, meta))
         except OSError as exc:
             raise _oserror(f"writing reports into {self.dir} failed", exc) from None
 
@@ -189,19 +191,6 @@ class ReportWriter:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _atomic(path: Path, text: str) -> None:
-    _atomic_bytes(path, text.encode("utf-8"))
 
 
 def _by_op(rows: Iterable[Row]) -> "OrderedDict[str, list[Row]]":

@@ -1,4 +1,4 @@
-"""``python -m verify.runner.torchrun [--host ADDR] [torchrun options] SCRIPT [args]``: ``torchrun`` that
+"""``python -m verify.torchrun [--host ADDR] [torchrun options] SCRIPT [args]``: ``torchrun`` that
 listens on the loopback interface only.
 
 Plain ``torchrun`` hosts its stores on every interface (``*:port``), reachable from other hosts.
@@ -50,7 +50,7 @@ def _register(host: str) -> list:
 
 def command(args: Sequence[str], host: str = "127.0.0.1") -> list[str]:
     """A shell command that runs torchrun ``args`` listening on ``host`` only."""
-    return [sys.executable, "-m", "verify.runner.torchrun", "--host", host, *args]
+    return [sys.executable, "-m", "verify.torchrun", "--host", host, *args]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,17 +58,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = "127.0.0.1"
     if argv[:1] == ["--host"]:
         if len(argv) < 2:
-            print("verify.runner.torchrun: error: --host needs an address", file=sys.stderr)
+            print("verify.torchrun: error: --host needs an address", file=sys.stderr)
             return 2
         host, argv = argv[1], argv[2:]
     if not argv:
-        print("usage: python -m verify.runner.torchrun [--host ADDR] [torchrun options] SCRIPT [args]", file=sys.stderr)
+        print("usage: python -m verify.torchrun [--host ADDR] [torchrun options] SCRIPT [args]", file=sys.stderr)
         return 2
     clash = [a for a in argv if a.split("=")[0] in ("--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint",
                                                      "--rdzv_endpoint", "--master-addr", "--master_addr",
                                                      "--standalone", "--local-addr", "--local_addr")]
     if clash:
-        print(f"verify.runner.torchrun: error: {clash[0]} is set by this launcher (use --host)", file=sys.stderr)
+        print(f"verify.torchrun: error: {clash[0]} is set by this launcher (use --host)", file=sys.stderr)
         return 2
     if host in ("127.0.0.1", "::1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     except Exception as exc:  # ChildFailedError: torchrun printed the workers' failures already
-        print(f"verify.runner.torchrun: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+        print(f"verify.torchrun: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
               file=sys.stderr)
         return 1
     finally:
