@@ -6,6 +6,7 @@ import inspect
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Iterator
 
 from nnscaler.ops.spec import OpSpec
@@ -14,6 +15,7 @@ from verify.cases.config import BadInput, Row, RunConfig, model_label
 from verify.cases.model import expected_checks
 from verify.cases.pipeline import pipeline_applies, pipeline_microbatches
 from verify.judge.verdict import MATCH, judge, worst
+from verify.models.loader import is_file_reference
 from verify.runner.gang import Gang
 
 
@@ -96,6 +98,15 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
 
 
 
+def rerun_modules(name: str, cfg: RunConfig) -> tuple[str, ...]:
+    """The ``--module`` files an operator's rerun line needs: the run's, and the model's own file when
+    the model is ``FILE.py:builder`` (its operators are registered there)."""
+    if is_file_reference(name):
+        path = str(Path(name.rpartition(":")[0]).resolve())
+        return tuple(dict.fromkeys((*cfg.modules, path)))
+    return tuple(cfg.modules)
+
+
 def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, steps: int = 3,
               skip: frozenset | set = frozenset(), bucket_bytes: int | None = None,
               checkpoint: bool = True) -> Iterator[Row]:
@@ -119,7 +130,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                        "microbatches": m, "checkpoint": checkpoint}
                 expected = expected_checks(name, policy, steps, seed, checkpoint)
                 status, detail, checks, tb = judge(gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps)), expected,
-                                                   cfg.modules)
+                                                   rerun_modules(name, cfg))
                 out = worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = worst(checks, "grad")
                 rerun = cfg.rerun_model(name, policy, w, seed, steps, bucket_bytes)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -36,7 +37,7 @@ def _import_file(path: Path):
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise ModelNotFound(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
+        raise ModelNotFound(f"importing {path} failed: {type(exc).__name__}: {exc}{_where(path, exc)}") from None
     return module
 
 
@@ -85,12 +86,39 @@ def _checked(builder: Callable, ref: str) -> Callable[[int], ModelCase]:
     return build
 
 
+def _where(path: Path, exc: BaseException) -> str:
+    """`` (at FILE:LINE: code)``: the innermost line of ``path`` in the exception's traceback, or ''."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    return f" (at {path.name}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
+
+
+def _raised(ref: str, what: str, exc: BaseException) -> ModelNotFound:
+    """One line naming ``what`` raised, the exception and the innermost line of the user's file."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return ModelNotFound(f"model {ref!r}: {what} raised {type(exc).__name__}: {text}"
+                         f"{_where(Path(ref.rpartition(':')[0]), exc)}")
+
+
 def check_builder(ref: str, seed: int = 0) -> ModelCase:
     """Build once in this process and run one forward on the step-0 batch: a builder that does not
-    exist, returns the wrong type, or whose batch does not fit the model fails here, in one line,
-    before any rank starts. Returns the case (the parent's one inspection build)."""
-    case = find_builder(ref)(seed)
-    args = case.batch(0)
+    exist, raises, returns the wrong type, or whose batch does not fit the model fails here, in one
+    line, before any rank starts. Returns the case (the parent's one inspection build)."""
+    try:
+        builder = find_builder(ref)
+    except ModelNotFound:
+        raise
+    except Exception as exc:  # the file itself raised on import (ModelNotFound is the usual answer)
+        raise _raised(ref, f"importing {ref.rpartition(':')[0]}", exc) from None
+    try:
+        case = builder(seed)
+    except ModelNotFound:
+        raise
+    except Exception as exc:
+        raise _raised(ref, f"the builder {ref.rpartition(':')[2]}({seed})", exc) from None
+    try:
+        args = case.batch(0)
+    except Exception as exc:
+        raise _raised(ref, "batch_fn(0)", exc) from None
     if not isinstance(args, tuple):
         raise ModelNotFound(f"model {ref!r}: batch_fn(step) must return a tuple of arguments, got {type(args).__name__}")
     try:
