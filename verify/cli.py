@@ -35,7 +35,7 @@ from verify.models.registry import MODELS
 from verify.models.loader import build_model, known_model
 from verify.models.registry import ModelCase
 from verify.models.loader import ModelNotFound, check_builder, is_file_reference
-from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
+from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, MemoryCapError, WorldSizeError, max_ranks
 from verify.report.progress import RunProgress
 from verify.cases.replica_rows import replica_items, run_replicas
 from verify.report.writer import ReportError, ReportWriter, summary, table
@@ -426,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, UnknownOpError, BadInput, AnnotationError, ReportError) as exc:
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2
-    except WorldSizeError as exc:
+    except (WorldSizeError, MemoryCapError) as exc:
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2
     except GangError as exc:

@@ -44,6 +44,10 @@ class GangError(RuntimeError):
     """The gang could not start (every rank reports why, or none answered)."""
 
 
+class MemoryCapError(ValueError):
+    """``memory_mb`` is below what a bare rank holds before any case: every case would be killed."""
+
+
 class WorldSizeError(ValueError):
     """More ranks than this machine can run."""
 
@@ -134,6 +138,11 @@ class Gang:
         except GangError:
             self.stop()
             raise
+        bare = max(rss_tree_mb(p.pid) for p in self._procs)  # before any case: torch, gloo, the catalogue
+        if bare > self.memory_mb:
+            self.stop()
+            raise MemoryCapError(f"--rank-memory {self.memory_mb:.0f} MiB is below what a bare rank holds before "
+                                 f"any case ({bare:.0f} MiB measured); give at least {2 * bare:.0f}")
         self._healthy = True
         self.starts += 1
 
