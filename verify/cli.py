@@ -10,6 +10,7 @@ from dataclasses import replace
 import json
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -23,7 +24,8 @@ from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
 from nnscaler.policies import POLICIES, PlanError
 
-from verify.cases.config import BadInput, RunConfig, model_label
+from verify.cases.config import BadInput, Row, RunConfig, model_label
+from verify.judge.verdict import MISMATCH
 
 from verify.sweep import preflight, run_model, run_op
 from verify.lint import lint
@@ -270,6 +272,7 @@ def _node_spec(args, cfg: RunConfig):
 def cmd_op(args) -> int:
     reg = _load(args.module)
     cfg = _config(args)
+    wrong_backward: list[Row] = []
     if args.model is not None:
         cfg = replace(cfg, node=(args.model, args.node or ""))
         spec, what = _node_spec(args, cfg)
@@ -279,13 +282,18 @@ def cmd_op(args) -> int:
         spec = reg.get(args.name)
         what = spec.name
         for finding in lint([spec]):  # before any rank runs: the likely mistake, with its fix
-            if finding.kind != "failed":  # a function that cannot run at all is bad input, said below in one line
+            if finding.kind == "backward":  # the ranks would compare that backward with itself: a failed row
+                wrong_backward.append(Row(spec.name, spec.family, spec.annotation, 1, "own backward (gradcheck)",
+                                          "float64", cfg.seeds[0], MISMATCH, detail=finding.message,
+                                          rerun=f"python -m verify lint {shlex.quote(spec.name)}"
+                                          + "".join(f" --module {shlex.quote(m)}" for m in cfg.modules)))
+            elif finding.kind != "failed":  # a function that cannot run at all is bad input, said below in one line
                 print(f"verify: warning: {finding}", file=sys.stderr)
     _json_target(args.json)
     writer = None if args.reports is None else ReportWriter(args.reports, cfg)  # refuses an unwritable directory
     print(f"verifying {what} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
           f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
-    rows = []
+    rows = list(wrong_backward)
     with _gang(cfg, args) as gang, RunProgress(len(cfg.world_sizes)) as progress:
         preflight(gang, [spec], cfg)
         for w in cfg.world_sizes:  # one progress item per world size, at the lengths of the whole run

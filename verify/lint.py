@@ -7,6 +7,10 @@ Two kinds of finding, each with the fix:
   - *mixing*: for each spatial identifier that an output holds, one slice of an input along it is
     perturbed; if any *other* slice of an output changes, the function mixes values along that dim
     (softmax, cumsum, flip, sort, a convolution window) and a split would cut what it mixes.
+  - *backward*: an operator whose backward is its own (a ``torch.library`` custom op with
+    ``register_autograd``, a ``torch.autograd.Function``) has it checked against its forward by
+    ``torch.autograd.gradcheck`` (finite differences, float64, the sample's small lengths): the
+    harness's single-device reference runs that same backward, so a wrong one would match itself.
   - *additivity*: for each ``+`` identifier, the inputs holding it are cut in two along it and the
     function run on each half (inputs lacking it whole on the first half, zero on the second, as a
     partial value is laid out); the halves must add up to the whole result. A mean, a max or any
@@ -144,6 +148,36 @@ def _additivity(spec: OpSpec, bound: BoundAnno, inputs: list, base: tuple) -> li
     return found
 
 
+def own_backward(spec: OpSpec) -> bool:
+    """Whether the operator's backward is written by its author rather than derived by autograd."""
+    fn = spec.fn
+    if isinstance(fn, torch._library.custom_ops.CustomOpDef):
+        return fn._backward_fn is not None  # (no public accessor in torch.library for this)
+    owner = getattr(fn, "__self__", fn)  # a Function registered as its ``apply``
+    return isinstance(owner, type) and issubclass(owner, torch.autograd.Function)
+
+
+def _backward(spec: OpSpec, inputs: list, sizes: dict) -> list[Finding]:
+    """``gradcheck`` of an operator's own backward against finite differences of its forward."""
+    leaves = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+              for x in inputs]
+    if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+        return []
+    kwargs = resolve(dict(spec.kwargs), sizes)
+    call = spec.fn.apply if isinstance(spec.fn, type) else spec.fn  # a Function class, or a callable
+
+    def floating(*args):
+        return tuple(o for o in as_tuple(call(*args, **kwargs)) if isinstance(o, torch.Tensor) and o.is_floating_point())
+    try:
+        torch.autograd.gradcheck(floating, tuple(leaves), eps=1e-6, atol=1e-5, rtol=1e-4)
+    except Exception as exc:  # noqa: BLE001  (GradcheckError, or a backward that cannot run)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return [Finding(spec.name, "", "backward", f"its own backward disagrees with its forward (torch.autograd."
+                                                    f"gradcheck in float64: {first}); fix the function given to "
+                                                    f"register_autograd / the Function's backward")]
+    return []
+
+
 def lint_dynamic(spec: OpSpec, seed: int = 0, base: int = 4) -> list[Finding]:
     """Findings from running the function once on float64 sample inputs (and once per check)."""
     try:
@@ -157,6 +191,8 @@ def lint_dynamic(spec: OpSpec, seed: int = 0, base: int = 4) -> list[Finding]:
     if not deterministic:
         return []  # random operators are judged by the harness with a shared random stream
     found = _mixing(spec, sample.bound, inputs, out)
+    if own_backward(spec):
+        found += _backward(spec, inputs, sample.bound.sizes)
     if spec.local is None:
         found += _additivity(spec, sample.bound, inputs, out)
     return found

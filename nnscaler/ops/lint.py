@@ -22,7 +22,7 @@ class Finding:
 
     op: str
     ident: str
-    kind: str  # "consumed" | "mixes" | "not-additive" | "failed"
+    kind: str  # "consumed" | "mixes" | "not-additive" | "backward" | "failed"
     message: str
 
     def __str__(self) -> str:
