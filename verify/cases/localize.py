@@ -10,7 +10,6 @@ order (latest operator first) names the operator whose backward broke it.
 """
 from __future__ import annotations
 
-import copy
 import importlib.util
 import math
 import shlex
@@ -37,6 +36,7 @@ from nnscaler.runtime.mesh import RankMesh
 from verify.models.loader import file_tag
 from verify.judge.compare import check_tensor
 from verify.plan.check import op_partition
+from verify.cases.fresh import built_like
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
 from verify.judge.verdict import Divergence
@@ -219,6 +219,6 @@ def localize_model_case(name: str, policy: str, world_size: int, seed: int, grou
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(copy.deepcopy(model), args, resolve_policy(policy), config, groups=groups, verify=False,
+        pm = parallelize(built_like(name, seed, model, dt), args, resolve_policy(policy), config, groups=groups, verify=False,
                          gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}")
     return first_divergence(pm, model, args, world_size, name, seed, dtype)

@@ -11,7 +11,6 @@ when that plan matches, the fault lies in the sync between replicas.
 """
 from __future__ import annotations
 
-import copy
 import warnings
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from verify.cases.batch import cast
 from verify.judge.verdict import Divergence
 from verify.cases.localize import Recorder, divergence, first_bad, localize_model_case, probed_program, single_device, single_program
 from verify.cases.microbatch import whole_batch
+from verify.cases.fresh import built_like
 from verify.models.loader import build_model
 from verify.models.loader import file_tag
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
@@ -97,7 +97,7 @@ def localize_pipeline_case(name: str, policy: str, world_size: int, seed: int, g
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed, num_microbatches=m)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(copy.deepcopy(model), cast(whole_batch(case.batch, 0, m), dt), resolve_policy(policy),
+        pm = parallelize(built_like(name, seed, model, dt), cast(whole_batch(case.batch, 0, m), dt), resolve_policy(policy),
                          config, groups=groups, verify=False,
                          gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}")
     graph = pm.graph

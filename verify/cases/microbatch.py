@@ -4,7 +4,6 @@ a model's mean loss exact across uneven micro-batches, and one rank's part of an
 ``train_step``), judged against one device on the whole batch."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 import sys
 import warnings
@@ -23,6 +22,7 @@ from nnscaler.trace.build import UnknownOperatorWarning
 from verify.cases.batch import share
 from verify.judge.compare import Check, check_tensor
 from verify.models.registry import ModelCase
+from verify.cases.fresh import built_like
 from verify.models.loader import build_model
 from verify.models.loader import file_tag
 
@@ -90,8 +90,8 @@ def _accumulation_checks(job: dict, groups: GroupCache) -> list[Check]:
     name, policy, mode, m, seed = job["model"], job["policy"], job["mode"], job["microbatches"], job["seed"]
     world, plan_ngpus = job["world_size"], job.get("plan_ngpus", job["world_size"])
     case = build_model(name, seed)
-    ref64 = copy.deepcopy(case.model).double()
-    ref = copy.deepcopy(case.model)
+    ref64 = built_like(name, seed, case.model, torch.float64)
+    ref = built_like(name, seed, case.model)
     replicas, replica = world // plan_ngpus, dist.get_rank() // plan_ngpus
     full = whole_batch(case.batch, 0, m)
     mine = share(full, replica, replicas)

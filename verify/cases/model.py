@@ -5,7 +5,6 @@ against AdamW on one device from the same point; then the merged checkpoint, rel
 device and under another plan."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 import sys
 import warnings
@@ -25,6 +24,7 @@ from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
 from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
 from verify.cases.microbatch import loss_fn_of, whole_batch
+from verify.cases.fresh import built_like
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
 from verify.cases.traces import TraceCache, tracer_of
@@ -137,7 +137,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
     case.model.to(dt)
-    ref, ref64 = copy.deepcopy(case.model), copy.deepcopy(case.model).double()
+    ref, ref64 = built_like(name, seed, case.model, dt), built_like(name, seed, case.model, torch.float64)
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
                            num_microbatches=microbatches)
@@ -216,7 +216,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
     if missing:
         return [Check("checkpoint keys", float("inf"), 0.0, False, f"the checkpoint lacks {', '.join(missing[:5])}")]
     single.load_state_dict(_with_aliases(single, state), strict=True)
-    single64 = copy.deepcopy(single).double()
+    single64 = built_like(name, seed, single, torch.float64)
     other_policy = _other_policy(policy)
     other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
                          ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes),

@@ -10,7 +10,6 @@ write their pieces once) resumed on one device, under another pipeline and under
 (``verify/checkpoint_case.py``)."""
 from __future__ import annotations
 
-import copy
 import warnings
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from verify.cases.batch import cast, share
 from verify.cases.resume import resume_checks
 from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
+from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
 from verify.cases.model import LR, step_checks
 from verify.models.loader import file_tag
@@ -45,7 +45,8 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
-    ref = copy.deepcopy(case.model)
+    ref = built_like(name, seed, case.model, dt)
+    ref64 = built_like(name, seed, ref, torch.float64)
     replicas, replica = world_size // plan_ngpus, dist.get_rank() // plan_ngpus
     m = max(microbatches, PIPELINE_MICROBATCHES)
     batch = lambda step: cast(whole_batch(case.batch, step, m * replicas), dt)  # noqa: E731 (every replica's share)
@@ -67,7 +68,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         args = batch(step)
         point = {n: p.detach().clone() for n, p in params.items()}
         pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
-        ref64 = copy.deepcopy(ref).double()
+        load_like(ref64, ref)
         loss = pm.train_step(*share(args, replica, replicas), loss_fn=loss_fn)
         loss_ref = ref(*args)
         loss_ref.backward()

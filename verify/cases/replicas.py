@@ -9,7 +9,6 @@ averages over as many elements; a loss over targets padded unevenly (``ignore_in
 the harness judges the replicas against what they are meant to compute."""
 from __future__ import annotations
 
-import copy
 import warnings
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from verify.cases.batch import cast, share
 from verify.models.loader import file_tag
 from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
+from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
 from verify.cases.model import LR, resolve_policy, step_checks
 from verify.cases.pipeline import is_pipeline_policy
@@ -72,7 +72,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
-    ref = copy.deepcopy(case.model)
+    ref = built_like(name, seed, case.model, dt)
+    ref64 = built_like(name, seed, ref, torch.float64)
     replicas, rank = world_size // plan_ngpus, dist.get_rank()
     replica = rank // plan_ngpus
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=microbatches,
@@ -96,7 +97,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         shares = [share(args, r, replicas) for r in range(replicas)]
         point = {n: p.detach().clone() for n, p in params.items()}
         pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
-        ref64 = copy.deepcopy(ref).double()
+        load_like(ref64, ref)
         if microbatches > 1:  # the whole batch's loss over every replica, exactly (train_step's weighting)
             mean = pm.train_step(*shares[replica], loss_fn=loss_fn)
             refs = [args]

@@ -22,6 +22,7 @@ from nnscaler.trace.build import UnknownOperatorWarning
 from verify.cases.batch import cast
 from verify.models.loader import file_tag
 from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
+from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
 from verify.cases.traces import TraceCache, tracer_of
 
@@ -150,16 +151,17 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     where = f"under {other} at W={w_b}"
     checks += _loaded_checks(where, resumed.state_dict(), _moments(resumed, resumed_opt, True), saved,
                              saved_moments)
-    shadow = copy.deepcopy(single)  # AdamW on one device, from the checkpoint, fed plan B's gradients
+    shadow = built_like(name, seed, single, dtype)  # AdamW on one device, from the checkpoint, fed plan B's gradients
     shadow_opt = torch.optim.AdamW(shadow.parameters(), lr=lr)
     shadow_opt.load_state_dict(copy.deepcopy(single_opt.state_dict()))
     sp, hp = dict(single.named_parameters()), dict(shadow.named_parameters())
+    single64 = built_like(name, seed, single, torch.float64)
     fallback = Float64Fallback(dtype)  # an operator without a float64 kernel runs in the test dtype (bound widens)
     for step in range(steps, steps + MORE_STEPS):
         args = cast(batch(step), dtype)
         point = {n: p.detach().clone() for n, p in sp.items()}
         resumed.load_state_dict({k: point.get(k, v) for k, v in resumed.state_dict().items()})
-        single64 = copy.deepcopy(single).double()
+        load_like(single64, single)
         loss, loss_ref = resumed(*args), single(*args)
         for x in (loss, loss_ref):
             x.backward()
