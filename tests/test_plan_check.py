@@ -30,6 +30,8 @@ def test_compile_only_what_passed(tmp_path):
     assert r.returncode == 0, out[-2000:] + r.stderr[-3000:]
     refused = next(line for line in out.splitlines() if line.startswith("STRICT"))
     assert refused.startswith("STRICT REFUSED") and "wrong_row_softmax" in refused and "b=2" in refused, refused
+    default = next(line for line in out.splitlines() if line.startswith("DEFAULT"))
+    assert default.startswith("DEFAULT REFUSED") and "wrong_row_softmax" in default, default
     warned = next(line for line in out.splitlines() if line.startswith("WARNED"))
     assert "wrong_row_softmax" in warned, warned
     cold = next(line for line in out.splitlines() if line.startswith("COLD")).split()

@@ -31,7 +31,7 @@ from .plan import attach_stats, choose_plan, resolve_policy, trace_model, write_
 def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
                 *, gen_savedir: str | os.PathLike = ".nnscaler", reuse: bool = True, strict: bool = False,
                 sample_kwargs: Mapping[str, Any] | None = None, registry: OpRegistry | None = None,
-                groups: GroupCache | None = None, verify: str | bool = "warn",
+                groups: GroupCache | None = None, verify: str | bool = "strict",
                 verify_cache: str | os.PathLike | None = None, tracer: Tracer | None = None,
                 verifier: Verifier | None = None) -> ParallelModule:
     """Compile ``model`` for ``config.plan_ngpus`` ranks under ``policy`` and return this rank's module.
@@ -53,8 +53,9 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     ``verify``: before generating code, every (operator, partition) pair the plan uses is verified on
     these ranks by ``verifier`` (default: the one installed under the ``nnscaler.verifiers`` entry
     point, the harness; cached on disk in ``verify_cache``, default ``~/.cache/nnscaler-verify``):
-    ``"strict"`` raises :class:`PlanError` naming a failing operator and partition (or when no verifier
-    is installed), ``"warn"`` (the default) warns, ``False`` skips it.
+    ``"strict"`` (the default: compile only what passed) raises :class:`PlanError` naming a failing
+    operator and partition (or when no verifier is installed), ``"warn"`` warns and compiles anyway,
+    ``False`` skips it.
 
     ``config.pp_size > 1`` (or a pipeline policy's name, :data:`nnscaler.policies.pipeline.PIPELINE_POLICIES`)
     cuts the model into pipeline stages, each partitioned by ``policy`` over its own ranks, and returns a

@@ -43,7 +43,7 @@ def pipeline_groups(pp: int, k: int, mesh_shapes, cache: GroupCache, create: boo
 def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], policy, config: ComputeConfig, *,
                          gen_savedir: str | os.PathLike, reuse: bool = True, strict: bool = False,
                          sample_kwargs: Mapping[str, Any] | None = None, registry=None,
-                         groups: GroupCache | None = None, verify: str | bool = "warn",
+                         groups: GroupCache | None = None, verify: str | bool = "strict",
                          verify_cache: str | os.PathLike | None = None, tracer: Tracer | None = None,
                          verifier: Verifier | None = None) -> PipelineModule:
     """This rank's :class:`PipelineModule` (see :func:`nnscaler.parallelize`). ``verify``: every stage
