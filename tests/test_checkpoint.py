@@ -112,25 +112,26 @@ def test_an_incompatible_optimizer_names_the_parameter(saved):
     assert all("the checkpoint holds AdamW state" in m and m.startswith("parameter ") for m in messages), messages
 
 
-def test_a_sharded_checkpoint_at_w4_resumes_under_another_sharded_plan_at_w2_and_on_one_device(gang):
-    """tp at W=4 -> random at W=2 (parameters split along other dims) and one device: what is loaded
-    equals what was saved, and the next AdamW steps under plan B equal the run resumed on one device,
-    which in turn equals uninterrupted single-device training (the first test above)."""
+@pytest.mark.parametrize("policy, plan_b", [("random", "tp at W=2"), ("tp", "random2d at W=4")])
+def test_a_sharded_checkpoint_at_w4_resumes_under_another_sharded_plan_and_on_one_device(gang, policy, plan_b):
+    """random at W=4 -> tp at W=2 (another world size), tp at W=4 -> random2d on a 2 x 2 mesh, and one
+    device: what is loaded equals what was saved, and the next AdamW steps under plan B equal the run
+    resumed on one device, which in turn equals uninterrupted single-device training (the first test above)."""
     with tempfile.TemporaryDirectory() as tmp:
-        job = {"kind": "model", "model": "nanogpt", "policy": "tp", "world_size": 4, "steps": 2, "seed": 0,
+        job = {"kind": "model", "model": "nanogpt", "policy": policy, "world_size": 4, "steps": 2, "seed": 0,
                "gen_dir": tmp}
         status, detail, checks, _ = judge(gang.run(job, 4, 300))
     assert status == MATCH, detail
     names = [c["name"] for c in checks]
-    for where in ("under random at W=2", "on one device"):  # what was loaded equals what was saved
+    for where in (f"under {plan_b}", "on one device"):  # what was loaded equals what was saved
         assert any(n.startswith(f"resumed {where}: optimizer exp_avg_sq") for n in names), where
         assert any(n.startswith(f"resumed {where}: param") for n in names), where
     # training on under plan B is judged against the run resumed on one device, step by step
-    assert any(n.startswith("resumed under random at W=2: grad") for n in names)
-    assert any(n.startswith("resumed under random at W=2: param") and "after step" in n for n in names)
+    assert any(n.startswith(f"resumed under {plan_b}: grad") for n in names)
+    assert any(n.startswith(f"resumed under {plan_b}: param") and "after step" in n for n in names)
 
 
-def test_plan_b_of_every_policy_is_sharded_and_smaller():
+def test_plan_b_of_every_policy_is_sharded_and_2d_or_smaller():
     from verify.cases.resume import plan_b
-    assert {p: plan_b(p, 4) for p in ("dp", "tp", "random2d")} == {"dp": ("tp", 2), "tp": ("random", 2),
-                                                                  "random2d": ("tp", 2)}
+    assert {p: plan_b(p, 4) for p in ("dp", "tp", "random", "random2d")} == {
+        "dp": ("hybrid", 4), "tp": ("random2d", 4), "random": ("tp", 2), "random2d": ("tp", 2)}

@@ -90,7 +90,7 @@ def expected_checks(name: str, policy: str, steps: int, seed: int, checkpoint: b
     names = [f"initial {k}" for k in own_state(model)]
     params = [n for n, _ in model.named_parameters()]
     for s in range(steps):
-        names += [f"loss step {s}", *(f"grad {n} step {s}" for n in params),
+        names += [f"load step {s}", f"loss step {s}", *(f"grad {n} step {s}" for n in params),
                   *(f"param {n} after step {s}" for n in params)]
     if not checkpoint:
         return names
@@ -106,6 +106,17 @@ def _equal(name: str, par, want) -> Check:
     err = float((par.double() - want.double()).abs().max()) if par.numel() else 0.0
     ok = torch.equal(par, want)
     return Check(name, err, 0.0, ok, "" if ok else f"differs from the model's own tensor by {err:.3g}")
+
+
+def installed(pm, point: dict, step: int) -> Check:
+    """What ``load_state_dict`` installed in the parallel module equals what it was given, bit for bit
+    (a load that installs nothing leaves the module's own parameters, which differ from the point by
+    rounding alone: the step's other checks would pass)."""
+    state = pm.state_dict()
+    checks = [_equal(n, state.get(n), want) for n, want in point.items() if n in state]
+    bad = [c for c in checks if not c.ok]
+    return Check(f"load step {step}", max((c.err for c in bad), default=0.0), 0.0, not bad,
+                 f"{bad[0].name}: {bad[0].reason}" if bad else "")
 
 
 def _parallelize(model, args, policy, config, groups, gen_dir: Path, tracer=None):
@@ -159,6 +170,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
         except (RuntimeError, KeyError) as exc:  # the rest of the case cannot run: its checks go missing
             return checks + [Check(f"load step {step}", float("inf"), 0.0, False, f"{type(exc).__name__}: {exc}")]
+        checks.append(installed(pm, point, step))
         ref64.load_state_dict(_with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
                                                     for k, v in point.items()}), strict=True)
         if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches

@@ -27,7 +27,7 @@ from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
-from verify.cases.model import LR, step_checks
+from verify.cases.model import LR, installed, step_checks
 from verify.models.loader import file_tag
 from verify.cases.pipeline import PIPELINE_MICROBATCHES
 from verify.cases.samples import DTYPES
@@ -68,6 +68,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         args = batch(step)
         point = {n: p.detach().clone() for n, p in params.items()}
         pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
+        checks.append(installed(pm, point, step))
         load_like(ref64, ref)
         loss = pm.train_step(*share(args, replica, replicas), loss_fn=loss_fn)
         loss_ref = ref(*args)

@@ -26,7 +26,7 @@ from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
-from verify.cases.model import LR, resolve_policy, step_checks
+from verify.cases.model import LR, installed, resolve_policy, step_checks
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.pipeline_replicas import LOSS, run_pipeline_replicas_case
 from verify.cases.samples import DTYPES
@@ -97,6 +97,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         shares = [share(args, r, replicas) for r in range(replicas)]
         point = {n: p.detach().clone() for n, p in params.items()}
         pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
+        checks.append(installed(pm, point, step))
         load_like(ref64, ref)
         if microbatches > 1:  # the whole batch's loss over every replica, exactly (train_step's weighting)
             mean = pm.train_step(*shares[replica], loss_fn=loss_fn)

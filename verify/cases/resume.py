@@ -29,10 +29,17 @@ from verify.cases.traces import TraceCache, tracer_of
 MORE_STEPS = 2
 
 
+TWO_D = {"dp": "hybrid", "tp": "random2d"}  # at W=4, these resume into a 2-D plan (a 2 x 2 mesh)
+
+
 def plan_b(policy: str, world_size: int) -> tuple[str, int]:
     """Where a checkpoint of ``policy`` at ``world_size`` is resumed: another sharded plan (``tp``;
     a ``tp`` checkpoint under ``random``, which splits parameters along other dims), and a smaller
-    world size where there is one (ranks of a case are 0 .. world_size-1)."""
+    world size where there is one (ranks of a case are 0 .. world_size-1); except that at W=4 a
+    ``dp`` checkpoint resumes under ``hybrid`` and a ``tp`` one under ``random2d``, both on a 2 x 2
+    mesh, so a load that takes one mesh axis's coordinate for the other's is caught."""
+    if world_size == 4 and policy in TWO_D:
+        return TWO_D[policy], 4
     return ("tp" if policy != "tp" else "random"), (2 if world_size >= 4 and world_size % 2 == 0 else world_size)
 
 

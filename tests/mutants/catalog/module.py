@@ -69,3 +69,18 @@ def pipeline_checkpoint_saves_blocked_pieces_as_shards():
     q, of k and of v) as if it were a contiguous shard, without making it whole on its axis first."""
     from nnscaler.checkpoint import pipeline as PC
     patch(PC, "gather_blocks", lambda module, items: [t for _, t in items])
+
+
+@mutant
+def blocked_load_other_axis():
+    import types
+
+    from nnscaler.checkpoint import format as F, layout as L, pipeline as P, sharded as S
+    real = L.load_buffer
+
+    def load_buffer(module, name, like):  # a piece split in blocks is cut by the other mesh axis's coordinate
+        m = module.mesh
+        mesh = types.SimpleNamespace(shape=m.shape, groups=m.groups, coords=tuple(reversed(m.coords)))
+        return real(types.SimpleNamespace(_program=module._program, mesh=mesh), name, like)
+    for owner in (L, F, P, S):  # each took the name at import
+        patch(owner, "load_buffer", load_buffer)
