@@ -41,13 +41,18 @@ def _gather(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
     return join_blocks(parts, dim, blocks)
 
 
-def _chunk(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
-    n = _size(group)
+def _piece(x: torch.Tensor, dim: int, n: int, blocks: int, r: int) -> torch.Tensor:
+    """Rank ``r``'s chunk of ``x`` along ``dim`` among ``n`` (with ``blocks``, its chunk of every block:
+    one factor of a fused dim)."""
     if x.shape[dim] % (n * blocks):
         raise ValueError(f"cannot split dim {dim} of length {x.shape[dim]} into {n} equal chunks of {blocks} blocks")
-    if blocks > 1:  # this rank's chunk of every block (one factor of a fused dim)
-        return x.unflatten(dim, (blocks, -1)).chunk(n, dim=dim + 1)[_rank(group)].flatten(dim, dim + 1).contiguous()
-    return x.chunk(n, dim=dim)[_rank(group)].contiguous()
+    if blocks > 1:
+        return x.unflatten(dim, (blocks, -1)).chunk(n, dim=dim + 1)[r].flatten(dim, dim + 1).contiguous()
+    return x.chunk(n, dim=dim)[r].contiguous()
+
+
+def _chunk(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
+    return _piece(x, dim, _size(group), blocks, _rank(group))
 
 
 def _sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -111,15 +116,24 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
-    """Sum over ``group`` and keep this rank's chunk; one ``reduce_scatter`` call where the
-    backend has it (gloo does not: it sums whole, then keeps the chunk)."""
-    if blocks == 1 and dist.get_backend(group) != "gloo":
-        n = _size(group)
-        parts = [c.contiguous() for c in x.chunk(n, dim=dim)]
+    """Sum over ``group`` and keep this rank's chunk (of every block): rank ``r`` sends each peer the
+    chunk that peer keeps, one path for every backend (:func:`reduce_scatter_parts`)."""
+    n = _size(group)
+    return reduce_scatter_parts([_piece(x, dim, n, blocks, r) for r in range(n)], group)
+
+
+def reduce_scatter_parts(parts: list[torch.Tensor], group) -> torch.Tensor:
+    """The sum over ``group`` of every rank's ``parts[my rank]``: ``dist.reduce_scatter`` where the backend
+    has it; gloo has none, so the same exchange runs as one ``all_to_all_single`` and the sum is taken
+    here (so the chunk order the nccl path relies on runs, and is tested, on CPU too)."""
+    if dist.get_backend(group) != "gloo":
         out = torch.empty_like(parts[0])
         dist.reduce_scatter(out, parts, group=group)
         return out
-    return _chunk(_sum(x, group), dim, group, blocks)
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    got = torch.empty_like(flat)
+    dist.all_to_all_single(got, flat, group=group)
+    return got.view(len(parts), *parts[0].shape).sum(0)
 
 
 class _ToPartial(torch.autograd.Function):
