@@ -33,12 +33,18 @@ def replica_items(models: Sequence[str], world_sizes: Sequence[int]) -> list[tup
     return [(f"model:{m} {replica_label(p, ALL_REPLICAS)}", (m, p, ALL_REPLICAS, sizes)) for m, p in pairs]
 
 
+REPLICA_BUCKET_BYTES = 4096  # replica rows sync gradients in buckets this small unless told otherwise
+
+
 def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, replicas: int,
                  steps: int = 3, skip: frozenset | set = frozenset(), bucket_bytes: int | None = None) -> Iterator[Row]:
     """Model ``name`` planned by each policy on ``W / replicas`` ranks and run as ``replicas``
     data-parallel replicas on W ranks, for each world size W of ``cfg`` (a multiple of ``replicas``),
     seed and ``cfg.dtype``: one row per case, judged against one device (``verify/replicas_case.py``),
-    with ``cfg.microbatches`` micro-batches per step and gradient-sync buckets of ``bucket_bytes``."""
+    with ``cfg.microbatches`` micro-batches per step and gradient-sync buckets of ``bucket_bytes``
+    (default :data:`REPLICA_BUCKET_BYTES`: many small buckets, where a race between a bucket's
+    averaging over replicas and the next backward shows; one large bucket hides it)."""
+    bucket_bytes = REPLICA_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
