@@ -82,7 +82,5 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
                             traces)
-    if fallback.used:
-        checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
-                            True))
+    checks += fallback.notes(dtype)
     return checks

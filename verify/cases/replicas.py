@@ -119,7 +119,5 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
-    if fallback.used:
-        checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
-                            True))
+    checks += fallback.notes(dtype)
     return checks

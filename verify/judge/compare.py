@@ -51,6 +51,18 @@ reference runs that operator alone in the dtype under test (:class:`Float64Fallb
 result; the reference is then only as exact as the test dtype around that operator, so checks of such
 a case use ``FALLBACK_WIDEN`` times the factor and the floor (its reference error is of the size of the
 single-device error, which the widened bound absorbs), and the row names the operators.
+
+**float32 islands.** Many real models compute softmax, norms and rotary embeddings in float32
+whatever their input dtype (``.float()``, ``dtype=torch.float32``), and make constants with the default
+dtype (``torch.full((), finfo.min)``). A float64 run of such a model is not a float64 program: its
+single-device error against a reference with the same islands would be zero while the parallel
+program rounds its float32 islands in another order (errors ~1e-8 against bounds ~5e-16). So the
+float64 *reference* promotes them (:class:`Float64Fallback`): every operator asked for a narrower
+floating dtype (``dtype=`` float32, float16 or bfloat16, as ``.float()``/``.to()`` and ``softmax(dtype=)``
+reach ATen) computes in float64 instead, and factories without a dtype make float64 (the default dtype
+is float64 inside the reference). The single-device and parallel runs keep their islands, so the bound
+``FACTOR * err(dev)`` is the islands' own rounding; the row names the promoted operators. A logic error
+still gives errors of the order of the values.
 """
 from __future__ import annotations
 
@@ -154,18 +166,38 @@ def check_update(name: str, par, want, lr: float, widen: float = 1.0) -> Check:
     return Check(name, err, tol, ok, "" if ok else f"error {err:.3g} > tolerance {tol:.3g} (element {worst})")
 
 
+LOW_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
+
+
 class Float64Fallback(TorchDispatchMode):
-    """Run every operator as called; one that fails on float64 inputs (no float64 kernel) runs again
-    with its float64 tensors cast to ``low`` and its floating results cast back to float64. The names
-    of such operators are collected in ``used`` (see the module docstring for the widened bound)."""
+    """The float64 reference's mode (see the module docstring). Every operator asked for a narrower
+    floating dtype computes in float64 (its name is collected in ``promoted``) and the default dtype is
+    float64 inside; one that fails on float64 inputs (no float64 kernel) runs again with its float64
+    tensors cast to ``low`` and its floating results cast back to float64 (collected in ``used``)."""
 
     def __init__(self, low: torch.dtype = torch.float32):
         super().__init__()
         self.low = low if low != torch.float64 else torch.float32
         self.used: set[str] = set()
+        self.promoted: set[str] = set()
+        self._default: list[torch.dtype] = []
+
+    def __enter__(self):
+        self._default.append(torch.get_default_dtype())
+        torch.set_default_dtype(torch.float64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            torch.set_default_dtype(self._default.pop())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs.get("dtype") in LOW_PRECISION:
+            kwargs = {**kwargs, "dtype": torch.float64}
+            self.promoted.add(str(func))
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as exc:
@@ -181,3 +213,13 @@ class Float64Fallback(TorchDispatchMode):
             self.used.add(str(func))
             up = lambda x: x.double() if isinstance(x, torch.Tensor) and x.dtype == self.low else x  # noqa: E731
             return torch.utils._pytree.tree_map(up, out)
+
+    def notes(self, dtype: str) -> list["Check"]:
+        """Passing checks that say, in the row's checks, what the float64 reference did differently."""
+        out = []
+        if self.used:
+            out.append(Check(f"note: float64 reference ran {', '.join(sorted(self.used))} in {dtype}", 0.0, 0.0, True))
+        if self.promoted:
+            out.append(Check(f"note: float64 reference promoted float32 islands to float64 "
+                             f"({', '.join(sorted(self.promoted))})", 0.0, 0.0, True))
+        return out
