@@ -17,6 +17,7 @@ import torch.distributed as dist
 from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
+from verify.judge.verdict import Unverifiable
 from verify.runner import isolation
 
 from verify.cases import op as rank_case
@@ -136,6 +137,8 @@ def handle(state: RankState, job: dict) -> dict:
         mesh = RankMesh.build(partition.mesh_shape, state.rank, state.groups)
         checks = rank_case.run_case(sample, ref, partition, mesh, state.device)
         return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
+    except Unverifiable as exc:  # a program that draws random numbers: never a match, never a mismatch
+        return {"unverifiable": str(exc), "seconds": time.perf_counter() - start}
     except BaseException as exc:  # a failing case is a result, never a dead rank
         # other BaseExceptions (SystemExit, torch.distributed.checkpoint's CheckpointException) are
         # the case's own errors; an interrupt stops the rank

@@ -16,9 +16,11 @@ import torch
 
 from ..dimops.binding import BoundAnno
 from ..dimops.partition import OpLayout, Partition, op_layout
+from ..ops.rules import aten_overload
 from ..ops.spec import OpSpec
 
 PARAM, BUFFER, INPUT, ACTIVATION, CONSTANT = "param", "buffer", "input", "activation", "constant"
+DROPOUTS = ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")  # (x, p, train)
 
 
 @dataclass(eq=False)
@@ -63,6 +65,23 @@ class IROp:
 
     def tensor_inputs(self) -> list[IRTensor]:
         return [x for x in self.inputs if isinstance(x, IRTensor)]
+
+    @property
+    def draws_random(self) -> bool:
+        """Whether the call draws random numbers (an ATen op tagged ``nondeterministic_seeded``; a
+        dropout only where it is not the identity: ``p > 0`` while training)."""
+        try:
+            overload = aten_overload(self.overload)
+        except (KeyError, ValueError):  # a registered Python function, not an ATen overload
+            return False
+        if torch.Tag.nondeterministic_seeded not in overload.tags:
+            return False
+        if self.overload.split(".")[1] in DROPOUTS:
+            args = list(self.inputs) + [None] * 3
+            p = self.kwargs.get("p", args[1] if args[1] is not None else 0.5)
+            train = self.kwargs.get("train", args[2] if args[2] is not None else True)
+            return bool(p) and bool(train)
+        return True
 
     def __repr__(self) -> str:
         anno = self.spec.annotation if self.spec else "unknown"

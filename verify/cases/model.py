@@ -22,6 +22,7 @@ from verify.cases.batch import cast
 from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
+from verify.judge.verdict import check_deterministic
 from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like
@@ -157,6 +158,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     loss_fn = loss_fn_of(case)
     pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
                       Path(gen_dir) / f"{file_tag(name)}-{tag}-w{world_size}-{dtype}-s{seed}", tracer_of(traces, (name, seed)))
+    check_deterministic(pm.graph)
     initial = pm.state_dict()
     checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
     params = dict(ref.named_parameters())

@@ -23,6 +23,7 @@ from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast, share
 from verify.cases.resume import resume_checks
+from verify.judge.verdict import check_deterministic
 from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like, load_like
@@ -58,6 +59,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(batch(0), replica, replicas), policy, config, groups=groups,
                          verify=False, tracer=tracer_of(traces, (name, seed)), gen_savedir=Path(gen_dir) / tag)
+    check_deterministic(pm.graph)
     loss_fn = loss_fn_of(case)
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads

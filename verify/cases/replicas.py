@@ -22,6 +22,7 @@ from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast, share
 from verify.models.loader import file_tag
+from verify.judge.verdict import check_deterministic
 from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like, load_like
@@ -86,6 +87,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         pm = parallelize(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
                          groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
                          gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}")
+    check_deterministic(pm.graph)
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads

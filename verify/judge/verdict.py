@@ -11,6 +11,22 @@ MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout"
 UNVERIFIABLE = "unverifiable"  # a random operator: never a match, never a mismatch
 
 
+class Unverifiable(Exception):
+    """A case whose parallel program cannot equal the single-device one by design (it draws random
+    numbers: each rank's shard gets its own); the row is ``unverifiable``, never a mismatch."""
+
+
+def check_deterministic(graph) -> None:
+    """Raise :class:`Unverifiable` naming the operators of ``graph`` that draw random numbers."""
+    random = [op for op in graph.ops if op.draws_random]
+    if random:
+        where = "; ".join(f"{op.name} ({op.overload}) at {op.source or '?'}" for op in random[:3])
+        more = f" and {len(random) - 3} more" if len(random) > 3 else ""
+        raise Unverifiable(f"{len(random)} operators draw random numbers in training ({where}{more}): their "
+                           f"masks on shards differ from one device's by design; verify with dropout p=0 or in eval "
+                           f"mode")
+
+
 @dataclass
 class Divergence:
     """Where a parallel program first leaves the single-device one."""
