@@ -83,6 +83,39 @@ def _positive(kind: type, what: str):
     return parse
 
 
+MIN_TIMEOUT_S = 1.0  # below this a limit cannot apply: starting a case's collectives alone takes longer
+MAX_SEED = 2 ** 63 - 1  # torch.manual_seed takes seeds up to this
+
+
+def _at_least(kind: type, what: str, least: float):
+    positive = _positive(kind, what)
+
+    def parse(text: str):
+        v = positive(text)
+        if v < least:
+            raise argparse.ArgumentTypeError(f"{what} must be at least {least:g}, got {text!r}")
+        return v
+    return parse
+
+
+def _nonempty(what: str):
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{what} must not be empty (e.g. 'm=2,k=2')")
+        return text
+    return parse
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed must be an integer, got {text!r}") from None
+    if not 0 <= v <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"--seed must be between 0 and {MAX_SEED}, got {text}")
+    return v
+
+
 def _common(p: argparse.ArgumentParser, run: bool = True) -> None:
     p.add_argument("--module", action="append", default=[], metavar="FILE.py",
                    help="import this file first so its register_op calls take effect (repeatable)")
@@ -90,18 +123,28 @@ def _common(p: argparse.ArgumentParser, run: bool = True) -> None:
         return
     p.add_argument("--world-size", type=_world_size, nargs="+", default=[2, 4], metavar="N",
                    help="world sizes to verify at (default: 2 4)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--seed", type=int, nargs="+", default=[0], metavar="S", help="input seeds (default: 0)")
-    p.add_argument("--timeout", type=_positive(float, "--timeout"), default=30.0, metavar="SECONDS",
-                   help="time limit per operator case; a model case gets 8x (default 30)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="dtype of the run (default float32); every case is also judged against float64")
+    p.add_argument("--seed", type=_seed, nargs="+", default=[0], metavar="S", help="input seeds (default: 0)")
+    p.add_argument("--timeout", type=_at_least(float, "--timeout", MIN_TIMEOUT_S), default=30.0, metavar="SECONDS",
+                   help=f"time limit per operator case, at least {MIN_TIMEOUT_S:g}; a model case gets 8x (default 30)")
     p.add_argument("--rank-memory", type=_positive(float, "--rank-memory"), default=DEFAULT_MEMORY_MB, metavar="MB",
                    help=f"resident memory cap per rank; a rank past it fails its case and the ranks restart "
                         f"(default {DEFAULT_MEMORY_MB})")
     p.add_argument("--base", type=_positive(int, "--base"), default=None, help=argparse.SUPPRESS)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("nnscaler-verify")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m verify", description="Verify partitioned operators on real ranks.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p_op = sub.add_parser("op", help="verify one operator under every partition it admits",
                           description="Verify a registered operator NAME, or (--model M --node N) the operator N of "
@@ -112,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a model (built-in, NAME@WIDTH or FILE.py:BUILDER) whose traced operator --node to verify")
     p_op.add_argument("--node", default=None, metavar="NODE", help="the operator's name in the traced model (linear_3)")
     _common(p_op)
-    p_op.add_argument("--partition", default=None, metavar="SPEC", help="only this partition, e.g. 'm=2,k=2'")
+    p_op.add_argument("--partition", type=_nonempty("--partition"), default=None, metavar="SPEC",
+                      help="only this partition, e.g. 'm=2,k=2'")
     p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_op.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
     p_model = sub.add_parser("model", help="train a whole model under every policy and compare with one device")

@@ -33,6 +33,8 @@ def _import_file(path: Path):
         raise ModelNotFound(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    if str(path.parent) not in sys.path:  # its sibling modules import, as under ``python FILE.py``
+        sys.path.append(str(path.parent))
     try:
         spec.loader.exec_module(module)
     except Exception as exc:

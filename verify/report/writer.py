@@ -204,14 +204,19 @@ def markdown(rows: Sequence[Row], ops: "OrderedDict[str, list[Row]]", meta: dict
     s = meta["summary"]
     cfg = meta["config"]
     failed = [r for r in rows if not r.ok]
-    lines = ["# Operator verification report", "",
+    models = sum(1 for name in ops if name.startswith("model:"))
+    operators = len(ops) - models
+    what = [f"{n} {word}{'' if n == 1 else 's'}" for n, word in ((operators, "operator"), (models, "model")) if n]
+    title = "Model" if operators == 0 else "Operator" if models == 0 else "Operator and model"
+    lines = [f"# {title} verification report", "",
              f"World sizes {cfg['world_sizes']}, dtype {cfg['dtype']}, seeds {cfg['seeds']}; "
-             f"{len(ops)} operators, {s['cases']} cases: "
+             f"{', '.join(what) or 'nothing'}, {s['cases']} cases: "
              + ", ".join(f"{v} {k}" for k, v in s.items() if k != "cases")
              + f"; {meta['seconds']:.1f} s.", "",
-             "Each case runs the operator on real ranks under one partition and compares every output and "
-             "the gradient of every floating input (random cotangent per output) against float64, within the "
-             "tolerance policy of `verify/compare.py`.", ""]
+             "Each operator case runs the operator on real ranks under one partition and compares every output and "
+             "the gradient of every floating input (random cotangent per output) against float64; each model case "
+             "trains the model under a plan against one device (loss, every gradient, every update, checkpoint "
+             "resumes); within the tolerance policy of `verify/judge/compare.py`.", ""]
     if failed:
         lines += ["## Failures", "", table(failed, with_op=True), ""]
     lines += ["## Operators", ""]
