@@ -178,7 +178,7 @@ def register_model(name: str, widenable: bool = False) -> Callable[[Callable[[in
 
 def _load_optional() -> None:
     """The plain-torch ResNet and 1-D conv net, and the ``transformers`` models where that package is installed."""
-    from . import conv1d, recurrent, resnet_gn  # noqa: F401
+    from . import conv1d, recurrent, resnet_gn, speech  # noqa: F401
     try:
         import transformers  # noqa: F401
     except ImportError:
