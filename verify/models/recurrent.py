@@ -65,6 +65,9 @@ class MLSTMLayer(nn.Module):
         self.ogate = nn.Linear(width, width, bias=False)
         self.igate = nn.Linear(width, heads)
         self.fgate = nn.Linear(width, heads)
+        with torch.no_grad():  # xLSTM's gate init: input gates nearly shut, forget gates open
+            self.igate.bias.fill_(-10.0)
+            self.fgate.bias.copy_(torch.linspace(3.0, 6.0, heads))
         self.norm_weight = nn.Parameter(torch.ones(width))
         self.out = nn.Linear(width, width, bias=False)
 
