@@ -56,6 +56,10 @@ def synced_params(graph: IRGraph, plan: Plan) -> dict[IRTensor, int]:
     other: set[IRTensor] = set()
     for op in graph.ops:
         lay = _layout(op, plan)
+        # a parameter read inside a list (or keyword) argument of an op with no annotation is read
+        # whole there, with a whole gradient: it is no partial sum to add up after backward
+        positional = {id(x) for x in op.inputs if isinstance(x, IRTensor)}
+        other.update(x for x in op.tensor_inputs() if x.kind == PARAM and id(x) not in positional)
         for i, x in enumerate(op.inputs):
             if not (isinstance(x, IRTensor) and x.kind == PARAM):
                 continue

@@ -64,7 +64,14 @@ class IROp:
         return op_layout(self.bound, partition, floating)
 
     def tensor_inputs(self) -> list[IRTensor]:
-        return [x for x in self.inputs if isinstance(x, IRTensor)]
+        """Every tensor this op reads, in order: positional, nested in lists, tuples and dicts, and
+        keyword arguments. An annotated op has its tensor lists spread into ``inputs`` already, but an
+        operator without annotation keeps its arguments as traced (``aten.concatenate([h0, h1], 2)``,
+        ``torch.stack`` of a recurrence's steps), and a tensor read only from such a list is still
+        read: missing it dropped its consumer and, in :meth:`IRGraph.carries_grad`, the gradient of
+        everything computed from the list, so conversions downstream skipped the backward collectives
+        that sum partial gradients."""
+        return tensors_in(self.inputs) + tensors_in(self.kwargs)
 
     @property
     def draws_random(self) -> bool:
@@ -86,6 +93,18 @@ class IROp:
     def __repr__(self) -> str:
         anno = self.spec.annotation if self.spec else "unknown"
         return f"{self.name} = {self.overload}({', '.join(map(repr, self.inputs))})  # {anno}"
+
+
+def tensors_in(value: Any) -> list[IRTensor]:
+    """The :class:`IRTensor` s in ``value`` (an argument: a tensor, or lists, tuples and dicts of
+    them and of constants), in order."""
+    if isinstance(value, IRTensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    return []
 
 
 def remap(value: Any, tensor: Callable[[IRTensor], IRTensor]) -> Any:

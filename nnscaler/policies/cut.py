@@ -23,23 +23,13 @@ import torch
 from ..config import PlanError, n_stages
 from ..cost.compute import op_time
 from ..cost.profiles import get_profile
-from ..ir.graph import ACTIVATION, INPUT, PARAM, IRGraph, IROp, IRTensor, remap
+from ..ir.graph import ACTIVATION, INPUT, PARAM, IRGraph, IROp, IRTensor, remap, tensors_in
 from ..runtime.microbatch import MicroBatchError, check_divisible
-
-
-def _tensors(x: Any) -> list[IRTensor]:
-    if isinstance(x, IRTensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []
 
 
 def op_reads(op: IROp) -> list[IRTensor]:
     """Every tensor ``op`` reads (nested lists and keyword arguments included)."""
-    return _tensors(op.inputs) + _tensors(op.kwargs)
+    return op.tensor_inputs()
 
 
 def first_uses(graph: IRGraph) -> dict[str, int]:
@@ -133,7 +123,7 @@ def stage_graphs(graph: IRGraph, cuts: list[int]) -> list[IRGraph]:
             for t in op.outputs:
                 if t is not None:
                     stage_of[t] = s
-    final = _tensors(graph.outputs)
+    final = tensors_in(graph.outputs)
     for t in final:
         last_use[t] = len(bounds) - 1  # read after the last stage
     live = list(graph.inputs)  # stage 0 takes every user input, as the schedule gives them
