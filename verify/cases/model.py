@@ -23,7 +23,7 @@ from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
 from verify.judge.verdict import check_deterministic
-from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
+from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like
 from verify.models.loader import build_model
@@ -185,8 +185,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         with fallback:
             loss64 = ref64(*cast(args, torch.float64))
             loss64.backward()
-        widen = FALLBACK_WIDEN if fallback.used else 1.0
-        kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
+        widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
     if checkpoint:

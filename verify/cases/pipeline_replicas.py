@@ -24,7 +24,7 @@ from nnscaler.trace.build import UnknownOperatorWarning
 from verify.cases.batch import cast, share
 from verify.cases.resume import resume_checks
 from verify.judge.verdict import check_deterministic
-from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
+from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
@@ -78,8 +78,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
             loss64 = ref64(*cast(args, torch.float64))
             loss64.backward()
-        widen = FALLBACK_WIDEN if fallback.used else 1.0
-        kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
+        widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(LOSS.format(step), loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,

@@ -21,7 +21,7 @@ from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast
 from verify.models.loader import file_tag
-from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
+from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
 from verify.cases.traces import TraceCache, tracer_of
@@ -175,14 +175,14 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
         with fallback:
             loss64 = single64(*cast(args, torch.float64))
             loss64.backward()
-        widen = FALLBACK_WIDEN if fallback.used else 1.0
+        widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(f"resumed {where}: loss step {step}", loss.detach(), loss_ref.detach(),
-                                   loss64.detach(), factor=FACTOR * widen, floor_eps=FLOOR_EPS * widen))
+                                   loss64.detach(), **kw))
         grads, rp64 = resumed.whole_grads(), dict(single64.named_parameters())
         scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
         for n, p in sp.items():
             checks.append(check_tensor(f"resumed {where}: grad {n} step {step}", grads.get(n), p.grad, rp64[n].grad,
-                                       factor=FACTOR * widen, floor_eps=FLOOR_EPS * widen, scale=scale))
+                                       scale=scale, **kw))
         with torch.no_grad():
             for n, t in hp.items():
                 t.copy_(point[n])

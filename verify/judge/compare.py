@@ -61,8 +61,9 @@ float64 *reference* promotes them (:class:`Float64Fallback`): every operator ask
 floating dtype (``dtype=`` float32, float16 or bfloat16, as ``.float()``/``.to()`` and ``softmax(dtype=)``
 reach ATen) computes in float64 instead, and factories without a dtype make float64 (the default dtype
 is float64 inside the reference). The single-device and parallel runs keep their islands, so the bound
-``FACTOR * err(dev)`` is the islands' own rounding; the row names the promoted operators. A logic error
-still gives errors of the order of the values.
+``FACTOR * err(dev)`` is the islands' own rounding, and in a float64 run the floor counts float32 ulps
+(the narrowest precision the program ran in: :meth:`Float64Fallback.bounds`); the row names the
+promoted operators. A logic error still gives errors of the order of the values.
 """
 from __future__ import annotations
 
@@ -177,6 +178,7 @@ class Float64Fallback(TorchDispatchMode):
 
     def __init__(self, low: torch.dtype = torch.float32):
         super().__init__()
+        self.dtype = low  # the dtype under test
         self.low = low if low != torch.float64 else torch.float32
         self.used: set[str] = set()
         self.promoted: set[str] = set()
@@ -213,6 +215,20 @@ class Float64Fallback(TorchDispatchMode):
             self.used.add(str(func))
             up = lambda x: x.double() if isinstance(x, torch.Tensor) and x.dtype == self.low else x  # noqa: E731
             return torch.utils._pytree.tree_map(up, out)
+
+    @property
+    def widen(self) -> float:
+        """How much wider the bounds are where the reference fell back for some operator."""
+        return FALLBACK_WIDEN if self.used else 1.0
+
+    def bounds(self) -> dict:
+        """``factor`` and ``floor_eps`` of :func:`check_tensor` for what this reference did: widened where
+        it fell back; in a float64 run whose model computes float32 islands, the floor counts float32
+        ulps (the narrowest precision the program ran in), not float64's."""
+        floor = FLOOR_EPS * self.widen
+        if self.promoted and self.dtype == torch.float64:
+            floor *= torch.finfo(torch.float32).eps / torch.finfo(torch.float64).eps
+        return {"factor": FACTOR * self.widen, "floor_eps": floor}
 
     def notes(self, dtype: str) -> list["Check"]:
         """Passing checks that say, in the row's checks, what the float64 reference did differently."""
