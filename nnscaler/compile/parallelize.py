@@ -100,4 +100,5 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         print(plan.one_line(), flush=True)
         write_report(plan, gen_savedir)
     module.process_group = module_group(cache, runtime, world)
+    module.max_grad_norm = config.clip_grad_norm  # train_step clips to it (nnscaler.runtime.clip)
     return module

@@ -111,6 +111,8 @@ class PipelineModule(torch.nn.Module):
         self._schedule = cls(stage_arg, num_microbatches, loss_fn=self._micro_loss, scale_grads=False)
         self._batch: tuple = ()
         self._acc: Accumulation | None = None
+        self.max_grad_norm: float | None = config.clip_grad_norm  # train_step clips the whole model's norm to it
+        self.last_grad_norm: torch.Tensor | None = None
 
     # -- running ------------------------------------------------------------------------------------
     def _micro_loss(self, output, rows: torch.Tensor):
@@ -180,7 +182,28 @@ class PipelineModule(torch.nn.Module):
         ``loss_fn(output, *micro_batch_args)`` gives a micro-batch's loss, a mean or a
         ``(loss_sum, count)`` pair (``None``: the model returns its loss); see
         :mod:`nnscaler.runtime.microbatch`. The optimizer step stays the caller's."""
-        return self._run(batch, loss_fn, train=True)
+        loss = self._run(batch, loss_fn, train=True)
+        if self.max_grad_norm is not None:
+            self.clip_grad_norm_(self.max_grad_norm)
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the whole model over every stage (each piece of each
+        gradient counted once; a parameter tied across stages once, in its owner stage; see
+        :mod:`nnscaler.runtime.clip`): clips every local gradient and returns the total norm (the same
+        on every rank). ``train_step`` calls it when ``ComputeConfig(clip_grad_norm=...)`` sets it."""
+        from . import clip
+        grads = []
+        if clip.is_first_replica(self._replica_group):
+            for s, mod in self.stages.items():
+                grads += clip.counted_grads(mod, skip=[n for n in self.tied if self._owner[n] != int(s)])
+        params = list(self.parameters())
+        total = clip.total_norm(clip.local_sum(grads, norm_type), norm_type, self.process_group,
+                                clip.grad_dtype(params))
+        clip.clip_(params, max_norm, total, error_if_nonfinite)
+        self.last_grad_norm = total
+        return total
 
     def forward(self, *batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (any number of micro-batches of the compiled size), forward only: on
