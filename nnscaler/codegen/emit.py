@@ -269,6 +269,6 @@ def render_program(e: Emitter, header: str = "") -> str:
     if e.recompute != "none" and not probe:  # the instrumented program runs every operator once
         lines, n = wrap(lines, e.spans, e.recompute, [t.name for t in graph.inputs], e.recompute_modules)
         if n:
-            head.insert(head.index("import torch") + 1, "from torch.utils.checkpoint import checkpoint")
+            head.insert(head.index("import torch") + 1, "from nnscaler.runtime.recompute import checkpoint  # torch.utils.checkpoint, non-reentrant")
     return "\n".join(head + body + lines) + "\n"
 
