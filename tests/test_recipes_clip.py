@@ -58,3 +58,21 @@ def test_a_wrong_norm_is_caught(fixture, policies):  # (a pipeline of one rank p
     for r in rows:
         assert r.status == MISMATCH, (r.partition, r.detail)
         assert "grad norm step 0" in r.detail or r.detail.startswith("grad"), r.detail
+
+
+def test_hand_clipping_gets_the_whole_models_norm_and_a_subset_warns():
+    """tp x 2 replicas at W=4: torch's local norm of the shards differs from the single-device norm;
+    ``torch.nn.utils.clip_grad_norm_(pm.parameters())`` and ``pm.clip_grad_norm_`` both equal it."""
+    import json
+    import subprocess
+
+    from verify.torchrun import command
+    with tempfile.TemporaryDirectory() as tmp:  # loopback-only torchrun
+        out = subprocess.run(command(["--nproc_per_node", "4", str(FIXTURES / "clip_hand_script.py"), tmp]),
+                             capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    assert abs(res["local"] - res["single_device"]) > 1e-2 * res["single_device"], res  # the wrong, local norm
+    assert abs(res["hand"] - res["single_device"]) <= 1e-5 * res["single_device"], res
+    assert abs(res["builtin"] - res["single_device"]) <= 1e-5 * res["single_device"], res
+    assert res["hand_grads_ok"] and res["builtin_grads_ok"] and res["subset_warns"], res

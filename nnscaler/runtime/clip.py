@@ -9,17 +9,71 @@ over every rank of the module gives the whole model's ``sum |g|^p``, which every
 ``torch.nn.utils.clip_grad_norm_`` does on one device). A pipeline adds its stages' sums (a parameter
 tied across stages counts in its owner stage only).
 
-``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` on a split module sees this rank's shards only,
-and computes a local norm: use :meth:`ParallelModule.clip_grad_norm_` (or
-``ComputeConfig(clip_grad_norm=...)``, which ``train_step`` applies).
+``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` by hand would see this rank's shards only and
+compute a local norm. :func:`install` (run when :mod:`nnscaler.runtime.module` is imported) makes it
+right: torch's norm of a list of gradients (``torch.nn.utils.clip_grad._get_total_norm``, which
+``clip_grad_norm_`` and ``get_total_norm`` call, however they were imported) is, when the list is
+exactly the gradients of a live compiled module, that module's whole-model norm; a list holding some
+of a module's gradients but not all (one parameter group, say) warns that the norm is local. The
+built-in :meth:`ParallelModule.clip_grad_norm_` (or ``ComputeConfig(clip_grad_norm=...)``, which
+``train_step`` applies) is the direct way.
 """
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.nn.utils.clip_grad as _torch_clip
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # compiled modules (ParallelModule, PipelineModule) alive
+
+
+class LocalNormWarning(UserWarning):
+    """A gradient norm over part of a compiled module's local shards: not the whole model's norm."""
+
+
+def register(module) -> None:
+    """Let torch's own norm functions recognise ``module``'s gradients (see :func:`install`)."""
+    _LIVE.add(module)
+
+
+def _grad_ids(module) -> set[int]:
+    return {id(p.grad) for p in module.parameters() if p.grad is not None}
+
+
+def install() -> None:
+    """Route ``torch.nn.utils.clip_grad._get_total_norm`` through :func:`_total_norm` (once)."""
+    if getattr(_torch_clip._get_total_norm, "_nnscaler", False):
+        return
+    original = _torch_clip._get_total_norm
+
+    def _total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        ids = {id(t) for t in tensors}
+        if ids and _LIVE:
+            mods = sorted(_LIVE, key=lambda m: -len(list(m.parameters())))  # a pipeline before its stages
+            for mod in mods:
+                own = _grad_ids(mod)
+                if ids == own:
+                    total = mod.grad_norm(float(norm_type))
+                    if error_if_nonfinite and not torch.isfinite(total):
+                        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, "
+                                           f"so it cannot be clipped")
+                    return total
+            if any(ids & _grad_ids(mod) for mod in mods):
+                warnings.warn("a gradient norm over some of a compiled module's local shards is this rank's local "
+                              "norm, not the whole model's: pass all of module.parameters(), or use "
+                              "module.clip_grad_norm_(max_norm) / ComputeConfig(clip_grad_norm=...)",
+                              LocalNormWarning, stacklevel=3)
+        return original(tensors, norm_type, error_if_nonfinite, foreach)
+
+    _total_norm._nnscaler = True
+    _total_norm.original = original
+    _torch_clip._get_total_norm = _total_norm
 
 
 def counted_grads(module, skip: Iterable[str] = ()) -> list[torch.Tensor]:
