@@ -53,6 +53,18 @@ def test_full_recomputes_each_block_and_selective_each_attention_core():
     compile(full, "full", "exec"), compile(sel, "sel", "exec")
 
 
+def test_a_recompute_module_that_runs_nothing_is_refused_and_no_block_warns():
+    from nnscaler.codegen.recompute import RecomputeWarning
+    from nnscaler.config import PlanError
+    with pytest.raises(PlanError, match="recompute_modules names 'h.9'.*blocks here: h.0"):
+        _program("full", modules=("h.1", "h.9"))
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    graph = trace(model, (torch.randn(4, 8),))
+    plan = choose_plan(graph, "dp", ComputeConfig(2, recompute="selective"))
+    with pytest.warns(RecomputeWarning, match="no attention core"):
+        render_program(emit_program(graph, plan, 0, recompute="selective"))
+
+
 def test_full_recompute_cuts_saved_activations_3x_with_identical_gradients():
     out = subprocess.run([sys.executable, "bench/recompute.py", "--json"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})

@@ -23,6 +23,9 @@ import ast
 import re
 from typing import Sequence
 
+import warnings
+
+from ..config import PlanError
 from ..ir.graph import PARAM, IROp
 
 _BLOCK = re.compile(r"(^|\.)\d+$")
@@ -78,12 +81,28 @@ def _names(line: str) -> tuple[set[str], set[str]]:
     return stores, loads
 
 
+class RecomputeWarning(UserWarning):
+    """``recompute`` asked for, but the model has no region of that kind: nothing is recomputed."""
+
+
 def wrap(lines: list[str], spans: list[tuple[IROp, int, int]], mode: str, params: Sequence[str],
          modules: Sequence[str] | None = None) -> tuple[list[str], int]:
     """``lines`` (the body of ``forward``) with each region a nested function run through
-    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; also how many regions."""
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; also how many regions. Raises
+    :class:`~nnscaler.config.PlanError` for a name of ``modules`` no operator ran in; warns
+    (:class:`RecomputeWarning`) when the program has no region to recompute."""
     found = regions(spans, mode, modules)
+    if modules is not None:
+        missing = [m for m in modules if m not in {k for k, _, _ in found}]
+        if missing:
+            blocks = sorted({p for op, _, _ in spans for p in op.scope if _BLOCK.search(p)})[:4]
+            raise PlanError(f"recompute_modules names {missing[0]!r}, which runs no operator of this program"
+                            + (f" (blocks here: {', '.join(blocks)})" if blocks else ""))
     if not found:
+        what = "no block (no child of an nn.ModuleList or nn.Sequential; name them with recompute_modules=)" \
+            if mode == "full" else "no attention core (no module named attn/attention with a softmax or attention op)"
+        warnings.warn(f"recompute={mode!r}: the program has {what}; nothing is recomputed", RecomputeWarning,
+                      stacklevel=2)
         return lines, 0
     names = [_names(line) for line in lines]
     made: set[str] = set(params)  # variables of forward known so far
