@@ -111,3 +111,15 @@ def test_torch_checkpoint_in_the_model_is_refused_naming_recompute(reentrant):
     assert "\n" not in msg and "recompute=" in msg and "test_recipes_recompute.py" in msg, msg
     import torch.utils.checkpoint as tuc  # the watch is undone
     assert tuc.CheckpointFunction.__name__ == "CheckpointFunction"
+
+
+@pytest.mark.slow
+def test_recipes_match_on_llama_and_at_w4():
+    """Slow (minutes): llama under dp, tp, hybrid and pp at W=2, nanogpt under hybrid and pp2_tp at W=4,
+    each with full recompute and clipping."""
+    cases = [("llama", p, 2) for p in ("dp", "tp", "hybrid", "pp")] + [("nanogpt", p, 4) for p in ("hybrid", "pp2_tp")]
+    with Gang(4, (), (2, 4)) as g, tempfile.TemporaryDirectory() as tmp:
+        rows = [row for name, p, w in cases
+                for row in run_model(g, name, (p,), RunConfig(world_sizes=(w,), recompute="full", clip_grad_norm=1.0),
+                                     tmp, steps=2, checkpoint=False)]
+    assert [r.status for r in rows] == [MATCH] * len(cases), [(r.partition, r.detail) for r in rows]
