@@ -38,7 +38,7 @@ def test_the_cli_refuses_bad_recipes_with_exit_2(argv, capsys):
     assert len(err.splitlines()) == 1 and ("clip_grad_norm" in err or "recompute" in err), err
 
 
-def _rows(modules, policies, clip=1.0, name="nanogpt"):
+def _rows(modules, policies, clip=1.0, name="nanogpt"):  # noqa: D103
     load_modules(modules)
     cfg = RunConfig(world_sizes=(2,), modules=modules, clip_grad_norm=clip)
     with Gang(2, modules, (2,)) as g, tempfile.TemporaryDirectory() as tmp:
@@ -51,10 +51,13 @@ def test_clipping_matches_one_device_under_dp_tp_hybrid_and_a_pipeline():
     assert all("clip1" in r.partition for r in rows)
 
 
-@pytest.mark.parametrize("fixture,policies", [("clip_local_norm.py", ("tp", "pp")),
-                                              ("clip_double_count.py", ("dp", "tp"))])
-def test_a_wrong_norm_is_caught(fixture, policies):  # (a pipeline of one rank per stage replicates nothing)
-    rows = _rows((str(FIXTURES / fixture),), policies)
+@pytest.mark.parametrize("fixture,policies,name", [("clip_local_norm.py", ("tp", "pp"), "nanogpt"),
+                                                   ("clip_double_count.py", ("dp", "tp"), "nanogpt"),
+                                                   ("clip_tied_twice.py", ("pp",), "gpt2")])
+def test_a_wrong_norm_is_caught(fixture, policies, name):  # (a pipeline of one rank per stage replicates nothing)
+    if name == "gpt2":
+        pytest.importorskip("transformers")
+    rows = _rows((str(FIXTURES / fixture),), policies, name=name)
     for r in rows:
         assert r.status == MISMATCH, (r.partition, r.detail)
         assert "grad norm step 0" in r.detail or r.detail.startswith("grad"), r.detail
