@@ -45,8 +45,15 @@ class ComputeConfig:
     pp_size: int = 1
     schedule: str = "1F1B"
     pp_split: tuple[str, ...] | None = None
+    # training recipes (``nnscaler.runtime.clip``, ``nnscaler.codegen.recompute``): ``clip_grad_norm``, a max norm
+    # ``train_step`` clips the whole model's gradient norm to; ``recompute`` ("none", "full": each block, "selective":
+    # the attention core) on torch.utils.checkpoint; ``recompute_modules`` names the blocks "full" recomputes
+    clip_grad_norm: float | None = None
+    recompute: str = "none"
+    recompute_modules: tuple[str, ...] | None = None
 
     def __post_init__(self):
+        check_recipes(self)
         if self.plan_ngpus < 1:
             raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
         if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):
@@ -69,6 +76,27 @@ class ComputeConfig:
     @property
     def replicas(self) -> int:
         return (self.runtime_ngpus or self.plan_ngpus) // self.plan_ngpus
+
+
+RECOMPUTE = ("none", "full", "selective")
+
+
+def check_recipes(config) -> None:
+    """``clip_grad_norm`` a positive finite number (or None); ``recompute`` one of :data:`RECOMPUTE`;
+    ``recompute_modules`` a tuple of module names, with ``recompute="full"``. Raises :class:`PlanError`."""
+    clip = config.clip_grad_norm
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
+                             or clip == float("inf")):
+        raise PlanError(f"clip_grad_norm must be a positive finite max norm (or None for no clipping), got {clip!r}")
+    if config.recompute not in RECOMPUTE:
+        raise PlanError(f"unknown recompute {config.recompute!r}; valid: {', '.join(map(repr, RECOMPUTE))}")
+    mods = config.recompute_modules
+    if mods is not None:
+        if isinstance(mods, str) or not all(isinstance(m, str) and m for m in mods):
+            raise PlanError(f"recompute_modules must be a tuple of module names (e.g. ('layers.0',)), got {mods!r}")
+        if config.recompute != "full":
+            raise PlanError(f"recompute_modules names the blocks recompute='full' recomputes, but recompute is "
+                            f"{config.recompute!r}")
 
 
 def check_config(config) -> None:

@@ -22,7 +22,7 @@ from tabulate import tabulate
 from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
-from nnscaler.policies import POLICIES, PlanError
+from nnscaler.policies import POLICIES, ComputeConfig, PlanError
 
 from verify.cases.config import BadInput, Row, RunConfig, model_label
 from verify.judge.verdict import MISMATCH
@@ -176,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("--microbatches", type=_positive(int, "--microbatches"), default=1, metavar="M",
                          help="train each step by train_step in M micro-batches (M of the model's batches stacked), "
                               "against one device on the whole batch (default 1: plain forward and backward)")
+    _recipes(p_model)
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
@@ -199,14 +200,30 @@ def build_parser() -> argparse.ArgumentParser:
     p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
                        help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
                             "different plan (default: 0 1 2)")
+    _recipes(p_all)
     return parser
+
+
+def _recipes(p: argparse.ArgumentParser) -> None:
+    """The training-recipe flags of whole-model runs (carried into ``ComputeConfig``; the single-device
+    reference runs the same recipe)."""
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="clip the whole model's gradient norm to MAX each step (ComputeConfig.clip_grad_norm; "
+                        "the reference uses torch.nn.utils.clip_grad_norm_)")
+    p.add_argument("--recompute", default="none", metavar="MODE",
+                   help="activation recompute: none (default), full (each block), selective (attention core)")
 
 
 def _config(args) -> RunConfig:
     if args.base is not None and any(args.base % w for w in args.world_size):
         raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
     microbatches = getattr(args, "microbatches", 1)
-    return RunConfig(world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
+    recipe = {"clip_grad_norm": getattr(args, "clip_grad_norm", None), "recompute": getattr(args, "recompute", "none")}
+    try:  # bad recipe values are one line naming the option, before any rank starts
+        ComputeConfig(1, **recipe)
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
+    return RunConfig(**recipe, world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
                      modules=tuple(args.module), timeout_s=args.timeout, partition=getattr(args, "partition", None),
                      base_override=args.base, microbatches=microbatches if isinstance(microbatches, int) else 1)
 

@@ -13,6 +13,7 @@ from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
 from ..ops.spec import resolve
 from ..ir.plan import Plan
+from .recompute import wrap
 from .render import CodegenError, Raw, callable_source, comment, literal
 
 
@@ -85,8 +86,11 @@ class Emitter:
     """One plan rank's program as it is emitted: its lines, imports, state shards and the conversion
     ``steps`` between layouts (which the cost model reads: the program is emitted once per plan)."""
 
-    def __init__(self, graph: IRGraph, plan: Plan, rank: int, probe: bool = False):
+    def __init__(self, graph: IRGraph, plan: Plan, rank: int, probe: bool = False, recompute: str = "none",
+                 recompute_modules=None):
         self.graph, self.plan, self.rank, self.probe = graph, plan, rank, probe
+        self.recompute, self.recompute_modules = recompute, recompute_modules  # see codegen/recompute.py
+        self.spans: list[tuple[IROp, int, int]] = []  # each operator's lines (its conversions included)
         self.lines: list[str] = []
         self.imports: set[str] = set()
         self.layouts: dict[IRTensor, Layout] = {}
@@ -136,6 +140,11 @@ class Emitter:
         return expr, bound_kwargs
 
     def op(self, op: IROp) -> None:
+        start = len(self.lines)
+        self._op(op)
+        self.spans.append((op, start, len(self.lines)))
+
+    def _op(self, op: IROp) -> None:
         if op.source:
             self.lines.append(f"    # {comment(op.source)}")
         outs = [self.var.setdefault(t, t.name) if t is not None else "_" for t in op.outputs]
@@ -203,9 +212,11 @@ class Emitter:
         return literal(x)
 
 
-def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False) -> Emitter:
-    """Emit plan rank ``rank``'s body: its lines, conversion ``steps`` and state ``shards``."""
-    e = Emitter(graph, plan, rank, probe)
+def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False, recompute: str = "none",
+                 recompute_modules=None) -> Emitter:
+    """Emit plan rank ``rank``'s body: its lines, conversion ``steps`` and state ``shards``;
+    ``recompute``/``recompute_modules`` (``ComputeConfig``'s) wrap regions when it is rendered."""
+    e = Emitter(graph, plan, rank, probe, recompute, recompute_modules)
     stored = stored_layouts(graph, plan)
     shards = e.shards
     for t, lay in stored.items():
@@ -258,5 +269,10 @@ def render_program(e: Emitter, header: str = "") -> str:
     head += [f"    {s.name!r}: ({s.full_shape}, {s.layout}, {s.slices}, {s.sync_axis})," for s in shards] + ["}", "", ""]
     body = [f"def forward(p, g, {params}{', probe' if probe else ''}):",
             '    """p: the state this rank holds, by model name; g: its process group on each mesh axis."""']
-    return "\n".join(head + body + e.lines) + "\n"
+    lines = e.lines
+    if e.recompute != "none" and not probe:  # the instrumented program runs every operator once
+        lines, n = wrap(lines, e.spans, e.recompute, [t.name for t in graph.inputs], e.recompute_modules)
+        if n:
+            head.insert(head.index("import torch") + 1, "from nnscaler.runtime.recompute import checkpoint  # torch.utils.checkpoint, non-reentrant")
+    return "\n".join(head + body + lines) + "\n"
 

@@ -83,7 +83,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     cache = groups if groups is not None else GroupCache()
     verify_on_ranks(graph, plan, config, verify, verifier, cache, groups is not None, verify_cache)
     plan_rank, replica = rank % config.plan_ngpus, rank // config.plan_ngpus
-    emitted = emit_program(graph, plan, plan_rank)  # once: the cost estimate reads its steps
+    emitted = emit_program(graph, plan, plan_rank, recompute=config.recompute, recompute_modules=config.recompute_modules)  # once: the cost estimate reads its steps
     attach_stats(plan, graph, config, emitted.steps)
     for r in range(config.replicas if groups is None else 0):  # every rank creates every group, in order
         cache.create_for_shapes([plan.mesh_shape], offset=r * config.plan_ngpus)
@@ -101,4 +101,5 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         print(plan.one_line(), flush=True)
         write_report(plan, gen_savedir)
     module.process_group = module_group(cache, runtime, world)
+    module.max_grad_norm = config.clip_grad_norm  # train_step clips to it (nnscaler.runtime.clip)
     return module

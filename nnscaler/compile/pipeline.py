@@ -81,7 +81,8 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
     modules = {}
     for s in range(total):
         g, plan = graphs[s], plans[s]
-        emitted = emit_program(g, plan, local) if s % pp == prank else None  # once per stage this rank runs
+        emitted = emit_program(g, plan, local, recompute=config.recompute, recompute_modules=config.recompute_modules
+                               ) if s % pp == prank else None  # once per stage this rank runs
         attach_stats(plan, g, each, emitted.steps if emitted is not None else None)
         if emitted is None:
             continue

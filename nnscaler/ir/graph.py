@@ -52,6 +52,8 @@ class IROp:
     spec: OpSpec | None = None
     bound: BoundAnno | None = None
     source: str = ""  # "file:line: code" of the model line that made it
+    scope: tuple[str, ...] = ()  # the model's modules it ran in, outermost first (``h.0``, ``h.0.attn``)
+    scope_types: tuple[str, ...] = ()  # those modules' class names (``Block``, ``CausalSelfAttention``)
 
     @property
     def known(self) -> bool:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..dimops.layout import Shard, join_blocks, take_piece
+from . import clip
 from .grad_sync import GradSync
 from .mesh import RankMesh
 from .microbatch import accumulate
@@ -68,6 +69,9 @@ class ParallelModule(torch.nn.Module):
         self._grad_sync = GradSync.build(synced, bucket_bytes, replicas=trainables, replica_group=replica_group,
                                          n_replicas=replicas)
         self._grad_sync.attach()
+        self.max_grad_norm: float | None = None  # ComputeConfig.clip_grad_norm: train_step clips to it
+        self.last_grad_norm: torch.Tensor | None = None  # the total norm the last clip_grad_norm_ found
+        clip.register(self)  # torch.nn.utils.clip_grad_norm_(self.parameters()) gets the whole model's norm
 
     def _local(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, key) for key, name in self._names.items()}
@@ -102,8 +106,33 @@ class ParallelModule(torch.nn.Module):
         ``ignore_index``): the whole batch's loss is then ``sum(loss_sum) / sum(count)``, exactly
         (see :mod:`nnscaler.runtime.microbatch`). Raises ``MicroBatchError`` (a ``ValueError``) for a
         batch not divisible by ``num_microbatches`` or a loss that is neither."""
-        return accumulate(self, batch, batch_kwargs, self.num_microbatches, loss_fn, self.parameters(),
+        loss = accumulate(self, batch, batch_kwargs, self.num_microbatches, loss_fn, self.parameters(),
                           self.no_sync, self._replica_group, self._replicas)
+        if self.max_grad_norm is not None:
+            self.clip_grad_norm_(self.max_grad_norm)
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the whole model: the norm of every parameter's whole
+        gradient, each piece counted once (split pieces summed across ranks, replicated ones and
+        data-parallel replicas counted once; see :mod:`nnscaler.runtime.clip`); every rank scales its
+        shards' gradients by ``max_norm / (norm + 1e-6)`` where that is below 1 and returns the total
+        norm (the same on every rank). Call it after backward (``train_step`` does, when
+        ``ComputeConfig(clip_grad_norm=...)`` sets it). ``torch.nn.utils.clip_grad_norm_(pm.parameters())``
+        alone would see this rank's shards only; it is routed here (see :mod:`nnscaler.runtime.clip`)."""
+        total = self.grad_norm(norm_type)
+        clip.clip_(self.parameters(), max_norm, total, error_if_nonfinite)
+        self.last_grad_norm = total
+        return total
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm (each piece counted once), the same on every rank; every
+        rank of the module must call it. ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` gets
+        it too (see :mod:`nnscaler.runtime.clip`)."""
+        counted = clip.local_sum(clip.counted_grads(self) if clip.is_first_replica(self._replica_group) else [],
+                                 norm_type)
+        return clip.total_norm(counted, norm_type, self.process_group, clip.grad_dtype(self.parameters()))
 
     def sync_replica_grads(self) -> None:
         """Deprecated, does nothing: gradients are averaged over replicas during backward."""
@@ -153,3 +182,6 @@ class ParallelModule(torch.nn.Module):
                         raise RuntimeError(f"load_state_dict: {name} has shape {tuple(full.shape)}, expected {tuple(shape)}")
                     getattr(self, key).copy_(take(full, slices))
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+clip.install()  # torch.nn.utils.clip_grad_norm_ over a compiled module's parameters: its whole-model norm

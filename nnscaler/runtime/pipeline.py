@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from ..ir.graph import IRGraph
+from . import clip
 from .microbatch import Accumulation, MicroBatchError, batch_rows, check_divisible, loss_terms
 from .module import ParallelModule, take
 from .schedules import SCHEDULES, canonical_schedule
@@ -111,6 +112,9 @@ class PipelineModule(torch.nn.Module):
         self._schedule = cls(stage_arg, num_microbatches, loss_fn=self._micro_loss, scale_grads=False)
         self._batch: tuple = ()
         self._acc: Accumulation | None = None
+        self.max_grad_norm: float | None = config.clip_grad_norm  # train_step clips the whole model's norm to it
+        self.last_grad_norm: torch.Tensor | None = None
+        clip.register(self)
 
     # -- running ------------------------------------------------------------------------------------
     def _micro_loss(self, output, rows: torch.Tensor):
@@ -180,7 +184,30 @@ class PipelineModule(torch.nn.Module):
         ``loss_fn(output, *micro_batch_args)`` gives a micro-batch's loss, a mean or a
         ``(loss_sum, count)`` pair (``None``: the model returns its loss); see
         :mod:`nnscaler.runtime.microbatch`. The optimizer step stays the caller's."""
-        return self._run(batch, loss_fn, train=True)
+        loss = self._run(batch, loss_fn, train=True)
+        if self.max_grad_norm is not None:
+            self.clip_grad_norm_(self.max_grad_norm)
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the whole model over every stage (each piece of each
+        gradient counted once; a parameter tied across stages once, in its owner stage; see
+        :mod:`nnscaler.runtime.clip`): clips every local gradient and returns the total norm (the same
+        on every rank). ``train_step`` calls it when ``ComputeConfig(clip_grad_norm=...)`` sets it."""
+        total = self.grad_norm(norm_type)
+        clip.clip_(self.parameters(), max_norm, total, error_if_nonfinite)
+        self.last_grad_norm = total
+        return total
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm over every stage (each piece once), the same on every rank."""
+        grads = []
+        if clip.is_first_replica(self._replica_group):
+            for s, mod in self.stages.items():
+                grads += clip.counted_grads(mod, skip=[n for n in self.tied if self._owner[n] != int(s)])
+        return clip.total_norm(clip.local_sum(grads, norm_type), norm_type, self.process_group,
+                               clip.grad_dtype(self.parameters()))
 
     def forward(self, *batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (any number of micro-batches of the compiled size), forward only: on

@@ -49,6 +49,13 @@ def _source(node: torch.fx.Node) -> str:
     return f"{path}:{line}: {code.strip()}"
 
 
+def _scope(node: torch.fx.Node) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The modules ``node`` ran in, outermost first, and their class names (from ``nn_module_stack``);
+    the root module (path ``""``) left out."""
+    stack = [v for v in (node.meta.get("nn_module_stack") or {}).values() if isinstance(v, tuple) and v[0]]
+    return tuple(str(v[0]) for v in stack), tuple(str(v[1]).rpartition(".")[2] for v in stack)
+
+
 def _tensor(node: torch.fx.Node, kind: str, target: str = "") -> IRTensor | None:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
@@ -117,6 +124,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
         op = IROp(name, call.overload, flatten_tensor_lists(args) if found else args, outs,
                   {k: value(v) for k, v in node.kwargs.items()},
                   spec=found[0] if found else None, bound=found[1] if found else None, source=_source(node))
+        op.scope, op.scope_types = _scope(node)
         for t in op.tensor_inputs():
             t.consumers.append(op)
         for t in outs:

@@ -15,8 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .functions import refuse_unregistered
-
+from .checkpoints import refusal, watch_checkpoints
 from .functions import refuse_unregistered
 
 
@@ -134,8 +133,9 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
     # torch.export prints the partial graph of a failed trace to stderr (thousands of lines for a
     # real model); capture stderr while it runs and pass on everything but that dump
     captured = io.StringIO()
+    checkpoints: list[str] = []  # torch.utils.checkpoint calls of the model: refused below
     try:
-        with contextlib.redirect_stderr(captured):
+        with contextlib.redirect_stderr(captured), watch_checkpoints(checkpoints):
             ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as exc:
         dump = str(getattr(exc, "partial_fx_graph", "") or "")
@@ -149,6 +149,8 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
         rest = captured.getvalue().strip()
         if rest:
             print(rest, file=sys.stderr)
+    if checkpoints:
+        raise TraceError(refusal(model, checkpoints))
     refused = refuse_unregistered(ep.graph)
     if refused:
         raise TraceError(refused)

@@ -31,6 +31,19 @@ class RunConfig:
     base_override: int | None = None
     microbatches: int = 1  # whole-model cases: micro-batches per training step (1: plain forward/backward)
     node: tuple[str, str] | None = None  # (model, operator): verify that traced operator (verify op --model --node)
+    clip_grad_norm: float | None = None  # whole-model cases: ComputeConfig.clip_grad_norm (the reference clips too)
+    recompute: str = "none"  # whole-model cases: ComputeConfig.recompute
+
+    def recipe_job(self) -> dict:
+        """The training recipe's keys of a whole-model rank job (carried into ``ComputeConfig``)."""
+        return {"clip_grad_norm": self.clip_grad_norm, "recompute": self.recompute}
+
+    @property
+    def recipe_label(self) -> str:
+        """What a whole-model row's partition column adds for the recipe (``clip1.0 recompute=full``)."""
+        parts = ([f"clip{self.clip_grad_norm:g}"] if self.clip_grad_norm is not None else []) + \
+            ([f"recompute={self.recompute}"] if self.recompute != "none" else [])
+        return "".join(" " + p for p in parts)
 
     def limit_s(self, kind: str = "op", steps: int = 1) -> float:
         """The time limit of one case: ``timeout_s`` for an operator case; a model case traces,
@@ -85,7 +98,8 @@ class RunConfig:
         return self.command("model", model, [
             ("--policy", policy), ("--world-size", world_size), ("--seed", seed), ("--steps", steps),
             ("--dtype", self.dtype), ("--bucket-bytes", bucket_bytes),
-            ("--microbatches", self.microbatches if self.microbatches > 1 else None)])
+            ("--microbatches", self.microbatches if self.microbatches > 1 else None),
+            ("--clip-grad-norm", self.clip_grad_norm), ("--recompute", None if self.recompute == "none" else self.recompute)])
 
 
 @dataclass

@@ -85,13 +85,16 @@ def _with_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dic
     return {k: state[first[id(v)]] for k, v in model.state_dict(keep_vars=True).items() if first[id(v)] in state}
 
 
-def expected_checks(name: str, policy: str, steps: int, seed: int, checkpoint: bool = True) -> list[str]:
-    """The names of every check a rank must return for this case (a short list is a failure)."""
+def expected_checks(name: str, policy: str, steps: int, seed: int, checkpoint: bool = True,
+                    clip: float | None = None) -> list[str]:
+    """The names of every check a rank must return for this case (a short list is a failure); with
+    ``clip``, each step's total gradient norm too."""
     model = build_model(name, seed).model
     names = [f"initial {k}" for k in own_state(model)]
     params = [n for n, _ in model.named_parameters()]
     for s in range(steps):
-        names += [f"load step {s}", f"loss step {s}", *(f"grad {n} step {s}" for n in params),
+        names += [f"load step {s}", f"loss step {s}", *([f"grad norm step {s}"] if clip is not None else []),
+                  *(f"grad {n} step {s}" for n in params),
                   *(f"param {n} after step {s}" for n in params)]
     if not checkpoint:
         return names
@@ -133,18 +136,21 @@ def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = Non
     return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
                           job["gen_dir"], dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
                           microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True),
-                          traces=traces)
+                          traces=traces, clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"))
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
                    gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
-                   microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None) -> list[Check]:
+                   microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None,
+                   clip: float | None = None, recompute: str = "none") -> list[Check]:
     """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
     With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
     (:func:`~verify.cases.microbatch.whole_batch`), trained by ``train_step`` in M micro-batches and
     judged against one device on that whole batch. ``checkpoint=False`` leaves out the checkpoint
     reloads and the resume (the training checks alone, for benchmarks that sweep many cases).
-    ``traces`` (a rank's :class:`~verify.cases.traces.TraceCache`) lets every compile of the case reuse one trace."""
+    ``traces`` (a rank's :class:`~verify.cases.traces.TraceCache`) lets every compile of the case reuse one trace.
+    ``clip``/``recompute``: the training recipe (``ComputeConfig.clip_grad_norm``/``recompute``); the
+    single-device runs clip with ``torch.nn.utils.clip_grad_norm_``, and each step's total norm is checked."""
     dt = DTYPES[dtype]
     microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
@@ -152,8 +158,9 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     ref, ref64 = built_like(name, seed, case.model, dt), built_like(name, seed, case.model, torch.float64)
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
-                           num_microbatches=microbatches)
-    tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "")
+                           num_microbatches=microbatches, clip_grad_norm=clip, recompute=recompute)
+    tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "") \
+        + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "")
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
     pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
@@ -180,6 +187,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         else:
             loss = pm(*args)
             loss.backward()
+            if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
+                pm.clip_grad_norm_(clip)
         loss_ref = ref(*args)
         loss_ref.backward()
         with fallback:
@@ -187,7 +196,13 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             loss64.backward()
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+        if clip is not None:  # the single-device recipe: torch's own clipping of the whole model
+            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            norm64 = torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip)
+            got = pm.last_grad_norm
+            checks.append(check_tensor(f"grad norm step {step}", None if got is None else got.detach().reshape(()),
+                                       norm_ref.detach(), norm64.detach(), **kw))
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
     if checkpoint:
         checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
                                  seed, dt, fallback, config.bucket_bytes, traces)
@@ -197,11 +212,12 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
 
 
 def step_checks(pm, params: dict, ref64: torch.nn.Module, shadow: dict, point: dict, opts: list, step: int,
-                widen: float, kw: dict) -> list[Check]:
+                widen: float, kw: dict, clip: float | None = None) -> list[Check]:
     """The checks of one training step after its backward: the gradient of every parameter of the
     single-device model (against its float32 ``params`` and float64 ``ref64`` runs), then AdamW on one
     device applied to the parallel gradients from ``point`` (in ``shadow``, stepped by ``opts``)
-    against the parallel module's parameters after its own step. Zeroes ``ref64``'s gradients."""
+    against the parallel module's parameters after its own step (with ``clip``, the shadow's gradients
+    are clipped by ``torch.nn.utils.clip_grad_norm_`` first, as the recipe does). Zeroes ``ref64``'s gradients."""
     grads, rp64 = pm.whole_grads(), dict(ref64.named_parameters())
     scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
     checks = [check_tensor(f"grad {n} step {step}", grads.get(n), p.grad, rp64[n].grad, scale=scale, **kw)
@@ -209,6 +225,8 @@ def step_checks(pm, params: dict, ref64: torch.nn.Module, shadow: dict, point: d
     for n, t in shadow.items():
         t.copy_(point[n])
         t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(list(shadow.values()), clip)
     for opt in opts:
         opt.step()
         opt.zero_grad()

@@ -48,7 +48,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
-                label = replica_label(model_label(policy, cfg.microbatches), replicas)
+                label = replica_label(model_label(policy, cfg.microbatches), replicas) + cfg.recipe_label
                 if ((f"model:{name}", w, label, cfg.dtype, seed) in skip
                         or not pipeline_applies(policy, w // replicas, name, seed)):
                     continue
@@ -56,7 +56,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "plan_ngpus": w // replicas,
                        "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype,
-                       "bucket_bytes": bucket_bytes, "microbatches": m}
+                       "bucket_bytes": bucket_bytes, "microbatches": m, **cfg.recipe_job()}
                 limit = replace(cfg, microbatches=m).limit_s("model", steps)
                 expected = expected_replica_checks(name, steps, seed, policy, m)
                 status, detail, checks, tb = judge(gang.run(job, w, limit), expected, cfg.modules)

@@ -61,13 +61,18 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", 
 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                       groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
-                      microbatches: int = 1, traces: TraceCache | None = None) -> list[Check]:
+                      microbatches: int = 1, traces: TraceCache | None = None, clip: float | None = None,
+                      recompute: str = "none") -> list[Check]:
     """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to
     ``world_size`` (gradient-sync buckets of ``bucket_bytes``, default the model's). With
     ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
     trains its share by ``train_step`` in M micro-batches (the loss exact over all replicas), and the
-    reference is one device on the whole batch. A pipeline policy: :mod:`verify.cases.pipeline_replicas`."""
+    reference is one device on the whole batch. A pipeline policy: :mod:`verify.cases.pipeline_replicas`.
+    ``clip``/``recompute``: the training recipe (the reference clips with torch; not yet for pipelines)."""
     if is_pipeline_policy(policy):
+        if clip is not None or recompute != "none":  # fail closed: the pipeline replicas case runs no recipe yet
+            raise NotImplementedError("training recipes (--clip-grad-norm, --recompute) are not wired into "
+                                      "pipeline replicas cases yet")
         return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
                                           microbatches, bucket_bytes, traces)
     dt = DTYPES[dtype]
@@ -78,7 +83,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     replicas, rank = world_size // plan_ngpus, dist.get_rank()
     replica = rank // plan_ngpus
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=microbatches,
-                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
+                           clip_grad_norm=clip, recompute=recompute)
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
     mb = f"-mb{microbatches}" if microbatches > 1 else ""
@@ -86,7 +92,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
                          groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
-                         gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}")
+                         gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}{'-clip' if clip else ''}{'-rc' + recompute if recompute != 'none' else ''}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}")
     check_deterministic(pm.graph)
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())
@@ -107,6 +113,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         else:
             loss = pm(*shares[replica])
             loss.backward()
+            if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
+                pm.clip_grad_norm_(clip)
             mean = loss.detach().clone()
             dist.all_reduce(mean, group=groups.get(replica_ranks))
             mean = mean / replicas
@@ -116,9 +124,12 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
             loss64 = sum(ref64(*cast(a, torch.float64)) for a in refs) / len(refs)
             loss64.backward()
+        if clip is not None:  # the single-device recipe: torch's own clipping
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
     checks += fallback.notes(dtype)
     return checks

@@ -1,0 +1,134 @@
+"""Gradient-norm clipping over the whole model, each piece of each gradient counted exactly once.
+
+A rank holds pieces of parameters: split along some mesh axes (``D`` in the generated program's
+``STATE`` layout), whole along the others (``R``: every rank of that axis holds the same gradient once
+backward's sync has run), and every data-parallel replica holds the same pieces again. So each rank
+counts the pieces that it alone is the first holder of: a parameter's piece counts on the rank at
+coordinate 0 of every mesh axis that does not split it, on replica 0 only; one all-reduce of that sum
+over every rank of the module gives the whole model's ``sum |g|^p``, which every rank then clips by (as
+``torch.nn.utils.clip_grad_norm_`` does on one device). A pipeline adds its stages' sums (a parameter
+tied across stages counts in its owner stage only).
+
+``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` by hand would see this rank's shards only and
+compute a local norm. :func:`install` (run when :mod:`nnscaler.runtime.module` is imported) makes it
+right: torch's norm of a list of gradients (``torch.nn.utils.clip_grad._get_total_norm``, which
+``clip_grad_norm_`` and ``get_total_norm`` call, however they were imported) is, when the list is
+exactly the gradients of a live compiled module, that module's whole-model norm; a list holding some
+of a module's gradients but not all (one parameter group, say) warns that the norm is local. The
+built-in :meth:`ParallelModule.clip_grad_norm_` (or ``ComputeConfig(clip_grad_norm=...)``, which
+``train_step`` applies) is the direct way.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.utils.clip_grad as _torch_clip
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # compiled modules (ParallelModule, PipelineModule) alive
+
+
+class LocalNormWarning(UserWarning):
+    """A gradient norm over part of a compiled module's local shards: not the whole model's norm."""
+
+
+def register(module) -> None:
+    """Let torch's own norm functions recognise ``module``'s gradients (see :func:`install`)."""
+    _LIVE.add(module)
+
+
+def _grad_ids(module) -> set[int]:
+    return {id(p.grad) for p in module.parameters() if p.grad is not None}
+
+
+def install() -> None:
+    """Route ``torch.nn.utils.clip_grad._get_total_norm`` through :func:`_total_norm` (once)."""
+    if getattr(_torch_clip._get_total_norm, "_nnscaler", False):
+        return
+    original = _torch_clip._get_total_norm
+
+    def _total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        ids = {id(t) for t in tensors}
+        if ids and _LIVE:
+            mods = sorted(_LIVE, key=lambda m: -len(list(m.parameters())))  # a pipeline before its stages
+            for mod in mods:
+                own = _grad_ids(mod)
+                if ids == own:
+                    total = mod.grad_norm(float(norm_type))
+                    if error_if_nonfinite and not torch.isfinite(total):
+                        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, "
+                                           f"so it cannot be clipped")
+                    return total
+            if any(ids & _grad_ids(mod) for mod in mods):
+                warnings.warn("a gradient norm over some of a compiled module's local shards is this rank's local "
+                              "norm, not the whole model's: pass all of module.parameters(), or use "
+                              "module.clip_grad_norm_(max_norm) / ComputeConfig(clip_grad_norm=...)",
+                              LocalNormWarning, stacklevel=3)
+        return original(tensors, norm_type, error_if_nonfinite, foreach)
+
+    _total_norm._nnscaler = True
+    _total_norm.original = original
+    _torch_clip._get_total_norm = _total_norm
+
+
+def counted_grads(module, skip: Iterable[str] = ()) -> list[torch.Tensor]:
+    """The gradients of ``module`` (a :class:`~nnscaler.runtime.module.ParallelModule`) this rank
+    counts in the whole model's norm: the pieces no rank before it on a mesh axis that replicates them
+    holds too. ``skip``: model names left out (a tied parameter counted by another stage)."""
+    coords = module.mesh.coords
+    skip = set(skip)
+    out = []
+    for key, name in module._names.items():
+        p = getattr(module, key)
+        if not isinstance(p, torch.nn.Parameter) or p.grad is None or name in skip:
+            continue
+        layout = module._program.STATE[name][1]
+        if all(c == 0 for q, c in zip(layout, coords) if not str(q).startswith("D")):
+            out.append(p.grad.detach())
+    return out
+
+
+def local_sum(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """``sum |g|^p`` over ``grads`` (``max |g|`` for ``p = inf``), in float64."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads])
+    return norms.max() if math.isinf(norm_type) else (norms ** norm_type).sum()
+
+
+def total_norm(counted: torch.Tensor, norm_type: float, group, dtype: torch.dtype) -> torch.Tensor:
+    """The whole model's norm from every rank's ``counted`` sum (one all-reduce over ``group``)."""
+    counted = counted.clone()
+    if math.isinf(norm_type):
+        dist.all_reduce(counted, op=dist.ReduceOp.MAX, group=group)
+        return counted.to(dtype)
+    dist.all_reduce(counted, group=group)
+    return (counted ** (1.0 / norm_type)).to(dtype)
+
+
+def clip_(params: Iterable[torch.nn.Parameter], max_norm: float, total: torch.Tensor,
+          error_if_nonfinite: bool = False) -> None:
+    """Scale every gradient by ``max_norm / (total + 1e-6)`` where that is below 1 (torch's rule)."""
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of the gradients is non-finite ({float(total)}), so it cannot be "
+                           f"clipped; pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+
+
+def grad_dtype(params: Iterable[torch.nn.Parameter]) -> torch.dtype:
+    return next((p.grad.dtype for p in params if p.grad is not None), torch.float32)
+
+
+def is_first_replica(replica_group) -> bool:
+    """Whether this rank is in replica 0 of the plan (the replica group lists ranks by replica), the only
+    replica whose pieces count: the others hold the same averaged gradients."""
+    return replica_group is None or dist.get_group_rank(replica_group, dist.get_rank()) == 0
