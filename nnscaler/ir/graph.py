@@ -20,7 +20,6 @@ from ..ops.rules import aten_overload
 from ..ops.spec import OpSpec
 
 PARAM, BUFFER, INPUT, ACTIVATION, CONSTANT = "param", "buffer", "input", "activation", "constant"
-DROPOUTS = ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")  # (x, p, train)
 
 
 @dataclass(eq=False)
@@ -77,20 +76,25 @@ class IROp:
 
     @property
     def draws_random(self) -> bool:
-        """Whether the call draws random numbers (an ATen op tagged ``nondeterministic_seeded``; a
-        dropout only where it is not the identity: ``p > 0`` while training)."""
+        """Whether the call draws random numbers: an ATen op tagged ``nondeterministic_seeded``, unless
+        its schema has a dropout probability (``p``, ``dropout_p``) that is 0 here or a ``train`` flag
+        that is false (a dropout in eval mode, attention without dropout)."""
         try:
             overload = aten_overload(self.overload)
         except (KeyError, ValueError):  # a registered Python function, not an ATen overload
             return False
         if torch.Tag.nondeterministic_seeded not in overload.tags:
             return False
-        if self.overload.split(".")[1] in DROPOUTS:
-            args = list(self.inputs) + [None] * 3
-            p = self.kwargs.get("p", args[1] if args[1] is not None else 0.5)
-            train = self.kwargs.get("train", args[2] if args[2] is not None else True)
-            return bool(p) and bool(train)
-        return True
+        given = {}
+        for i, arg in enumerate(overload._schema.arguments):  # (torch.FunctionSchema has no public accessor)
+            if arg.name in self.kwargs:
+                given[arg.name] = self.kwargs[arg.name]
+            elif i < len(self.inputs) and not arg.kwarg_only:
+                given[arg.name] = self.inputs[i]
+            elif arg.has_default_value():
+                given[arg.name] = arg.default_value
+        p = given.get("p", given.get("dropout_p", 1.0))
+        return bool(p) and bool(given.get("train", True))
 
     def __repr__(self) -> str:
         anno = self.spec.annotation if self.spec else "unknown"
