@@ -21,6 +21,7 @@ from tabulate import tabulate
 from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
+from nnscaler.config import ComputeConfig
 from nnscaler.policies import POLICIES, PlanError
 
 from verify.cases.config import BadInput, RunConfig, model_label
@@ -98,6 +99,21 @@ def _common(p: argparse.ArgumentParser, run: bool = True) -> None:
     p.add_argument("--base", type=_positive(int, "--base"), default=None, help=argparse.SUPPRESS)
 
 
+def _precision_name(text: str) -> str:
+    try:  # the compiler's own check: an unknown name, or bf16 on a device without it, in one line
+        ComputeConfig(1, precision=text)
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _precision(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", type=_precision_name, default="32-true", metavar="RECIPE",
+                   help="whole models: 32-true (default), bf16-mixed (bf16 compute as under torch.autocast, fp32 "
+                        "master weights) or bf16-true, each against the single-device run of the same recipe "
+                        "(bound: verify/judge/compare.py)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m verify", description="Verify partitioned operators on real ranks.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -130,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("--microbatches", type=_positive(int, "--microbatches"), default=1, metavar="M",
                          help="train each step by train_step in M micro-batches (M of the model's batches stacked), "
                               "against one device on the whole batch (default 1: plain forward and backward)")
+    _precision(p_model)
+    p_model.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default=None,
+                         help="with --precision bf16-mixed: the dtype gradients are reduced in (default fp32)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
@@ -150,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_all.add_argument("--microbatches", type=_positive(int, "--microbatches"), nargs="*", default=[4], metavar="M",
                        help=f"also train every model under {' and '.join(MICROBATCH_POLICIES)} with M micro-batches per "
                             "step, for each M (default: 4; none with an empty list)")
+    _precision(p_all)
     p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
                        help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
                             "different plan (default: 0 1 2)")
@@ -160,7 +180,13 @@ def _config(args) -> RunConfig:
     if args.base is not None and any(args.base % w for w in args.world_size):
         raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
     microbatches = getattr(args, "microbatches", 1)
-    return RunConfig(world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
+    precision = getattr(args, "precision", "32-true")
+    if precision != "32-true" and args.dtype != "float32":
+        raise UsageError(f"--precision {precision} sets the dtypes itself; leave --dtype at float32 (got {args.dtype})")
+    if getattr(args, "grad_reduce_dtype", None) and precision != "bf16-mixed":
+        raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
+    return RunConfig(precision=precision, grad_reduce_dtype=getattr(args, "grad_reduce_dtype", None),
+                     world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
                      modules=tuple(args.module), timeout_s=args.timeout, partition=getattr(args, "partition", None),
                      base_override=args.base, microbatches=microbatches if isinstance(microbatches, int) else 1)
 

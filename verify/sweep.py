@@ -121,13 +121,14 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
         for w in cfg.world_sizes:
             for policy in policies:
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
-                label = model_label(policy, m)
+                label = model_label(policy, m, cfg.precision)
                 if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w, name, seed):
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
                        "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "bucket_bytes": bucket_bytes,
-                       "microbatches": m, "checkpoint": checkpoint}
+                       "microbatches": m, "checkpoint": checkpoint, "precision": cfg.precision,
+                       "grad_reduce_dtype": cfg.grad_reduce_dtype}
                 expected = expected_checks(name, policy, steps, seed, checkpoint)
                 status, detail, checks, tb = judge(gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps)), expected,
                                                    rerun_modules(name, cfg))

@@ -31,6 +31,8 @@ class RunConfig:
     base_override: int | None = None
     microbatches: int = 1  # whole-model cases: micro-batches per training step (1: plain forward/backward)
     node: tuple[str, str] | None = None  # (model, operator): verify that traced operator (verify op --model --node)
+    precision: str = "32-true"  # whole-model cases: the recipe (nnscaler.runtime.precision), judged by verify/judge/lowprec.py
+    grad_reduce_dtype: str | None = None  # whole-model cases under bf16-mixed: "fp32" or "bf16"
 
     def limit_s(self, kind: str = "op", steps: int = 1) -> float:
         """The time limit of one case: ``timeout_s`` for an operator case; a model case traces,
@@ -85,7 +87,9 @@ class RunConfig:
         return self.command("model", model, [
             ("--policy", policy), ("--world-size", world_size), ("--seed", seed), ("--steps", steps),
             ("--dtype", self.dtype), ("--bucket-bytes", bucket_bytes),
-            ("--microbatches", self.microbatches if self.microbatches > 1 else None)])
+            ("--microbatches", self.microbatches if self.microbatches > 1 else None),
+            ("--precision", None if self.precision == "32-true" else self.precision),
+            ("--grad-reduce-dtype", self.grad_reduce_dtype)])
 
 
 @dataclass
@@ -127,6 +131,8 @@ class Row:
         return asdict(self)
 
 
-def model_label(policy: str, microbatches: int = 1) -> str:
-    """The partition column of a whole-model row: the policy, then ``mbM`` for M micro-batches."""
-    return policy if microbatches == 1 else f"{policy} mb{microbatches}"
+def model_label(policy: str, microbatches: int = 1, precision: str = "32-true") -> str:
+    """The partition column of a whole-model row: the policy, then ``mbM`` for M micro-batches, then
+    the precision recipe unless ``32-true``."""
+    label = policy if microbatches == 1 else f"{policy} mb{microbatches}"
+    return label if precision == "32-true" else f"{label} {precision}"

@@ -23,6 +23,7 @@ from verify.cases.batch import cast
 from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
+from verify.judge.lowprec import config_kwargs, recipe, reference
 from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.models.loader import build_model
@@ -117,9 +118,13 @@ def _parallelize(model, args, policy, config, groups, gen_dir: Path, tracer=None
 
 def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = None) -> list[Check]:
     """The checks of a ``model`` job (keys: model, policy, world_size, steps, seed, gen_dir, and
-    optionally dtype, bucket_bytes, microbatches and checkpoint); ``traces``: the rank's trace cache."""
-    return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
-                          job["gen_dir"], dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
+    optionally dtype, bucket_bytes, microbatches, checkpoint and precision, the recipe: see
+    :mod:`verify.judge.lowprec`); ``traces``: the rank's trace cache."""
+    precision = job.get("precision") or "32-true"
+    with recipe(precision, job.get("grad_reduce_dtype")):
+        return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
+                          job["gen_dir"], dtype="bfloat16" if precision == "bf16-true" else job.get("dtype", "float32"),
+                          bucket_bytes=job.get("bucket_bytes"),
                           microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True),
                           traces=traces)
 
@@ -137,10 +142,10 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
     case.model.to(dt)
-    ref, ref64 = copy.deepcopy(case.model), copy.deepcopy(case.model).double()
+    ref, ref64 = reference(copy.deepcopy(case.model)), copy.deepcopy(case.model).double()
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
-                           num_microbatches=microbatches)
+                           num_microbatches=microbatches, **config_kwargs())
     tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "")
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
@@ -217,9 +222,10 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
         return [Check("checkpoint keys", float("inf"), 0.0, False, f"the checkpoint lacks {', '.join(missing[:5])}")]
     single.load_state_dict(_with_aliases(single, state), strict=True)
     single64 = copy.deepcopy(single).double()
+    reference(single)
     other_policy = _other_policy(policy)
     other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
-                         ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes),
+                         ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes, **config_kwargs()),
                          groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",
                          tracer_of(traces, (name, seed)))
     other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})

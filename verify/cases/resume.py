@@ -21,6 +21,7 @@ from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast
 from verify.models.loader import file_tag
+from verify.judge.lowprec import config_kwargs, reference
 from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor, check_update
 from verify.models.loader import build_model
 from verify.cases.traces import TraceCache, tracer_of
@@ -96,7 +97,8 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         resumed = parallelize(case.model.to(dtype), cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype),
-                              other, ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES),
+                              other, ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES,
+                                                   **config_kwargs()),
                               groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
                               gen_savedir=Path(gen_dir) / f"{file_tag(name)}-reload-{other}-w{w_b}-{dtype}-s{seed}")
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
@@ -127,7 +129,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     params = {n for n, _ in build_model(name, seed).model.named_parameters()}
     saved = {n: t for n, t in saved.items() if n in params}
     lr = opt.defaults["lr"]
-    single = build_model(name, seed).model.to(dtype)
+    single = reference(build_model(name, seed).model.to(dtype))  # the recipe's single-device run
     single_opt = torch.optim.AdamW(single.parameters(), lr=lr)
     checkpoint.load_single(path / "merged.pt", single, single_opt)
     checks = _loaded_checks("on one device", {n: p.detach() for n, p in single.named_parameters()},
@@ -142,7 +144,8 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         resumed = parallelize(build_model(name, seed).model.to(dtype), cast(batch(0), dtype), other,
-                              ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1), groups=groups,
+                              ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1, **config_kwargs()),
+                              groups=groups,
                               gen_savedir=Path(gen_dir) / f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}",
                               verify=False, tracer=tracer_of(traces, (name, seed)))
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)

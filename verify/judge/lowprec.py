@@ -1,0 +1,68 @@
+"""The recipe a whole-model case runs under (``verify model --precision``), as the harness's stages
+need it: the compiled module's ``ComputeConfig`` options (:func:`config_kwargs`), the single-device
+reference run the same way (:func:`reference`), and the verdict rule (:func:`active`: the low-
+precision bound of :mod:`verify.judge.compare`).
+
+``bf16-mixed``: the reference is the single-device model under ``torch.autocast(device, bfloat16)``
+(fp32 parameters); ``bf16-true``: the model cast to bf16 (the harness's ``--dtype bfloat16`` path,
+the compiled module holding bf16 state). The float64 reference stays float64: autocast leaves
+float64 tensors alone, so the same hooks on a float64 copy change nothing."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from nnscaler.runtime.precision import PRECISIONS, device_type
+
+_current = ["32-true", None]  # precision, grad_reduce_dtype
+
+
+@contextmanager
+def recipe(precision: str | None, grad_reduce_dtype: str | None = None) -> Iterator[None]:
+    """Run the stages inside under ``precision`` (None or ``"32-true"``: the default recipe)."""
+    precision = precision or "32-true"
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    before, _current[:] = list(_current), [precision, grad_reduce_dtype]
+    try:
+        yield
+    finally:
+        _current[:] = before
+
+
+def current() -> str:
+    return _current[0]
+
+
+def active() -> bool:
+    """Whether the verdict is the low-precision rule (a bf16 recipe is running)."""
+    return _current[0] != "32-true"
+
+
+def config_kwargs() -> dict:
+    """The recipe's ``ComputeConfig`` options, for every module the case compiles."""
+    if _current[0] == "32-true":
+        return {}
+    return {"precision": _current[0], **({"grad_reduce_dtype": _current[1]} if _current[1] else {})}
+
+
+def _enter(module, args):
+    ctx = torch.autocast(device_type(), dtype=torch.bfloat16)
+    ctx.__enter__()
+    module._verify_autocast = getattr(module, "_verify_autocast", []) + [ctx]
+
+
+def _exit(module, args, output):
+    module._verify_autocast.pop().__exit__(None, None, None)
+
+
+def reference(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a single-device reference) made to run the recipe: under ``bf16-mixed`` its forward
+    runs under ``torch.autocast(device, bfloat16)`` (hooks, which copies of it keep)."""
+    if _current[0] == "bf16-mixed" and not getattr(model, "_verify_autocast_hooked", False):
+        model.register_forward_pre_hook(_enter)
+        model.register_forward_hook(_exit, always_call=True)
+        model._verify_autocast_hooked = True
+    return model
