@@ -34,10 +34,6 @@ def _first_float_dtype(out: Any) -> torch.dtype | None:
     return next((t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
 
-def _dtypes(out: Any) -> list:
-    return [t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-
-
 def autocast_casts(ep, device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """``{op name: dtype}`` (or ``"drop"`` for an assert of a floating dtype) for every operator of the exported program ``ep`` whose floating inputs
     ``torch.autocast(device_type, dtype)`` casts, named as :func:`nnscaler.trace.build.trace` names
@@ -79,16 +75,26 @@ def autocast_casts(ep, device_type: str = "cpu", dtype: torch.dtype = torch.bflo
             out = node.target(*args, **kwargs)
         if not any(_floating(x) for x in tree_leaves((args, kwargs))):
             return out
-        try:
-            with torch.autocast(device_type, enabled=False):
-                plain = node.target(*args, **kwargs)
-            same = _dtypes(plain) == _dtypes(out)
-        except Exception:  # only autocast's casts make the call valid (linear of bf16 and fp32)
-            same = False
-        want = _first_float_dtype(out)
-        if not same and want is not None:
-            casts[name] = want
+        cast = _autocast_class(node.target, args, kwargs)
+        if cast is not None:
+            casts[name] = cast
         return out
+
+    def _autocast_class(target, args, kwargs):
+        """bf16 where autocast runs ``target`` in ``dtype`` (fp32 floating inputs give a ``dtype``
+        result), fp32 where it runs it in fp32 (``dtype`` inputs give an fp32 result), else None."""
+        def uniform(dt):
+            a, k = tree_map(lambda x: x.to(dt) if _floating(x) else x, (args, kwargs))
+            try:
+                with torch.autocast(device_type, dtype=dtype):
+                    return _first_float_dtype(target(*a, **k))
+            except Exception:  # noqa: BLE001 (an op that takes no such inputs: not one autocast casts)
+                return None
+        if uniform(torch.float32) == dtype:
+            return dtype
+        if uniform(dtype) == torch.float32:
+            return torch.float32
+        return None
 
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     level = quiet.level
