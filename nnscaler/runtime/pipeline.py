@@ -219,6 +219,8 @@ class PipelineModule(torch.nn.Module):
                         dist.recv(t, src=peer(s - 1), group=self._pp_group)
                 out = held[s](*x)
                 x = out if isinstance(out, tuple) else (out,)
+                x = tuple(t.to(o.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and hasattr(o, "dtype")
+                          else t for t, o in zip(x, _outs(self._graphs[s])))  # bf16-mixed: in the traced dtype
                 if s == self._n - 1:
                     self._micro_loss(x[0], torch.arange(i * micro, (i + 1) * micro))
                 elif s + 1 not in held:
