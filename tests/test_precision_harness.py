@@ -13,6 +13,7 @@ from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH, MISMATCH
 from verify.runner.gang import Gang
 from verify.sweep import run_model
+from verify.worker import load_modules
 
 from conftest import MODULES
 
@@ -24,6 +25,7 @@ WRONG = ["wrong_op_sum", "wrong_op_mean", "wrong_op_flip", "wrong_op_cumsum", "w
 
 @pytest.fixture(scope="module")
 def gang2():
+    load_modules([WRONG_MODELS])  # this process builds the models too (the checks each case must return)
     with Gang(2, [*MODULES, WRONG_MODELS], (2,)) as g:
         yield g
 
