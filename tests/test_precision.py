@@ -77,6 +77,12 @@ def test_bf16_mixed_computes_what_autocast_computes_on_one_device(compiled, name
     assert compiled[f"{name}_under_hand_autocast"] == "True"
 
 
+def test_bf16_true_converts_the_model_and_computes_in_bf16(compiled):
+    dtype, got, want, params = compiled["true_loss"].split(" ", 3)
+    assert dtype == "torch.bfloat16" and params == "['torch.bfloat16']"
+    assert abs(float(got) - float(want)) <= 2 ** -7 * abs(float(want))  # within one bf16 ulp of model.to(bf16)
+
+
 def test_the_program_casts_as_autocast_does(compiled):
     assert int(compiled["casts_bf16"]) >= 9 and int(compiled["casts_fp32"]) >= 1  # linears in bf16, the loss in fp32
 

@@ -25,7 +25,7 @@ from .artifacts import build_rank_module
 from .gate import Verifier, check_mode, verify_on_ranks
 from .groups import ensure_process_group, module_group, replica_group
 from .pipeline import parallelize_pipeline
-from .precision import apply_precision
+from .precision import apply_precision, prepare_model
 from .plan import attach_stats, choose_plan, resolve_policy, trace_model, write_report
 
 
@@ -67,6 +67,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     copy (:meth:`~nnscaler.ir.graph.IRGraph.copy`), as ``verify``'s per-rank trace cache does.
     """
     check_mode(verify)
+    sample_args, sample_kwargs = prepare_model(model, sample_args, sample_kwargs, config.precision)  # bf16-true: bf16 model
     if config.pp_size > 1 or is_pipeline_policy(policy):  # pipeline stages: .pipeline
         return parallelize_pipeline(model, sample_args, policy, config, gen_savedir=gen_savedir, reuse=reuse,
                                     strict=strict, sample_kwargs=sample_kwargs, registry=registry, groups=groups,

@@ -9,6 +9,17 @@ from ..runtime.precision import device_type
 from ..trace.amp import autocast_casts
 
 
+def prepare_model(model: torch.nn.Module, args, kwargs, precision: str):
+    """``bf16-true``: the model converted to bf16 in place (as Lightning's ``bf16-true`` converts it), its
+    floating sample arguments cast, so the trace, the stages' metadata and the state are bf16 alike.
+    Returns the sample ``(args, kwargs)``."""
+    if precision != "bf16-true":
+        return args, kwargs
+    model.to(torch.bfloat16)
+    down = lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+    return tuple(down(a) for a in args), None if kwargs is None else {k: down(v) for k, v in kwargs.items()}
+
+
 def _dtype_assert(op) -> bool:
     dtype = op.kwargs.get("dtype")
     return op.overload.startswith("aten._assert_tensor_metadata") and isinstance(dtype, torch.dtype) \

@@ -9,8 +9,9 @@
   and runs with autocast off, so partition-aware kernels compute in the same dtype as the one
   operator they replace. Gradients are reduced in fp32 unless ``grad_reduce_dtype="bf16"``.
   Its single-device reference: the same model under ``torch.autocast(device, dtype=torch.bfloat16)``.
-* ``"bf16-true"``: parameters, buffers, floating inputs and optimizer state in bf16 (as
-  ``model.to(torch.bfloat16)`` on one device, its reference).
+* ``"bf16-true"``: parameters, buffers, floating inputs and optimizer state in bf16: ``parallelize``
+  converts the model to bf16 in place (as Lightning does) before tracing; its reference is
+  ``model.to(torch.bfloat16)`` on one device.
 
 An ``autocast`` put by hand around a module compiled as ``32-true`` is refused (:func:`autocast_message`):
 the traced program does not see it, and would run autocast's fp32 operators in bf16."""
