@@ -51,6 +51,13 @@ def test_bad_precision_flags_exit_2_in_one_line(argv, needle, capsys):
     assert len(lines) == 1 and needle in lines[0], lines
 
 
+def test_a_model_with_an_operator_lacking_bf16_is_refused_before_any_rank(capsys):
+    ref = f"{FIXTURES / 'no_bf16_model.py'}:build"
+    assert main(["model", ref, "--precision", "bf16-true", "--world-size", "2", "--policy", "dp"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--precision bf16-true" in lines[0] and "BFloat16" in lines[0], lines
+
+
 def _free_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,6 +25,7 @@ from nnscaler.config import ComputeConfig
 from nnscaler.policies import POLICIES, PlanError
 
 from verify.cases.config import BadInput, RunConfig, model_label
+from verify.judge.lowprec import precheck
 
 from verify.sweep import preflight, run_model, run_op
 from verify.lint import lint
@@ -366,6 +367,10 @@ def cmd_model(args) -> int:
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     for line in replicated_lines(args.name, [p for p in policies if p in POLICIES], cfg.world_sizes, case=case):
         print(line, flush=True)
+    missing = precheck(case.model, case.batch(0), cfg.precision)  # a bf16 kernel this device lacks: before any rank
+    if missing:
+        raise UsageError(f"--precision {cfg.precision}: {args.name} runs an operator without bf16 support on this "
+                         f"device ({missing}); use --precision 32-true")
     rows = []
     with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang, RunProgress(len(policies)) as progress:
         for policy in policies:

@@ -66,3 +66,29 @@ def reference(model: torch.nn.Module) -> torch.nn.Module:
         model.register_forward_hook(_exit, always_call=True)
         model._verify_autocast_hooked = True
     return model
+
+
+_NO_BF16 = ("bfloat16", "low precision dtypes not supported")
+
+
+def precheck(model: torch.nn.Module, args: tuple, precision: str) -> str | None:
+    """One forward of the single-device ``model`` (the parent's inspection build, converted in place
+    for ``bf16-true``) under ``precision`` on ``args``, before any rank starts: the first line of the
+    error of an operator without a bf16 kernel on this device, or None. Other errors are left to the
+    cases, which report them as rows."""
+    if precision == "32-true":
+        return None
+    try:
+        with torch.no_grad():
+            if precision == "bf16-true":
+                model.to(torch.bfloat16)
+                model(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                        for a in args))
+            else:
+                with torch.autocast(device_type(), dtype=torch.bfloat16):
+                    model(*args)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        line = (str(exc).strip().splitlines() or [""])[0]
+        if any(k in line.lower() for k in _NO_BF16):
+            return f"{type(exc).__name__}: {line}"
+    return None
