@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost.profiles import ProfileError, get_profile
+from .runtime.precision import GRAD_REDUCE_DTYPES, PRECISIONS, bf16_supported, device_type
 from .runtime.schedules import SCHEDULES, canonical_schedule, stages_per_rank
 
 
@@ -29,7 +30,11 @@ class ComputeConfig:
     along dim 0 and accumulates their gradients (one gradient sync, after the last); ``parallelize``
     then takes a sample of the whole batch and compiles for one micro-batch.
 
-    ``pp_size``/``schedule``/``pp_split``: pipeline stages (see :mod:`nnscaler.compile.pipeline`)."""
+    ``pp_size``/``schedule``/``pp_split``: pipeline stages (see :mod:`nnscaler.compile.pipeline`).
+
+    ``precision``: ``"32-true"`` (default), ``"bf16-mixed"`` (bf16 compute as under ``torch.autocast``,
+    fp32 master weights, gradients and optimizer state; gradients reduced in ``grad_reduce_dtype``,
+    ``"fp32"`` unless ``"bf16"``) or ``"bf16-true"`` (see :mod:`nnscaler.runtime.precision`)."""
 
     plan_ngpus: int
     runtime_ngpus: int | None = None
@@ -51,9 +56,12 @@ class ComputeConfig:
     clip_grad_norm: float | None = None
     recompute: str = "none"
     recompute_modules: tuple[str, ...] | None = None
+    precision: str = "32-true"
+    grad_reduce_dtype: str | None = None  # bf16-mixed: "fp32" (default) or "bf16"
 
     def __post_init__(self):
         check_recipes(self)
+        check_precision(self)
         if self.plan_ngpus < 1:
             raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
         if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):
@@ -97,6 +105,24 @@ def check_recipes(config) -> None:
         if config.recompute != "full":
             raise PlanError(f"recompute_modules names the blocks recompute='full' recomputes, but recompute is "
                             f"{config.recompute!r}")
+
+
+def check_precision(config) -> None:
+    """``precision`` is one of Lightning's names the runtime has; ``grad_reduce_dtype`` only with
+    ``bf16-mixed``; bf16 only where the device has it. Raises :class:`PlanError`."""
+    if config.precision not in PRECISIONS:
+        raise PlanError(f"unknown precision {config.precision!r}; valid: {', '.join(map(repr, PRECISIONS))} "
+                        f"(PyTorch Lightning's names)")
+    if config.grad_reduce_dtype is not None:
+        if config.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise PlanError(f"unknown grad_reduce_dtype {config.grad_reduce_dtype!r}; valid: "
+                            f"{', '.join(map(repr, GRAD_REDUCE_DTYPES))}")
+        if config.precision != "bf16-mixed" and config.grad_reduce_dtype != "fp32":
+            raise PlanError(f"grad_reduce_dtype={config.grad_reduce_dtype!r} needs precision='bf16-mixed' "
+                            f"(got precision={config.precision!r})")
+    if config.precision.startswith("bf16") and not bf16_supported():
+        raise PlanError(f"precision={config.precision!r}: this {device_type()} device has no bf16 support; "
+                        f"use precision='32-true'")
 
 
 def check_config(config) -> None:

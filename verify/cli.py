@@ -22,9 +22,11 @@ from tabulate import tabulate
 from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
-from nnscaler.policies import POLICIES, ComputeConfig, PlanError
+from nnscaler.config import ComputeConfig
+from nnscaler.policies import POLICIES, PlanError
 
 from verify.cases.config import BadInput, Row, RunConfig, model_label
+from verify.judge.lowprec import precheck
 from verify.judge.verdict import MISMATCH
 
 from verify.sweep import preflight, run_model, run_op
@@ -142,6 +144,21 @@ def _version() -> str:
         return "(not installed)"
 
 
+def _precision_name(text: str) -> str:
+    try:  # the compiler's own check: an unknown name, or bf16 on a device without it, in one line
+        ComputeConfig(1, precision=text)
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _precision(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", type=_precision_name, default="32-true", metavar="RECIPE",
+                   help="whole models: 32-true (default), bf16-mixed (bf16 compute as under torch.autocast, fp32 "
+                        "master weights) or bf16-true, each against the single-device run of the same recipe "
+                        "(bound: verify/judge/compare.py)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m verify", description="Verify partitioned operators on real ranks.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -177,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="train each step by train_step in M micro-batches (M of the model's batches stacked), "
                               "against one device on the whole batch (default 1: plain forward and backward)")
     _recipes(p_model)
+    _precision(p_model)
+    p_model.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default=None,
+                         help="with --precision bf16-mixed: the dtype gradients are reduced in (default fp32)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
@@ -197,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_all.add_argument("--microbatches", type=_positive(int, "--microbatches"), nargs="*", default=[4], metavar="M",
                        help=f"also train every model under {' and '.join(MICROBATCH_POLICIES)} with M micro-batches per "
                             "step, for each M (default: 4; none with an empty list)")
+    _precision(p_all)
     p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
                        help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
                             "different plan (default: 0 1 2)")
@@ -218,12 +239,18 @@ def _config(args) -> RunConfig:
     if args.base is not None and any(args.base % w for w in args.world_size):
         raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
     microbatches = getattr(args, "microbatches", 1)
+    precision = getattr(args, "precision", "32-true")
+    if precision != "32-true" and args.dtype != "float32":
+        raise UsageError(f"--precision {precision} sets the dtypes itself; leave --dtype at float32 (got {args.dtype})")
+    if getattr(args, "grad_reduce_dtype", None) and precision != "bf16-mixed":
+        raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
     recipe = {"clip_grad_norm": getattr(args, "clip_grad_norm", None), "recompute": getattr(args, "recompute", "none")}
     try:  # bad recipe values are one line naming the option, before any rank starts
         ComputeConfig(1, **recipe)
     except PlanError as exc:
         raise UsageError(str(exc)) from None
-    return RunConfig(**recipe, world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
+    return RunConfig(**recipe, precision=precision, grad_reduce_dtype=getattr(args, "grad_reduce_dtype", None),
+                     world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
                      modules=tuple(args.module), timeout_s=args.timeout, partition=getattr(args, "partition", None),
                      base_override=args.base, microbatches=microbatches if isinstance(microbatches, int) else 1)
 
@@ -398,6 +425,8 @@ def cmd_model(args) -> int:
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     _json_target(args.json)
+    if args.replicas > 1 and cfg.precision != "32-true":
+        raise UsageError(f"--replicas with --precision {cfg.precision}: replica cases run 32-true only (not yet a recipe)")
     odd = [w for w in cfg.world_sizes if w % args.replicas]
     if odd:
         raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")
@@ -407,6 +436,10 @@ def cmd_model(args) -> int:
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     for line in replicated_lines(args.name, [p for p in policies if p in POLICIES], cfg.world_sizes, case=case):
         print(line, flush=True)
+    missing = precheck(case.model, case.batch(0), cfg.precision)  # a bf16 kernel this device lacks: before any rank
+    if missing:
+        raise UsageError(f"--precision {cfg.precision}: {args.name} runs an operator without bf16 support on this "
+                         f"device ({missing}); use --precision 32-true")
     rows = []
     with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang, RunProgress(len(policies)) as progress:
         for policy in policies:
@@ -442,6 +475,8 @@ def cmd_all(args) -> int:
           f"seeds {list(cfg.seeds)}; reports in {args.reports}/", flush=True)
     models = (sorted(MODELS) if not args.op else []) if args.model is None else args.model
     replicas = replica_items(models, cfg.world_sizes)  # a tp plan as data-parallel replicas, every model
+    if cfg.precision != "32-true":  # replica cases run 32-true only: left out rather than mislabelled
+        replicas = []
     random_cfg = replace(cfg, seeds=tuple(dict.fromkeys(args.random_seeds)))
     items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p, 1)) for m in models for p in POLICIES]
     items += [(f"model:{m} {model_label(p, k)}", (m, p, k)) for k in dict.fromkeys(args.microbatches) if k > 1

@@ -121,7 +121,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
         for w in cfg.world_sizes:
             for policy in policies:
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
-                label = model_label(policy, m) + cfg.recipe_label
+                label = model_label(policy, m, cfg.precision) + cfg.recipe_label
                 if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w, name, seed):
                     continue
                 start = time.perf_counter()

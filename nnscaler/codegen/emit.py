@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..comm.conversion import Step, conversion, step_layout
 from ..dimops.layout import Layout, Partial, Replicate, layout_str, piece
 from ..dimops.partition import axis_groups, coords, local_sizes
@@ -139,12 +141,30 @@ class Emitter:
             self.imports.add(f"import {module}")
         return expr, bound_kwargs
 
+    def cast(self, name: str, t: IRTensor, dtype) -> str:
+        """``name`` (holding ``t``) cast to ``dtype`` for an operator autocast casts (bf16-mixed, see
+        :mod:`nnscaler.runtime.precision`); a parameter's cast is made once, as autocast caches it."""
+        if dtype is None or not t.dtype.is_floating_point or t.dtype == torch.float64:
+            return name
+        key = ("cast", name, str(dtype))
+        if t.kind == PARAM and key in self.cache:
+            return self.cache[key]
+        self.fresh += 1
+        new = f"{t.name}__{self.fresh}"
+        self.lines.append(f"    {new} = {name}.to({dtype})  # as autocast casts it")
+        if t.kind == PARAM:
+            self.cache[key] = new
+        return new
+
     def op(self, op: IROp) -> None:
         start = len(self.lines)
         self._op(op)
         self.spans.append((op, start, len(self.lines)))
 
     def _op(self, op: IROp) -> None:
+        if op.cast == "drop":
+            self.lines.append(f"    # {op.name}: an assert of the fp32 trace's dtype, dropped under bf16-mixed")
+            return
         if op.source:
             self.lines.append(f"    # {comment(op.source)}")
         outs = [self.var.setdefault(t, t.name) if t is not None else "_" for t in op.outputs]
@@ -152,8 +172,9 @@ class Emitter:
         if not op.known:
             whole = tuple(Replicate() for _ in self.plan.mesh_shape)
             none = tuple(None for _ in self.plan.mesh_shape)
-            args = [self._arg(x, lambda t: self.fetch(t, whole, none)) for x in op.inputs]
-            kwargs = [f"{k}={self._arg(v, lambda t: self.fetch(t, whole, none))}" for k, v in op.kwargs.items()]
+            get = lambda t: self.cast(self.fetch(t, whole, none), t, op.cast)  # noqa: E731
+            args = [self._arg(x, get) for x in op.inputs]
+            kwargs = [f"{k}={self._arg(v, get)}" for k, v in op.kwargs.items()]
             fn = f"torch.ops.{op.overload}" if not op.overload.startswith("_operator") else op.overload
             self.lines.append(f"    {target} = {fn}({', '.join(args + kwargs)})  # replicated: no annotation")
             for t in op.outputs:
@@ -169,7 +190,8 @@ class Emitter:
             if spec.anno.inputs[i].opaque:
                 args.append(literal(resolve(spec.args[i], sizes) if i in spec.args else x))
             else:
-                args.append(self.fetch(x, lay.inputs[i], p.axis_ids))
+                args.append(self.cast(self.fetch(x, lay.inputs[i], p.axis_ids), x, op.cast)
+                            if isinstance(x, IRTensor) else self.fetch(x, lay.inputs[i], p.axis_ids))
         fn = spec.local or spec.fn
         expr, kw = self.name_of(fn, spec)
         kw.update(resolve(dict(spec.kwargs), sizes))

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .precision import apply_precision
 from ..codegen.emit import emit_program
 from ..config import ComputeConfig, PlanError, n_stages
 from ..policies.cut import balanced_cuts, check_model, split_at_modules, stage_graphs
@@ -64,6 +65,7 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
     total = n_stages(config)
     cuts = (split_at_modules(graph, model, tuple(config.pp_split)) if config.pp_split
             else balanced_cuts(graph, total, config.profile))
+    apply_precision(graph, config.precision)  # before the cut: the stages share its operators
     graphs = stage_graphs(graph, cuts)
     each = stage_config(config)
     plans = [choose_plan(g, stage_policy, each) for g in graphs]  # refused before any process group
@@ -91,7 +93,8 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
                                        label=f"{type(model).__name__} stage {s} of {total}",
                                        directory=Path(gen_savedir) / f"stage_{s}", reuse=reuse, mesh=mesh,
                                        replica_group=replica_group, replicas=replicas,
-                                       bucket_bytes=config.bucket_bytes)
+                                       bucket_bytes=config.bucket_bytes, precision=config.precision,
+                                       grad_reduce_dtype=config.grad_reduce_dtype)
     if rank == 0:
         print(f"pipeline: {total} stages ({pp} ranks x {v}), {k} rank(s) each, schedule "
               f"{canonical_schedule(config.schedule)}, {m} micro-batches"

@@ -53,6 +53,7 @@ class IROp:
     source: str = ""  # "file:line: code" of the model line that made it
     scope: tuple[str, ...] = ()  # the model's modules it ran in, outermost first (``h.0``, ``h.0.attn``)
     scope_types: tuple[str, ...] = ()  # those modules' class names (``Block``, ``CausalSelfAttention``)
+    cast: Any = None  # bf16-mixed: the dtype its floating inputs are cast to, "drop" for a dtype assert (runtime/precision.py)
 
     @property
     def known(self) -> bool:
@@ -135,6 +136,7 @@ class IRGraph:
     buffers: list[IRTensor]
     outputs: list[Any]
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted tensor constants by name
+    exported: Any = field(default=None, repr=False, compare=False)  # the torch.export program it came from (precision.py reads it)
 
     def copy(self) -> "IRGraph":
         """A copy to compile on (``parallelize`` renames tied parameters and keeps the graph): new

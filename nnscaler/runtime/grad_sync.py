@@ -43,6 +43,7 @@ class _Bucket:
     flat: torch.Tensor | None = None  # allocated at the first launch, kept: the gradients are views into it
     views: list[torch.Tensor] = field(default_factory=list)  # each parameter's piece of ``flat``, shaped like it
     handle: object = None
+    wire: torch.Tensor | None = None  # what is all-reduced: ``flat``, or its copy in the reduce dtype
 
 
 @dataclass
@@ -53,15 +54,17 @@ class GradSync:
     _queued: bool = False
     _paused: bool = False
     _synced: set = field(default_factory=set)  # ids of parameters whose .grad holds their group's sum
+    reduce_dtype: torch.dtype | None = None  # bf16-mixed's grad_reduce_dtype: reduced in this dtype (None: their own)
 
     @classmethod
     def build(cls, pairs: list[tuple[torch.nn.Parameter, object]], bucket_bytes: int | None = None,
-              replicas: list[torch.nn.Parameter] = (), replica_group=None, n_replicas: int = 1) -> "GradSync":
+              replicas: list[torch.nn.Parameter] = (), replica_group=None, n_replicas: int = 1,
+              reduce_dtype: torch.dtype | None = None) -> "GradSync":
         """Bucket parameters (in reverse order, roughly when backward produces their gradients):
         ``pairs`` are summed over their group; ``replicas`` averaged over ``replica_group``; a bucket
         is closed once it holds ``bucket_bytes`` (default :data:`BUCKET_BYTES`)."""
         bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-        sync = cls()
+        sync = cls(reduce_dtype=reduce_dtype)
         open_: dict[tuple, _Bucket] = {}
         in_plan = {id(p) for p, _ in pairs}
         todo = [(p, g, 1.0, False) for p, g in pairs]
@@ -128,7 +131,8 @@ class GradSync:
             elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
                 view.copy_(g)
             p.grad = view  # already the view when the gradient was accumulated into it
-        b.handle = dist.all_reduce(b.flat, group=b.group, async_op=True)
+        b.wire = b.flat if self.reduce_dtype in (None, b.flat.dtype) else b.flat.to(self.reduce_dtype)
+        b.handle = dist.all_reduce(b.wire, group=b.group, async_op=True)
 
     def _finish(self) -> None:
         for stage in (False, True):
@@ -138,6 +142,8 @@ class GradSync:
                     self._launch(b)
             for b in buckets:
                 b.handle.wait()
+                if b.wire is not b.flat:  # reduced in grad_reduce_dtype: back into the gradients' own
+                    b.flat.copy_(b.wire)
                 if b.scale != 1.0:
                     b.flat.mul_(b.scale)
                 else:

@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 from ..dimops.layout import Shard, join_blocks, take_piece
 from . import clip
+from ..config import PlanError
 from .grad_sync import GradSync
+from .precision import GRAD_REDUCE_DTYPES, autocast_message, autocast_on
 from .mesh import RankMesh
 from .microbatch import accumulate
 
@@ -39,8 +41,9 @@ class ParallelModule(torch.nn.Module):
 
     def __init__(self, program: types.ModuleType, full_state: Mapping[str, torch.Tensor], mesh: RankMesh,
                  trainable: set[str], replica_group=None, replicas: int = 1, bucket_bytes: int | None = None,
-                 num_microbatches: int = 1):
+                 num_microbatches: int = 1, precision: str = "32-true", grad_reduce_dtype: str | None = None):
         super().__init__()
+        self.precision = precision  # nnscaler.runtime.precision: bf16-true holds its state in bf16
         self.num_microbatches = num_microbatches
         self._program = program
         self._mesh = mesh
@@ -55,6 +58,8 @@ class ParallelModule(torch.nn.Module):
             if tuple(full.shape) != tuple(shape):
                 raise ValueError(f"{name}: shape {tuple(full.shape)} but the plan was made for {tuple(shape)}")
             local = take(full.detach(), slices).clone()
+            if precision == "bf16-true" and local.is_floating_point():
+                local = local.to(torch.bfloat16)
             key = name.replace(".", "__")
             self._names[key] = name
             if name in trainable:
@@ -67,7 +72,8 @@ class ParallelModule(torch.nn.Module):
             else:
                 self.register_buffer(key, local)
         self._grad_sync = GradSync.build(synced, bucket_bytes, replicas=trainables, replica_group=replica_group,
-                                         n_replicas=replicas)
+                                         n_replicas=replicas, reduce_dtype=GRAD_REDUCE_DTYPES.get(grad_reduce_dtype or "fp32")
+                                         if precision == "bf16-mixed" else None)
         self._grad_sync.attach()
         self.max_grad_norm: float | None = None  # ComputeConfig.clip_grad_norm: train_step clips to it
         self.last_grad_norm: torch.Tensor | None = None  # the total norm the last clip_grad_norm_ found
@@ -82,6 +88,15 @@ class ParallelModule(torch.nn.Module):
         return self._mesh
 
     def forward(self, *inputs: Any) -> Any:
+        refused = autocast_message(self.precision)
+        if refused:
+            raise PlanError(refused)
+        if self.precision == "bf16-true":
+            inputs = tuple(x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                           for x in inputs)
+        if self.precision == "bf16-mixed" and autocast_on():  # the program casts as autocast would: off inside
+            with torch.autocast(autocast_on(), enabled=False):
+                return self._program.forward(self._local(), self._mesh.groups, *inputs)
         return self._program.forward(self._local(), self._mesh.groups, *inputs)
 
     @contextmanager

@@ -57,12 +57,15 @@ class _GradOutputs(torch.nn.Module):
     is dropped; and every output is a copy (the schedule detaches outputs in place after the input
     gradients, while the weight gradients may still need the tensors the stage's operators saved)."""
 
-    def __init__(self, module: ParallelModule, zero_bubble: bool):
+    def __init__(self, module: ParallelModule, zero_bubble: bool, dtypes: tuple = ()):
         super().__init__()
         self.module, self.zero_bubble = module, zero_bubble
+        self.dtypes = dtypes  # the traced dtype of each output: what the stage's static metadata says
 
     def forward(self, *x):
         out = self.module(*x)
+        if self.dtypes and self.module.precision == "bf16-mixed":  # a bf16 activation crosses in its traced
+            out = self._traced(out)  # dtype (an exact upcast; the next stage casts as autocast would)
         if not (self.zero_bubble and torch.is_grad_enabled()):  # gloo sends contiguous tensors only
             return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
 
@@ -72,6 +75,13 @@ class _GradOutputs(torch.nn.Module):
             return t.clone(memory_format=torch.contiguous_format)  # the schedule detaches outputs in place
             # after backward, and ops may have saved them
         return tuple(fix(t) for t in out) if isinstance(out, tuple) else fix(out)
+
+    def _traced(self, out):
+        def up(t, dt):
+            return t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and dt is not None else t
+        if isinstance(out, tuple):
+            return tuple(up(t, dt) for t, dt in zip(out, self.dtypes))
+        return up(out, self.dtypes[0])
 
 
 class PipelineModule(torch.nn.Module):
@@ -101,7 +111,8 @@ class PipelineModule(torch.nn.Module):
         self._shapes = {t.target: tuple(t.shape) for g in graphs for t in g.params + g.buffers}
         zero_bubble = "ZeroBubble" in self.schedule_name
         self._pipe_stages = [
-            PipelineStage(_GradOutputs(mod, zero_bubble), s, self._n, torch.device("cpu"),
+            PipelineStage(_GradOutputs(mod, zero_bubble, tuple(getattr(t, "dtype", None) for t in _outs(graphs[s]))),
+                          s, self._n, torch.device("cpu"),
                           input_args=tuple(_example(t) for t in graphs[s].inputs),
                           output_args=tuple(_example(t) for t in _outs(graphs[s])), group=pp_group)
             for s, mod in sorted(stages.items())]
@@ -235,6 +246,8 @@ class PipelineModule(torch.nn.Module):
                         dist.recv(t, src=peer(s - 1), group=self._pp_group)
                 out = held[s](*x)
                 x = out if isinstance(out, tuple) else (out,)
+                x = tuple(t.to(o.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and hasattr(o, "dtype")
+                          else t for t, o in zip(x, _outs(self._graphs[s])))  # bf16-mixed: in the traced dtype
                 if s == self._n - 1:
                     self._micro_loss(x[0], torch.arange(i * micro, (i + 1) * micro))
                 elif s + 1 not in held:

@@ -139,7 +139,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     constants = [t for t in ins if t.kind == CONSTANT]
     ins = [t for t in ins if t.kind != CONSTANT]
     graph = IRGraph(ops, ins, params, buffers + constants, outputs,
-                    {t.target: ep.constants[t.target] for t in constants if t.target in ep.constants})
+                    {t.target: ep.constants[t.target] for t in constants if t.target in ep.constants}, exported=ep)
     unknown = graph.unknown()
     if unknown:
         msg = (f"{len(unknown)} operators of {type(model).__name__} have no annotation and will be replicated: "

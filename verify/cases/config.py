@@ -33,14 +33,18 @@ class RunConfig:
     node: tuple[str, str] | None = None  # (model, operator): verify that traced operator (verify op --model --node)
     clip_grad_norm: float | None = None  # whole-model cases: ComputeConfig.clip_grad_norm (the reference clips too)
     recompute: str = "none"  # whole-model cases: ComputeConfig.recompute
+    precision: str = "32-true"  # whole-model cases: the recipe (nnscaler.runtime.precision), judged by verify/judge/lowprec.py
+    grad_reduce_dtype: str | None = None  # whole-model cases under bf16-mixed: "fp32" or "bf16"
 
     def recipe_job(self) -> dict:
         """The training recipe's keys of a whole-model rank job (carried into ``ComputeConfig``)."""
-        return {"clip_grad_norm": self.clip_grad_norm, "recompute": self.recompute}
+        return {"clip_grad_norm": self.clip_grad_norm, "recompute": self.recompute, "precision": self.precision,
+                "grad_reduce_dtype": self.grad_reduce_dtype}
 
     @property
     def recipe_label(self) -> str:
-        """What a whole-model row's partition column adds for the recipe (``clip1.0 recompute=full``)."""
+        """What a whole-model row's partition column adds for clipping and recompute (``clip1.0 recompute=full``;
+        the precision is :func:`model_label`'s)."""
         parts = ([f"clip{self.clip_grad_norm:g}"] if self.clip_grad_norm is not None else []) + \
             ([f"recompute={self.recompute}"] if self.recompute != "none" else [])
         return "".join(" " + p for p in parts)
@@ -99,7 +103,9 @@ class RunConfig:
             ("--policy", policy), ("--world-size", world_size), ("--seed", seed), ("--steps", steps),
             ("--dtype", self.dtype), ("--bucket-bytes", bucket_bytes),
             ("--microbatches", self.microbatches if self.microbatches > 1 else None),
-            ("--clip-grad-norm", self.clip_grad_norm), ("--recompute", None if self.recompute == "none" else self.recompute)])
+            ("--clip-grad-norm", self.clip_grad_norm), ("--recompute", None if self.recompute == "none" else self.recompute),
+            ("--precision", None if self.precision == "32-true" else self.precision),
+            ("--grad-reduce-dtype", self.grad_reduce_dtype)])
 
 
 @dataclass
@@ -141,6 +147,8 @@ class Row:
         return asdict(self)
 
 
-def model_label(policy: str, microbatches: int = 1) -> str:
-    """The partition column of a whole-model row: the policy, then ``mbM`` for M micro-batches."""
-    return policy if microbatches == 1 else f"{policy} mb{microbatches}"
+def model_label(policy: str, microbatches: int = 1, precision: str = "32-true") -> str:
+    """The partition column of a whole-model row: the policy, then ``mbM`` for M micro-batches, then
+    the precision recipe unless ``32-true``."""
+    label = policy if microbatches == 1 else f"{policy} mb{microbatches}"
+    return label if precision == "32-true" else f"{label} {precision}"

@@ -23,6 +23,7 @@ from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
 from verify.judge.verdict import check_deterministic
+from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like
@@ -132,17 +133,21 @@ def _parallelize(model, args, policy, config, groups, gen_dir: Path, tracer=None
 
 def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = None) -> list[Check]:
     """The checks of a ``model`` job (keys: model, policy, world_size, steps, seed, gen_dir, and
-    optionally dtype, bucket_bytes, microbatches and checkpoint); ``traces``: the rank's trace cache."""
+    optionally dtype, bucket_bytes, microbatches, checkpoint and precision, the recipe: see
+    :mod:`verify.judge.lowprec`); ``traces``: the rank's trace cache."""
+    precision = Precision.of(job)
     return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
-                          job["gen_dir"], dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
+                          job["gen_dir"], dtype="bfloat16" if precision.precision == "bf16-true" else job.get("dtype", "float32"),
+                          bucket_bytes=job.get("bucket_bytes"),
                           microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True),
-                          traces=traces, clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"))
+                          traces=traces, clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
+                          precision=precision)
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
                    gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
                    microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None,
-                   clip: float | None = None, recompute: str = "none") -> list[Check]:
+                   clip: float | None = None, recompute: str = "none", precision: Precision = Precision()) -> list[Check]:
     """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
     With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
     (:func:`~verify.cases.microbatch.whole_batch`), trained by ``train_step`` in M micro-batches and
@@ -150,17 +155,20 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     reloads and the resume (the training checks alone, for benchmarks that sweep many cases).
     ``traces`` (a rank's :class:`~verify.cases.traces.TraceCache`) lets every compile of the case reuse one trace.
     ``clip``/``recompute``: the training recipe (``ComputeConfig.clip_grad_norm``/``recompute``); the
-    single-device runs clip with ``torch.nn.utils.clip_grad_norm_``, and each step's total norm is checked."""
+    single-device runs clip with ``torch.nn.utils.clip_grad_norm_``, and each step's total norm is checked.
+    ``precision``: the precision recipe (:class:`~verify.judge.lowprec.Precision`), run alike by the references."""
     dt = DTYPES[dtype]
     microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
     case.model.to(dt)
-    ref, ref64 = built_like(name, seed, case.model, dt), built_like(name, seed, case.model, torch.float64)
+    ref, ref64 = precision.reference(built_like(name, seed, case.model, dt)), built_like(name, seed, case.model, torch.float64)
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
-                           num_microbatches=microbatches, clip_grad_norm=clip, recompute=recompute)
+                           num_microbatches=microbatches, clip_grad_norm=clip, recompute=recompute,
+                           **precision.config_kwargs())
     tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "") \
-        + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "")
+        + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "") \
+        + (f"-{precision.precision}" if precision.active else "")
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
     pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
@@ -171,7 +179,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the parallel grads
     opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
-    fallback = Float64Fallback(dt)
+    fallback = Float64Fallback(dt, lowprec=precision.active)
     for step in range(steps):
         args = cast(batch(step), dt)
         point = {k: v.clone() for k, v in own_state(ref).items()}
@@ -205,8 +213,9 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
     if checkpoint:
         checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
-                                 seed, dt, fallback, config.bucket_bytes, traces)
-        checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces)
+                                 seed, dt, fallback, config.bucket_bytes, traces, precision)
+        checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces,
+                                precision)
     checks += fallback.notes(dtype)
     return checks
 
@@ -236,7 +245,7 @@ def step_checks(pm, params: dict, ref64: torch.nn.Module, shadow: dict, point: d
 
 
 def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt, fallback,
-                   bucket_bytes, traces: TraceCache | None = None) -> list[Check]:
+                   bucket_bytes, traces: TraceCache | None = None, precision: Precision = Precision()) -> list[Check]:
     """The merged checkpoint loads strictly into the single-device model and into a module under
     another plan; each computes the loss of the next batch as the parallel module does."""
     state = pm.state_dict()
@@ -246,9 +255,10 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
         return [Check("checkpoint keys", float("inf"), 0.0, False, f"the checkpoint lacks {', '.join(missing[:5])}")]
     single.load_state_dict(_with_aliases(single, state), strict=True)
     single64 = built_like(name, seed, single, torch.float64)
+    precision.reference(single)
     other_policy = _other_policy(policy)
     other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
-                         ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes),
+                         ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes, **precision.config_kwargs()),
                          groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",
                          tracer_of(traces, (name, seed)))
     other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
@@ -257,5 +267,6 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
         with fallback:
             want64 = single64(*cast(args, torch.float64))
     return [Check("checkpoint keys", 0.0, 0.0, True),
-            check_tensor("loss of the checkpoint on one device", got, want, want64),
-            check_tensor(f"loss of the checkpoint under {other_policy}", other_loss, want, want64)]
+            check_tensor("loss of the checkpoint on one device", got, want, want64, lowprec=fallback.lowprec),
+            check_tensor(f"loss of the checkpoint under {other_policy}", other_loss, want, want64,
+                         lowprec=fallback.lowprec)]

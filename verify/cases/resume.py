@@ -21,6 +21,7 @@ from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast
 from verify.models.loader import file_tag
+from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
@@ -92,7 +93,7 @@ def pipeline_plan_b(policy: str, world_size: int, name: str | None = None, seed:
 
 
 def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
-                     saved_moments, traces: TraceCache | None = None) -> list[Check]:
+                     saved_moments, traces: TraceCache | None = None, precision: Precision = Precision()) -> list[Check]:
     """The checkpoint loaded into a pipeline of another plan: parameters and AdamW moments, merged
     across its stages, equal what was saved bit for bit."""
     from verify.cases.pipeline import PIPELINE_MICROBATCHES
@@ -104,7 +105,8 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         resumed = parallelize(case.model.to(dtype), cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype),
-                              other, ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES),
+                              other, ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES,
+                                                   **precision.config_kwargs()),
                               groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
                               gen_savedir=Path(gen_dir) / f"{file_tag(name)}-reload-{other}-w{w_b}-{dtype}-s{seed}")
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
@@ -114,7 +116,7 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
 
 
 def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int, pm, opt, groups, gen_dir: str,
-                  dtype: torch.dtype, traces: TraceCache | None = None) -> list[Check]:
+                  dtype: torch.dtype, traces: TraceCache | None = None, precision: Precision = Precision()) -> list[Check]:
     """Checkpoint ``pm`` and its AdamW ``opt`` after ``steps`` steps; load the merged export on one
     device and the sharded checkpoint under plan B; every parameter and optimizer moment must equal
     what was saved, bit for bit. Then train ``MORE_STEPS`` more steps: the run resumed on one device
@@ -135,14 +137,14 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     params = {n for n, _ in build_model(name, seed).model.named_parameters()}
     saved = {n: t for n, t in saved.items() if n in params}
     lr = opt.defaults["lr"]
-    single = build_model(name, seed).model.to(dtype)
+    single = precision.reference(build_model(name, seed).model.to(dtype))  # the recipe's single-device run
     single_opt = torch.optim.AdamW(single.parameters(), lr=lr)
     checkpoint.load_single(path / "merged.pt", single, single_opt)
     checks = _loaded_checks("on one device", {n: p.detach() for n, p in single.named_parameters()},
                             _moments(single, single_opt, False), saved, saved_moments)
     if hasattr(pm, "stages"):  # a pipeline's checkpoint also loads into another pipeline
         checks += _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
-                                   saved_moments, traces)
+                                   saved_moments, traces, precision)
     other, w_b = plan_b(policy, world_size)
     if rank >= w_b:
         return checks
@@ -150,7 +152,8 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         resumed = parallelize(build_model(name, seed).model.to(dtype), cast(batch(0), dtype), other,
-                              ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1), groups=groups,
+                              ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1, **precision.config_kwargs()),
+                              groups=groups,
                               gen_savedir=Path(gen_dir) / f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}",
                               verify=False, tracer=tracer_of(traces, (name, seed)))
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
@@ -163,7 +166,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     shadow_opt.load_state_dict(copy.deepcopy(single_opt.state_dict()))
     sp, hp = dict(single.named_parameters()), dict(shadow.named_parameters())
     single64 = built_like(name, seed, single, torch.float64)
-    fallback = Float64Fallback(dtype)  # an operator without a float64 kernel runs in the test dtype (bound widens)
+    fallback = Float64Fallback(dtype, lowprec=precision.active)  # an operator without a float64 kernel runs in the test dtype (bound widens)
     for step in range(steps, steps + MORE_STEPS):
         args = cast(batch(step), dtype)
         point = {n: p.detach().clone() for n, p in sp.items()}

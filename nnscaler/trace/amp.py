@@ -1,0 +1,107 @@
+"""What ``torch.autocast`` would do to each operator of a traced program, recorded at trace time so
+that a ``bf16-mixed`` program can do the same with explicit casts (``ComputeConfig(precision=...)``).
+
+``torch.export`` traces above autocast (an ``autocast`` around the export leaves no trace in the
+graph), and a partitioned program calls other kernels than the single device does (a vocabulary-
+parallel cross-entropy is a handful of elementwise ops that autocast leaves in bf16 where it runs
+``cross_entropy_loss`` in fp32). So each operator is run once on fake tensors, under autocast and
+without it, on the dtypes the autocast run propagated: where the two disagree (or only autocast can
+run it, as ``linear`` of a bf16 input and an fp32 weight), autocast cast the floating inputs, to the
+dtype of the autocast result (bf16 for its lower-precision ops, fp32 for its fp32 ops, the widest
+for its promote ops). The generated program casts exactly those operators' floating inputs to that
+dtype and runs with autocast off, so every operator computes in the dtype it computes in on one
+device under autocast, whatever kernel carries it out."""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch.utils._pytree import tree_leaves, tree_map
+
+_SET_GRAD_ENABLED = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+CASTABLE = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype in CASTABLE
+
+
+def _first_float_dtype(out: Any) -> torch.dtype | None:
+    return next((t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+
+def autocast_casts(ep, device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """``{op name: dtype}`` (or ``"drop"`` for an assert of a floating dtype) for every operator of the exported program ``ep`` whose floating inputs
+    ``torch.autocast(device_type, dtype)`` casts, named as :func:`nnscaler.trace.build.trace` names
+    them (regions under a grad-mode switch prefixed by their node's name)."""
+    vals = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"]
+    fake = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    casts: dict[str, torch.dtype] = {}
+    if fake is None:
+        return casts
+
+    def visit(graph: torch.fx.Graph, env: dict, prefix: str) -> list:
+        def value(a):
+            return tree_map(lambda x: env.get(x) if isinstance(x, torch.fx.Node) else x, a)
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                if node not in env:
+                    env[node] = node.meta.get("val")
+            elif node.op == "get_attr":
+                env[node] = getattr(ep.graph_module, node.target, None)
+            elif node.op == "call_function" and node.target is operator.getitem:
+                base = env.get(node.args[0])
+                env[node] = None if base is None else base[node.args[1]]
+            elif node.op == "call_function" and node.target is _SET_GRAD_ENABLED:
+                sub = env[node.args[1]]
+                sub_env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], value(node.args[2:])))
+                env[node] = visit(sub.graph, sub_env, f"{prefix}{node.name}_")
+            elif node.op == "call_function":
+                env[node] = _run(node, value(node.args), value(node.kwargs), f"{prefix}{node.name}")
+            elif node.op == "output":
+                return list(value(node.args[0]))
+        return []
+
+    def _run(node, args, kwargs, name):
+        if "_assert" in str(node.target):  # metadata asserts of the fp32 trace: nothing to compute
+            if "assert_tensor_metadata" in str(node.target) and getattr(kwargs.get("dtype"), "is_floating_point", False):
+                casts[name] = "drop"  # asserts the fp32 trace's dtype, which the recipe changes
+            return None
+        with torch.autocast(device_type, dtype=dtype):
+            out = node.target(*args, **kwargs)
+        if not any(_floating(x) for x in tree_leaves((args, kwargs))):
+            return out
+        cast = _autocast_class(node.target, args, kwargs)
+        if cast is not None:
+            casts[name] = cast
+        return out
+
+    def _autocast_class(target, args, kwargs):
+        """bf16 where autocast runs ``target`` in ``dtype`` (fp32 floating inputs give a ``dtype``
+        result), fp32 where it runs it in fp32 (``dtype`` inputs give an fp32 result), else None."""
+        def uniform(dt):
+            a, k = tree_map(lambda x: x.to(dt) if _floating(x) else x, (args, kwargs))
+            try:
+                with torch.autocast(device_type, dtype=dtype):
+                    return _first_float_dtype(target(*a, **k))
+            except Exception:  # noqa: BLE001 (an op that takes no such inputs: not one autocast casts)
+                return None
+        if uniform(torch.float32) == dtype:
+            return dtype
+        if uniform(dtype) == torch.float32:
+            return torch.float32
+        return None
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # a call only autocast makes valid fails loudly without it
+    try:
+        with fake, torch.no_grad():
+            visit(ep.graph, {}, "")
+    finally:
+        quiet.setLevel(level)
+    return casts

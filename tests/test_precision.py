@@ -1,0 +1,99 @@
+"""Precision recipes (``ComputeConfig(precision=...)``, ``verify model --precision``): bad input is one
+line naming the option; a bf16-mixed program computes what the single-device model computes under
+``torch.autocast`` (the same casts, fp32 master weights); a hand-made autocast around a 32-true
+module is refused; the bf16 verdict passes correct programs and still catches every wrong
+annotation of tests/fixtures/wrong_ops_models.py and wrong_model.py."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nnscaler.config import ComputeConfig, PlanError
+from verify.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"precision": "bf16"}, "unknown precision 'bf16'; valid: '32-true', 'bf16-mixed', 'bf16-true'"),
+    ({"precision": "fp16-mixed"}, "unknown precision 'fp16-mixed'"),
+    ({"precision": "bf16-mixed", "grad_reduce_dtype": "fp8"}, "unknown grad_reduce_dtype 'fp8'"),
+    ({"grad_reduce_dtype": "bf16"}, "grad_reduce_dtype='bf16' needs precision='bf16-mixed'"),
+])
+def test_bad_precision_options_are_one_line_plan_errors(kwargs, needle):
+    with pytest.raises(PlanError) as info:
+        ComputeConfig(2, **kwargs)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bf16_on_a_device_without_it_is_refused(monkeypatch):
+    import nnscaler.config
+    monkeypatch.setattr(nnscaler.config, "bf16_supported", lambda: False)
+    with pytest.raises(PlanError, match="precision='bf16-mixed': this .* device has no bf16 support"):
+        ComputeConfig(2, precision="bf16-mixed")
+    ComputeConfig(2)  # 32-true needs nothing
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["model", "nanogpt", "--precision", "bf16"], "unknown precision 'bf16'"),
+    (["all", "--precision", "half"], "unknown precision 'half'"),
+    (["model", "nanogpt", "--precision", "bf16-mixed", "--dtype", "float64"], "leave --dtype at float32"),
+    (["model", "nanogpt", "--grad-reduce-dtype", "bf16"], "--grad-reduce-dtype needs --precision bf16-mixed"),
+])
+def test_bad_precision_flags_exit_2_in_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_a_model_with_an_operator_lacking_bf16_is_refused_before_any_rank(capsys):
+    ref = f"{FIXTURES / 'no_bf16_model.py'}:build"
+    assert main(["model", ref, "--precision", "bf16-true", "--world-size", "2", "--policy", "dp"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--precision bf16-true" in lines[0] and "BFloat16" in lines[0], lines
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The facts tests/fixtures/precision_script.py prints (one rank, its own process)."""
+    out = subprocess.run([sys.executable, str(FIXTURES / "precision_script.py"), _free_port(),
+                          str(tmp_path_factory.mktemp("gen"))], capture_output=True, text=True, cwd=ROOT,
+                         timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line and not line.startswith("plan "))
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "llama"])
+def test_bf16_mixed_computes_what_autocast_computes_on_one_device(compiled, name):
+    dtype, got, want = compiled[f"{name}_loss"].split()
+    assert dtype == "torch.float32"  # cross-entropy in fp32, as autocast runs it
+    assert abs(float(got) - float(want)) <= 2e-7 * abs(float(want))  # the mean taken as sum / count: an fp32 ulp
+    assert float(compiled[f"{name}_worst_grad_diff"]) <= 1e-6  # bf16 rounding would show as ~1e-3
+    assert compiled[f"{name}_param_dtypes"] == "['torch.float32']"  # fp32 master weights
+    assert compiled[f"{name}_under_hand_autocast"] == "True"
+
+
+def test_bf16_true_converts_the_model_and_computes_in_bf16(compiled):
+    dtype, got, want, params = compiled["true_loss"].split(" ", 3)
+    assert dtype == "torch.bfloat16" and params == "['torch.bfloat16']"
+    assert abs(float(got) - float(want)) <= 2 ** -7 * abs(float(want))  # within one bf16 ulp of model.to(bf16)
+
+
+def test_the_program_casts_as_autocast_does(compiled):
+    assert int(compiled["casts_bf16"]) >= 9 and int(compiled["casts_fp32"]) >= 1  # linears in bf16, the loss in fp32
+
+
+def test_hand_autocast_around_a_32_true_module_is_refused(compiled):
+    verdict, message = compiled["hand_autocast_32"].split(" ", 1)
+    assert verdict == "refused" and "precision='bf16-mixed'" in message and "\\n" not in message
