@@ -45,6 +45,9 @@ class ComputeConfig:
     pp_size: int = 1
     schedule: str = "1F1B"
     pp_split: tuple[str, ...] | None = None
+    # ZeRO over the plan's data-parallel ranks (its ``dp`` mesh axis and replicas, nnscaler.runtime.zero):
+    # 0 off, 1 optimizer state sharded, 2 gradients too (reduce-scattered); 3 (parameters) is not built yet
+    zero: int = 0
 
     def __post_init__(self):
         if self.plan_ngpus < 1:
@@ -58,6 +61,11 @@ class ComputeConfig:
             raise PlanError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.mem_budget is not None and self.mem_budget <= 0:
             raise PlanError(f"mem_budget must be a positive number of bytes per rank, got {self.mem_budget}")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero!r}")
+        if self.zero == 3:
+            raise PlanError("zero=3 (parameters sharded) is not available yet; use zero=2 (optimizer state and "
+                            "gradients sharded)")
         if self.pp_size != 1 or self.pp_split is not None or self.schedule != "1F1B":
             check_config(self)
         if self.profile is not None:

@@ -14,6 +14,7 @@ from ..dimops.layout import Shard, join_blocks, take_piece
 from .grad_sync import GradSync
 from .mesh import RankMesh
 from .microbatch import accumulate
+from .zero import guard_hand_zero
 
 
 def _parse_layout(text: Sequence[str]) -> list:
@@ -38,7 +39,7 @@ class ParallelModule(torch.nn.Module):
 
     def __init__(self, program: types.ModuleType, full_state: Mapping[str, torch.Tensor], mesh: RankMesh,
                  trainable: set[str], replica_group=None, replicas: int = 1, bucket_bytes: int | None = None,
-                 num_microbatches: int = 1):
+                 num_microbatches: int = 1, zero=None):
         super().__init__()
         self.num_microbatches = num_microbatches
         self._program = program
@@ -65,9 +66,52 @@ class ParallelModule(torch.nn.Module):
                     synced.append((param, mesh.groups[sync_axis]))
             else:
                 self.register_buffer(key, local)
+        guard_hand_zero()  # a ZeroRedundancyOptimizer over split parameters is refused at its first step
+        self._zero = None  # ZeroShards under ComputeConfig(zero >= 1) (nnscaler.runtime.zero)
+        if zero is not None:
+            synced, trainables = self._zero_setup(zero, synced, trainables, program, bucket_bytes)
         self._grad_sync = GradSync.build(synced, bucket_bytes, replicas=trainables, replica_group=replica_group,
                                          n_replicas=replicas)
         self._grad_sync.attach()
+
+    def _zero_setup(self, zero, synced, trainables, program, bucket_bytes):
+        """Tag every parameter with the ranks holding the same piece (``zero.ranks``); with a stage
+        above 0 pack the trainable ones into :class:`~nnscaler.runtime.zero.ZeroShards` and return the
+        gradient syncs left to :class:`GradSync` (zero 2 reduce-scatters the rest itself)."""
+        from .grad_sync import BUCKET_BYTES
+        from .zero import ZeroShards
+        same = frozenset(zero.ranks)
+        for p in self.parameters():
+            p._nnscaler_same_ranks = same
+        if zero.stage == 0:
+            return synced, trainables
+        axis_of = {key: STATE[3] for key, STATE in ((n.replace(".", "__"), v) for n, v in program.STATE.items())}
+        names = {id(p): k for k, p in self.named_parameters()}
+        d = self._mesh.shape[zero.dp_axis] if zero.dp_axis is not None else 1
+        outside, scales = set(), {}
+        for p in trainables:
+            ax = axis_of[names[id(p)]]
+            if ax is not None and self._mesh.groups[ax] is not None and ax != zero.dp_axis:
+                outside.add(id(p))  # also summed over a non-data-parallel axis: all-reduced, then sliced
+            # reduce-scatter sums over the zero group: a gradient partial over the dp axis is summed there,
+            # a complete one is counted d times; replicas are averaged
+            scales[id(p)] = 1.0 / (self._replicas * (1 if ax == zero.dp_axis else d))
+        self._zero = ZeroShards(trainables, zero.stage, zero.group, zero.ranks, outside, scales,
+                                BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+        if zero.stage < 2:
+            return synced, trainables
+        self._zero.attach()
+        mine = {id(p) for b in self._zero.buckets if b.scatter for p in b.params}
+        return [(p, g) for p, g in synced if id(p) not in mine], [p for p in trainables if id(p) not in mine]
+
+    def build_optimizer(self, optimizer_class: type = torch.optim.AdamW, **kwargs):
+        """``optimizer_class(self.parameters(), **kwargs)``; under ``ComputeConfig(zero >= 1)`` the same
+        optimizer run on this rank's slices of the parameters over the data-parallel ranks (a
+        :class:`~nnscaler.runtime.zero.ZeroOptimizer`, state ``1/n`` of the plain one's)."""
+        if self._zero is None:
+            return optimizer_class(self.parameters(), **kwargs)
+        from .zero import ZeroOptimizer
+        return ZeroOptimizer(self._zero, optimizer_class, **kwargs)
 
     def _local(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, key) for key, name in self._names.items()}
@@ -86,8 +130,16 @@ class ParallelModule(torch.nn.Module):
         ``DistributedDataParallel.no_sync``); the first backward after it syncs the accumulated sum
         (within the plan and over data-parallel replicas). Without it every backward syncs: the same
         gradients, only more communication (see :mod:`nnscaler.runtime.grad_sync`)."""
-        with self._grad_sync.paused():
-            yield
+        zero = self._zero
+        before = zero.paused if zero is not None else False
+        if zero is not None:
+            zero.paused = True
+        try:
+            with self._grad_sync.paused():
+                yield
+        finally:
+            if zero is not None:
+                zero.paused = before
 
     def train_step(self, *batch: Any, loss_fn: Callable[..., Any] | None = None, **batch_kwargs: Any) -> torch.Tensor:
         """Forward and backward of one whole batch as ``num_microbatches`` micro-batches (every tensor
@@ -135,7 +187,8 @@ class ParallelModule(torch.nn.Module):
         for key, name in self._names.items():
             p = getattr(self, key)
             if isinstance(p, torch.nn.Parameter):
-                out[name] = None if p.grad is None else self._whole(name, p.grad.detach()).clone()
+                g = p.grad if self._zero is None or self._zero.stage < 2 else self._zero.full_grad(p)
+                out[name] = None if g is None else self._whole(name, g.detach()).clone()
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
