@@ -21,6 +21,7 @@ from tabulate import tabulate
 from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
+from nnscaler.config import ComputeConfig
 from nnscaler.policies import POLICIES, PlanError
 
 from verify.cases.config import BadInput, RunConfig, model_label
@@ -38,6 +39,7 @@ from verify.models.loader import ModelNotFound, check_builder, is_file_reference
 from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, WorldSizeError, max_ranks
 from verify.report.progress import RunProgress
 from verify.cases.replica_rows import replica_items, run_replicas
+from verify.cases.zero import zero_refusal
 from verify.report.writer import ReportError, ReportWriter, summary, table
 from verify.cases.samples import DTYPES
 from verify.worker import load_modules
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("--microbatches", type=_positive(int, "--microbatches"), default=1, metavar="M",
                          help="train each step by train_step in M micro-batches (M of the model's batches stacked), "
                               "against one device on the whole batch (default 1: plain forward and backward)")
+    p_model.add_argument("--zero", type=int, default=0, metavar="Z",
+                         help="ZeRO stage over the data-parallel ranks (dp, hybrid's dp axis, --replicas): 1 shards "
+                              "optimizer state, 2 also gradients (default 0)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
@@ -150,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_all.add_argument("--microbatches", type=_positive(int, "--microbatches"), nargs="*", default=[4], metavar="M",
                        help=f"also train every model under {' and '.join(MICROBATCH_POLICIES)} with M micro-batches per "
                             "step, for each M (default: 4; none with an empty list)")
+    p_all.add_argument("--zero", type=int, default=0, metavar="Z",
+                       help="train the models under ZeRO stage Z where a plan has data-parallel ranks (dp, hybrid at "
+                            "W>=4, the tp replicas rows); the other model rows are left out (default 0)")
     p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
                        help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
                             "different plan (default: 0 1 2)")
@@ -160,7 +168,12 @@ def _config(args) -> RunConfig:
     if args.base is not None and any(args.base % w for w in args.world_size):
         raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
     microbatches = getattr(args, "microbatches", 1)
-    return RunConfig(world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
+    zero = getattr(args, "zero", 0)
+    try:
+        ComputeConfig(1, zero=zero)  # the one check of the option: 0..3, and 3 not built yet
+    except PlanError as exc:
+        raise UsageError(f"--zero {zero}: {exc}") from None
+    return RunConfig(zero=zero, world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
                      modules=tuple(args.module), timeout_s=args.timeout, partition=getattr(args, "partition", None),
                      base_override=args.base, microbatches=microbatches if isinstance(microbatches, int) else 1)
 
@@ -332,6 +345,10 @@ def cmd_model(args) -> int:
     odd = [w for w in cfg.world_sizes if w % args.replicas]
     if odd:
         raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")
+    for policy in policies:  # a plan with no data-parallel ranks to shard over: before any rank starts
+        reason = zero_refusal(cfg.zero, policy, cfg.world_sizes, args.replicas)
+        if reason:
+            raise UsageError(reason)
     writer = None if args.reports is None else ReportWriter(args.reports, cfg)
     mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
     print(f"training {args.name} for {args.steps} steps{mb} under {', '.join(policies)} at world sizes "

@@ -119,7 +119,8 @@ def handle(state: RankState, job: dict) -> dict:
             checks = run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
                                        job["steps"], job["seed"], state.groups, job["gen_dir"],
                                        dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
-                                       microbatches=job.get("microbatches", 1), traces=state.traces)
+                                       microbatches=job.get("microbatches", 1), traces=state.traces,
+                                       zero=job.get("zero", 0))
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         if job["kind"] == "model":
             checks = run_model_job(job, state.groups, state.traces)

@@ -30,6 +30,7 @@ class RunConfig:
     partition: str | None = None
     base_override: int | None = None
     microbatches: int = 1  # whole-model cases: micro-batches per training step (1: plain forward/backward)
+    zero: int = 0  # whole-model cases: ZeRO stage over the data-parallel ranks (ComputeConfig(zero=))
     node: tuple[str, str] | None = None  # (model, operator): verify that traced operator (verify op --model --node)
 
     def limit_s(self, kind: str = "op", steps: int = 1) -> float:
@@ -85,7 +86,7 @@ class RunConfig:
         return self.command("model", model, [
             ("--policy", policy), ("--world-size", world_size), ("--seed", seed), ("--steps", steps),
             ("--dtype", self.dtype), ("--bucket-bytes", bucket_bytes),
-            ("--microbatches", self.microbatches if self.microbatches > 1 else None)])
+            ("--microbatches", self.microbatches if self.microbatches > 1 else None), ("--zero", self.zero or None)])
 
 
 @dataclass
@@ -127,6 +128,7 @@ class Row:
         return asdict(self)
 
 
-def model_label(policy: str, microbatches: int = 1) -> str:
-    """The partition column of a whole-model row: the policy, then ``mbM`` for M micro-batches."""
-    return policy if microbatches == 1 else f"{policy} mb{microbatches}"
+def model_label(policy: str, microbatches: int = 1, zero: int = 0) -> str:
+    """The partition column of a whole-model row: the policy, then ``mbM`` for M micro-batches, then
+    ``zeroZ`` for a ZeRO stage."""
+    return (policy if microbatches == 1 else f"{policy} mb{microbatches}") + (f" zero{zero}" if zero else "")

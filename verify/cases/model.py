@@ -121,12 +121,13 @@ def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = Non
     return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
                           job["gen_dir"], dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
                           microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True),
-                          traces=traces)
+                          traces=traces, zero=job.get("zero", 0))
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
                    gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
-                   microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None) -> list[Check]:
+                   microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None,
+                   zero: int = 0) -> list[Check]:
     """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
     With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
     (:func:`~verify.cases.microbatch.whole_batch`), trained by ``train_step`` in M micro-batches and
@@ -140,8 +141,9 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     ref, ref64 = copy.deepcopy(case.model), copy.deepcopy(case.model).double()
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
-                           num_microbatches=microbatches)
+                           num_microbatches=microbatches, zero=zero)
     tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "")
+    tag += f"-zero{zero}" if zero else ""
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
     pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
@@ -150,7 +152,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the parallel grads
-    opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
+    opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the data-parallel ranks under zero
+    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
     fallback = Float64Fallback(dt)
     for step in range(steps):
         args = cast(batch(step), dt)

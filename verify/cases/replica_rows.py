@@ -12,6 +12,7 @@ from verify.judge.verdict import MATCH, worst as _worst, judge
 
 from verify.cases.config import Row, RunConfig, model_label
 from verify.runner.gang import Gang
+from verify.cases.zero import zero_applies
 from verify.cases.pipeline import PIPELINE_MODELS, pipeline_applies, pipeline_microbatches
 from verify.cases.replicas import expected_replica_checks, replica_label
 
@@ -42,15 +43,16 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
-                label = replica_label(model_label(policy, cfg.microbatches), replicas)
+                label = replica_label(model_label(policy, cfg.microbatches, cfg.zero), replicas)
                 if ((f"model:{name}", w, label, cfg.dtype, seed) in skip
-                        or not pipeline_applies(policy, w // replicas, name, seed)):
+                        or not pipeline_applies(policy, w // replicas, name, seed)
+                        or (cfg.zero and not zero_applies(policy, w // replicas, replicas))):
                     continue
                 start = time.perf_counter()
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "plan_ngpus": w // replicas,
                        "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype,
-                       "bucket_bytes": bucket_bytes, "microbatches": m}
+                       "bucket_bytes": bucket_bytes, "microbatches": m, "zero": cfg.zero}
                 limit = replace(cfg, microbatches=m).limit_s("model", steps)
                 expected = expected_replica_checks(name, steps, seed, policy, m)
                 status, detail, checks, tb = judge(gang.run(job, w, limit), expected, cfg.modules)

@@ -60,7 +60,7 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", 
 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                       groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
-                      microbatches: int = 1, traces: TraceCache | None = None) -> list[Check]:
+                      microbatches: int = 1, traces: TraceCache | None = None, zero: int = 0) -> list[Check]:
     """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to
     ``world_size`` (gradient-sync buckets of ``bucket_bytes``, default the model's). With
     ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
@@ -76,10 +76,10 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     replicas, rank = world_size // plan_ngpus, dist.get_rank()
     replica = rank // plan_ngpus
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=microbatches,
-                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes, zero=zero)
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
-    mb = f"-mb{microbatches}" if microbatches > 1 else ""
+    mb = (f"-mb{microbatches}" if microbatches > 1 else "") + (f"-zero{zero}" if zero else "")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
@@ -88,7 +88,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
-    opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
+    opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the replicas under zero
+    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
     checks: list[Check] = []
     fallback = Float64Fallback(dt)
     for step in range(steps):  # judged as every whole-model case is (verify/compare.py)
