@@ -14,7 +14,7 @@ from nnscaler.ops.spec import OpSpec
 from verify.cases.config import BadInput, Row, RunConfig, model_label
 from verify.cases.model import expected_checks
 from verify.cases.pipeline import pipeline_applies, pipeline_microbatches
-from verify.cases.zero import zero_applies
+from verify.cases.zero import rank_memory, zero_applies
 from verify.judge.verdict import MATCH, judge, worst
 from verify.models.loader import is_file_reference
 from verify.runner.gang import Gang
@@ -131,7 +131,8 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                        "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "bucket_bytes": bucket_bytes,
                        "microbatches": m, "checkpoint": checkpoint, "zero": cfg.zero}
                 expected = expected_checks(name, policy, steps, seed, checkpoint)
-                status, detail, checks, tb = judge(gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps)), expected,
+                answers = gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps))
+                status, detail, checks, tb = judge(answers, expected,
                                                    rerun_modules(name, cfg))
                 out = worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = worst(checks, "grad")
@@ -140,6 +141,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                     f"{steps} AdamW steps of {m} micro-batches vs one device on the whole batch"
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
-                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m)
+                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m,
+                          rank_memory(answers))
 
 

@@ -104,6 +104,14 @@ class ParallelModule(torch.nn.Module):
         mine = {id(p) for b in self._zero.buckets if b.scatter for p in b.params}
         return [(p, g) for p, g in synced if id(p) not in mine], [p for p in trainables if id(p) not in mine]
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradient tensors this rank holds now: each parameter's ``.grad`` and, under zero 2,
+        the reduce-scattered gradient shards."""
+        out = [p.grad for p in self.parameters() if p.grad is not None]
+        if self._zero is not None:
+            out += [b.shard.grad for b in self._zero.buckets if b.shard.grad is not None]
+        return out
+
     def build_optimizer(self, optimizer_class: type = torch.optim.AdamW, **kwargs):
         """``optimizer_class(self.parameters(), **kwargs)``; under ``ComputeConfig(zero >= 1)`` the same
         optimizer run on this rank's slices of the parameters over the data-parallel ranks (a

@@ -110,6 +110,7 @@ class Row:
     seconds: float = 0.0
     traceback: str = field(default="", repr=False)
     microbatches: int = 1  # whole-model rows: micro-batches per step (the partition label says so too)
+    memory: list | None = None  # whole-model rows: bytes per rank measured after the last step (verify/cases/memory.py)
 
     @property
     def ok(self) -> bool:

@@ -20,6 +20,7 @@ from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast
+from verify.cases.memory import SavedActivations, measure, record, storage_bytes
 from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
@@ -164,11 +165,15 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             return checks + [Check(f"load step {step}", float("inf"), 0.0, False, f"{type(exc).__name__}: {exc}")]
         ref64.load_state_dict(_with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
                                                     for k, v in point.items()}), strict=True)
-        if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
-            loss = pm.train_step(*args, loss_fn=loss_fn)
-        else:
-            loss = pm(*args)
+        saved = SavedActivations(pm.parameters())  # measured memory per rank (verify/cases/memory.py)
+        with saved:
+            if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
+                loss = pm.train_step(*args, loss_fn=loss_fn)
+            else:
+                loss = pm(*args)
+        if not (microbatches > 1 or is_pipeline_policy(policy)):
             loss.backward()
+        grad_bytes = storage_bytes(pm.grad_tensors()) if hasattr(pm, "grad_tensors") else None
         loss_ref = ref(*args)
         loss_ref.backward()
         with fallback:
@@ -178,6 +183,9 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         kw = {"factor": FACTOR * widen, "floor_eps": FLOOR_EPS * widen}
         checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+        if grad_bytes is not None:
+            # train_step runs backward inside: its micro-batches' saved bytes add up, no peak to report
+            record(measure(pm, opts[0], None if microbatches > 1 else saved.bytes, grad_bytes))
     if checkpoint:
         checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
                                  seed, dt, fallback, config.bucket_bytes, traces)

@@ -26,6 +26,7 @@ from verify.models.loader import file_tag
 from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.models.loader import build_model
+from verify.cases.memory import SavedActivations, measure, record, storage_bytes
 from verify.cases.model import LR, resolve_policy, step_checks
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.pipeline_replicas import LOSS, run_pipeline_replicas_case
@@ -102,8 +103,11 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
             mean = pm.train_step(*shares[replica], loss_fn=loss_fn)
             refs = [args]
         else:
-            loss = pm(*shares[replica])
+            saved = SavedActivations(pm.parameters())  # measured memory per rank (verify/cases/memory.py)
+            with saved:
+                loss = pm(*shares[replica])
             loss.backward()
+            grad_bytes = storage_bytes(pm.grad_tensors())
             mean = loss.detach().clone()
             dist.all_reduce(mean, group=groups.get(replica_ranks))
             mean = mean / replicas
@@ -118,6 +122,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+        if microbatches == 1:
+            record(measure(pm, opts[0], saved.bytes, grad_bytes))
     if fallback.used:
         checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
                             True))

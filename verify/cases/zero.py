@@ -26,3 +26,9 @@ def zero_refusal(zero: int, policy: str, world_sizes, replicas: int = 1) -> str 
             return (f"--zero {zero}: policy {policy} at world size {w} has no data-parallel axis to shard over; "
                     f"use --policy dp (or hybrid at W>=4), or --replicas 2")
     return None
+
+
+def rank_memory(answers) -> list | None:
+    """The measured memory of each rank's answer (``verify/cases/memory.py``), by rank; None if none."""
+    out = [a.result.get("memory") if a.result else None for a in sorted(answers, key=lambda a: a.rank)]
+    return out if any(out) else None
