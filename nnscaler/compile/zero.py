@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from ..config import ComputeConfig, PlanError
 from ..dimops.partition import axis_groups
 from ..runtime.mesh import GroupCache
@@ -61,7 +59,6 @@ def zero_spec(plan, config: ComputeConfig, rank: int, cache: GroupCache, create:
             except KeyError:
                 if not create:
                     raise
-                g = dist.new_group(list(ranks))
-                cache._groups[ranks] = g
+                g = cache.add(ranks)
             group = g if ranks == mine else group
     return ZeroSpec(config.zero, dp_axis(plan), group, mine)
