@@ -86,3 +86,20 @@ def test_zero_redundancy_optimizer_by_hand_over_tp_shards_is_refused_naming_zero
 
 def test_zero_redundancy_optimizer_by_hand_over_dp_copies_is_right(tmp_path):
     assert zero_ranks.run(str(tmp_path), "hand_dp") == [0.0, 0.0]
+
+
+def test_rows_carry_memory_measured_per_rank_and_zero_1_holds_a_quarter_of_the_state_at_w4(gang):
+    from verify.cases.config import RunConfig
+    from verify.sweep import run_model
+    mem = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for zero in (0, 1, 2):
+            (row,) = run_model(gang, "nanogpt", ("dp",), RunConfig(world_sizes=(4,), zero=zero), tmp, steps=1,
+                               checkpoint=False)
+            assert row.status == MATCH and row.partition == ("dp" if not zero else f"dp zero{zero}")
+            assert len(row.memory) == 4 and set(row.memory[0]) == {"params", "grads", "optimizer", "activations"}
+            assert row.to_json()["memory"] == row.memory
+            mem[zero] = row.memory[0]
+    assert mem[0]["activations"] > 0 and mem[1]["params"] >= mem[0]["params"]
+    assert abs(mem[1]["optimizer"] / mem[0]["optimizer"] - 0.25) < 0.01  # AdamW's two moments, a quarter each
+    assert mem[1]["grads"] == mem[0]["grads"] and abs(mem[2]["grads"] / mem[0]["grads"] - 0.25) < 0.01
