@@ -67,6 +67,14 @@ def test_zero_trains_like_one_device_and_resumes_under_another_plan(gang, policy
     assert any(n.startswith("resumed under tp at W=2: param") and "after step" in n for n in names)
 
 
+def test_zero_2_with_micro_batches_accumulates_the_gradient_shards_exactly(gang):
+    with tempfile.TemporaryDirectory() as tmp:  # train_step: no_sync, then one reduce-scatter of the sum, scaled
+        job = {"kind": "model", "model": "nanogpt", "policy": "dp", "world_size": 2, "steps": 2, "seed": 0,
+               "gen_dir": tmp, "zero": 2, "microbatches": 4, "checkpoint": False}
+        status, detail, _, _ = judge(gang.run(job, 2, 400))
+    assert status == MATCH, detail
+
+
 def test_zero_2_over_tp_replicas_trains_like_one_device(gang):
     status, detail, _, _ = _model(gang, "nanogpt", "tp", 4, 2, plan_ngpus=2)
     assert status == MATCH, detail

@@ -162,7 +162,10 @@ class ParallelModule(torch.nn.Module):
         ``ignore_index``): the whole batch's loss is then ``sum(loss_sum) / sum(count)``, exactly
         (see :mod:`nnscaler.runtime.microbatch`). Raises ``MicroBatchError`` (a ``ValueError``) for a
         batch not divisible by ``num_microbatches`` or a loss that is neither."""
-        return accumulate(self, batch, batch_kwargs, self.num_microbatches, loss_fn, self.parameters(),
+        params = list(self.parameters())
+        if self._zero is not None:  # zero 2's gradient shards are set aside, scaled and restored like the .grad
+            params += [b.shard for b in self._zero.buckets if b.scatter]
+        return accumulate(self, batch, batch_kwargs, self.num_microbatches, loss_fn, params,
                           self.no_sync, self._replica_group, self._replicas)
 
     def sync_replica_grads(self) -> None:
