@@ -76,8 +76,11 @@ def test_zero_2_with_micro_batches_accumulates_the_gradient_shards_exactly(gang)
 
 
 def test_zero_2_over_tp_replicas_trains_like_one_device(gang):
-    status, detail, _, _ = _model(gang, "nanogpt", "tp", 4, 2, plan_ngpus=2)
+    status, detail, checks, _ = _model(gang, "nanogpt", "tp", 4, 2, plan_ngpus=2)
     assert status == MATCH, detail
+    names = [c["name"] for c in checks]  # the replicas' checkpoint resumes too (under random at W=2)
+    assert any(n.startswith("resumed on one device: optimizer exp_avg_sq") for n in names)
+    assert any(n.startswith("resumed under random at W=2: param") and "after step" in n for n in names)
 
 
 def test_a_zero_optimizer_holds_half_the_state_at_w2_and_loads_a_zero_0_checkpoint(tmp_path):

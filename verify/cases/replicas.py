@@ -27,6 +27,7 @@ from verify.judge.compare import FACTOR, FALLBACK_WIDEN, FLOOR_EPS, Check, Float
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.models.loader import build_model
 from verify.cases.memory import SavedActivations, measure, record, storage_bytes
+from verify.cases.resume import resume_checks
 from verify.cases.model import LR, resolve_policy, step_checks
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.pipeline_replicas import LOSS, run_pipeline_replicas_case
@@ -124,6 +125,9 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
         if microbatches == 1:
             record(measure(pm, opts[0], saved.bytes, grad_bytes))
+    # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device
+    # and under another plan at W=2, as every whole-model case's does
+    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces)
     if fallback.used:
         checks.append(Check(f"note: float64 reference ran {', '.join(sorted(fallback.used))} in {dtype}", 0.0, 0.0,
                             True))
