@@ -345,6 +345,9 @@ def cmd_model(args) -> int:
     odd = [w for w in cfg.world_sizes if w % args.replicas]
     if odd:
         raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")
+    if cfg.zero and args.policy == list(POLICIES):  # no --policy: those with data-parallel ranks at every W
+        policies = tuple(p for p in policies if not zero_refusal(cfg.zero, p, cfg.world_sizes, args.replicas)) \
+            or policies
     for policy in policies:  # a plan with no data-parallel ranks to shard over: before any rank starts
         reason = zero_refusal(cfg.zero, policy, cfg.world_sizes, args.replicas)
         if reason:
