@@ -19,6 +19,8 @@ from verify.models.registry import MODELS
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import zero_ranks  # noqa: E402
 
+FIXTURES = Path(__file__).parent / "fixtures"
+
 
 @pytest.mark.parametrize("zero, says", [(5, "zero must be 0, 1, 2 or 3"), (True, "zero must be"), (-1, "zero must"),
                                         (3, "zero=3 (parameters sharded) is not available yet")])
@@ -114,3 +116,20 @@ def test_rows_carry_memory_measured_per_rank_and_zero_1_holds_a_quarter_of_the_s
     assert mem[0]["activations"] > 0 and mem[1]["params"] >= mem[0]["params"]
     assert abs(mem[1]["optimizer"] / mem[0]["optimizer"] - 0.25) < 0.01  # AdamW's two moments, a quarter each
     assert mem[1]["grads"] == mem[0]["grads"] and abs(mem[2]["grads"] / mem[0]["grads"] - 0.25) < 0.01
+
+
+@pytest.mark.parametrize("bug, policy, replicas, says", [("zero_ungathered", "dp", 1, "param"),
+                                                         ("zero_unscaled", "tp", 2, "grad")])
+def test_a_wrong_zero_fails_its_case(bug, policy, replicas, says):
+    from verify.cases.config import RunConfig
+    from verify.cases.replica_rows import run_replicas
+    from verify.judge.verdict import MISMATCH
+    from verify.runner.gang import Gang
+    from verify.sweep import run_model
+    with Gang(4, (str(FIXTURES / f"{bug}.py"),), (4,)) as bad, tempfile.TemporaryDirectory() as tmp:
+        cfg = RunConfig(world_sizes=(4,), zero=2)
+        rows = list(run_replicas(bad, "nanogpt", (policy,), cfg, tmp, replicas, steps=1) if replicas > 1
+                    else run_model(bad, "nanogpt", (policy,), cfg, tmp, steps=1, checkpoint=False))
+    (row,) = rows
+    assert row.status == MISMATCH and row.detail.startswith(says), row.detail
+    assert "--zero 2" in row.rerun
