@@ -133,3 +133,27 @@ def test_a_wrong_zero_fails_its_case(bug, policy, replicas, says):
     (row,) = rows
     assert row.status == MISMATCH and row.detail.startswith(says), row.detail
     assert "--zero 2" in row.rerun
+
+
+def test_a_zero_optimizer_is_a_torch_optimizer_a_scheduler_drives():
+    from nnscaler.runtime.zero import ZeroError, ZeroOptimizer, ZeroShards
+    model = torch.nn.Linear(4, 3)
+    shards = ZeroShards(list(model.parameters()), 1, None, [0], set(), {}, 2**20)  # a group of one rank
+    opt = ZeroOptimizer(shards, torch.optim.AdamW, lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    ref = torch.nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 0.5 ** step)
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        for m, o, s in ((model, opt, sched), (ref, ref_opt, ref_sched)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+            s.step()
+    assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == 0.1 * 0.5 ** 3
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    with pytest.raises(ZeroError, match=r"^zero=1: LBFGS is not elementwise"):
+        ZeroOptimizer(shards, torch.optim.LBFGS, lr=0.1)

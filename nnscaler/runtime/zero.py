@@ -195,9 +195,10 @@ class ZeroShards:
                 p.grad = None
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """``optimizer_class`` over this rank's slices of the parameters (see the module's docstring).
-    ``param_groups`` are the inner optimizer's (a learning-rate scheduler may change them);
+    A ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the inner optimizer's (so a
+    learning-rate scheduler drives it as any optimizer);
     :meth:`param_state` and :meth:`load_param_state` speak per-parameter state, as a plain optimizer
     over the module's parameters holds it (what checkpoints store)."""
 
@@ -208,11 +209,8 @@ class ZeroOptimizer:
         self.shards = shards
         self.optim = optimizer_class([b.shard for b in shards.buckets], **kwargs)
         self.kind = optimizer_class.__name__
-        self.defaults = self.optim.defaults
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optim.param_groups
+        super().__init__([b.shard for b in shards.buckets], self.optim.defaults)
+        self.param_groups, self.state = self.optim.param_groups, self.optim.state  # one copy: the inner one's
 
     def params(self) -> list[torch.nn.Parameter]:
         """The module's parameters this optimizer updates."""
