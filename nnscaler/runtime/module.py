@@ -85,7 +85,7 @@ class ParallelModule(torch.nn.Module):
             p._nnscaler_same_ranks = same
         if zero.stage == 0:
             return synced, trainables
-        axis_of = {key: STATE[3] for key, STATE in ((n.replace(".", "__"), v) for n, v in program.STATE.items())}
+        axis_of = {name.replace(".", "__"): entry[3] for name, entry in program.STATE.items()}  # sync axis by key
         names = {id(p): k for k, p in self.named_parameters()}
         d = self._mesh.shape[zero.dp_axis] if zero.dp_axis is not None else 1
         outside, scales = set(), {}
