@@ -42,6 +42,7 @@ from verify.models.loader import ModelNotFound, check_builder, is_file_reference
 from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, MemoryCapError, WorldSizeError, max_ranks
 from verify.report.progress import RunProgress
 from verify.cases.replica_rows import replica_items, run_replicas
+from verify.cases.zero import zero_refusal
 from verify.report.writer import ReportError, ReportWriter, summary, table
 from verify.cases.samples import DTYPES
 from verify.worker import load_modules
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     _precision(p_model)
     p_model.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default=None,
                          help="with --precision bf16-mixed: the dtype gradients are reduced in (default fp32)")
+    p_model.add_argument("--zero", type=int, default=0, metavar="Z",
+                         help="ZeRO stage over the data-parallel ranks (dp, hybrid's dp axis, --replicas): 1 shards "
+                              "optimizer state, 2 also gradients (default 0)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
@@ -218,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"also train every model under {' and '.join(MICROBATCH_POLICIES)} with M micro-batches per "
                             "step, for each M (default: 4; none with an empty list)")
     _precision(p_all)
+    p_all.add_argument("--zero", type=int, default=0, metavar="Z",
+                       help="train the models under ZeRO stage Z where a plan has data-parallel ranks (dp, hybrid at "
+                            "W>=4, the tp replicas rows); the other model rows are left out (default 0)")
     p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
                        help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
                             "different plan (default: 0 1 2)")
@@ -244,12 +251,13 @@ def _config(args) -> RunConfig:
         raise UsageError(f"--precision {precision} sets the dtypes itself; leave --dtype at float32 (got {args.dtype})")
     if getattr(args, "grad_reduce_dtype", None) and precision != "bf16-mixed":
         raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
+    zero = getattr(args, "zero", 0)
     recipe = {"clip_grad_norm": getattr(args, "clip_grad_norm", None), "recompute": getattr(args, "recompute", "none")}
     try:  # bad recipe values are one line naming the option, before any rank starts
-        ComputeConfig(1, **recipe)
+        ComputeConfig(1, **recipe, zero=zero)
     except PlanError as exc:
         raise UsageError(str(exc)) from None
-    return RunConfig(**recipe, precision=precision, grad_reduce_dtype=getattr(args, "grad_reduce_dtype", None),
+    return RunConfig(**recipe, zero=zero, precision=precision, grad_reduce_dtype=getattr(args, "grad_reduce_dtype", None),
                      world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
                      modules=tuple(args.module), timeout_s=args.timeout, partition=getattr(args, "partition", None),
                      base_override=args.base, microbatches=microbatches if isinstance(microbatches, int) else 1)
@@ -430,6 +438,13 @@ def cmd_model(args) -> int:
     odd = [w for w in cfg.world_sizes if w % args.replicas]
     if odd:
         raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")
+    if cfg.zero and args.policy == list(POLICIES):  # no --policy: those with data-parallel ranks at every W
+        policies = tuple(p for p in policies if not zero_refusal(cfg.zero, p, cfg.world_sizes, args.replicas)) \
+            or policies
+    for policy in policies:  # a plan with no data-parallel ranks to shard over: before any rank starts
+        reason = zero_refusal(cfg.zero, policy, cfg.world_sizes, args.replicas)
+        if reason:
+            raise UsageError(reason)
     writer = None if args.reports is None else ReportWriter(args.reports, cfg)
     mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
     print(f"training {args.name} for {args.steps} steps{mb} under {', '.join(policies)} at world sizes "

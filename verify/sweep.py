@@ -14,6 +14,7 @@ from nnscaler.ops.spec import OpSpec
 from verify.cases.config import BadInput, Row, RunConfig, model_label
 from verify.cases.model import expected_checks
 from verify.cases.pipeline import pipeline_applies, pipeline_microbatches
+from verify.cases.zero import rank_memory, zero_applies
 from verify.judge.verdict import MATCH, judge, worst
 from verify.models.loader import is_file_reference
 from verify.runner.gang import Gang
@@ -121,15 +122,17 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
         for w in cfg.world_sizes:
             for policy in policies:
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
-                label = model_label(policy, m, cfg.precision) + cfg.recipe_label
-                if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w, name, seed):
+                label = model_label(policy, m, cfg.precision, cfg.zero) + cfg.recipe_label
+                if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w, name, seed) \
+                        or (cfg.zero and not zero_applies(policy, w)):
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
                        "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "bucket_bytes": bucket_bytes,
                        "microbatches": m, "checkpoint": checkpoint, **cfg.recipe_job()}
                 expected = expected_checks(name, policy, steps, seed, checkpoint, clip=cfg.clip_grad_norm)
-                status, detail, checks, tb = judge(gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps)), expected,
+                answers = gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps))
+                status, detail, checks, tb = judge(answers, expected,
                                                    rerun_modules(name, cfg))
                 out = worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = worst(checks, "grad")
@@ -138,6 +141,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                     f"{steps} AdamW steps of {m} micro-batches vs one device on the whole batch"
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
-                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m)
+                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m,
+                          rank_memory(answers))
 
 

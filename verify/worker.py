@@ -27,6 +27,7 @@ from verify.cases.localize_stages import localize_pipeline_case, localize_replic
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.microbatch import run_accumulation_job
 from verify.cases.node import node_sample
+from verify.cases import memory
 from verify.cases.model import run_model_job
 from verify.cases.replicas import run_replicas_case
 from verify.cases.samples import DTYPES, Sample, make_sample
@@ -121,11 +122,12 @@ def handle(state: RankState, job: dict) -> dict:
                                        job["steps"], job["seed"], state.groups, job["gen_dir"],
                                        dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
                                        microbatches=job.get("microbatches", 1), traces=state.traces,
-                                       clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"))
-            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
+                                       clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
+                                       zero=job.get("zero", 0))
+            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=memory.take())
         if job["kind"] == "model":
             checks = run_model_job(job, state.groups, state.traces)
-            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
+            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=memory.take())
         sample, ref = state.sample(job)
         if job["kind"] == "plan":
             plans = {w: [p.label for p in rank_case.partitions_of(sample, w, job.get("partition"))]

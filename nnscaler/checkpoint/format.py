@@ -57,6 +57,39 @@ def check_model(held: dict, expected: dict[str, tuple[int, ...]]) -> None:
             raise CheckpointError(f"{name}: the checkpoint holds shape {have[name]}, the model has {tuple(shape)}")
 
 
+class PlainView:
+    """A sharded optimizer (:class:`~nnscaler.runtime.zero.ZeroOptimizer`) seen as a plain one over the
+    module's parameters, which is what a checkpoint stores: ``kind``, ``param_groups`` holding the
+    module's parameters, and ``state`` per parameter (gathered over the zero group when ``gathered``:
+    collective; the checkpoint then holds each piece once, as under zero 0, so it resumes under any
+    zero stage and plan)."""
+
+    def __init__(self, optimizer, gathered: bool):
+        self.kind = optimizer.kind
+        self.param_groups = [dict(g, params=optimizer.params()) for g in optimizer.param_groups]
+        self.state = optimizer.param_state() if gathered else {}
+
+
+def plain(optimizer, gathered: bool = True):
+    """``optimizer`` as a checkpoint reads it: a :class:`PlainView` of a sharded one, else itself."""
+    return PlainView(optimizer, gathered) if hasattr(optimizer, "param_state") else optimizer
+
+
+def kind_of(optimizer) -> str:
+    """The optimizer's class name, as a checkpoint records it (a sharded optimizer's inner class)."""
+    return getattr(optimizer, "kind", type(optimizer).__name__)
+
+
+def finish_load(optimizer, view) -> None:
+    """After :func:`restore_optimizer` into ``view = plain(optimizer, False)``: hand the loaded
+    hyperparameters and state on to the sharded optimizer (each rank keeps its slices)."""
+    if view is optimizer:
+        return
+    for group, loaded in zip(optimizer.param_groups, view.param_groups):
+        group.update({k: v for k, v in loaded.items() if k != "params"})
+    optimizer.load_param_state(view.state)
+
+
 def check_optimizer(meta: dict, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
     """The checkpoint's optimizer state fits ``optimizer`` (same kind); errors name the parameter."""
     saved = meta.get("optimizer")
@@ -66,9 +99,9 @@ def check_optimizer(meta: dict, optimizer: torch.optim.Optimizer, names: list[st
         keys = meta["state_keys"].get(name)
         if keys is None:
             raise CheckpointError(f"parameter {name}: the checkpoint holds no optimizer state for it")
-        if saved != type(optimizer).__name__:
+        if saved != kind_of(optimizer):
             raise CheckpointError(f"parameter {name}: the checkpoint holds {saved} state ({', '.join(keys)}), "
-                                  f"which a {type(optimizer).__name__} cannot resume from")
+                                  f"which a {kind_of(optimizer)} cannot resume from")
 
 
 def _optimizer_buffer(module: "ParallelModule", name: str, param: torch.Tensor, md):

@@ -15,8 +15,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from .format import (META, CheckpointError, check_model, hyper_params, model_names, optimizer_targets, read_meta,
-                     restore_optimizer)
+from .format import (META, CheckpointError, check_model, finish_load, hyper_params, kind_of, model_names,
+                     optimizer_targets, read_meta, restore_optimizer)
+from .format import plain as plain_view
 from .layout import device_mesh, gather_blocks, load_buffer, sharded
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ def save(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
         pieces[f"model.{name}"] = (name, getattr(module, key).detach())
     meta = {"optimizer": None}
     if optimizer is not None:
+        kind, optimizer = kind_of(optimizer), plain_view(optimizer)  # a sharded optimizer's state gathered per parameter
         names = _param_names(module)
         keys, groups = {}, {}
         for gi, group in enumerate(optimizer.param_groups):
@@ -52,7 +54,7 @@ def save(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
                         pieces[f"optim.{name}.{k}"] = (name, v.detach())
                     else:
                         plain[f"optim.{name}.{k}"] = v.detach()
-        meta = {"optimizer": type(optimizer).__name__, "param_groups": [hyper_params(g) for g in optimizer.param_groups],
+        meta = {"optimizer": kind, "param_groups": [hyper_params(g) for g in optimizer.param_groups],
                 "group_of": groups, "state_keys": keys}
     whole = gather_blocks(module, list(pieces.values())) if mesh is not None else [t for _, t in pieces.values()]
     state = {k: sharded(module, mesh, name, t) for (k, (name, _)), t in zip(pieces.items(), whole)}
@@ -76,12 +78,14 @@ def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
         buf, cut = load_buffer(module, name, dest)
         state[f"model.{name}"] = sharded(module, mesh, name, buf)
         targets.append((dest, buf, cut))
+    view = None if optimizer is None else plain_view(optimizer, gathered=False)
     if optimizer is not None:
         pnames = _param_names(module)
-        opt_state = optimizer_targets(held, meta, optimizer, lambda p: (module, mesh, pnames[id(p)]), state)
+        opt_state = optimizer_targets(held, meta, view, lambda p: (module, mesh, pnames[id(p)]), state)
     dcp.load(state, checkpoint_id=str(path), process_group=module.process_group)
     with torch.no_grad():
         for dest, buf, cut in targets:
             dest.copy_(cut(buf))
     if optimizer is not None:
-        restore_optimizer(optimizer, meta, opt_state)
+        restore_optimizer(view, meta, opt_state)
+        finish_load(optimizer, view)

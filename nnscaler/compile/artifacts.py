@@ -70,7 +70,7 @@ def save_program(directory: Path, plan_rank: int, source: str, reuse: bool) -> P
 def build_rank_module(model: torch.nn.Module, graph: IRGraph, plan: Plan, emitted: Emitter, *, plan_rank: int,
                       key: list[str], label: str, directory: Path, reuse: bool, mesh: RankMesh, replica_group,
                       replicas: int, bucket_bytes: int | None, num_microbatches: int = 1, precision: str = "32-true",
-                      grad_reduce_dtype: str | None = None) -> ParallelModule:
+                      grad_reduce_dtype: str | None = None, zero=None) -> ParallelModule:
     """Plan rank ``plan_rank``'s program (emitted once, by the caller) written down, saved, imported and
     wrapped with this rank's state: the one path from a plan to a module, for whole models and stages.
     ``key``: what else shapes the program (config, policy, stage), hashed into its header."""
@@ -81,6 +81,7 @@ def build_rank_module(model: torch.nn.Module, graph: IRGraph, plan: Plan, emitte
     state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
     trainable = {n for n, _ in model.named_parameters()}
     module = ParallelModule(program, state, mesh, trainable, replica_group, replicas, bucket_bytes=bucket_bytes,
-                            num_microbatches=num_microbatches, precision=precision, grad_reduce_dtype=grad_reduce_dtype)
+                            num_microbatches=num_microbatches, precision=precision, grad_reduce_dtype=grad_reduce_dtype,
+                            zero=zero)
     module.plan, module.graph = plan, graph
     return module

@@ -26,6 +26,7 @@ from .gate import Verifier, check_mode, verify_on_ranks
 from .groups import ensure_process_group, module_group, replica_group
 from .pipeline import parallelize_pipeline
 from .precision import apply_precision, prepare_model
+from .zero import check_zero, zero_spec
 from .plan import attach_stats, choose_plan, resolve_policy, trace_model, write_report
 
 
@@ -70,6 +71,9 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     check_mode(verify)
     sample_args, sample_kwargs = prepare_model(model, sample_args, sample_kwargs, config.precision)  # bf16-true: bf16 model
     if config.pp_size > 1 or is_pipeline_policy(policy):  # pipeline stages: .pipeline
+        if config.zero:
+            raise PlanError(f"zero={config.zero} with pipeline stages is not available yet; use zero=0 with a "
+                            f"pipeline, or zero with dp, hybrid or replicas of a plan")
         return parallelize_pipeline(model, sample_args, policy, config, gen_savedir=gen_savedir, reuse=reuse,
                                     strict=strict, sample_kwargs=sample_kwargs, registry=registry, groups=groups,
                                     verify=verify, verify_cache=verify_cache, tracer=tracer, verifier=verifier)
@@ -82,6 +86,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     graph = trace_model(model, sample_args, sample_kwargs, registry=registry, strict=strict, tracer=tracer)
     plan = choose_plan(graph, policy, config)  # a policy's bad answer is refused before any process group
     apply_precision(graph, config.precision)  # bf16-mixed: the casts autocast makes (before any process group)
+    check_zero(plan, config, name)
     world, rank, runtime = ensure_process_group(config, groups)
     cache = groups if groups is not None else GroupCache()
     verify_on_ranks(graph, plan, config, verify, verifier, cache, groups is not None, verify_cache)
@@ -96,11 +101,12 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
             g = replica_group(cache, [p + r * config.plan_ngpus for r in range(config.replicas)], groups is None)
             mine = g if p == plan_rank else mine
     mesh = RankMesh.build(plan.mesh_shape, rank, cache, offset=replica * config.plan_ngpus)
+    zero = zero_spec(plan, config, rank, cache, groups is None)
     module = build_rank_module(model, graph, plan, emitted, plan_rank=plan_rank, key=[repr(config), name],
                                label=type(model).__name__, directory=Path(gen_savedir), reuse=reuse, mesh=mesh,
                                replica_group=mine, replicas=config.replicas, bucket_bytes=config.bucket_bytes,
                                num_microbatches=config.num_microbatches, precision=config.precision,
-                               grad_reduce_dtype=config.grad_reduce_dtype)
+                               grad_reduce_dtype=config.grad_reduce_dtype, zero=zero)
     if rank == 0:  # the one-line summary, and the report next to the generated code
         print(plan.one_line(), flush=True)
         write_report(plan, gen_savedir)

@@ -27,6 +27,14 @@ class GroupCache:
             if ranks not in self._groups:
                 self._groups[ranks] = dist.new_group(list(ranks), timeout=self._timeout)
 
+    def add(self, ranks: Sequence[int]):
+        """Create the group of exactly ``ranks`` if it is not held yet (collective: every rank calls
+        this for the same groups in the same order) and return it."""
+        ranks = tuple(ranks)
+        if ranks not in self._groups:
+            self._groups[ranks] = dist.new_group(list(ranks), timeout=self._timeout)
+        return self._groups[ranks]
+
     def get(self, ranks: Sequence[int]):
         """The group of exactly ``ranks`` (``None`` for a single rank)."""
         ranks = tuple(ranks)

@@ -17,6 +17,7 @@ from .grad_sync import GradSync
 from .precision import GRAD_REDUCE_DTYPES, autocast_message, autocast_on
 from .mesh import RankMesh
 from .microbatch import accumulate
+from .zero import guard_hand_zero
 
 
 def _parse_layout(text: Sequence[str]) -> list:
@@ -41,7 +42,8 @@ class ParallelModule(torch.nn.Module):
 
     def __init__(self, program: types.ModuleType, full_state: Mapping[str, torch.Tensor], mesh: RankMesh,
                  trainable: set[str], replica_group=None, replicas: int = 1, bucket_bytes: int | None = None,
-                 num_microbatches: int = 1, precision: str = "32-true", grad_reduce_dtype: str | None = None):
+                 num_microbatches: int = 1, precision: str = "32-true", grad_reduce_dtype: str | None = None,
+                 zero=None):
         super().__init__()
         self.precision = precision  # nnscaler.runtime.precision: bf16-true holds its state in bf16
         self.num_microbatches = num_microbatches
@@ -71,6 +73,10 @@ class ParallelModule(torch.nn.Module):
                     synced.append((param, mesh.groups[sync_axis]))
             else:
                 self.register_buffer(key, local)
+        guard_hand_zero()  # a ZeroRedundancyOptimizer over split parameters is refused at its first step
+        self._zero = None  # ZeroShards under ComputeConfig(zero >= 1) (nnscaler.runtime.zero)
+        if zero is not None:
+            synced, trainables = self._zero_setup(zero, synced, trainables, program, bucket_bytes)
         self._grad_sync = GradSync.build(synced, bucket_bytes, replicas=trainables, replica_group=replica_group,
                                          n_replicas=replicas, reduce_dtype=GRAD_REDUCE_DTYPES.get(grad_reduce_dtype or "fp32")
                                          if precision == "bf16-mixed" else None)
@@ -78,6 +84,53 @@ class ParallelModule(torch.nn.Module):
         self.max_grad_norm: float | None = None  # ComputeConfig.clip_grad_norm: train_step clips to it
         self.last_grad_norm: torch.Tensor | None = None  # the total norm the last clip_grad_norm_ found
         clip.register(self)  # torch.nn.utils.clip_grad_norm_(self.parameters()) gets the whole model's norm
+
+    def _zero_setup(self, zero, synced, trainables, program, bucket_bytes):
+        """Tag every parameter with the ranks holding the same piece (``zero.ranks``); with a stage
+        above 0 pack the trainable ones into :class:`~nnscaler.runtime.zero.ZeroShards` and return the
+        gradient syncs left to :class:`GradSync` (zero 2 reduce-scatters the rest itself)."""
+        from .grad_sync import BUCKET_BYTES
+        from .zero import ZeroShards
+        same = frozenset(zero.ranks)
+        for p in self.parameters():
+            p._nnscaler_same_ranks = same
+        if zero.stage == 0:
+            return synced, trainables
+        axis_of = {name.replace(".", "__"): entry[3] for name, entry in program.STATE.items()}  # sync axis by key
+        names = {id(p): k for k, p in self.named_parameters()}
+        d = self._mesh.shape[zero.dp_axis] if zero.dp_axis is not None else 1
+        outside, scales = set(), {}
+        for p in trainables:
+            ax = axis_of[names[id(p)]]
+            if ax is not None and self._mesh.groups[ax] is not None and ax != zero.dp_axis:
+                outside.add(id(p))  # also summed over a non-data-parallel axis: all-reduced, then sliced
+            # reduce-scatter sums over the zero group: a gradient partial over the dp axis is summed there,
+            # a complete one is counted d times; replicas are averaged
+            scales[id(p)] = 1.0 / (self._replicas * (1 if ax == zero.dp_axis else d))
+        self._zero = ZeroShards(trainables, zero.stage, zero.group, zero.ranks, outside, scales,
+                                BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+        if zero.stage < 2:
+            return synced, trainables
+        self._zero.attach()
+        mine = {id(p) for b in self._zero.buckets if b.scatter for p in b.params}
+        return [(p, g) for p, g in synced if id(p) not in mine], [p for p in trainables if id(p) not in mine]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradient tensors this rank holds now: each parameter's ``.grad`` and, under zero 2,
+        the reduce-scattered gradient shards."""
+        out = [p.grad for p in self.parameters() if p.grad is not None]
+        if self._zero is not None:
+            out += [b.shard.grad for b in self._zero.buckets if b.shard.grad is not None]
+        return out
+
+    def build_optimizer(self, optimizer_class: type = torch.optim.AdamW, **kwargs):
+        """``optimizer_class(self.parameters(), **kwargs)``; under ``ComputeConfig(zero >= 1)`` the same
+        optimizer run on this rank's slices of the parameters over the data-parallel ranks (a
+        :class:`~nnscaler.runtime.zero.ZeroOptimizer`, state ``1/n`` of the plain one's)."""
+        if self._zero is None:
+            return optimizer_class(self.parameters(), **kwargs)
+        from .zero import ZeroOptimizer
+        return ZeroOptimizer(self._zero, optimizer_class, **kwargs)
 
     def _local(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, key) for key, name in self._names.items()}
@@ -105,8 +158,16 @@ class ParallelModule(torch.nn.Module):
         ``DistributedDataParallel.no_sync``); the first backward after it syncs the accumulated sum
         (within the plan and over data-parallel replicas). Without it every backward syncs: the same
         gradients, only more communication (see :mod:`nnscaler.runtime.grad_sync`)."""
-        with self._grad_sync.paused():
-            yield
+        zero = self._zero
+        before = zero.paused if zero is not None else False
+        if zero is not None:
+            zero.paused = True
+        try:
+            with self._grad_sync.paused():
+                yield
+        finally:
+            if zero is not None:
+                zero.paused = before
 
     def train_step(self, *batch: Any, loss_fn: Callable[..., Any] | None = None, **batch_kwargs: Any) -> torch.Tensor:
         """Forward and backward of one whole batch as ``num_microbatches`` micro-batches (every tensor
@@ -121,7 +182,10 @@ class ParallelModule(torch.nn.Module):
         ``ignore_index``): the whole batch's loss is then ``sum(loss_sum) / sum(count)``, exactly
         (see :mod:`nnscaler.runtime.microbatch`). Raises ``MicroBatchError`` (a ``ValueError``) for a
         batch not divisible by ``num_microbatches`` or a loss that is neither."""
-        loss = accumulate(self, batch, batch_kwargs, self.num_microbatches, loss_fn, self.parameters(),
+        params = list(self.parameters())
+        if self._zero is not None:  # zero 2's gradient shards are set aside, scaled and restored like the .grad
+            params += [b.shard for b in self._zero.buckets if b.scatter]
+        loss = accumulate(self, batch, batch_kwargs, self.num_microbatches, loss_fn, params,
                           self.no_sync, self._replica_group, self._replicas)
         if self.max_grad_norm is not None:
             self.clip_grad_norm_(self.max_grad_norm)
@@ -179,7 +243,8 @@ class ParallelModule(torch.nn.Module):
         for key, name in self._names.items():
             p = getattr(self, key)
             if isinstance(p, torch.nn.Parameter):
-                out[name] = None if p.grad is None else self._whole(name, p.grad.detach()).clone()
+                g = p.grad if self._zero is None or self._zero.stage < 2 else self._zero.full_grad(p)
+                out[name] = None if g is None else self._whole(name, g.detach()).clone()
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):

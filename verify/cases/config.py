@@ -30,6 +30,7 @@ class RunConfig:
     partition: str | None = None
     base_override: int | None = None
     microbatches: int = 1  # whole-model cases: micro-batches per training step (1: plain forward/backward)
+    zero: int = 0  # whole-model cases: ZeRO stage over the data-parallel ranks (ComputeConfig(zero=))
     node: tuple[str, str] | None = None  # (model, operator): verify that traced operator (verify op --model --node)
     clip_grad_norm: float | None = None  # whole-model cases: ComputeConfig.clip_grad_norm (the reference clips too)
     recompute: str = "none"  # whole-model cases: ComputeConfig.recompute
@@ -39,7 +40,7 @@ class RunConfig:
     def recipe_job(self) -> dict:
         """The training recipe's keys of a whole-model rank job (carried into ``ComputeConfig``)."""
         return {"clip_grad_norm": self.clip_grad_norm, "recompute": self.recompute, "precision": self.precision,
-                "grad_reduce_dtype": self.grad_reduce_dtype}
+                "grad_reduce_dtype": self.grad_reduce_dtype, "zero": self.zero}
 
     @property
     def recipe_label(self) -> str:
@@ -105,7 +106,7 @@ class RunConfig:
             ("--microbatches", self.microbatches if self.microbatches > 1 else None),
             ("--clip-grad-norm", self.clip_grad_norm), ("--recompute", None if self.recompute == "none" else self.recompute),
             ("--precision", None if self.precision == "32-true" else self.precision),
-            ("--grad-reduce-dtype", self.grad_reduce_dtype)])
+            ("--grad-reduce-dtype", self.grad_reduce_dtype), ("--zero", self.zero or None)])
 
 
 @dataclass
@@ -129,6 +130,7 @@ class Row:
     seconds: float = 0.0
     traceback: str = field(default="", repr=False)
     microbatches: int = 1  # whole-model rows: micro-batches per step (the partition label says so too)
+    memory: list | None = None  # whole-model rows: bytes per rank measured after the last step (verify/cases/memory.py)
 
     @property
     def ok(self) -> bool:
@@ -147,8 +149,8 @@ class Row:
         return asdict(self)
 
 
-def model_label(policy: str, microbatches: int = 1, precision: str = "32-true") -> str:
+def model_label(policy: str, microbatches: int = 1, precision: str = "32-true", zero: int = 0) -> str:
     """The partition column of a whole-model row: the policy, then ``mbM`` for M micro-batches, then
-    the precision recipe unless ``32-true``."""
+    the precision recipe unless ``32-true``, then ``zeroZ`` for a ZeRO stage."""
     label = policy if microbatches == 1 else f"{policy} mb{microbatches}"
-    return label if precision == "32-true" else f"{label} {precision}"
+    return label + (f" {precision}" if precision != "32-true" else "") + (f" zero{zero}" if zero else "")

@@ -19,6 +19,7 @@ from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast
+from verify.cases.memory import SavedActivations, measure, record, storage_bytes
 from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
@@ -141,13 +142,14 @@ def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = Non
                           bucket_bytes=job.get("bucket_bytes"),
                           microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True),
                           traces=traces, clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
-                          precision=precision)
+                          precision=precision, zero=job.get("zero", 0))
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
                    gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
                    microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None,
-                   clip: float | None = None, recompute: str = "none", precision: Precision = Precision()) -> list[Check]:
+                   clip: float | None = None, recompute: str = "none", precision: Precision = Precision(),
+                   zero: int = 0) -> list[Check]:
     """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
     With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
     (:func:`~verify.cases.microbatch.whole_batch`), trained by ``train_step`` in M micro-batches and
@@ -164,11 +166,11 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     ref, ref64 = precision.reference(built_like(name, seed, case.model, dt)), built_like(name, seed, case.model, torch.float64)
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
-                           num_microbatches=microbatches, clip_grad_norm=clip, recompute=recompute,
+                           num_microbatches=microbatches, clip_grad_norm=clip, recompute=recompute, zero=zero,
                            **precision.config_kwargs())
     tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "") \
         + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "") \
-        + (f"-{precision.precision}" if precision.active else "")
+        + (f"-{precision.precision}" if precision.active else "") + (f"-zero{zero}" if zero else "")
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
     pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
@@ -178,7 +180,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the parallel grads
-    opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
+    opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the data-parallel ranks under zero
+    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
     fallback = Float64Fallback(dt, lowprec=precision.active)
     for step in range(steps):
         args = cast(batch(step), dt)
@@ -190,13 +193,17 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         checks.append(installed(pm, point, step))
         ref64.load_state_dict(_with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
                                                     for k, v in point.items()}), strict=True)
-        if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
-            loss = pm.train_step(*args, loss_fn=loss_fn)
-        else:
-            loss = pm(*args)
+        saved = SavedActivations(pm.parameters())  # measured memory per rank (verify/cases/memory.py)
+        with saved:
+            if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
+                loss = pm.train_step(*args, loss_fn=loss_fn)
+            else:
+                loss = pm(*args)
+        if not (microbatches > 1 or is_pipeline_policy(policy)):
             loss.backward()
             if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
                 pm.clip_grad_norm_(clip)
+        grad_bytes = storage_bytes(pm.grad_tensors()) if hasattr(pm, "grad_tensors") else None
         loss_ref = ref(*args)
         loss_ref.backward()
         with fallback:
@@ -211,6 +218,9 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             checks.append(check_tensor(f"grad norm step {step}", None if got is None else got.detach().reshape(()),
                                        norm_ref.detach(), norm64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
+        if grad_bytes is not None:
+            # train_step runs backward inside: its micro-batches' saved bytes add up, no peak to report
+            record(measure(pm, opts[0], None if microbatches > 1 else saved.bytes, grad_bytes))
     if checkpoint:
         checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
                                  seed, dt, fallback, config.bucket_bytes, traces, precision)

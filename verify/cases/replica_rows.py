@@ -12,6 +12,7 @@ from verify.judge.verdict import MATCH, worst as _worst, judge
 
 from verify.cases.config import Row, RunConfig, model_label
 from verify.runner.gang import Gang
+from verify.cases.zero import rank_memory, zero_applies
 from verify.cases.pipeline import PIPELINE_MODELS, pipeline_applies, pipeline_microbatches
 from verify.cases.replicas import expected_replica_checks, replica_label
 
@@ -48,9 +49,11 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
-                label = replica_label(model_label(policy, cfg.microbatches), replicas) + cfg.recipe_label
+                label = replica_label(model_label(policy, cfg.microbatches, cfg.precision, cfg.zero), replicas) \
+                    + cfg.recipe_label
                 if ((f"model:{name}", w, label, cfg.dtype, seed) in skip
-                        or not pipeline_applies(policy, w // replicas, name, seed)):
+                        or not pipeline_applies(policy, w // replicas, name, seed)
+                        or (cfg.zero and not zero_applies(policy, w // replicas, replicas))):
                     continue
                 start = time.perf_counter()
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
@@ -59,7 +62,8 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                        "bucket_bytes": bucket_bytes, "microbatches": m, **cfg.recipe_job()}
                 limit = replace(cfg, microbatches=m).limit_s("model", steps)
                 expected = expected_replica_checks(name, steps, seed, policy, m)
-                status, detail, checks, tb = judge(gang.run(job, w, limit), expected, cfg.modules)
+                answers = gang.run(job, w, limit)
+                status, detail, checks, tb = judge(answers, expected, cfg.modules)
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
                 rerun = cfg.rerun_model(name, policy, w, seed, steps, bucket_bytes) + f" --replicas {replicas}"
@@ -67,4 +71,5 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                     f"{steps} AdamW steps of {m} micro-batches per replica vs one device on the whole batch"
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed,
                           status, out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
-                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m)
+                          detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m,
+                          rank_memory(answers))

@@ -27,6 +27,8 @@ from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
+from verify.cases.memory import SavedActivations, measure, record, storage_bytes
+from verify.cases.resume import resume_checks
 from verify.cases.model import LR, installed, resolve_policy, step_checks
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.pipeline_replicas import LOSS, run_pipeline_replicas_case
@@ -62,7 +64,7 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                       groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
                       microbatches: int = 1, traces: TraceCache | None = None, clip: float | None = None,
-                      recompute: str = "none") -> list[Check]:
+                      recompute: str = "none", zero: int = 0) -> list[Check]:
     """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to
     ``world_size`` (gradient-sync buckets of ``bucket_bytes``, default the model's). With
     ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
@@ -84,10 +86,10 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     replica = rank // plan_ngpus
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=microbatches,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
-                           clip_grad_norm=clip, recompute=recompute)
+                           clip_grad_norm=clip, recompute=recompute, zero=zero)
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
-    mb = f"-mb{microbatches}" if microbatches > 1 else ""
+    mb = (f"-mb{microbatches}" if microbatches > 1 else "") + (f"-zero{zero}" if zero else "")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
@@ -97,7 +99,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
-    opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
+    opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the replicas under zero
+    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
     checks: list[Check] = []
     fallback = Float64Fallback(dt)
     for step in range(steps):  # judged as every whole-model case is (verify/compare.py)
@@ -111,10 +114,13 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
             mean = pm.train_step(*shares[replica], loss_fn=loss_fn)
             refs = [args]
         else:
-            loss = pm(*shares[replica])
+            saved = SavedActivations(pm.parameters())  # measured memory per rank (verify/cases/memory.py)
+            with saved:
+                loss = pm(*shares[replica])
             loss.backward()
             if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
                 pm.clip_grad_norm_(clip)
+            grad_bytes = storage_bytes(pm.grad_tensors())
             mean = loss.detach().clone()
             dist.all_reduce(mean, group=groups.get(replica_ranks))
             mean = mean / replicas
@@ -131,5 +137,10 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
+        if microbatches == 1:
+            record(measure(pm, opts[0], saved.bytes, grad_bytes))
+    # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device
+    # and under another plan at W=2, as every whole-model case's does
+    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces)
     checks += fallback.notes(dtype)
     return checks

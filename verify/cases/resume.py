@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler import checkpoint
+from nnscaler.checkpoint.format import plain
 from nnscaler import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
@@ -51,7 +52,7 @@ def _moments(model, opt, parallel: bool) -> dict[str, dict[str, torch.Tensor]]:
     names = {id(p): n for n, p in model.named_parameters()} if not parallel else {
         id(getattr(model, k)): n for k, n in model._names.items()}
     out = {}
-    for p, st in opt.state.items():
+    for p, st in (plain(opt).state if parallel else opt.state).items():  # a sharded optimizer's state gathered
         n = names[id(p)]
         out[n] = {k: (model._whole(n, v) if parallel and v.dim() else v) for k, v in st.items()}
     return out

@@ -1,0 +1,300 @@
+"""ZeRO over the data-parallel ranks of a plan (``ComputeConfig(zero=1|2)``).
+
+The *zero group* of a rank is every rank holding the same pieces of every parameter: the ranks along
+the plan's data-parallel mesh axis (the ``dp`` policy's axis, ``hybrid``'s ``dp`` axis) times the
+data-parallel replicas (``runtime_ngpus > plan_ngpus``). After backward their gradients are equal, so
+each rank may update only its share and the updated pieces be gathered back.
+
+Layout (the Megatron-LM distributed optimizer / DeepSpeed one): the trainable parameters of a rank
+are packed, in buckets, into flat buffers of which the parameters become views; each bucket is padded
+to a multiple of the zero group's size ``n`` and its rank ``k`` owns elements ``[k c, (k+1) c)``.
+The inner optimizer (``torch.optim.AdamW``, ...) runs on those owned slices only, so its state is
+``1/n`` of plain data parallelism's; after its step one all-gather per bucket rebuilds the parameters.
+
+- zero 1: gradients are synced as without ZeRO (all-reduce, :mod:`.grad_sync`); each rank reads its
+  slice of them.
+- zero 2: the gradients that need no sum outside the zero group (a data-parallel plan's, a replica's)
+  are reduce-scattered during backward, bucket by bucket as they become ready, into this rank's
+  gradient shard; the full ``.grad`` is then freed. A parameter also summed over another axis (a
+  norm's weight under ``tp`` with replicas) keeps its all-reduce and is sliced, as under zero 1.
+- zero 3 (parameters sharded, gathered per layer) is not built yet: refused by ``ComputeConfig``.
+
+Why not torch's own pieces: ``ZeroRedundancyOptimizer`` assigns whole parameters to ranks (one large
+embedding holds more than ``1/n`` of the state), consolidates its state on one rank to checkpoint it,
+and has no gradient reduce-scatter; FSDP2's ``fully_shard`` replaces the parameters by ``DTensor``s
+and drives its own gradient reduction, which conflicts with the generated program's in-plan sums
+(:mod:`.grad_sync`) over other mesh axes. The slices here are exact for optimizers that update each
+element from that element's gradient and state alone (:data:`ELEMENTWISE`); others are refused.
+A parameter with no gradient in a step is updated with a zero gradient (as DeepSpeed and Megatron do).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adadelta", "ASGD")
+
+
+class ZeroError(ValueError):
+    """An optimizer that sharding over the zero group would make wrong."""
+
+
+@dataclass
+class ZeroBucket:
+    params: list[torch.nn.Parameter]
+    scales: list[float]  # zero 2: each gradient is multiplied by this before the reduce-scatter
+    scatter: bool  # zero 2 and every gradient here needs no sum outside the zero group
+    offsets: list[int] = field(default_factory=list)
+    flat: torch.Tensor | None = None  # the parameters' storage, padded to n * chunk
+    chunk: int = 0
+    shard: torch.nn.Parameter | None = None  # this rank's slice of ``flat`` (what the inner optimizer steps)
+    grad_flat: torch.Tensor | None = None  # zero 2: the gradients packed for the reduce-scatter
+    pending: int = 0
+    handle: object = None
+
+
+class ZeroShards:
+    """The flat buffers and this rank's slices of one :class:`~nnscaler.runtime.module.ParallelModule`'s
+    trainable parameters over the zero ``group`` (``ranks``: its global ranks, in order)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], stage: int, group, ranks: list[int],
+                 sums_outside: set[int], scales: dict[int, float], bucket_bytes: int):
+        self.stage, self.group, self.ranks = stage, group, list(ranks)
+        self.n = len(ranks)
+        self.index = self.ranks.index(dist.get_rank()) if self.n > 1 else 0
+        self.buckets: list[ZeroBucket] = []
+        self._queued = False
+        self.paused = False
+        open_: dict[tuple, ZeroBucket] = {}
+        for p in reversed(params):  # roughly the order backward produces gradients
+            scatter = stage >= 2 and id(p) not in sums_outside
+            key = (p.dtype, p.device, scatter)
+            b = open_.get(key)
+            if b is None or sum(q.numel() * q.element_size() for q in b.params) >= bucket_bytes:
+                b = open_[key] = ZeroBucket([], [], scatter)
+                self.buckets.append(b)
+            b.params.append(p)
+            b.scales.append(scales.get(id(p), 1.0))
+        for b in self.buckets:
+            self._pack(b)
+
+    def _pack(self, b: ZeroBucket) -> None:
+        """Move the bucket's parameters into one flat buffer (they become views of it)."""
+        total = sum(p.numel() for p in b.params)
+        b.chunk = -(-total // self.n)
+        b.flat = torch.zeros(b.chunk * self.n, dtype=b.params[0].dtype, device=b.params[0].device)
+        off = 0
+        with torch.no_grad():
+            for p in b.params:
+                b.offsets.append(off)
+                b.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = b.flat[off:off + p.numel()].view_as(p)
+                off += p.numel()
+        b.shard = torch.nn.Parameter(b.flat[self.index * b.chunk:(self.index + 1) * b.chunk])
+
+    # -- zero 2: gradients reduce-scattered during backward --------------------------------------------
+    def attach(self) -> None:
+        for b in self.buckets:
+            if b.scatter:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(lambda p, b=b: self._ready(b))
+
+    def _ready(self, b: ZeroBucket) -> None:
+        if self.paused:
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            for bucket in self.buckets:
+                bucket.pending, bucket.handle = len(bucket.params), None
+        b.pending -= 1
+        if b.pending == 0:
+            self._launch(b)
+
+    def _launch(self, b: ZeroBucket) -> None:
+        if b.grad_flat is None:
+            b.grad_flat = torch.empty_like(b.flat)
+        b.grad_flat.zero_()
+        for p, off, scale in zip(b.params, b.offsets, b.scales):
+            if p.grad is not None:
+                view = b.grad_flat[off:off + p.numel()]
+                view.copy_(p.grad.reshape(-1))
+                if scale != 1.0:
+                    view.mul_(scale)
+                p.grad = None  # freed: this rank keeps its shard only
+        out = torch.empty(b.chunk, dtype=b.flat.dtype, device=b.flat.device)
+        b.handle = (dist.reduce_scatter_tensor(out, b.grad_flat, group=self.group, async_op=True), out)
+
+    def _finish(self) -> None:
+        for b in self.buckets:
+            if b.scatter and b.handle is None:
+                self._launch(b)
+        for b in self.buckets:
+            if b.scatter:
+                work, out = b.handle
+                work.wait()
+                b.shard.grad = out if b.shard.grad is None else b.shard.grad.add_(out)
+                b.handle = None
+        for b in self.buckets:  # the full buffer is only needed while the reduce-scatter runs
+            b.grad_flat = None
+        self._queued = False
+
+    # -- the optimizer's side ---------------------------------------------------------------------------
+    def shard_grads(self) -> None:
+        """Each slice's gradient: zero 2's reduce-scattered shard, or this rank's slice of the synced
+        (all-reduced) ``.grad`` of its parameters."""
+        for b in self.buckets:
+            if b.scatter:
+                if b.shard.grad is None:
+                    b.shard.grad = torch.zeros_like(b.shard)
+                continue
+            if all(p.grad is None for p in b.params):
+                b.shard.grad = None
+                continue
+            lo, hi = self.index * b.chunk, (self.index + 1) * b.chunk
+            g = torch.zeros(b.chunk, dtype=b.flat.dtype, device=b.flat.device)
+            for p, off in zip(b.params, b.offsets):
+                a, z = max(lo, off), min(hi, off + p.numel())
+                if a < z and p.grad is not None:
+                    g[a - lo:z - lo].copy_(p.grad.reshape(-1)[a - off:z - off])
+            b.shard.grad = g
+
+    def gather_params(self) -> None:
+        """Every rank's updated slice back into every rank's parameters (one all-gather per bucket)."""
+        if self.n == 1:
+            return
+        for b in self.buckets:
+            dist.all_gather_into_tensor(b.flat, b.shard.detach().clone(), group=self.group)
+
+    def gather(self, b: ZeroBucket, slice_: torch.Tensor) -> torch.Tensor:
+        """The whole bucket-shaped tensor from every rank's ``slice_`` of it."""
+        if self.n == 1:
+            return slice_.clone()
+        out = torch.empty(b.chunk * self.n, dtype=slice_.dtype, device=slice_.device)
+        dist.all_gather_into_tensor(out, slice_.contiguous(), group=self.group)
+        return out
+
+    def full_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """Zero 2: the synced gradient of ``p`` gathered from the shards (collective over the group)."""
+        for b in self.buckets:
+            for q, off in zip(b.params, b.offsets):
+                if q is p:
+                    if not b.scatter:
+                        return p.grad
+                    if b.shard.grad is None:
+                        return None
+                    return self.gather(b, b.shard.grad)[off:off + p.numel()].view_as(p)
+        return p.grad
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.shard.grad = None
+            for p in b.params:
+                p.grad = None
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """``optimizer_class`` over this rank's slices of the parameters (see the module's docstring).
+    A ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the inner optimizer's (so a
+    learning-rate scheduler drives it as any optimizer);
+    :meth:`param_state` and :meth:`load_param_state` speak per-parameter state, as a plain optimizer
+    over the module's parameters holds it (what checkpoints store)."""
+
+    def __init__(self, shards: ZeroShards, optimizer_class: type, **kwargs):
+        if optimizer_class.__name__ not in ELEMENTWISE:
+            raise ZeroError(f"zero={shards.stage}: {optimizer_class.__name__} is not elementwise, so it cannot run on "
+                            f"slices of the parameters; use one of {', '.join(ELEMENTWISE)}, or zero=0")
+        self.shards = shards
+        self.optim = optimizer_class([b.shard for b in shards.buckets], **kwargs)
+        self.kind = optimizer_class.__name__
+        super().__init__([b.shard for b in shards.buckets], self.optim.defaults)
+        self.param_groups, self.state = self.optim.param_groups, self.optim.state  # one copy: the inner one's
+
+    def params(self) -> list[torch.nn.Parameter]:
+        """The module's parameters this optimizer updates."""
+        return [p for b in self.shards.buckets for p in b.params]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ZeroError("ZeroOptimizer.step does not take a closure")
+        self.shards.shard_grads()
+        self.optim.step()
+        self.shards.gather_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.shards.zero_grad()
+
+    def param_state(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """Each parameter's optimizer state as a plain optimizer over the module would hold it:
+        elementwise tensors gathered from the group's slices (collective), scalars (``step``) as
+        they are. Parameters of a bucket never stepped have none."""
+        out: dict = {}
+        for b in self.shards.buckets:
+            st = self.optim.state.get(b.shard, {})
+            if not st:
+                continue
+            whole = {k: (self.shards.gather(b, v) if isinstance(v, torch.Tensor) and v.dim() else v)
+                     for k, v in sorted(st.items())}
+            for p, off in zip(b.params, b.offsets):
+                out[p] = {k: (v[off:off + p.numel()].view_as(p).clone() if isinstance(v, torch.Tensor) and v.dim()
+                              else (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in whole.items()}
+        return out
+
+    def load_param_state(self, state: dict) -> None:
+        """The inverse of :meth:`param_state`: each parameter's state (its whole local piece) cut to
+        this rank's slices. A scalar is taken from the bucket's first parameter that has it."""
+        for b in self.shards.buckets:
+            have = [p for p in b.params if state.get(p)]
+            if not have:
+                continue
+            lo, hi = self.shards.index * b.chunk, (self.shards.index + 1) * b.chunk
+            new: dict = {}
+            for k, v in state[have[0]].items():
+                if isinstance(v, torch.Tensor) and v.dim():
+                    s = torch.zeros(b.chunk, dtype=v.dtype, device=b.flat.device)
+                    for p, off in zip(b.params, b.offsets):
+                        a, z = max(lo, off), min(hi, off + p.numel())
+                        if a < z and k in state.get(p, {}):
+                            s[a - lo:z - lo].copy_(state[p][k].reshape(-1)[a - off:z - off])
+                    new[k] = s
+                else:
+                    new[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            self.optim.state[b.shard] = new
+
+    def state_dict(self) -> dict:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optim.load_state_dict(state_dict)
+
+
+# -- a torch sharded optimizer applied by hand ----------------------------------------------------------
+_HOOKED = False
+
+
+def guard_hand_zero() -> None:
+    """Install (once) a global optimizer pre-step hook refusing a ``ZeroRedundancyOptimizer`` whose
+    process group spans ranks holding different pieces of a parallelized module's parameters (it
+    would broadcast one rank's tensor-parallel shard over another's: silently wrong)."""
+    global _HOOKED
+    if _HOOKED:
+        return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    register_optimizer_step_pre_hook(_check_hand_zero)
+    _HOOKED = True
+
+
+def _check_hand_zero(optimizer, args, kwargs):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return
+    ranks = set(dist.get_process_group_ranks(optimizer.process_group)) if optimizer.process_group is not None \
+        else set(range(dist.get_world_size()))
+    for p in getattr(optimizer, "_all_params", []):
+        same = getattr(p, "_nnscaler_same_ranks", None)
+        if same is not None and not ranks <= same:
+            raise ZeroError("ZeroRedundancyOptimizer over a parallelized module's parameters: its process group spans "
+                            "ranks holding different shards; use ComputeConfig(zero=1) and module.build_optimizer(...)")
