@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from verify.cases.resume import plan_b
 import torch
 
 from nnscaler import ComputeConfig, PlanError, parallelize
@@ -64,9 +66,10 @@ def test_zero_trains_like_one_device_and_resumes_under_another_plan(gang, policy
     assert status == MATCH, detail
     names = [c["name"] for c in checks]
     assert any(n.startswith("param") for n in names)
-    # saved under zero at W, loaded under tp (zero 0) at W=2 and on one device, moments bit for bit, trained on
+    # saved under zero at W, loaded under plan B (zero 0) and on one device, moments bit for bit, trained on
+    other, w_b = plan_b(policy, world_size)
     assert any(n.startswith("resumed on one device: optimizer exp_avg") for n in names)
-    assert any(n.startswith("resumed under tp at W=2: param") and "after step" in n for n in names)
+    assert any(n.startswith(f"resumed under {other} at W={w_b}: param") and "after step" in n for n in names)
 
 
 def test_zero_2_with_micro_batches_accumulates_the_gradient_shards_exactly(gang):
@@ -80,9 +83,10 @@ def test_zero_2_with_micro_batches_accumulates_the_gradient_shards_exactly(gang)
 def test_zero_2_over_tp_replicas_trains_like_one_device(gang):
     status, detail, checks, _ = _model(gang, "nanogpt", "tp", 4, 2, plan_ngpus=2)
     assert status == MATCH, detail
-    names = [c["name"] for c in checks]  # the replicas' checkpoint resumes too (under random at W=2)
+    names = [c["name"] for c in checks]  # the replicas' checkpoint resumes too (under plan B of tp at W=4)
+    other, w_b = plan_b("tp", 4)
     assert any(n.startswith("resumed on one device: optimizer exp_avg_sq") for n in names)
-    assert any(n.startswith("resumed under random at W=2: param") and "after step" in n for n in names)
+    assert any(n.startswith(f"resumed under {other} at W={w_b}: param") and "after step" in n for n in names)
 
 
 def test_a_zero_optimizer_holds_half_the_state_at_w2_and_loads_a_zero_0_checkpoint(tmp_path):

@@ -252,6 +252,10 @@ def _config(args) -> RunConfig:
     if getattr(args, "grad_reduce_dtype", None) and precision != "bf16-mixed":
         raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
     zero = getattr(args, "zero", 0)
+    try:
+        ComputeConfig(1, zero=zero)  # the one check of the option: 0..3, and 3 not built yet
+    except PlanError as exc:
+        raise UsageError(f"--zero {zero}: {exc}") from None
     recipe = {"clip_grad_norm": getattr(args, "clip_grad_norm", None), "recompute": getattr(args, "recompute", "none")}
     try:  # bad recipe values are one line naming the option, before any rank starts
         ComputeConfig(1, **recipe, zero=zero)

@@ -200,6 +200,11 @@ class PipelineModule(torch.nn.Module):
             self.clip_grad_norm_(self.max_grad_norm)
         return loss
 
+    def build_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        """This rank's optimizer over its stages' parameters, as ``ParallelModule.build_optimizer`` builds
+        one (ZeRO is not available with pipeline stages: ``parallelize`` refuses ``zero > 0`` for them)."""
+        return optimizer_class(self.parameters(), **kwargs)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
                         ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` of the whole model over every stage (each piece of each
