@@ -1,6 +1,5 @@
 """A model that draws random numbers in training (dropout with p > 0) is reported ``unverifiable``,
-naming the operator and the user's line, never a mismatch that blames the plan; dropout is
-element-wise, so ``dp`` issues no collective around it (only the loss's)."""
+naming the operator and the user's line, never a mismatch that blames the plan."""
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-import nnscaler
 from nnscaler.trace.build import trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dropout_model.py"
@@ -31,17 +29,6 @@ def test_only_a_dropout_that_is_not_the_identity_draws_random_numbers():
     assert [op.draws_random for op in _dropout_graph(0.1, True).ops if "dropout" in op.overload] == [True]
     for p, training in ((0.0, True), (0.1, False)):
         assert not any(op.draws_random for op in _dropout_graph(p, training).ops)
-
-
-def test_dp_issues_only_the_loss_collective_around_dropout():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("dropout_model", FIXTURE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    model, batch = mod.build(0)
-    plan = nnscaler.plan_model(model, batch(0), "dp", nnscaler.ComputeConfig(2))
-    forward = plan.summary()["collectives"]["forward"]
-    assert sum(k["count"] for k in forward.values()) == 1, forward
 
 
 def test_a_model_with_dropout_is_unverifiable_not_a_mismatch():

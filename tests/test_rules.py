@@ -102,13 +102,8 @@ def test_real_conv_call_matches_the_fixed_entry():
     assert match_fixed(other, DEFAULT_REGISTRY.get("conv2d")) is None
 
 
-def test_a_random_dropout_is_element_wise():
-    """Each shard draws its own mask (the harness reports such models unverifiable, tests/test_random_ops.py)."""
-    spec = derive(make_call("aten.dropout.default", (T(4, 8), 0.1, True)))
-    assert spec is not None and spec.annotation.startswith("a b")
-
-
 def test_rules_decline_what_they_cannot_split():
+    assert derive(make_call("aten.dropout.default", (T(4, 8), 0.1, True))) is None
     ce = make_call("aten.cross_entropy_loss.default", (T(4, 8), T(4, 8), None, 1, -100, 0.0))
     assert derive(ce) is None  # probability targets
     assert derive(make_call("aten.index.Tensor", (T(4, 8), [T(4, 8, dtype=torch.bool)]))) is None  # a mask

@@ -5,10 +5,9 @@ per output dim, ``1`` where a tensor broadcasts (``c, a b c -> a b c``, ``a 1 c,
 scalars and other non-tensor arguments are ``?``. Every dim is spatial: an output element depends
 only on the input elements at its own position. Casts (``to``, ``_to_copy``) are element-wise too;
 a ``device`` argument is dropped (placing tensors is the runtime's business). ``dropout`` is
-element-wise too: a shard draws its own mask, which is dropout of the same rate (what training
-needs) but not the single-device mask, so the harness reports a model that draws random numbers in
-training ``unverifiable`` (``verify.judge.verdict.check_deterministic``); with ``p == 0`` or not
-training it is the identity and verified like any op.
+annotated only where it is the identity (``p == 0`` or not training): random masks differ between
+a tensor and its shards (the harness reports a model that draws random numbers in training
+``unverifiable``, ``verify.judge.verdict.check_deterministic``).
 """
 from __future__ import annotations
 
@@ -108,8 +107,12 @@ def to_device_rule(call: OpCall):
 
 @annotation_rule("aten.dropout.default")
 def dropout_rule(call: OpCall):
-    """``a b, ?, ? -> a b``: each shard draws its own mask (see the module docstring), so data and
-    tensor parallelism need no gather around a dropout."""
+    """``a b, ?, ? -> a b`` where dropout is the identity (``p == 0`` or ``train`` false), else None."""
+    args = list(call.args) + [None] * (3 - len(call.args))
+    p = call.kwargs.get("p", args[1] if args[1] is not None else 0.5)
+    train = call.kwargs.get("train", args[2] if args[2] is not None else True)
+    if p != 0 and train:
+        return None
     return pointwise(call)
 
 
