@@ -20,6 +20,7 @@ from nnscaler import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from verify.cases.draws import same_draws
 from verify.cases.batch import cast
 from verify.models.loader import file_tag
 from verify.judge.lowprec import Precision
@@ -173,10 +174,13 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
         point = {n: p.detach().clone() for n, p in sp.items()}
         resumed.load_state_dict({k: point.get(k, v) for k, v in resumed.state_dict().items()})
         load_like(single64, single)
-        loss, loss_ref = resumed(*args), single(*args)
+        with same_draws(seed, step):
+            loss = resumed(*args)
+        with same_draws(seed, step):
+            loss_ref = single(*args)
         for x in (loss, loss_ref):
             x.backward()
-        with fallback:
+        with fallback, same_draws(seed, step):
             loss64 = single64(*cast(args, torch.float64))
             loss64.backward()
         widen, kw = fallback.widen, fallback.bounds()

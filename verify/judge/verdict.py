@@ -16,15 +16,16 @@ class Unverifiable(Exception):
     numbers: each rank's shard gets its own); the row is ``unverifiable``, never a mismatch."""
 
 
-def check_deterministic(graph) -> None:
-    """Raise :class:`Unverifiable` naming the operators of ``graph`` that draw random numbers."""
+def check_deterministic(graph, why: str) -> None:
+    """Raise :class:`Unverifiable` naming the operators of ``graph`` that draw random numbers, which
+    cannot equal one device's draws because the ranks see the batch in pieces (``why``)."""
     random = [op for op in graph.ops if op.draws_random]
     if random:
         where = "; ".join(f"{op.name} ({op.overload}) at {op.source or '?'}" for op in random[:3])
         more = f" and {len(random) - 3} more" if len(random) > 3 else ""
-        raise Unverifiable(f"{len(random)} operators draw random numbers in training ({where}{more}): their "
-                           f"masks on shards differ from one device's by design; verify with dropout p=0 or in eval "
-                           f"mode")
+        raise Unverifiable(f"{len(random)} operators draw random numbers in training ({where}{more}): with "
+                           f"{why} each piece draws its own mask, unlike one device drawing the whole batch's; "
+                           f"verify this plan without them, or with dropout p=0 or in eval mode")
 
 
 @dataclass
