@@ -171,3 +171,20 @@ PLANS = {"titan_tp": titan_tp, "titan_tp_replicated_logits": titan_tp_replicated
          "fsdp_tp": fsdp_tp, "titan_tp_wo_colwise": titan_tp_wo_colwise, "wrong_rowwise_as_colwise": wrong_rowwise_as_colwise,
          "wrong_missing_sp_gather": wrong_missing_sp_gather, "wrong_vocab_offsets": wrong_vocab_offsets}
 """The plans by name (``verify.cases.torchpar_builtin`` lists which model and mesh each runs on)."""
+
+
+# -- transformers' own tensor-parallel plans ---------------------------------------------------------
+
+def hf_tp_auto(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """transformers' ``tp_plan="auto"``: the model's own ``base_model_tp_plan`` (column-wise q/k/v and
+    gate/up, row-wise o/down, the LM head's ``colwise_gather_output``) resolved and applied on the
+    mesh by the functions ``from_pretrained(..., tp_plan="auto")`` runs
+    (``_resolve_parallel_plans``, ``apply_tensor_parallelism``). Those take a model built by
+    ``from_pretrained`` on a mesh transformers builds from ``torchrun``'s environment; here the tiny
+    model is built from a config and the mesh is the harness's, so they are called directly."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    hf = model.model  # verify.models.common.LossOf around the transformers model
+    plan, _, _ = hf._resolve_parallel_plans(DistributedConfig(tp_plan="auto", tp_size=mesh.size()))
+    apply_tensor_parallelism(hf, mesh, plan)
+    return model
