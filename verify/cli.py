@@ -44,6 +44,7 @@ from verify.report.progress import RunProgress
 from verify.cases.replica_rows import replica_items, run_replicas
 from verify.cases.zero import zero_refusal
 from verify.cases.torchpar_mesh import parse_mesh
+from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
 from verify.cases.torchpar_rows import BAD_INPUT as TORCHPAR_BAD_INPUT, check_parallelize, run_torchpar
 from verify.report.writer import ReportError, ReportWriter, summary, table
 from verify.cases.samples import DTYPES
@@ -241,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
                             "different plan (default: 0 1 2)")
     _recipes(p_all)
+    p_all.add_argument("--torchpar", nargs="*", default=None, metavar="NAME",
+                       help="built-in torch parallelizations to verify, a section of their own (torchtitan's Llama "
+                            "plan, FSDP2, FSDP2 x TP, transformers' tp_plan, known-wrong plans): "
+                            f"{', '.join(sorted({c.name for c in TORCH_CASES}))} (default: all, or none with --op or "
+                            "--model; none with an empty list)")
     return parser
 
 
@@ -562,6 +568,13 @@ def cmd_all(args) -> int:
     if cfg.precision != "32-true":  # replica cases run 32-true only: left out rather than mislabelled
         replicas = []
     random_cfg = replace(cfg, seeds=tuple(dict.fromkeys(args.random_seeds)))
+    torch_names = args.torchpar if args.torchpar is not None else \
+        ([] if args.op or args.model is not None else sorted({c.name for c in TORCH_CASES}))
+    unknown = sorted(set(torch_names) - {c.name for c in TORCH_CASES})
+    if unknown:
+        raise UsageError(f"--torchpar {unknown[0]}: no such case; known: {', '.join(sorted({c.name for c in TORCH_CASES}))}")
+    torch_cases = [(f"torchpar:{c.name} W={c.world_size}", c) for c in TORCH_CASES
+                   if c.name in torch_names and c.world_size in cfg.world_sizes]
     items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p, 1)) for m in models for p in POLICIES]
     items += [(f"model:{m} {model_label(p, k)}", (m, p, k)) for k in dict.fromkeys(args.microbatches) if k > 1
               for m in models for p in MICROBATCH_POLICIES]
@@ -569,7 +582,7 @@ def cmd_all(args) -> int:
               for m in models if m in PIPELINE_MODELS for p in SWEPT]  # pipelines: 1F1B and GPipe, each mesh
 
     try:
-        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items) + len(replicas)) as progress:
+        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items) + len(replicas) + len(torch_cases)) as progress:
             preflight(gang, specs, cfg)
             for label, item in items:  # each row is written the moment it is known
                 progress.start(label)
@@ -590,6 +603,15 @@ def cmd_all(args) -> int:
                 progress.start(label)
                 new = []
                 for row in run_replicas(gang, name, (policy,), replace(cfg, world_sizes=sizes), tmp, r, skip=done):
+                    writer.add(row)
+                    new.append(row)
+                progress.done(label, new)
+                writer.seconds = time.perf_counter() - start
+                writer.flush()
+            for label, case in torch_cases:  # the section of torch's own parallelizations
+                progress.start(label)
+                new = []
+                for row in run_builtin(gang, case, cfg, tmp, skip=done):
                     writer.add(row)
                     new.append(row)
                 progress.done(label, new)

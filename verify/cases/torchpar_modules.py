@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -195,9 +194,9 @@ def _judge_here(par: list, dev: list, ref: list, mesh, kw: dict) -> tuple[bool, 
     return ok, worst
 
 
-def localize_torchpar(job: dict, groups) -> dict | str:
-    """Where a failing torch-parallelization case first leaves the single-device model (the
-    :class:`~verify.judge.verdict.Divergence` as a dict), or a line saying why none was named."""
+def localize_torchpar(job: dict, groups) -> Divergence | str:
+    """Where a failing torch-parallelization case first leaves the single-device model, or a line
+    saying why no module was named."""
     from verify.cases.samples import DTYPES
     from verify.cases.torchpar import parallel_model
     from verify.cases.fresh import load_like
@@ -237,7 +236,7 @@ def localize_torchpar(job: dict, groups) -> dict | str:
             "step, the checkpoint or a later step")
 
 
-def _found(key: str, module: nn.Module, direction: str, judged) -> dict:
+def _found(key: str, module: nn.Module, direction: str, judged) -> Divergence:
     _, err, tol, how = judged
-    return asdict(Divergence(op=key, overload=type(module).__name__, source="", direction=direction, err=err, tol=tol,
+    return (Divergence(op=key, overload=type(module).__name__, source="", direction=direction, err=err, tol=tol,
                              partition=f"{placements(module)}; the diverging tensor: {how}", what="module"))
