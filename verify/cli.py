@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="verify your own torch parallelization instead of the compiler's policies: "
                               "fn(model, mesh) applies parallelize_module plans, fully_shard, a transformers tp_plan "
                               "(any mix) on the DeviceMesh the harness builds and returns the module (or "
-                              "verify.Parallelized(module, step_context=loss_parallel)); the batch is split over the "
+                              "verify.torch_parallel.Parallelized(module, step_context=loss_parallel)); the batch is split over the "
                               "mesh dimension named dp")
     p_model.add_argument("--mesh", default=None, metavar="SPEC",
                          help="with --parallelize: the mesh's dimension names and sizes, NAME (1-D over the world "

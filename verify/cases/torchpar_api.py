@@ -51,4 +51,4 @@ def unpack(result, fn_name: str) -> Parallelized:
         return result
     got = "None (did it forget `return model`?)" if result is None else type(result).__name__
     raise ParallelizeError(f"--parallelize {fn_name}: returned {got}; it must return the parallelized "
-                           f"torch.nn.Module (or verify.Parallelized(module, step_context=...))")
+                           f"torch.nn.Module (or verify.torch_parallel.Parallelized(module, step_context=...))")

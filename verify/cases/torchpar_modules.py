@@ -31,10 +31,12 @@ class ModuleError(RuntimeError):
     """An exception raised inside a module of the parallel model, with that module named."""
 
 
-def placements(module: nn.Module) -> str:
-    """``weight: Shard(dim=0) on tp`` for each of the module's own parameters (``replicated`` when plain)."""
-    own = [f"{n}: {describe(p)}" for n, p in module.named_parameters(recurse=False)]
-    return "; ".join(own) or "no parameters of its own"
+def placements(module: nn.Module, most: int = 4) -> str:
+    """``weight: S(0) on tp`` for the module's parameters (its own, else its children's, the first
+    ``most``); ``plain`` where a parameter is not a DTensor (replicated by hand, or left alone)."""
+    own = list(module.named_parameters(recurse=False)) or list(module.named_parameters())
+    text = "; ".join(f"{n}: {describe(p)}" for n, p in own[:most])
+    return (text + (f"; {len(own) - most} more" if len(own) > most else "")) or "no parameters"
 
 
 class ModuleStack:

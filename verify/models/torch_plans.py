@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from verify.cases.torchpar_api import Parallelized
+from verify.torch_parallel import Parallelized
 
 
 def _tp(mesh: DeviceMesh) -> DeviceMesh:
