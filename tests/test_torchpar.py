@@ -91,7 +91,7 @@ def test_readme_example_runs_from_the_cli(tmp_path):
 def test_pytest_fixture_and_python_api_take_functions(verify_model):
     """``verify_model(build, parallelize=fn, mesh=...)``: the functions themselves, their files
     imported by the ranks."""
-    from tests.fixtures.torchpar_user import build
+    from verify.models.titan_llama import titan_llama
     from verify.models.torch_plans import fsdp
-    rows = verify_model(build, parallelize=fsdp, mesh="dp", world_sizes=[2], steps=1)
+    rows = verify_model(titan_llama, parallelize=fsdp, mesh="dp", world_sizes=[2], steps=1)
     assert [(r.world_size, r.partition, r.status) for r in rows] == [(2, "fsdp [dp=2]", MATCH)]
