@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from verify.models.registry import ModelCase, tokens
 
-VOCAB, DIM, HEADS, KV_HEADS, LAYERS, SEQ, BATCH = 101, 32, 4, 2, 2, 8, 4
+VOCAB, DIM, HEADS, KV_HEADS, LAYERS, SEQ, BATCH = 101, 64, 8, 4, 2, 8, 4  # heads divide by 4 ranks
 
 
 def rotary(head_dim: int, seq: int) -> torch.Tensor:
