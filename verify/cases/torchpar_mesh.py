@@ -94,7 +94,7 @@ def describe(x) -> str:
 def whole(x: torch.Tensor, want_shape, mesh: DeviceMesh) -> tuple[torch.Tensor | None, str]:
     """The whole tensor this rank's ``x`` is part of, and its layout in words. A DTensor: its
     ``full_tensor()``. A plain tensor (a parallel style's local output): as is where its shape is
-    ``want_shape``; else, over each mesh dimension in turn, gathered along the first dimension whose
+    ``want_shape``; else, over each mesh dimension but ``dp`` in turn, gathered along the first dimension whose
     pieces there add up to its length (the ranks agree on every step: each exchanges its shape first).
     ``None`` where no such gather exists. Collective: every rank of the mesh calls it in the same order."""
     if isinstance(x, DTensor):
@@ -102,7 +102,7 @@ def whole(x: torch.Tensor, want_shape, mesh: DeviceMesh) -> tuple[torch.Tensor |
     how, want = [], tuple(want_shape)
     for d, name in enumerate(mesh.mesh_dim_names):
         group, n = mesh.get_group(d), mesh.size(d)
-        if n == 1:
+        if n == 1 or name == DP:  # each dp rank holds its own rows, compared with one device on the same rows
             continue
         mine = torch.tensor([x.dim(), *x.shape] + [0] * (MAX_DIMS - x.dim())) if x.dim() <= MAX_DIMS else \
             torch.full((MAX_DIMS + 1,), -1)

@@ -234,8 +234,9 @@ def localize_torchpar(job: dict, groups) -> Divergence | str:
         gin = _judge(c["grad_in"], d["grad_in"], r["grad_in"], mesh, kw, group)
         if gout[0] and not gin[0]:
             return _found(key, c["module"], "backward", gin)
-    return ("every module's outputs and gradients match on the first batch: the fault lies in the optimizer "
-            "step, the checkpoint or a later step")
+    return ("every module's outputs and input gradients match one device on the first batch: the fault lies "
+            "after backward (parameter gradients not reduced across ranks, the optimizer step, the checkpoint) "
+            "or in a later step")
 
 
 def _found(key: str, module: nn.Module, direction: str, judged) -> Divergence:
