@@ -107,3 +107,13 @@ def test_module_localisation_names_nothing_on_a_correct_plan(gang, tmp_path, fn,
     answers = gang.run(job, w, 240)
     assert all("divergence_note" in a.result for a in answers), answers[0].result.get("divergence") or answers[0]
     assert "every module's outputs and input gradients match" in answers[0].result["divergence_note"]
+
+
+def test_a_backward_only_fault_is_localised_in_backward(gang, tmp_path):
+    """Forward exact, a needless gradient all-reduce on the logits: the backward hooks name the
+    module whose output gradient is wrong when its backward starts."""
+    (row,) = run_torchpar(gang, TITAN, str(Path(__file__).parent / "fixtures" / "torchpar_user.py") + ":wrong_backward",
+                          parse_mesh("tp"), RunConfig(world_sizes=(2,)), str(tmp_path), steps=1, checkpoint=False)
+    assert row.status == MISMATCH and row.detail.startswith("grad "), row.detail  # the loss itself is right
+    assert "first divergent module: model.output (Linear) [weight: S(0) on tp" in row.detail, row.detail
+    assert "gradient of its output (already wrong when its backward starts" in row.detail, row.detail

@@ -222,24 +222,36 @@ def localize_torchpar(job: dict, groups) -> Divergence | str:
     kw = fallback.bounds()
     group = groups.get(range(job["world_size"]))
     common = [k for k in p.order if k in dev.calls and k in r64.calls]
+    entered = None  # the first call whose inputs already differ (a fault between modules, if no culprit)
     for key in common:  # forward: the first call whose inputs match and outputs do not
         c, d, r = p.calls[key], dev.calls[key], r64.calls[key]
         ins = _judge(c["inputs"], d["inputs"], r["inputs"], mesh, kw, group)
         outs = _judge(c["outputs"], d["outputs"], r["outputs"], mesh, kw, group)
         if ins[0] and not outs[0]:
             return _found(key, c["module"], "forward", outs)
+        if not ins[0] and entered is None:
+            entered = _found(key, c["module"], "forward", ins, "input (already wrong when it is called: the fault "
+                             "lies in code between modules, a hook or the caller's own)")
+    if entered is not None:
+        return entered
     for key in [k for k in p.back if k in dev.calls and k in r64.calls and "grad_in" in dev.calls[k]]:
         c, d, r = p.calls[key], dev.calls[key], r64.calls[key]
         gout = _judge(c["grad_out"], d["grad_out"], r["grad_out"], mesh, kw, group)
         gin = _judge(c["grad_in"], d["grad_in"], r["grad_in"], mesh, kw, group)
         if gout[0] and not gin[0]:
-            return _found(key, c["module"], "backward", gin)
+            return _found(key, c["module"], "backward", gin, "gradient of its inputs")
+        if not gout[0] and entered is None:
+            entered = _found(key, c["module"], "backward", gout, "gradient of its output (already wrong when its "
+                             "backward starts: the fault lies in backward code between modules, e.g. a custom "
+                             "autograd function or hook outside any module)")
+    if entered is not None:
+        return entered
     return ("every module's outputs and input gradients match one device on the first batch: the fault lies "
             "after backward (parameter gradients not reduced across ranks, the optimizer step, the checkpoint) "
             "or in a later step")
 
 
-def _found(key: str, module: nn.Module, direction: str, judged) -> Divergence:
+def _found(key: str, module: nn.Module, direction: str, judged, tensor: str = "") -> Divergence:
     _, err, tol, how = judged
-    return (Divergence(op=key, overload=type(module).__name__, source="", direction=direction, err=err, tol=tol,
-                             partition=f"{placements(module)}; the diverging tensor: {how}", what="module"))
+    return Divergence(op=key, overload=type(module).__name__, source="", direction=direction, err=err, tol=tol,
+                      partition=f"{placements(module)}; the diverging tensor: {how}", what="module", tensor=tensor)
