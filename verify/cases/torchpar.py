@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import warnings
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,39 +24,17 @@ from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast
 from verify.cases.fresh import load_like
-from verify.cases.model import LR, _equal, step_checks
-from verify.cases.resume import _exact
+from verify.cases.model import LR, step_checks
+from verify.cases.resume import exact
+from verify.cases.torchpar_build import parallel_model
 from verify.cases.samples import DTYPES
-from verify.cases.torchpar_api import Parallelized, unpack
+from verify.cases.torchpar_api import Parallelized
 from verify.cases.torchpar_mesh import DP, build_mesh, dp_slice
 from verify.cases.torchpar_modules import ModuleStack
 from verify.judge.compare import Check, Float64Fallback, check_tensor
-from verify.models.loader import ModelNotFound, build_model, file_tag, _import_file
+from verify.models.loader import build_model, file_tag
 
 FULL = StateDictOptions(full_state_dict=True)
-
-
-class ParallelizeNotFound(ValueError):
-    """``--parallelize FILE.py:fn`` names no file or no function (exit 2 before ranks start)."""
-
-
-def find_fn(ref: str) -> Callable:
-    """``fn`` of ``FILE.py:fn`` (the file imported once per process, as model builders are)."""
-    path, sep, name = ref.rpartition(":")
-    if not sep or not path.endswith(".py") or not name:
-        raise ParallelizeNotFound(f"--parallelize {ref!r}: give FILE.py:function")
-    p = Path(path)
-    if not p.is_file():
-        raise ParallelizeNotFound(f"--parallelize {ref!r}: no such file {path}")
-    try:
-        module = _import_file(p.resolve())
-    except ModelNotFound as exc:  # the file raised on import: said in one line
-        raise ParallelizeNotFound(f"--parallelize {ref!r}: {exc}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ParallelizeNotFound(f"--parallelize {ref!r}: {path} has no function {name!r} (it must be "
-                                  f"fn(model, mesh) -> module)")
-    return fn
 
 
 def _whole(x):
@@ -111,14 +88,6 @@ def _step(par: Parallelized, args: tuple, mesh) -> torch.Tensor:
     return loss
 
 
-def parallel_model(model_ref: str, fn_ref: str, seed: int, dt: torch.dtype, mesh) -> tuple[Parallelized, object]:
-    case = build_model(model_ref, seed)
-    case.model.to(dt)
-    ref = build_model(model_ref, seed).model.to(dt)
-    load_like(ref, case.model)
-    return unpack(find_fn(fn_ref)(case.model, mesh), fn_ref), (case, ref)
-
-
 def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
     """The checks of a ``torchpar`` job (keys: model, parallelize, mesh [[name, size], ...],
     world_size, steps, seed, gen_dir, dtype)."""
@@ -136,7 +105,7 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
         return [Check("parameter names", float("inf"), 0.0, False, f"the parallelized module renames parameters "
                       f"(lacks {lost[:3]}, has {extra[:3]}); return a module with the model's parameter names")]
     initial = whole.state_dict()
-    checks = [_equal(f"initial {n}", initial.get(n), p.detach()) for n, p in params.items()]
+    checks = [exact(f"initial {n}", initial.get(n), p.detach()) for n, p in params.items()]
     shadow = {n: p.detach().clone() for n, p in params.items()}
     opts = [torch.optim.AdamW(par.module.parameters(), lr=LR)]
     opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
@@ -146,7 +115,7 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
         point = {n: p.detach().clone() for n, p in params.items()}
         load_whole(par.module, point)
         loaded = whole.state_dict()
-        bad = [_equal(n, loaded[n], t) for n, t in point.items()]
+        bad = [exact(n, loaded[n], t) for n, t in point.items()]
         bad = [c for c in bad if not c.ok]
         checks.append(Check(f"load step {step}", 0.0 if not bad else float("inf"), 0.0, not bad,
                             f"{bad[0].name}: {bad[0].reason}" if bad else ""))
@@ -190,9 +159,9 @@ def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case
         dcp.load(state, checkpoint_id=path, no_dist=True)
     set_model_state_dict(single, state["model"])
     set_optimizer_state_dict(single, single_opt, state["optim"])
-    checks = [_exact(f"resumed on one device: param {n}", p.detach(), saved[n]) for n, p in single.named_parameters()]
+    checks = [exact(f"resumed on one device: param {n}", p.detach(), saved[n]) for n, p in single.named_parameters()]
     moments = _moments(single, single_opt)
-    checks += [_exact(f"resumed on one device: optimizer {k} of {n}", moments.get(n, {}).get(k), t)
+    checks += [exact(f"resumed on one device: optimizer {k} of {n}", moments.get(n, {}).get(k), t)
                for n, st in saved_moments.items() for k, t in st.items()]
     # one more step from the checkpoint: the resumed run is the reference of the parallel run's
     args = cast(case.batch(steps), dt)

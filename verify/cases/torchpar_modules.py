@@ -22,9 +22,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from verify.cases.batch import cast
+from verify.cases.fresh import load_like
+from verify.cases.samples import DTYPES
+from verify.cases.torchpar_build import parallel_model
 from verify.cases.torchpar_mesh import build_mesh, describe, dp_slice, whole
 from verify.judge.compare import Float64Fallback, check_tensor
 from verify.judge.verdict import Divergence
+from verify.models.loader import build_model
 
 
 class ModuleError(RuntimeError):
@@ -199,11 +203,6 @@ def _judge_here(par: list, dev: list, ref: list, mesh, kw: dict) -> tuple[bool, 
 def localize_torchpar(job: dict, groups) -> Divergence | str:
     """Where a failing torch-parallelization case first leaves the single-device model, or a line
     saying why no module was named."""
-    from verify.cases.samples import DTYPES
-    from verify.cases.torchpar import parallel_model
-    from verify.cases.fresh import load_like
-    from verify.models.loader import build_model
-
     dt = DTYPES[job.get("dtype", "float32")]
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
     mesh = build_mesh(names, sizes, groups)

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from verify.cases.config import Row, RunConfig
 from verify.cases.model import LR  # noqa: F401  (the same AdamW as compiled plans)
-from verify.cases.torchpar import ParallelizeNotFound, find_fn
+from verify.cases.torchpar_build import ParallelizeNotFound, find_fn
 from verify.cases.torchpar_api import ParallelizeError, unpack
 from verify.cases.torchpar_mesh import MeshSpecError, mesh_shape, parse_mesh
 from verify.judge.verdict import MATCH, judge, worst
