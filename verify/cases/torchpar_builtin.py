@@ -50,6 +50,7 @@ CASES = (
     TorchCase("hf_llama_tp_auto", HF_LLAMA, plan("hf_tp_auto"), "tp", 2),
     TorchCase("hf_llama_tp_auto", HF_LLAMA, plan("hf_tp_auto"), "tp", 4),
     TorchCase("hf_qwen3_tp_auto", HF_QWEN3, plan("hf_tp_auto"), "tp", 2),
+    TorchCase("hf_qwen3_tp_auto", HF_QWEN3, plan("hf_tp_auto"), "tp", 4),
     TorchCase("vocab_offsets_v96", TITAN96, plan("wrong_vocab_offsets"), "tp", 2),  # right where tp divides
     TorchCase("wrong_rowwise_as_colwise", TITAN, plan("wrong_rowwise_as_colwise"), "tp", 2, ERROR,
               "model.layers.0.attention.wo"),
