@@ -64,6 +64,7 @@ def test_a_plan_that_forgets_to_average_over_dp_is_caught(gang, tmp_path):
     (["--parallelize", "{fx}:renames", "--world-size", "2"], "lacks parameters"),
     (["--parallelize", "{fx}:no_sync", "--mesh", "dp=2,tp=2", "--world-size", "2"], "has 4 ranks but the world size is 2"),
     (["--parallelize", "{fx}:no_sync", "--mesh", "dp=2,tp"], "give both sizes"),
+    (["--parallelize", "{fx}:no_sync", "--mesh", "dp=8", "--world-size", "8"], "does not divide over dp=8"),
     (["--mesh", "tp"], "--mesh needs --parallelize"),
     (["--parallelize", "{fx}:no_sync", "--zero", "1"], "--zero applies to the compiler's policies"),
     (["--parallelize", "/no/such.py:f"], "no such file"),

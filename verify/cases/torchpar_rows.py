@@ -16,7 +16,7 @@ from verify.cases.config import Row, RunConfig
 from verify.cases.model import LR  # noqa: F401  (the same AdamW as compiled plans)
 from verify.cases.torchpar_build import ParallelizeNotFound, find_fn
 from verify.cases.torchpar_api import ParallelizeError, unpack
-from verify.cases.torchpar_mesh import MeshSpecError, mesh_shape, parse_mesh
+from verify.cases.torchpar_mesh import DP, MeshSpecError, mesh_shape, parse_mesh
 from verify.judge.verdict import MATCH, judge, worst
 from verify.models.loader import build_model
 from verify.runner.gang import Gang
@@ -37,6 +37,13 @@ def check_parallelize(model: str, fn_ref: str, mesh_spec: str, world_sizes) -> t
     for w in world_sizes:
         mesh_shape(dims, w)
     fn = find_fn(fn_ref)
+    rows = [a.shape[0] for a in build_model(model, 0).batch(0) if isinstance(a, torch.Tensor) and a.dim()]
+    for w in world_sizes:
+        names, sizes = mesh_shape(dims, w)
+        dp = dict(zip(names, sizes)).get(DP, 1)
+        if any(r % dp for r in rows):
+            raise MeshSpecError(f"--mesh {mesh_label(names, sizes)}: the batch ({rows[0]} rows) does not divide over "
+                                f"{DP}={dp}; each {DP} rank takes an equal slice of it")
     if dist.is_initialized():  # this process has its own group (a user's): the ranks will say the rest
         return dims
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (dry runs)
