@@ -76,6 +76,7 @@ def test_bad_input_is_one_line_exit_2_before_ranks_start(capsys, argv, message):
     assert code == 2 and len(err.splitlines()) == 1 and message in err, err
 
 
+@pytest.mark.slow  # ~30 s: a fresh interpreter and gang; the CLI's checks are fast tests above, its rows the API's
 def test_readme_example_runs_from_the_cli(tmp_path):
     """The README's example, written out as given, verified by the command the README prints."""
     text = (ROOT / "README.md").read_text()

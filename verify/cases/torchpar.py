@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -33,9 +33,6 @@ from verify.cases.torchpar_mesh import DP, build_mesh, dp_slice
 from verify.cases.torchpar_modules import ModuleStack
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.models.loader import build_model, file_tag
-
-FULL = StateDictOptions(full_state_dict=True)
-
 
 def _whole(x):
     return x.full_tensor() if isinstance(x, DTensor) else x

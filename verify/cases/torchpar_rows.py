@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from verify.cases.config import Row, RunConfig
-from verify.cases.model import LR  # noqa: F401  (the same AdamW as compiled plans)
 from verify.cases.torchpar_build import ParallelizeNotFound, find_fn
 from verify.cases.torchpar_api import ParallelizeError, unpack
 from verify.cases.torchpar_mesh import DP, MeshSpecError, mesh_shape, parse_mesh
