@@ -31,6 +31,8 @@ from verify.cases import memory
 from verify.cases.model import run_model_job
 from verify.cases.replicas import run_replicas_case
 from verify.cases.samples import DTYPES, Sample, make_sample
+from verify.cases.torchpar import run_torchpar_job
+from verify.cases.torchpar_modules import localize_torchpar
 from verify.cases.traces import TraceCache
 
 
@@ -87,12 +89,14 @@ def _localized(job: dict, checks: list, state: RankState) -> dict:
     """A model job's result: its checks and, when one fails, where the programs part ways (the
     first divergent operator, or a line saying where else the fault lies)."""
     result = {"checks": [c.__dict__ for c in checks]}
-    if all(c.ok for c in checks):
+    if all(c.ok for c in checks) and not job.get("localize"):  # ``localize``: say where anyway (tests of localisers)
         return result
-    name, policy, w, seed, gen, dtype = (job["model"], job["policy"], job["world_size"], job["seed"], job["gen_dir"],
-                                         job.get("dtype", "float32"))
+    name, policy, w, seed, gen, dtype = (job["model"], job.get("policy"), job["world_size"], job["seed"],
+                                         job["gen_dir"], job.get("dtype", "float32"))
     try:
-        if job.get("plan_ngpus", w) < w:
+        if job["kind"] == "torchpar":
+            found = localize_torchpar(job, state.groups)
+        elif job.get("plan_ngpus", w) < w:
             found = localize_replicas_case(name, policy, w, job["plan_ngpus"], seed, state.groups, gen, dtype,
                                            job.get("microbatches", 1))
         elif is_pipeline_policy(policy):
@@ -125,6 +129,9 @@ def handle(state: RankState, job: dict) -> dict:
                                        clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
                                        zero=job.get("zero", 0))
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=memory.take())
+        if job["kind"] == "torchpar":  # the user's own torch parallelization (verify/cases/torchpar.py)
+            checks = run_torchpar_job(job, state.groups)
+            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         if job["kind"] == "model":
             checks = run_model_job(job, state.groups, state.traces)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=memory.take())

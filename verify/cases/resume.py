@@ -59,7 +59,7 @@ def _moments(model, opt, parallel: bool) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _exact(name: str, got, want) -> Check:
+def exact(name: str, got, want) -> Check:
     """A checkpoint moves data; nothing is computed, so loaded tensors equal saved ones bit for bit."""
     if got is None or want is None:
         return Check(name, float("inf"), 0.0, False, "missing after the load" if got is None else "not saved")
@@ -71,10 +71,10 @@ def _exact(name: str, got, want) -> Check:
 
 
 def _loaded_checks(where: str, params: dict, moments: dict, saved: dict, saved_moments: dict) -> list[Check]:
-    checks = [_exact(f"resumed {where}: param {n}", params.get(n), t) for n, t in saved.items()]
+    checks = [exact(f"resumed {where}: param {n}", params.get(n), t) for n, t in saved.items()]
     for n, st in saved_moments.items():
         for k, t in st.items():
-            checks.append(_exact(f"resumed {where}: optimizer {k} of {n}", moments.get(n, {}).get(k), t))
+            checks.append(exact(f"resumed {where}: optimizer {k} of {n}", moments.get(n, {}).get(k), t))
     return checks
 
 

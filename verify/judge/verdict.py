@@ -41,11 +41,13 @@ class Divergence:
     tol: float
     rerun: str = ""  # python -m verify op ... --partition ... that runs this operator alone (annotated ones)
     where: str = ""  # the program it was found in, when not the case's own (``stage 1 of 2 (ranks 2-3)``)
+    what: str = "operator"  # "module" where a torch parallelization is localised by module hooks
+    tensor: str = ""  # which of its tensors diverged, where not its output or its output's gradient
 
     def describe(self, modules=()) -> str:
         """One line for the report; ``modules`` are the ``--module`` files the op's rerun needs."""
-        what = "output" if self.direction == "forward" else "gradient of its output"
-        text = (f"first divergent operator: {self.op} ({self.overload}) [{self.partition}]"
+        what = self.tensor or ("output" if self.direction == "forward" else "gradient of its output")
+        text = (f"first divergent {self.what}: {self.op} ({self.overload}) [{self.partition}]"
                 + (f" in {self.where}" if self.where else "") + f", {what} error "
                 f"{self.err:.3g} > tolerance {self.tol:.3g}")
         if self.source:
