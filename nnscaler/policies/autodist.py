@@ -9,7 +9,10 @@ ourselves (HiGHS only solves): no library maps dimops partition spaces to an int
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -70,6 +73,24 @@ def _decomposes(mat: np.ndarray) -> bool:
     return np.allclose(mat, mat[:, :1] + mat[:1, :] - mat[0, 0], rtol=1e-9, atol=1e-15)
 
 
+
+def _new_highs() -> "highspy.Highs":
+    """A HiGHS instance, without the banner HiGHS prints on its first construction in a process. It
+    is C++ output that no option can turn off before the instance exists, so stdout is pointed at
+    the null device, at the file descriptor, while it is made."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.close(null)
+        h = highspy.Highs()
+        ctypes.CDLL(None).fflush(None)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return h
+
 def solve(prog: Program, budget: float | None, time_limit: float, minimize_memory: bool = False,
           relax: bool = False, cutoff: float | None = None) -> Solution:
     """Solve one mesh's program with HiGHS (minimum step time under ``budget``, or minimum memory).
@@ -120,7 +141,7 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
         if budget is None or minimize_memory or memory <= budget:
             sol.choice, sol.seconds, sol.memory = [], seconds, memory
         return sol
-    h = highspy.Highs()
+    h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", max(1e-3, time_limit))
     h.setOptionValue("threads", 1)
