@@ -22,7 +22,7 @@ from verify.runner import isolation
 
 from verify.cases import op as rank_case
 from verify.cases.conversion import run_conversion
-from verify.cases.localize import as_dict, localize_model_case
+from verify.cases.localize import localize_model_case
 from verify.cases.localize_stages import localize_pipeline_case, localize_replicas_case
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.microbatch import run_accumulation_job
@@ -101,9 +101,7 @@ def _localized(job: dict, checks: list, state: RankState) -> dict:
             found = localize_model_case(name, policy, w, seed, state.groups, gen, dtype=dtype)
     except Exception as exc:  # the verdict stands; say why no operator could be named
         return dict(result, divergence_error=_short(exc))
-    if isinstance(found, str):
-        return dict(result, divergence_note=found)
-    return dict(result, divergence=as_dict(found))
+    return result if found is None else dict(result, **found.result())
 
 
 def handle(state: RankState, job: dict) -> dict:
