@@ -22,9 +22,7 @@ from verify.runner import isolation
 
 from verify.cases import op as rank_case
 from verify.cases.conversion import run_conversion
-from verify.cases.localize import localize_model_case
-from verify.cases.localize_stages import localize_pipeline_case, localize_replicas_case
-from verify.cases.pipeline import is_pipeline_policy
+from verify.cases.localize_row import localize_row
 from verify.cases.microbatch import run_accumulation_job
 from verify.cases.node import node_sample
 from verify.cases import memory
@@ -87,18 +85,17 @@ def _localized(job: dict, checks: list, state: RankState) -> dict:
     """A model job's result: its checks and, when one fails, where the programs part ways (the
     first divergent operator, or a line saying where else the fault lies)."""
     result = {"checks": [c.__dict__ for c in checks]}
-    if all(c.ok for c in checks):
+    w = job["world_size"]
+    mine = next((c.name for c in checks if not c.ok), None)
+    everyone = [mine]
+    if w > 1:  # every rank of the case takes the same decision, or the localiser's collectives would hang
+        everyone = [None] * w
+        dist.all_gather_object(everyone, mine, group=state.groups.get(list(range(w))))
+    first = next((n for n in everyone if n is not None), None)
+    if first is None:
         return result
-    name, policy, w, seed, gen, dtype = (job["model"], job["policy"], job["world_size"], job["seed"], job["gen_dir"],
-                                         job.get("dtype", "float32"))
     try:
-        if job.get("plan_ngpus", w) < w:
-            found = localize_replicas_case(name, policy, w, job["plan_ngpus"], seed, state.groups, gen, dtype,
-                                           job.get("microbatches", 1))
-        elif is_pipeline_policy(policy):
-            found = localize_pipeline_case(name, policy, w, seed, state.groups, gen, dtype, job.get("microbatches", 1))
-        else:
-            found = localize_model_case(name, policy, w, seed, state.groups, gen, dtype=dtype)
+        found = localize_row(job, first, state.groups)
     except Exception as exc:  # the verdict stands; say why no operator could be named
         return dict(result, divergence_error=_short(exc))
     return result if found is None else dict(result, **found.result())

@@ -231,18 +231,20 @@ def localize_program(pm: ParallelModule, model: torch.nn.Module, args: tuple, wo
 
 
 def localize_model_case(name: str, policy: str, world_size: int, seed: int, groups, gen_dir: str,
-                        dtype: str = "float32") -> Localized:
+                        dtype: str = "float32", plan_seed: int | None = None) -> Localized:
     """Where model ``name`` under ``policy`` (a built-in name or ``FILE.py:fn``) first diverges, on its
     step-0 batch and initial parameters, in ``dtype`` (every rank of the case calls this, after the
-    case mismatched)."""
+    case mismatched). ``plan_seed``: the seed the plan was made with, where not the model's (the plan
+    a checkpoint resumed under)."""
     from verify.cases.model import resolve_policy  # model_case imports the gang's worker, which imports this
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     model = case.model.to(dt)
     args = tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case.batch(0))
-    config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed)
+    plan_seed = seed if plan_seed is None else plan_seed
+    config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=plan_seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(built_like(name, seed, model, dt), args, resolve_policy(policy), config, groups=groups, verify=False,
-                         gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}")
+                         gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{plan_seed}")
     return localize_program(pm, model, args, world_size, name, seed, dtype)

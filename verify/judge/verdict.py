@@ -83,8 +83,28 @@ class Divergence:
         if self.layouts and self.kind != "conversion":
             text += f"; {self.layouts}"
         if self.rerun:
-            text += f"; alone: {self.rerun}" + "".join(f" --module {shlex.quote(m)}" for m in modules)
+            text += f"; alone: {self.alone(modules)}"
         return text
+
+    def alone(self, modules=()) -> str:
+        """The command that verifies the culprit operator alone, with the ``--module`` files it needs
+        (empty for a conversion: it exists only inside the whole program; the row's rerun reproduces it)."""
+        return self.rerun + "".join(f" --module {shlex.quote(m)}" for m in modules) if self.rerun else ""
+
+
+def localization(answers: list[RankAnswer], modules=()) -> dict | None:
+    """What a mismatching model case's ranks found (the first rank that localised): ``divergence``
+    (a :class:`Divergence` as a dict), ``text`` (its line in the row's detail), ``alone`` (the command
+    verifying the culprit alone, with ``modules``), ``note`` and ``profile`` (``[label, F|B, err, tol]``
+    per compared tensor along the program); ``None`` where nothing was localised."""
+    for a in answers:
+        r = a.result or {}
+        if any(k in r for k in ("divergence", "divergence_note", "divergence_profile")):
+            d = Divergence(**r["divergence"]) if r.get("divergence") else None
+            return {"divergence": r.get("divergence"), "text": d.describe(modules) if d else "",
+                    "alone": d.alone(modules) if d else "", "note": r.get("divergence_note", ""),
+                    "profile": r.get("divergence_profile", [])}
+    return None
 
 
 def worst(checks: list[dict], kind: str) -> dict | None:
