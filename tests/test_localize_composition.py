@@ -142,6 +142,7 @@ def test_the_fault_in_a_pipeline_stage_is_named_with_its_stage(fault_gang4):
     assert all(p[0].startswith(("s0:", "s1:")) for p in row.localization["profile"])
 
 
+@pytest.mark.slow  # the pipeline test above keeps W=4 localisation in the default suite
 def test_the_fault_in_replicas_is_named_on_their_plan_ranks(fault_gang4):
     with tempfile.TemporaryDirectory() as tmp:
         (row,) = run_replicas(fault_gang4, "speech_encdec", ("random",), RunConfig(world_sizes=(4,), modules=(FAULT,)),
