@@ -6,7 +6,6 @@ import inspect
 import math
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Iterator
 
 from nnscaler.ops.spec import OpSpec
@@ -132,6 +131,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m,
-                          rank_memory(answers), None if status == MATCH else localization(answers, rerun_modules(name, cfg)))
+                          rank_memory(answers),
+                          None if status == MATCH else localization(answers, rerun_modules(name, cfg)))
 
 

@@ -38,7 +38,7 @@ from verify.plan.check import op_partition
 from verify.cases.fresh import built_like
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
-from verify.cases.tensor_trace import Recorder, Trace, chain_of, compare, reads_of
+from verify.cases.tensor_trace import Recorder, Trace, chain_of, compare, reads_by, reads_of
 from verify.judge.verdict import Divergence
 
 IN_STEP_ZERO = ("every tensor of the program on step 0 (values forward, gradients backward) matches the "
@@ -144,17 +144,13 @@ def probed_program(graph: IRGraph, plan: Plan, mesh: RankMesh, model: torch.nn.M
 def _layouts(op, par: Recorder) -> str:
     """What ``op`` reads, each in the layout it reads it and how it got there, and what it writes."""
     reads = []
-    for u in reads_of_op(par, op.name):
+    for u in reads_by(par, op.name):
         conv = chain_of(par, u.chain)
         info = dict(conv.info) if conv is not None else {}
         how = f"from {info['from']}: {info['steps']}" if info and info.get("steps") != "none" else "as held"
         reads.append(f"{u.tensor} {u.layout} ({how})")
     writes = [f"{r.tensor} {r.layout}" for r in par.records if r.kind == "out" and r.op == op.name]
     return f"reads {', '.join(reads) or 'nothing'} -> writes {', '.join(writes) or 'nothing'}"
-
-
-def reads_of_op(par: Recorder, op: str) -> list:
-    return [r for r in par.records if r.kind == "use" and r.op == op]
 
 
 def _conversion(par: Recorder, chain: str, backward: bool) -> str:
@@ -196,7 +192,7 @@ def divergence(graph: IRGraph, plan: Plan, trace: Trace, par: Recorder, world_si
     if op is not None and not layouts:
         layouts = _layouts(op, par)
     if op is None:
-        label, name, overload, source, rerun, op_name = "", "the program's output", "return", "", "", "output"
+        label, overload, source, rerun, op_name = "", "the program's return", "", "", "output"
     else:
         label = plan.partition(op).label if op.known else "replicate (no annotation)"
         name = op.spec.name if op.known else op.overload

@@ -22,7 +22,6 @@ from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast
-from verify.judge.verdict import Divergence
 from verify.cases.localize import Localized, divergence, localize_model_case, probed_program, references, single_program
 from verify.cases.tensor_trace import Recorder, compare
 from verify.cases.microbatch import whole_batch

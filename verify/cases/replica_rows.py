@@ -72,4 +72,5 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed,
                           status, out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m,
-                          rank_memory(answers), None if status == MATCH else localization(answers, rerun_modules(name, cfg)))
+                          rank_memory(answers),
+                          None if status == MATCH else localization(answers, rerun_modules(name, cfg)))

@@ -261,5 +261,10 @@ def reads_of(par: Recorder, chain: str) -> list[Record]:
     return [r for r in par.records if r.kind == "use" and r.chain == chain]
 
 
+def reads_by(par: Recorder, op: str) -> list[Record]:
+    """The reads (``use`` records) of operator ``op``, in argument order."""
+    return [r for r in par.records if r.kind == "use" and r.op == op]
+
+
 def chain_of(par: Recorder, chain: str) -> Record | None:
     return next((r for r in par.records if r.kind == "conv" and r.chain == chain), None)
