@@ -108,13 +108,14 @@ def single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: to
         return _run(program, state, (None,), args)
 
 
-def references(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch.dtype) -> tuple[Recorder, Recorder, dict]:
+def references(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch.dtype):
     """The single-device runs of ``graph`` (as traced, and the float64 reference) and the bounds of
-    :func:`verify.judge.compare.check_tensor` for what that reference did."""
+    :func:`verify.judge.compare.check_tensor` for what that reference did, per tensor dtype
+    (:meth:`verify.judge.compare.Float64Fallback.bounds`)."""
     fallback = Float64Fallback(dtype)
     dev = single_device(graph, model, args, None)
     ref = single_device(graph, model, args, torch.float64, fallback)
-    return dev, ref, fallback.bounds()
+    return dev, ref, fallback.bounds
 
 
 def rerun_command(op, plan: Plan, world_size: int, model: str, seed: int, dtype: str) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -179,6 +179,10 @@ def _with_spread(c: Check, whole: Whole) -> Check:
     return c
 
 
+def _dtype(x) -> torch.dtype | None:
+    return x.dtype if isinstance(x, torch.Tensor) else None
+
+
 def _sum(xs: list) -> torch.Tensor | None:
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -210,11 +214,11 @@ class Trace:
         return [max(r, key=lambda x: x[2] / x[3] if x[3] else (0.0 if x[2] == 0 else float("inf"))) for r in runs if r]
 
 
-def compare(par: Recorder, dev: Recorder, ref: Recorder, groups, bounds: dict) -> Trace:
+def compare(par: Recorder, dev: Recorder, ref: Recorder, groups, bounds: Callable[[torch.dtype], dict]) -> Trace:
     """Every record of the parallel run ``par`` (every rank of its mesh calls this, ``groups`` its
     groups per mesh axis) against the single-device runs ``dev`` (the dtype under test) and ``ref``
-    (float64), bounded by :func:`check_tensor` with ``bounds`` (``factor``/``floor_eps``, as
-    :meth:`verify.judge.compare.Float64Fallback.bounds` gives them). A record is compared where the
+    (float64), bounded by :func:`check_tensor` with ``bounds(dtype)`` of each tensor's dtype
+    (:meth:`verify.judge.compare.Float64Fallback.bounds`). A record is compared where the
     reference has the same key for the same tensor; a conversion chain's gradient against the sum
     of its reads' reference gradients."""
     layouts = {r.key: r.layout for r in par.records}
@@ -244,14 +248,14 @@ def compare(par: Recorder, dev: Recorder, ref: Recorder, groups, bounds: dict) -
     for r in par.records:
         if comparable(r):
             w = values.get(r.key, Whole(None))
-            c = check_tensor(r.label, w.tensor, reference(dev.values, r, False), reference(ref.values, r, False),
-                             **bounds)
+            want = reference(dev.values, r, False)
+            c = check_tensor(r.label, w.tensor, want, reference(ref.values, r, False), **bounds(_dtype(want)))
             trace.entries.append(Entry(r, "forward", _with_spread(c, w)))
     for r in reversed(par.records):
         if comparable(r):
             w = grads.get(r.key, Whole(None))
-            c = check_tensor(r.label, w.tensor, reference(dev.grads, r, True), reference(ref.grads, r, True),
-                             scale=scale, **bounds)
+            want = reference(dev.grads, r, True)
+            c = check_tensor(r.label, w.tensor, want, reference(ref.grads, r, True), scale=scale, **bounds(_dtype(want)))
             trace.entries.append(Entry(r, "backward", _with_spread(c, w)))
     return trace
 
