@@ -106,8 +106,8 @@ def test_report_html_shows_each_mismatching_rows_localisation_and_profile(tmp_pa
     loc = failing[failing.index("model:speech_encdec"):failing.index("model:nanogpt", failing.index("model:speech_encdec"))]
     for text in ("transpose_13 D3 -&gt; R for matmul_4 input 1", "speech.py:67: scores = torch.matmul(q, k.transpose(2, 3))",
                  "m=2", "reads q R (as held)", "0.00288 / 2.29e-06 (1.26e+03x)",
-                 "gradient (backward)", "the row's rerun reproduces it", "<polyline", "44 tensors along the program",
-                 "30 values forward, then 14 gradients backward); 4 beyond the bound"):
+                 "gradient (backward)", "the row's rerun reproduces it", "<polyline",
+                 "along the program: 30 values forward, then 14 gradients backward; 4 beyond the bound"):
         assert text in loc, text
     assert loc.index("transpose_13#7") < loc.index("g0")  # the first beyond its bound leads the table, before the worse-or-equal rest
     assert loc.count(f'fill="{FAIL_COLOR}"/>') == 4 and loc.count("<circle") == 4  # each tensor beyond its bound

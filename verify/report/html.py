@@ -18,6 +18,7 @@ from typing import Sequence
 from verify.judge.verdict import MATCH
 
 from verify.cases.config import Row
+from verify.cases.tensor_trace import PROFILE_POINTS
 
 FAIL_COLOR = "#d62728"
 OK_COLOR = "#1f77b4"
@@ -145,8 +146,9 @@ def localization(row: Row) -> str:
     prof = loc.get("profile") or []
     if prof:
         bad = [p for p in prof if _ratio(p[2], p[3]) > 1]
-        out.append(f"<p>Error / bound of {len(prof)} tensors along the program ({sum(p[1] == 'F' for p in prof)} values "
-                   f"forward, then {sum(p[1] == 'B' for p in prof)} gradients backward); {len(bad)} beyond the bound.</p>")
+        thinned = "" if len(prof) < PROFILE_POINTS else f" (thinned to {len(prof)}: the worst of each run of tensors)"
+        out.append(f"<p>Error / bound per tensor along the program{thinned}: {sum(p[1] == 'F' for p in prof)} values "
+                   f"forward, then {sum(p[1] == 'B' for p in prof)} gradients backward; {len(bad)} beyond the bound.</p>")
         out.append(sparkline(prof))
         worst = sorted((p for p in prof if not math.isnan(_ratio(p[2], p[3]))), key=lambda p: -_ratio(p[2], p[3]))
         shown = list({id(p): p for p in bad[:1] + worst[:5]}.values())  # the first beyond its bound, then the worst
