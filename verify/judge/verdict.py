@@ -56,7 +56,7 @@ class Divergence:
         if self.kind == "operator":
             if self.direction == "forward":
                 return f"output {self.tensor}"
-            return f"gradient of its input {self.input_index} ({self.tensor}), its output's gradient matching"
+            return f"gradient of its input {self.input_index} ({self.tensor}; its output's gradient matches)"
         if self.kind == "conversion":
             return "value after it" if self.direction == "forward" else "gradient it hands back"
         if self.kind == "state":
