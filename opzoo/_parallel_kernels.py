@@ -175,3 +175,23 @@ def nll_loss(shard, logp, target, reduction="mean", ignore_index=-100, *, row="n
 def pointwise_loss_mean(shard, x, y, *, fn, idents=("a", "b"), **kwargs):
     """A mean-reduced pointwise loss over a tensor split by value: local sum / full count."""
     return fn(x, y, reduction="sum", **kwargs) / math.prod(shard.full(i) for i in idents)
+
+
+# --- random draws -----------------------------------------------------------------------------
+
+def dropout(shard, x: torch.Tensor, p: float = 0.5, train: bool = True, *, dims: tuple[str, ...]) -> torch.Tensor:
+    """``aten.dropout`` on a shard, drawing the mask one device draws: every rank draws the whole
+    tensor's mask (``dims`` are the identifiers of ``x``'s dims, ``"1"`` for a length-1 dim) from the
+    same generator state, as CPU ``aten.dropout`` does (``bernoulli_(1 - p)`` on a tensor of the
+    input's shape, divided by ``1 - p``), and keeps its slice. Drawing only the shard's numbers would
+    give each rank another mask than one device's. Costs the whole mask's draw on every rank, no
+    communication."""
+    if not train or p == 0:
+        return x.clone()
+    full = [shard.full(d) if d in shard.sizes else int(d) for d in dims]
+    if p == 1:
+        return x * torch.zeros((), dtype=x.dtype, device=x.device)
+    noise = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+    index = tuple(slice(shard.offset(d), shard.offset(d) + shard.local(d)) if d in shard.sizes else slice(None)
+                  for d in dims)
+    return x * noise[index]

@@ -68,13 +68,14 @@ def test_a_tight_budget_forces_tensor_parallelism_at_least_as_fast_as_megatron(k
     cfg = dict(profile="h100")
     dp = plan_graph(g, "dp", ComputeConfig(8, **cfg))
     tp = plan_graph(g, "tp", ComputeConfig(8, **cfg))  # Megatron's plan (fused qkv in blocks on GPT-2)
-    budget = int(0.6 * max(dp.stats.peak_bytes))  # dp keeps every parameter whole: it does not fit
-    assert max(tp.stats.peak_bytes) <= budget
+    # between Megatron's plan and dp, which keeps every parameter whole: dp does not fit, tp does
+    budget = (max(tp.stats.peak_bytes) + max(dp.stats.peak_bytes)) // 2
+    assert max(tp.stats.peak_bytes) < budget < max(dp.stats.peak_bytes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanWarning)  # a dp x tp mesh keeps more than 1/W of the parameters
         plan = plan_graph(g, "autodist", ComputeConfig(8, mem_budget=budget, **cfg))
     assert max(plan.stats.peak_bytes) <= budget
-    assert max(plan.stats.param_bytes) <= 0.5 * plan.stats.single_device["param"]  # parameters sharded
+    assert max(plan.stats.param_bytes) <= 0.6 * plan.stats.single_device["param"]  # sharded: tp >= 2, 1/2 + 10%
     # as fast as Megatron's plan by the cost model, up to the solver's optimality gap
     assert plan.stats.step_seconds <= (1 + MIP_GAP) * tp.stats.step_seconds, (plan.stats.step_seconds,
                                                                                 tp.stats.step_seconds)

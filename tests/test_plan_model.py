@@ -107,7 +107,7 @@ def test_any_plan_holds_at_least_the_model_across_ranks(gpt_graph, seed, world):
 def test_report_reads_like_a_table(gpt_graph):
     text = plan_graph(gpt_graph, "tp", ComputeConfig(2)).report()
     for needle in ("parameters", "AdamW state", "activations", "collectives per training step",
-                   "estimated step time", "sharded state", "replicated operators: ", "(whole)"):
+                   "estimated step time", "sharded state", "replicated operators: ", "(kept whole by the policy"):
         assert needle in text, needle
 
 

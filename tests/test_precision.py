@@ -97,3 +97,18 @@ def test_the_program_casts_as_autocast_does(compiled):
 def test_hand_autocast_around_a_32_true_module_is_refused(compiled):
     verdict, message = compiled["hand_autocast_32"].split(" ", 1)
     assert verdict == "refused" and "precision='bf16-mixed'" in message and "\\n" not in message
+
+
+def test_the_casts_follow_the_device_the_program_computes_on_not_the_machine(monkeypatch):
+    """On a machine with a GPU, a gang of gloo ranks computes on the CPU: the casts must be what
+    ``torch.autocast("cpu")`` does (``autocast("cuda")`` leaves CPU tensors alone and would record none)."""
+    from nnscaler.compile.plan import trace_model
+    from nnscaler.compile.precision import apply_precision
+    from verify.models.loader import build_model
+
+    case = build_model("nanogpt", 0)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    graph = trace_model(case.model, case.batch(0), None, registry=None, strict=False)
+    apply_precision(graph, "bf16-mixed")
+    casts = [op.cast for op in graph.ops if op.cast not in (None, "drop")]
+    assert casts.count(__import__("torch").bfloat16) >= 9, casts  # every linear and matmul, as on one CPU

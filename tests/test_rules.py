@@ -102,8 +102,13 @@ def test_real_conv_call_matches_the_fixed_entry():
     assert match_fixed(other, DEFAULT_REGISTRY.get("conv2d")) is None
 
 
+def test_a_dropout_that_draws_runs_the_whole_draw_kernel():
+    spec = derive(make_call("aten.dropout.default", (T(4, 8), 0.1, True)))
+    assert spec.local is not None and spec.local.keywords == {"dims": ("a", "b")}
+    assert derive(make_call("aten.dropout.default", (T(4, 8), 0.1, False))).local is None  # the identity
+
+
 def test_rules_decline_what_they_cannot_split():
-    assert derive(make_call("aten.dropout.default", (T(4, 8), 0.1, True))) is None
     ce = make_call("aten.cross_entropy_loss.default", (T(4, 8), T(4, 8), None, 1, -100, 0.0))
     assert derive(ce) is None  # probability targets
     assert derive(make_call("aten.index.Tensor", (T(4, 8), [T(4, 8, dtype=torch.bool)]))) is None  # a mask

@@ -43,12 +43,16 @@ from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError,
 from verify.report.progress import RunProgress
 from verify.cases.replica_rows import replica_items, run_replicas
 from verify.cases.zero import zero_refusal
+from verify.cases.torchpar_mesh import parse_mesh
+from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
+from verify.cases.torchpar_rows import BAD_INPUT as TORCHPAR_BAD_INPUT, check_parallelize, run_torchpar
 from verify.report.writer import ReportError, ReportWriter, summary, table
 from verify.cases.samples import DTYPES
 from verify.worker import load_modules
 
 
 
+DEFAULT_WORLD_SIZES = (2, 4)
 MICROBATCH_POLICIES = ("dp", "tp")  # the micro-batch sweep of `verify all`
 SEEDED_POLICIES = ("random", "random2d", "pp2_random")  # each seed draws another plan
 """Policies whose plan is drawn from the seed: ``verify all`` runs each under every ``--random-seeds``."""
@@ -124,8 +128,8 @@ def _common(p: argparse.ArgumentParser, run: bool = True) -> None:
                    help="import this file first so its register_op calls take effect (repeatable)")
     if not run:
         return
-    p.add_argument("--world-size", type=_world_size, nargs="+", default=[2, 4], metavar="N",
-                   help="world sizes to verify at (default: 2 4)")
+    p.add_argument("--world-size", type=_world_size, nargs="+", default=None, metavar="N",
+                   help="world sizes to verify at (default: 2 4; with --mesh of fixed sizes, their product)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="dtype of the run (default float32); every case is also judged against float64")
     p.add_argument("--seed", type=_seed, nargs="+", default=[0], metavar="S", help="input seeds (default: 0)")
@@ -201,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("--zero", type=int, default=0, metavar="Z",
                          help="ZeRO stage over the data-parallel ranks (dp, hybrid's dp axis, --replicas): 1 shards "
                               "optimizer state, 2 also gradients (default 0)")
+    p_model.add_argument("--parallelize", default=None, metavar="FILE.py:FN",
+                         help="verify your own torch parallelization instead of the compiler's policies: "
+                              "fn(model, mesh) applies parallelize_module plans, fully_shard, a transformers tp_plan "
+                              "(any mix) on the DeviceMesh the harness builds and returns the module (or "
+                              "verify.torch_parallel.Parallelized(module, step_context=loss_parallel)); the batch is split over the "
+                              "mesh dimension named dp")
+    p_model.add_argument("--mesh", default=None, metavar="SPEC",
+                         help="with --parallelize: the mesh's dimension names and sizes, NAME (1-D over the world "
+                              "size; default tp) or NAME=N,NAME=M (2-D, e.g. dp=2,tp=2; world size their product)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
@@ -229,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
                             "different plan (default: 0 1 2)")
     _recipes(p_all)
+    p_all.add_argument("--torchpar", nargs="*", default=None, metavar="NAME",
+                       help="built-in torch parallelizations to verify, a section of their own (torchtitan's Llama "
+                            "plan, FSDP2, FSDP2 x TP, transformers' tp_plan, known-wrong plans): "
+                            f"{', '.join(sorted({c.name for c in TORCH_CASES}))} (default: all, or none with --op or "
+                            "--model; none with an empty list)")
     return parser
 
 
@@ -243,6 +261,8 @@ def _recipes(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args) -> RunConfig:
+    if args.world_size is None:
+        args.world_size = list(DEFAULT_WORLD_SIZES)
     if args.base is not None and any(args.base % w for w in args.world_size):
         raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
     microbatches = getattr(args, "microbatches", 1)
@@ -430,6 +450,8 @@ def _policies(specs: Sequence[str]) -> tuple[str, ...]:
 def cmd_model(args) -> int:
     _load(args.module)
     case = _check_model(args.name, build=True)  # the one build before the ranks start
+    if args.parallelize is not None or args.mesh is not None:
+        return cmd_torchpar(args)
     policies = _policies(args.policy)
     cfg = _config(args)
     try:  # a pipeline the model cannot be cut into, or a batch that does not divide: before any rank starts
@@ -479,6 +501,55 @@ def cmd_model(args) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+TORCHPAR_REFUSED = {"replicas": 1, "microbatches": 1, "zero": 0, "precision": "32-true", "clip_grad_norm": None,
+                    "recompute": "none", "bucket_bytes": None, "grad_reduce_dtype": None}
+"""Options of compiled plans that a user's own parallelization does not take (their defaults)."""
+
+
+def cmd_torchpar(args) -> int:
+    """``verify model NAME --parallelize FILE.py:fn [--mesh SPEC]``: the user's own torch
+    parallelization (:mod:`verify.cases.torchpar`) against one device."""
+    if args.parallelize is None:
+        raise UsageError("--mesh needs --parallelize FILE.py:fn (the compiler's policies build their own meshes)")
+    if args.policy != list(POLICIES):
+        raise UsageError("give --policy or --parallelize, not both (--parallelize verifies your own parallelization)")
+    for opt, default in TORCHPAR_REFUSED.items():
+        if getattr(args, opt) != default:
+            raise UsageError(f"--{opt.replace('_', '-')} applies to the compiler's policies, not to --parallelize "
+                             f"(your fn sets up its own training recipe)")
+    mesh = args.mesh or "tp"
+    if args.world_size is None:  # a mesh of fixed sizes: its product; else 2 and 4
+        dims = _torchpar_dims(mesh)
+        fixed = all(s is not None for _, s in dims)
+        args.world_size = [math.prod(s for _, s in dims)] if fixed else list(DEFAULT_WORLD_SIZES)
+    cfg = _config(args)
+    dims = _torchpar_dims(mesh, args.name, args.parallelize, cfg.world_sizes)
+    _json_target(args.json)
+    writer = None if args.reports is None else ReportWriter(args.reports, cfg)
+    print(f"training {args.name} for {args.steps} steps parallelized by {args.parallelize} on a {mesh} mesh at world "
+          f"sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang, RunProgress(1) as progress:
+        label = f"model:{args.name} {args.parallelize}"
+        progress.start(label)
+        rows = list(run_torchpar(gang, args.name, args.parallelize, dims, cfg, args.gen_dir or tmp, args.steps))
+        progress.done(label, rows)
+    print(table(rows))
+    print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
+    _write_reports(writer, rows)
+    _write_json(args.json, rows)
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def _torchpar_dims(mesh: str, model: str | None = None, fn: str | None = None, world_sizes=()):
+    """The parsed ``--mesh``; with ``model`` and ``fn``, everything :func:`check_parallelize` checks."""
+    try:
+        if model is None:
+            return parse_mesh(mesh)
+        return check_parallelize(model, fn, mesh, list(world_sizes))
+    except TORCHPAR_BAD_INPUT as exc:
+        raise UsageError(str(exc)) from None
+
+
 def cmd_all(args) -> int:
     reg = _load(args.module)
     cfg = _config(args)
@@ -497,6 +568,13 @@ def cmd_all(args) -> int:
     if cfg.precision != "32-true":  # replica cases run 32-true only: left out rather than mislabelled
         replicas = []
     random_cfg = replace(cfg, seeds=tuple(dict.fromkeys(args.random_seeds)))
+    torch_names = args.torchpar if args.torchpar is not None else \
+        ([] if args.op or args.model is not None else sorted({c.name for c in TORCH_CASES}))
+    unknown = sorted(set(torch_names) - {c.name for c in TORCH_CASES})
+    if unknown:
+        raise UsageError(f"--torchpar {unknown[0]}: no such case; known: {', '.join(sorted({c.name for c in TORCH_CASES}))}")
+    torch_cases = [(f"torchpar:{c.name} W={c.world_size}", c) for c in TORCH_CASES
+                   if c.name in torch_names and c.world_size in cfg.world_sizes]
     items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p, 1)) for m in models for p in POLICIES]
     items += [(f"model:{m} {model_label(p, k)}", (m, p, k)) for k in dict.fromkeys(args.microbatches) if k > 1
               for m in models for p in MICROBATCH_POLICIES]
@@ -504,7 +582,7 @@ def cmd_all(args) -> int:
               for m in models if m in PIPELINE_MODELS for p in SWEPT]  # pipelines: 1F1B and GPipe, each mesh
 
     try:
-        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items) + len(replicas)) as progress:
+        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items) + len(replicas) + len(torch_cases)) as progress:
             preflight(gang, specs, cfg)
             for label, item in items:  # each row is written the moment it is known
                 progress.start(label)
@@ -525,6 +603,15 @@ def cmd_all(args) -> int:
                 progress.start(label)
                 new = []
                 for row in run_replicas(gang, name, (policy,), replace(cfg, world_sizes=sizes), tmp, r, skip=done):
+                    writer.add(row)
+                    new.append(row)
+                progress.done(label, new)
+                writer.seconds = time.perf_counter() - start
+                writer.flush()
+            for label, case in torch_cases:  # the section of torch's own parallelizations
+                progress.start(label)
+                new = []
+                for row in run_builtin(gang, case, cfg, tmp, skip=done):
                     writer.add(row)
                     new.append(row)
                 progress.done(label, new)

@@ -10,6 +10,9 @@ Fixtures:
 * ``verify_model``: ``verify_model(model, *, policies=("dp", "tp"), world_sizes=None, seeds=(0,),
   steps=3, dtype="float32", microbatches=1)`` trains a model (a registered name, ``"file.py:builder"``,
   or the builder function itself) under each policy: one subtest per (world size, policy, seed).
+  With ``parallelize=fn`` (``"file.py:fn"`` or the function) and ``mesh="tp"`` (or ``"dp"``,
+  ``"dp=2,tp=2"``) it verifies your own torch parallelization instead (``verify model
+  --parallelize``; :mod:`verify.cases.torchpar_api`): one subtest per (world size, seed).
 
 A failing subtest carries the tolerance message and the command that reruns the row alone. The
 file that defines the operator or builder is imported by the ranks too (the gang restarts once to
@@ -134,7 +137,16 @@ def verify_model(verify_gang: GangSession, subtests) -> Callable[..., list[Row]]
     """``verify_model(model, ...)``: train under each policy against one device, one subtest per row."""
 
     def run(model, *, policies: Sequence[str] = ("dp", "tp"), world_sizes: Sequence[int] | None = None,
-            seeds: Sequence[int] = (0,), steps: int = 3, dtype: str = "float32", microbatches: int = 1) -> list[Row]:
+            seeds: Sequence[int] = (0,), steps: int = 3, dtype: str = "float32", microbatches: int = 1,
+            parallelize=None, mesh: str = "tp") -> list[Row]:
+        if parallelize is not None:  # the user's own torch parallelization
+            from verify.torch_parallel import verify_parallelization
+            from verify.cases.torchpar_mesh import parse_mesh
+            fixed = all(n for _, n in parse_mesh(mesh))  # a mesh of fixed sizes sets its world size
+            sizes = world_sizes or (None if fixed else list(verify_gang.world_sizes))
+            rows = verify_parallelization(model, parallelize, mesh=mesh, world_sizes=sizes, seeds=seeds,
+                                          steps=steps, dtype=dtype, gang=verify_gang.gang)
+            return _report(subtests, rows, getattr(model, "__name__", model))
         if callable(model):
             path = _source_file(model)
             if path is None:

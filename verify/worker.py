@@ -7,7 +7,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
-from verify.judge.verdict import Unverifiable
+from verify.judge.verdict import Divergence, Unverifiable
 from verify.runner import isolation
 
 from verify.cases import op as rank_case
@@ -29,6 +29,8 @@ from verify.cases import memory
 from verify.cases.model import run_model_job
 from verify.cases.replicas import run_replicas_case
 from verify.cases.samples import DTYPES, Sample, make_sample
+from verify.cases.torchpar import run_torchpar_job
+from verify.cases.torchpar_modules import localize_torchpar
 from verify.cases.traces import TraceCache
 
 
@@ -92,12 +94,19 @@ def _localized(job: dict, checks: list, state: RankState) -> dict:
         everyone = [None] * w
         dist.all_gather_object(everyone, mine, group=state.groups.get(list(range(w))))
     first = next((n for n in everyone if n is not None), None)
-    if first is None:
+    if first is None and not job.get("localize"):  # ``localize``: say where anyway (tests of localisers)
         return result
     try:
-        found = localize_row(job, first, state.groups)
+        if job["kind"] == "torchpar":  # a torch parallelization: by module hooks (verify/cases/torchpar_modules.py)
+            found = localize_torchpar(job, state.groups)
+        else:
+            found = localize_row(job, first or "", state.groups)
     except Exception as exc:  # the verdict stands; say why no operator could be named
         return dict(result, divergence_error=_short(exc))
+    if isinstance(found, str):
+        return dict(result, divergence_note=found)
+    if isinstance(found, Divergence):
+        return dict(result, divergence=asdict(found))
     return result if found is None else dict(result, **found.result())
 
 
@@ -120,6 +129,9 @@ def handle(state: RankState, job: dict) -> dict:
                                        clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
                                        zero=job.get("zero", 0))
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=memory.take())
+        if job["kind"] == "torchpar":  # the user's own torch parallelization (verify/cases/torchpar.py)
+            checks = run_torchpar_job(job, state.groups)
+            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         if job["kind"] == "model":
             checks = run_model_job(job, state.groups, state.traces)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=memory.take())

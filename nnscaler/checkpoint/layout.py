@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..runtime.mesh import backend_device
+
 if TYPE_CHECKING:
     from ..runtime.module import ParallelModule
 
@@ -30,8 +32,8 @@ def device_mesh(module: "ParallelModule") -> DeviceMesh | None:
         return None
     ranks = torch.arange(mesh.offset, mesh.offset + int(torch.tensor(mesh.shape).prod())).reshape(
         tuple(mesh.shape[a] for a in keep))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     groups = [mesh.groups[a] for a in keep]
+    device = backend_device(groups[0]).type
     if len(groups) == 1:
         return DeviceMesh.from_group(groups[0], device, mesh=ranks)
     # several groups: torch wants a name per mesh dim

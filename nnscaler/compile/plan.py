@@ -15,7 +15,7 @@ import torch
 from ..config import ComputeConfig, PlanError
 from ..cost.estimate import analyze
 from ..cost.profiles import get_profile
-from ..cost.summary import param_fraction
+from ..cost.summary import human, param_fraction
 from ..dimops.partition import Partition
 from ..ir.graph import IRGraph
 from ..ir.plan import Plan, Policy, validate
@@ -82,7 +82,21 @@ def attach_stats(plan: Plan, graph: IRGraph, config: ComputeConfig, steps: list 
         warnings.warn(f"policy {plan.policy} promises tensor parallelism of degree {t} but a rank keeps "
                       f"{100 * frac:.0f}% of the parameters (at most {100 * (1 / t + SLACK):.0f}% expected); "
                       f"see Plan.report() for what stays whole", PlanWarning, stacklevel=3)
+    _warn_over_budget(plan, config)
     return plan
+
+
+def _warn_over_budget(plan: Plan, config: ComputeConfig) -> None:
+    """Warn when the plan's estimated peak per rank exceeds ``config.mem_budget`` or the profile's
+    device memory (a plan for a cluster that cannot run on it, whichever policy made it)."""
+    profile = get_profile(config.profile)
+    peak = max(plan.stats.peak_bytes, default=0)
+    limit, what = ((config.mem_budget, "mem_budget") if config.mem_budget is not None
+                   else (profile.memory, f"the {profile.name} profile's device memory"))
+    if peak > limit:
+        warnings.warn(f"policy {plan.policy}: estimated peak {human(peak)} per rank exceeds {what} of {human(limit)}: "
+                      f"the plan would not fit; use more ranks, tensor parallelism or autodist with "
+                      f"ComputeConfig(mem_budget=...)", PlanWarning, stacklevel=4)
 
 
 def write_report(plan: Plan, directory: str | os.PathLike) -> Path:

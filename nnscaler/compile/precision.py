@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import PlanError
-from ..runtime.precision import device_type
+from ..runtime.precision import tensors_device_type
 from ..trace.amp import autocast_casts
 
 
@@ -39,10 +39,11 @@ def apply_precision(graph, precision: str) -> None:
                         "(the tracer returned a graph without it)")
     casts = getattr(graph.exported, "_nnscaler_casts", None)
     if casts is None:
+        kind = tensors_device_type(n.meta.get("val") for n in graph.exported.graph.nodes if n.op == "placeholder")
         try:
-            casts = autocast_casts(graph.exported, device_type(), torch.bfloat16)
+            casts = autocast_casts(graph.exported, kind, torch.bfloat16)
         except Exception as exc:  # an operator without a bf16 kernel (or meta kernel) on this device
-            raise PlanError(f"precision='bf16-mixed': the model cannot run under torch.autocast({device_type()!r}, "
+            raise PlanError(f"precision='bf16-mixed': the model cannot run under torch.autocast({kind!r}, "
                             f"bfloat16): {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
                             f"use precision='32-true'") from None
         graph.exported._nnscaler_casts = casts  # one fake run per trace, shared by its copies

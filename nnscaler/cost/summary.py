@@ -6,6 +6,13 @@ from collections import defaultdict
 
 from tabulate import tabulate
 
+REASONS = {  # why an operator stays whole (nnscaler.policies.coverage), as the reports say it
+    "unknown": "no annotation: no rule to split it",
+    "indivisible": "no splittable dim divides the mesh",
+    "whole": "kept whole by the policy: cheaper whole on this profile, or not a dim it splits",
+}
+
+
 def human(n: float) -> str:
     """``1.5 GiB``-style bytes."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -93,7 +100,7 @@ def report(plan, s) -> str:
     for name, overload, why in s.replicated_ops:
         by_kind[(overload, why)].append(name)
     parts.append(f"replicated operators: {len(s.replicated_ops)}")
-    parts += [f"  {o} x{len(names)} ({why}): {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+    parts += [f"  {o} x{len(names)} ({REASONS.get(why, why)}): {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
               for (o, why), names in by_kind.items()]
     if plan.note:
         parts += ["", plan.note]

@@ -118,8 +118,12 @@ class _Costs:
         self.mesh, self.names, self.profile, self.grads = mesh_shape, axis_names, profile, grads
         self.cache: dict[tuple, float] = {}
 
-    def convert(self, t: IRTensor, src: Layout, dst: Layout, ids, bucketed: bool = False) -> float:
-        grad = t in self.grads
+    def convert(self, t: IRTensor, src: Layout, dst: Layout, ids, bucketed: bool = False,
+                synced: bool = False) -> float:
+        """Seconds of the collectives converting ``t`` from ``src`` to ``dst`` (and back for its
+        gradient); ``synced``: a parameter's later reader, whose gradient the first reader's
+        bucketed sync already sums (the runtime syncs a tied parameter once), so no gradient step."""
+        grad = t in self.grads and not synced
         key = (t.shape, t.dtype, t.kind, src, dst, tuple(ids), bucketed, grad)
         if key not in self.cache:
             steps, _ = conversion(src, dst, ids, self.mesh, len(t.shape), grad)
@@ -217,6 +221,7 @@ def build_program(graph: IRGraph, classes: list[OpClass], of: dict[IROp, int], m
                     unary_src(x, whole, v, i)
                     continue
                 u, src_of = of[fop], (lambda lay, fi=fi: _stored(lay.inputs[fi]))
+                synced = x.kind == PARAM
             elif len(uses[x]) > 1:
                 continue  # read by several operators: see _shared
             elif x.producer is None or not x.producer.known:
@@ -224,8 +229,8 @@ def build_program(graph: IRGraph, classes: list[OpClass], of: dict[IROp, int], m
                 continue
             else:
                 u, j = of[x.producer], x.producer.outputs.index(x)
-                src_of = (lambda lay, j=j: lay.outputs[j])
-            mat = np.array([[costs.convert(x, src_of(lu), lv.inputs[i], pv.axis_ids)
+                src_of, synced = (lambda lay, j=j: lay.outputs[j]), False
+            mat = np.array([[costs.convert(x, src_of(lu), lv.inputs[i], pv.axis_ids, synced=synced)
                              for lv, pv in zip(cls.layouts, cls.cands)] for lu in classes[u].layouts])
             if u == v:
                 seconds[v] += np.diag(mat)

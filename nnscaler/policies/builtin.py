@@ -33,6 +33,17 @@ def batch_identifiers(graph: IRGraph, dim: int = 0) -> dict[str, str | None]:
     return out
 
 
+def check_batch_divisible(graph: IRGraph, ranks: int, policy: str) -> None:
+    """Refuse a data-parallel axis of ``ranks`` that does not divide the batch (dim 0 of the first
+    batched input): every batch operator would stay whole on every rank, a plan that matches the
+    model and parallelizes nothing."""
+    first = next((t for t in graph.inputs if t.kind == INPUT and len(t.shape) > 0), None)
+    if ranks > 1 and first is not None and first.shape[0] % ranks:
+        raise PlanError(f"{policy}: the batch ({first.shape[0]} rows, dim 0 of input {first.name!r}) does not divide "
+                        f"over {ranks} data-parallel ranks, so no batch operator could be split; use a batch that "
+                        f"is a multiple of {ranks}, or another policy (tp)")
+
+
 def _dp_options(graph: IRGraph):
     batch = batch_identifiers(graph)
     return lambda op, axis, layouts: [batch[op.name]] if batch[op.name] is not None else [None]
@@ -100,6 +111,7 @@ def _vocab(op: IROp) -> str:
 def dp(graph: IRGraph, config: ComputeConfig) -> Plan:
     """Data parallelism: split the batch of every operator that has one; replicate the rest
     (parameters replicated, their gradients summed across ranks)."""
+    check_batch_divisible(graph, config.plan_ngpus, "dp")
     return plan_greedy(graph, (config.plan_ngpus,), ("dp",), _dp_options(graph), "dp")
 
 
@@ -118,6 +130,7 @@ def hybrid(graph: IRGraph, config: ComputeConfig) -> Plan:
     if config.plan_ngpus % t:
         raise PlanError(f"hybrid: tp_size {t} does not divide plan_ngpus {config.plan_ngpus}")
     d = config.plan_ngpus // t
+    check_batch_divisible(graph, d, "hybrid")
     dp_opts, tp_opts = _dp_options(graph), _tp_options(graph, config.sequence_parallel)
 
     def options(op: IROp, axis: int, layouts: dict):

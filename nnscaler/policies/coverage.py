@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from ..cost.summary import REASONS
 from ..dimops.partition import splittable
 from ..ir.graph import IRGraph, IROp
 from ..ir.plan import Plan
@@ -20,8 +21,10 @@ LISTED = 10  # overloads named in the one-line summary
 
 @dataclass(frozen=True)
 class Replicated:
-    """One operator the plan replicates: why (``unknown``: no annotation; ``whole``: annotated,
-    splittable, yet not split), and the model line that made it."""
+    """One operator the plan replicates: why (``unknown``: no annotation, no rule; ``indivisible``:
+    annotated, but no splittable dim's length divides a mesh axis; ``whole``: annotated and
+    divisible, yet the policy kept it whole, as cheaper whole on its profile or not a dim the
+    policy splits), and the model line that made it."""
 
     op: IROp
     reason: str
@@ -41,8 +44,10 @@ def replicated_operators(graph: IRGraph, plan: Plan) -> list[Replicated]:
             continue
         if not op.known:
             out.append(Replicated(op, "unknown"))
-        elif plan.partition(op).degree == 1 and splittable(op.bound):
-            out.append(Replicated(op, "whole"))
+        elif plan.partition(op).degree == 1 and (ids := splittable(op.bound)):
+            axes = [n for n in plan.mesh_shape if n > 1]
+            fits = any(op.bound.sizes[i] % n == 0 for i in ids for n in axes)
+            out.append(Replicated(op, "whole" if fits else "indivisible"))
     return out
 
 
@@ -51,7 +56,8 @@ def replicated_line(graph: IRGraph, plan: Plan) -> str:
     reps = replicated_operators(graph, plan)
     counts = Counter((r.op.overload.removeprefix("aten."), r.reason) for r in reps)
     kinds = counts.most_common()
-    listing = ", ".join(f"{o} x{n}" + (" (no annotation)" if why == "unknown" else "") for (o, why), n in kinds[:LISTED])
+    listing = ", ".join(f"{o} x{n}" + (f" ({REASONS[why].split(':')[0]})" if why != "whole" else "")
+                        for (o, why), n in kinds[:LISTED])
     if len(kinds) > LISTED:
         listing += f", {len(kinds) - LISTED} more kinds"
     return f"{len(reps)} of {len(graph.ops)} operators replicated" + (f": {listing}" if listing else "")

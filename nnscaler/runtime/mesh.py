@@ -6,9 +6,18 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..dimops.partition import axis_groups, coords
+
+
+def backend_device(group=None) -> torch.device:
+    """The device a process group's backend moves tensors on: the current GPU for nccl, else the CPU
+    (gloo ranks compute on the CPU even on a machine that has a GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class GroupCache:

@@ -30,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from ..ir.graph import IRGraph
 from . import clip
+from .mesh import backend_device
 from .microbatch import Accumulation, MicroBatchError, batch_rows, check_divisible, loss_terms
 from .module import ParallelModule, take
 from .schedules import SCHEDULES, canonical_schedule
@@ -112,7 +113,7 @@ class PipelineModule(torch.nn.Module):
         zero_bubble = "ZeroBubble" in self.schedule_name
         self._pipe_stages = [
             PipelineStage(_GradOutputs(mod, zero_bubble, tuple(getattr(t, "dtype", None) for t in _outs(graphs[s]))),
-                          s, self._n, torch.device("cpu"),
+                          s, self._n, backend_device(pp_group),
                           input_args=tuple(_example(t) for t in graphs[s].inputs),
                           output_args=tuple(_example(t) for t in _outs(graphs[s])), group=pp_group)
             for s, mod in sorted(stages.items())]

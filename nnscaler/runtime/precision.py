@@ -24,7 +24,19 @@ GRAD_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def device_type() -> str:
+    """The accelerator this process would use if it had to pick one (for option checks made before
+    any tensor exists); what a program computes on is :func:`tensors_device_type`."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tensors_device_type(tensors) -> str:
+    """The device type of the first tensor in ``tensors`` ("cpu" if none): the device autocast must
+    name, since ``torch.autocast("cuda")`` leaves CPU tensors alone (a gang of gloo ranks on a machine
+    that also has a GPU computes on the CPU)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
 
 
 def bf16_supported(kind: str | None = None) -> bool:

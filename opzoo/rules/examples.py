@@ -95,7 +95,7 @@ register_examples("aten.to.dtype_layout", [ex(T(16, 4), dtype=torch.float32, lay
                                               device=torch.device("cpu"))])
 register_examples("aten._to_copy.default", [ex(T(4, 8), dtype=torch.float64)])
 register_examples("aten.to.device", [(T(4, 8), torch.device("cpu"), torch.float64)])
-register_examples("aten.dropout.default", [(T(2, 8, 32), 0.0, True), (T(2, 4, 8, 8), 0.1, False)])
+register_examples("aten.dropout.default", [(T(2, 8, 32), 0.0, True), (T(2, 4, 8, 8), 0.1, False), (T(4, 6, 8), 0.25, True)])
 
 # --- reductions -----------------------------------------------------------------------------------
 register_examples("aten.sum.dim_IntList", [(T(2, 8, 32), [-1]), (T(2, 8, 32), [0, 2], True),

@@ -35,6 +35,7 @@ from nnscaler.runtime.mesh import RankMesh
 from verify.models.loader import file_tag
 from verify.judge.compare import Float64Fallback
 from verify.plan.check import op_partition
+from verify.cases.draws import same_draws
 from verify.cases.fresh import built_like
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
@@ -76,8 +77,10 @@ def _import_source(source: str, tag: str):
 
 
 def _run(program, state: dict, groups, args: tuple) -> Recorder:
+    """One forward (from one generator state, as every run compared: dropout masks equal) and backward."""
     rec = Recorder()
-    loss = program.forward(state, groups, *args, probe=rec)
+    with same_draws(0, 0):
+        loss = program.forward(state, groups, *args, probe=rec)
     loss.backward()
     return rec
 

@@ -24,6 +24,7 @@ from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
 from verify.judge.verdict import check_deterministic
+from verify.cases.draws import same_draws
 from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
 from verify.cases.microbatch import loss_fn_of, whole_batch
@@ -175,7 +176,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     loss_fn = loss_fn_of(case)
     pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
                       Path(gen_dir) / f"{file_tag(name)}-{tag}-w{world_size}-{dtype}-s{seed}", tracer_of(traces, (name, seed)))
-    check_deterministic(pm.graph)
+    if microbatches > 1 or is_pipeline_policy(policy):
+        check_deterministic(pm.graph, f"{microbatches} micro-batches")
     initial = pm.state_dict()
     checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
     params = dict(ref.named_parameters())
@@ -198,15 +200,17 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
                 loss = pm.train_step(*args, loss_fn=loss_fn)
             else:
-                loss = pm(*args)
+                with same_draws(seed, step):
+                    loss = pm(*args)
         if not (microbatches > 1 or is_pipeline_policy(policy)):
             loss.backward()
             if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
                 pm.clip_grad_norm_(clip)
         grad_bytes = storage_bytes(pm.grad_tensors()) if hasattr(pm, "grad_tensors") else None
-        loss_ref = ref(*args)
+        with same_draws(seed, step):
+            loss_ref = ref(*args)
         loss_ref.backward()
-        with fallback:
+        with fallback, same_draws(seed, step):
             loss64 = ref64(*cast(args, torch.float64))
             loss64.backward()
         widen, kw = fallback.widen, fallback.bounds()
@@ -272,9 +276,15 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
                          groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",
                          tracer_of(traces, (name, seed)))
     other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
+    step = -1  # the reloads' own draws
     with torch.no_grad():
-        got, want, other_loss = pm(*args), single(*args), other(*args)
-        with fallback:
+        with same_draws(seed, step):
+            got = pm(*args)
+        with same_draws(seed, step):
+            want = single(*args)
+        with same_draws(seed, step):
+            other_loss = other(*args)
+        with fallback, same_draws(seed, step):
             want64 = single64(*cast(args, torch.float64))
     return [Check("checkpoint keys", 0.0, 0.0, True),
             check_tensor("loss of the checkpoint on one device", got, want, want64, lowprec=fallback.lowprec),

@@ -15,6 +15,7 @@ from nnscaler.dimops.partition import Partition, check_partition, enumerate_part
 from nnscaler.ops.spec import outputs_of, resolve
 from nnscaler.runtime.mesh import RankMesh
 from nnscaler.runtime.partitioned import run_partitioned
+from verify.cases.draws import same_draws
 
 from verify.judge.compare import Check, check_tensor
 from verify.cases.samples import Sample
@@ -69,10 +70,15 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def draws_random(sample: Sample, device) -> str:
-    """Non-empty (the reason) when the op's outputs depend on the global random stream: two runs
-    under different seeds differ. Such an op draws other numbers on a shard than on the whole input,
-    so no split can be compared with one device (it is reported as not verifiable, never a match)."""
+    """Non-empty (the reason) when the op's outputs depend on the global random stream (two runs
+    under different seeds differ) and it has no partition-aware kernel: a plain op draws other
+    numbers on a shard than on the whole input, so no split can be compared with one device (it is
+    reported as not verifiable, never a match). A kernel that draws the whole tensor's numbers and
+    keeps its slice (``opzoo._parallel_kernels.dropout``) is verified like any other: both runs draw
+    from one generator state (:func:`verify.cases.draws.same_draws`)."""
     spec = sample.spec
+    if spec.local is not None:
+        return ""
     kwargs = resolve(dict(spec.kwargs), sample.bound.sizes)
     runs = []
     state = torch.random.get_rng_state()
@@ -97,7 +103,8 @@ def reference(sample: Sample, device) -> Reference:
     results = []
     for dtype in (None, torch.float64):
         leaves = _leaves(sample, device, dtype)
-        outs = outputs_of(spec.anno, spec.fn(*leaves, **kwargs))
+        with same_draws(0, 0):
+            outs = outputs_of(spec.anno, spec.fn(*leaves, **kwargs))
         cots = [None if c is None else c.to(device) for c in sample.cotangents]
         grads = _backward(outs, cots, leaves)
         results.append((tuple(y.detach() if isinstance(y, torch.Tensor) else y for y in outs), grads))
@@ -120,7 +127,8 @@ def run_case(sample: Sample, ref: Reference, partition: Partition, mesh: RankMes
     tol = spec.tolerance
     opts = {k: v for k, v in (("factor", tol and tol.factor), ("floor_eps", tol and tol.floor_eps)) if v is not None}
     leaves = _leaves(sample, device)
-    outs = run_partitioned(spec, sample.bound, partition, mesh, leaves)
+    with same_draws(0, 0):
+        outs = run_partitioned(spec, sample.bound, partition, mesh, leaves)
     cots = [None if c is None else c.to(device) for c in sample.cotangents]
     grads = _backward(outs, cots, leaves)
     checks = []

@@ -59,7 +59,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(batch(0), replica, replicas), policy, config, groups=groups,
                          verify=False, tracer=tracer_of(traces, (name, seed)), gen_savedir=Path(gen_dir) / tag)
-    check_deterministic(pm.graph)
+    check_deterministic(pm.graph, f"{replicas} replicas of a pipeline")
     loss_fn = loss_fn_of(case)
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads

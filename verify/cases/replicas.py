@@ -95,7 +95,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         pm = parallelize(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
                          groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
                          gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}{'-clip' if clip else ''}{'-rc' + recompute if recompute != 'none' else ''}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}")
-    check_deterministic(pm.graph)
+    check_deterministic(pm.graph, f"{replicas} data-parallel replicas")
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads

@@ -20,6 +20,7 @@ from nnscaler import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
 
+from verify.cases.draws import same_draws
 from verify.cases.batch import cast
 from verify.models.loader import file_tag
 from verify.judge.lowprec import Precision
@@ -58,7 +59,7 @@ def _moments(model, opt, parallel: bool) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _exact(name: str, got, want) -> Check:
+def exact(name: str, got, want) -> Check:
     """A checkpoint moves data; nothing is computed, so loaded tensors equal saved ones bit for bit."""
     if got is None or want is None:
         return Check(name, float("inf"), 0.0, False, "missing after the load" if got is None else "not saved")
@@ -70,10 +71,10 @@ def _exact(name: str, got, want) -> Check:
 
 
 def _loaded_checks(where: str, params: dict, moments: dict, saved: dict, saved_moments: dict) -> list[Check]:
-    checks = [_exact(f"resumed {where}: param {n}", params.get(n), t) for n, t in saved.items()]
+    checks = [exact(f"resumed {where}: param {n}", params.get(n), t) for n, t in saved.items()]
     for n, st in saved_moments.items():
         for k, t in st.items():
-            checks.append(_exact(f"resumed {where}: optimizer {k} of {n}", moments.get(n, {}).get(k), t))
+            checks.append(exact(f"resumed {where}: optimizer {k} of {n}", moments.get(n, {}).get(k), t))
     return checks
 
 
@@ -173,10 +174,13 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
         point = {n: p.detach().clone() for n, p in sp.items()}
         resumed.load_state_dict({k: point.get(k, v) for k, v in resumed.state_dict().items()})
         load_like(single64, single)
-        loss, loss_ref = resumed(*args), single(*args)
+        with same_draws(seed, step):
+            loss = resumed(*args)
+        with same_draws(seed, step):
+            loss_ref = single(*args)
         for x in (loss, loss_ref):
             x.backward()
-        with fallback:
+        with fallback, same_draws(seed, step):
             loss64 = single64(*cast(args, torch.float64))
             loss64.backward()
         widen, kw = fallback.widen, fallback.bounds()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nnscaler.runtime.precision import PRECISIONS, device_type
+from nnscaler.runtime.precision import PRECISIONS, tensors_device_type
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Precision:
 
 
 def _enter(module, args):
-    ctx = torch.autocast(device_type(), dtype=torch.bfloat16)
+    ctx = torch.autocast(tensors_device_type(module.parameters()), dtype=torch.bfloat16)
     ctx.__enter__()
     module._verify_autocast = getattr(module, "_verify_autocast", []) + [ctx]
 
@@ -80,7 +80,7 @@ def precheck(model: torch.nn.Module, args: tuple, precision: str) -> str | None:
                 model(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                         for a in args))
             else:
-                with torch.autocast(device_type(), dtype=torch.bfloat16):
+                with torch.autocast(tensors_device_type(model.parameters()), dtype=torch.bfloat16):
                     model(*args)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         line = (str(exc).strip().splitlines() or [""])[0]

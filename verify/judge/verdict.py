@@ -16,15 +16,16 @@ class Unverifiable(Exception):
     numbers: each rank's shard gets its own); the row is ``unverifiable``, never a mismatch."""
 
 
-def check_deterministic(graph) -> None:
-    """Raise :class:`Unverifiable` naming the operators of ``graph`` that draw random numbers."""
+def check_deterministic(graph, why: str) -> None:
+    """Raise :class:`Unverifiable` naming the operators of ``graph`` that draw random numbers, which
+    cannot equal one device's draws because the ranks see the batch in pieces (``why``)."""
     random = [op for op in graph.ops if op.draws_random]
     if random:
         where = "; ".join(f"{op.name} ({op.overload}) at {op.source or '?'}" for op in random[:3])
         more = f" and {len(random) - 3} more" if len(random) > 3 else ""
-        raise Unverifiable(f"{len(random)} operators draw random numbers in training ({where}{more}): their "
-                           f"masks on shards differ from one device's by design; verify with dropout p=0 or in eval "
-                           f"mode")
+        raise Unverifiable(f"{len(random)} operators draw random numbers in training ({where}{more}): with "
+                           f"{why} each piece draws its own mask, unlike one device drawing the whole batch's; "
+                           f"verify this plan without them, or with dropout p=0 or in eval mode")
 
 
 @dataclass
@@ -46,11 +47,12 @@ class Divergence:
     rerun: str = ""  # python -m verify op ... --partition ... that runs this operator alone (annotated ones)
     where: str = ""  # the program it was found in, when not the case's own (``stage 1 of 2 (ranks 2-3)``)
     kind: str = "operator"  # operator | conversion | state | accumulation
-    tensor: str = ""  # the traced tensor whose value or gradient diverged
+    tensor: str = ""  # the traced tensor whose value or gradient diverged (a module: which of its tensors)
     input_index: int | None = None  # which input of ``op`` (a gradient of an input, a conversion's read)
     layouts: str = ""  # what ``op`` reads (layouts, and the conversions that made them) and writes
     conversion: str = ""  # a conversion: its layouts, consumers and steps
     reason: str = ""  # the check's own words (ranks holding copies that differ, a missing piece)
+    what: str = "operator"  # "module" where a torch parallelization is localised by module hooks
 
     def _what(self) -> str:
         if self.kind == "operator":
@@ -66,6 +68,10 @@ class Divergence:
     def describe(self, modules=()) -> str:
         """One line for the report; ``modules`` are the ``--module`` files the op's rerun needs."""
         at = f"[{self.partition}]" + (f" in {self.where}" if self.where else "")
+        if self.what == "module":  # verify/cases/torchpar_modules.py: a module of the user's own program
+            what = self.tensor or ("output" if self.direction == "forward" else "gradient of its output")
+            return (f"first divergent module: {self.op} ({self.overload}) {at}, {what} error {self.err:.3g} > "
+                    f"tolerance {self.tol:.3g}")
         if self.kind == "operator":
             text = f"first divergent operator: {self.op} ({self.overload}) {at}"
         elif self.kind == "conversion":

@@ -24,7 +24,7 @@ HOW_TO_ADD = ("pass FILE.py:BUILDER, where BUILDER(seed) returns a ModelCase or 
               "builder with verify.models.register_model('NAME') in a file given with --module")
 
 
-def _import_file(path: Path):
+def import_file(path: Path):
     name = f"verify_user_{abs(hash(str(path)))}"  # as verify.worker.load_modules names it: imported once
     if name in sys.modules:
         return sys.modules[name]
@@ -65,7 +65,7 @@ def find_builder(ref: str) -> Callable[[int], ModelCase]:
     path = Path(path_text)
     if not path.is_file():
         raise ModelNotFound(f"model {ref!r}: no such file {path_text}")
-    module = _import_file(path.resolve())
+    module = import_file(path.resolve())
     builder = getattr(module, attr, None)
     if builder is None or not callable(builder):
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")

@@ -1,0 +1,181 @@
+"""One rank's part of a torch-parallelization case (``verify model FILE.py:build --parallelize
+FILE.py:fn``; the contract is :mod:`verify.cases.torchpar_api`'s): the model built afresh, ``fn``
+applied on the case's ``DeviceMesh``, a few AdamW steps judged as compiled plans are
+(:func:`verify.cases.model.step_checks`: the loss and every gradient at the single-device run's
+parameters, each update against AdamW on one device fed the parallel gradients), then a
+``torch.distributed.checkpoint`` save on the ranks and a resume on one device: every parameter and
+optimizer moment equal to what was saved, and one more step of the resumed single-device run
+against the parallel run's."""
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from nnscaler.runtime.mesh import GroupCache
+
+from verify.cases.batch import cast
+from verify.cases.fresh import load_like
+from verify.cases.model import LR, step_checks
+from verify.cases.resume import exact
+from verify.cases.torchpar_build import parallel_model
+from verify.cases.samples import DTYPES
+from verify.cases.torchpar_api import Parallelized
+from verify.cases.torchpar_mesh import DP, build_mesh, dp_slice
+from verify.cases.torchpar_modules import ModuleStack
+from verify.judge.compare import Check, Float64Fallback, check_tensor
+from verify.models.loader import build_model, file_tag
+
+def _whole(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+class Whole:
+    """The parallel module seen whole, as :func:`~verify.cases.model.step_checks` reads a compiled
+    one: full gradients and parameters (collective: every rank calls these in the same order)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def whole_grads(self) -> dict[str, torch.Tensor]:
+        return {n: _whole(p.grad).detach() for n, p in self.module.named_parameters() if p.grad is not None}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: _whole(p).detach() for n, p in self.module.named_parameters()}
+
+
+def load_whole(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Each parameter takes its piece of the whole tensor in ``state``: a DTensor the block at its
+    global offset (``compute_local_shape_and_global_offset``, which DCP uses to save it). Written
+    here because ``set_model_state_dict(full_state_dict=True)`` goes through ``distribute_tensor``,
+    which raises (an AssertionError in ``_StridedShard._shard_tensor``, torch 2.13) for FSDP2 over
+    tensor parallelism when a dimension does not divide (the vocabulary of 101 over 2 x 2)."""
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            if isinstance(p, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                p.to_local().copy_(state[n][tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+            else:
+                p.copy_(state[n])
+
+
+def _moments(module, opt) -> dict[str, dict[str, torch.Tensor]]:
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {names[id(p)]: {k: _whole(v).detach().clone() for k, v in st.items()} for p, st in opt.state.items()}
+
+
+def _step(par: Parallelized, args: tuple, mesh) -> torch.Tensor:
+    """Forward and backward of this rank's slice inside the plan's context; the step's loss (the
+    mean over the ``dp`` ranks). An exception names the module it was raised in."""
+    with ModuleStack(par.module) as stack, stack.naming(), par.step_context():
+        loss = par.module(*dp_slice(args, mesh))
+        loss.backward()
+    loss = _whole(loss).detach().clone()
+    if DP in (mesh.mesh_dim_names or ()):
+        dist.all_reduce(loss, group=mesh[DP].get_group())
+        loss /= mesh[DP].size()
+    return loss
+
+
+def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
+    """The checks of a ``torchpar`` job (keys: model, parallelize, mesh [[name, size], ...],
+    world_size, steps, seed, gen_dir, dtype)."""
+    dtype = job.get("dtype", "float32")
+    dt = DTYPES[dtype]
+    names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
+    mesh = build_mesh(names, sizes, groups)
+    par, (case, ref) = parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
+    whole = Whole(par.module)
+    ref64 = load_like(build_model(job["model"], job["seed"]).model.double(), ref)
+    params = dict(ref.named_parameters())
+    got = [n for n, _ in par.module.named_parameters()]
+    if sorted(got) != sorted(params):
+        extra, lost = sorted(set(got) - set(params)), sorted(set(params) - set(got))
+        return [Check("parameter names", float("inf"), 0.0, False, f"the parallelized module renames parameters "
+                      f"(lacks {lost[:3]}, has {extra[:3]}); return a module with the model's parameter names")]
+    initial = whole.state_dict()
+    checks = [exact(f"initial {n}", initial.get(n), p.detach()) for n, p in params.items()]
+    shadow = {n: p.detach().clone() for n, p in params.items()}
+    opts = [torch.optim.AdamW(par.module.parameters(), lr=LR)]
+    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
+    fallback = Float64Fallback(dt)
+    for step in range(job["steps"]):
+        args = cast(case.batch(step), dt)
+        point = {n: p.detach().clone() for n, p in params.items()}
+        load_whole(par.module, point)
+        loaded = whole.state_dict()
+        bad = [exact(n, loaded[n], t) for n, t in point.items()]
+        bad = [c for c in bad if not c.ok]
+        checks.append(Check(f"load step {step}", 0.0 if not bad else float("inf"), 0.0, not bad,
+                            f"{bad[0].name}: {bad[0].reason}" if bad else ""))
+        ref64.load_state_dict({k: v.double() for k, v in point.items()}, strict=False)
+        loss = _step(par, args, mesh)
+        loss_ref = ref(*args)
+        loss_ref.backward()
+        with fallback:
+            loss64 = ref64(*cast(args, torch.float64))
+            loss64.backward()
+        kw = fallback.bounds()
+        checks.append(check_tensor(f"loss step {step}", loss, loss_ref.detach(), loss64.detach(), **kw))
+        checks += step_checks(whole, params, ref64, shadow, point, opts, step, fallback.widen, kw)
+    if job.get("checkpoint", True):
+        checks += resume_checks(job, par, opts[0], mesh, dt, case, groups)
+    return checks + fallback.notes(dtype)
+
+
+def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case, groups: GroupCache) -> list[Check]:
+    """Save the parallel module and its AdamW state with ``torch.distributed.checkpoint``
+    (``get_model_state_dict``/``get_optimizer_state_dict``, each rank writing its shards), load them
+    on one device into a model built afresh (``dcp.load(no_dist=True)``): every parameter and moment
+    equals what was saved, bit for bit. Then one more step: the resumed model's loss and gradients
+    against the parallel run's, and the resumed optimizer fed the parallel gradients against the
+    parallel optimizer's update."""
+    rank, steps = dist.get_rank(), job["steps"]
+    path = Path(job["gen_dir"]) / f"dcp-{file_tag(job['model'])}-{file_tag(job['parallelize'])}-w{job['world_size']}-s{job['seed']}"
+    everyone = groups.get(range(job["world_size"]))  # the case's ranks (the gang may hold more)
+    if rank == 0 and path.exists():
+        shutil.rmtree(path)
+    dist.barrier(group=everyone)
+    saved, saved_moments = Whole(par.module).state_dict(), _moments(par.module, opt)
+    dcp.save({"model": get_model_state_dict(par.module), "optim": get_optimizer_state_dict(par.module, opt)},
+             checkpoint_id=path, process_group=everyone)
+    dist.barrier(group=everyone)
+    single = build_model(job["model"], job["seed"]).model.to(dt)
+    single_opt = torch.optim.AdamW(single.parameters(), lr=opt.defaults["lr"])
+    state = {"model": get_model_state_dict(single), "optim": get_optimizer_state_dict(single, single_opt)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    set_model_state_dict(single, state["model"])
+    set_optimizer_state_dict(single, single_opt, state["optim"])
+    checks = [exact(f"resumed on one device: param {n}", p.detach(), saved[n]) for n, p in single.named_parameters()]
+    moments = _moments(single, single_opt)
+    checks += [exact(f"resumed on one device: optimizer {k} of {n}", moments.get(n, {}).get(k), t)
+               for n, st in saved_moments.items() for k, t in st.items()]
+    # one more step from the checkpoint: the resumed run is the reference of the parallel run's
+    args = cast(case.batch(steps), dt)
+    single64 = load_like(build_model(job["model"], job["seed"]).model.double(), single)
+    params = dict(single.named_parameters())
+    point = {n: p.detach().clone() for n, p in params.items()}
+    loss = _step(par, args, mesh)
+    loss_ref = single(*args)
+    loss_ref.backward()
+    fallback = Float64Fallback(dt)
+    with fallback:
+        loss64 = single64(*cast(args, torch.float64))
+        loss64.backward()
+    kw = fallback.bounds()
+    checks.append(check_tensor(f"resumed on one device: loss step {steps}", loss, loss_ref.detach(), loss64.detach(), **kw))
+    whole = Whole(par.module)
+    with torch.no_grad():  # the resumed model itself is the shadow: its resumed AdamW is fed the parallel gradients
+        resumed = step_checks(whole, params, single64, params, point, [opt, single_opt], steps, fallback.widen, kw)
+    return checks + [Check(f"resumed on one device: {c.name}", c.err, c.tol, c.ok, c.reason) for c in resumed]
+

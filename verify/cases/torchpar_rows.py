@@ -1,0 +1,118 @@
+"""The parent's side of torch-parallelization cases: the checks before any rank starts (``fn``
+exists, returns a module with the model's parameter names on a mesh of the asked shape: run once on
+a fake process group, as torchtitan's dry runs do) and the rows of a run on the gang."""
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from verify.cases.config import Row, RunConfig
+from verify.cases.torchpar_build import ParallelizeNotFound, find_fn
+from verify.cases.torchpar_api import ParallelizeError, unpack
+from verify.cases.torchpar_mesh import DP, MeshSpecError, mesh_shape, parse_mesh
+from verify.judge.verdict import MATCH, judge, worst
+from verify.models.loader import build_model
+from verify.runner.gang import Gang
+
+BAD_INPUT = (ParallelizeNotFound, ParallelizeError, MeshSpecError)
+
+
+def mesh_label(names, sizes) -> str:
+    return ",".join(f"{n}={s}" for n, s in zip(names, sizes))
+
+
+def check_parallelize(model: str, fn_ref: str, mesh_spec: str, world_sizes) -> tuple:
+    """Before any rank starts: the mesh spec fits every world size, ``fn`` exists and, called on a
+    fresh build of the model over a fake process group of the first world size (rank 0; no
+    communication happens), returns a module (or ``Parallelized``) with the model's parameter
+    names. Raises one of :data:`BAD_INPUT`; returns the parsed mesh dims."""
+    dims = parse_mesh(mesh_spec)
+    for w in world_sizes:
+        mesh_shape(dims, w)
+    fn = find_fn(fn_ref)
+    rows = [a.shape[0] for a in build_model(model, 0).batch(0) if isinstance(a, torch.Tensor) and a.dim()]
+    for w in world_sizes:
+        names, sizes = mesh_shape(dims, w)
+        dp = dict(zip(names, sizes)).get(DP, 1)
+        if any(r % dp for r in rows):
+            raise MeshSpecError(f"--mesh {mesh_label(names, sizes)}: the batch ({rows[0]} rows) does not divide over "
+                                f"{DP}={dp}; each {DP} rank takes an equal slice of it")
+    if dist.is_initialized():  # this process has its own group (a user's): the ranks will say the rest
+        return dims
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (dry runs)
+    names, sizes = mesh_shape(dims, world_sizes[0])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_sizes[0])
+    try:
+        built = build_model(model, 0).model
+        want = sorted(n for n, _ in built.named_parameters())
+        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+        try:
+            par = unpack(fn(built, mesh), fn_ref)
+        except ParallelizeError:
+            raise
+        except Exception as exc:
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ParallelizeError(f"--parallelize {fn_ref}: fn(model, mesh) raised {type(exc).__name__}: {text} "
+                                   f"(on a {mesh_label(names, sizes)} mesh)") from None
+        got = sorted(n for n, _ in par.module.named_parameters())
+        if got != want:
+            lost = sorted(set(want) - set(got))[:3]
+            raise ParallelizeError(f"--parallelize {fn_ref}: the module it returns lacks parameters of the model "
+                                   f"({', '.join(lost) or 'renamed'}); return the model (or a module with its "
+                                   f"parameter names)")
+    finally:
+        dist.destroy_process_group()
+    return dims
+
+
+def expected_checks(model: str, steps: int, checkpoint: bool = True) -> list[str]:
+    """Checks every rank must return (a short list fails the case)."""
+    params = [n for n, _ in build_model(model, 0).model.named_parameters()]
+    names = [f"initial {n}" for n in params]
+    for s in range(steps):
+        names += [f"load step {s}", f"loss step {s}", *(f"grad {n} step {s}" for n in params),
+                  *(f"param {n} after step {s}" for n in params)]
+    if checkpoint:
+        names += [f"resumed on one device: param {n}" for n in params]
+        names += [f"resumed on one device: loss step {steps}", *(f"resumed on one device: grad {n} step {steps}"
+                                                                for n in params)]
+    return names
+
+
+def rerun_command(model: str, fn_ref: str, mesh: str, w: int, seed: int, steps: int, dtype: str) -> str:
+    parts = ["python", "-m", "verify", "model", model, "--parallelize", fn_ref, "--mesh", mesh,
+             "--world-size", str(w), "--seed", str(seed), "--steps", str(steps), "--dtype", dtype]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def run_torchpar(gang: Gang, model: str, fn_ref: str, dims, cfg: RunConfig, gen_dir: str, steps: int = 3,
+                 skip: frozenset | set = frozenset(), label: str | None = None, checkpoint: bool = True) -> Iterator[Row]:
+    """Train ``model`` parallelized by ``fn_ref`` on each world size and seed of ``cfg``; one row per
+    case (``label``: the partition column, by default the function and the mesh)."""
+    fn_ref = str(Path(fn_ref.rpartition(":")[0]).resolve()) + ":" + fn_ref.rpartition(":")[2]
+    for seed in cfg.seeds:
+        for w in cfg.world_sizes:
+            names, sizes = mesh_shape(dims, w)
+            mesh = mesh_label(names, sizes)
+            part = label or f"{fn_ref.rpartition(':')[2]} [{mesh}]"
+            if (f"model:{model}", w, part, cfg.dtype, seed) in skip:
+                continue
+            start = time.perf_counter()
+            job = {"kind": "torchpar", "model": model, "parallelize": fn_ref, "mesh": [[n, s] for n, s in zip(names, sizes)],
+                   "world_size": w, "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype,
+                   "checkpoint": checkpoint}
+            answers = gang.run(job, w, cfg.limit_s("model", steps))
+            status, detail, checks, tb = judge(answers, expected_checks(model, steps, checkpoint))
+            out = worst([c for c in checks if not c["name"].startswith("grad")], "")
+            grad = worst(checks, "grad")
+            yield Row(f"model:{model}", "torchpar", f"{steps} AdamW steps vs one device, DCP resume", w, part,
+                      cfg.dtype, seed, status, out and out["err"], out and out["tol"], grad and grad["err"],
+                      grad and grad["tol"], detail,
+                      "" if status == MATCH else rerun_command(model, fn_ref, mesh, w, seed, steps, cfg.dtype),
+                      time.perf_counter() - start, tb)
