@@ -1,6 +1,7 @@
 """A mismatching whole-model case names the first operator whose output or gradient diverges, with
-its source line, its partition and the command that verifies it alone: wrong annotations inside
-nanoGPT, Llama and a user's model, and a wrong collective injected into the runtime."""
+its source line, its partition and the command that verifies it alone (wrong annotations inside
+nanoGPT, Llama and a user's model), or the conversion between operators that diverges (a wrong
+collective injected into the runtime)."""
 from __future__ import annotations
 
 import re
@@ -105,7 +106,7 @@ def test_verify_op_of_a_model_node_refuses_unknown_nodes():
     assert "no operator 'linar_3'; closest: linear_3" in r.stderr, r.stderr
 
 
-def test_a_wrong_collective_is_named_at_the_operator_that_consumes_it():
+def test_a_wrong_collective_is_named_as_the_conversion_into_the_operator_that_consumes_it():
     case = MODELS["nanogpt"](0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -124,7 +125,12 @@ def test_a_wrong_collective_is_named_at_the_operator_that_consumes_it():
                 break
             var = lhs
     assert expected is not None, source
+    summed = re.search(r"C\.all_reduce\((\w+?)(?:__\d+)?, ", lines[at]).group(1)  # the tensor the all-reduce sums
     with Gang(2, [WRONG_COLLECTIVE], (2,)) as g:
         row = _row(g, "nanogpt", "tp", 0, [WRONG_COLLECTIVE])
     assert row.status == MISMATCH
-    assert f"first divergent operator: {expected} " in row.detail, (expected, row.detail)
+    # every operator matches: the conversion that sums the partial value, into its consumer, is named
+    assert f"first divergent conversion: {summed} V -> R for {expected} input " in row.detail, (expected, row.detail)
+    assert "steps: all_reduce(axis 0)" in row.detail and f"into {expected} (" in row.detail, row.detail
+    assert "value after it error" in row.detail, row.detail
+    assert row.localization["divergence"]["kind"] == "conversion", row.localization

@@ -6,17 +6,15 @@ import inspect
 import math
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Iterator
 
 from nnscaler.ops.spec import OpSpec
 
-from verify.cases.config import BadInput, Row, RunConfig, model_label
+from verify.cases.config import BadInput, Row, RunConfig, model_label, rerun_modules
 from verify.cases.model import expected_checks
 from verify.cases.pipeline import pipeline_applies, pipeline_microbatches
 from verify.cases.zero import rank_memory, zero_applies
-from verify.judge.verdict import MATCH, judge, worst
-from verify.models.loader import is_file_reference
+from verify.judge.verdict import MATCH, judge, localization, worst
 from verify.runner.gang import Gang
 
 
@@ -99,15 +97,6 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
 
 
 
-def rerun_modules(name: str, cfg: RunConfig) -> tuple[str, ...]:
-    """The ``--module`` files an operator's rerun line needs: the run's, and the model's own file when
-    the model is ``FILE.py:builder`` (its operators are registered there)."""
-    if is_file_reference(name):
-        path = str(Path(name.rpartition(":")[0]).resolve())
-        return tuple(dict.fromkeys((*cfg.modules, path)))
-    return tuple(cfg.modules)
-
-
 def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, steps: int = 3,
               skip: frozenset | set = frozenset(), bucket_bytes: int | None = None,
               checkpoint: bool = True) -> Iterator[Row]:
@@ -142,6 +131,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m,
-                          rank_memory(answers))
+                          rank_memory(answers),
+                          None if status == MATCH else localization(answers, rerun_modules(name, cfg)))
 
 

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -17,14 +17,12 @@ import torch.distributed as dist
 from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
-from verify.judge.verdict import Unverifiable
+from verify.judge.verdict import Divergence, Unverifiable
 from verify.runner import isolation
 
 from verify.cases import op as rank_case
 from verify.cases.conversion import run_conversion
-from verify.cases.localize import as_dict, localize_model_case
-from verify.cases.localize_stages import localize_pipeline_case, localize_replicas_case
-from verify.cases.pipeline import is_pipeline_policy
+from verify.cases.localize_row import localize_row
 from verify.cases.microbatch import run_accumulation_job
 from verify.cases.node import node_sample
 from verify.cases import memory
@@ -89,25 +87,27 @@ def _localized(job: dict, checks: list, state: RankState) -> dict:
     """A model job's result: its checks and, when one fails, where the programs part ways (the
     first divergent operator, or a line saying where else the fault lies)."""
     result = {"checks": [c.__dict__ for c in checks]}
-    if all(c.ok for c in checks) and not job.get("localize"):  # ``localize``: say where anyway (tests of localisers)
+    w = job["world_size"]
+    mine = next((c.name for c in checks if not c.ok), None)
+    everyone = [mine]
+    if w > 1:  # every rank of the case takes the same decision, or the localiser's collectives would hang
+        everyone = [None] * w
+        dist.all_gather_object(everyone, mine, group=state.groups.get(list(range(w))))
+    first = next((n for n in everyone if n is not None), None)
+    if first is None and not job.get("localize"):  # ``localize``: say where anyway (tests of localisers)
         return result
-    name, policy, w, seed, gen, dtype = (job["model"], job.get("policy"), job["world_size"], job["seed"],
-                                         job["gen_dir"], job.get("dtype", "float32"))
     try:
-        if job["kind"] == "torchpar":
+        if job["kind"] == "torchpar":  # a torch parallelization: by module hooks (verify/cases/torchpar_modules.py)
             found = localize_torchpar(job, state.groups)
-        elif job.get("plan_ngpus", w) < w:
-            found = localize_replicas_case(name, policy, w, job["plan_ngpus"], seed, state.groups, gen, dtype,
-                                           job.get("microbatches", 1))
-        elif is_pipeline_policy(policy):
-            found = localize_pipeline_case(name, policy, w, seed, state.groups, gen, dtype, job.get("microbatches", 1))
         else:
-            found = localize_model_case(name, policy, w, seed, state.groups, gen, dtype=dtype)
+            found = localize_row(job, first or "", state.groups)
     except Exception as exc:  # the verdict stands; say why no operator could be named
         return dict(result, divergence_error=_short(exc))
     if isinstance(found, str):
         return dict(result, divergence_note=found)
-    return dict(result, divergence=as_dict(found))
+    if isinstance(found, Divergence):
+        return dict(result, divergence=asdict(found))
+    return result if found is None else dict(result, **found.result())
 
 
 def handle(state: RankState, job: dict) -> dict:

@@ -15,6 +15,7 @@ from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
 from ..ops.spec import resolve
 from ..ir.plan import Plan
+from .probe import conversion_info, held_grad_layout, use_grad_layout
 from .recompute import wrap
 from .render import CodegenError, Raw, callable_source, comment, literal
 
@@ -104,6 +105,8 @@ class Emitter:
         self.synced = synced_params(graph, plan)
         self.grads = graph.carries_grad()  # tensors whose conversions need backward collectives
         self.shards: list[StateShard] = []
+        self.chain_of: dict[str, str] = {}  # instrumented mode: a converted variable -> its conversion chain
+        self.uses = 0  # instrumented mode: tensors read so far by the operator being emitted
 
     def fetch(self, t: IRTensor, want: Layout, axis_ids) -> str:
         """The variable holding ``t`` in layout ``want`` for a consumer splitting ``axis_ids``."""
@@ -117,6 +120,16 @@ class Emitter:
                      if st.kind == "all_gather_sum_grad" and st.axis == sync else st
                      for st in steps if not (st.kind == "grad_all_reduce" and st.axis == sync)]
         name, cur = self.var[t], self.layouts[t]
+        chain = ""
+        if self.probe:  # the chain's own alias of its source: the gradient back through this chain alone
+            chain = f"{t.name}#{len(self.chain_of) + 1}"
+            sync = self.synced.get(t)
+            info = conversion_info(cur, want, axis_ids, steps, sync)
+            self.fresh += 1
+            src = f"{t.name}__{self.fresh}"
+            self.lines.append(f"    {src} = probe.conversion({chain!r}, {t.name!r}, {name}, {layout_str(cur)!r}, "
+                              f"{held_grad_layout(cur, self.plan.mesh_shape, sync)!r}, {literal(info)})")
+            name = src
         for step in steps:
             self.steps.append((t, cur, step))
             cur = step_layout(cur, step)
@@ -126,7 +139,23 @@ class Emitter:
             self.collectives += step.kind not in ("split", "to_partial")
             name = new
         self.cache[key] = name
+        if self.probe:
+            self.chain_of[name] = chain
         return name
+
+    def read(self, reader: str, t: IRTensor, want: Layout, axis_ids) -> str:
+        """:meth:`fetch`, and in instrumented mode the use handed to ``probe.use`` (``reader``: the
+        consuming operator's name, or ``"output"``)."""
+        name = self.fetch(t, want, axis_ids)
+        if not self.probe:
+            return name
+        self.fresh += 1
+        new = f"{t.name}__{self.fresh}"
+        grad = use_grad_layout(want, axis_ids, self.plan.mesh_shape)
+        self.lines.append(f"    {new} = probe.use({reader!r}, {self.uses}, {t.name!r}, {name}, {layout_str(want)!r}, "
+                          f"{grad!r}, {self.chain_of[name]!r})")
+        self.uses += 1
+        return new
 
     def name_of(self, fn, spec) -> tuple[str, dict]:
         try:
@@ -162,6 +191,7 @@ class Emitter:
         self.spans.append((op, start, len(self.lines)))
 
     def _op(self, op: IROp) -> None:
+        self.uses = 0
         if op.cast == "drop":
             self.lines.append(f"    # {op.name}: an assert of the fp32 trace's dtype, dropped under bf16-mixed")
             return
@@ -172,7 +202,7 @@ class Emitter:
         if not op.known:
             whole = tuple(Replicate() for _ in self.plan.mesh_shape)
             none = tuple(None for _ in self.plan.mesh_shape)
-            get = lambda t: self.cast(self.fetch(t, whole, none), t, op.cast)  # noqa: E731
+            get = lambda t: self.cast(self.read(op.name, t, whole, none), t, op.cast)  # noqa: E731
             args = [self._arg(x, get) for x in op.inputs]
             kwargs = [f"{k}={self._arg(v, get)}" for k, v in op.kwargs.items()]
             fn = f"torch.ops.{op.overload}" if not op.overload.startswith("_operator") else op.overload
@@ -190,7 +220,7 @@ class Emitter:
             if spec.anno.inputs[i].opaque:
                 args.append(literal(resolve(spec.args[i], sizes) if i in spec.args else x))
             else:
-                args.append(self.cast(self.fetch(x, lay.inputs[i], p.axis_ids), x, op.cast)
+                args.append(self.cast(self.read(op.name, x, lay.inputs[i], p.axis_ids), x, op.cast)
                             if isinstance(x, IRTensor) else self.fetch(x, lay.inputs[i], p.axis_ids))
         fn = spec.local or spec.fn
         expr, kw = self.name_of(fn, spec)
@@ -252,7 +282,8 @@ def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False, rec
     for op in graph.ops:
         e.op(op)
     none = tuple(None for _ in plan.mesh_shape)
-    outs = [e._arg(o, lambda t: e.fetch(t, whole, none)) for o in graph.outputs]
+    e.uses = 0
+    outs = [e._arg(o, lambda t: e.read("output", t, whole, none)) for o in graph.outputs]
     e.lines.append(f"    return {outs[0] if len(outs) == 1 else '(' + ', '.join(outs) + ',)'}")
     return e
 
@@ -269,8 +300,9 @@ def generate(graph: IRGraph, plan: Plan, rank: int, header: str = "", probe: boo
              ) -> tuple[str, list[StateShard], int]:
     """(source of plan rank ``rank``'s program, the state shards it holds, collectives it issues).
 
-    With ``probe``, ``forward`` takes a keyword ``probe(op, tensor, value, layout) -> value`` called
-    on every operator's output (the instrumented mode that localises a divergence)."""
+    With ``probe``, ``forward`` takes a keyword ``probe`` told every operator's output, every chain of
+    conversion steps and every tensor an operator reads (:mod:`nnscaler.codegen.probe`): the
+    instrumented mode that localises a divergence."""
     e = emit_program(graph, plan, rank, probe)
     return render_program(e, header), e.shards, e.collectives
 

@@ -76,6 +76,14 @@ def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layout
             continue
         per_axis.append([i for i in options(op, axis, layouts)
                          if i is None or (i in ok and op.bound.sizes[i] % f == 0)] or [None])
+    out = _combinations(op, mesh_shape, per_axis, blocks)
+    if not out:  # every axis offers only the same identifier (a square logits' loss, n x n): leave axes whole too
+        out = _combinations(op, mesh_shape, [axis + [None] if None not in axis else axis for axis in per_axis], blocks)
+    return out
+
+
+def _combinations(op: IROp, mesh_shape: Sequence[int], per_axis: list[list], blocks: dict[str, int]) -> list[Partition]:
+    """A partition per choice of one option per axis, each identifier used once."""
     out = []
     for combo in itertools.product(*per_axis):
         named = [i for i in combo if i is not None]

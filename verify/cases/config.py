@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from nnscaler.ops.spec import OpSpec
 
 from verify.cases.samples import split_base
+from verify.models.loader import is_file_reference
 from verify.judge.verdict import MATCH
 
 MODEL_LIMIT_FACTOR = 8  # a model case traces, compiles, trains and reloads: far more than one operator
@@ -131,6 +133,7 @@ class Row:
     traceback: str = field(default="", repr=False)
     microbatches: int = 1  # whole-model rows: micro-batches per step (the partition label says so too)
     memory: list | None = None  # whole-model rows: bytes per rank measured after the last step (verify/cases/memory.py)
+    localization: dict | None = None  # mismatching model rows: divergence, note, profile (verify.judge.verdict.localization)
 
     @property
     def ok(self) -> bool:
@@ -154,3 +157,12 @@ def model_label(policy: str, microbatches: int = 1, precision: str = "32-true", 
     the precision recipe unless ``32-true``, then ``zeroZ`` for a ZeRO stage."""
     label = policy if microbatches == 1 else f"{policy} mb{microbatches}"
     return label + (f" {precision}" if precision != "32-true" else "") + (f" zero{zero}" if zero else "")
+
+
+def rerun_modules(name: str, cfg: RunConfig) -> tuple[str, ...]:
+    """The ``--module`` files an operator's rerun line needs: the run's, and the model's own file when
+    the model is ``FILE.py:builder`` (its operators are registered there)."""
+    if is_file_reference(name):
+        path = str(Path(name.rpartition(":")[0]).resolve())
+        return tuple(dict.fromkeys((*cfg.modules, path)))
+    return tuple(cfg.modules)

@@ -1,12 +1,14 @@
-"""The first divergent operator of a whole-model case that mismatches.
+"""Where a whole-model case that mismatches first leaves the single-device program.
 
-The parallel program is generated again in instrumented mode (every operator's output handed to a
-probe), run on the case's ranks on one batch, and every output and every output's gradient brought
-back to the whole layout. The same traced graph is run on one device through a one-rank plan of the
-same generator, in the dtype under test and in float64. Tensor by tensor, with the tolerance policy
-of :mod:`verify.judge.compare`, the first operator in program order whose output leaves tolerance is the
-forward culprit; when every output is right, the first gradient to leave tolerance in backward
-order (latest operator first) names the operator whose backward broke it.
+The parallel program is generated again in instrumented mode (:mod:`nnscaler.codegen.probe`: every
+operator's output, every chain of conversion steps and every tensor an operator reads handed to a
+probe), run on the case's ranks on one batch, and each record is made whole from its pieces by its
+layout and compared with the same record of the same traced graph run on one device, in the dtype
+under test and in float64 (under :class:`~verify.judge.compare.Float64Fallback`, bounded as the case
+is): values in program order, then gradients latest first (:mod:`verify.cases.tensor_trace`). The
+first one beyond its bound names an operator (its inputs match, its output does not; or its output's
+gradient matches and its input's does not) or a conversion between operators (a composition fault:
+every operator alone is right), with its layouts and steps.
 """
 from __future__ import annotations
 
@@ -15,18 +17,15 @@ import math
 import shlex
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nnscaler.codegen.emit import generate
 from nnscaler import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
-from nnscaler.dimops.layout import Partial, Shard, join_blocks
 from nnscaler.ir.graph import IRGraph
 from nnscaler.ops.registry import DEFAULT_REGISTRY
 from nnscaler.ir.plan import Plan, replicated
@@ -34,12 +33,37 @@ from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.mesh import RankMesh
 
 from verify.models.loader import file_tag
-from verify.judge.compare import check_tensor
+from verify.judge.compare import Float64Fallback
 from verify.plan.check import op_partition
+from verify.cases.draws import same_draws
 from verify.cases.fresh import built_like
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
+from verify.cases.tensor_trace import Recorder, Trace, chain_of, compare, reads_by, reads_of
 from verify.judge.verdict import Divergence
+
+IN_STEP_ZERO = ("every tensor of the program on step 0 (values forward, gradients backward) matches the "
+                "single-device run: the divergence lies after backward (gradient sync of parameters, the "
+                "optimizer step), in a later step or in a checkpoint reload")
+
+
+@dataclass
+class Localized:
+    """What localisation found: the culprit, or a line saying where else the fault lies, and the
+    per-tensor error/bound profile along the program (``[label, F|B, err, tol]``)."""
+
+    found: Divergence | None = None
+    note: str = ""
+    profile: list = field(default_factory=list)
+
+    def result(self) -> dict:
+        """The keys a rank's answer carries (read by :func:`verify.judge.verdict.judge` and the rows)."""
+        out: dict = {"divergence_profile": self.profile}
+        if self.found is not None:
+            out["divergence"] = asdict(self.found)
+        if self.note:
+            out["divergence_note"] = self.note
+        return out
 
 
 def _import_source(source: str, tag: str):
@@ -52,52 +76,11 @@ def _import_source(source: str, tag: str):
     return module
 
 
-class Recorder:
-    """The ``probe`` of an instrumented program: keeps each output and, in backward, its gradient."""
-
-    def __init__(self) -> None:
-        self.order: list[tuple[str, str, str]] = []  # (op, tensor, layout) in program order
-        self.values: dict[str, torch.Tensor] = {}
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def __call__(self, op: str, name: str, value: Any, layout: str) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        self.order.append((op, name, layout))
-        self.values[name] = value.detach().clone()
-        if value.requires_grad:
-            value.register_hook(lambda g, name=name: self.grads.__setitem__(name, g.detach().clone()))
-        return value
-
-
-def _placements(layout: str) -> list:
-    out = []
-    for q in layout.split("x"):
-        out.append(Shard.parse(q) if q.startswith("D") else Partial() if q == "V" else None)
-    return out
-
-
-def _whole(x: torch.Tensor, layout: str, groups, grad: bool) -> torch.Tensor:
-    """The whole tensor from this rank's piece (every rank calls this in the same order). A
-    gradient is split like its tensor, but whole where the tensor is a partial value."""
-    places = _placements(layout)
-    for axis in reversed(range(len(places))):
-        q, group = places[axis], groups[axis]
-        if group is None:
-            continue
-        if isinstance(q, Shard):
-            parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, x.contiguous(), group=group)
-            x = join_blocks(parts, q.dim, q.blocks)
-        elif isinstance(q, Partial) and not grad:
-            x = x.clone()
-            dist.all_reduce(x, group=group)
-    return x
-
-
 def _run(program, state: dict, groups, args: tuple) -> Recorder:
+    """One forward (from one generator state, as every run compared: dropout masks equal) and backward."""
     rec = Recorder()
-    loss = program.forward(state, groups, *args, probe=rec)
+    with same_draws(0, 0):
+        loss = program.forward(state, groups, *args, probe=rec)
     loss.backward()
     return rec
 
@@ -106,9 +89,6 @@ def single_program(graph: IRGraph, model: torch.nn.Module, dtype: torch.dtype | 
     """``graph`` generated for one device (instrumented) and its state, in ``dtype`` (``None``: as traced)."""
     plan = Plan((1,), ("r",), {op.name: replicated((1,)) for op in graph.ops if op.known}, policy="single")
     source, _, _ = generate(graph, plan, 0, probe=True)
-    if dtype == torch.float64:  # the float64 reference of the same graph: its dtype literals follow
-        for low in ("torch.float32", "torch.bfloat16", "torch.float16"):
-            source = source.replace(low, "torch.float64")
     program = _import_source(source, "single")
     state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
     state = {k: v.detach().clone().requires_grad_(isinstance(v, torch.nn.Parameter) and v.requires_grad) for k, v in state.items()}
@@ -118,12 +98,27 @@ def single_program(graph: IRGraph, model: torch.nn.Module, dtype: torch.dtype | 
     return program, state
 
 
-def single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch.dtype | None) -> Recorder:
-    """Every output and output gradient of ``graph`` run on one device on ``args``, in ``dtype``."""
+def single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch.dtype | None,
+                  fallback: Float64Fallback | None = None) -> Recorder:
+    """Every record of ``graph`` run on one device on ``args``, in ``dtype``; in float64 under
+    ``fallback`` (the float64 reference's mode: float32 islands promoted, as the case's reference is)."""
     program, state = single_program(graph, model, dtype)
     if dtype is not None:
         args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-    return _run(program, state, (None,), args)
+    if fallback is None:
+        return _run(program, state, (None,), args)
+    with fallback:
+        return _run(program, state, (None,), args)
+
+
+def references(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch.dtype):
+    """The single-device runs of ``graph`` (as traced, and the float64 reference) and the bounds of
+    :func:`verify.judge.compare.check_tensor` for what that reference did, per tensor dtype
+    (:meth:`verify.judge.compare.Float64Fallback.bounds`)."""
+    fallback = Float64Fallback(dtype)
+    dev = single_device(graph, model, args, None)
+    ref = single_device(graph, model, args, torch.float64, fallback)
+    return dev, ref, fallback.bounds
 
 
 def rerun_command(op, plan: Plan, world_size: int, model: str, seed: int, dtype: str) -> str:
@@ -150,75 +145,106 @@ def probed_program(graph: IRGraph, plan: Plan, mesh: RankMesh, model: torch.nn.M
     return program, probed._local()
 
 
-def first_bad(par: Recorder, dev: Recorder, ref: Recorder, groups) -> tuple[str, str, Any] | None:
-    """``(op, direction, check)`` of the first tensor of ``par`` (a run on ranks whose mesh groups are
-    ``groups``; every one of them calls this) that leaves tolerance against the single-device runs
-    ``dev`` and ``ref``: outputs in program order, then gradients latest first."""
-    scale = max((float(g.abs().max()) for g in ref.grads.values() if g.numel()), default=0.0)
-
-    def check(name, layout, direction):
-        if direction == "forward":
-            whole = _whole(par.values[name], layout, groups, grad=False)
-            return check_tensor(name, whole, dev.values.get(name), ref.values.get(name))
-        g = par.grads.get(name)
-        whole = None if g is None else _whole(g, layout, groups, grad=True)
-        return check_tensor(name, whole, dev.grads.get(name), ref.grads.get(name), scale=scale)
-
-    found = None
-    for op_name, name, layout in par.order:  # every rank gathers every tensor, in the same order
-        c = check(name, layout, "forward")
-        if found is None and not c.ok:
-            found = (op_name, "forward", c)
-    if found is None:
-        for op_name, name, layout in reversed(par.order):
-            c = check(name, layout, "backward")
-            if found is None and not c.ok:
-                found = (op_name, "backward", c)
-    return found
+def _layouts(op, par: Recorder) -> str:
+    """What ``op`` reads, each in the layout it reads it and how it got there, and what it writes."""
+    reads = []
+    for u in reads_by(par, op.name):
+        conv = chain_of(par, u.chain)
+        info = dict(conv.info) if conv is not None else {}
+        how = f"from {info['from']}: {info['steps']}" if info and info.get("steps") != "none" else "as held"
+        reads.append(f"{u.tensor} {u.layout} ({how})")
+    writes = [f"{r.tensor} {r.layout}" for r in par.records if r.kind == "out" and r.op == op.name]
+    return f"reads {', '.join(reads) or 'nothing'} -> writes {', '.join(writes) or 'nothing'}"
 
 
-def divergence(graph: IRGraph, plan: Plan, found: tuple[str, str, Any], world_size: int, model_ref: str = "",
+def _conversion(par: Recorder, chain: str, backward: bool) -> str:
+    """One chain of conversion steps in words: the tensor, the layouts, the consumers and the steps."""
+    conv = chain_of(par, chain)
+    info = dict(conv.info)
+    readers = ", ".join(dict.fromkeys(f"{u.op} input {u.index}" for u in reads_of(par, chain))) or "nothing"
+    text = (f"{conv.tensor} {info['from']} -> {info['to']} for {readers} (consumer splits {info['split']} per mesh "
+            f"axis), steps: {info['steps']}")
+    if backward:
+        back = {u.grad_layout for u in reads_of(par, chain)}
+        text += f"; its gradient comes back {'/'.join(sorted(back))} and must leave {conv.grad_layout}"
+        if info.get("synced"):
+            text += f" ({info['synced']})"
+    return text
+
+
+def divergence(graph: IRGraph, plan: Plan, trace: Trace, par: Recorder, world_size: int, model_ref: str = "",
                seed: int = 0, dtype: str = "float32", where: str = "") -> Divergence:
-    """The :class:`Divergence` of ``first_bad``'s answer for ``plan`` on ``world_size`` ranks."""
-    op_name, direction, c = found
-    op = next(o for o in graph.ops if o.name == op_name)
-    label = plan.partition(op).label if op.known else "replicate (no annotation)"
-    rerun = rerun_command(op, plan, world_size, model_ref, seed, dtype)
-    name = op.spec.name if op.known else op.overload
-    return Divergence(op_name, name if name == op.overload else f"{op.overload}, registered as {name}", op.source,
-                      label, direction, c.err if math.isfinite(c.err) else float("inf"), c.tol, rerun, where)
+    """The :class:`Divergence` of ``trace``'s first entry beyond its bound, for ``plan`` on ``world_size`` ranks."""
+    e = trace.first
+    r, backward, c = e.record, e.direction == "backward", e.check
+    ops = {o.name: o for o in graph.ops}
+    conversion = layouts = ""
+    if r.kind == "conv" and not backward:  # a parameter, buffer or input as the ranks hold it (its first reader named)
+        kind, tensor = "state", r.tensor
+        op = ops.get(reads_of(par, r.chain)[0].op)
+        layouts = f"{r.tensor} held {r.layout}"
+    elif r.kind == "conv" or (r.kind == "use" and not backward):
+        kind, tensor = "conversion", r.tensor
+        chain = r.chain
+        reader = reads_of(par, chain)[0] if r.kind == "conv" else r
+        op = ops.get(reader.op)
+        conversion = _conversion(par, chain, backward)
+    elif r.kind == "out" and backward:
+        kind, tensor, op = "accumulation", r.tensor, ops.get(r.op)
+    else:
+        kind, tensor, op = "operator", r.tensor, ops.get(r.op)
+    if op is not None and not layouts:
+        layouts = _layouts(op, par)
+    if op is None:
+        label, overload, source, rerun, op_name = "", "the program's return", "", "", "output"
+    else:
+        label = plan.partition(op).label if op.known else "replicate (no annotation)"
+        name = op.spec.name if op.known else op.overload
+        overload = name if name == op.overload else f"{op.overload}, registered as {name}"
+        source, op_name = op.source, op.name
+        rerun = rerun_command(op, plan, world_size, model_ref, seed, dtype) if kind == "operator" else ""
+    index = r.index if r.kind == "use" else None
+    return Divergence(op_name, overload, source, label, "backward" if backward else "forward",
+                      c.err if math.isfinite(c.err) else float("inf"), c.tol, rerun, where, kind=kind, tensor=tensor,
+                      input_index=index, layouts=layouts, conversion=conversion, reason=c.reason)
 
 
-def first_divergence(pm: ParallelModule, model: torch.nn.Module, args: tuple, world_size: int, model_ref: str = "",
-                     seed: int = 0, dtype: str = "float32") -> Divergence | None:
-    """Run ``pm``'s plan instrumented on ``args`` (every rank of the plan calls this) and compare
-    each operator with the single-device run of the same graph; ``None`` if none diverges.
-    ``model_ref``, ``seed`` and ``dtype`` name the traced model for the culprit's rerun command."""
+def localized(graph: IRGraph, plan: Plan, trace: Trace, par: Recorder, world_size: int, model_ref: str = "",
+              seed: int = 0, dtype: str = "float32", where: str = "", note: str = IN_STEP_ZERO) -> Localized:
+    """:class:`Localized` from one program's comparison (``note`` where nothing diverges)."""
+    if trace.first is None:
+        return Localized(None, note, trace.profile())
+    return Localized(divergence(graph, plan, trace, par, world_size, model_ref, seed, dtype, where), "", trace.profile())
+
+
+def localize_program(pm: ParallelModule, model: torch.nn.Module, args: tuple, world_size: int, model_ref: str = "",
+                     seed: int = 0, dtype: str = "float32") -> Localized:
+    """Run ``pm``'s plan instrumented on ``args`` (every rank of the plan calls this) and compare every
+    record with the single-device runs of the same graph. ``model_ref``, ``seed`` and ``dtype`` name
+    the traced model for the culprit's rerun command."""
     graph, plan, mesh = pm.graph, pm.plan, pm.mesh
     program, local = probed_program(graph, plan, mesh, model)
     par = _run(program, local, mesh.groups, args)
-    dev, ref = single_device(graph, model, args, None), single_device(graph, model, args, torch.float64)
-    found = first_bad(par, dev, ref, mesh.groups)
-    return None if found is None else divergence(graph, plan, found, world_size, model_ref, seed, dtype)
-
-
-def as_dict(d: Divergence | None) -> dict | None:
-    return None if d is None else asdict(d)
+    dev, ref, bounds = references(graph, model, args, DTYPES[dtype])
+    trace = compare(par, dev, ref, mesh.groups, bounds)
+    return localized(graph, plan, trace, par, world_size, model_ref, seed, dtype)
 
 
 def localize_model_case(name: str, policy: str, world_size: int, seed: int, groups, gen_dir: str,
-                        dtype: str = "float32") -> Divergence | None:
-    """The first divergent operator of model ``name`` under ``policy`` (a built-in name or
-    ``FILE.py:fn``), on its step-0 batch and initial parameters, in ``dtype`` (every rank of the case
-    calls this, after the case mismatched)."""
+                        dtype: str = "float32", plan_seed: int | None = None) -> Localized:
+    """Where model ``name`` under ``policy`` (a built-in name or ``FILE.py:fn``) first diverges, on its
+    step-0 batch and initial parameters, in ``dtype`` (every rank of the case calls this, after the
+    case mismatched). ``plan_seed``: the seed the plan was made with, where not the model's (the plan
+    a checkpoint resumed under)."""
     from verify.cases.model import resolve_policy  # model_case imports the gang's worker, which imports this
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     model = case.model.to(dt)
     args = tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case.batch(0))
-    config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed)
+    plan_seed = seed if plan_seed is None else plan_seed
+    config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=plan_seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(built_like(name, seed, model, dt), args, resolve_policy(policy), config, groups=groups, verify=False,
-                         gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}")
-    return first_divergence(pm, model, args, world_size, name, seed, dtype)
+                         gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{plan_seed}")
+    return localize_program(pm, model, args, world_size, name, seed, dtype)

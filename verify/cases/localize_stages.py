@@ -4,7 +4,7 @@ A pipeline is localised stage by stage: the pipelined module is compiled as the 
 and each stage's graph and plan run instrumented on that stage's ranks, fed at the stage's inputs
 (the cut activations, and the user inputs it reads) with the single-device run's values on the first
 micro-batch, and, at its outputs, with the single-device run's gradients; every operator is then
-compared as :func:`verify.cases.localize.first_bad` compares a whole program. The earliest stage holding a
+compared as :func:`verify.cases.localize.localize_program` compares a whole program. The earliest stage holding a
 divergence names it; when every stage matches alone, the fault lies between stages. A replicas case
 is localised as a plain case of its plan on its ``W / R`` plan ranks (on the whole step-0 batch);
 when that plan matches, the fault lies in the sync between replicas.
@@ -22,8 +22,8 @@ from nnscaler.policies import ComputeConfig
 from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast
-from verify.judge.verdict import Divergence
-from verify.cases.localize import Recorder, divergence, first_bad, localize_model_case, probed_program, single_device, single_program
+from verify.cases.localize import Localized, divergence, localize_model_case, probed_program, references, single_program
+from verify.cases.tensor_trace import Recorder, compare
 from verify.cases.microbatch import whole_batch
 from verify.cases.fresh import built_like
 from verify.models.loader import build_model
@@ -39,8 +39,8 @@ def _inputs(g, dev: Recorder, graph_inputs: dict) -> list[torch.Tensor]:
     """A stage's inputs: the single-device values, floating ones that carry a gradient as leaves."""
     out = []
     for t in g.inputs:
-        v = (dev.values[t.name] if t.name in dev.values else graph_inputs[t.name]).clone()
-        out.append(v.requires_grad_(v.is_floating_point() and t.name in dev.grads))
+        v = (dev.output(t.name) if dev.has_output(t.name) else graph_inputs[t.name]).clone()
+        out.append(v.requires_grad_(v.is_floating_point() and dev.output(t.name, grad=True) is not None))
     return out
 
 
@@ -85,9 +85,10 @@ def _run_stage(module, model: torch.nn.Module, graph_inputs: dict, dev: Recorder
 
 
 def localize_pipeline_case(name: str, policy: str, world_size: int, seed: int, groups, gen_dir: str,
-                           dtype: str = "float32", microbatches: int = 1) -> Divergence | str:
-    """The first divergent operator of pipeline case ``name`` under ``policy``, stage by stage, or
-    :data:`BETWEEN_STAGES` (every rank of the case calls this; all get the same answer)."""
+                           dtype: str = "float32", microbatches: int = 1) -> Localized:
+    """Where pipeline case ``name`` under ``policy`` first diverges, stage by stage, or
+    :data:`BETWEEN_STAGES` (every rank of the case calls this; all get the same answer). The profile
+    is every stage's, in stage order, each label prefixed ``sS:``."""
     from verify.cases.model import resolve_policy
     dt = DTYPES[dtype]
     m = pipeline_microbatches(policy, microbatches)
@@ -101,40 +102,46 @@ def localize_pipeline_case(name: str, policy: str, world_size: int, seed: int, g
                          config, groups=groups, verify=False,
                          gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}")
     graph = pm.graph
-    dev, ref = single_device(graph, model, micro, None), single_device(graph, model, micro, torch.float64)
+    dev, ref, bounds = references(graph, model, micro, dt)
     graph_inputs = {t.name: a for t, a in zip(graph.inputs, micro)}
     n = len(pm.plans)
     cotangents = stage_cotangents(pm.graphs, model, dev, graph_inputs)
-    mine = {}
+    mine, profiles = {}, {}
     for s in sorted(int(k) for k in pm.stages):  # a rank's stages in order: their ranks meet in the same order
         module = pm.stages[str(s)]
         par = _run_stage(module, model, graph_inputs, dev, cotangents[s], s == n - 1)
-        found = first_bad(par, dev, ref, module.mesh.groups)
-        if found is not None:
+        trace = compare(par, dev, ref, module.mesh.groups, bounds)
+        profiles[s] = [[f"s{s}:{row[0]}", *row[1:]] for row in trace.profile()]
+        if trace.first is not None:
             k, first = module.plan.world_size, module.mesh.offset
             where = f"stage {s} of {n} (ranks {first}-{first + k - 1})" if k > 1 else f"stage {s} of {n} (rank {first})"
-            mine[s] = divergence(module.graph, module.plan, found, k, name, seed, dtype, where)
+            mine[s] = divergence(module.graph, module.plan, trace, par, k, name, seed, dtype, where)
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=groups.get(list(range(world_size))))
-    stages = {s: d for part in everyone for s, d in part.items()}
-    return stages[min(stages)] if stages else BETWEEN_STAGES
+    dist.all_gather_object(everyone, (mine, profiles), group=groups.get(list(range(world_size))))
+    stages = {s: d for part, _ in everyone for s, d in part.items()}
+    profile = {s: p for _, part in everyone for s, p in part.items()}
+    rows = [row for s in sorted(profile) for row in profile[s]]
+    return Localized(stages[min(stages)], "", rows) if stages else Localized(None, BETWEEN_STAGES, rows)
 
 
 def localize_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, seed: int, groups,
-                           gen_dir: str, dtype: str = "float32", microbatches: int = 1) -> Divergence | str | None:
-    """The first divergent operator of ``policy``'s plan alone on ranks ``0 .. plan_ngpus - 1`` (the
-    others return ``None`` at once; a pipeline is localised stage by stage there), or where the plan
+                           gen_dir: str, dtype: str = "float32", microbatches: int = 1) -> Localized | None:
+    """Where ``policy``'s plan alone on ranks ``0 .. plan_ngpus - 1`` first diverges (the others
+    return ``None`` at once; a pipeline is localised stage by stage there), or where the plan
     matches, that the fault is in replica sync."""
     if dist.get_rank() >= plan_ngpus:
         return None
     if is_pipeline_policy(policy):
         found = localize_pipeline_case(name, policy, plan_ngpus, seed, groups, gen_dir, dtype, microbatches)
-        if isinstance(found, str):
-            return f"one pipeline alone on {plan_ngpus} ranks: {found}; or in replica sync"
+        if found.found is None:
+            found.note = f"one pipeline alone on {plan_ngpus} ranks: {found.note}; or in replica sync"
+            return found
     else:
         found = localize_model_case(name, policy, plan_ngpus, seed, groups, gen_dir, dtype)
-    if found is None:
-        return (f"the plan matches alone on {plan_ngpus} ranks: the divergence lies in replica sync "
-                f"(gradients averaged across the {world_size // plan_ngpus} replicas)")
-    found.where = f"the plan alone on {plan_ngpus} of {world_size} ranks"
+    if found.found is None:
+        found.note = (f"the plan matches alone on {plan_ngpus} ranks: the divergence lies in replica sync "
+                      f"(gradients averaged across the {world_size // plan_ngpus} replicas)")
+        return found
+    alone = f"the plan alone on {plan_ngpus} of {world_size} ranks"
+    found.found.where = f"{found.found.where} of {alone}" if found.found.where else alone
     return found

@@ -8,9 +8,9 @@ import time
 from dataclasses import replace
 from typing import Iterator, Sequence
 
-from verify.judge.verdict import MATCH, worst as _worst, judge
+from verify.judge.verdict import MATCH, localization, worst as _worst, judge
 
-from verify.cases.config import Row, RunConfig, model_label
+from verify.cases.config import Row, RunConfig, model_label, rerun_modules
 from verify.runner.gang import Gang
 from verify.cases.zero import rank_memory, zero_applies
 from verify.cases.pipeline import PIPELINE_MODELS, pipeline_applies, pipeline_microbatches
@@ -63,7 +63,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                 limit = replace(cfg, microbatches=m).limit_s("model", steps)
                 expected = expected_replica_checks(name, steps, seed, policy, m)
                 answers = gang.run(job, w, limit)
-                status, detail, checks, tb = judge(answers, expected, cfg.modules)
+                status, detail, checks, tb = judge(answers, expected, rerun_modules(name, cfg))
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
                 rerun = cfg.rerun_model(name, policy, w, seed, steps, bucket_bytes) + f" --replicas {replicas}"
@@ -72,4 +72,5 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed,
                           status, out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
                           detail, "" if status == MATCH else rerun, time.perf_counter() - start, tb, m,
-                          rank_memory(answers))
+                          rank_memory(answers),
+                          None if status == MATCH else localization(answers, rerun_modules(name, cfg)))

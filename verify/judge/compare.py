@@ -267,12 +267,14 @@ class Float64Fallback(TorchDispatchMode):
         """How much wider the bounds are where the reference fell back for some operator."""
         return FALLBACK_WIDEN if self.used else 1.0
 
-    def bounds(self) -> dict:
+    def bounds(self, tensor_dtype: torch.dtype | None = None) -> dict:
         """``factor`` and ``floor_eps`` of :func:`check_tensor` for what this reference did: widened where
         it fell back; in a float64 run whose model computes float32 islands, the floor counts float32
-        ulps (the narrowest precision the program ran in), not float64's."""
+        ulps (the narrowest precision the program ran in), not float64's. ``tensor_dtype``: the dtype of
+        the tensor judged, where it is not the run's (a tensor of an island is float32 itself, and its
+        floor counts its own ulps already)."""
         floor = FLOOR_EPS * self.widen
-        if self.promoted and self.dtype == torch.float64:
+        if self.promoted and self.dtype == torch.float64 and tensor_dtype in (None, torch.float64):
             floor *= torch.finfo(torch.float32).eps / torch.finfo(torch.float64).eps
         return {"factor": FACTOR * self.widen, "floor_eps": floor, "lowprec": self.lowprec}
 

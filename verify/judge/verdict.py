@@ -30,31 +30,87 @@ def check_deterministic(graph, why: str) -> None:
 
 @dataclass
 class Divergence:
-    """Where a parallel program first leaves the single-device one."""
+    """Where a parallel program first leaves the single-device one: the first tensor beyond its bound
+    and what made it (``kind``): an ``operator`` (its inputs match, its output does not; or, backward,
+    its output's gradient matches and an input's does not), a ``conversion`` between operators (its
+    input matches and its output does not; or its consumers' gradients match and the gradient it
+    hands back does not), the ``state`` the ranks hold (a parameter, buffer or input as laid out), or
+    the ``accumulation`` of a tensor's gradient over its uses."""
 
-    op: str  # IR name
+    op: str  # IR name (a conversion: its consumer's), or "output"
     overload: str  # ATen overload, or the registered name
     source: str  # the model's file:line: code
     partition: str  # the op's partition in the plan (``m=2``), or ``replicate``
-    direction: str  # "forward" (its output) | "backward" (its output's gradient)
+    direction: str  # "forward" (a value) | "backward" (a gradient)
     err: float
     tol: float
     rerun: str = ""  # python -m verify op ... --partition ... that runs this operator alone (annotated ones)
     where: str = ""  # the program it was found in, when not the case's own (``stage 1 of 2 (ranks 2-3)``)
+    kind: str = "operator"  # operator | conversion | state | accumulation
+    tensor: str = ""  # the traced tensor whose value or gradient diverged (a module: which of its tensors)
+    input_index: int | None = None  # which input of ``op`` (a gradient of an input, a conversion's read)
+    layouts: str = ""  # what ``op`` reads (layouts, and the conversions that made them) and writes
+    conversion: str = ""  # a conversion: its layouts, consumers and steps
+    reason: str = ""  # the check's own words (ranks holding copies that differ, a missing piece)
     what: str = "operator"  # "module" where a torch parallelization is localised by module hooks
-    tensor: str = ""  # which of its tensors diverged, where not its output or its output's gradient
+
+    def _what(self) -> str:
+        if self.kind == "operator":
+            if self.direction == "forward":
+                return f"output {self.tensor}"
+            return f"gradient of its input {self.input_index} ({self.tensor}; its output's gradient matches)"
+        if self.kind == "conversion":
+            return "value after it" if self.direction == "forward" else "gradient it hands back"
+        if self.kind == "state":
+            return "value as held"
+        return "sum of the gradients its conversions hand back"
 
     def describe(self, modules=()) -> str:
         """One line for the report; ``modules`` are the ``--module`` files the op's rerun needs."""
-        what = self.tensor or ("output" if self.direction == "forward" else "gradient of its output")
-        text = (f"first divergent {self.what}: {self.op} ({self.overload}) [{self.partition}]"
-                + (f" in {self.where}" if self.where else "") + f", {what} error "
-                f"{self.err:.3g} > tolerance {self.tol:.3g}")
+        at = f"[{self.partition}]" + (f" in {self.where}" if self.where else "")
+        if self.what == "module":  # verify/cases/torchpar_modules.py: a module of the user's own program
+            what = self.tensor or ("output" if self.direction == "forward" else "gradient of its output")
+            return (f"first divergent module: {self.op} ({self.overload}) {at}, {what} error {self.err:.3g} > "
+                    f"tolerance {self.tol:.3g}")
+        if self.kind == "operator":
+            text = f"first divergent operator: {self.op} ({self.overload}) {at}"
+        elif self.kind == "conversion":
+            text = (f"first divergent conversion: {self.conversion}; into {self.op} ({self.overload}) {at}")
+        elif self.kind == "state":
+            text = f"first divergent tensor: {self.tensor} as the ranks hold it, read by {self.op} ({self.overload}) {at}"
+        else:
+            text = (f"first divergent gradient: {self.tensor}, output of {self.op} ({self.overload}) {at}: each "
+                    f"conversion of it hands back a matching gradient but their sum does not")
+        text += f", {self._what()} error {self.err:.3g} > tolerance {self.tol:.3g}"
+        if self.reason and "tolerance" not in self.reason:
+            text += f" ({self.reason})"
         if self.source:
             text += f" at {self.source}"
+        if self.layouts and self.kind != "conversion":
+            text += f"; {self.layouts}"
         if self.rerun:
-            text += f"; alone: {self.rerun}" + "".join(f" --module {shlex.quote(m)}" for m in modules)
+            text += f"; alone: {self.alone(modules)}"
         return text
+
+    def alone(self, modules=()) -> str:
+        """The command that verifies the culprit operator alone, with the ``--module`` files it needs
+        (empty for a conversion: it exists only inside the whole program; the row's rerun reproduces it)."""
+        return self.rerun + "".join(f" --module {shlex.quote(m)}" for m in modules) if self.rerun else ""
+
+
+def localization(answers: list[RankAnswer], modules=()) -> dict | None:
+    """What a mismatching model case's ranks found (the first rank that localised): ``divergence``
+    (a :class:`Divergence` as a dict), ``text`` (its line in the row's detail), ``alone`` (the command
+    verifying the culprit alone, with ``modules``), ``note`` and ``profile`` (``[label, F|B, err, tol]``
+    per compared tensor along the program); ``None`` where nothing was localised."""
+    for a in answers:
+        r = a.result or {}
+        if any(k in r for k in ("divergence", "divergence_note", "divergence_profile")):
+            d = Divergence(**r["divergence"]) if r.get("divergence") else None
+            return {"divergence": r.get("divergence"), "text": d.describe(modules) if d else "",
+                    "alone": d.alone(modules) if d else "", "note": r.get("divergence_note", ""),
+                    "profile": r.get("divergence_profile", [])}
+    return None
 
 
 def worst(checks: list[dict], kind: str) -> dict | None:
