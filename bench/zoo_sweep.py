@@ -41,7 +41,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             state_size=8, ssm_state_size=8, conv_kernel=4, expand=2, mamba_d_state=8, mamba_n_heads=4,
             mamba_d_head=16, n_groups=1, time_step_rank=8)
 BATCH, SEQ, WORLD = 4, 8, 2
-TIMEOUT_S = 60
+TIMEOUT_S = 120
 
 
 def sample(n: int) -> list[str]:
@@ -200,9 +200,11 @@ def summary(rows: dict[str, dict]) -> dict:
             "tp_split_half": sum(r["tp_split"] >= 1 - 1 / WORLD for r in ok)}
 
 
-def histogram(rows: dict[str, dict], top: int = 15) -> list[tuple[str, int]]:
-    """Operators kept whole under ``dp``, counted once per architecture that has them."""
-    c = Counter(op for r in rows.values() if r["stage"] == "ok" for op in r["dp_whole_ops"])
+def histogram(rows: dict[str, dict], top: int = 15, no_rule: bool = False) -> list[tuple[str, int]]:
+    """Operators kept whole under ``dp`` (``no_rule``: only those without an annotation), counted
+    once per architecture that has them."""
+    c = Counter(op for r in rows.values() if r["stage"] == "ok" for op in r["dp_whole_ops"]
+                if not no_rule or op.endswith(" (no rule)"))
     return c.most_common(top)
 
 
@@ -218,15 +220,19 @@ def report(after: dict[str, dict], before: dict[str, dict] | None, baseline: str
         head = "after"
     else:
         out += [f"- {k.replace('_', ' ')}: {sa[k]}" for k in sa]
-    out += ["", table(after, before), "", f"Operators kept whole under dp ({head}; architectures that have them):", ""]
-    if before is not None:
-        hb = dict(histogram(before, 40))
-        out += [f"- {op}: {hb.get(op, 0)} -> {n}" for op, n in histogram(after)]
-        gone = [op for op in hb if op not in dict(histogram(after, 1000))]
-        if gone:
-            out += ["", "No longer kept whole anywhere: " + ", ".join(gone)]
-    else:
-        out += [f"- {op}: {n}" for op, n in histogram(after)]
+    out += ["", table(after, before)]
+    for no_rule in (False, True):
+        what = "Operators without a rule" if no_rule else "Operators kept whole"
+        out += ["", f"{what} under dp ({head}; architectures that have them):", ""]
+        now = histogram(after, 1000, no_rule)
+        if before is not None:
+            hb = dict(histogram(before, 1000, no_rule))
+            out += [f"- {op}: {hb.get(op, 0)} -> {n}" for op, n in now[:15]]
+            gone = [op for op in hb if op not in dict(now)]
+            if gone:
+                out += ["", "No longer kept whole anywhere: " + ", ".join(gone)]
+        else:
+            out += [f"- {op}: {n}" for op, n in now[:15]]
     return "\n".join(out) + "\n"
 
 

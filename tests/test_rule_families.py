@@ -28,7 +28,7 @@ NEW = ["aten.cat.default", "aten.concatenate.default", "aten.roll.default", "ate
        "aten.std.correction", "aten.std.dim", "aten.gru.input", "aten.lstm.input", "aten.rnn_tanh.input",
        "aten.max.dim", "aten.min.dim", "aten.argmax.default", "aten.amax.default", "aten.tril.default",
        "aten.triu.default", "aten.scatter.value", "aten.scatter.src", "aten.repeat.default",
-       "aten.reshape_as.default", "aten.view_as.default"]
+       "aten.reshape_as.default", "aten.view_as.default", "aten.view_as_complex.default"]
 
 
 @pytest.mark.parametrize("overload, args, annotation", [
