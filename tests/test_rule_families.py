@@ -112,21 +112,27 @@ class UNetish(nn.Module):
         return (out.var(dim=-1).mean(-1) + out.amax(dim=(1, 2))).mean()  # per sample, then the batch mean
 
 
-def test_models_using_the_families_plan_data_parallel():
-    """No operator of these models is kept whole under ``dp``: one forward collective (the loss)."""
+def _dp_plan(model, args):
     from nnscaler.compile.plan import plan_graph, trace_model
     from nnscaler.config import ComputeConfig
     from nnscaler.policies.coverage import replicated_operators
     from nnscaler.policies.tp_check import collectives
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace_model(model, args, None, registry=None, strict=False)
+    plan = plan_graph(graph, "dp", ComputeConfig(2))
+    return replicated_operators(graph, plan), sum(collectives(graph, plan, params=False)[0].values())
+
+
+def test_a_model_using_the_families_plans_data_parallel():
+    """No operator kept whole under ``dp``: one forward collective (the loss)."""
+    assert _dp_plan(UNetish(), (torch.randn(4, 3, 8, 8),)) == ([], 1)
+
+
+@pytest.mark.parametrize("name", ["speech_encdec", "xlstm_tiny"])
+def test_builtin_recurrent_and_cached_models_plan_data_parallel(name):
+    """The key/value cache's ``cat`` of an empty start (speech_encdec: 7 forward collectives before),
+    ``concatenate`` and ``var`` (xlstm_tiny: 5 before) no longer keep operators whole."""
     from verify.models.registry import MODELS
-    cases = [(UNetish(), (torch.randn(4, 3, 8, 8),))]
-    for name in ("speech_encdec", "xlstm_tiny"):  # the KV cache's cat of an empty start; concatenate, var
-        case = MODELS[name](0)
-        cases.append((case.model, case.batch(0)))
-    for model, args in cases:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            graph = trace_model(model, args, None, registry=None, strict=False)
-        plan = plan_graph(graph, "dp", ComputeConfig(2))
-        assert replicated_operators(graph, plan) == [], type(model).__name__
-        assert sum(collectives(graph, plan, params=False)[0].values()) == 1, type(model).__name__
+    case = MODELS[name](0)
+    assert _dp_plan(case.model, case.batch(0)) == ([], 1)
