@@ -136,3 +136,31 @@ def test_builtin_recurrent_and_cached_models_plan_data_parallel(name):
     from verify.models.registry import MODELS
     case = MODELS[name](0)
     assert _dp_plan(case.model, case.batch(0)) == ([], 1)
+
+
+def unetish(seed: int):
+    """``UNetish`` as a whole model: ``build(seed) -> (model, batch_fn)``."""
+    torch.manual_seed(seed)
+    return UNetish(), lambda step: (torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(10 * seed + step)),)
+
+
+def test_a_model_using_the_families_trains_like_on_one_device(verify_model):
+    """On the ranks: the transposed convolution, the shifted window and the GRU/LSTM under dp and tp."""
+    rows = verify_model(unetish, policies=["dp", "tp"], world_sizes=(2,), steps=2)
+    assert len(rows) == 2
+
+
+def test_recurrent_layers_draw_random_numbers_only_with_dropout():
+    """``aten.gru.input`` is tagged as drawing random numbers; it does only with a dropout between
+    layers in training (the weights spread into the inputs of the annotated op must not be read as
+    that probability)."""
+    from nnscaler.trace.build import trace
+    for dropout, expected in ((0.0, False), (0.5, True)):
+        torch.manual_seed(0)
+        gru = nn.GRU(8, 8, num_layers=2, dropout=dropout, batch_first=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = trace(gru, (torch.randn(4, 5, 8),))
+        (op,) = [o for o in graph.ops if o.overload == "aten.gru.input"]
+        assert op.known is not expected  # the rule declines a dropout between layers
+        assert op.draws_random is expected
