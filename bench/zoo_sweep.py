@@ -79,12 +79,12 @@ def row(arch: str) -> dict:
     try:
         model, args = build(arch)
     except Exception as exc:  # noqa: BLE001  (a row per architecture, whatever breaks)
-        return {**out, "stage": "build", "error": _first_line(exc)}
+        return {**out, "stage": _stage("build", exc), "error": _first_line(exc)}
     out["params"] = sum(p.numel() for p in model.parameters())
     try:
         graph = trace_model(model, args, None, registry=None, strict=False)
     except Exception as exc:  # noqa: BLE001
-        return {**out, "stage": "trace", "error": _first_line(exc)}
+        return {**out, "stage": _stage("trace", exc), "error": _first_line(exc)}
     out["ops"] = len(graph.ops)
     try:
         dp = plan_graph(graph, "dp", ComputeConfig(WORLD))
@@ -98,9 +98,18 @@ def row(arch: str) -> dict:
         out["tp_fwd"] = sum(collectives(graph, tp, params=False)[0].values())
         out["tp_split"] = round(sharded_fraction(graph, tp)[0], 3)
     except Exception as exc:  # noqa: BLE001
-        return {**out, "stage": "plan", "error": _first_line(exc)}
+        return {**out, "stage": _stage("plan", exc), "error": _first_line(exc)}
     del torch
     return {**out, "stage": "ok"}
+
+
+def _stage(stage: str, exc: BaseException) -> str:
+    """``stage``, or ``timeout`` when the per-architecture alarm fired inside it (a tracer may wrap it)."""
+    while exc is not None:
+        if isinstance(exc, TimeoutError):
+            return "timeout"
+        exc = exc.__cause__ or exc.__context__
+    return stage
 
 
 def _first_line(exc: BaseException) -> str:
