@@ -78,7 +78,7 @@ class IROp:
     @property
     def draws_random(self) -> bool:
         """Whether the call draws random numbers: an ATen op tagged ``nondeterministic_seeded``, unless
-        its schema has a dropout probability (``p``, ``dropout_p``) that is 0 here or a ``train`` flag
+        its schema has a dropout probability (``p``, ``dropout_p``, a recurrent layer's ``dropout``) that is 0 here or a ``train`` flag
         that is false (a dropout in eval mode, attention without dropout)."""
         try:
             overload = aten_overload(self.overload)
@@ -87,14 +87,20 @@ class IROp:
         if torch.Tag.nondeterministic_seeded not in overload.tags:
             return False
         given = {}
-        for i, arg in enumerate(overload._schema.arguments):  # (torch.FunctionSchema has no public accessor)
+        schema = overload._schema.arguments  # (torch.FunctionSchema has no public accessor)
+        # an annotated op has its tensor lists spread into ``inputs`` (gru's weights): arguments after
+        # the last list sit that much further on
+        lists = [i for i, a in enumerate(schema) if str(a.type) in ("List[Tensor]", "Tensor[]")]
+        spread = max(0, len(self.inputs) - len([a for a in schema if not a.kwarg_only])) if self.known else 0
+        for i, arg in enumerate(schema):
+            at = i + spread if lists and i > lists[-1] else i
             if arg.name in self.kwargs:
                 given[arg.name] = self.kwargs[arg.name]
-            elif i < len(self.inputs) and not arg.kwarg_only:
-                given[arg.name] = self.inputs[i]
+            elif at < len(self.inputs) and not arg.kwarg_only:
+                given[arg.name] = self.inputs[at]
             elif arg.has_default_value():
                 given[arg.name] = arg.default_value
-        p = given.get("p", given.get("dropout_p", 1.0))
+        p = given.get("p", given.get("dropout_p", given.get("dropout", 1.0)))  # dropout: rnn/gru/lstm
         return bool(p) and bool(given.get("train", True))
 
     def __repr__(self) -> str:

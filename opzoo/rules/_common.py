@@ -113,17 +113,21 @@ def constraint(meta: TensorMeta) -> Any:
 
 @dataclass(frozen=True)
 class Regroup:
-    """``fn(*flat)`` for an op taking a list of tensors at ``pos``: inputs ``pos .. pos+n-1`` are
-    passed to the ATen overload ``op`` (by name, e.g. ``"aten.cat.default"``) as one list. The
-    compiler flattens the list argument the same way (one annotated input per tensor)."""
+    """``fn(*flat)`` for an op taking lists of tensors: for each ``(pos, n)`` of ``lists``, the flat
+    inputs ``pos .. pos+n-1`` (positions among the flat inputs) are passed to the ATen overload
+    ``op`` (by name, e.g. ``"aten.cat.default"``) as one list. The compiler flattens list arguments
+    the same way (one annotated input per tensor): ``cat`` has one list, ``lstm`` two (states and
+    weights)."""
 
     op: str
-    pos: int
-    n: int
+    lists: tuple[tuple[int, int], ...]
 
     def __call__(self, *flat, **kwargs):
-        args = flat[:self.pos] + (list(flat[self.pos:self.pos + self.n]),) + flat[self.pos + self.n:]
-        return aten_overload(self.op)(*args, **kwargs)
+        args, at = [], 0
+        for pos, n in self.lists:
+            args += list(flat[at:pos]) + [list(flat[pos:pos + n])]
+            at = pos + n
+        return aten_overload(self.op)(*args, *flat[at:], **kwargs)
 
 
 def short_name(overload: str) -> str:
@@ -141,10 +145,10 @@ def build(call: OpCall, family: str, ins: Mapping[int, Sequence[str] | Sequence[
     (a list of them for a list of tensors);
     tensors without one get :func:`constraint` of their dtype."""
     texts, values, cons = [], {}, {}
-    regroup = None
+    lists = []
     for pos, a in enumerate(call.args):
         if pos in ins and isinstance(a, (list, tuple)):
-            regroup = (pos, len(a), len(texts))
+            lists.append((len(texts), len(a)))
             given = (inputs or {}).get(pos)
             for k, (meta, dims) in enumerate(zip(a, ins[pos])):
                 c = given[k] if isinstance(given, (list, tuple)) else constraint(meta)
@@ -161,8 +165,8 @@ def build(call: OpCall, family: str, ins: Mapping[int, Sequence[str] | Sequence[
             texts.append("?")
     annotation = ", ".join(texts) + " -> " + ", ".join(tensor_text(d) for d in outs)
     op = fn or aten_overload(call.overload)
-    if regroup is not None and fn is None:
-        op = Regroup(call.overload, regroup[2], regroup[1])
+    if lists and fn is None:
+        op = Regroup(call.overload, tuple(lists))
     floating = [m.dtype.is_floating_point for m in call.outputs if isinstance(m, TensorMeta)]
     options.setdefault("differentiable", any(floating) if floating else True)
     return OpSpec.create(f"rule.{short_name(call.overload)}", annotation, op, args=values,

@@ -1,10 +1,11 @@
-"""Rules for convolutions and ``group_norm`` as real ``nn.Conv1d/2d`` and ``nn.GroupNorm`` trace
+"""Rules for convolutions, transposed convolutions and ``group_norm`` as real ``nn.Conv1d/2d`` and ``nn.GroupNorm`` trace
 them (``padding``/``stride`` as lists, ``cudnn_enabled`` given), any batch and spatial rank.
 
 * ``conv1d``/``conv2d``/``conv3d`` (``groups == 1``): ``n c+ h^ w^, o c+ kh^ kw^, o -> n o ho^ wo^``:
   batch and output channels spatial, input channels split by value (the bias is then held by one
   rank), the spatial extents frozen (a split would need halos); grouped and depthwise convolutions
   split by group; ``padding="same"`` (the ``.padding`` overloads) alike;
+* ``conv_transpose1d/2d/3d`` alike, the weight being ``c o kh^ kw^`` (input channels first);
 * ``group_norm``: ``n (g c) h^ w^, ?, (g c), (g c), ?, ? -> n (g c) h^ w^`` with ``num_groups``
   ``Size("g")``: a rank normalises whole groups; one group (``g == 1``) freezes the channels.
 """
@@ -84,3 +85,42 @@ def group_norm_rule(call: OpCall):
         if isinstance(t, TensorMeta):
             ins[pos] = [ch]
     return build(call, FAMILY, ins, [din], args=args, sizes=sizes)
+
+
+@annotation_rule("aten.conv_transpose1d.default", "aten.conv_transpose2d.input", "aten.conv_transpose3d.input")
+def conv_transpose_rule(call: OpCall):
+    """Transposed convolutions (the weight is ``in, out/groups, k..``): ``groups == 1``:
+    ``n c+ h^ w^, c+ o kh^ kw^, +o, ? .. -> n o ho^ wo^`` (input channels split by value, output
+    channels and batch spatial); ``groups == g > 1``: ``n (g c), (g c) o k^, (g o), ? .. -> n (g o) ho^``
+    (a rank convolves whole groups; ``groups`` follows as ``Size("g")``). Spatial extents frozen."""
+    if not usable(call):
+        return None
+    x, w = call.tensor(0), call.tensor(1)
+    out = call.outputs[0]
+    groups = arg(call, 6, "groups", 1)
+    if not isinstance(groups, int) or w.ndim != x.ndim or x.ndim < 3 or w.shape[0] != x.shape[1] \
+            or x.shape[1] % groups:
+        return None
+    names, sizes = Names(), {}
+    n = names.dim(x.shape[0], "n")
+    bias = call.args[2] if len(call.args) > 2 else call.kwargs.get("bias")
+    args, kwargs = {}, dict(call.kwargs)
+    per_in, per_out = x.shape[1] // groups, w.shape[1]
+    if groups == 1:
+        c, o = mark(names.dim(x.shape[1], "c"), "+"), names.dim(per_out, "o")
+        cin, wc, wo, bias_dim = c, c, o, "+" + o if o != "1" else o
+    else:
+        g = names.new("g")
+        cin = wc = g if per_in == 1 else f"({g} {per_in})"
+        wo = str(per_out)
+        o = bias_dim = g if per_out == 1 else f"({g} {per_out})"
+        if len(call.args) > 6:
+            args[6] = Size(g)
+        else:
+            kwargs["groups"] = Size(g)
+    ins = {0: [n, cin] + [frozen_dim(names, s, sizes) for s in x.shape[2:]],
+           1: [wc, wo] + [frozen_dim(names, s, sizes) for s in w.shape[2:]]}
+    if isinstance(bias, TensorMeta):
+        ins[2] = [bias_dim]
+    return build(call, FAMILY, ins, [[n, o] + [frozen_dim(names, s, sizes) for s in out.shape[2:]]], sizes=sizes,
+                 args=args, kwargs=kwargs)

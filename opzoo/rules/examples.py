@@ -198,3 +198,49 @@ register_examples("aten.copy.default", [(T(4, 7), T(4, 7)), (I(4, 6), I(6))])
 register_examples("aten.fill.Tensor", [(I(4,), I()), (T(4, 8), T())])
 register_examples("aten.fill.Scalar", [(T(4, 8), 0.5)])
 
+
+# --- key/value caches, shifted windows, transposed convolutions, recurrent layers, spreads -----------
+register_examples("aten.cat.default", [([T(0), T(4, 2, 8, 16)], -2), ([T(0), T(4, 6), T(4, 2)], 1)])
+register_examples("aten.concatenate.default", [([T(4, 2, 4, 16), T(4, 2, 4, 16)], 2), ([T(0), T(3, 8)],)])
+register_examples("aten.roll.default", [(T(2, 6, 6, 8), [3, -3], [1, 2]), (T(4, 8), [2]), (T(4, 6, 5), [1], [-1])])
+register_examples("aten.conv_transpose1d.default", [(T(4, 6, 9), T(6, 8, 4), T(8), [2]),
+                                                    (T(4, 6, 9), T(6, 2, 3), None, [1], [1], [0], 3)])
+register_examples("aten.conv_transpose2d.input", [(T(2, 4, 5, 5), T(4, 6, 3, 3), T(6), [2, 2], [1, 1], [1, 1]),
+                                                  (T(2, 8, 4, 4), T(8, 3, 2, 2), T(12), [2, 2], [0, 0], [0, 0], 4)])
+register_examples("aten.conv_transpose3d.input", [(T(2, 3, 3, 4, 4), T(3, 4, 2, 2, 2), None, [2, 2, 2])])
+register_examples("aten.var.dim", [(T(4, 8, 2, 16), [-1], False, True), (T(4, 8), [0])])
+register_examples("aten.var.correction", [ex(T(4, 8, 6), [1, 2], correction=0, keepdim=True), (T(4, 8),)])
+register_examples("aten.std.correction", [ex(T(4, 8), [-1], correction=1)])
+register_examples("aten.std.dim", [(T(3, 8, 5), [1], True, False)])
+
+
+def _rnn_params(gates: int, inp: int, hid: int, layers: int = 1, bidirectional: bool = False, bias: bool = True):
+    """The flat weight list of ``nn.RNN/GRU/LSTM`` (per layer and direction: w_ih, w_hh[, b_ih, b_hh])."""
+    out, dirs = [], 2 if bidirectional else 1
+    for layer in range(layers):
+        for _ in range(dirs):
+            out += [T(gates * hid, inp if layer == 0 else hid * dirs), T(gates * hid, hid)]
+            out += [T(gates * hid), T(gates * hid)] if bias else []
+    return out
+
+
+register_examples("aten.gru.input", [(T(4, 5, 6), T(2, 4, 8), _rnn_params(3, 6, 8, 2), True, 2, 0.0, True, False, True),
+                                     (T(5, 4, 6), T(2, 4, 8), _rnn_params(3, 6, 8, 1, True, False), False, 1, 0.0,
+                                      True, True, False)])
+register_examples("aten.lstm.input", [(T(4, 5, 6), [T(1, 4, 8), T(1, 4, 8)], _rnn_params(4, 6, 8), True, 1, 0.0, True,
+                                       False, True)])
+register_examples("aten.rnn_tanh.input", [(T(4, 5, 6), T(1, 4, 8), _rnn_params(1, 6, 8), True, 1, 0.0, True, False, True)])
+register_examples("aten.max.dim", [(T(4, 4, 8, 8), -1, True), (T(4, 6), 0)])
+register_examples("aten.min.dim", [(T(4, 6, 5), 1)])
+register_examples("aten.argmax.default", [(T(4, 6), 1), (T(4, 6, 5), -1, True), (T(4, 6),)])
+register_examples("aten.argmin.default", [(T(4, 6), 0)])
+register_examples("aten.amax.default", [(T(4, 6, 5), [1, 2]), (T(4, 6), [-1], True)])
+register_examples("aten.amin.default", [(T(4, 6), [0])])
+register_examples("aten.tril.default", [(T(4, 2, 6, 6), -1), (T(5, 7),)])
+register_examples("aten.triu.default", [(T(3, 6, 6), 1)])
+register_examples("aten.scatter.value", [(T(32, 4), 1, I(32, 1), 1.0), (T(6, 4, 5), 0, I(3, 4, 5), -2.0)])
+register_examples("aten.scatter.src", [(T(32, 4), 1, I(32, 2), T(32, 2))])
+register_examples("aten.repeat.default", [(T(32, 6), [4, 1]), (T(4, 6), [2, 1, 3]), (T(4, 6), [1, 1])])
+register_examples("aten.reshape_as.default", [(T(4, 4, 8, 8, 2), T(4, 4, 8, 16)), (T(4, 6), T(24))])
+register_examples("aten.view_as.default", [(T(4, 2, 3), T(4, 6))])
+register_examples("aten.view_as_complex.default", [(T(4, 8, 4, 8, 2),)])

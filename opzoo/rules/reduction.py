@@ -5,7 +5,8 @@
 * ``mean``: the same split with the partition-aware kernel :func:`opzoo._parallel_kernels.mean`
   (local sum over the FULL count of the reduced identifiers);
 * ``softmax``/``log_softmax`` and ``cumsum``: the dim they run along is frozen (``^``), every
-  other dim spatial.
+  other dim spatial;
+* ``var``/``std``: the reduced dims are frozen (not a sum of per-shard parts), the others spatial.
 """
 from __future__ import annotations
 
@@ -79,3 +80,20 @@ def along_dim_rule(call: OpCall):
         d = norm_dim(call.args[1] if len(call.args) > 1 else call.kwargs["dim"], x.ndim)
         din[d] = mark(din[d], "^")
     return build(call, FAMILY, {0: din}, [din])
+
+
+@annotation_rule("aten.var.dim", "aten.var.correction", "aten.std.dim", "aten.std.correction")
+def spread_rule(call: OpCall):
+    """``a b n^, ?, ? .. -> a b 1`` (``keepdim``) or ``-> a b``: a variance or standard deviation
+    is not a sum of per-shard parts, so the reduced dims are frozen; every other dim is spatial."""
+    if not usable(call) or not call.tensor(0).dtype.is_floating_point:
+        return None
+    x = call.tensor(0)
+    dims = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim")
+    keepdim = call.args[3] if call.overload.endswith(".dim") and len(call.args) > 3 else call.kwargs.get("keepdim", False)
+    dims = [dims] if isinstance(dims, int) else dims
+    red = set(range(x.ndim)) if not dims else {norm_dim(d, x.ndim) for d in dims}
+    names = Names()
+    din = [names.dim(n) for n in x.shape]
+    dout = [("1" if d in red else n) for d, n in enumerate(din) if keepdim or d not in red]
+    return build(call, FAMILY, {0: [mark(n, "^") if d in red else n for d, n in enumerate(din)]}, [dout])

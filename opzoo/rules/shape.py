@@ -129,3 +129,18 @@ def expand_rule(call: OpCall):
                 known[dout[-1]] = n
     items = ["-1" if v == -1 else d for v, d in zip(sizes, dout)]
     return build(call, FAMILY, {0: din}, [dout], args={1: size_arg(items)}, sizes=known)
+
+
+
+@annotation_rule("aten.view_as_complex.default")
+def view_as_complex_rule(call: OpCall):
+    """``a b 2 -> a b``: pairs of reals as one complex number (complex rotary embeddings), every
+    other dim spatial. (``view_as_real`` has no rule: the harness samples no complex inputs.)"""
+    if not usable(call):
+        return None
+    x = call.tensor(0)
+    if x.ndim < 1 or x.shape[-1] != 2:
+        return None
+    names = Names()
+    lead = [names.dim(n) for n in x.shape[:-1]]
+    return build(call, FAMILY, {0: lead + ["2"]}, [lead])

@@ -5,6 +5,7 @@
   ``slice``/``select``/``cat``/``stack``/``pad`` works on is frozen (input lengths a literal
   argument depends on are given in ``sizes``), every other dim stays spatial; a whole-dim slice
   stays spatial;
+* ``roll`` freezes the dims it rolls (a shard would wrap around its own ends);
 * a list of tensors (``cat``, ``stack``) is flattened in place: one annotated input per tensor,
   ``fn`` a :class:`._common.Regroup` rebuilding the list.
 """
@@ -129,19 +130,21 @@ def select_rule(call: OpCall):
     return build(call, FAMILY, {0: din}, [din[:dim] + din[dim + 1:]], sizes=known)
 
 
-@annotation_rule("aten.cat.default", "aten.stack.default")
+@annotation_rule("aten.cat.default", "aten.concatenate.default", "aten.stack.default")
 def cat_rule(call: OpCall):
-    """``a n^, a m^, ? -> a o^`` (``cat``) or ``a b, a b, ? -> a 2 b`` (``stack``): the list of
-    tensors is flattened in place into separate inputs (see :class:`._common.Regroup`); an empty
-    piece is ``a 0``."""
+    """``a n^, a m^, ? -> a o^`` (``cat``, ``concatenate``) or ``a b, a b, ? -> a 2 b`` (``stack``):
+    the list of tensors is flattened in place into separate inputs (see :class:`._common.Regroup`);
+    an empty piece is ``a 0``. A 1-d empty piece beside higher-rank ones (the start of a key/value
+    cache, ``cat([torch.tensor([]), k], -2)``, which ``cat`` skips) is ``0`` and passed on as is."""
     if not call.args[0] or not usable(call, empty_ok=0 not in call.outputs[0].shape):
         return None
     xs = list(call.args[0])
     out = _out(call)
     raw = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
     stack = call.overload == "aten.stack.default"
-    if any(m.ndim != xs[0].ndim for m in xs):
-        return None  # legacy cat of 1-d empties, or a bad call
+    skipped = [not stack and len(out) != 1 and tuple(m.shape) == (0,) for m in xs]  # cat's legacy rule
+    if all(skipped) or any(m.ndim != len(out) - stack for m, s in zip(xs, skipped) if not s):
+        return None  # a bad call
     dim = norm_dim(raw, len(out))
     names = Names()
     base = [names.dim(n) for n in out]
@@ -152,7 +155,10 @@ def cat_rule(call: OpCall):
             return None
         return build(call, FAMILY, {0: ins}, [base])
     ins = []
-    for m in xs:
+    for m, skip in zip(xs, skipped):
+        if skip:
+            ins.append(["0"])
+            continue
         dims = list(base)
         dims[dim] = names.dim(m.shape[dim])
         if m.shape[:dim] + m.shape[dim + 1:] != out[:dim] + out[dim + 1:]:
@@ -163,7 +169,6 @@ def cat_rule(call: OpCall):
     if base[dim] != "1":
         base[dim] += "^"
     return build(call, FAMILY, {0: ins}, [base])
-
 
 
 @annotation_rule("aten.pad.default", "aten.constant_pad_nd.default")
@@ -187,3 +192,18 @@ def pad_rule(call: OpCall):
             n = _out(call)[d]
             dout[d] = names.dim(n) + ("^" if n != 1 else "")
     return build(call, FAMILY, {0: din}, [dout], sizes=known)
+
+
+@annotation_rule("aten.roll.default")
+def roll_rule(call: OpCall):
+    """``a h^ w^ c, ?, ? -> a h^ w^ c``: the rolled dims are frozen (a shard would wrap around its own
+    ends), every other dim spatial; a roll with no dims (of the flattened tensor) freezes them all."""
+    if not usable(call):
+        return None
+    x = call.tensor(0)
+    dims = arg(call, 2, "dims", [])
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    rolled = {norm_dim(d, x.ndim) for d in dims} if dims else set(range(x.ndim))
+    names = Names()
+    din = [names.dim(n) + ("^" if d in rolled and n != 1 else "") for d, n in enumerate(x.shape)]
+    return build(call, FAMILY, {0: din}, [din])
