@@ -253,7 +253,7 @@ def _config(args) -> RunConfig:
         raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
     zero = getattr(args, "zero", 0)
     try:
-        ComputeConfig(1, zero=zero)  # the one check of the option: 0..3, and 3 not built yet
+        ComputeConfig(1, zero=zero)  # the one check of the option: 0..3
     except PlanError as exc:
         raise UsageError(f"--zero {zero}: {exc}") from None
     recipe = {"clip_grad_norm": getattr(args, "clip_grad_norm", None), "recompute": getattr(args, "recompute", "none")}

@@ -212,18 +212,17 @@ class PipelineModule(torch.nn.Module):
         :mod:`nnscaler.runtime.clip`): clips every local gradient and returns the total norm (the same
         on every rank). ``train_step`` calls it when ``ComputeConfig(clip_grad_norm=...)`` sets it."""
         total = self.grad_norm(norm_type)
-        clip.clip_(self.parameters(), max_norm, total, error_if_nonfinite)
+        clip.clip_(clip.holders(self), max_norm, total, error_if_nonfinite)
         self.last_grad_norm = total
         return total
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The whole model's gradient norm over every stage (each piece once), the same on every rank."""
-        grads = []
-        if clip.is_first_replica(self._replica_group):
-            for s, mod in self.stages.items():
-                grads += clip.counted_grads(mod, skip=[n for n in self.tied if self._owner[n] != int(s)])
+        grads, first = [], clip.is_first_replica(self._replica_group)
+        for s, mod in self.stages.items():
+            grads += clip.counted_grads(mod, skip=[n for n in self.tied if self._owner[n] != int(s)], first_replica=first)
         return clip.total_norm(clip.local_sum(grads, norm_type), norm_type, self.process_group,
-                               clip.grad_dtype(self.parameters()))
+                               clip.grad_dtype(clip.holders(self)))
 
     def forward(self, *batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (any number of micro-batches of the compiled size), forward only: on
