@@ -63,7 +63,8 @@ class SavedActivations:
 def measure(pm, opt, activations: int, grads: int) -> dict[str, int]:
     """This rank's bytes: parameters and optimizer state live now (after a step), gradients and saved
     activations as measured during the step."""
-    return {"params": storage_bytes(pm.parameters()), "grads": grads,
+    params = pm.param_tensors() if hasattr(pm, "param_tensors") else pm.parameters()  # zero 3: the shards
+    return {"params": storage_bytes(params), "grads": grads,
             "optimizer": storage_bytes(optimizer_tensors(opt)), "activations": activations}
 
 
