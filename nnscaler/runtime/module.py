@@ -115,6 +115,8 @@ class ParallelModule(torch.nn.Module):
             ax = axis_of[names[id(p)]]
             if ax is not None and self._mesh.groups[ax] is not None and ax != zero.dp_axis:
                 outside[id(p)] = self._mesh.groups[ax]  # also summed over a non-data-parallel axis: all-reduced first
+            elif self._names[names[id(p)]] in zero.unscattered:
+                outside[id(p)] = None  # summed across pipeline stages after backward: all-reduced, then sliced
             # reduce-scatter sums over the zero group: a gradient partial over the dp axis is summed there,
             # a complete one is counted d times; replicas are averaged
             scales[id(p)] = 1.0 / (self._replicas * (1 if ax == zero.dp_axis else d))

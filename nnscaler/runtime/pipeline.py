@@ -47,6 +47,8 @@ def _deferred_sync(module: ParallelModule):
     with module.no_sync():
         yield
     module._grad_sync._finish()  # launches every bucket (none was launched during the pause) and waits
+    if module._zero is not None and module._zero.stage == 2:
+        module._zero._finish()  # zero 2: reduce-scatters every bucket's accumulated gradients
 
 
 class _GradOutputs(torch.nn.Module):
@@ -162,7 +164,7 @@ class PipelineModule(torch.nn.Module):
             raise MicroBatchError(f"train_step: {exc}") from None
         b = batch_rows(batch)
         self._batch, self._loss_fn = batch, loss_fn
-        self._acc = Accumulation.begin(self.parameters() if train else (), self._replica_group, self._replicas)
+        self._acc = Accumulation.begin(clip.holders(self) if train else (), self._replica_group, self._replicas)
         rows = torch.arange(b)  # the schedule splits it like the batch: each micro-batch's rows
         args = batch if self._has_first else ()
         try:
@@ -202,8 +204,22 @@ class PipelineModule(torch.nn.Module):
 
     def build_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         """This rank's optimizer over its stages' parameters, as ``ParallelModule.build_optimizer`` builds
-        one (ZeRO is not available with pipeline stages: ``parallelize`` refuses ``zero > 0`` for them)."""
-        return optimizer_class(self.parameters(), **kwargs)
+        one: under ``ComputeConfig(zero=1|2)`` one :class:`~nnscaler.runtime.zero.ZeroOptimizer` over
+        the slices of every stage this rank runs (each over its stage's data-parallel ranks)."""
+        zeros = [mod._zero for _, mod in sorted(self.stages.items()) if mod._zero is not None]
+        if not zeros:
+            return optimizer_class(self.parameters(), **kwargs)
+        from .zero import ZeroOptimizer
+        return ZeroOptimizer(zeros, optimizer_class, **kwargs)
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameter tensors this rank holds (every stage it runs)."""
+        return list(self.parameters())
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradient tensors this rank holds now: each parameter's and, under zero 2, each stage's
+        reduce-scattered gradient shards."""
+        return [t.grad for t in clip.holders(self) if t.grad is not None]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
                         ) -> torch.Tensor:

@@ -294,47 +294,53 @@ class ZeroShards:
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """``optimizer_class`` over this rank's slices of the parameters (see the module's docstring).
+    """``optimizer_class`` over this rank's slices of the parameters (see the module's docstring) of one
+    :class:`ZeroShards` or several (a pipeline's stages on this rank).
     A ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the inner optimizer's (so a
     learning-rate scheduler drives it as any optimizer);
     :meth:`param_state` and :meth:`load_param_state` speak per-parameter state, as a plain optimizer
     over the module's parameters holds it (what checkpoints store)."""
 
-    def __init__(self, shards: ZeroShards, optimizer_class: type, **kwargs):
+    def __init__(self, shards: ZeroShards | list[ZeroShards], optimizer_class: type, **kwargs):
+        parts = [shards] if isinstance(shards, ZeroShards) else list(shards)
         if optimizer_class.__name__ not in ELEMENTWISE:
-            raise ZeroError(f"zero={shards.stage}: {optimizer_class.__name__} is not elementwise, so it cannot run on "
-                            f"slices of the parameters; use one of {', '.join(ELEMENTWISE)}, or zero=0")
-        self.shards = shards
-        self.optim = optimizer_class([b.shard for b in shards.buckets], **kwargs)
+            raise ZeroError(f"zero={parts[0].stage}: {optimizer_class.__name__} is not elementwise, so it cannot run "
+                            f"on slices of the parameters; use one of {', '.join(ELEMENTWISE)}, or zero=0")
+        self.parts = parts
+        self._buckets = [(z, b) for z in parts for b in z.buckets]
+        self.optim = optimizer_class([b.shard for _, b in self._buckets], **kwargs)
         self.kind = optimizer_class.__name__
-        super().__init__([b.shard for b in shards.buckets], self.optim.defaults)
+        super().__init__([b.shard for _, b in self._buckets], self.optim.defaults)
         self.param_groups, self.state = self.optim.param_groups, self.optim.state  # one copy: the inner one's
 
     def params(self) -> list[torch.nn.Parameter]:
         """The module's parameters this optimizer updates."""
-        return [p for b in self.shards.buckets for p in b.params]
+        return [p for _, b in self._buckets for p in b.params]
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ZeroError("ZeroOptimizer.step does not take a closure")
-        self.shards.shard_grads()
+        for z in self.parts:
+            z.shard_grads()
         self.optim.step()
-        self.shards.gather_params()
+        for z in self.parts:
+            z.gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.shards.zero_grad()
+        for z in self.parts:
+            z.zero_grad()
 
     def param_state(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
         """Each parameter's optimizer state as a plain optimizer over the module would hold it:
         elementwise tensors gathered from the group's slices (collective), scalars (``step``) as
         they are. Parameters of a bucket never stepped have none."""
         out: dict = {}
-        for b in self.shards.buckets:
+        for z, b in self._buckets:
             st = self.optim.state.get(b.shard, {})
             if not st:
                 continue
-            whole = {k: (self.shards.gather(b, v) if isinstance(v, torch.Tensor) and v.dim() else v)
+            whole = {k: (z.gather(b, v) if isinstance(v, torch.Tensor) and v.dim() else v)
                      for k, v in sorted(st.items())}
             for p, off in zip(b.params, b.offsets):
                 out[p] = {k: (v[off:off + p.numel()].view_as(p).clone() if isinstance(v, torch.Tensor) and v.dim()
@@ -344,19 +350,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_param_state(self, state: dict) -> None:
         """The inverse of :meth:`param_state`: each parameter's state (its whole local piece) cut to
         this rank's slices. A scalar is taken from the bucket's first parameter that has it."""
-        for b in self.shards.buckets:
+        for z, b in self._buckets:
             have = [p for p in b.params if state.get(p)]
             if not have:
                 continue
-            lo, hi = self.shards.index * b.chunk, (self.shards.index + 1) * b.chunk
+            lo, hi = z.index * b.chunk, (z.index + 1) * b.chunk
             new: dict = {}
             for k, v in state[have[0]].items():
                 if isinstance(v, torch.Tensor) and v.dim():
-                    s = torch.zeros(b.chunk, dtype=v.dtype, device=b.flat.device)
+                    s = torch.zeros(b.chunk, dtype=v.dtype, device=b.shard.device)
                     for p, off in zip(b.params, b.offsets):
-                        a, z = max(lo, off), min(hi, off + p.numel())
-                        if a < z and k in state.get(p, {}):
-                            s[a - lo:z - lo].copy_(state[p][k].reshape(-1)[a - off:z - off])
+                        a, e = max(lo, off), min(hi, off + p.numel())
+                        if a < e and k in state.get(p, {}):
+                            s[a - lo:e - lo].copy_(state[p][k].reshape(-1)[a - off:e - off])
                     new[k] = s
                 else:
                     new[k] = v.clone() if isinstance(v, torch.Tensor) else v

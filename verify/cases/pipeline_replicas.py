@@ -40,9 +40,10 @@ LOSS = "loss step {} (whole batch over replicas)"
 def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                                groups: GroupCache, gen_dir: str, dtype: str = "float32",
                                microbatches: int = PIPELINE_MICROBATCHES, bucket_bytes: int | None = None,
-                               traces: TraceCache | None = None) -> list[Check]:
+                               traces: TraceCache | None = None, zero: int = 0) -> list[Check]:
     """Checks for ``steps`` AdamW steps of pipeline ``policy`` planned on ``plan_ngpus`` ranks and run as
-    replicas on ``world_size`` (each stage's gradient-sync buckets of ``bucket_bytes``, default the model's)."""
+    replicas on ``world_size`` (each stage's gradient-sync buckets of ``bucket_bytes``, default the model's;
+    ``zero``: ZeRO 1/2 over the replicas, and each stage's dp axis)."""
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
@@ -53,8 +54,8 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     batch = lambda step: cast(whole_batch(case.batch, step, m * replicas), dt)  # noqa: E731 (every replica's share)
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=m,
                            tp_size=2 if plan_ngpus % 2 == 0 else 1,
-                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
-    tag = f"{file_tag(name)}-{file_tag(policy)}-mb{m}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}"
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes, zero=zero)
+    tag = f"{file_tag(name)}-{file_tag(policy)}-mb{m}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}" + (f"-zero{zero}" if zero else "")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(batch(0), replica, replicas), policy, config, groups=groups,
@@ -63,7 +64,8 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     loss_fn = loss_fn_of(case)
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
-    opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
+    opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the replicas under zero
+    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
     checks: list[Check] = []
     fallback = Float64Fallback(dt)
     for step in range(steps):

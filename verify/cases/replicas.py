@@ -76,7 +76,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
             raise NotImplementedError("training recipes (--clip-grad-norm, --recompute) are not wired into "
                                       "pipeline replicas cases yet")
         return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
-                                          microbatches, bucket_bytes, traces)
+                                          microbatches, bucket_bytes, traces, zero)
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
