@@ -44,7 +44,7 @@ def test_zero_on_a_plan_without_data_parallel_ranks_is_refused_before_any_proces
     (["--policy", "tp", "--zero", "3"], "--zero 3: policy tp at world size 2 has no data-parallel axis"),
     (["--policy", "dp", "--zero", "4"], "--zero 4: zero must be 0, 1, 2 or 3"),
     (["--policy", "pp", "--zero", "1"], "--zero 1: policy pp at world size 2 whose stages have no data-parallel axis"),
-    (["--policy", "pp", "--replicas", "2", "--zero", "3"], "--zero 3: pipeline policy pp takes zero 1 or 2 only"),
+    (["--policy", "pp_zb", "--replicas", "2", "--zero", "3"], "--zero 3: pipeline policy pp_zb (a zero-bubble schedule)"),
 ])
 def test_verify_model_refuses_zero_without_data_parallel_ranks_with_exit_2(capsys, argv, says):
     assert main(["model", "nanogpt", "--world-size", "2", *argv]) == 2

@@ -1,7 +1,8 @@
-"""ZeRO 1/2 with pipelines (``ComputeConfig(zero=1|2)`` and a pipeline policy): each stage's optimizer
-state (and gradients) sharded over its data-parallel ranks (the stage plan's ``dp`` axis and the
-replicas); training equals one device, checkpoints resume, a parameter tied across stages stays
-right, and zero 3 with stages is refused in one line before any rank starts."""
+"""ZeRO with pipelines (``ComputeConfig(zero=...)`` and a pipeline policy): each stage's optimizer
+state (gradients, parameters) sharded over its data-parallel ranks (the stage plan's ``dp`` axis and
+the replicas); training equals one device, checkpoints resume, a parameter tied across stages stays
+right (synced whole, then sliced), and zero 3 under a zero-bubble schedule is refused in one line
+before any rank starts."""
 from __future__ import annotations
 
 import tempfile
@@ -29,10 +30,18 @@ def test_zero_2_over_pipeline_replicas_trains_like_one_device_and_resumes(gang):
     assert any(n.startswith("resumed on one device: optimizer exp_avg") for n in names)
 
 
+def test_zero_3_over_pipeline_replicas_trains_like_one_device_and_resumes(gang):
+    status, detail, checks, _ = _model(gang, "nanogpt", "pp", 4, 3, plan_ngpus=2)
+    assert status == MATCH, detail
+    names = [c["name"] for c in checks]
+    assert any(n.startswith("resumed on one device: optimizer exp_avg") for n in names)
+
+
 @pytest.mark.slow
-def test_zero_2_over_stage_dp_ranks_with_a_tied_embedding_and_clipping_trains_like_one_device(gang):
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_over_stage_dp_ranks_with_a_tied_embedding_and_clipping_trains_like_one_device(gang, zero):
     # gpt2's embedding is tied to its head across the stages: summed across them, not reduce-scattered
-    status, detail, _, _ = _model(gang, "gpt2", "pp2_dp", 4, 2, clip_grad_norm=0.5)
+    status, detail, _, _ = _model(gang, "gpt2", "pp2_dp", 4, zero, clip_grad_norm=0.5)
     assert status == MATCH, detail
 
 
@@ -50,10 +59,10 @@ def test_a_pipeline_s_rows_carry_memory_and_zero_1_halves_each_stage_s_optimizer
         assert abs(mem[1][r]["optimizer"] / mem[0][r]["optimizer"] - 0.5) < 0.01
 
 
-def test_zero_3_with_pipeline_stages_is_one_line_before_any_process_group():
+def test_zero_3_under_a_zero_bubble_schedule_or_no_stage_dp_ranks_is_one_line_before_any_process_group():
     case = MODELS["nanogpt"](0)  # no process group exists here: the refusal comes first
-    with pytest.raises(PlanError, match=r"^zero=3 with pipeline stages is not available; use zero=1 or zero=2") as err:
-        parallelize(case.model, case.batch(0), "pp", ComputeConfig(2, runtime_ngpus=4, zero=3, num_microbatches=4),
+    with pytest.raises(PlanError, match=r"^zero=3 with the InterleavedZeroBubble schedule is not available") as err:
+        parallelize(case.model, case.batch(0), "pp_zb", ComputeConfig(2, runtime_ngpus=4, zero=3, num_microbatches=4),
                     verify=False, gen_savedir=tempfile.mkdtemp())
     assert "\n" not in str(err.value)
     with pytest.raises(PlanError, match=r"^zero=1 needs a data-parallel axis, but the dp stage plan"):

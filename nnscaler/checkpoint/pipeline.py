@@ -5,6 +5,7 @@ and any checkpoint loads into a pipeline. Each stage writes the tensors whose ow
 parameter is written once, by its first stage) and reads every tensor it holds."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -31,8 +32,21 @@ def _params(pm) -> dict[int, tuple]:
     return out
 
 
+def _materialized(pm, writeback: bool = False) -> contextlib.ExitStack:
+    """Every stage's parameters whole (zero 3 gathers its shards; see ``ParallelModule.materialized``)."""
+    stack = contextlib.ExitStack()
+    for _, mod in sorted(pm.stages.items()):
+        stack.enter_context(mod.materialized(writeback))
+    return stack
+
+
 def save(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write ``pm``'s pieces (and ``optimizer``'s state) under directory ``path``; every rank calls this."""
+    with _materialized(pm):
+        _save(path, pm, optimizer)
+
+
+def _save(path, pm, optimizer) -> None:
     pieces: dict[int, dict[str, tuple[str, torch.Tensor]]] = {}  # stage -> key -> (name laid out like, piece)
     for s, mod in pm.stages.items():
         pieces[s] = {}
@@ -81,6 +95,11 @@ def save(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
 
 def load(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a checkpoint written under any plan into ``pm`` (and ``optimizer``, over ``pm.parameters()``)."""
+    with _materialized(pm, writeback=True):
+        _load(path, pm, optimizer)
+
+
+def _load(path, pm, optimizer) -> None:
     held, meta = read_meta(path)
     constants = set(pm.graph.constants)
     check_model(held, {n: s for n, s in pm._shapes.items() if n not in constants})

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..config import ComputeConfig, PlanError
 from ..dimops.partition import axis_groups
 from ..runtime.mesh import GroupCache
+from ..runtime.schedules import canonical_schedule
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,15 @@ def check_zero(plan, config: ComputeConfig, policy_name: str) -> None:
 
 
 def check_pipeline_zero(plans, config: ComputeConfig, policy_name: str) -> None:
-    """Pipelines take zero 1 and 2 over each stage's data-parallel ranks (its plan's ``dp`` axis and the
-    replicas); zero 3 is refused. Raises :class:`PlanError` before any process group is made."""
+    """Pipelines take ZeRO over each stage's data-parallel ranks (its plan's ``dp`` axis and the
+    replicas); zero 3 not under the zero-bubble schedules (they compute weight gradients apart, from
+    the parameters' own autograd nodes, which zero 3's gathered parameters do not have). Raises
+    :class:`PlanError` before any process group is made."""
     if not config.zero:
         return
-    if config.zero >= 3:
-        raise PlanError(f"zero={config.zero} with pipeline stages is not available; use zero=1 or zero=2 with a "
-                        f"pipeline (zero=3 with dp, hybrid or replicas of a plan)")
+    if config.zero >= 3 and "ZeroBubble" in (canonical_schedule(config.schedule) or ""):
+        raise PlanError(f"zero={config.zero} with the {config.schedule} schedule is not available; use zero=2, or "
+                        f"schedule 1F1B, GPipe or Interleaved1F1B")
     for plan in plans:
         check_zero(plan, config, f"{policy_name} stage")
 

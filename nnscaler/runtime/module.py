@@ -110,27 +110,27 @@ class ParallelModule(torch.nn.Module):
         axis_of = {name.replace(".", "__"): entry[3] for name, entry in program.STATE.items()}  # sync axis by key
         names = {id(p): k for k, p in self.named_parameters()}
         d = self._mesh.shape[zero.dp_axis] if zero.dp_axis is not None else 1
-        outside, scales = {}, {}
+        outside, scales, tied = {}, {}, set()
         for p in trainables:
             ax = axis_of[names[id(p)]]
             if ax is not None and self._mesh.groups[ax] is not None and ax != zero.dp_axis:
                 outside[id(p)] = self._mesh.groups[ax]  # also summed over a non-data-parallel axis: all-reduced first
-            elif self._names[names[id(p)]] in zero.unscattered:
-                outside[id(p)] = None  # summed across pipeline stages after backward: all-reduced, then sliced
+            if self._names[names[id(p)]] in zero.unscattered:
+                tied.add(id(p))  # summed across pipeline stages after backward: all-reduced, then sliced
             # reduce-scatter sums over the zero group: a gradient partial over the dp axis is summed there,
             # a complete one is counted d times; replicas are averaged
             scales[id(p)] = 1.0 / (self._replicas * (1 if ax == zero.dp_axis else d))
         blocks = {id(p): block_of(self._names[names[id(p)]]) for p in trainables}
         self._zero = ZeroShards(trainables, zero.stage, zero.group, zero.ranks, outside, scales,
                                 BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
-                                blocks if zero.stage >= 3 else None, zero.dp_axis)
+                                blocks if zero.stage >= 3 else None, zero.dp_axis, frozenset(tied))
         if zero.stage < 2:
             return synced, trainables
         if zero.stage >= 3:  # the program reads each parameter from its gathered bucket (nnscaler.runtime.zero3)
-            self._gathered_at = {self._names[names[id(p)]]: (b, i) for b in self._zero.buckets
+            self._gathered_at = {self._names[names[id(p)]]: (b, i) for b in self._zero.buckets if b.scatter
                                  for i, p in enumerate(b.params)}
-            return [], []
-        self._zero.attach()
+        else:
+            self._zero.attach()
         mine = {id(p) for b in self._zero.buckets if b.scatter for p in b.params}
         return [(p, g) for p, g in synced if id(p) not in mine], [p for p in trainables if id(p) not in mine]
 

@@ -68,7 +68,8 @@ class ZeroShards:
 
     def __init__(self, params: list[torch.nn.Parameter], stage: int, group, ranks: list[int],
                  sums_outside: dict[int, object], scales: dict[int, float], bucket_bytes: int,
-                 block_of: dict[int, str] | None = None, dp_axis: int | None = None):
+                 block_of: dict[int, str] | None = None, dp_axis: int | None = None,
+                 unscattered: frozenset[int] = frozenset()):
         """``sums_outside``: id of a parameter whose gradient is also summed over another mesh axis ->
         that axis's group; ``block_of`` (zero 3): id -> the model block it belongs to (one bucket per
         block, at most ``bucket_bytes`` each)."""
@@ -85,7 +86,7 @@ class ZeroShards:
         open_: dict[tuple, ZeroBucket] = {}
         block_of = block_of or {}
         for p in reversed(params):  # roughly the order backward produces gradients
-            scatter = stage >= 3 or (stage == 2 and id(p) not in sums_outside)
+            scatter = id(p) not in unscattered and (stage >= 3 or (stage == 2 and id(p) not in sums_outside))
             outside = sums_outside.get(id(p)) if stage >= 3 else None
             key = (p.dtype, p.device, scatter, block_of.get(id(p)), id(outside))
             b = open_.get(key)
@@ -111,7 +112,7 @@ class ZeroShards:
                 p.data = b.flat[off:off + p.numel()].view_as(p)
                 off += p.numel()
         mine = b.flat[self.index * b.chunk:(self.index + 1) * b.chunk]
-        if self.stage < 3:
+        if self.stage < 3 or not b.scatter:
             b.shard = torch.nn.Parameter(mine)
         else:  # zero 3: the slice is all this rank keeps; the bucket's storage is freed (the parameters keep
             b.shard = torch.nn.Parameter(mine.clone())  # their shapes, as views of it, for `materialized`)
@@ -208,9 +209,11 @@ class ZeroShards:
     def gather_params(self) -> None:
         """Every rank's updated slice back into every rank's parameters (one all-gather per bucket);
         zero 3 gathers them when next used instead."""
-        if self.n == 1 or self.stage >= 3:
+        if self.n == 1:
             return
         for b in self.buckets:
+            if self.stage >= 3 and b.scatter:
+                continue
             dist.all_gather_into_tensor(b.flat, b.shard.detach().clone(), group=self.group)
 
     def gather(self, b: ZeroBucket, slice_: torch.Tensor) -> torch.Tensor:
@@ -246,18 +249,19 @@ class ZeroShards:
             yield
             return
         self._materialized = True
+        sharded = [b for b in self.buckets if b.scatter]
         try:
             with torch.no_grad():
-                for b in self.buckets:
+                for b in sharded:
                     b.flat.untyped_storage().resize_(b.flat.numel() * b.flat.element_size())
                     b.flat.copy_(self.gathered(b))
             yield
             if writeback:
                 with torch.no_grad():
-                    for b in self.buckets:
+                    for b in sharded:
                         b.shard.copy_(b.flat[self.index * b.chunk:(self.index + 1) * b.chunk])
         finally:
-            for b in self.buckets:
+            for b in sharded:
                 b.flat.untyped_storage().resize_(0)
             self._materialized = False
 
