@@ -70,13 +70,10 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
     trains its share by ``train_step`` in M micro-batches (the loss exact over all replicas), and the
     reference is one device on the whole batch. A pipeline policy: :mod:`verify.cases.pipeline_replicas`.
-    ``clip``/``recompute``: the training recipe (the reference clips with torch; not yet for pipelines)."""
+    ``clip``/``recompute``: the training recipe (the reference clips with torch)."""
     if is_pipeline_policy(policy):
-        if clip is not None or recompute != "none":  # fail closed: the pipeline replicas case runs no recipe yet
-            raise NotImplementedError("training recipes (--clip-grad-norm, --recompute) are not wired into "
-                                      "pipeline replicas cases yet")
         return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
-                                          microbatches, bucket_bytes, traces, zero)
+                                          microbatches, bucket_bytes, traces, zero, clip, recompute)
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
