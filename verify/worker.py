@@ -17,6 +17,7 @@ import torch.distributed as dist
 from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
+from verify.judge.lowprec import Precision
 from verify.judge.verdict import Unverifiable
 from verify.runner import isolation
 
@@ -123,7 +124,7 @@ def handle(state: RankState, job: dict) -> dict:
                                        dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
                                        microbatches=job.get("microbatches", 1), traces=state.traces,
                                        clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
-                                       zero=job.get("zero", 0))
+                                       zero=job.get("zero", 0), precision=Precision.of(job))
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=memory.take())
         if job["kind"] == "model":
             checks = run_model_job(job, state.groups, state.traces)
