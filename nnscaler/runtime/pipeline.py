@@ -46,9 +46,9 @@ def _deferred_sync(module: ParallelModule):
     data-parallel and in-plan sums wait for the last micro-batch."""
     with module.no_sync():
         yield
-    module._grad_sync._finish()  # launches every bucket (none was launched during the pause) and waits
+    module._grad_sync.finish()  # launches every bucket (none was launched during the pause) and waits
     if module._zero is not None and module._zero.stage == 2:
-        module._zero._finish()  # zero 2: reduce-scatters every bucket's accumulated gradients
+        module._zero.finish()  # zero 2: reduce-scatters every bucket's accumulated gradients
 
 
 class _GradOutputs(torch.nn.Module):

@@ -41,6 +41,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from .buckets import ReadyBuckets
+
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adadelta", "ASGD")
 
 
@@ -58,8 +60,6 @@ class ZeroBucket:
     flat: torch.Tensor | None = None  # the parameters' storage, padded to n * chunk
     chunk: int = 0
     shard: torch.nn.Parameter | None = None  # this rank's slice of ``flat`` (what the inner optimizer steps)
-    pending: int = 0
-    handle: bool | None = None  # launched in this backward
 
 
 class ZeroShards:
@@ -78,8 +78,7 @@ class ZeroShards:
         self.n = len(ranks)
         self.index = self.ranks.index(dist.get_rank()) if self.n > 1 else 0
         self.buckets: list[ZeroBucket] = []
-        self._queued = False
-        self.paused = False
+        self.schedule = ReadyBuckets(lambda b: self._launch(b), lambda: self._complete())  # zero 2: scattered when complete
         self._materialized = False
         self._pending: list[tuple] = []  # (bucket, work, out, packed gradients) of the reduce-scatters under way
         self.regathered: dict[int, torch.Tensor] = {}  # zero 3: buckets gathered again in backward, by id
@@ -120,31 +119,25 @@ class ZeroShards:
 
     # -- zero 2: gradients reduce-scattered during backward --------------------------------------------
     def attach(self) -> None:
-        for b in self.buckets:
-            if b.scatter:
-                for p in b.params:
-                    p.register_post_accumulate_grad_hook(lambda p, b=b: self._ready(b))
+        self.schedule.attach(b for b in self.buckets if b.scatter)
 
-    def _ready(self, b: ZeroBucket) -> None:
-        if self.paused:
-            return
-        self._queue()
-        b.pending -= 1
-        if b.pending == 0:
-            self._launch(b)
+    @property
+    def paused(self) -> bool:
+        """Zero 2: no reduce-scatter while set (gradients accumulate in ``.grad``; see ``no_sync``)."""
+        return self.schedule.paused
 
-    def _queue(self) -> None:
-        """At the first gradient of a backward: have :meth:`_finish` run at its end."""
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            for bucket in self.buckets:
-                bucket.pending, bucket.handle = len(bucket.params), None
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self.schedule.paused = value
+
+    def finish(self) -> None:
+        """Reduce-scatter now what the backward passes left (zero 2: every bucket none launched) and wait."""
+        self.schedule.end()
 
     def scatter_grads(self, b: ZeroBucket, grads) -> None:
         """Zero 3: reduce-scatter ``grads`` (one per parameter of ``b``, ``None`` for none) into the
         shard's gradient (added at the end of backward)."""
-        self._queue()
+        self.schedule.begin()
         self._launch(b, grads)
 
     def _launch(self, b: ZeroBucket, grads=None) -> None:
@@ -170,20 +163,17 @@ class ZeroShards:
         else:
             out.copy_(grad_flat)
         self._pending.append((b, work, out, grad_flat))  # the packed gradients live until the scatter is done
-        b.handle = True
 
-    def _finish(self) -> None:
+    def _complete(self) -> None:
         if self.stage == 2:  # every bucket is scattered once per backward, on every rank (zeros where none)
             for b in self.buckets:
-                if b.scatter and b.handle is None:
+                if b.scatter and id(b) not in self.schedule.launched:
                     self._launch(b)
         for b, work, out, _ in self._pending:
             if work is not None:
                 work.wait()
             b.shard.grad = out if b.shard.grad is None else b.shard.grad.add_(out)
-        for b in self.buckets:
-            b.handle = None
-        self._pending, self._queued = [], False
+        self._pending = []
         self.regathered.clear()
 
     # -- the optimizer's side ---------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
-from verify.cases.memory import SavedActivations, measure, record, storage_bytes
+from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.resume import resume_checks
 from verify.cases.model import LR, installed, resolve_policy, step_checks
 from verify.cases.pipeline import is_pipeline_policy
@@ -65,7 +65,8 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                       groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
                       microbatches: int = 1, traces: TraceCache | None = None, clip: float | None = None,
-                      recompute: str = "none", zero: int = 0, precision: Precision = Precision()) -> list[Check]:
+                      recompute: str = "none", zero: int = 0, precision: Precision = Precision(),
+                      memory: MemoryLog | None = None) -> list[Check]:
     """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to
     ``world_size`` (gradient-sync buckets of ``bucket_bytes``, default the model's). With
     ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
@@ -73,7 +74,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     reference is one device on the whole batch. A pipeline policy: :mod:`verify.cases.pipeline_replicas`.
     ``clip``/``recompute``: the training recipe (the reference clips with torch); ``precision``: the
     precision recipe (:class:`~verify.judge.lowprec.Precision`; not yet for pipelines), run alike by the
-    references and judged by the low-precision rule."""
+    references and judged by the low-precision rule. ``memory``: where the last step's measured memory
+    on this rank is left."""
     if is_pipeline_policy(policy):
         if precision.active:  # fail closed: the pipeline replicas case runs 32-true only
             raise NotImplementedError("--precision is not wired into pipeline replicas cases yet")
@@ -140,8 +142,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
-        if microbatches == 1:
-            record(measure(pm, opts[0], saved.bytes, grad_bytes))
+        if microbatches == 1 and memory is not None:
+            memory.last = measure(pm, opts[0], saved.bytes, grad_bytes)
     # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device
     # and under another plan at W=2, as every whole-model case's does
     checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces, precision)
