@@ -102,13 +102,18 @@ class ParallelModule(torch.nn.Module):
         gradient syncs left to :class:`GradSync` (zero 2 reduce-scatters the rest itself)."""
         from .grad_sync import BUCKET_BYTES
         from .zero import ZeroShards
-        same = frozenset(zero.ranks)
+        names = {id(p): k for k, p in self.named_parameters()}
+        replica_ranks = dist.get_process_group_ranks(self._replica_group) if self._replica_group is not None \
+            else [dist.get_rank()]
+        own = {}  # split along the data-parallel axis (an expert): the same piece on the replicas only
         for p in self.parameters():
-            p._nnscaler_same_ranks = same
+            layout = program.STATE[self._names[names[id(p)]]][1]
+            if zero.dp_axis is not None and str(layout[zero.dp_axis]).startswith("D"):
+                own[id(p)] = (self._replica_group, replica_ranks)
+            p._nnscaler_same_ranks = frozenset(own[id(p)][1] if id(p) in own else zero.ranks)
         if zero.stage == 0:
             return synced, trainables
         axis_of = {name.replace(".", "__"): entry[3] for name, entry in program.STATE.items()}  # sync axis by key
-        names = {id(p): k for k, p in self.named_parameters()}
         d = self._mesh.shape[zero.dp_axis] if zero.dp_axis is not None else 1
         outside, scales, tied = {}, {}, set()
         for p in trainables:
@@ -119,11 +124,11 @@ class ParallelModule(torch.nn.Module):
                 tied.add(id(p))  # summed across pipeline stages after backward: all-reduced, then sliced
             # reduce-scatter sums over the zero group: a gradient partial over the dp axis is summed there,
             # a complete one is counted d times; replicas are averaged
-            scales[id(p)] = 1.0 / (self._replicas * (1 if ax == zero.dp_axis else d))
+            scales[id(p)] = 1.0 / (self._replicas * (1 if ax == zero.dp_axis or id(p) in own else d))
         blocks = {id(p): block_of(self._names[names[id(p)]]) for p in trainables}
         self._zero = ZeroShards(trainables, zero.stage, zero.group, zero.ranks, outside, scales,
                                 BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
-                                blocks if zero.stage >= 3 else None, zero.dp_axis, frozenset(tied))
+                                blocks if zero.stage >= 3 else None, zero.dp_axis, frozenset(tied), own)
         if zero.stage < 2:
             return synced, trainables
         if zero.stage >= 3:  # the program reads each parameter from its gathered bucket (nnscaler.runtime.zero3)

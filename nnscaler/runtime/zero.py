@@ -56,6 +56,9 @@ class ZeroBucket:
     scales: list[float]  # zero 2: each gradient is multiplied by this before the reduce-scatter
     scatter: bool  # zero 2 and every gradient here needs no sum outside the zero group (zero 3: always)
     sum_group: object = None  # zero 3: the in-plan group its gradients are summed over first (None: none)
+    group: object = None  # the ranks holding the same pieces of these parameters (the zero group, or a smaller one)
+    n: int = 1  # how many: the bucket is cut into n slices
+    index: int = 0  # which slice is this rank's
     offsets: list[int] = field(default_factory=list)
     flat: torch.Tensor | None = None  # the parameters' storage, padded to n * chunk
     chunk: int = 0
@@ -69,28 +72,33 @@ class ZeroShards:
     def __init__(self, params: list[torch.nn.Parameter], stage: int, group, ranks: list[int],
                  sums_outside: dict[int, object], scales: dict[int, float], bucket_bytes: int,
                  block_of: dict[int, str] | None = None, dp_axis: int | None = None,
-                 unscattered: frozenset[int] = frozenset()):
+                 unscattered: frozenset[int] = frozenset(), own_groups: dict[int, tuple] | None = None):
         """``sums_outside``: id of a parameter whose gradient is also summed over another mesh axis ->
         that axis's group; ``block_of`` (zero 3): id -> the model block it belongs to (one bucket per
-        block, at most ``bucket_bytes`` each)."""
+        block, at most ``bucket_bytes`` each); ``unscattered``: ids of parameters whose gradients are
+        summed after backward elsewhere (tied across pipeline stages): synced whole and sliced, as
+        under zero 1, and under zero 3 kept whole; ``own_groups``: id -> ``(group, ranks)`` for a
+        parameter fewer ranks hold the same piece of (one split along the data-parallel axis, an
+        expert's, is the same on the replicas only)."""
         self.stage, self.group, self.ranks = stage, group, list(ranks)
         self.dp_axis = dp_axis  # the plan's data-parallel mesh axis (part of the zero group), or None
-        self.n = len(ranks)
-        self.index = self.ranks.index(dist.get_rank()) if self.n > 1 else 0
         self.buckets: list[ZeroBucket] = []
         self.schedule = ReadyBuckets(lambda b: self._launch(b), lambda: self._complete())  # zero 2: scattered when complete
         self._materialized = False
         self._pending: list[tuple] = []  # (bucket, work, out, packed gradients) of the reduce-scatters under way
         self.regathered: dict[int, torch.Tensor] = {}  # zero 3: buckets gathered again in backward, by id
         open_: dict[tuple, ZeroBucket] = {}
-        block_of = block_of or {}
+        block_of, own_groups = block_of or {}, own_groups or {}
         for p in reversed(params):  # roughly the order backward produces gradients
             scatter = id(p) not in unscattered and (stage >= 3 or (stage == 2 and id(p) not in sums_outside))
             outside = sums_outside.get(id(p)) if stage >= 3 else None
-            key = (p.dtype, p.device, scatter, block_of.get(id(p)), id(outside))
+            group, members = own_groups.get(id(p), (self.group, self.ranks))
+            key = (p.dtype, p.device, scatter, block_of.get(id(p)), id(outside), tuple(members))
             b = open_.get(key)
             if b is None or sum(q.numel() * q.element_size() for q in b.params) >= bucket_bytes:
-                b = open_[key] = ZeroBucket([], [], scatter, outside)
+                n = len(members)
+                b = open_[key] = ZeroBucket([], [], scatter, outside, group, n,
+                                            list(members).index(dist.get_rank()) if n > 1 else 0)
                 self.buckets.append(b)
             b.params.append(p)
             b.scales.append(scales.get(id(p), 1.0))
@@ -101,8 +109,8 @@ class ZeroShards:
     def _pack(self, b: ZeroBucket) -> None:
         """Move the bucket's parameters into one flat buffer (they become views of it)."""
         total = sum(p.numel() for p in b.params)
-        b.chunk = -(-total // self.n)
-        b.flat = torch.zeros(b.chunk * self.n, dtype=b.params[0].dtype, device=b.params[0].device)
+        b.chunk = -(-total // b.n)
+        b.flat = torch.zeros(b.chunk * b.n, dtype=b.params[0].dtype, device=b.params[0].device)
         off = 0
         with torch.no_grad():
             for p in b.params:
@@ -110,7 +118,7 @@ class ZeroShards:
                 b.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
                 p.data = b.flat[off:off + p.numel()].view_as(p)
                 off += p.numel()
-        mine = b.flat[self.index * b.chunk:(self.index + 1) * b.chunk]
+        mine = b.flat[b.index * b.chunk:(b.index + 1) * b.chunk]
         if self.stage < 3 or not b.scatter:
             b.shard = torch.nn.Parameter(mine)
         else:  # zero 3: the slice is all this rank keeps; the bucket's storage is freed (the parameters keep
@@ -144,7 +152,7 @@ class ZeroShards:
         """Pack the bucket's gradients (``grads``, or the parameters' ``.grad``, then freed), scaled, and
         start their reduce-scatter; a zero 3 bucket whose gradients are also summed over another mesh
         axis is all-reduced there first."""
-        grad_flat = torch.zeros(b.chunk * self.n, dtype=b.flat.dtype, device=b.flat.device)
+        grad_flat = torch.zeros(b.chunk * b.n, dtype=b.flat.dtype, device=b.flat.device)
         for i, (p, off, scale) in enumerate(zip(b.params, b.offsets, b.scales)):
             g = p.grad if grads is None else grads[i]
             if g is not None:
@@ -158,8 +166,8 @@ class ZeroShards:
             dist.all_reduce(grad_flat, group=b.sum_group)
         out = torch.empty(b.chunk, dtype=b.flat.dtype, device=b.flat.device)
         work = None
-        if self.n > 1:
-            work = dist.reduce_scatter_tensor(out, grad_flat, group=self.group, async_op=True)
+        if b.n > 1:
+            work = dist.reduce_scatter_tensor(out, grad_flat, group=b.group, async_op=True)
         else:
             out.copy_(grad_flat)
         self._pending.append((b, work, out, grad_flat))  # the packed gradients live until the scatter is done
@@ -188,7 +196,7 @@ class ZeroShards:
             if all(p.grad is None for p in b.params):
                 b.shard.grad = None
                 continue
-            lo, hi = self.index * b.chunk, (self.index + 1) * b.chunk
+            lo, hi = b.index * b.chunk, (b.index + 1) * b.chunk
             g = torch.zeros(b.chunk, dtype=b.flat.dtype, device=b.flat.device)
             for p, off in zip(b.params, b.offsets):
                 a, z = max(lo, off), min(hi, off + p.numel())
@@ -199,19 +207,17 @@ class ZeroShards:
     def gather_params(self) -> None:
         """Every rank's updated slice back into every rank's parameters (one all-gather per bucket);
         zero 3 gathers them when next used instead."""
-        if self.n == 1:
-            return
         for b in self.buckets:
-            if self.stage >= 3 and b.scatter:
+            if (self.stage >= 3 and b.scatter) or b.n == 1:
                 continue
-            dist.all_gather_into_tensor(b.flat, b.shard.detach().clone(), group=self.group)
+            dist.all_gather_into_tensor(b.flat, b.shard.detach().clone(), group=b.group)
 
     def gather(self, b: ZeroBucket, slice_: torch.Tensor) -> torch.Tensor:
         """The whole bucket-shaped tensor from every rank's ``slice_`` of it."""
-        if self.n == 1:
+        if b.n == 1:
             return slice_.clone()
-        out = torch.empty(b.chunk * self.n, dtype=slice_.dtype, device=slice_.device)
-        dist.all_gather_into_tensor(out, slice_.contiguous(), group=self.group)
+        out = torch.empty(b.chunk * b.n, dtype=slice_.dtype, device=slice_.device)
+        dist.all_gather_into_tensor(out, slice_.contiguous(), group=b.group)
         return out
 
     # -- zero 3: whole buckets on demand --------------------------------------------------------------------
@@ -249,7 +255,7 @@ class ZeroShards:
             if writeback:
                 with torch.no_grad():
                     for b in sharded:
-                        b.shard.copy_(b.flat[self.index * b.chunk:(self.index + 1) * b.chunk])
+                        b.shard.copy_(b.flat[b.index * b.chunk:(b.index + 1) * b.chunk])
         finally:
             for b in sharded:
                 b.flat.untyped_storage().resize_(0)
@@ -264,7 +270,7 @@ class ZeroShards:
         b, off = hit
         if b.shard.grad is None:
             return []
-        lo, hi = self.index * b.chunk, (self.index + 1) * b.chunk
+        lo, hi = b.index * b.chunk, (b.index + 1) * b.chunk
         a, z = max(lo, off), min(hi, off + p.numel())
         return [b.shard.grad.detach()[a - lo:z - lo]] if a < z else []
 
@@ -348,7 +354,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             have = [p for p in b.params if state.get(p)]
             if not have:
                 continue
-            lo, hi = z.index * b.chunk, (z.index + 1) * b.chunk
+            lo, hi = b.index * b.chunk, (b.index + 1) * b.chunk
             new: dict = {}
             for k, v in state[have[0]].items():
                 if isinstance(v, torch.Tensor) and v.dim():
