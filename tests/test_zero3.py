@@ -130,3 +130,14 @@ def test_zero_3_at_w4_resumes_under_zero_1_at_w2_then_on_one_device(tmp_path):
         assert a["w2 loads"] and a["one device loads"]
         assert a["w2 steps"] < 1e-4  # the W=4 zero 3 run's next step (an update is lr = 1e-2)
     assert all(not a for a in answers[2:])
+
+
+def test_verify_all_samples_the_combined_recipe_on_nanogpt_and_llama_only_when_it_runs_none_itself():
+    from verify.cases.config import RunConfig
+    from verify.cli import RECIPE, recipe_items
+    items = recipe_items(("bert", "llama", "nanogpt"), RunConfig(world_sizes=(2, 4)))
+    assert [label for label, _ in items] == [f"model:{m} {p} bf16-mixed zero3 clip1 recompute=full"
+                                              for m in ("nanogpt", "llama") for p in ("dp", "hybrid", "tp x2 replicas")]
+    assert [i[1:] for _, i in items[:3]] == [("dp", 1, (2, 4)), ("hybrid", 1, (4,)), ("tp", 2, (4,))]
+    assert RECIPE == {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}
+    assert recipe_items(("nanogpt",), RunConfig(zero=1)) == [] and recipe_items(("nanogpt",), RunConfig(world_sizes=(2,)))[0][1][3] == (2,)
