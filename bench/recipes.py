@@ -1,14 +1,18 @@
-"""Memory per rank measured (not estimated) and step time of ZeRO stages under ``dp`` at W=4, for
-nanoGPT and Llama (``verify.models.megatron``, 4 layers, width 256), in the same processes:
+"""Memory per rank measured (not estimated) and step time of ZeRO stages and activation recompute
+under ``dp`` at W=4, for nanoGPT and Llama (``verify.models.megatron``, 4 layers, width 256), in the
+same processes:
 
     python bench/recipes.py [--world 4] [--layers 4] [--width 256] [--steps 10]
 
-For each model and zero stage 0, 1, 2 (3 is not built yet): bytes per rank of parameters, gradients
-(after backward), optimizer state (after a step) and peak saved activations (saved-tensor hooks
-during the forward), each as a ratio against zero 0 of the same run, and the median step time
-(forward, backward, optimizer step; the stages' steps interleaved, the order rotating every step, so
-machine noise hits each alike) as a ratio against zero 0. Goal: zero 1 and 2 optimizer bytes per rank
-~1/W of zero 0's; zero 2 gradient bytes ~1/W.
+For each model, zero stage 0, 1, 2, 3 and recompute ``none``/``full``: bytes per rank of parameters
+(after a step: zero 3 holds its shards only), gradients (after backward), optimizer state (after a
+step) and peak saved activations (saved-tensor hooks during the forward, a recomputed block's inputs
+included: :class:`nnscaler.runtime.recompute.SavedActivations`), each as a ratio against zero 0 with
+no recompute of the same run; ``p+g+o x``: params + grads + optimizer against zero 0's; and the median
+step time (forward, backward, optimizer step; the configurations' steps interleaved, the order
+rotating every step, so machine noise hits each alike) as a ratio against zero 0 with no recompute.
+Goals: zero 3's params + grads + optimizer per rank <= 1/W + 10% of zero 0's (<= 0.275 at W=4);
+zero 1/2 optimizer bytes ~1/W; zero 2 gradient bytes ~1/W; full recompute cuts saved activations.
 """
 from __future__ import annotations
 
@@ -24,7 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
+RECOMPUTE = ("none", "full")
+CONFIGS = tuple((z, rc) for z in STAGES for rc in RECOMPUTE)
+KEYS = ("params", "grads", "optimizer", "activations")
 
 
 def _rank(rank: int, world: int, port: int, args, out) -> None:
@@ -35,39 +42,39 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                             timeout=datetime.timedelta(seconds=600))
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize
-    from verify.cases.memory import SavedActivations, measure, storage_bytes
+    from nnscaler.runtime.recompute import SavedActivations
+    from verify.cases.memory import measure, storage_bytes
     from verify.models import megatron
 
     results = {}
     for name in ("nanogpt", "llama"):
         runs = {}
         with tempfile.TemporaryDirectory() as d:
-            for z in STAGES:
+            for z, rc in CONFIGS:
                 case = getattr(megatron, name)(layers=args.layers, width=args.width, heads=4, seed=0)
-                pm = parallelize(case.model, case.batch(0), "dp", ComputeConfig(world, zero=z), verify=False,
-                                 gen_savedir=f"{d}/{name}-z{z}")
-                runs[z] = (pm, pm.build_optimizer(torch.optim.AdamW, lr=1e-3), case.batch)
-            times = {z: [] for z in STAGES}
+                pm = parallelize(case.model, case.batch(0), "dp", ComputeConfig(world, zero=z, recompute=rc),
+                                 verify=False, gen_savedir=f"{d}/{name}-z{z}-{rc}")
+                runs[z, rc] = (pm, pm.build_optimizer(torch.optim.AdamW, lr=1e-3), case.batch)
+            times = {c: [] for c in CONFIGS}
             mem = {}
             for step in range(args.steps + 2):
-                order = STAGES[step % len(STAGES):] + STAGES[:step % len(STAGES)]
-                for z in order:
-                    pm, opt, batch = runs[z]
+                order = CONFIGS[step % len(CONFIGS):] + CONFIGS[:step % len(CONFIGS)]
+                for c in order:
+                    pm, opt, batch = runs[c]
                     args_ = batch(step)
                     dist.barrier()
                     t0 = time.perf_counter()
-                    saved = SavedActivations(pm.parameters())
-                    with saved:
+                    with SavedActivations(pm.param_tensors()) as saved:
                         loss = pm(*args_)
                     loss.backward()
                     grads = storage_bytes(pm.grad_tensors())
                     opt.step()
                     dist.barrier()
                     if step >= 2:  # two warm-up steps
-                        times[z].append(time.perf_counter() - t0)
-                    mem[z] = measure(pm, opt, saved.bytes, grads)
+                        times[c].append(time.perf_counter() - t0)
+                    mem[c] = measure(pm, opt, saved.bytes, grads)
                     opt.zero_grad()
-        results[name] = {z: dict(mem[z], step_s=statistics.median(times[z])) for z in STAGES}
+        results[name] = {c: dict(mem[c], step_s=statistics.median(times[c])) for c in CONFIGS}
     out.put((rank, results))
     dist.destroy_process_group()
 
@@ -84,22 +91,25 @@ def main() -> None:
     out = ctx.Queue()
     mp.start_processes(_rank, args=(args.world, free_port(), args, out), nprocs=args.world, start_method="spawn")
     by_rank = dict(out.get(timeout=30) for _ in range(args.world))
-    print(f"ZeRO under dp at W={args.world}: bytes per rank measured from live tensors (rank 0; max over ranks "
-          f"in brackets where it differs), ratio against zero 0 of the same run; step time median of {args.steps}")
-    print(f"| model | zero | params | grads | optimizer | saved activations | step ms | params x | grads x | "
-          f"optimizer x | activations x | step x |")
+    print(f"ZeRO stages x recompute under dp at W={args.world}: bytes per rank measured from live tensors (rank 0; "
+          f"max over ranks in brackets where it differs), ratios (max over ranks) against zero 0 with no recompute "
+          f"of the same run; step time median of {args.steps}")
+    print("| model | zero | recompute | params | grads | optimizer | saved activations | step ms | p+g+o x | "
+          "optimizer x | activations x | step x |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in by_rank[0]:
-        base = by_rank[0][name][0]
-        for z in STAGES:
-            r = by_rank[0][name][z]
-            mx = {k: max(by_rank[q][name][z][k] for q in by_rank) for k in ("params", "grads", "optimizer", "activations")}
+        base = by_rank[0][name][0, "none"]
+        base_pgo = max(sum(by_rank[q][name][0, "none"][k] for k in KEYS[:3]) for q in by_rank)
+        for c in CONFIGS:
+            r = by_rank[0][name][c]
+            mx = {k: max(by_rank[q][name][c][k] for q in by_rank) for k in KEYS}
+            pgo = max(sum(by_rank[q][name][c][k] for k in KEYS[:3]) for q in by_rank)
 
             def cell(k):
                 return f"{r[k]:,}" + (f" [{mx[k]:,}]" if mx[k] != r[k] else "")
 
-            print(f"| {name} | {z} | {cell('params')} | {cell('grads')} | {cell('optimizer')} | {cell('activations')} | "
-                  f"{1e3 * r['step_s']:.1f} | {mx['params'] / base['params']:.3f} | {mx['grads'] / base['grads']:.3f} | "
+            print(f"| {name} | {c[0]} | {c[1]} | {cell('params')} | {cell('grads')} | {cell('optimizer')} | "
+                  f"{cell('activations')} | {1e3 * r['step_s']:.1f} | {pgo / base_pgo:.3f} | "
                   f"{mx['optimizer'] / base['optimizer']:.3f} | {mx['activations'] / base['activations']:.3f} | "
                   f"{r['step_s'] / base['step_s']:.2f} |")
 

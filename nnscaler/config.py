@@ -59,7 +59,7 @@ class ComputeConfig:
     precision: str = "32-true"
     grad_reduce_dtype: str | None = None  # bf16-mixed: "fp32" (default) or "bf16"
     # ZeRO over the plan's data-parallel ranks (its ``dp`` mesh axis and replicas, nnscaler.runtime.zero):
-    # 0 off, 1 optimizer state sharded, 2 gradients too (reduce-scattered); 3 (parameters) is not built yet
+    # 0 off, 1 optimizer state sharded, 2 gradients too (reduce-scattered), 3 parameters too (gathered per block)
     zero: int = 0
 
     def __post_init__(self):
@@ -78,12 +78,6 @@ class ComputeConfig:
             raise PlanError(f"mem_budget must be a positive number of bytes per rank, got {self.mem_budget}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise PlanError(f"zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero!r}")
-        if self.zero == 3:
-            raise PlanError("zero=3 (parameters sharded) is not available yet; use zero=2 (optimizer state and "
-                            "gradients sharded)")
-        if self.zero >= 2 and self.clip_grad_norm is not None:
-            raise PlanError("clip_grad_norm with zero=2 is not available yet (its gradients are reduce-scattered into "
-                            "shards the norm does not read); use zero=1 with clip_grad_norm")
         if self.pp_size != 1 or self.pp_split is not None or self.schedule != "1F1B":
             check_config(self)
         if self.profile is not None:

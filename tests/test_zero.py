@@ -24,8 +24,7 @@ import zero_ranks  # noqa: E402
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.mark.parametrize("zero, says", [(5, "zero must be 0, 1, 2 or 3"), (True, "zero must be"), (-1, "zero must"),
-                                        (3, "zero=3 (parameters sharded) is not available yet")])
+@pytest.mark.parametrize("zero, says", [(5, "zero must be 0, 1, 2 or 3"), (True, "zero must be"), (-1, "zero must")])
 def test_a_zero_stage_out_of_range_is_one_line_naming_the_option(zero, says):
     with pytest.raises(PlanError, match=r"zero") as err:
         ComputeConfig(2, zero=zero)
@@ -42,8 +41,10 @@ def test_zero_on_a_plan_without_data_parallel_ranks_is_refused_before_any_proces
 @pytest.mark.parametrize("argv, says", [
     (["--policy", "tp", "--zero", "1"], "--zero 1: policy tp at world size 2 has no data-parallel axis"),
     (["--policy", "hybrid", "--zero", "2"], "--zero 2: policy hybrid at world size 2 has no data-parallel axis"),
+    (["--policy", "tp", "--zero", "3"], "--zero 3: policy tp at world size 2 has no data-parallel axis"),
     (["--policy", "dp", "--zero", "4"], "--zero 4: zero must be 0, 1, 2 or 3"),
-    (["--policy", "pp", "--zero", "1"], "--zero 1: pipeline policy pp with zero is not available yet"),
+    (["--policy", "pp", "--zero", "1"], "--zero 1: policy pp at world size 2 whose stages have no data-parallel axis"),
+    (["--policy", "pp_zb", "--replicas", "2", "--zero", "3"], "--zero 3: pipeline policy pp_zb (a zero-bubble schedule)"),
 ])
 def test_verify_model_refuses_zero_without_data_parallel_ranks_with_exit_2(capsys, argv, says):
     assert main(["model", "nanogpt", "--world-size", "2", *argv]) == 2
@@ -105,12 +106,12 @@ def test_zero_redundancy_optimizer_by_hand_over_dp_copies_is_right(tmp_path):
     assert zero_ranks.run(str(tmp_path), "hand_dp") == [0.0, 0.0]
 
 
-def test_rows_carry_memory_measured_per_rank_and_zero_1_holds_a_quarter_of_the_state_at_w4(gang):
+def test_rows_carry_memory_measured_per_rank_and_each_stage_shards_its_share_at_w4(gang):
     from verify.cases.config import RunConfig
     from verify.sweep import run_model
     mem = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for zero in (0, 1, 2):
+        for zero in (0, 1, 2, 3):
             (row,) = run_model(gang, "nanogpt", ("dp",), RunConfig(world_sizes=(4,), zero=zero), tmp, steps=1,
                                checkpoint=False)
             assert row.status == MATCH and row.partition == ("dp" if not zero else f"dp zero{zero}")
@@ -120,6 +121,9 @@ def test_rows_carry_memory_measured_per_rank_and_zero_1_holds_a_quarter_of_the_s
     assert mem[0]["activations"] > 0 and mem[1]["params"] >= mem[0]["params"]
     assert abs(mem[1]["optimizer"] / mem[0]["optimizer"] - 0.25) < 0.01  # AdamW's two moments, a quarter each
     assert mem[1]["grads"] == mem[0]["grads"] and abs(mem[2]["grads"] / mem[0]["grads"] - 0.25) < 0.01
+    # zero 3: a quarter of the parameters too (its shards; the whole buckets are gathered only while used)
+    pgo = {z: sum(mem[z][k] for k in ("params", "grads", "optimizer")) for z in mem}
+    assert mem[3]["params"] / mem[0]["params"] < 0.26 and pgo[3] / pgo[0] <= 0.25 * 1.1
 
 
 @pytest.mark.parametrize("bug, policy, replicas, says", [("zero_ungathered", "dp", 1, "param"),

@@ -42,6 +42,7 @@ from verify.models.loader import ModelNotFound, check_builder, is_file_reference
 from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, MemoryCapError, WorldSizeError, max_ranks
 from verify.report.progress import RunProgress
 from verify.cases.replica_rows import replica_items, run_replicas
+from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.zero import zero_refusal
 from verify.cases.torchpar_mesh import parse_mesh
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
@@ -273,7 +274,7 @@ def _config(args) -> RunConfig:
         raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
     zero = getattr(args, "zero", 0)
     try:
-        ComputeConfig(1, zero=zero)  # the one check of the option: 0..3, and 3 not built yet
+        ComputeConfig(1, zero=zero)  # the one check of the option: 0..3
     except PlanError as exc:
         raise UsageError(f"--zero {zero}: {exc}") from None
     recipe = {"clip_grad_norm": getattr(args, "clip_grad_norm", None), "recompute": getattr(args, "recompute", "none")}
@@ -459,8 +460,10 @@ def cmd_model(args) -> int:
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     _json_target(args.json)
-    if args.replicas > 1 and cfg.precision != "32-true":
-        raise UsageError(f"--replicas with --precision {cfg.precision}: replica cases run 32-true only (not yet a recipe)")
+    piped = [p for p in policies if is_pipeline_policy(p)]
+    if args.replicas > 1 and cfg.precision != "32-true" and piped:
+        raise UsageError(f"--replicas with --precision {cfg.precision}: pipeline replica cases ({piped[0]}) run 32-true "
+                         f"only (not yet a recipe); leave out --precision or the pipeline policy")
     odd = [w for w in cfg.world_sizes if w % args.replicas]
     if odd:
         raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")
@@ -550,6 +553,27 @@ def _torchpar_dims(mesh: str, model: str | None = None, fn: str | None = None, w
         raise UsageError(str(exc)) from None
 
 
+RECIPE = {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}  # verify all's sample
+RECIPE_TAG = " bf16-mixed zero3 clip1 recompute=full"
+RECIPE_MODELS = ("nanogpt", "llama")
+
+
+def recipe_items(models, cfg) -> list:
+    """``verify all``'s training-recipe rows, when it runs none itself (no recipe flag): the recipes
+    combined (:data:`RECIPE`) on nanoGPT and Llama under dp at every world size, hybrid at W>=4 and tp
+    as 2 replicas at W>=4 (zero on the replica axis): a few rows, not the whole sweep again."""
+    if cfg.zero or cfg.precision != "32-true" or cfg.clip_grad_norm is not None or cfg.recompute != "none":
+        return []
+    out = []
+    for m in (m for m in RECIPE_MODELS if m in models):
+        out.append((f"model:{m} dp{RECIPE_TAG}", (m, "dp", 1, cfg.world_sizes)))
+        big = tuple(w for w in cfg.world_sizes if w >= 4)
+        if big:
+            out.append((f"model:{m} hybrid{RECIPE_TAG}", (m, "hybrid", 1, big)))
+            out.append((f"model:{m} tp x2 replicas{RECIPE_TAG}", (m, "tp", 2, tuple(w for w in big if w % 2 == 0))))
+    return out
+
+
 def cmd_all(args) -> int:
     reg = _load(args.module)
     cfg = _config(args)
@@ -580,9 +604,11 @@ def cmd_all(args) -> int:
               for m in models for p in MICROBATCH_POLICIES]
     items += [(f"model:{m} {model_label(p, PIPELINE_MICROBATCHES)}", (m, p, PIPELINE_MICROBATCHES))
               for m in models if m in PIPELINE_MODELS for p in SWEPT]  # pipelines: 1F1B and GPipe, each mesh
+    recipes = recipe_items(models, cfg)  # the training recipes combined, sampled: a few rows
 
     try:
-        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, RunProgress(len(items) + len(replicas) + len(torch_cases)) as progress:
+        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, \
+                RunProgress(len(items) + len(replicas) + len(recipes) + len(torch_cases)) as progress:
             preflight(gang, specs, cfg)
             for label, item in items:  # each row is written the moment it is known
                 progress.start(label)
@@ -599,10 +625,13 @@ def cmd_all(args) -> int:
                 progress.done(label, new)
                 writer.seconds = time.perf_counter() - start
                 writer.flush()
-            for label, (name, policy, r, sizes) in replicas:
+            for label, (name, policy, r, sizes) in replicas + recipes:
                 progress.start(label)
                 new = []
-                for row in run_replicas(gang, name, (policy,), replace(cfg, world_sizes=sizes), tmp, r, skip=done):
+                run_cfg = replace(cfg, world_sizes=sizes, **(RECIPE if label.endswith(RECIPE_TAG) else {}))
+                rows = run_replicas(gang, name, (policy,), run_cfg, tmp, r, skip=done) if r > 1 \
+                    else run_model(gang, name, (policy,), run_cfg, tmp, skip=done)
+                for row in rows:
                     writer.add(row)
                     new.append(row)
                 progress.done(label, new)

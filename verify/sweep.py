@@ -113,7 +113,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
                 label = model_label(policy, m, cfg.precision, cfg.zero) + cfg.recipe_label
                 if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w, name, seed) \
-                        or (cfg.zero and not zero_applies(policy, w)):
+                        or (cfg.zero and not zero_applies(policy, w, zero=cfg.zero)):
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
+from verify.judge.lowprec import Precision
 from verify.judge.verdict import Divergence, Unverifiable
 from verify.runner import isolation
 
@@ -25,7 +26,7 @@ from verify.cases.conversion import run_conversion
 from verify.cases.localize_row import localize_row
 from verify.cases.microbatch import run_accumulation_job
 from verify.cases.node import node_sample
-from verify.cases import memory
+from verify.cases.memory import MemoryLog
 from verify.cases.model import run_model_job
 from verify.cases.replicas import run_replicas_case
 from verify.cases.samples import DTYPES, Sample, make_sample
@@ -121,20 +122,21 @@ def handle(state: RankState, job: dict) -> dict:
         if job["kind"] == "accumulation":  # several backward passes per step (verify/microbatch_case.py)
             checks = run_accumulation_job(job, state.groups)
             return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
+        log = MemoryLog()  # what a whole-model case measured on this rank (verify/cases/memory.py)
         if job["kind"] == "model" and job.get("plan_ngpus", job["world_size"]) < job["world_size"]:  # replicas
             checks = run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
                                        job["steps"], job["seed"], state.groups, job["gen_dir"],
                                        dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
                                        microbatches=job.get("microbatches", 1), traces=state.traces,
                                        clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
-                                       zero=job.get("zero", 0))
-            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=memory.take())
+                                       zero=job.get("zero", 0), precision=Precision.of(job), memory=log)
+            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last)
         if job["kind"] == "torchpar":  # the user's own torch parallelization (verify/cases/torchpar.py)
             checks = run_torchpar_job(job, state.groups)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         if job["kind"] == "model":
-            checks = run_model_job(job, state.groups, state.traces)
-            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=memory.take())
+            checks = run_model_job(job, state.groups, state.traces, log)
+            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last)
         sample, ref = state.sample(job)
         if job["kind"] == "plan":
             plans = {w: [p.label for p in rank_case.partitions_of(sample, w, job.get("partition"))]

@@ -5,6 +5,7 @@ and any checkpoint loads into a pipeline. Each stage writes the tensors whose ow
 parameter is written once, by its first stage) and reads every tensor it holds."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -13,8 +14,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from .format import (META, CheckpointError, check_model, hyper_params, model_names, optimizer_targets, read_meta,
-                     restore_optimizer)
+from .format import (META, CheckpointError, check_model, finish_load, hyper_params, kind_of, model_names,
+                     optimizer_targets, read_meta, restore_optimizer)
+from .format import plain as plain_view
 from .layout import device_mesh, gather_blocks, load_buffer, sharded
 
 
@@ -30,8 +32,21 @@ def _params(pm) -> dict[int, tuple]:
     return out
 
 
+def _materialized(pm, writeback: bool = False) -> contextlib.ExitStack:
+    """Every stage's parameters whole (zero 3 gathers its shards; see ``ParallelModule.materialized``)."""
+    stack = contextlib.ExitStack()
+    for _, mod in sorted(pm.stages.items()):
+        stack.enter_context(mod.materialized(writeback))
+    return stack
+
+
 def save(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write ``pm``'s pieces (and ``optimizer``'s state) under directory ``path``; every rank calls this."""
+    with _materialized(pm):
+        _save(path, pm, optimizer)
+
+
+def _save(path, pm, optimizer) -> None:
     pieces: dict[int, dict[str, tuple[str, torch.Tensor]]] = {}  # stage -> key -> (name laid out like, piece)
     for s, mod in pm.stages.items():
         pieces[s] = {}
@@ -41,6 +56,7 @@ def save(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
     plain: dict[str, torch.Tensor] = {}  # optimizer scalars, stored whole
     meta = {"optimizer": None}
     if optimizer is not None:
+        kind, optimizer = kind_of(optimizer), plain_view(optimizer)  # a sharded optimizer's state gathered per parameter
         params = _params(pm)
         stage_of = {id(mod): s for s, mod in pm.stages.items()}
         keys, groups = {}, {}
@@ -62,7 +78,7 @@ def save(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
         for g, k in parts:
             groups.update(g)
             keys.update(k)
-        meta = {"optimizer": type(optimizer).__name__, "param_groups": [hyper_params(g) for g in optimizer.param_groups],
+        meta = {"optimizer": kind, "param_groups": [hyper_params(g) for g in optimizer.param_groups],
                 "group_of": groups, "state_keys": keys}
     state: dict[str, torch.Tensor] = dict(plain)
     for s in sorted(pieces):  # the ranks of a stage hold the same names in the same order
@@ -79,6 +95,11 @@ def save(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
 
 def load(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a checkpoint written under any plan into ``pm`` (and ``optimizer``, over ``pm.parameters()``)."""
+    with _materialized(pm, writeback=True):
+        _load(path, pm, optimizer)
+
+
+def _load(path, pm, optimizer) -> None:
     held, meta = read_meta(path)
     constants = set(pm.graph.constants)
     check_model(held, {n: s for n, s in pm._shapes.items() if n not in constants})
@@ -93,9 +114,10 @@ def load(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
             buf, cut = load_buffer(mod, name, dest)
             state[f"model.{name}"] = sharded(mod, mesh, name, buf)
             targets.append((dest, buf, cut))
+    view = None if optimizer is None else plain_view(optimizer, gathered=False)
     if optimizer is not None:
         params = _params(pm)
-        opt_state = optimizer_targets(held, meta, optimizer, lambda p: params[id(p)][:3], state)
+        opt_state = optimizer_targets(held, meta, view, lambda p: params[id(p)][:3], state)
     dcp.load(state, checkpoint_id=str(path), process_group=pm.process_group)
     local = lambda v: v._local_tensor if isinstance(v, DTensor) else v  # noqa: E731
     with torch.no_grad():
@@ -104,18 +126,19 @@ def load(path: str | Path, pm, optimizer: torch.optim.Optimizer | None = None) -
         for dest, src in again:
             dest.copy_(local(src))
     if optimizer is not None:
-        restore_optimizer(optimizer, meta, opt_state)
+        restore_optimizer(view, meta, opt_state)
+        finish_load(optimizer, view)
 
 
 def whole_moments(pm, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
     """``{name: {state key: whole tensor}}`` of ``optimizer``'s state, merged across stages."""
-    params = _params(pm)
+    params, state = _params(pm), plain_view(optimizer).state
     mine = {}
     for s, mod in pm.stages.items():  # every rank of a stage gathers the same names in the same order
         for key, name in model_names(mod).items():
             p = getattr(mod, key)
-            if isinstance(p, torch.nn.Parameter) and params[id(p)][3] and p in optimizer.state:
-                mine[name] = {k: (mod._whole(name, v) if v.dim() else v) for k, v in optimizer.state[p].items()}
+            if isinstance(p, torch.nn.Parameter) and params[id(p)][3] and p in state:
+                mine[name] = {k: (mod._whole(name, v) if v.dim() else v) for k, v in state[p].items()}
     parts: list = [None] * pm._pp
     dist.all_gather_object(parts, mine, group=pm._pp_group)
     return {n: st for part in parts for n, st in part.items()}

@@ -29,7 +29,12 @@ def _param_names(module: "ParallelModule") -> dict[int, str]:
 
 def save(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write ``module``'s pieces (and ``optimizer``'s state) under directory ``path``; every rank of
-    the module calls this."""
+    the module calls this (under zero 3 its parameters are gathered from their shards for it)."""
+    with module.materialized():
+        _save(path, module, optimizer)
+
+
+def _save(path, module, optimizer) -> None:
     mesh = device_mesh(module)
     pieces: dict[str, tuple[str, torch.Tensor]] = {}  # checkpoint key -> (model name it is laid out like, piece)
     plain: dict[str, torch.Tensor] = {}  # optimizer scalars, stored whole
@@ -67,7 +72,13 @@ def save(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Opti
 
 def load(path: str | Path, module: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a checkpoint written by :func:`save` under any plan into ``module`` (and ``optimizer``,
-    built over ``module.parameters()``); each rank reads only what its pieces overlap."""
+    built over ``module.parameters()``); each rank reads only what its pieces overlap (under zero 3 into
+    its parameters gathered, then sharded again)."""
+    with module.materialized(writeback=True):
+        _load(path, module, optimizer)
+
+
+def _load(path, module, optimizer) -> None:
     held, meta = read_meta(path)
     names = model_names(module)
     check_model(held, {n: module._program.STATE[n][0] for n in names.values()})

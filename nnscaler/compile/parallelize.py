@@ -71,9 +71,6 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     check_mode(verify)
     sample_args, sample_kwargs = prepare_model(model, sample_args, sample_kwargs, config.precision)  # bf16-true: bf16 model
     if config.pp_size > 1 or is_pipeline_policy(policy):  # pipeline stages: .pipeline
-        if config.zero:
-            raise PlanError(f"zero={config.zero} with pipeline stages is not available yet; use zero=0 with a "
-                            f"pipeline, or zero with dp, hybrid or replicas of a plan")
         return parallelize_pipeline(model, sample_args, policy, config, gen_savedir=gen_savedir, reuse=reuse,
                                     strict=strict, sample_kwargs=sample_kwargs, registry=registry, groups=groups,
                                     verify=verify, verify_cache=verify_cache, tracer=tracer, verifier=verifier)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -24,6 +25,7 @@ from .artifacts import build_rank_module
 from .gate import Verifier, check_mode, verify_on_ranks
 from .groups import ensure_process_group, module_group
 from .plan import attach_stats, choose_plan, trace_model
+from .zero import check_pipeline_zero, stage_zero_specs
 
 def pipeline_groups(pp: int, k: int, mesh_shapes, cache: GroupCache, create: bool, replicas: int = 1) -> None:
     """Create (collectively, same order everywhere) each stage's mesh groups (``mesh_shapes[s]``: stage
@@ -69,6 +71,7 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
     graphs = stage_graphs(graph, cuts)
     each = stage_config(config)
     plans = [choose_plan(g, stage_policy, each) for g in graphs]  # refused before any process group
+    check_pipeline_zero(plans, config, stage_policy if isinstance(stage_policy, str) else type(stage_policy).__name__)
     world, rank, runtime = ensure_process_group(config, groups)
     cache = groups if groups is not None else GroupCache()
     pipeline_groups(pp, k, [p.mesh_shape for p in plans], cache, groups is None, replicas)
@@ -80,6 +83,8 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
     prank, local = plan_rank // k, plan_rank % k
     pp_group = cache.get([base + local + s * k for s in range(pp)])
     replica_group = cache.get([plan_rank + r * plan_ngpus for r in range(replicas)]) if replicas > 1 else None
+    tied = frozenset(n for n, c in Counter(t for g in graphs for t in {p.target for p in g.params}).items() if c > 1)
+    zeros = stage_zero_specs(plans, config, rank, pp, k, cache, groups is None, tied) if config.zero else {}
     modules = {}
     for s in range(total):
         g, plan = graphs[s], plans[s]
@@ -94,7 +99,7 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
                                        directory=Path(gen_savedir) / f"stage_{s}", reuse=reuse, mesh=mesh,
                                        replica_group=replica_group, replicas=replicas,
                                        bucket_bytes=config.bucket_bytes, precision=config.precision,
-                                       grad_reduce_dtype=config.grad_reduce_dtype)
+                                       grad_reduce_dtype=config.grad_reduce_dtype, zero=zeros.get(s))
     if rank == 0:
         print(f"pipeline: {total} stages ({pp} ranks x {v}), {k} rank(s) each, schedule "
               f"{canonical_schedule(config.schedule)}, {m} micro-batches"

@@ -76,20 +76,41 @@ def install() -> None:
     _torch_clip._get_total_norm = _total_norm
 
 
-def counted_grads(module, skip: Iterable[str] = ()) -> list[torch.Tensor]:
+def counted_grads(module, skip: Iterable[str] = (), first_replica: bool = True) -> list[torch.Tensor]:
     """The gradients of ``module`` (a :class:`~nnscaler.runtime.module.ParallelModule`) this rank
     counts in the whole model's norm: the pieces no rank before it on a mesh axis that replicates them
-    holds too. ``skip``: model names left out (a tied parameter counted by another stage)."""
+    holds too, on the first replica only (``first_replica``). Under ZeRO 2/3 a gradient is
+    reduce-scattered over the zero group (the ``dp`` axis and the replicas), each rank holding a
+    different slice: its slices count on every rank of that group, under the same rule for the other
+    axes. ``skip``: model names left out (a tied parameter counted by another stage)."""
     coords = module.mesh.coords
+    zero = getattr(module, "_zero", None)
     skip = set(skip)
     out = []
     for key, name in module._names.items():
         p = getattr(module, key)
-        if not isinstance(p, torch.nn.Parameter) or p.grad is None or name in skip:
+        if not isinstance(p, torch.nn.Parameter) or name in skip:
             continue
         layout = module._program.STATE[name][1]
-        if all(c == 0 for q, c in zip(layout, coords) if not str(q).startswith("D")):
+        pieces = zero.grad_pieces(p) if zero is not None else None
+        if pieces is not None:  # reduce-scattered: this rank's slices of it
+            if all(c == 0 for a, (q, c) in enumerate(zip(layout, coords))
+                   if not str(q).startswith("D") and a != zero.dp_axis):
+                out += pieces
+        elif first_replica and p.grad is not None and all(c == 0 for q, c in zip(layout, coords)
+                                                           if not str(q).startswith("D")):
             out.append(p.grad.detach())
+    return out
+
+
+def holders(module) -> list[torch.Tensor]:
+    """Every tensor whose ``.grad`` clipping scales: the parameters of ``module`` and of its compiled
+    submodules, and their ZeRO shards (whose gradients zero 2/3 reduce-scatter)."""
+    out = list(module.parameters())
+    for m in module.modules():
+        zero = getattr(m, "_zero", None)
+        if zero is not None:
+            out += [b.shard for b in zero.buckets if b.scatter]
     return out
 
 

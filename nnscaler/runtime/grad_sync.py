@@ -30,6 +30,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from .buckets import ReadyBuckets
+
 BUCKET_BYTES = 4 * 2**20
 
 
@@ -39,7 +41,6 @@ class _Bucket:
     group: object
     scale: float = 1.0  # the reduced sum is multiplied by this (1 / replicas for an average)
     deferred: bool = False  # launched only after the in-plan sums (its parameters need them first)
-    pending: int = 0
     flat: torch.Tensor | None = None  # allocated at the first launch, kept: the gradients are views into it
     views: list[torch.Tensor] = field(default_factory=list)  # each parameter's piece of ``flat``, shaped like it
     handle: object = None
@@ -51,10 +52,12 @@ class GradSync:
     """Buckets of ``(parameter, group)`` pairs; :meth:`attach` installs the hooks."""
 
     buckets: list[_Bucket] = field(default_factory=list)
-    _queued: bool = False
-    _paused: bool = False
     _synced: set = field(default_factory=set)  # ids of parameters whose .grad holds their group's sum
     reduce_dtype: torch.dtype | None = None  # bf16-mixed's grad_reduce_dtype: reduced in this dtype (None: their own)
+    _schedule: ReadyBuckets | None = None
+
+    def __post_init__(self):
+        self._schedule = ReadyBuckets(lambda b: self._launch(b), lambda: self._complete())  # looked up when called
 
     @classmethod
     def build(cls, pairs: list[tuple[torch.nn.Parameter, object]], bucket_bytes: int | None = None,
@@ -81,10 +84,8 @@ class GradSync:
         return sync
 
     def attach(self) -> None:
+        self._schedule.attach(b for b in self.buckets if not b.deferred)
         for b in self.buckets:
-            if not b.deferred:
-                for p in b.params:
-                    p.register_post_accumulate_grad_hook(lambda p, b=b: self._ready(b))
             if b.scale == 1.0:  # a sum (not an average): a synced gradient must not be counted again
                 for p in b.params:
                     p.register_hook(lambda g, p=p, b=b: self._unsum(p, b))
@@ -101,23 +102,15 @@ class GradSync:
     def paused(self) -> Iterator[None]:
         """No synchronisation of the backward passes run inside: their gradients accumulate locally
         and are synced, summed with the next backward's, by the first backward after it."""
-        before, self._paused = self._paused, True
+        before, self._schedule.paused = self._schedule.paused, True
         try:
             yield
         finally:
-            self._paused = before
+            self._schedule.paused = before
 
-    def _ready(self, b: _Bucket) -> None:
-        if self._paused:
-            return
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            for bucket in self.buckets:
-                bucket.pending, bucket.handle = len(bucket.params), None
-        b.pending -= 1
-        if b.pending == 0:
-            self._launch(b)
+    def finish(self) -> None:
+        """Sync now what the backward passes left (every bucket none of them launched) and wait."""
+        self._schedule.end()
 
     def _launch(self, b: _Bucket) -> None:
         if b.flat is None:
@@ -134,11 +127,11 @@ class GradSync:
         b.wire = b.flat if self.reduce_dtype in (None, b.flat.dtype) else b.flat.to(self.reduce_dtype)
         b.handle = dist.all_reduce(b.wire, group=b.group, async_op=True)
 
-    def _finish(self) -> None:
+    def _complete(self) -> None:
         for stage in (False, True):
             buckets = [b for b in self.buckets if b.deferred == stage]
             for b in buckets:
-                if b.handle is None:  # some parameter got no gradient this time, or a deferred bucket
+                if id(b) not in self._schedule.launched:  # some parameter got no gradient this time, or deferred
                     self._launch(b)
             for b in buckets:
                 b.handle.wait()
@@ -149,4 +142,3 @@ class GradSync:
                 else:
                     self._synced.update(id(p) for p in b.params)
                 b.handle = None
-        self._queued = False

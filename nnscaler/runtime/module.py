@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -18,6 +18,7 @@ from .precision import GRAD_REDUCE_DTYPES, autocast_message, autocast_on
 from .mesh import RankMesh
 from .microbatch import accumulate
 from .zero import guard_hand_zero
+from .zero3 import GatheredParams, saved_hooks
 
 
 def _parse_layout(text: Sequence[str]) -> list:
@@ -28,6 +29,16 @@ def take(full: torch.Tensor, slices: Sequence[tuple]) -> torch.Tensor:
     """The piece of ``full`` at ``slices`` (``(start, stop)`` per dim, ``(start, stop, blocks)``
     for a dim split in blocks)."""
     return take_piece(full, slices)
+
+
+def block_of(name: str) -> str:
+    """The model block a parameter belongs to: its name up to the first numbered module (``h.0``,
+    ``layers.3``), else its first module (``wte``, ``lm_head``): zero 3 gathers a block at a time."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0] if len(parts) > 1 else ""
 
 
 class ParallelModule(torch.nn.Module):
@@ -91,29 +102,55 @@ class ParallelModule(torch.nn.Module):
         gradient syncs left to :class:`GradSync` (zero 2 reduce-scatters the rest itself)."""
         from .grad_sync import BUCKET_BYTES
         from .zero import ZeroShards
-        same = frozenset(zero.ranks)
+        names = {id(p): k for k, p in self.named_parameters()}
+        replica_ranks = dist.get_process_group_ranks(self._replica_group) if self._replica_group is not None \
+            else [dist.get_rank()]
+        own = {}  # split along the data-parallel axis (an expert): the same piece on the replicas only
         for p in self.parameters():
-            p._nnscaler_same_ranks = same
+            layout = program.STATE[self._names[names[id(p)]]][1]
+            if zero.dp_axis is not None and str(layout[zero.dp_axis]).startswith("D"):
+                own[id(p)] = (self._replica_group, replica_ranks)
+            p._nnscaler_same_ranks = frozenset(own[id(p)][1] if id(p) in own else zero.ranks)
         if zero.stage == 0:
             return synced, trainables
         axis_of = {name.replace(".", "__"): entry[3] for name, entry in program.STATE.items()}  # sync axis by key
-        names = {id(p): k for k, p in self.named_parameters()}
         d = self._mesh.shape[zero.dp_axis] if zero.dp_axis is not None else 1
-        outside, scales = set(), {}
+        outside, scales, tied = {}, {}, set()
         for p in trainables:
             ax = axis_of[names[id(p)]]
             if ax is not None and self._mesh.groups[ax] is not None and ax != zero.dp_axis:
-                outside.add(id(p))  # also summed over a non-data-parallel axis: all-reduced, then sliced
+                outside[id(p)] = self._mesh.groups[ax]  # also summed over a non-data-parallel axis: all-reduced first
+            if self._names[names[id(p)]] in zero.unscattered:
+                tied.add(id(p))  # summed across pipeline stages after backward: all-reduced, then sliced
             # reduce-scatter sums over the zero group: a gradient partial over the dp axis is summed there,
             # a complete one is counted d times; replicas are averaged
-            scales[id(p)] = 1.0 / (self._replicas * (1 if ax == zero.dp_axis else d))
+            scales[id(p)] = 1.0 / (self._replicas * (1 if ax == zero.dp_axis or id(p) in own else d))
+        blocks = {id(p): block_of(self._names[names[id(p)]]) for p in trainables}
         self._zero = ZeroShards(trainables, zero.stage, zero.group, zero.ranks, outside, scales,
-                                BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+                                BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
+                                blocks if zero.stage >= 3 else None, zero.dp_axis, frozenset(tied), own)
         if zero.stage < 2:
             return synced, trainables
-        self._zero.attach()
+        if zero.stage >= 3:  # the program reads each parameter from its gathered bucket (nnscaler.runtime.zero3)
+            self._gathered_at = {self._names[names[id(p)]]: (b, i) for b in self._zero.buckets if b.scatter
+                                 for i, p in enumerate(b.params)}
+        else:
+            self._zero.attach()
         mine = {id(p) for b in self._zero.buckets if b.scatter for p in b.params}
         return [(p, g) for p, g in synced if id(p) not in mine], [p for p in trainables if id(p) not in mine]
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameter tensors this rank holds now: the parameters and, under zero 3, their shards
+        (the parameters themselves then hold no storage outside the forward)."""
+        out = list(self.parameters())
+        if self._zero is not None and self._zero.stage >= 3:
+            out += [b.shard for b in self._zero.buckets]
+        return out
+
+    def materialized(self, writeback: bool = False):
+        """A context in which every parameter holds its whole local piece (zero 3 gathers its shards;
+        ``writeback``: what was written into them is then sharded again); otherwise nothing."""
+        return self._zero.materialized(writeback) if self._zero is not None else nullcontext()
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """The gradient tensors this rank holds now: each parameter's ``.grad`` and, under zero 2,
@@ -147,10 +184,17 @@ class ParallelModule(torch.nn.Module):
         if self.precision == "bf16-true":
             inputs = tuple(x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                            for x in inputs)
-        if self.precision == "bf16-mixed" and autocast_on():  # the program casts as autocast would: off inside
-            with torch.autocast(autocast_on(), enabled=False):
+        off = torch.autocast(autocast_on(), enabled=False) if self.precision == "bf16-mixed" and autocast_on() \
+            else nullcontext()  # bf16-mixed: the program casts as autocast would, so autocast is off inside
+        if self._zero is None or self._zero.stage < 3:
+            with off:
                 return self._program.forward(self._local(), self._mesh.groups, *inputs)
-        return self._program.forward(self._local(), self._mesh.groups, *inputs)
+        params = GatheredParams(self._zero, self._local(), self._gathered_at)
+        try:
+            with off, saved_hooks(self._zero):
+                return self._program.forward(params, self._mesh.groups, *inputs)
+        finally:
+            params.close()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -183,7 +227,7 @@ class ParallelModule(torch.nn.Module):
         (see :mod:`nnscaler.runtime.microbatch`). Raises ``MicroBatchError`` (a ``ValueError``) for a
         batch not divisible by ``num_microbatches`` or a loss that is neither."""
         params = list(self.parameters())
-        if self._zero is not None:  # zero 2's gradient shards are set aside, scaled and restored like the .grad
+        if self._zero is not None:  # zero 2/3's gradient shards are set aside, scaled and restored like the .grad
             params += [b.shard for b in self._zero.buckets if b.scatter]
         loss = accumulate(self, batch, batch_kwargs, self.num_microbatches, loss_fn, params,
                           self.no_sync, self._replica_group, self._replicas)
@@ -201,7 +245,7 @@ class ParallelModule(torch.nn.Module):
         ``ComputeConfig(clip_grad_norm=...)`` sets it). ``torch.nn.utils.clip_grad_norm_(pm.parameters())``
         alone would see this rank's shards only; it is routed here (see :mod:`nnscaler.runtime.clip`)."""
         total = self.grad_norm(norm_type)
-        clip.clip_(self.parameters(), max_norm, total, error_if_nonfinite)
+        clip.clip_(clip.holders(self), max_norm, total, error_if_nonfinite)
         self.last_grad_norm = total
         return total
 
@@ -209,9 +253,9 @@ class ParallelModule(torch.nn.Module):
         """The whole model's gradient norm (each piece counted once), the same on every rank; every
         rank of the module must call it. ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` gets
         it too (see :mod:`nnscaler.runtime.clip`)."""
-        counted = clip.local_sum(clip.counted_grads(self) if clip.is_first_replica(self._replica_group) else [],
+        counted = clip.local_sum(clip.counted_grads(self, first_replica=clip.is_first_replica(self._replica_group)),
                                  norm_type)
-        return clip.total_norm(counted, norm_type, self.process_group, clip.grad_dtype(self.parameters()))
+        return clip.total_norm(counted, norm_type, self.process_group, clip.grad_dtype(clip.holders(self)))
 
     def sync_replica_grads(self) -> None:
         """Deprecated, does nothing: gradients are averaged over replicas during backward."""
@@ -235,7 +279,8 @@ class ParallelModule(torch.nn.Module):
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D401
         """Whole tensors under the single-device model's names (gathered from every rank)."""
-        return {name: self._whole(name, getattr(self, key).detach()).clone() for key, name in self._names.items()}
+        with self.materialized():
+            return {name: self._whole(name, getattr(self, key).detach()).clone() for key, name in self._names.items()}
 
     def whole_grads(self) -> dict[str, torch.Tensor | None]:
         """Whole gradients of the trainable parameters, under the model's names."""
@@ -243,7 +288,7 @@ class ParallelModule(torch.nn.Module):
         for key, name in self._names.items():
             p = getattr(self, key)
             if isinstance(p, torch.nn.Parameter):
-                g = p.grad if self._zero is None or self._zero.stage < 2 else self._zero.full_grad(p)
+                g = p.grad if self._zero is None or self._zero.stage < 2 else self._zero.full_grad(p)  # zero 2/3: shards
                 out[name] = None if g is None else self._whole(name, g.detach()).clone()
         return out
 
@@ -253,7 +298,7 @@ class ParallelModule(torch.nn.Module):
         unexpected = [n for n in state_dict if n not in set(self._names.values())]
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_state_dict: missing {missing}, unexpected {unexpected}")
-        with torch.no_grad():
+        with torch.no_grad(), self.materialized(writeback=True):
             for key, name in self._names.items():
                 if name in state_dict:
                     shape, _, slices, _ = self._program.STATE[name]

@@ -47,7 +47,9 @@ def _deferred_sync(module: ParallelModule):
     data-parallel and in-plan sums wait for the last micro-batch."""
     with module.no_sync():
         yield
-    module._grad_sync._finish()  # launches every bucket (none was launched during the pause) and waits
+    module._grad_sync.finish()  # launches every bucket (none was launched during the pause) and waits
+    if module._zero is not None and module._zero.stage == 2:
+        module._zero.finish()  # zero 2: reduce-scatters every bucket's accumulated gradients
 
 
 class _GradOutputs(torch.nn.Module):
@@ -163,7 +165,7 @@ class PipelineModule(torch.nn.Module):
             raise MicroBatchError(f"train_step: {exc}") from None
         b = batch_rows(batch)
         self._batch, self._loss_fn = batch, loss_fn
-        self._acc = Accumulation.begin(self.parameters() if train else (), self._replica_group, self._replicas)
+        self._acc = Accumulation.begin(clip.holders(self) if train else (), self._replica_group, self._replicas)
         rows = torch.arange(b)  # the schedule splits it like the batch: each micro-batch's rows
         args = batch if self._has_first else ()
         try:
@@ -203,8 +205,22 @@ class PipelineModule(torch.nn.Module):
 
     def build_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         """This rank's optimizer over its stages' parameters, as ``ParallelModule.build_optimizer`` builds
-        one (ZeRO is not available with pipeline stages: ``parallelize`` refuses ``zero > 0`` for them)."""
-        return optimizer_class(self.parameters(), **kwargs)
+        one: under ``ComputeConfig(zero=1|2)`` one :class:`~nnscaler.runtime.zero.ZeroOptimizer` over
+        the slices of every stage this rank runs (each over its stage's data-parallel ranks)."""
+        zeros = [mod._zero for _, mod in sorted(self.stages.items()) if mod._zero is not None]
+        if not zeros:
+            return optimizer_class(self.parameters(), **kwargs)
+        from .zero import ZeroOptimizer
+        return ZeroOptimizer(zeros, optimizer_class, **kwargs)
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameter tensors this rank holds (every stage it runs)."""
+        return list(self.parameters())
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradient tensors this rank holds now: each parameter's and, under zero 2, each stage's
+        reduce-scattered gradient shards."""
+        return [t.grad for t in clip.holders(self) if t.grad is not None]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
                         ) -> torch.Tensor:
@@ -213,18 +229,17 @@ class PipelineModule(torch.nn.Module):
         :mod:`nnscaler.runtime.clip`): clips every local gradient and returns the total norm (the same
         on every rank). ``train_step`` calls it when ``ComputeConfig(clip_grad_norm=...)`` sets it."""
         total = self.grad_norm(norm_type)
-        clip.clip_(self.parameters(), max_norm, total, error_if_nonfinite)
+        clip.clip_(clip.holders(self), max_norm, total, error_if_nonfinite)
         self.last_grad_norm = total
         return total
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The whole model's gradient norm over every stage (each piece once), the same on every rank."""
-        grads = []
-        if clip.is_first_replica(self._replica_group):
-            for s, mod in self.stages.items():
-                grads += clip.counted_grads(mod, skip=[n for n in self.tied if self._owner[n] != int(s)])
+        grads, first = [], clip.is_first_replica(self._replica_group)
+        for s, mod in self.stages.items():
+            grads += clip.counted_grads(mod, skip=[n for n in self.tied if self._owner[n] != int(s)], first_replica=first)
         return clip.total_norm(clip.local_sum(grads, norm_type), norm_type, self.process_group,
-                               clip.grad_dtype(self.parameters()))
+                               clip.grad_dtype(clip.holders(self)))
 
     def forward(self, *batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (any number of micro-batches of the compiled size), forward only: on

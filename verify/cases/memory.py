@@ -3,15 +3,22 @@ optimizer state after a training step, and the peak bytes autograd saves for bac
 forward (``torch.autograd.graph.saved_tensors_hooks``). Each tensor is counted by the storage it keeps
 alive, once (a parameter that is a view of a ZeRO bucket counts the bucket, padding included).
 
-A whole-model case records its last step here (:func:`record`); the rank's answer carries it
-(:func:`take`) and the row's JSON holds one dict per rank."""
+A whole-model case leaves its last step's measurement in the :class:`MemoryLog` its caller hands it;
+the rank's answer carries it and the row's JSON holds one dict per rank."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
-_LAST: dict | None = None
+
+@dataclass
+class MemoryLog:
+    """Where a whole-model case leaves the memory it measured on this rank (``last``: its last step's
+    :func:`measure`, or None where it measured nothing)."""
+
+    last: dict | None = None
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -63,17 +70,7 @@ class SavedActivations:
 def measure(pm, opt, activations: int, grads: int) -> dict[str, int]:
     """This rank's bytes: parameters and optimizer state live now (after a step), gradients and saved
     activations as measured during the step."""
-    return {"params": storage_bytes(pm.parameters()), "grads": grads,
+    params = pm.param_tensors() if hasattr(pm, "param_tensors") else pm.parameters()  # zero 3: the shards
+    return {"params": storage_bytes(params), "grads": grads,
             "optimizer": storage_bytes(optimizer_tensors(opt)), "activations": activations}
 
-
-def record(memory: dict | None) -> None:
-    global _LAST
-    _LAST = memory
-
-
-def take() -> dict | None:
-    """The memory the last case recorded on this rank (then forgotten)."""
-    global _LAST
-    out, _LAST = _LAST, None
-    return out

@@ -19,7 +19,7 @@ from nnscaler.runtime.mesh import GroupCache
 from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast
-from verify.cases.memory import SavedActivations, measure, record, storage_bytes
+from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
@@ -133,7 +133,8 @@ def _parallelize(model, args, policy, config, groups, gen_dir: Path, tracer=None
                            verify=False)  # the whole model is verified here, operator verdicts add nothing
 
 
-def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = None) -> list[Check]:
+def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = None,
+                  memory: MemoryLog | None = None) -> list[Check]:
     """The checks of a ``model`` job (keys: model, policy, world_size, steps, seed, gen_dir, and
     optionally dtype, bucket_bytes, microbatches, checkpoint and precision, the recipe: see
     :mod:`verify.judge.lowprec`); ``traces``: the rank's trace cache."""
@@ -143,14 +144,14 @@ def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = Non
                           bucket_bytes=job.get("bucket_bytes"),
                           microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True),
                           traces=traces, clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
-                          precision=precision, zero=job.get("zero", 0))
+                          precision=precision, zero=job.get("zero", 0), memory=memory)
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
                    gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
                    microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None,
                    clip: float | None = None, recompute: str = "none", precision: Precision = Precision(),
-                   zero: int = 0) -> list[Check]:
+                   zero: int = 0, memory: MemoryLog | None = None) -> list[Check]:
     """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
     With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
     (:func:`~verify.cases.microbatch.whole_batch`), trained by ``train_step`` in M micro-batches and
@@ -159,7 +160,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     ``traces`` (a rank's :class:`~verify.cases.traces.TraceCache`) lets every compile of the case reuse one trace.
     ``clip``/``recompute``: the training recipe (``ComputeConfig.clip_grad_norm``/``recompute``); the
     single-device runs clip with ``torch.nn.utils.clip_grad_norm_``, and each step's total norm is checked.
-    ``precision``: the precision recipe (:class:`~verify.judge.lowprec.Precision`), run alike by the references."""
+    ``precision``: the precision recipe (:class:`~verify.judge.lowprec.Precision`), run alike by the references.
+    ``memory``: where the last step's measured memory on this rank is left (:mod:`verify.cases.memory`)."""
     dt = DTYPES[dtype]
     microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
@@ -222,9 +224,9 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             checks.append(check_tensor(f"grad norm step {step}", None if got is None else got.detach().reshape(()),
                                        norm_ref.detach(), norm64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
-        if grad_bytes is not None:
+        if grad_bytes is not None and memory is not None:
             # train_step runs backward inside: its micro-batches' saved bytes add up, no peak to report
-            record(measure(pm, opts[0], None if microbatches > 1 else saved.bytes, grad_bytes))
+            memory.last = measure(pm, opts[0], None if microbatches > 1 else saved.bytes, grad_bytes)
     if checkpoint:
         checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
                                  seed, dt, fallback, config.bucket_bytes, traces, precision)

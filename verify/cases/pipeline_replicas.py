@@ -40,9 +40,13 @@ LOSS = "loss step {} (whole batch over replicas)"
 def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                                groups: GroupCache, gen_dir: str, dtype: str = "float32",
                                microbatches: int = PIPELINE_MICROBATCHES, bucket_bytes: int | None = None,
-                               traces: TraceCache | None = None) -> list[Check]:
+                               traces: TraceCache | None = None, zero: int = 0, clip: float | None = None,
+                               recompute: str = "none") -> list[Check]:
     """Checks for ``steps`` AdamW steps of pipeline ``policy`` planned on ``plan_ngpus`` ranks and run as
-    replicas on ``world_size`` (each stage's gradient-sync buckets of ``bucket_bytes``, default the model's)."""
+    replicas on ``world_size`` (each stage's gradient-sync buckets of ``bucket_bytes``, default the model's;
+    ``zero``: ZeRO over the replicas, and each stage's dp axis; ``clip``/``recompute``: the training
+    recipe, ``train_step`` clipping as ``ComputeConfig(clip_grad_norm=...)`` asks, the reference with
+    ``torch.nn.utils.clip_grad_norm_``)."""
     dt = DTYPES[dtype]
     case = build_model(name, seed)
     case.model.to(dt)
@@ -53,8 +57,10 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     batch = lambda step: cast(whole_batch(case.batch, step, m * replicas), dt)  # noqa: E731 (every replica's share)
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=m,
                            tp_size=2 if plan_ngpus % 2 == 0 else 1,
-                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes)
-    tag = f"{file_tag(name)}-{file_tag(policy)}-mb{m}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}"
+                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes, zero=zero,
+                           clip_grad_norm=clip, recompute=recompute)
+    tag = f"{file_tag(name)}-{file_tag(policy)}-mb{m}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}" + (f"-zero{zero}" if zero else "") \
+        + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(batch(0), replica, replicas), policy, config, groups=groups,
@@ -63,7 +69,8 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     loss_fn = loss_fn_of(case)
     params = dict(ref.named_parameters())
     shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
-    opts = [torch.optim.AdamW(ps, lr=LR) for ps in (pm.parameters(), ref.parameters(), shadow.values())]
+    opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the replicas under zero
+    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
     checks: list[Check] = []
     fallback = Float64Fallback(dt)
     for step in range(steps):
@@ -78,9 +85,12 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
             loss64 = ref64(*cast(args, torch.float64))
             loss64.backward()
+        if clip is not None:  # the single-device recipe: torch's own clipping (train_step clipped the replicas)
+            for model in (ref, ref64):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(LOSS.format(step), loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
                             traces)
     checks += fallback.notes(dtype)

@@ -53,7 +53,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                     + cfg.recipe_label
                 if ((f"model:{name}", w, label, cfg.dtype, seed) in skip
                         or not pipeline_applies(policy, w // replicas, name, seed)
-                        or (cfg.zero and not zero_applies(policy, w // replicas, replicas))):
+                        or (cfg.zero and not zero_applies(policy, w // replicas, replicas, cfg.zero))):
                     continue
                 start = time.perf_counter()
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more

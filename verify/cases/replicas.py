@@ -23,11 +23,12 @@ from nnscaler.trace.build import UnknownOperatorWarning
 from verify.cases.batch import cast, share
 from verify.models.loader import file_tag
 from verify.judge.verdict import check_deterministic
+from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
-from verify.cases.memory import SavedActivations, measure, record, storage_bytes
+from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.resume import resume_checks
 from verify.cases.model import LR, installed, resolve_policy, step_checks
 from verify.cases.pipeline import is_pipeline_policy
@@ -64,32 +65,36 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                       groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
                       microbatches: int = 1, traces: TraceCache | None = None, clip: float | None = None,
-                      recompute: str = "none", zero: int = 0) -> list[Check]:
+                      recompute: str = "none", zero: int = 0, precision: Precision = Precision(),
+                      memory: MemoryLog | None = None) -> list[Check]:
     """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to
     ``world_size`` (gradient-sync buckets of ``bucket_bytes``, default the model's). With
     ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
     trains its share by ``train_step`` in M micro-batches (the loss exact over all replicas), and the
     reference is one device on the whole batch. A pipeline policy: :mod:`verify.cases.pipeline_replicas`.
-    ``clip``/``recompute``: the training recipe (the reference clips with torch; not yet for pipelines)."""
+    ``clip``/``recompute``: the training recipe (the reference clips with torch); ``precision``: the
+    precision recipe (:class:`~verify.judge.lowprec.Precision`; not yet for pipelines), run alike by the
+    references and judged by the low-precision rule. ``memory``: where the last step's measured memory
+    on this rank is left."""
     if is_pipeline_policy(policy):
-        if clip is not None or recompute != "none":  # fail closed: the pipeline replicas case runs no recipe yet
-            raise NotImplementedError("training recipes (--clip-grad-norm, --recompute) are not wired into "
-                                      "pipeline replicas cases yet")
+        if precision.active:  # fail closed: the pipeline replicas case runs 32-true only
+            raise NotImplementedError("--precision is not wired into pipeline replicas cases yet")
         return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
-                                          microbatches, bucket_bytes, traces)
-    dt = DTYPES[dtype]
+                                          microbatches, bucket_bytes, traces, zero, clip, recompute)
+    dt = DTYPES["bfloat16" if precision.precision == "bf16-true" else dtype]
     case = build_model(name, seed)
     case.model.to(dt)
-    ref = built_like(name, seed, case.model, dt)
+    ref = precision.reference(built_like(name, seed, case.model, dt))
     ref64 = built_like(name, seed, ref, torch.float64)
     replicas, rank = world_size // plan_ngpus, dist.get_rank()
     replica = rank // plan_ngpus
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=microbatches,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
-                           clip_grad_norm=clip, recompute=recompute, zero=zero)
+                           clip_grad_norm=clip, recompute=recompute, zero=zero, **precision.config_kwargs())
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
-    mb = (f"-mb{microbatches}" if microbatches > 1 else "") + (f"-zero{zero}" if zero else "")
+    mb = (f"-mb{microbatches}" if microbatches > 1 else "") + (f"-zero{zero}" if zero else "") \
+        + (f"-{precision.precision}" if precision.active else "")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownOperatorWarning)
         pm = parallelize(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
@@ -102,7 +107,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the replicas under zero
     opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
     checks: list[Check] = []
-    fallback = Float64Fallback(dt)
+    fallback = Float64Fallback(dt, lowprec=precision.active)
     for step in range(steps):  # judged as every whole-model case is (verify/compare.py)
         args = cast(batch(step), dt)
         shares = [share(args, r, replicas) for r in range(replicas)]
@@ -137,10 +142,10 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
         checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
-        if microbatches == 1:
-            record(measure(pm, opts[0], saved.bytes, grad_bytes))
+        if microbatches == 1 and memory is not None:
+            memory.last = measure(pm, opts[0], saved.bytes, grad_bytes)
     # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device
     # and under another plan at W=2, as every whole-model case's does
-    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces)
+    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces, precision)
     checks += fallback.notes(dtype)
     return checks

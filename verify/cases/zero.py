@@ -1,15 +1,20 @@
 """Which whole-model cases a ZeRO stage applies to (``--zero``): a plan with a data-parallel mesh
 axis (``dp``; ``hybrid`` where its dp axis has more than one rank: the harness plans it with
-``tp_size=2``) or data-parallel replicas; pipelines not yet (``nnscaler`` refuses them)."""
+``tp_size=2``) or data-parallel replicas; a pipeline where each stage has one (``pp2_dp`` on 4 or
+more ranks) or replicas (zero 3 not under a zero-bubble schedule: ``nnscaler`` refuses it)."""
 from __future__ import annotations
 
 from verify.cases.pipeline import is_pipeline_policy
 
+ZERO_BUBBLE = ("pp_zb",)  # pipeline policies on a zero-bubble schedule: no zero 3 (nnscaler refuses it)
+STAGE_DP = {"pp2_dp": 4, "pp2_dp_gpipe": 4, "pp2_hybrid": 8}  # pipeline policy -> ranks from which its stages have a dp axis
 
-def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1) -> bool:
-    """Whether ``--zero > 0`` can run ``policy`` planned on ``plan_ngpus`` ranks with ``replicas``."""
+
+def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1) -> bool:
+    """Whether ``--zero`` (stage ``zero``) can run ``policy`` planned on ``plan_ngpus`` ranks with ``replicas``."""
     if is_pipeline_policy(policy):
-        return False
+        return not (zero >= 3 and policy in ZERO_BUBBLE) \
+            and (replicas > 1 or plan_ngpus >= STAGE_DP.get(policy, plan_ngpus + 1))
     if replicas > 1:
         return True
     return (policy == "dp" and plan_ngpus > 1) or (policy == "hybrid" and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
@@ -19,11 +24,12 @@ def zero_refusal(zero: int, policy: str, world_sizes, replicas: int = 1) -> str 
     """The one-line reason ``--zero`` cannot run ``policy`` at one of ``world_sizes`` (None: it can)."""
     if not zero:
         return None
+    if zero >= 3 and policy in ZERO_BUBBLE:
+        return f"--zero {zero}: pipeline policy {policy} (a zero-bubble schedule) takes zero 1 or 2 only; use --zero 2"
     for w in world_sizes:
-        if not zero_applies(policy, w // replicas, replicas):
-            if is_pipeline_policy(policy):
-                return f"--zero {zero}: pipeline policy {policy} with zero is not available yet"
-            return (f"--zero {zero}: policy {policy} at world size {w} has no data-parallel axis to shard over; "
+        if not zero_applies(policy, w // replicas, replicas, zero):
+            where = "whose stages have" if is_pipeline_policy(policy) else "has"
+            return (f"--zero {zero}: policy {policy} at world size {w} {where} no data-parallel axis to shard over; "
                     f"use --policy dp (or hybrid at W>=4), or --replicas 2")
     return None
 
