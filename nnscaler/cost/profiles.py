@@ -95,9 +95,9 @@ BUS = 0.8  # fraction of link bandwidth NCCL's ring collectives reach (nccl-test
 _FIT = ("fitted by bench/calibrate.py --fit against bench/published_runs.csv (grid search on matmul_max, "
         "attention, fusion; minimising the median |log(estimate / published)|)")
 CALIBRATED = {
-    "a100": ClusterConstants(peak=312e12, matmul_max=0.80, matmul_half=60.0, attention=0.55, fusion=1.0,
+    "a100": ClusterConstants(peak=312e12, matmul_max=0.90, matmul_half=60.0, attention=0.70, fusion=0.5,
                              tp_exposed=1.0, dp_overlap=0.9, fitted=_FIT),
-    "h100": ClusterConstants(peak=989.4e12, matmul_max=0.80, matmul_half=60.0, attention=0.55, fusion=1.0,
+    "h100": ClusterConstants(peak=989.4e12, matmul_max=0.90, matmul_half=60.0, attention=0.70, fusion=0.5,
                              tp_exposed=1.0, dp_overlap=0.9, fitted=_FIT),
 }
 
