@@ -15,7 +15,7 @@ import torch
 from ..config import ComputeConfig, PlanError
 from ..cost.estimate import analyze
 from ..cost.profiles import get_profile
-from ..cost.summary import param_fraction
+from ..cost.summary import human, param_fraction
 from ..dimops.partition import Partition
 from ..ir.graph import IRGraph
 from ..ir.plan import Plan, Policy, validate
@@ -82,7 +82,21 @@ def attach_stats(plan: Plan, graph: IRGraph, config: ComputeConfig, steps: list 
         warnings.warn(f"policy {plan.policy} promises tensor parallelism of degree {t} but a rank keeps "
                       f"{100 * frac:.0f}% of the parameters (at most {100 * (1 / t + SLACK):.0f}% expected); "
                       f"see Plan.report() for what stays whole", PlanWarning, stacklevel=3)
+    check_memory(plan, config)
     return plan
+
+
+def check_memory(plan: Plan, config: ComputeConfig) -> None:
+    """Warn when the estimated peak per rank exceeds ``config.mem_budget`` or the profile's device memory
+    (every policy's plan is held to them; ``autodist`` plans within the budget already)."""
+    peak = max(plan.stats.peak_bytes)
+    profile = get_profile(config.profile)
+    for limit, what in ((config.mem_budget, "mem_budget"), (profile.memory, f"the {profile.name} device's memory")):
+        if limit is not None and peak > limit:
+            warnings.warn(f"policy {plan.policy or 'custom'}: estimated peak {human(peak)} per rank exceeds {what} "
+                          f"({human(limit)}) on {plan.world_size} ranks; shard more (tp, zero) or plan for more "
+                          f"ranks", PlanWarning, stacklevel=3)
+            return
 
 
 def write_report(plan: Plan, directory: str | os.PathLike) -> Path:

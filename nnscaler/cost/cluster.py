@@ -19,6 +19,7 @@ AdamW step (memory bound, over the optimizer's shard).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -171,6 +172,18 @@ def layer_split(layers: int, stages: int, pre: float, post: float, per_layer: fl
     return counts, max(pre + first * per_layer, post + last * per_layer, max(counts[1:-1]) * per_layer)
 
 
+def _group_collective(profile: DeviceProfile, f: int, across: bool, per_node: int):
+    """Seconds of a collective over a group of ``f`` ranks, ``per_node`` of them on each node. A group that
+    leaves its node runs one ring per NIC (NCCL's channels), so it gets ``per_node`` NICs' bandwidth, up
+    to the node's own links (a group with one rank per node gets one NIC, as the alpha-beta model has it)."""
+    def time(kind: str, nbytes: float) -> float:
+        if not across or per_node <= 1:
+            return collective_time(kind, nbytes, f, profile, across)
+        boosted = dataclasses.replace(profile, inter_beta=min(profile.intra_beta, per_node * profile.inter_beta))
+        return collective_time(kind, nbytes, f, boosted, True)
+    return time
+
+
 def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision: str, global_batch: int,
              budget: float | None = None, grad_reduce_bytes: int = 4) -> Estimate:
     """Step time and per-rank memory of ``par`` for ``global_batch`` sequences per optimizer step."""
@@ -205,7 +218,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     idle = (pp - 1) / v
     bubble = idle * t_mb
     p2p_bytes = act_el_bytes / (tp if sp else 1)
-    across = tp * pp > profile.ranks_per_node
+    # rank order tp (innermost), dp, pp (Megatron-LM's): neighbouring stages are tp x dp ranks apart
+    across = tp * dp >= profile.ranks_per_node
     alpha, beta = profile.link(across)
     p2p = alpha + p2p_bytes / beta
     pp_comm = 2 * (m * v + pp - 1) * p2p * c.pp_exposed if pp > 1 else 0.0
@@ -214,7 +228,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     stage_params = max(shape.pre.params(tp) + counts[0] * shape.block.params(tp) * (1 if v == 1 else v),
                        shape.post.params(tp) + counts[-1] * shape.block.params(tp) * (1 if v == 1 else v),
                        layers_max * shape.block.params(tp))
-    dp_across = tp * pp * dp > profile.ranks_per_node
+    dp_across = tp * dp > profile.ranks_per_node
+    dp_coll = _group_collective(profile, dp, dp_across, max(1, min(dp, profile.ranks_per_node // tp)))
     shard = dp if dp > 1 else 1
     params_b = stage_params * pb / (shard if par.zero >= 3 else 1)
     grads_b = stage_params * gb / (shard if par.zero >= 2 else 1)
@@ -223,13 +238,11 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     dp_comm = 0.0
     if dp > 1:
         if par.zero <= 1:
-            dp_comm = collective_time("all_reduce", grad_bytes, dp, profile, dp_across)
+            dp_comm = dp_coll("all_reduce", grad_bytes)
         elif par.zero == 2:  # reduce-scatter after every micro-batch, all-gather of the updated shard once
-            dp_comm = m * collective_time("reduce_scatter", grad_bytes, dp, profile, dp_across) + \
-                collective_time("all_gather", stage_params * pb, dp, profile, dp_across)
+            dp_comm = m * dp_coll("reduce_scatter", grad_bytes) + dp_coll("all_gather", stage_params * pb)
         else:  # gather parameters for forward and backward, reduce-scatter gradients, every micro-batch
-            dp_comm = m * (2 * collective_time("all_gather", stage_params * ab, dp, profile, dp_across)
-                           + collective_time("reduce_scatter", grad_bytes, dp, profile, dp_across))
+            dp_comm = m * (2 * dp_coll("all_gather", stage_params * ab) + dp_coll("reduce_scatter", grad_bytes))
     # what hides the collectives: ZeRO-3 prefetches across the whole step, ZeRO-2 reduce-scatters behind every
     # backward, ZeRO-0/1 all-reduce buckets behind the last micro-batch's backward
     hide = c.dp_overlap * (m * t_mb if par.zero >= 3 else

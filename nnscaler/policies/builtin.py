@@ -99,8 +99,22 @@ def _vocab(op: IROp) -> str:
 
 def dp(graph: IRGraph, config: ComputeConfig) -> Plan:
     """Data parallelism: split the batch of every operator that has one; replicate the rest
-    (parameters replicated, their gradients summed across ranks)."""
+    (parameters replicated, their gradients summed across ranks). A batch the world size does not
+    divide is refused: splitting it would leave every operator whole (a data-parallel plan in name only)."""
+    check_batch_divides(graph, config.plan_ngpus, "dp")
     return plan_greedy(graph, (config.plan_ngpus,), ("dp",), _dp_options(graph), "dp")
+
+
+def check_batch_divides(graph: IRGraph, world: int, policy: str) -> None:
+    """Raise :class:`PlanError` when a batched user input has a batch (dim 0) ``world`` does not divide."""
+    for t in graph.inputs:
+        if t.kind == INPUT and len(t.shape) > 0 and t.shape[0] > 1 and t.shape[0] % world:
+            n = t.shape[0]
+            up = (n // world + 1) * world
+            down = (n // world) * world
+            raise PlanError(f"{policy}: the batch of {t.name} ({n}) is not divisible by the {world} ranks, so no "
+                            f"operator could split it; use a batch of {down or up} or {up} (a multiple of {world}), "
+                            f"or plan for a world size that divides {n}")
 
 
 def tp(graph: IRGraph, config: ComputeConfig) -> Plan:
