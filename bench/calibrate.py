@@ -95,8 +95,9 @@ def errors(rows, shapes, profiles=None) -> list[tuple[dict, float, float, object
 
 
 def fit(rows, shapes) -> None:
-    grid = itertools.product((0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9), (0.3, 0.4, 0.5, 0.6, 0.7), (0.5, 1.0, 2.0, 4.0),
-                             (0.5, 0.7, 0.9))
+    # a refined grid around the best of a coarse one (matmul_max 0.6-0.9, attention 0.3-0.7, fusion 0.5-4,
+    # dp_overlap 0.5-0.9) that ended on matmul_max 0.9, attention 0.4, fusion 4, dp_overlap 0.5
+    grid = itertools.product((0.8, 0.85, 0.9, 0.95), (0.3, 0.4, 0.5), (3.0, 4.0, 5.0, 6.0), (0.3, 0.5, 0.7))
     best = None
     for mm, att, fus, ov in grid:
         profs = {n: dataclasses.replace(PROFILES[n], cluster=dataclasses.replace(
