@@ -61,14 +61,29 @@ def published_seconds(row: dict, shape) -> float:
     return flops / (gpus * value * 1e12)
 
 
-def config(row: dict, cons: dict | None = None, fit_memory: bool = False) -> ComputeConfig:
+def row_profile(row: dict, profiles: dict | None = None):
+    """The row's device profile; a stack with fused kernels gets its own memory-bound traffic."""
+    prof = (profiles or PROFILES)[row["device"]]
+    if row["kernels"] == "fused":
+        prof = dataclasses.replace(prof, cluster=dataclasses.replace(prof.cluster, fusion=prof.cluster.fusion_fused))
+    return prof
+
+
+def config(row: dict, cons: dict | None = None, fit_memory: bool = False, profiles: dict | None = None,
+           budget: int | None = None) -> ComputeConfig:
     """The row as a config. The published run ran, so a fully published configuration is estimated whatever
     our memory estimate says; ``fit_memory`` (rows with unpublished fields) holds the search's completion to
-    the run's device memory."""
-    budget = int(0.9 * float(row["memory_gib"]) * 2**30) if fit_memory else 2**60
-    return ComputeConfig(int(row["gpus"]), profile=row["device"], precision="bf16-mixed",
-                         global_batch=int(row["global_batch"]), constraints=constraints(row) if cons is None else cons,
-                         mem_budget=budget)
+    the run's device memory (or ``budget``)."""
+    if budget is None:
+        budget = int(0.9 * float(row["memory_gib"]) * 2**30) if fit_memory else 2**60
+    cfg = ComputeConfig(int(row["gpus"]), precision="bf16-mixed", global_batch=int(row["global_batch"]),
+                        constraints=constraints(row) if cons is None else cons, mem_budget=budget)
+    object.__setattr__(cfg, "profile", row_profile(row, profiles))  # a profile object, not a name: it is fitted
+    return cfg
+
+
+def partly_published(row: dict) -> bool:
+    return any(not row[k] for k in INT_KEYS + ("recompute",))
 
 
 def shapes_for(rows: list[dict]) -> dict:
@@ -84,12 +99,7 @@ def errors(rows, shapes, profiles=None) -> list[tuple[dict, float, float, object
     out = []
     for r in rows:
         shape = shapes[(r["model"], int(r["seq"]))]
-        cfg = config(r, fit_memory=any(not r[k] for k in INT_KEYS + ("recompute",)))
-        prof = (profiles or PROFILES)[r["device"]]
-        if r["kernels"] == "fused":  # a stack with fused kernels: its own memory-bound traffic
-            prof = dataclasses.replace(prof, cluster=dataclasses.replace(prof.cluster, fusion=prof.cluster.fusion_fused))
-        object.__setattr__(cfg, "profile", prof)
-        plan = search(shape, cfg, r["model"])
+        plan = search(shape, config(r, fit_memory=partly_published(r), profiles=profiles), r["model"])
         out.append((r, plan.best.step_seconds, published_seconds(r, shape), plan))
     return out
 

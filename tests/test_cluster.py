@@ -152,3 +152,16 @@ def test_plan_cluster_end_to_end_and_save(tmp_path):
     data = json.loads(path.read_text())
     assert data["parallel"] == plan.summary()["parallel"] and data["world_size"] == 16
     assert "MFU" in plan.one_line()
+
+
+def test_published_runs_cite_their_sources():
+    import csv
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "bench" / "published_runs.csv").read_text()
+    comments = "\n".join(ln for ln in text.splitlines() if ln.startswith("#"))
+    rows = list(csv.DictReader(ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")))
+    assert len(rows) >= 10
+    for r in rows:
+        assert f"[{r['source']}]" in comments, r["name"]
+        assert r["metric"] in ("tokens_per_gpu", "tflops_per_gpu") and float(r["value"]) > 0
+        assert r["kernels"] in ("eager", "fused") and r["device"] in ("a100", "h100")
