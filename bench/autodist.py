@@ -40,7 +40,8 @@ from verify.models.nanogpt import GPT, GPTConfig
 def cluster_table() -> None:
     from bench.llama_models import llama_shape
     from nnscaler.policies.cluster import search
-    print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s)")
+    print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s; "
+          "the first plan of each model includes its meta trace, the others reuse it)")
     print(f"{'model':<11} {'GPUs':>5} {'plan s':>7} {'MFU':>6} {'step':>8} {'peak/rank':>10}  configuration")
     shapes: dict = {}
     for name, worlds in (("llama3-8b", (8, 64)), ("llama3-70b", (64, 256, 1024))):
