@@ -1,4 +1,14 @@
-"""Plan search time and estimated step time of ``autodist`` for a 24-layer GPT at hidden 2048
+"""Cluster plans (default) and the per-operator ``autodist`` search (``--operators``).
+
+Cluster (``nnscaler.policies.cluster``, H100 profile, bf16-mixed): Llama-3 8B on 8 and 64 GPUs and 70B on
+64, 256 and 1024 GPUs at seq 4096 and 8k tokens per GPU per step, planning time including the meta trace,
+the chosen configuration and estimated MFU (goal >= 0.40, planning < 60 s each); then for every row of
+``bench/published_runs.csv`` the unconstrained search against the published configuration on the same cost
+model (goal: never slower).
+
+    python bench/autodist.py [--skip-published] [--operators]
+
+Per-operator (``--operators``): plan search time and estimated step time of ``autodist`` for a 24-layer GPT at hidden 2048
 (~1.4 B parameters, built on the meta device: no weights allocated) at 8, 16 and 32 ranks on the
 H100 profile, against Megatron-LM's hand plan (tensor parallelism 8 inside a node, data parallelism
 across nodes: ``hybrid`` with ``tp_size=8``; at 8 ranks that is ``tp``) and plain ``dp``.
@@ -10,12 +20,16 @@ Goal: each search under 30 s here; autodist's estimate <= Megatron's (ratio <= 1
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
-import opzoo  # noqa: F401
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import opzoo  # noqa: F401,E402
 from nnscaler import ComputeConfig, PlanError
 from nnscaler.compile.plan import canonical_params, plan_graph
 from nnscaler.cost.summary import human
@@ -23,14 +37,61 @@ from nnscaler.trace.build import trace
 from verify.models.nanogpt import GPT, GPTConfig
 
 
+def cluster_table() -> None:
+    from bench.llama_models import llama_shape
+    from nnscaler.policies.cluster import search
+    print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s; "
+          "the first plan of each model includes its meta trace, the others reuse it)")
+    print(f"{'model':<11} {'GPUs':>5} {'plan s':>7} {'MFU':>6} {'step':>8} {'peak/rank':>10}  configuration")
+    shapes: dict = {}
+    for name, worlds in (("llama3-8b", (8, 64)), ("llama3-70b", (64, 256, 1024))):
+        for w in worlds:
+            t0 = time.perf_counter()
+            if name not in shapes:
+                shapes[name] = llama_shape(name, 4096)
+            plan = search(shapes[name], ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w))
+            took = time.perf_counter() - t0
+            p, e = plan.parallel, plan.best
+            print(f"{name:<11} {w:>5} {took:>6.1f}s {e.mfu:>6.3f} {e.step_seconds:>7.2f}s "
+                  f"{human(e.memory['peak']):>10}  tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} "
+                  f"v{p.virtual_stages} dp{p.dp} mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} "
+                  f"{p.recompute}")
+
+
+def published_table() -> None:
+    from bench.calibrate import config, load_rows, partly_published, shapes_for
+    from nnscaler.policies.cluster import search
+    rows = load_rows()
+    shapes = shapes_for(rows)
+    print("\nunconstrained search vs published configuration (same cost model and memory; goal ratio <= 1.00)")
+    print(f"{'row':<26} {'published cfg':>13} {'search':>9} {'ratio':>6}  search's configuration")
+    for r in rows:
+        shape = shapes[(r["model"], int(r["seq"]))]
+        pub = search(shape, config(r, fit_memory=partly_published(r)), r["model"])  # as bench/calibrate.py
+        # the published run ran: the search may use as much memory as our estimate of it says it took
+        budget = max(int(0.9 * float(r["memory_gib"]) * 2**30), int(pub.best.memory["peak"]))
+        mine = search(shape, config(r, cons={}, budget=budget), r["model"])
+        a, b = pub.best.step_seconds, mine.best.step_seconds
+        p = mine.parallel
+        print(f"{r['name']:<26} {a:>12.3f}s {b:>8.3f}s {b / a:>6.2f}  tp{p.tp}{'+sp' if p.sequence_parallel else ''} "
+              f"pp{p.pp} v{p.virtual_stages} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} {p.recompute}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--operators", action="store_true", help="the per-operator autodist table instead")
+    ap.add_argument("--skip-published", action="store_true")
     ap.add_argument("--worlds", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--budget-gib", type=float, default=40.0)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
+    if not args.operators:
+        cluster_table()
+        if not args.skip_published:
+            published_table()
+        return
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=24, n_head=16, n_embd=2048))
         idx = torch.zeros(args.batch, args.seq, dtype=torch.long)

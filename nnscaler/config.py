@@ -61,6 +61,12 @@ class ComputeConfig:
     # ZeRO over the plan's data-parallel ranks (its ``dp`` mesh axis and replicas, nnscaler.runtime.zero):
     # 0 off, 1 optimizer state sharded, 2 gradients too (reduce-scattered), 3 parameters too (gathered per block)
     zero: int = 0
+    # cluster planning (nnscaler.policies.cluster.plan_cluster): ``constraints`` fixes any subset of tp, pp, dp,
+    # micro_batch_size, num_microbatches, virtual_stages, recompute, zero, sequence_parallel (all of them:
+    # evaluate exactly that configuration); ``global_batch``: sequences per optimizer step (default: the
+    # sample's batch on every rank)
+    constraints: dict | None = None
+    global_batch: int | None = None
 
     def __post_init__(self):
         check_recipes(self)
@@ -80,6 +86,11 @@ class ComputeConfig:
             raise PlanError(f"zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero!r}")
         if self.pp_size != 1 or self.pp_split is not None or self.schedule != "1F1B":
             check_config(self)
+        if self.global_batch is not None and (isinstance(self.global_batch, bool) or not isinstance(
+                self.global_batch, int) or self.global_batch < 1):
+            raise PlanError(f"global_batch must be a positive number of sequences, got {self.global_batch!r}")
+        if self.constraints is not None:
+            check_constraints(self.constraints)
         if self.profile is not None:
             try:
                 get_profile(self.profile)
@@ -92,6 +103,33 @@ class ComputeConfig:
 
 
 RECOMPUTE = ("none", "full", "selective")
+CONSTRAINT_KEYS = ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "recompute", "zero",
+        "sequence_parallel")
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+def check_constraints(constraints: dict | None) -> None:
+    """``ComputeConfig.constraints`` (``nnscaler.policies.cluster``): known keys with values of the right
+    type. Raises :class:`PlanError`."""
+    if constraints is None:
+        return
+    if not isinstance(constraints, dict):
+        raise PlanError(f"constraints must be a dict such as {{'tp': 8, 'pp': 4}}, got {constraints!r}")
+    for k, v in constraints.items():
+        if k not in CONSTRAINT_KEYS:
+            raise PlanError(f"unknown constraint {k!r}; valid: {', '.join(CONSTRAINT_KEYS)}")
+        if k == "recompute":
+            if v not in RECOMPUTE_CHOICES:
+                raise PlanError(f"constraint recompute={v!r}: valid {', '.join(map(repr, RECOMPUTE_CHOICES))}")
+        elif k == "sequence_parallel":
+            if not isinstance(v, bool):
+                raise PlanError(f"constraint sequence_parallel={v!r}: must be True or False")
+        elif k == "zero":
+            if isinstance(v, bool) or v not in (0, 1, 2, 3):
+                raise PlanError(f"constraint zero={v!r}: valid 0, 1, 2, 3")
+        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"constraint {k}={v!r}: must be a positive integer")
+
 
 
 def check_recipes(config) -> None:

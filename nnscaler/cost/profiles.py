@@ -18,6 +18,44 @@ class ProfileError(ValueError):
 
 
 @dataclass(frozen=True)
+class ClusterConstants:
+    """What the cluster cost model (:mod:`nnscaler.cost.cluster`) needs beyond the datasheet: peak
+    dense throughput and the constants fitted against published runs (``bench/calibrate.py --fit``).
+
+    A GEMM of ``m x k`` by ``k x n`` runs at ``matmul_max * I / (I + matmul_half)`` of ``peak``, where
+    ``I = 1 / (1/m + 1/n + 1/k)`` is its arithmetic intensity in FLOP per byte of bf16 operands (a
+    smoothed roofline: small or skinny GEMMs are bound by memory, large ones saturate at
+    ``matmul_max``); fused attention runs at ``attention`` of peak (half its scores skipped when causal).
+    Memory-bound operators move ``fusion`` times the bytes their inputs and outputs hold at the compute
+    dtype: eager PyTorch (the code nnscaler emits) upcasts norms to fp32 and runs one kernel per operator;
+    ``fusion_fused`` is the same for stacks with fused kernels (Megatron-LM, Llama 3's), used only to hold
+    the model against published runs of such stacks.
+    ``tp_exposed``: the part of tensor-parallel collectives not hidden behind compute; ``dp_overlap``: the
+    part of a micro-batch's backward that hides data-parallel collectives; ``pp_exposed``: the same for
+    pipeline sends; ``usable``: the part of device memory plans may fill (allocator, NCCL, CUDA context).
+    """
+
+    peak: float  # dense bf16 FLOP/s, datasheet
+    matmul_max: float
+    matmul_half: float
+    attention: float
+    fusion: float
+    tp_exposed: float
+    dp_overlap: float
+    fusion_fused: float = 1.0  # ``fusion`` of a stack with fused kernels (calibration rows that ran one)
+    pp_exposed: float = 0.5
+    usable: float = 0.9
+    fitted: str = ""
+
+    def gemm_efficiency(self, m: float, n: float, k: float) -> float:
+        """Fraction of ``peak`` a GEMM of these dims reaches (see the class docstring)."""
+        if min(m, n, k) <= 0:
+            return self.matmul_max
+        intensity = 1.0 / (1.0 / m + 1.0 / n + 1.0 / k)
+        return self.matmul_max * intensity / (intensity + self.matmul_half)
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
     """Throughput and links of one kind of device. ``flops`` maps a dtype name to achievable
     multiply-add throughput (FLOP/s, already scaled by a realistic efficiency); ``cores`` (CPU
@@ -35,6 +73,7 @@ class DeviceProfile:
     memory: int  # bytes of device memory
     cores: int | None = None
     source: str = field(default="", compare=False)
+    cluster: ClusterConstants | None = field(default=None, compare=False)
 
     def share(self, ranks_here: int) -> float:
         """The fraction of a device one rank gets when ``ranks_here`` ranks share a node (an
@@ -54,6 +93,20 @@ _GIB = 2**30
 MFU = 0.5  # fraction of peak matmul throughput large training runs achieve (Megatron-LM reports 40-55%)
 BUS = 0.8  # fraction of link bandwidth NCCL's ring collectives reach (nccl-tests busbw)
 
+# Fitted by ``python bench/calibrate.py --fit`` against the 10 rows of bench/published_runs.csv (Llama 3 405B on
+# 8k/16k H100; torchtitan Llama 2/3 on 64 A100 and 8/128 H100): a grid search over matmul_max, attention, fusion
+# and dp_overlap (shared by both devices; peak from the datasheet, matmul_half, tp_exposed, pp_exposed fixed as
+# written) minimising the worst, then the median |log(estimate / published step time)|, then fusion_fused alone
+# on the two rows that ran fused kernels. Result: every row within 15%, median 7.8%.
+_FIT = ("fitted by bench/calibrate.py --fit against bench/published_runs.csv (grid search on matmul_max, "
+        "attention, fusion, dp_overlap, then fusion_fused; minimising the worst |log(estimate / published)|)")
+CALIBRATED = {
+    "a100": ClusterConstants(peak=312e12, matmul_max=0.90, matmul_half=60.0, attention=0.40, fusion=5.0,
+                             tp_exposed=1.0, dp_overlap=0.3, fusion_fused=0.25, fitted=_FIT),
+    "h100": ClusterConstants(peak=989.4e12, matmul_max=0.90, matmul_half=60.0, attention=0.40, fusion=5.0,
+                             tp_exposed=1.0, dp_overlap=0.3, fusion_fused=0.25, fitted=_FIT),
+}
+
 PROFILES: dict[str, DeviceProfile] = {
     "cpu-gloo": DeviceProfile(
         "cpu-gloo", {"float32": 20e9, "float64": 10e9, "bfloat16": 5e9, "float16": 5e9}, mem_bw=4e9,
@@ -64,13 +117,13 @@ PROFILES: dict[str, DeviceProfile] = {
     "a100": DeviceProfile(
         "a100", {"float32": MFU * 156e12, "bfloat16": MFU * 312e12, "float16": MFU * 312e12, "float64": MFU * 19.5e12},
         mem_bw=0.8 * 2039e9, op_overhead=5e-6, intra_alpha=10e-6, intra_beta=BUS * 300e9, inter_alpha=20e-6,
-        inter_beta=BUS * 25e9, ranks_per_node=8, memory=80 * _GIB,
+        inter_beta=BUS * 25e9, ranks_per_node=8, memory=80 * _GIB, cluster=CALIBRATED["a100"],
         source="NVIDIA A100 80GB SXM datasheet: 312 TFLOPS bf16 dense, 156 TF32, 2039 GB/s HBM2e, NVLink3 600 GB/s "
                "(300 GB/s each way); DGX A100: 8 GPUs per node, one 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s)"),
     "h100": DeviceProfile(
         "h100", {"float32": MFU * 494.7e12, "bfloat16": MFU * 989.4e12, "float16": MFU * 989.4e12, "float64": MFU * 67e12},
         mem_bw=0.8 * 3350e9, op_overhead=4e-6, intra_alpha=8e-6, intra_beta=BUS * 450e9, inter_alpha=15e-6,
-        inter_beta=BUS * 50e9, ranks_per_node=8, memory=80 * _GIB,
+        inter_beta=BUS * 50e9, ranks_per_node=8, memory=80 * _GIB, cluster=CALIBRATED["h100"],
         source="NVIDIA H100 SXM5 datasheet: 989 TFLOPS bf16 dense, 495 TF32, 3.35 TB/s HBM3, NVLink4 900 GB/s "
                "(450 GB/s each way); DGX H100: 8 GPUs per node, one 400 Gb/s NDR InfiniBand NIC per GPU (50 GB/s)"),
 }

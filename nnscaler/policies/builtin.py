@@ -39,9 +39,11 @@ def check_batch_divisible(graph: IRGraph, ranks: int, policy: str) -> None:
     model and parallelizes nothing."""
     first = next((t for t in graph.inputs if t.kind == INPUT and len(t.shape) > 0), None)
     if ranks > 1 and first is not None and first.shape[0] % ranks:
-        raise PlanError(f"{policy}: the batch ({first.shape[0]} rows, dim 0 of input {first.name!r}) does not divide "
-                        f"over {ranks} data-parallel ranks, so no batch operator could be split; use a batch that "
-                        f"is a multiple of {ranks}, or another policy (tp)")
+        n = first.shape[0]
+        near = sorted({m for m in ((n // ranks) * ranks, (n // ranks + 1) * ranks) if m > 0})
+        raise PlanError(f"{policy}: the batch ({n} rows, dim 0 of input {first.name!r}) does not divide over {ranks} "
+                        f"data-parallel ranks, so no batch operator could be split; use a batch that is a multiple "
+                        f"of {ranks} ({' or '.join(map(str, near))}), or another policy (tp)")
 
 
 def _dp_options(graph: IRGraph):

@@ -1,0 +1,268 @@
+"""A traced model as repeated blocks: the facts the cluster cost model needs, read once from the graph.
+
+``model_shape(graph)`` groups the operators into the part before the repeated blocks (embeddings,
+position tables), one representative block (``layers.0``: the blocks whose operator sequences are equal
+are one block costed once) and the part after them (final norm, head, loss). Each operator becomes an
+:class:`OpFacts`: its forward FLOPs and the GEMM shape of a linear, the elements it reads and writes,
+the elements it leaves saved for backward, and whether tensor parallelism splits it.
+
+Tensor parallelism follows Megatron-LM's rule on the dataflow: a linear whose input is whole is
+column-parallel (its output split over ``tp``), one whose input is split is row-parallel (its output a
+partial sum, all-reduced); every other operator is split when one of its inputs is. An embedding with
+a parameter is vocabulary-parallel (its output all-reduced). Outside the split regions the operators
+are whole on every ``tp`` rank unless sequence parallelism splits their sequence dim. This is the plan
+:func:`nnscaler.policies.builtin.tp` builds per operator; here it is read as counts, so a 126-layer
+model costs as fast as one block.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from ..ir.graph import PARAM, IRGraph, IROp, IRTensor
+from .compute import op_flops
+
+# operators that move no data (views, metadata, dtype asserts): no time, nothing saved
+ALIASES = ("view", "_unsafe_view", "reshape", "transpose", "unsqueeze", "squeeze", "expand", "slice", "alias",
+           "_assert", "t.", "permute", "contiguous", "to.", "to_copy", "detach", "clone", "select", "split",
+           "unbind", "flatten", "lift_fresh", "_to_copy")
+_LINEAR = "aten.linear.default"
+_SDPA = "aten.scaled_dot_product_attention.default"
+_EMBED = "aten.embedding.default"
+_BLOCK = re.compile(r"^(.*)\.(\d+)$")
+# what an operator keeps for its backward (autograd's saved tensors): its floating activation inputs for products
+# and nonlinearities, its output too for those whose derivative reads it; sums, negations, concatenations keep none
+_SAVES_INPUTS = ("linear", "mul", "div", "pow", "silu", "gelu", "sigmoid", "tanh", "softmax", "_softmax", "log_softmax",
+                 "layer_norm", "native_layer_norm", "rms_norm", "cross_entropy", "dropout", "relu", "matmul", "bmm",
+                 "scaled_dot_product_attention", "baddbmm", "addmm")
+_SAVES_OUTPUT = ("scaled_dot_product_attention", "rsqrt", "sigmoid", "tanh", "softmax", "_softmax", "exp", "log_softmax")
+
+
+@dataclass
+class OpFacts:
+    """One operator as the cluster cost model sees it (per traced sample; scale by the micro-batch)."""
+
+    name: str
+    kind: str  # "linear", "attention", "lookup", "memory" or "free"
+    flops: float  # forward FLOPs of the whole operator
+    gemm: tuple[int, int, int] = (0, 0, 0)  # a linear's (tokens, in, out)
+    column: bool = False  # a column-parallel linear (output split), else row-parallel
+    elements: float = 0.0  # elements read and written (memory-bound operators)
+    saved: float = 0.0  # elements it keeps for backward that tensor parallelism splits
+    saved_whole: float = 0.0  # ... that stay whole on every tp rank (split only by sequence parallelism)
+    split: bool = False  # split over tp (inside a tensor-parallel region)
+    tokens: bool = False  # has the sequence dim (sequence parallelism can split it)
+    core: bool = False  # the attention core: what selective recompute recomputes
+    params: int = 0  # parameter elements it owns (first reader)
+    params_split: bool = False
+    tp_collectives: int = 0  # all-reduces of an activation per forward (1 after a row-parallel linear)
+    tp_bwd_collectives: int = 0  # all-reduces in backward (1 per distinct input of column-parallel linears)
+
+
+@dataclass
+class Section:
+    """A run of operators: before the blocks, one block, or after them."""
+
+    ops: list[OpFacts] = field(default_factory=list)
+
+    def total(self, attr: str) -> float:
+        return sum(getattr(o, attr) for o in self.ops)
+
+    def params(self, tp: int) -> float:
+        return sum(o.params / (tp if o.params_split else 1) for o in self.ops)
+
+
+@dataclass
+class ModelShape:
+    """A traced model as ``pre + layers x block + post`` (see the module docstring)."""
+
+    pre: Section
+    block: Section
+    layers: int
+    post: Section
+    batch: int  # sequences in the traced sample
+    seq: int  # tokens per sequence
+    hidden: int  # width of the activation passed between blocks
+    heads: int
+    kv_heads: int
+    vocab: int
+    causal: bool  # attention under a causal mask (flash attention skips half the scores)
+    fwd_flops: float  # forward FLOPs of the whole traced sample (attention counted in full)
+    params: int
+    buffers_bytes: int
+    block_names: list[str] = field(default_factory=list)
+
+    @property
+    def block_params(self) -> float:
+        return self.block.params(1)
+
+    def describe(self) -> str:
+        return (f"{self.layers} x block ({self.block_params / 1e6:.0f} M parameters each) + "
+                f"{(self.pre.params(1) + self.post.params(1)) / 1e6:.0f} M outside; hidden {self.hidden}, "
+                f"{self.heads} heads / {self.kv_heads} kv heads, vocab {self.vocab}, seq {self.seq}")
+
+
+def _is_alias(op: IROp) -> bool:
+    short = op.overload.removeprefix("aten.")
+    return any(short.startswith(a) for a in ALIASES)
+
+
+def _block_of(op: IROp) -> tuple[str, int] | None:
+    for s in op.scope:
+        m = _BLOCK.match(s)
+        if m:
+            return m.group(1), int(m.group(2))
+    return None
+
+
+def _elements(t: IRTensor | None) -> int:
+    return math.prod(t.shape) if t is not None else 0
+
+
+def _kv_heads(k: IRTensor) -> int:
+    """Key heads before grouped-query attention repeats them (the fewest heads along k's chain of views)."""
+    heads, t = k.shape[1], k
+    while t.producer is not None and _is_alias(t.producer):
+        ins = [x for x in t.producer.tensor_inputs() if x.kind != PARAM]
+        if not ins:
+            break
+        t = ins[0]
+        if len(t.shape) == 4:
+            heads = min(heads, t.shape[1])
+    return heads
+
+
+def _signature(ops: list[IROp]) -> tuple:
+    return tuple((op.overload, tuple(tuple(o.shape) for o in op.outputs if o is not None)) for op in ops)
+
+
+def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
+    """Group ``graph`` (traced on ``batch`` sequences of ``seq`` tokens) into repeated blocks and read
+    each operator's facts. Raises ``ValueError`` when the model has no repeated blocks."""
+    groups: dict[str, dict[int, list[IROp]]] = {}
+    for op in graph.ops:
+        b = _block_of(op)
+        if b is not None:
+            groups.setdefault(b[0], {}).setdefault(b[1], []).append(op)
+    if not groups:
+        raise ValueError("the model has no repeated blocks (no module list such as layers.0, layers.1, ...)")
+    prefix = max(groups, key=lambda p: len(groups[p]))
+    layers = groups[prefix]
+    idx = sorted(layers)
+    first = layers[idx[0]]
+    sig = _signature(first)
+    odd = [i for i in idx if _signature(layers[i]) != sig]
+    if odd:
+        raise ValueError(f"blocks {prefix}.{odd[0]} and {prefix}.{idx[0]} differ: the cluster planner costs one "
+                         f"repeated block (heterogeneous blocks are not supported yet)")
+    in_block = {op.name for i in idx for op in layers[i]}
+    first_pos = graph.ops.index(first[0])
+    last_pos = max(graph.ops.index(layers[idx[-1]][-1]), first_pos)
+    pre_ops = [op for op in graph.ops[:first_pos] if op.name not in in_block]
+    post_ops = [op for op in graph.ops[last_pos + 1:] if op.name not in in_block]
+
+    split: set[int] = set()  # ids of tensors split over tp
+    owned: set[int] = set()
+    kept: set[int] = set()  # ids of tensors counted as saved once
+    root: dict[int, int] = {}  # a view's id -> the id of the tensor it views
+    hidden = 0
+    heads = kv = 0
+    vocab = 0
+    causal = False
+
+    def facts(op: IROp, tail: bool) -> OpFacts:
+        nonlocal hidden, heads, kv, vocab, causal
+        ins = op.tensor_inputs()
+        outs = [o for o in op.outputs if o is not None]
+        params = [t for t in ins if t.kind == PARAM and id(t) not in owned]
+        for t in params:
+            owned.add(id(t))
+        n_params = sum(_elements(t) for t in params)
+        acts = [t for t in ins if t.kind != PARAM]
+        in_split = any(id(t) in split for t in acts)
+        has_tokens = any(seq in o.shape for o in outs)
+        out_el = sum(_elements(o) for o in outs if o.dtype.is_floating_point)
+        f = OpFacts(op.name, "free", 0.0, tokens=has_tokens, params=n_params)
+        if _is_alias(op):
+            for o in outs:  # a view is the tensor it views (saved once)
+                root[id(o)] = root.get(id(acts[0]), id(acts[0])) if acts else id(o)
+            if in_split:
+                split.update(id(o) for o in outs)
+            f.split = in_split
+            return f
+        if op.overload == _LINEAR and params:
+            w = params[0]
+            x = acts[0] if acts else None
+            tokens = _elements(x) // x.shape[-1] if x is not None else 0
+            out_f, in_f = w.shape[0], w.shape[-1]
+            f.kind, f.flops, f.gemm = "linear", 2.0 * tokens * in_f * out_f, (tokens, in_f, out_f)
+            f.column = not in_split
+            f.params_split = True
+            f.split = f.column
+            f.tp_collectives = 0 if f.column else 1
+            if f.column:
+                split.update(id(o) for o in outs)
+            else:
+                hidden = hidden or out_f
+            if tail and f.column:
+                vocab = max(vocab, out_f)
+        elif op.overload == _SDPA:
+            flops, _ = op_flops(op, None)
+            q, k = acts[0], acts[1]
+            heads, kv = heads or q.shape[1], kv or _kv_heads(k)
+            causal = causal or bool(op.kwargs.get("is_causal")) or len(acts) > 3
+            f.kind, f.flops, f.split = "attention", flops, in_split
+            if in_split:
+                split.update(id(o) for o in outs)
+        elif op.overload == _EMBED and params:
+            f.kind, f.params_split = "lookup", True
+            f.elements = 2.0 * out_el
+            f.tp_collectives = 1
+            vocab = max(vocab, params[0].shape[0])
+            hidden = hidden or params[0].shape[-1]
+        else:
+            flops, _ = op_flops(op, None) if op.known else (0.0, 0.0)
+            f.kind, f.flops = "memory", flops
+            f.elements = float(sum(_elements(t) for t in acts if t.dtype.is_floating_point) + out_el)
+            f.split = in_split
+            if in_split:
+                split.update(id(o) for o in outs)
+        base = op.overload.removeprefix("aten.").split(".")[0]
+        keep = [t for t in acts if t.dtype.is_floating_point] if base in _SAVES_INPUTS else []
+        keep += [o for o in outs if o.dtype.is_floating_point] if base in _SAVES_OUTPUT else []
+        for t in keep:
+            r = root.get(id(t), id(t))
+            if r in kept or seq not in t.shape:
+                continue
+            kept.add(r)
+            if id(t) in split:
+                f.saved += _elements(t)
+            else:
+                f.saved_whole += _elements(t)
+        f.core = f.split and not params and any("Attention" in s for s in op.scope_types)
+        return f
+
+    pre = Section([facts(op, False) for op in pre_ops])
+    block = Section([facts(op, False) for op in first])
+    # the other blocks' parameters are owned by their own copies of this block: skip their facts, count params
+    for i in idx[1:]:
+        for op in layers[i]:
+            for t in op.tensor_inputs():
+                if t.kind == PARAM:
+                    owned.add(id(t))
+    post = Section([facts(op, True) for op in post_ops])
+    # backward all-reduces: one per distinct whole input of column-parallel linears (Megatron's f operator)
+    for sec, ops in ((pre, pre_ops), (block, first), (post, post_ops)):
+        seen: set[int] = set()
+        for f, op in zip(sec.ops, ops):
+            if f.kind == "linear" and f.column:
+                x = next((t for t in op.tensor_inputs() if t.kind != PARAM), None)
+                if x is not None and id(x) not in seen:
+                    seen.add(id(x))
+                    f.tp_bwd_collectives = 1
+    fwd = sum(op_flops(op, None)[0] for op in graph.ops if op.known and not _is_alias(op))
+    params = sum(_elements(t) for t in graph.params)
+    buffers = sum(_elements(t) * t.dtype.itemsize for t in graph.buffers)
+    return ModelShape(pre, block, len(idx), post, batch, seq, hidden, heads, kv, vocab, causal, fwd, params, buffers,
+                      [f"{prefix}.{i}" for i in idx])

@@ -1,0 +1,285 @@
+"""The cost of one training step on a cluster, for a model read as repeated blocks
+(:mod:`nnscaler.cost.blocks`) under a full outer configuration (:class:`Parallel`): the recipes the
+compiler has (precision, ZeRO over dp, recompute none / selective / full, tensor parallelism with or
+without sequence parallelism, pipeline stages under 1F1B or interleaved 1F1B) with closed forms.
+
+Memory per rank (the most loaded stage):
+  params / grads / optimizer: bytes per parameter by precision (``BYTES``), divided by ``tp`` where
+  tensor parallelism splits them, by ``dp`` for the state ZeRO shards (1: optimizer, 2: + grads, 3: +
+  params, which then gather two blocks at a time into ``buffers``);
+  activations: saved elements per block (split ones / tp, the rest / tp only under sequence parallelism)
+  times the blocks in flight: a 1F1B stage ``s`` holds ``min(pp - s, m)`` micro-batches, stage 0 the
+  most; interleaving with ``v`` virtual stages multiplies that by ``1 + (pp - 1) / (pp v)`` (Korthikanti
+  et al. 2022); ``full`` recompute keeps only each block's input plus one block's working set,
+  ``selective`` drops the attention core's outputs.
+Step time: ``(m + (pp - 1) / v) * t_mb`` for the slowest stage's micro-batch time ``t_mb`` (forward,
+backward = 2 x forward, recompute, exposed tp all-reduces), the bubble being the ``(pp - 1) / v`` part,
+plus exposed pipeline sends, the data-parallel collectives the last backward does not hide, and the
+AdamW step (memory bound, over the optimizer's shard).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import asdict, dataclass
+
+from ..runtime.grad_sync import BUCKET_BYTES
+from .blocks import ModelShape, Section
+from .comm import collective_time
+from .compute import BACKWARD, OPTIMIZER_TRAFFIC
+from .profiles import ClusterConstants, DeviceProfile
+
+# bytes per parameter (params, grads, optimizer state) and per activation element, by precision; bf16-mixed
+# keeps fp32 master weights, gradients and AdamW state and computes in bf16 (nnscaler.runtime.precision)
+BYTES = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "bf16-true": (2, 2, 4, 2)}
+LOSS_BYTES = 4  # the loss (log-softmax over the vocabulary) runs in fp32 under autocast
+SCHEDULES = ("1F1B", "Interleaved1F1B")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """One outer configuration of a training step on ``tp * pp * dp`` ranks."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    recompute: str = "none"
+
+    @property
+    def schedule(self) -> str:
+        return "Interleaved1F1B" if self.virtual_stages > 1 else "1F1B"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "schedule": self.schedule}
+
+
+@dataclass
+class Estimate:
+    """Step time and memory per rank of one :class:`Parallel` (seconds, bytes)."""
+
+    parallel: Parallel
+    time: dict[str, float]
+    memory: dict[str, float]
+    mfu: float
+    tokens_per_second: float
+    budget: float
+
+    @property
+    def step_seconds(self) -> float:
+        return self.time["total"]
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["peak"] <= self.budget
+
+
+def in_flight(pp: int, stage: int, m: int, v: int = 1) -> float:
+    """Micro-batches of activations stage ``stage`` holds at its peak under 1F1B (``v`` = 1) or
+    interleaved 1F1B (``v`` virtual stages, in units of the stage's whole layers)."""
+    base = min(pp - stage, m)
+    return base * (1 + (pp - 1) / (pp * v)) if v > 1 else float(base)
+
+
+def bubble_fraction(pp: int, m: int, v: int = 1) -> float:
+    """The idle part of a 1F1B step: ``(pp - 1) / v`` of ``m + (pp - 1) / v`` micro-batch slots."""
+    idle = (pp - 1) / v
+    return idle / (m + idle)
+
+
+def _consts(profile: DeviceProfile) -> ClusterConstants:
+    if profile.cluster is None:
+        raise ValueError(f"profile {profile.name!r} has no cluster constants (peak, calibrated efficiencies)")
+    return profile.cluster
+
+
+def section_forward(sec: Section, tp: int, sp: bool, scale: float, c: ClusterConstants, profile: DeviceProfile,
+                    act_bytes: int, causal: bool, core_only: bool = False) -> float:
+    """Seconds of one forward of ``sec`` on one rank for ``scale`` times the traced sample."""
+    t = 0.0
+    for o in sec.ops:
+        if o.kind == "free" or (core_only and not o.core):
+            continue
+        div = tp if (o.split or (sp and o.tokens and o.kind == "memory")) else 1
+        if o.kind == "linear":
+            m, k, n = o.gemm
+            m *= scale
+            k, n = (k, n / tp) if o.column else (k / tp, n)
+            t += o.flops * scale / tp / (c.peak * c.gemm_efficiency(m, n, k))
+        elif o.kind == "attention":
+            t += o.flops * scale / div * (0.5 if causal else 1.0) / (c.peak * c.attention)
+        else:
+            t += c.fusion * o.elements * scale * act_bytes / div / profile.mem_bw
+        t += profile.op_overhead
+    return t
+
+
+def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: float, drop_core: bool = False) -> float:
+    """Bytes of activations one forward of ``sec`` leaves saved on one rank."""
+    total = 0.0
+    for o in sec.ops:
+        if drop_core and o.core:
+            continue
+        total += (o.saved / tp + o.saved_whole / (tp if sp else 1)) * scale * act_bytes
+    return total
+
+
+def _tp_collectives(sec: Section) -> tuple[int, int]:
+    return sum(o.tp_collectives for o in sec.ops), sum(o.tp_bwd_collectives for o in sec.ops)
+
+
+def layer_split(layers: int, stages: int, pre: float, post: float, per_layer: float) -> tuple[list[int], float]:
+    """Layers per stage (each at least one) so that the slowest stage, the first carrying ``pre`` and
+    the last ``post`` seconds on top of its layers, is as fast as possible; returns (counts, slowest).
+    The slowest time is one of ``pre + a t``, ``post + b t`` or ``c t``: the smallest feasible one wins."""
+    if stages == 1:
+        return [layers], pre + post + layers * per_layer
+    eps = 1e-9
+
+    def caps(t: float) -> tuple[int, int, int]:
+        return (int((t - pre) / per_layer + eps), int((t - post) / per_layer + eps), int(t / per_layer + eps))
+
+    def feasible(t: float) -> bool:
+        a, b, c = caps(t)
+        return a >= 1 and b >= 1 and (stages == 2 or c >= 1) and a + b + (stages - 2) * c >= layers
+
+    cands = sorted({pre + a * per_layer for a in range(1, layers + 1)} | {post + b * per_layer for b in range(1, layers + 1)}
+                   | {c * per_layer for c in range(1, layers + 1)})
+    lo, hi = 0, len(cands) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(cands[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    t = cands[lo]
+    a, b, c = caps(t)
+    first = max(1, min(a, layers - (stages - 1)))
+    last = max(1, min(b, layers - first - (stages - 2)))
+    rest = layers - first - last
+    if stages == 2:
+        return [first, last + rest], max(pre + first * per_layer, post + (last + rest) * per_layer)
+    base, extra = divmod(rest, stages - 2)
+    counts = [first] + [base + (1 if i < extra else 0) for i in range(stages - 2)] + [last]
+    return counts, max(pre + first * per_layer, post + last * per_layer, max(counts[1:-1]) * per_layer)
+
+
+def _group_collective(profile: DeviceProfile, f: int, across: bool, per_node: int):
+    """Seconds of a collective over a group of ``f`` ranks, ``per_node`` of them on each node. A group that
+    leaves its node runs one ring per NIC (NCCL's channels), so it gets ``per_node`` NICs' bandwidth, up
+    to the node's own links (a group with one rank per node gets one NIC, as the alpha-beta model has it)."""
+    def time(kind: str, nbytes: float) -> float:
+        if not across or per_node <= 1:
+            return collective_time(kind, nbytes, f, profile, across)
+        boosted = dataclasses.replace(profile, inter_beta=min(profile.intra_beta, per_node * profile.inter_beta))
+        return collective_time(kind, nbytes, f, boosted, True)
+    return time
+
+
+def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision: str, global_batch: int,
+             budget: float | None = None, grad_reduce_bytes: int = 4) -> Estimate:
+    """Step time and per-rank memory of ``par`` for ``global_batch`` sequences per optimizer step."""
+    c = _consts(profile)
+    pb, gb, ob, ab = BYTES[precision]
+    tp, pp, dp, v, m = par.tp, par.pp, par.dp, par.virtual_stages, par.num_microbatches
+    sp = par.sequence_parallel and tp > 1
+    scale = par.micro_batch_size / shape.batch
+    tokens_mb = par.micro_batch_size * shape.seq
+    # --- time of one micro-batch, per section --------------------------------------------------------------
+    fwd = {name: section_forward(sec, tp, sp, scale, c, profile, ab if name != "post" else LOSS_BYTES, shape.causal)
+           for name, sec in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
+    act_el_bytes = tokens_mb * shape.hidden * ab  # one activation between blocks
+    intra = tp <= profile.ranks_per_node
+    ar = collective_time("all_reduce", act_el_bytes, tp, profile, not intra) * c.tp_exposed
+    tp_f = {n: _tp_collectives(s) for n, s in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
+    tp_time = {n: (f + b) * ar for n, (f, b) in tp_f.items()}
+    if par.recompute == "full":
+        rc = {n: fwd[n] + tp_f[n][0] * ar for n in ("block",)}
+    elif par.recompute == "selective":
+        rc = {"block": section_forward(shape.block, tp, sp, scale, c, profile, ab, shape.causal, core_only=True)}
+    else:
+        rc = {"block": 0.0}
+    per_layer = fwd["block"] * (1 + BACKWARD) + tp_time["block"] + rc["block"]
+    pre_t = fwd["pre"] * (1 + BACKWARD) + tp_time["pre"]
+    post_t = fwd["post"] * (1 + BACKWARD) + tp_time["post"]
+    chunks = pp * v
+    counts, slow_chunk = layer_split(shape.layers, chunks, pre_t, post_t, per_layer)
+    # a rank runs v chunks; its per-micro-batch time is v chunk times (balanced: v x the slowest chunk)
+    t_mb = slow_chunk * v if v > 1 else slow_chunk
+    # --- pipeline -----------------------------------------------------------------------------------------
+    idle = (pp - 1) / v
+    bubble = idle * t_mb
+    p2p_bytes = act_el_bytes / (tp if sp else 1)
+    # rank order tp (innermost), dp, pp (Megatron-LM's): neighbouring stages are tp x dp ranks apart
+    across = tp * dp >= profile.ranks_per_node
+    alpha, beta = profile.link(across)
+    p2p = alpha + p2p_bytes / beta
+    pp_comm = 2 * (m * v + pp - 1) * p2p * c.pp_exposed if pp > 1 else 0.0
+    # --- state and data parallelism -----------------------------------------------------------------------
+    layers_max = max(counts) if v == 1 else max(counts) * v
+    stage_params = max(shape.pre.params(tp) + counts[0] * shape.block.params(tp) * (1 if v == 1 else v),
+                       shape.post.params(tp) + counts[-1] * shape.block.params(tp) * (1 if v == 1 else v),
+                       layers_max * shape.block.params(tp))
+    dp_across = tp * dp > profile.ranks_per_node
+    dp_coll = _group_collective(profile, dp, dp_across, max(1, min(dp, profile.ranks_per_node // tp)))
+    shard = dp if dp > 1 else 1
+    params_b = stage_params * pb / (shard if par.zero >= 3 else 1)
+    grads_b = stage_params * gb / (shard if par.zero >= 2 else 1)
+    optim_b = stage_params * ob / (shard if par.zero >= 1 else 1)
+    grad_bytes = stage_params * grad_reduce_bytes
+    dp_comm = 0.0
+    if dp > 1:
+        if par.zero <= 1:
+            dp_comm = dp_coll("all_reduce", grad_bytes)
+        elif par.zero == 2:  # reduce-scatter after every micro-batch, all-gather of the updated shard once
+            dp_comm = m * dp_coll("reduce_scatter", grad_bytes) + dp_coll("all_gather", stage_params * pb)
+        else:  # gather parameters for forward and backward, reduce-scatter gradients, every micro-batch
+            dp_comm = m * (2 * dp_coll("all_gather", stage_params * ab) + dp_coll("reduce_scatter", grad_bytes))
+    # what hides the collectives: ZeRO-3 prefetches across the whole step, ZeRO-2 reduce-scatters behind every
+    # backward, ZeRO-0/1 all-reduce buckets behind the last micro-batch's backward
+    hide = c.dp_overlap * (m * t_mb if par.zero >= 3 else
+                           m * t_mb * BACKWARD / (1 + BACKWARD) if par.zero == 2 else t_mb * BACKWARD / (1 + BACKWARD))
+    dp_exposed = max(0.0, dp_comm - hide)
+    optimizer = OPTIMIZER_TRAFFIC * stage_params * 4 / (shard if par.zero >= 1 else 1) / profile.mem_bw
+    # the slowest stage's m micro-batches, broken down (its recompute and exposed tp collectives apart)
+    recompute = m * rc["block"] * max(counts) * v
+    tp_exposed_t = m * (tp_time["block"] * max(counts) * v + max(tp_time["pre"], tp_time["post"]))
+    compute = m * t_mb - recompute - tp_exposed_t
+    total = m * t_mb + bubble + pp_comm + dp_exposed + optimizer
+    # --- activations ----------------------------------------------------------------------------------------
+    full_act = section_saved(shape.block, tp, sp, scale, ab)
+    if par.recompute == "full":
+        per_layer_act = act_el_bytes / (tp if sp else 1)
+        working = full_act
+    elif par.recompute == "selective":
+        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True), 0.0
+    else:
+        per_layer_act, working = full_act, 0.0
+    flight = in_flight(pp, 0, m, v)
+    act_stage0 = flight * (counts[0] if v == 1 else max(counts) * v) * per_layer_act + \
+        flight * section_saved(shape.pre, tp, sp, scale, ab)
+    act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * min(1, m) + \
+        section_saved(shape.post, tp, sp, scale, LOSS_BYTES)
+    activations = max(act_stage0, act_last) + working
+    buffers = shape.buffers_bytes + 2 * BUCKET_BYTES
+    if par.zero >= 3 and dp > 1:
+        buffers += 2 * shape.block.params(tp) * ab
+    peak = params_b + grads_b + optim_b + activations + buffers
+    tokens = global_batch * shape.seq
+    model_flops = (1 + BACKWARD) * shape.fwd_flops / shape.batch * global_batch
+    mfu = model_flops / (total * par.world * c.peak)
+    times = {"compute": compute, "recompute": recompute, "tp_comm": tp_exposed_t, "pp_comm": pp_comm,
+             "dp_comm": dp_exposed, "bubble": bubble, "optimizer": optimizer, "total": total}
+    memory = {"params": params_b, "grads": grads_b, "optimizer": optim_b, "activations": activations,
+              "buffers": buffers, "peak": peak}
+    return Estimate(par, times, memory, mfu, tokens / total,
+                    budget if budget is not None else c.usable * profile.memory)
+

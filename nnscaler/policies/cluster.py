@@ -1,0 +1,266 @@
+"""``plan_cluster``: the outer configuration of a real training run, searched jointly on the cluster cost
+model (:mod:`nnscaler.cost.cluster`): tensor parallelism (with or without sequence parallelism),
+pipeline stages (1F1B, or interleaved with virtual stages), micro-batch size and count, data
+parallelism with a ZeRO stage, and recompute.
+
+The model is traced once on the meta device and read as repeated blocks (:mod:`nnscaler.cost.blocks`);
+one block is costed per (tp, sequence parallelism, micro-batch size, recompute) and the rest of the
+space is enumerated analytically, so a 126-layer model plans in about the time of its trace.
+
+How this relates to ``autodist``: the cluster search picks the outer configuration (the mesh of tp x
+pp x dp, the schedule, the recipes). Inside a stage every operator is partitioned by Megatron-LM's
+rule (``tp``: column then row, attention by heads, vocabulary-parallel embedding and loss), which is
+what the block costs assume. The per-operator integer program (``autodist``) stays the planner for
+one stage on few ranks, where a model is small enough that per-operator choices pay and its graph
+small enough to solve; on a cluster its choices inside a tp group of 8 are Megatron's for every
+transformer block we traced.
+
+``ComputeConfig(constraints={...})`` fixes any subset of :data:`KEYS`; fixing all of them evaluates exactly
+that configuration. Infeasible constraints are one :class:`PlanError` line naming the constraint and the
+nearest feasible value.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..config import CONSTRAINT_KEYS as KEYS, RECOMPUTE_CHOICES as RECOMPUTES, ComputeConfig, PlanError
+from ..cost.blocks import ModelShape, model_shape
+from ..cost.cluster import Estimate, Parallel, estimate
+from ..cost.profiles import get_profile
+from ..cost.summary import human, seconds
+
+MAX_MICRO_BATCH = 16
+MAX_VIRTUAL = 8
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(value: int, ok: Sequence[int]) -> str:
+    if not ok:
+        return "none"
+    best = sorted(ok, key=lambda x: (abs(x - value), x))
+    return " or ".join(str(x) for x in sorted(best[:2])) if len(best) > 1 and abs(best[0] - value) == abs(
+        best[1] - value) else str(best[0])
+
+
+@dataclass
+class ClusterPlan:
+    """The chosen outer configuration, its estimate, and what the search looked at."""
+
+    model: str
+    world: int
+    profile: str
+    precision: str
+    global_batch: int
+    shape: ModelShape = field(repr=False)
+    best: Estimate
+    considered: int
+    feasible: int
+    seconds: float
+    constraints: dict
+
+    @property
+    def parallel(self) -> Parallel:
+        return self.best.parallel
+
+    def summary(self) -> dict:
+        """The plan as a dict: ``mfu``, ``parallel`` (chosen values and schedule), step time and memory
+        per rank broken down (seconds, bytes)."""
+        return {
+            "policy": "cluster", "model": self.model, "world_size": self.world, "profile": self.profile,
+            "precision": self.precision, "global_batch": self.global_batch, "seq": self.shape.seq,
+            "blocks": self.shape.layers, "parameters": self.shape.params,
+            "parallel": self.best.parallel.as_dict(), "mfu": self.best.mfu,
+            "tokens_per_second": self.best.tokens_per_second,
+            "step_time": dict(self.best.time), "memory_per_rank": dict(self.best.memory),
+            "memory_budget": self.best.budget, "constraints": dict(self.constraints),
+            "search": {"considered": self.considered, "feasible": self.feasible, "seconds": self.seconds},
+        }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`summary` as JSON (no pickle); returns the path."""
+        p = Path(path)
+        p.write_text(json.dumps(self.summary(), indent=1) + "\n")
+        return p
+
+    def one_line(self) -> str:
+        p = self.best.parallel
+        return (f"{self.model} on {self.world} x {self.profile}: tp {p.tp}{' +sp' if p.sequence_parallel else ''} x pp "
+                f"{p.pp}{f' (v={p.virtual_stages})' if p.virtual_stages > 1 else ''} x dp {p.dp}, micro-batch "
+                f"{p.micro_batch_size} x {p.num_microbatches}, zero {p.zero}, recompute {p.recompute}: step "
+                f"{seconds(self.best.step_seconds)}, MFU {100 * self.best.mfu:.1f}%, peak "
+                f"{human(self.best.memory['peak'])}/rank")
+
+    def report(self) -> str:
+        t, m = self.best.time, self.best.memory
+        lines = [self.one_line(), f"model: {self.shape.describe()}",
+                 "step time: " + ", ".join(f"{k} {seconds(v)}" for k, v in t.items()),
+                 "memory per rank: " + ", ".join(f"{k} {human(v)}" for k, v in m.items())
+                 + f" (budget {human(self.best.budget)})",
+                 f"searched {self.considered} configurations ({self.feasible} fit) in {self.seconds:.2f} s"]
+        return "\n".join(lines) + "\n"
+
+
+def _check_fixed(shape: ModelShape, world: int, cons: dict, global_batch: int) -> None:
+    """Constraints the model or the world rules out, each one line with the nearest feasible value."""
+    tp = cons.get("tp")
+    heads_ok = [d for d in _divisors(world) if shape.heads % d == 0 and shape.kv_heads % d == 0]
+    if tp is not None and (shape.heads % tp or shape.kv_heads % tp or world % tp):
+        raise PlanError(f"constraint tp={tp}: tp must divide the {shape.heads} attention heads, the {shape.kv_heads} "
+                        f"key/value heads and the world size {world}; nearest feasible tp: {_nearest(tp, heads_ok)}")
+    pp = cons.get("pp")
+    if pp is not None:
+        ok = [d for d in _divisors(world // (tp or 1)) if d <= shape.layers]
+        if pp > shape.layers:
+            raise PlanError(f"constraint pp={pp}: more pipeline stages than the model's {shape.layers} blocks; nearest "
+                            f"feasible pp: {_nearest(pp, ok)}")
+        if world % (pp * (tp or 1)):
+            raise PlanError(f"constraint pp={pp}: pp x tp ({pp * (tp or 1)}) must divide the world size {world}; "
+                            f"nearest feasible pp: {_nearest(pp, ok)}")
+    v = cons.get("virtual_stages")
+    if v is not None and v > 1 and v * (pp or 1) > shape.layers:
+        ok = [x for x in range(1, shape.layers + 1) if x * (pp or 1) <= shape.layers]
+        raise PlanError(f"constraint virtual_stages={v}: pp x virtual_stages exceeds the {shape.layers} blocks; nearest "
+                        f"feasible virtual_stages: {_nearest(v, ok)}")
+    dp = cons.get("dp")
+    if dp is not None:
+        ok = [d for d in _divisors(world) if global_batch % d == 0]
+        if world % dp or global_batch % dp:
+            raise PlanError(f"constraint dp={dp}: dp must divide the world size {world} and the global batch "
+                            f"{global_batch}; nearest feasible dp: {_nearest(dp, ok)}")
+    if tp and pp and dp and tp * pp * dp != world:
+        raise PlanError(f"constraints tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} ranks, but the world size is {world}; "
+                        f"nearest feasible dp: {world // (tp * pp) if world % (tp * pp) == 0 else 'none'}")
+    mbs = cons.get("micro_batch_size")
+    if mbs is not None and dp is not None and (global_batch // dp) % mbs:
+        ok = _divisors(global_batch // dp)
+        raise PlanError(f"constraint micro_batch_size={mbs}: must divide the {global_batch // dp} sequences per dp rank; "
+                        f"nearest feasible micro_batch_size: {_nearest(mbs, ok)}")
+
+
+def candidates(shape: ModelShape, world: int, global_batch: int, cons: dict, ranks_per_node: int):
+    """Every outer configuration the constraints allow (tp inside one node, dividing the heads)."""
+    tps = [cons["tp"]] if "tp" in cons else [d for d in _divisors(world) if d <= ranks_per_node
+                                             and shape.heads % d == 0 and shape.kv_heads % d == 0]
+    for tp in tps:
+        sps = [cons["sequence_parallel"]] if "sequence_parallel" in cons else ([False, True] if tp > 1 else [False])
+        pps = [cons["pp"]] if "pp" in cons else [d for d in _divisors(world // tp) if d <= shape.layers]
+        for pp in pps:
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if "dp" in cons and cons["dp"] != dp or global_batch % dp:
+                continue
+            per_dp = global_batch // dp
+            mbss = [cons["micro_batch_size"]] if "micro_batch_size" in cons else \
+                [d for d in _divisors(per_dp) if d <= MAX_MICRO_BATCH]
+            for mbs in mbss:
+                if per_dp % mbs:
+                    continue
+                m = per_dp // mbs
+                if "num_microbatches" in cons and cons["num_microbatches"] != m:
+                    continue
+                if "virtual_stages" in cons:
+                    vs = [cons["virtual_stages"]]
+                else:
+                    vs = [1] + ([x for x in (2, 3, 4, 5, 6, 8) if x <= MAX_VIRTUAL and pp * x <= shape.layers]
+                                if pp > 1 else [])
+                for v in vs:
+                    if v > 1 and (pp == 1 or m % pp or pp * v > shape.layers):
+                        continue
+                    for zero in ([cons["zero"]] if "zero" in cons else [0, 1, 2, 3]):
+                        if zero and dp == 1 and "zero" not in cons:
+                            continue
+                        for rc in ([cons["recompute"]] if "recompute" in cons else list(RECOMPUTES)):
+                            for sp in sps:
+                                if sp and tp == 1:
+                                    continue
+                                yield Parallel(tp, pp, dp, mbs, m, v, sp, zero, rc)
+
+
+def search(shape: ModelShape, config: ComputeConfig, name: str = "model") -> ClusterPlan:
+    """The fastest configuration that fits the memory budget (see the module docstring)."""
+    profile = get_profile(config.profile or "h100")
+    if profile.cluster is None:
+        raise PlanError(f"profile {profile.name!r} has no cluster constants; cluster plans need one of: "
+                        f"{', '.join(n for n, p in _profiles().items() if p.cluster is not None)}")
+    world = config.plan_ngpus
+    cons = dict(config.constraints or {})
+    gb = config.global_batch or shape.batch * world
+    _check_fixed(shape, world, cons, gb)
+    start = time.perf_counter()
+    budget = config.mem_budget
+    grad_bytes = 2 if config.grad_reduce_dtype == "bf16" else 4
+    best: Estimate | None = None
+    least: Estimate | None = None
+    considered = feasible = 0
+    for par in candidates(shape, world, gb, cons, profile.ranks_per_node):
+        e = estimate(shape, par, profile, config.precision, gb, budget, grad_bytes)
+        considered += 1
+        if least is None or e.memory["peak"] < least.memory["peak"]:
+            least = e
+        if e.fits:
+            feasible += 1
+            if best is None or e.step_seconds < best.step_seconds:
+                best = e
+    if considered == 0:
+        raise PlanError(f"no configuration of {world} ranks satisfies constraints {cons} with global batch {gb} "
+                        f"(tp must divide {shape.heads} heads, tp x pp x dp = {world}, dp divide the batch)")
+    if best is None:
+        assert least is not None
+        need = least.memory["peak"]
+        raise PlanError(f"the model cannot fit in {human(least.budget)} per rank on {world} x {profile.name}"
+                        f"{' under constraints ' + str(cons) if cons else ''}: the smallest reachable is {human(need)} "
+                        f"per rank ({_short(least.parallel)}); nearest feasible: about "
+                        f"{_more_ranks(world, need, least.budget)} ranks, or a budget of {human(need)}")
+    return ClusterPlan(name, world, profile.name, config.precision, gb, shape, best, considered, feasible,
+                       time.perf_counter() - start, cons)
+
+
+def _short(p: Parallel) -> str:
+    return (f"tp {p.tp} pp {p.pp} dp {p.dp} zero {p.zero} recompute {p.recompute}"
+            f"{' sp' if p.sequence_parallel else ''} micro-batch {p.micro_batch_size}")
+
+
+def _more_ranks(world: int, need: float, budget: float) -> int:
+    return world * 2 ** max(1, math.ceil(math.log2(need / budget)))
+
+
+def _profiles():
+    from ..cost.profiles import PROFILES
+    return PROFILES
+
+
+def trace_shape(model: torch.nn.Module, sample_args: Sequence[Any], sample_kwargs: dict | None = None) -> ModelShape:
+    """Trace ``model`` once (build it under ``torch.device("meta")`` to allocate nothing) and read it as
+    repeated blocks. The first sample argument's shape is ``(batch, seq)`` of token ids."""
+    from ..compile.plan import trace_model
+    graph = trace_model(model, sample_args, sample_kwargs, registry=None, strict=False)
+    x = sample_args[0]
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise PlanError("plan_cluster: the first sample argument must be a (batch, seq) tensor of token ids")
+    try:
+        return model_shape(graph, int(x.shape[0]), int(x.shape[1]))
+    except ValueError as exc:
+        raise PlanError(f"plan_cluster: {exc}") from None
+
+
+def plan_cluster(model: torch.nn.Module, sample_args: Sequence[Any], config: ComputeConfig,
+                 sample_kwargs: dict | None = None, name: str | None = None) -> ClusterPlan:
+    """Plan ``model`` for ``config.plan_ngpus`` devices of ``config.profile`` (default ``h100``): trace on
+    meta, read the repeated blocks, search every outer configuration (:func:`search`)."""
+    t0 = time.perf_counter()
+    shape = trace_shape(model, sample_args, sample_kwargs)
+    plan = search(shape, config, name or type(model).__name__)
+    plan.seconds = time.perf_counter() - t0
+    return plan

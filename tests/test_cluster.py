@@ -1,0 +1,167 @@
+"""The cluster planner: the recipe-aware cost breakdown, the joint search and its constraints, on a small
+Llama traced once on the meta device (no weights allocated)."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from nnscaler import ComputeConfig, PlanError
+from nnscaler.cost.cluster import Parallel, bubble_fraction, estimate, in_flight, layer_split
+from nnscaler.cost.profiles import get_profile
+from nnscaler.policies.cluster import plan_cluster, search, trace_shape
+
+H100 = get_profile("h100")
+
+
+@pytest.fixture(scope="module")
+def shape():
+    pytest.importorskip("transformers")
+    import opzoo  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from verify.models.common import LossOf
+    with torch.device("meta"):
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
+                                         attn_implementation="sdpa", use_cache=False))
+        ids = torch.zeros(1, 2048, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace_shape(LossOf(m), (ids, ids))
+
+
+def est(shape, **kw):
+    par = Parallel(**{"dp": 8, **kw})
+    return estimate(shape, par, H100, "bf16-mixed", global_batch=par.dp * par.micro_batch_size * par.num_microbatches)
+
+
+def test_repeated_blocks_are_read_once(shape):
+    assert shape.layers == 8 and shape.heads == 16 and shape.kv_heads == 4 and shape.hidden == 2048
+    assert shape.causal
+    linears = [o for o in shape.block.ops if o.kind == "linear"]
+    assert [o.column for o in linears] == [True, True, True, False, True, True, False]  # q k v | o, gate up | down
+    assert sum(o.tp_collectives for o in shape.block.ops) == 2  # Megatron: two all-reduces forward per block
+    assert sum(o.tp_bwd_collectives for o in shape.block.ops) == 2  # and two backward
+    # every parameter counted once: blocks x block + outside
+    assert shape.layers * shape.block.params(1) + shape.pre.params(1) + shape.post.params(1) == shape.params
+
+
+def test_zero_stages_shard_state_over_dp(shape):
+    m0, m1, m2, m3 = (est(shape, zero=z).memory for z in range(4))
+    assert m1["optimizer"] == pytest.approx(m0["optimizer"] / 8)
+    assert m1["grads"] == m0["grads"] and m2["grads"] == pytest.approx(m0["grads"] / 8)
+    assert m3["params"] == pytest.approx(m0["params"] / 8) and m2["params"] == m0["params"]
+    # bf16-mixed: fp32 master weights and gradients, two fp32 AdamW states
+    assert m0["optimizer"] == pytest.approx(2 * m0["params"])
+
+
+def test_recompute_cuts_activations_and_costs_time(shape):
+    none, sel, full = (est(shape, recompute=r) for r in ("none", "selective", "full"))
+    assert full.memory["activations"] < sel.memory["activations"] < none.memory["activations"]
+    assert none.time["recompute"] == 0 < sel.time["recompute"] < full.time["recompute"]
+    assert full.step_seconds > none.step_seconds
+
+
+def test_tensor_and_sequence_parallelism(shape):
+    tp1, tp4, sp4 = est(shape, dp=2), est(shape, dp=2, tp=4), est(shape, dp=2, tp=4, sequence_parallel=True)
+    assert tp4.memory["params"] < 0.3 * tp1.memory["params"]
+    assert sp4.memory["activations"] < tp4.memory["activations"] < tp1.memory["activations"]
+    assert tp4.time["tp_comm"] > 0 == tp1.time["tp_comm"]
+
+
+def test_pipeline_bubble_and_in_flight(shape):
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, v=2) == pytest.approx(1.5 / 9.5)
+    assert [in_flight(4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight(4, 0, 2) == 2  # never more than the micro-batches there are
+    e = est(shape, dp=2, pp=4, num_microbatches=8)
+    t = e.time
+    assert t["bubble"] / (t["total"] - t["optimizer"] - t["dp_comm"] - t["pp_comm"]) == pytest.approx(3 / 11, rel=1e-6)
+    assert est(shape, dp=2, pp=4, num_microbatches=8, virtual_stages=2).time["bubble"] < t["bubble"]
+    counts, _ = layer_split(8, 4, 0.0, 0.0, 1.0)
+    assert counts == [2, 2, 2, 2]
+    counts, _ = layer_split(8, 4, 0.0, 3.0, 1.0)  # a heavy head: the last stage takes fewer blocks
+    assert counts[-1] == 1 and sum(counts) == 8
+
+
+def test_fixing_every_key_evaluates_exactly_that_configuration(shape):
+    cons = {"tp": 2, "pp": 2, "dp": 2, "micro_batch_size": 1, "num_microbatches": 4, "virtual_stages": 2,
+            "recompute": "full", "zero": 1, "sequence_parallel": True}
+    plan = search(shape, ComputeConfig(8, profile="h100", precision="bf16-mixed", global_batch=8, constraints=cons))
+    assert plan.considered == 1
+    assert {k: plan.summary()["parallel"][k] for k in cons} == cons
+    assert plan.summary()["parallel"]["schedule"] == "Interleaved1F1B"
+
+
+def test_search_never_loses_to_a_fixed_configuration(shape):
+    cfg = dict(profile="h100", precision="bf16-mixed", global_batch=64)
+    free = search(shape, ComputeConfig(16, **cfg))
+    fixed = search(shape, ComputeConfig(16, constraints={"tp": 4, "pp": 2, "recompute": "full"}, **cfg))
+    assert free.best.step_seconds <= fixed.best.step_seconds
+    assert fixed.parallel.tp == 4 and fixed.parallel.pp == 2 and fixed.parallel.recompute == "full"
+    s = free.summary()
+    assert 0 < s["mfu"] < 1
+    assert set(s["step_time"]) >= {"compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer",
+                                   "total"}
+    assert set(s["memory_per_rank"]) >= {"params", "grads", "optimizer", "activations", "buffers", "peak"}
+    assert s["memory_per_rank"]["peak"] <= s["memory_budget"]
+
+
+@pytest.mark.parametrize("cons, words", [
+    ({"tp": 3}, "nearest feasible tp: 2 or 4"),
+    ({"pp": 16}, "nearest feasible pp: 8"),
+    ({"dp": 5}, "nearest feasible dp: 4"),
+    ({"virtual_stages": 16, "pp": 2}, "nearest feasible virtual_stages: 4"),
+])
+def test_infeasible_constraints_name_the_nearest_feasible_value(shape, cons, words):
+    with pytest.raises(PlanError, match=words):
+        search(shape, ComputeConfig(16, profile="h100", precision="bf16-mixed", global_batch=64, constraints=cons))
+
+
+def test_a_model_that_cannot_fit_says_so(shape):
+    with pytest.raises(PlanError, match="cannot fit .* smallest reachable"):
+        search(shape, ComputeConfig(8, profile="h100", precision="bf16-mixed", global_batch=8, mem_budget=2**28))
+
+
+def test_bad_input_is_one_line():
+    with pytest.raises(PlanError, match="unknown constraint 'tpp'; valid: tp, pp"):
+        ComputeConfig(8, constraints={"tpp": 2})
+    with pytest.raises(PlanError, match="recompute='some'"):
+        ComputeConfig(8, constraints={"recompute": "some"})
+    with pytest.raises(PlanError, match="known: .*h100"):
+        ComputeConfig(8, profile="h1000")
+
+
+def test_plan_cluster_end_to_end_and_save(tmp_path):
+    pytest.importorskip("transformers")
+    import opzoo  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from verify.models.common import LossOf
+    with torch.device("meta"):
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                                         attn_implementation="sdpa", use_cache=False))
+        ids = torch.zeros(1, 256, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_cluster(LossOf(m), (ids, ids), ComputeConfig(16, profile="a100", precision="bf16-mixed",
+                                                                  global_batch=32))
+    path = plan.save(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    assert data["parallel"] == plan.summary()["parallel"] and data["world_size"] == 16
+    assert "MFU" in plan.one_line()
+
+
+def test_published_runs_cite_their_sources():
+    import csv
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "bench" / "published_runs.csv").read_text()
+    comments = "\n".join(ln for ln in text.splitlines() if ln.startswith("#"))
+    rows = list(csv.DictReader(ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")))
+    assert len(rows) >= 10
+    for r in rows:
+        assert f"[{r['source']}]" in comments, r["name"]
+        assert r["metric"] in ("tokens_per_gpu", "tflops_per_gpu") and float(r["value"]) > 0
+        assert r["kernels"] in ("eager", "fused") and r["device"] in ("a100", "h100")
