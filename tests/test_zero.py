@@ -102,6 +102,12 @@ def test_zero_redundancy_optimizer_by_hand_over_tp_shards_is_refused_naming_zero
         assert "ComputeConfig(zero=1)" in msg and "\n" not in msg
 
 
+def test_an_optimizer_by_hand_over_a_zero_2_module_is_refused_not_a_silent_no_op(tmp_path):
+    for msg in zero_ranks.run(str(tmp_path), "hand_z2"):
+        assert msg.startswith("ZeroError: AdamW over the parameters of a module compiled with zero=2 would step "
+                              "nothing") and "module.build_optimizer(AdamW, ...)" in msg, msg
+
+
 def test_zero_redundancy_optimizer_by_hand_over_dp_copies_is_right(tmp_path):
     assert zero_ranks.run(str(tmp_path), "hand_dp") == [0.0, 0.0]
 

@@ -111,6 +111,7 @@ class ParallelModule(torch.nn.Module):
             if zero.dp_axis is not None and str(layout[zero.dp_axis]).startswith("D"):
                 own[id(p)] = (self._replica_group, replica_ranks)
             p._nnscaler_same_ranks = frozenset(own[id(p)][1] if id(p) in own else zero.ranks)
+            p._nnscaler_zero_stage = zero.stage  # an optimizer by hand finds no gradients from stage 2 on
         if zero.stage == 0:
             return synced, trainables
         axis_of = {name.replace(".", "__"): entry[3] for name, entry in program.STATE.items()}  # sync axis by key

@@ -382,7 +382,9 @@ _HOOKED = False
 def guard_hand_zero() -> None:
     """Install (once) a global optimizer pre-step hook refusing a ``ZeroRedundancyOptimizer`` whose
     process group spans ranks holding different pieces of a parallelized module's parameters (it
-    would broadcast one rank's tensor-parallel shard over another's: silently wrong)."""
+    would broadcast one rank's tensor-parallel shard over another's: silently wrong), and any
+    optimizer made by hand over the parameters of a module compiled with ``zero >= 2`` (it would find
+    no gradients and silently step nothing)."""
     global _HOOKED
     if _HOOKED:
         return
@@ -393,6 +395,12 @@ def guard_hand_zero() -> None:
 
 def _check_hand_zero(optimizer, args, kwargs):
     from torch.distributed.optim import ZeroRedundancyOptimizer
+    stage = max((getattr(p, "_nnscaler_zero_stage", 0) for g in optimizer.param_groups for p in g["params"]),
+                default=0)
+    if stage >= 2:  # ZeroOptimizer steps its shards, never the module's parameters: this one is by hand
+        raise ZeroError(f"{type(optimizer).__name__} over the parameters of a module compiled with zero={stage} would "
+                        f"step nothing: their gradients live in this rank's shards; build it with "
+                        f"module.build_optimizer({type(optimizer).__name__}, ...)")
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         return
     ranks = set(dist.get_process_group_ranks(optimizer.process_group)) if optimizer.process_group is not None \
