@@ -23,6 +23,8 @@ from nnscaler.codegen.emit import generate
 from nnscaler.compile.plan import plan_graph, trace_model
 from nnscaler.ir.graph import IROp, IRTensor
 from nnscaler.policies import ComputeConfig
+from nnscaler.ops import DEFAULT_REGISTRY
+from tests.fixtures.cat_as_before import OVERLOADS, cat_as_before
 from verify.cases.config import RunConfig
 from verify.cases.localize import IN_STEP_ZERO
 from verify.cases.localize_stages import BETWEEN_STAGES
@@ -36,6 +38,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 FAULT = str(FIXTURES / "tensors_in_top_level.py")
 FORCED = str(FIXTURES / "force_localize.py")
 SUMS = ("grad_all_reduce", "all_gather_sum_grad")  # the steps that sum a partial gradient
+
 
 
 def _row(gang, model, policy, world, modules, seed=0):
@@ -59,10 +62,13 @@ def _old_tensor_inputs(self):
 
 def _programs(model: str, policy: str, world: int, seed: int, monkeypatch) -> tuple[dict, dict]:
     """The conversion chains of plan rank 0's program of ``model`` under ``policy``, as the compiler
-    emits it now and with the fault put back (the same trace and plan)."""
+    emits it now and with the fault put back (the same trace and plan, traced with the ``cat`` rule of
+    the fault's time, as the ranks load it from the fixture)."""
     case = MODELS[model](seed)
-    with warnings.catch_warnings():
+    with monkeypatch.context() as m, warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        for overload in OVERLOADS:  # the cat rule of the fault's time, as the ranks load it
+            m.setitem(DEFAULT_REGISTRY._rules, overload, [cat_as_before])
         graph = trace_model(case.model, case.batch(0), None, registry=None, strict=False)
         plan = plan_graph(graph, policy, ComputeConfig(world, tp_size=2, seed=seed))
     right = _chains(generate(graph, plan, 0, probe=True)[0])

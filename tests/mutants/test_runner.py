@@ -6,7 +6,7 @@ import json
 
 from nnscaler.policies import POLICIES
 from tests.mutants.run import first_failure, parser, write_results
-from verify.cli import build_parser
+from verify.cli import DEFAULT_WORLD_SIZES, build_parser
 from verify.models.registry import MODELS
 from verify.worker import load_modules
 
@@ -16,7 +16,8 @@ def test_the_reduced_selection_is_a_subset_of_the_default_verify_all():
     assert full.op is None and full.model is None  # every registered operator and every model
     assert set(mine.op) <= {spec.name for spec in load_modules(())}
     assert set(mine.model) <= set(MODELS)
-    assert mine.world_size == full.world_size and mine.random_seeds == full.random_seeds
+    full_sizes = list(DEFAULT_WORLD_SIZES) if full.world_size is None else full.world_size  # None: the default sizes
+    assert mine.world_size == full_sizes and mine.random_seeds == full.random_seeds
     assert mine.timeout == full.timeout and full.seed == [0] and len(POLICIES) >= 6  # every policy, both
 
 

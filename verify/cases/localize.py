@@ -16,22 +16,20 @@ import importlib.util
 import math
 import shlex
 import tempfile
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from nnscaler.codegen.emit import generate
-from nnscaler import parallelize
 from nnscaler.policies import ComputeConfig
-from nnscaler.trace.build import UnknownOperatorWarning
 from nnscaler.ir.graph import IRGraph
 from nnscaler.ops.registry import DEFAULT_REGISTRY
 from nnscaler.ir.plan import Plan, replicated
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.mesh import RankMesh
 
+from verify.cases.compiled import compile_case
 from verify.models.loader import file_tag
 from verify.judge.compare import Float64Fallback
 from verify.plan.check import op_partition
@@ -243,8 +241,7 @@ def localize_model_case(name: str, policy: str, world_size: int, seed: int, grou
     args = tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case.batch(0))
     plan_seed = seed if plan_seed is None else plan_seed
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=plan_seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(built_like(name, seed, model, dt), args, resolve_policy(policy), config, groups=groups, verify=False,
-                         gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{plan_seed}")
+    pm = compile_case(built_like(name, seed, model, dt), args, resolve_policy(policy), config, groups,
+                      Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{plan_seed}",
+                      announce=False)
     return localize_program(pm, model, args, world_size, name, seed, dtype)

@@ -11,16 +11,14 @@ when that plan matches, the fault lies in the sync between replicas.
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from nnscaler import parallelize
 from nnscaler.policies import ComputeConfig
-from nnscaler.trace.build import UnknownOperatorWarning
 
+from verify.cases.compiled import compile_case
 from verify.cases.batch import cast
 from verify.cases.localize import Localized, divergence, localize_model_case, probed_program, references, single_program
 from verify.cases.tensor_trace import Recorder, compare
@@ -96,11 +94,9 @@ def localize_pipeline_case(name: str, policy: str, world_size: int, seed: int, g
     model = case.model.to(dt)
     micro = cast(case.batch(0), dt)  # the first micro-batch of step 0, the shapes the stages are made for
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed, num_microbatches=m)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(built_like(name, seed, model, dt), cast(whole_batch(case.batch, 0, m), dt), resolve_policy(policy),
-                         config, groups=groups, verify=False,
-                         gen_savedir=Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}")
+    pm = compile_case(built_like(name, seed, model, dt), cast(whole_batch(case.batch, 0, m), dt), resolve_policy(policy),
+                      config, groups, Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}",
+                      announce=False)
     graph = pm.graph
     dev, ref, bounds = references(graph, model, micro, dt)
     graph_inputs = {t.name: a for t, a in zip(graph.inputs, micro)}

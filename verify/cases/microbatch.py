@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
@@ -14,11 +13,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from nnscaler import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
-from nnscaler.trace.build import UnknownOperatorWarning
 
+from verify.cases.compiled import compile_case
 from verify.cases.batch import share
 from verify.judge.compare import Check, check_tensor
 from verify.models.registry import ModelCase
@@ -98,11 +96,8 @@ def _accumulation_checks(job: dict, groups: GroupCache) -> list[Check]:
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world, seed=seed, tp_size=2 if plan_ngpus % 2 == 0 else 1,
                            num_microbatches=m if mode == "train_step" else 1)
     sample = mine if mode == "train_step" else share(case.batch(0), replica, replicas)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(case.model, sample, policy, config, groups=groups, verify=False,
-                         gen_savedir=Path(job["gen_dir"]) / f"{file_tag(name)}-{policy}-p{plan_ngpus}-w{world}-"
-                                                            f"{mode}{m}-s{seed}")
+    pm = compile_case(case.model, sample, policy, config, groups,
+                      Path(job["gen_dir"]) / f"{file_tag(name)}-{policy}-p{plan_ngpus}-w{world}-{mode}{m}-s{seed}")
     checks = []
     loss_fn = loss_fn_of(case)
     if mode == "train_step":

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from nnscaler import parallelize
 from nnscaler.policies import POLICIES, ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
-from nnscaler.trace.build import UnknownOperatorWarning
 
 from verify.cases.batch import cast
 from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
@@ -25,6 +22,7 @@ from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
 from verify.judge.verdict import check_deterministic
 from verify.cases.draws import same_draws
+from verify.cases.compiled import compile_case
 from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
 from verify.cases.microbatch import loss_fn_of, whole_batch
@@ -126,11 +124,8 @@ def installed(pm, point: dict, step: int) -> Check:
                  f"{bad[0].name}: {bad[0].reason}" if bad else "")
 
 
-def _parallelize(model, args, policy, config, groups, gen_dir: Path, tracer=None):
-    with warnings.catch_warnings():  # replicated unknown operators are verified like the rest
-        warnings.simplefilter("ignore", UnknownOperatorWarning)
-        return parallelize(model, args, resolve_policy(policy), config, groups=groups, gen_savedir=gen_dir, tracer=tracer,
-                           verify=False)  # the whole model is verified here, operator verdicts add nothing
+def _parallelize(model, args, policy, config, groups, gen_dir: Path, tracer=None, announce: bool = True):
+    return compile_case(model, args, resolve_policy(policy), config, groups, gen_dir, tracer, announce)
 
 
 def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = None,
@@ -276,7 +271,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
     other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
                          ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes, **precision.config_kwargs()),
                          groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",
-                         tracer_of(traces, (name, seed)))
+                         tracer_of(traces, (name, seed)), announce=False)
     other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
     step = -1  # the reloads' own draws
     with torch.no_grad():

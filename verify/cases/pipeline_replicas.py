@@ -10,17 +10,15 @@ write their pieces once) resumed on one device, under another pipeline and under
 (``verify/checkpoint_case.py``)."""
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from nnscaler import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
-from nnscaler.trace.build import UnknownOperatorWarning
 
+from verify.cases.compiled import compile_case
 from verify.cases.batch import cast, share
 from verify.cases.resume import resume_checks
 from verify.judge.verdict import check_deterministic
@@ -61,10 +59,8 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
                            clip_grad_norm=clip, recompute=recompute)
     tag = f"{file_tag(name)}-{file_tag(policy)}-mb{m}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}" + (f"-zero{zero}" if zero else "") \
         + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(case.model, share(batch(0), replica, replicas), policy, config, groups=groups,
-                         verify=False, tracer=tracer_of(traces, (name, seed)), gen_savedir=Path(gen_dir) / tag)
+    pm = compile_case(case.model, share(batch(0), replica, replicas), policy, config, groups, Path(gen_dir) / tag,
+                      tracer_of(traces, (name, seed)))
     check_deterministic(pm.graph, f"{replicas} replicas of a pipeline")
     loss_fn = loss_fn_of(case)
     params = dict(ref.named_parameters())

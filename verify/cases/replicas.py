@@ -9,17 +9,15 @@ averages over as many elements; a loss over targets padded unevenly (``ignore_in
 the harness judges the replicas against what they are meant to compute."""
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from nnscaler import parallelize
 from nnscaler.policies import ComputeConfig
 from nnscaler.runtime.mesh import GroupCache
-from nnscaler.trace.build import UnknownOperatorWarning
 
+from verify.cases.compiled import compile_case
 from verify.cases.batch import cast, share
 from verify.models.loader import file_tag
 from verify.judge.verdict import check_deterministic
@@ -95,11 +93,10 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     loss_fn = loss_fn_of(case)
     mb = (f"-mb{microbatches}" if microbatches > 1 else "") + (f"-zero{zero}" if zero else "") \
         + (f"-{precision.precision}" if precision.active else "")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnknownOperatorWarning)
-        pm = parallelize(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config,
-                         groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
-                         gen_savedir=Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}{'-clip' if clip else ''}{'-rc' + recompute if recompute != 'none' else ''}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}")
+    pm = compile_case(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config, groups,
+                      Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}{'-clip' if clip else ''}"
+                                      f"{'-rc' + recompute if recompute != 'none' else ''}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}",
+                      tracer_of(traces, (name, seed)))
     check_deterministic(pm.graph, f"{replicas} data-parallel replicas")
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     params = dict(ref.named_parameters())

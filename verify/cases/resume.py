@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -16,10 +15,9 @@ import torch.distributed as dist
 
 from nnscaler import checkpoint
 from nnscaler.checkpoint.format import plain
-from nnscaler import parallelize
 from nnscaler.policies import ComputeConfig
-from nnscaler.trace.build import UnknownOperatorWarning
 
+from verify.cases.compiled import compile_case
 from verify.cases.draws import same_draws
 from verify.cases.batch import cast
 from verify.models.loader import file_tag
@@ -104,13 +102,11 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
     if dist.get_rank() >= w_b:
         return []
     case = build_model(name, seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnknownOperatorWarning)
-        resumed = parallelize(case.model.to(dtype), cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype),
-                              other, ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES,
-                                                   **precision.config_kwargs()),
-                              groups=groups, verify=False, tracer=tracer_of(traces, (name, seed)),
-                              gen_savedir=Path(gen_dir) / f"{file_tag(name)}-reload-{other}-w{w_b}-{dtype}-s{seed}")
+    resumed = compile_case(case.model.to(dtype), cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype), other,
+                           ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES,
+                                         **precision.config_kwargs()), groups,
+                           Path(gen_dir) / f"{file_tag(name)}-reload-{other}-w{w_b}-{dtype}-s{seed}",
+                           tracer_of(traces, (name, seed)), announce=False)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
     checkpoint.load(path, resumed, resumed_opt)
     return _loaded_checks(f"under {other} at W={w_b}", resumed.state_dict(), _moments(resumed, resumed_opt, True),
@@ -151,13 +147,11 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     if rank >= w_b:
         return checks
     batch = build_model(name, seed).batch
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnknownOperatorWarning)
-        resumed = parallelize(build_model(name, seed).model.to(dtype), cast(batch(0), dtype), other,
-                              ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1, **precision.config_kwargs()),
-                              groups=groups,
-                              gen_savedir=Path(gen_dir) / f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}",
-                              verify=False, tracer=tracer_of(traces, (name, seed)))
+    resumed = compile_case(build_model(name, seed).model.to(dtype), cast(batch(0), dtype), other,
+                           ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1,
+                                         **precision.config_kwargs()), groups,
+                           Path(gen_dir) / f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}",
+                           tracer_of(traces, (name, seed)), announce=False)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
     checkpoint.load(path, resumed, resumed_opt)
     where = f"under {other} at W={w_b}"
