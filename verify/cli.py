@@ -610,42 +610,32 @@ def cmd_all(args) -> int:
         with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, \
                 RunProgress(len(items) + len(replicas) + len(recipes) + len(torch_cases)) as progress:
             preflight(gang, specs, cfg)
-            for label, item in items:  # each row is written the moment it is known
+
+            def record(label, rows):  # each row is written the moment it is known
+                new = []
+                for row in rows:
+                    writer.add(row)
+                    new.append(row)
+                progress.done(label, new)
+                writer.seconds = time.perf_counter() - start
+                writer.flush()
+
+            for label, item in items:
                 progress.start(label)
                 if isinstance(item, tuple):
                     name, policy, k = item  # each seed of a seeded policy draws another plan
-                    rows = run_model(gang, name, (policy,), replace(random_cfg if policy in SEEDED_POLICIES else cfg,
-                                                                    microbatches=k), tmp, skip=done)
+                    record(label, run_model(gang, name, (policy,), replace(
+                        random_cfg if policy in SEEDED_POLICIES else cfg, microbatches=k), tmp, skip=done))
                 else:
-                    rows = run_op(gang, item, cfg, skip=done)
-                new = []
-                for row in rows:
-                    writer.add(row)
-                    new.append(row)
-                progress.done(label, new)
-                writer.seconds = time.perf_counter() - start
-                writer.flush()
+                    record(label, run_op(gang, item, cfg, skip=done))
             for label, (name, policy, r, sizes) in replicas + recipes:
                 progress.start(label)
-                new = []
                 run_cfg = replace(cfg, world_sizes=sizes, **(RECIPE if label.endswith(RECIPE_TAG) else {}))
-                rows = run_replicas(gang, name, (policy,), run_cfg, tmp, r, skip=done) if r > 1 \
-                    else run_model(gang, name, (policy,), run_cfg, tmp, skip=done)
-                for row in rows:
-                    writer.add(row)
-                    new.append(row)
-                progress.done(label, new)
-                writer.seconds = time.perf_counter() - start
-                writer.flush()
+                record(label, run_replicas(gang, name, (policy,), run_cfg, tmp, r, skip=done) if r > 1
+                       else run_model(gang, name, (policy,), run_cfg, tmp, skip=done))
             for label, case in torch_cases:  # the section of torch's own parallelizations
                 progress.start(label)
-                new = []
-                for row in run_builtin(gang, case, cfg, tmp, skip=done):
-                    writer.add(row)
-                    new.append(row)
-                progress.done(label, new)
-                writer.seconds = time.perf_counter() - start
-                writer.flush()
+                record(label, run_builtin(gang, case, cfg, tmp, skip=done))
     finally:
         writer.seconds = time.perf_counter() - start
         writer.close()
