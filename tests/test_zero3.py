@@ -133,14 +133,19 @@ def test_zero_3_at_w4_resumes_under_zero_1_at_w2_then_on_one_device(tmp_path):
 
 
 def test_verify_all_samples_the_combined_recipe_on_nanogpt_and_llama_only_when_it_runs_none_itself():
-    from verify.cases.config import RunConfig
-    from verify.cli import RECIPE, recipe_items
-    items = recipe_items(("bert", "llama", "nanogpt"), RunConfig(world_sizes=(2, 4)))
-    assert [label for label, _ in items] == [f"model:{m} {p} bf16-mixed zero3 clip1 recompute=full"
-                                              for m in ("nanogpt", "llama") for p in ("dp", "hybrid", "tp x2 replicas")]
-    assert [i[1:] for _, i in items[:3]] == [("dp", 1, (2, 4)), ("hybrid", 1, (4,)), ("tp", 2, (4,))]
+    from verify.selection import RECIPE, default_units, full_units
+    units = [u for u in full_units([], ("bert", "llama", "nanogpt"), ["dp"], (2, 4), (0,), (0,), [], [], True)
+             if u.recipe]
+    assert {(u.name, u.policy, u.replicas, u.world_sizes) for u in units} == {
+        (m, p, r, w) for m in ("nanogpt", "llama") for p, r, w in
+        (("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,)))}
+    assert all(u.label.endswith("bf16-mixed zero3 clip1 recompute=full W=" + str(u.world_sizes[0]) + " seed 0"
+                                + ("" if u.checkpoint else " no-resume")) for u in units)
     assert RECIPE == {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}
-    assert recipe_items(("nanogpt",), RunConfig(zero=1)) == [] and recipe_items(("nanogpt",), RunConfig(world_sizes=(2,)))[0][1][3] == (2,)
+    assert not [u for u in full_units([], ("nanogpt",), ["dp"], (2, 4), (0,), (0,), [], [], False) if u.recipe]
+    sample = default_units(units, ("llama", "nanogpt"), ["dp"], (2, 4), (0,))
+    assert {(u.policy, u.replicas, u.world_sizes) for u in sample} == {  # each kind of recipe unit once
+        ("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,))}
 
 
 @pytest.mark.parametrize("zero", [1, pytest.param(3, marks=pytest.mark.slow)])

@@ -32,7 +32,7 @@ from verify.judge.verdict import MISMATCH
 from verify.sweep import preflight, run_model, run_op
 from verify.lint import lint
 from verify.cases.model import PolicyFileError, resolve_policy
-from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, PIPELINE_POLICIES, SWEPT, check_pipeline_input
+from verify.cases.pipeline import PIPELINE_POLICIES, check_pipeline_input
 from verify.cases.coverage import replicated_lines
 from verify.cases.node import UnknownNode, model_graph, node_op
 from verify.models.registry import MODELS
@@ -41,11 +41,15 @@ from verify.models.registry import ModelCase
 from verify.models.loader import ModelNotFound, check_builder, is_file_reference
 from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, MemoryCapError, WorldSizeError, max_ranks
 from verify.report.progress import RunProgress
-from verify.cases.replica_rows import replica_items, run_replicas
+from verify.cases.replica_rows import run_replicas
+from verify.cache import DEFAULT_DIR as CACHE_DIR, VerdictCache
+from verify.drive import run_units
+from verify.selection import MICROBATCH_POLICIES, SEEDED_POLICIES, default_units, full_order, full_units
+from verify.shard import ShardError, estimate, fingerprint, parse_shard, recorded_times, shard
 from verify.cases.pipeline import is_pipeline_policy
-from verify.cases.zero import zero_refusal
+from verify.cases.zero import zero_applies, zero_refusal
 from verify.cases.torchpar_mesh import parse_mesh
-from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
+from verify.cases.torchpar_builtin import CASES as TORCH_CASES
 from verify.cases.torchpar_rows import BAD_INPUT as TORCHPAR_BAD_INPUT, check_parallelize, run_torchpar
 from verify.report.writer import ReportError, ReportWriter, summary, table
 from verify.cases.samples import DTYPES
@@ -54,9 +58,6 @@ from verify.worker import load_modules
 
 
 DEFAULT_WORLD_SIZES = (2, 4)
-MICROBATCH_POLICIES = ("dp", "tp")  # the micro-batch sweep of `verify all`
-SEEDED_POLICIES = ("random", "random2d", "pp2_random")  # each seed draws another plan
-"""Policies whose plan is drawn from the seed: ``verify all`` runs each under every ``--random-seeds``."""
 
 
 class UsageError(Exception):
@@ -243,6 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
                             "different plan (default: 0 1 2)")
     _recipes(p_all)
+    p_all.add_argument("--full", action="store_true",
+                       help="run the whole matrix (every model x policy x world size x seed, every random seed, "
+                            "micro-batch count, pipeline, replica and recipe case, each resuming from its checkpoint) "
+                            "instead of the default sample, which runs each of those at least once")
+    p_all.add_argument("--shard", default=None, metavar="I/N",
+                       help="run share I of N (time-balanced by recorded unit times, the same on every machine); "
+                            "combine the N report directories with 'python -m verify merge'")
+    p_all.add_argument("--no-cache", action="store_true",
+                       help="run every unit, ignoring verdicts kept in the cache (a cached row says so in reports)")
+    p_all.add_argument("--cache-dir", default=CACHE_DIR, metavar="DIR",
+                       help=f"where verdicts are kept, keyed by everything that can change them (default {CACHE_DIR})")
     p_all.add_argument("--torchpar", nargs="*", default=None, metavar="NAME",
                        help="built-in torch parallelizations to verify, a section of their own (torchtitan's Llama "
                             "plan, FSDP2, FSDP2 x TP, transformers' tp_plan, known-wrong plans): "
@@ -553,25 +565,25 @@ def _torchpar_dims(mesh: str, model: str | None = None, fn: str | None = None, w
         raise UsageError(str(exc)) from None
 
 
-RECIPE = {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}  # verify all's sample
-RECIPE_TAG = " bf16-mixed zero3 clip1 recompute=full"
-RECIPE_MODELS = ("nanogpt", "llama")
-
-
-def recipe_items(models, cfg) -> list:
-    """``verify all``'s training-recipe rows, when it runs none itself (no recipe flag): the recipes
-    combined (:data:`RECIPE`) on nanoGPT and Llama under dp at every world size, hybrid at W>=4 and tp
-    as 2 replicas at W>=4 (zero on the replica axis): a few rows, not the whole sweep again."""
-    if cfg.zero or cfg.precision != "32-true" or cfg.clip_grad_norm is not None or cfg.recompute != "none":
-        return []
-    out = []
-    for m in (m for m in RECIPE_MODELS if m in models):
-        out.append((f"model:{m} dp{RECIPE_TAG}", (m, "dp", 1, cfg.world_sizes)))
-        big = tuple(w for w in cfg.world_sizes if w >= 4)
-        if big:
-            out.append((f"model:{m} hybrid{RECIPE_TAG}", (m, "hybrid", 1, big)))
-            out.append((f"model:{m} tp x2 replicas{RECIPE_TAG}", (m, "tp", 2, tuple(w for w in big if w % 2 == 0))))
-    return out
+def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
+    """(the units this run runs, the whole selection they are cut from): the default sample or
+    ``--full``'s matrix (:mod:`verify.selection`), then ``--shard``'s share."""
+    recipes = not (cfg.zero or cfg.precision != "32-true" or cfg.clip_grad_norm is not None or cfg.recompute != "none")
+    policies = list(POLICIES)
+    full = full_units([s.name for s in specs], models, policies, cfg.world_sizes, cfg.seeds,
+                      list(dict.fromkeys(args.random_seeds)), args.microbatches,
+                      [c for c in torch_cases if c.world_size in cfg.world_sizes], recipes)
+    if cfg.precision != "32-true":  # replica cases run 32-true only: left out rather than mislabelled
+        full = [u for u in full if u.replicas == 1]
+    if cfg.zero:
+        full = [u for u in full if u.kind != "model" or zero_applies(u.policy, u.world_sizes[0] // u.replicas,
+                                                                      u.replicas, zero=cfg.zero)]
+    default = default_units(full, models, policies, cfg.world_sizes, list(dict.fromkeys(args.random_seeds)))
+    units = full_order(full, default) if args.full else default
+    if args.shard:
+        i, n = parse_shard(args.shard)
+        return shard(units, i, n), units
+    return units, units
 
 
 def cmd_all(args) -> int:
@@ -581,61 +593,49 @@ def cmd_all(args) -> int:
     unknown = [m for m in args.model or () if not known_model(m)]
     if unknown:
         raise UsageError(f"unknown model {unknown[0]!r}; known: {', '.join(sorted(MODELS))}")
-    writer = ReportWriter(args.reports, cfg, resume=args.resume)  # refuses a busy or unwritable directory
-    done = writer.done()
-    gang = None
-    start = time.perf_counter()
-    print(f"verifying {len(specs)} operators at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, "
-          f"seeds {list(cfg.seeds)}; reports in {args.reports}/", flush=True)
     models = (sorted(MODELS) if not args.op else []) if args.model is None else args.model
-    replicas = replica_items(models, cfg.world_sizes)  # a tp plan as data-parallel replicas, every model
-    if cfg.precision != "32-true":  # replica cases run 32-true only: left out rather than mislabelled
-        replicas = []
-    random_cfg = replace(cfg, seeds=tuple(dict.fromkeys(args.random_seeds)))
     torch_names = args.torchpar if args.torchpar is not None else \
         ([] if args.op or args.model is not None else sorted({c.name for c in TORCH_CASES}))
     unknown = sorted(set(torch_names) - {c.name for c in TORCH_CASES})
     if unknown:
         raise UsageError(f"--torchpar {unknown[0]}: no such case; known: {', '.join(sorted({c.name for c in TORCH_CASES}))}")
-    torch_cases = [(f"torchpar:{c.name} W={c.world_size}", c) for c in TORCH_CASES
-                   if c.name in torch_names and c.world_size in cfg.world_sizes]
-    items = [(spec.name, spec) for spec in specs] + [(f"model:{m} {p}", (m, p, 1)) for m in models for p in POLICIES]
-    items += [(f"model:{m} {model_label(p, k)}", (m, p, k)) for k in dict.fromkeys(args.microbatches) if k > 1
-              for m in models for p in MICROBATCH_POLICIES]
-    items += [(f"model:{m} {model_label(p, PIPELINE_MICROBATCHES)}", (m, p, PIPELINE_MICROBATCHES))
-              for m in models if m in PIPELINE_MODELS for p in SWEPT]  # pipelines: 1F1B and GPipe, each mesh
-    recipes = recipe_items(models, cfg)  # the training recipes combined, sampled: a few rows
-
+    try:
+        units, selection = _selection(args, cfg, specs, models, [c for c in TORCH_CASES if c.name in torch_names])
+    except ShardError as exc:
+        raise UsageError(str(exc)) from None
+    writer = ReportWriter(args.reports, cfg, resume=args.resume)  # refuses a busy or unwritable directory
+    shard_of = parse_shard(args.shard) if args.shard else (1, 1)
+    writer.sweep = {"mode": "full" if args.full else "default", "selection": fingerprint(selection),
+                    "shard": shard_of[0], "shards": shard_of[1], "total": len(selection),
+                    "units": list(writer.sweep.get("units", [])) if args.resume and writer.sweep else []}
+    done = writer.done()
+    cache = None if args.no_cache else VerdictCache(args.cache_dir, cfg, reg)
+    gang = None
+    start = time.perf_counter()
+    times = recorded_times()
+    print(f"verifying {len(specs)} operators and {len({u.name for u in units if u.kind == 'model'})} models "
+          f"({'the whole matrix' if args.full else 'the default sample; --full runs the whole matrix'}"
+          f"{f', shard {args.shard}' if args.shard else ''}): {len(units)} units at world sizes "
+          f"{list(cfg.world_sizes)}, dtype {cfg.dtype}; reports in {args.reports}/", flush=True)
+    by_name = {s.name: s for s in specs}
     try:
         with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, \
-                RunProgress(len(items) + len(replicas) + len(recipes) + len(torch_cases)) as progress:
+                RunProgress(len(units), estimate(units, times)) as progress:
             preflight(gang, specs, cfg)
 
-            def record(label, rows):  # each row is written the moment it is known
+            def record(unit, rows, cached):  # each row is written the moment it is known
+                progress.start(unit.label)
                 new = []
                 for row in rows:
                     writer.add(row)
                     new.append(row)
-                progress.done(label, new)
+                progress.done(unit.label, new, cached)
+                writer.sweep["units"].append(unit.label)
                 writer.seconds = time.perf_counter() - start
                 writer.flush()
+                return new
 
-            for label, item in items:
-                progress.start(label)
-                if isinstance(item, tuple):
-                    name, policy, k = item  # each seed of a seeded policy draws another plan
-                    record(label, run_model(gang, name, (policy,), replace(
-                        random_cfg if policy in SEEDED_POLICIES else cfg, microbatches=k), tmp, skip=done))
-                else:
-                    record(label, run_op(gang, item, cfg, skip=done))
-            for label, (name, policy, r, sizes) in replicas + recipes:
-                progress.start(label)
-                run_cfg = replace(cfg, world_sizes=sizes, **(RECIPE if label.endswith(RECIPE_TAG) else {}))
-                record(label, run_replicas(gang, name, (policy,), run_cfg, tmp, r, skip=done) if r > 1
-                       else run_model(gang, name, (policy,), run_cfg, tmp, skip=done))
-            for label, case in torch_cases:  # the section of torch's own parallelizations
-                progress.start(label)
-                record(label, run_builtin(gang, case, cfg, tmp, skip=done))
+            run_units(gang, units, cfg, by_name, tmp, done, cache, record)
     finally:
         writer.seconds = time.perf_counter() - start
         writer.close()
@@ -643,7 +643,9 @@ def cmd_all(args) -> int:
     if failed:
         print(table(failed, with_op=True))
     s = summary(writer.rows)
-    print(", ".join(f"{v} {k}" for k, v in s.items()) + f" in {writer.seconds:.1f} s; gang started {gang.starts if gang else 0}x")
+    cached = sum(r.cached for r in writer.rows)
+    print(", ".join(f"{v} {k}" for k, v in s.items()) + (f" ({cached} from the cache)" if cached else "")
+          + f" in {writer.seconds:.1f} s; gang started {gang.starts if gang else 0}x")
     return 0 if not failed else 1
 
 

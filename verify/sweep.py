@@ -99,14 +99,15 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
 
 def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, steps: int = 3,
               skip: frozenset | set = frozenset(), bucket_bytes: int | None = None,
-              checkpoint: bool = True) -> Iterator[Row]:
+              checkpoint: bool = True, used=None) -> Iterator[Row]:
     """Train model ``name`` under each policy (a built-in name or ``FILE.py:fn``), world size and seed
     of ``cfg`` in ``cfg.dtype``; one row per case, judged on the loss and every gradient at the
     single-device parameters, every optimizer update, and the reloaded checkpoint (``verify/compare.py``).
     ``bucket_bytes`` sets the gradient-sync bucket size of the compiled modules. With
     ``cfg.microbatches`` M above 1, each step trains M stacked batches by ``train_step`` in M
     micro-batches (against one device on the whole batch); the row's partition reads ``POLICY mbM``.
-    ``checkpoint=False`` judges the training steps alone (no checkpoint reloads, no resume)."""
+    ``checkpoint=False`` judges the training steps alone (no checkpoint reloads, no resume).
+    ``used`` (a :class:`verify.cache.Used`) collects what the ranks ran, for the verdict cache."""
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
@@ -121,6 +122,8 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                        "microbatches": m, "checkpoint": checkpoint, **cfg.recipe_job()}
                 expected = expected_checks(name, policy, steps, seed, checkpoint, clip=cfg.clip_grad_norm)
                 answers = gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps))
+                if used is not None:
+                    used.add(answers)
                 status, detail, checks, tb = judge(answers, expected,
                                                    rerun_modules(name, cfg))
                 out = worst([c for c in checks if not c["name"].startswith("grad")], "")

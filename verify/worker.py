@@ -32,7 +32,7 @@ from verify.cases.replicas import run_replicas_case
 from verify.cases.samples import DTYPES, Sample, make_sample
 from verify.cases.torchpar import run_torchpar_job
 from verify.cases.torchpar_modules import localize_torchpar
-from verify.cases.traces import TraceCache
+from verify.cases.traces import TraceCache, graph_ops
 
 
 def load_modules(paths: Sequence[str]) -> OpRegistry:
@@ -130,13 +130,15 @@ def handle(state: RankState, job: dict) -> dict:
                                        microbatches=job.get("microbatches", 1), traces=state.traces,
                                        clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
                                        zero=job.get("zero", 0), precision=Precision.of(job), memory=log)
-            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last)
+            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last,
+                        used=graph_ops(state.traces, (job["model"], job["seed"])))
         if job["kind"] == "torchpar":  # the user's own torch parallelization (verify/cases/torchpar.py)
             checks = run_torchpar_job(job, state.groups)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         if job["kind"] == "model":
             checks = run_model_job(job, state.groups, state.traces, log)
-            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last)
+            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last,
+                        used=graph_ops(state.traces, (job["model"], job["seed"])))
         sample, ref = state.sample(job)
         if job["kind"] == "plan":
             plans = {w: [p.label for p in rank_case.partitions_of(sample, w, job.get("partition"))]

@@ -1,14 +1,15 @@
-"""Apply each mutant of ``catalog/`` in turn and run a reduced ``python -m verify all`` against it
-(every rank imports a shim ``--module`` file that applies the mutant); a mutant is killed when the
-run exits 1 (some row failed). Prints one line per mutant (with the first failing row) and the kill rate.
+"""Apply each mutant of ``catalog/`` in turn and run ``python -m verify all`` against it (every rank
+imports a shim ``--module`` file that applies the mutant); a mutant is killed when the run exits 1
+(some row failed). Prints one line per mutant (with the first failing row) and the kill rate.
 
-    python -m tests.mutants.run [--mutants NAME ...] [--model nanogpt padded_gpt ...] [--op linear]
-        [--world-size 2 4] [--random-seeds 0 1 2] [--json results.json] [--results tests/mutants/RESULTS.md]
+    python -m tests.mutants.run [--sweep default|full] [--mutants NAME ...] [--model M ...] [--op OP ...]
+        [--json results.json] [--results tests/mutants/RESULTS.md]
 
-The reduced selection (two operators, the fast models; every policy, the default world sizes and
-random seeds) is a subset of the rows ``python -m verify all`` runs by default, so a mutant killed
-here is killed by ``verify all`` too (``tests/mutants/test_runner.py`` checks the subset). Runs are one
-at a time, fast models first, and stop at the first failing row (``--no-fail-fast`` runs all).
+``--sweep default`` (the default) runs the default sample exactly as ``verify all`` does, ``full`` the
+whole matrix (``verify all --full``, which runs the default sample's units first, then the rest);
+``--model``/``--op`` narrow either for a quick look. The verdict cache is off (``--no-cache``): a mutant
+changes what a cached verdict was computed from. Runs stop at the first failing row
+(``--no-fail-fast`` runs all). ``bench/mutant_kills.py`` prints both sweeps' kill counts.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from pathlib import Path
 from .catalog import MUTANTS
 
 ROOT = Path(__file__).resolve().parents[2]
-MODELS = ["weightnorm_mlp", "bucketed_mlp", "padded_gpt", "nanogpt", "gpt2_v96"]  # fast ones first
 
 
 def shim(directory: Path, name: str) -> Path:
@@ -48,9 +48,9 @@ def shim(directory: Path, name: str) -> Path:
 def run_one(name: str | None, args, tmp: Path) -> tuple[str, float, str]:
     """(``killed`` | ``survived`` | ``broken``, seconds, the first failing row or the last lines) of
     one mutant (None: no mutant)."""
-    cmd = [sys.executable, "-m", "verify", "all", "--reports", str(tmp / f"reports_{name}"), "--op", *args.op,
-           "--model", *args.model, "--world-size", *map(str, args.world_size),
-           "--random-seeds", *map(str, args.random_seeds), "--timeout", str(args.timeout)]
+    cmd = [sys.executable, "-m", "verify", "all", "--reports", str(tmp / f"reports_{name}"), "--no-cache"]
+    cmd += (["--full"] if args.sweep == "full" else []) + (["--op", *args.op] if args.op else []) \
+        + (["--model", *args.model] if args.model is not None else [])
     if name is not None:
         cmd += ["--module", str(shim(tmp, name))]
     start = time.perf_counter()
@@ -99,9 +99,9 @@ def write_results(path: str, results: dict[str, tuple[str, float, str]], argv: l
     """A markdown table: mutant, verdict, the row that killed it, seconds; then the kill rate."""
     killed = sum(s == "killed" for s, _, _ in results.values())
     lines = ["# Mutation results", "", f"`python -m tests.mutants.run {' '.join(argv)}`".replace("``", ""), "",
-             "Each mutant runs alone against the runner's selection of `python -m verify all` rows (two operators, "
-             "the fast models, every policy at W=2 and 4, seeds 0 1 2 for the seeded policies), stopping at the "
-             "first failing row; `killed by` is that row, `s` the wall time of the whole run (startup included).", "",
+             "Each mutant runs alone against `python -m verify all` (the default sample, or `--full` where the "
+             "command says `--sweep full`), stopping at the first failing row; `killed by` is that row, `s` the "
+             "wall time of the whole run (startup included).", "",
              "| mutant | verdict | killed by (first failing row) | s |", "|---|---|---|---|"]
     for name, (status, secs, row) in results.items():
         row = row.replace("|", "/").replace("\n", " ") if status == "killed" else ""
@@ -111,14 +111,13 @@ def write_results(path: str, results: dict[str, tuple[str, float, str]], argv: l
 
 
 def parser() -> argparse.ArgumentParser:
-    """The runner's options (its defaults are the reduced ``verify all`` selection)."""
+    """The runner's options (its defaults run ``verify all`` as its README command does)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mutants", nargs="+", default=list(MUTANTS), choices=list(MUTANTS), metavar="NAME")
-    ap.add_argument("--model", nargs="+", default=MODELS)
-    ap.add_argument("--op", nargs="+", default=["relu", "linear"])
-    ap.add_argument("--world-size", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--sweep", choices=["default", "full"], default="default",
+                    help="verify all's default sample, or its whole matrix (--full)")
+    ap.add_argument("--model", nargs="*", default=None, help="only these models (default: verify all's)")
+    ap.add_argument("--op", nargs="+", default=None, help="only these operators (default: verify all's)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run (which must pass)")
     ap.add_argument("--no-fail-fast", dest="fail_fast", action="store_false",
                     help="run every case of a mutant even after its first failing row")

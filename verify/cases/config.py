@@ -134,6 +134,7 @@ class Row:
     microbatches: int = 1  # whole-model rows: micro-batches per step (the partition label says so too)
     memory: list | None = None  # whole-model rows: bytes per rank measured after the last step (verify/cases/memory.py)
     localization: dict | None = None  # mismatching model rows: divergence, note, profile (verify.judge.verdict.localization)
+    cached: bool = False  # the verdict was reused from the verdict cache (verify/cache.py), not run again
 
     @property
     def ok(self) -> bool:

@@ -38,7 +38,8 @@ REPLICA_BUCKET_BYTES = 4096  # replica rows sync gradients in buckets this small
 
 
 def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, gen_dir: str, replicas: int,
-                 steps: int = 3, skip: frozenset | set = frozenset(), bucket_bytes: int | None = None) -> Iterator[Row]:
+                 steps: int = 3, skip: frozenset | set = frozenset(), bucket_bytes: int | None = None,
+                 used=None) -> Iterator[Row]:
     """Model ``name`` planned by each policy on ``W / replicas`` ranks and run as ``replicas``
     data-parallel replicas on W ranks, for each world size W of ``cfg`` (a multiple of ``replicas``),
     seed and ``cfg.dtype``: one row per case, judged against one device (``verify/replicas_case.py``),
@@ -63,6 +64,8 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                 limit = replace(cfg, microbatches=m).limit_s("model", steps)
                 expected = expected_replica_checks(name, steps, seed, policy, m)
                 answers = gang.run(job, w, limit)
+                if used is not None:  # what the ranks ran, for the verdict cache (verify/cache.py)
+                    used.add(answers)
                 status, detail, checks, tb = judge(answers, expected, rerun_modules(name, cfg))
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")

@@ -64,6 +64,18 @@ class TraceCache:
         return traced
 
 
+def graph_ops(traces: "TraceCache | None", key: tuple) -> dict | None:
+    """What the verdict cache keys a model case on (:mod:`verify.cache`): the aten operators of the
+    graphs ``traces`` holds for ``key`` (``ops``), and those of them no rule annotated (``fixed``: a
+    catalogue entry matched, or nothing did); None when it holds no graph for ``key``."""
+    graphs = [g for full, g in (traces.graphs.items() if traces is not None else ()) if full[0] == key]
+    if not graphs:
+        return None
+    ops = [op for g in graphs for op in g.ops]
+    return {"ops": sorted({op.overload for op in ops}),
+            "fixed": sorted({op.overload for op in ops if op.spec is None or not op.spec.name.startswith("rule.")})}
+
+
 def tracer_of(traces: TraceCache | None, key: tuple) -> Tracer | None:
     """``traces.tracer(key)``, or None (``parallelize`` traces afresh) without a cache."""
     return None if traces is None else traces.tracer(key)

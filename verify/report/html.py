@@ -182,7 +182,9 @@ def render(rows: Sequence[Row], meta: dict) -> str:
            f"<p>World sizes {html.escape(str(cfg.get('world_sizes')))}, dtype {html.escape(str(cfg.get('dtype')))}, "
            f"seeds {html.escape(str(cfg.get('seeds')))}; {s.get('cases', 0)} cases: "
            + ", ".join(f"{v} {html.escape(k)}" for k, v in s.items() if k != "cases")
-           + f"; {meta.get('seconds', 0):.1f} s.</p>"]
+           + f"; {meta.get('seconds', 0):.1f} s."
+           + (f" {sum(r.cached for r in rows)} verdicts reused from the verdict cache (<code>--no-cache</code> "
+              "runs them again)." if any(r.cached for r in rows) else "") + "</p>"]
     verdict = (f"<p class='bad'>{len(failed)} failing cases</p>" if failed else
                "<p class='ok'>every case matched</p>")
     out.append(verdict)
@@ -197,12 +199,13 @@ def render(rows: Sequence[Row], meta: dict) -> str:
         out.append("</table>")
     out.append("<h2>How close every case came to failing</h2>" + plot(rows))
     out.append("<h2>Per family</h2><table><tr><th>family</th><th>operators</th><th>cases</th><th>match</th>"
-               "<th>failed</th><th>worst error / tolerance</th></tr>")
+               "<th>failed</th><th>cached</th><th>worst error / tolerance</th></tr>")
     for fam, rs in fams.items():
         ratios = [x for x in (ratio(r) for r in rs) if x is not None]
         worst = f"{max(ratios):.3g}" if ratios else "-"
         bad = sum(not r.ok for r in rs)
         out.append(f"<tr{' class=fail' if bad else ''}>" + _cell(fam) + _cell(len({r.op for r in rs})) + _cell(len(rs))
-                   + _cell(sum(r.status == MATCH for r in rs)) + _cell(bad) + _cell(worst) + "</tr>")
+                   + _cell(sum(r.status == MATCH for r in rs)) + _cell(bad) + _cell(sum(r.cached for r in rs))
+                   + _cell(worst) + "</tr>")
     out.append("</table></body></html>")
     return "\n".join(out)

@@ -104,6 +104,7 @@ class ReportWriter:
         if not self.dir.is_dir():
             raise ReportError(f"reports directory {self.dir} is not a directory")
         self._lock = self._acquire()
+        self.sweep: dict = {}  # verify all: the selection, shard and finished units (verify/shard.py)
         self.rows: list[Row] = self._resume() if resume else []
         try:
             kept = b"".join((json.dumps(r.to_json()) + "\n").encode() for r in self.rows)
@@ -148,6 +149,10 @@ class ReportWriter:
                 raise ReportError(f"--resume: {self.dir} holds a run with other settings ("
                                   + ", ".join(f"{k} {before.get(k)} there, {now[k]} now" for k in diff)
                                   + "); resume with the same options or pass another --reports")
+            try:
+                self.sweep = dict(json.loads(meta.read_text()).get("sweep") or {})
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError, ValueError):
+                self.sweep = {}
         rows = {}
         for r in load_rows(self.dir):
             if r.status in self.RERUN:
@@ -173,13 +178,9 @@ class ReportWriter:
         ops = _by_op(self.rows)
         meta = {"config": _config_of(self.cfg), "summary": summary(self.rows), "seconds": round(self.seconds, 2),
                 "host": socket.gethostname(), "finished": _now()}
-        try:
-            atomic_write(self.dir / "report.json", json.dumps(dict(meta, cases=[r.to_json() for r in self.rows]), indent=1))
-            atomic_write(self.dir / "report.md", markdown(self.rows, ops, meta))
-            atomic_write(self.dir / "junit.xml", junit(self.rows))
-            atomic_write(self.dir / "report.html", html_report.render(self.rows, meta))
-        except OSError as exc:
-            raise _oserror(f"writing reports into {self.dir} failed", exc) from None
+        if self.sweep:
+            meta["sweep"] = self.sweep
+        write_reports(self.dir, self.rows, meta)
 
     def close(self) -> None:
         try:
@@ -187,6 +188,17 @@ class ReportWriter:
         finally:
             os.close(self._fd)
             self._lock.close()
+
+
+def write_reports(directory: Path, rows: Sequence[Row], meta: dict) -> None:
+    """``report.json`` (``meta`` and every row), ``report.md``, ``junit.xml`` and ``report.html``, atomically."""
+    try:
+        atomic_write(directory / "report.json", json.dumps(dict(meta, cases=[r.to_json() for r in rows]), indent=1))
+        atomic_write(directory / "report.md", markdown(rows, _by_op(rows), meta))
+        atomic_write(directory / "junit.xml", junit(rows))
+        atomic_write(directory / "report.html", html_report.render(rows, meta))
+    except OSError as exc:
+        raise _oserror(f"writing reports into {directory} failed", exc) from None
 
 
 def _now() -> str:
@@ -208,11 +220,14 @@ def markdown(rows: Sequence[Row], ops: "OrderedDict[str, list[Row]]", meta: dict
     operators = len(ops) - models
     what = [f"{n} {word}{'' if n == 1 else 's'}" for n, word in ((operators, "operator"), (models, "model")) if n]
     title = "Model" if operators == 0 else "Operator" if models == 0 else "Operator and model"
+    cached = sum(r.cached for r in rows)
     lines = [f"# {title} verification report", "",
              f"World sizes {cfg['world_sizes']}, dtype {cfg['dtype']}, seeds {cfg['seeds']}; "
              f"{', '.join(what) or 'nothing'}, {s['cases']} cases: "
              + ", ".join(f"{v} {k}" for k, v in s.items() if k != "cases")
-             + f"; {meta['seconds']:.1f} s.", "",
+             + f"; {meta['seconds']:.1f} s." + (f" {cached} of the cases are verdicts reused from the verdict cache "
+                                                 "(marked cached below; `--no-cache` runs them again)." if cached else "")
+             + _sweep_line(meta), "",
              "Each operator case runs the operator on real ranks under one partition and compares every output and "
              "the gradient of every floating input (random cotangent per output) against float64; each model case "
              "trains the model under a plan against one device (loss, every gradient, every update, checkpoint "
@@ -220,10 +235,21 @@ def markdown(rows: Sequence[Row], ops: "OrderedDict[str, list[Row]]", meta: dict
     if failed:
         lines += ["## Failures", "", table(failed, with_op=True), ""]
     lines += ["## Operators", ""]
-    body = [[name, rs[0].family, f"`{rs[0].annotation}`", len(rs), sum(r.ok for r in rs), len(rs) - sum(r.ok for r in rs)]
-            for name, rs in ops.items()]
-    lines += [tabulate(body, headers=["op", "family", "annotation", "cases", "match", "failed"], tablefmt="github"), ""]
+    body = [[name, rs[0].family, f"`{rs[0].annotation}`", len(rs), sum(r.ok for r in rs), len(rs) - sum(r.ok for r in rs),
+             sum(r.cached for r in rs)] for name, rs in ops.items()]
+    lines += [tabulate(body, headers=["op", "family", "annotation", "cases", "match", "failed", "cached"],
+                       tablefmt="github"), ""]
     return "\n".join(lines)
+
+
+def _sweep_line(meta: dict) -> str:
+    sw = meta.get("sweep")
+    if not sw:
+        return ""
+    what = "the whole matrix (--full)" if sw.get("mode") == "full" else "the default sample (--full runs the whole matrix)"
+    part = f", shard {sw['shard']}/{sw['shards']}" if sw.get("shards", 1) > 1 else ""
+    merged = f", merged from {sw['merged']} shards" if sw.get("merged") else ""
+    return f" Sweep: {what}{part}{merged}, {len(sw.get('units', []))} units."
 
 
 def junit(rows: Sequence[Row]) -> str:
@@ -236,6 +262,8 @@ def junit(rows: Sequence[Row]) -> str:
         name = (f"W{r.world_size}[{r.partition}] {r.dtype} seed{r.seed}" if r.world_size else
                 f"sampling {r.dtype} seed{r.seed}")  # a row for an op whose sample could not be made
         case = ET.SubElement(suite, "testcase", classname=f"verify.{r.op}", name=name, time=f"{r.seconds:.4f}")
+        if r.cached:  # the verdict of an earlier run, reused (verify/cache.py)
+            ET.SubElement(ET.SubElement(case, "properties"), "property", name="cached", value="true")
         if not r.ok:
             tag = "failure" if r.status == "MISMATCH" else "error"
             el = ET.SubElement(case, tag, message=f"{r.status}: {r.detail}", type=r.status)

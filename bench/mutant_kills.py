@@ -1,0 +1,67 @@
+"""Kill counts of the mutant catalogue (``tests/mutants``) under ``verify all``'s default sample and
+under its whole matrix (``--full``): the default sample must kill every mutant the full one does.
+
+    python bench/mutant_kills.py [--mutants NAME ...] [--out bench/results/mutant_kills.md]
+
+Each mutant runs alone through ``tests/mutants/run.py`` (fail-fast: a run stops at its first failing
+row) once per sweep; the table gives each sweep's verdict, first failing row and wall seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.mutants.catalog import MUTANTS  # noqa: E402
+from tests.mutants.run import parser as run_parser, run_one  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mutants", nargs="+", default=list(MUTANTS), choices=list(MUTANTS), metavar="NAME")
+    ap.add_argument("--sweeps", nargs="+", default=["default", "full"], choices=["default", "full"])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mutant_kills.md"))
+    args = ap.parse_args(argv)
+    results: dict[str, dict[str, tuple[str, float, str]]] = {}
+    out = Path(args.out)
+    partial = out.with_suffix(".json")
+    if partial.exists():  # an interrupted run goes on where it stopped
+        results = {m: {s: tuple(v) for s, v in d.items()} for m, d in json.loads(partial.read_text()).items()}
+    with tempfile.TemporaryDirectory() as d:
+        for name in args.mutants:
+            for sweep in args.sweeps:
+                if sweep in results.get(name, {}):
+                    continue
+                opts = run_parser().parse_args(["--sweep", sweep])
+                status, secs, row = run_one(name, opts, Path(d))
+                results.setdefault(name, {})[sweep] = (status, secs, row if status == "killed" else "")
+                print(f"{name:<42} {sweep:<8} {status:<9} {secs:6.0f} s  {row[:100] if status == 'killed' else ''}",
+                      flush=True)
+                partial.write_text(json.dumps(results, indent=1))
+    counts = {s: sum(results[m].get(s, ("",))[0] == "killed" for m in results) for s in args.sweeps}
+    ran = {s: sum(s in results[m] for m in results) for s in args.sweeps}
+    lines = ["# Mutant kill counts: default sample vs --full", "",
+             "`python bench/mutant_kills.py`: each mutant of `tests/mutants/catalog` applied alone, then `python -m "
+             "verify all` (default sample) and `python -m verify all --full` (whole matrix), each stopping at its "
+             "first failing row (`tests/mutants/run.py`).", "",
+             ", ".join(f"**{s}: {counts[s]}/{ran[s]} killed**" for s in args.sweeps), "",
+             "| mutant | " + " | ".join(f"{s} | {s} s | {s}: first failing row" for s in args.sweeps) + " |",
+             "|---|" + "---|---|---|" * len(args.sweeps)]
+    for m, per in results.items():
+        cells = []
+        for s in args.sweeps:
+            st, secs, row = per.get(s, ("not run", 0.0, ""))
+            cells += [st, f"{secs:.0f}", row.replace("|", "/").replace("\n", " ")[:140]]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    out.write_text("\n".join(lines) + "\n")
+    print(", ".join(f"{s}: {counts[s]}/{ran[s]} killed" for s in args.sweeps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Running the units of a sweep (:mod:`verify.selection`) on a gang: each unit from the verdict cache
+when it holds it (:mod:`verify.cache`), else on the ranks; rows go to the report writer as they come."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Iterable, Iterator
+
+from verify.cache import Used, VerdictCache
+from verify.cases.config import Row, RunConfig
+from verify.cases.replica_rows import run_replicas
+from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
+from verify.runner.gang import Gang
+from verify.selection import RECIPE, Unit
+from verify.sweep import run_model, run_op
+
+
+def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used) -> Iterator[Row]:
+    """The rows of ``unit`` (leaving out the cases whose keys are in ``skip``, already done)."""
+    if unit.kind == "op":
+        yield from run_op(gang, specs[unit.name], cfg, skip=skip)
+        return
+    if unit.kind == "torchpar":
+        used.every = True  # torch's own modules: no graph of ours to key on
+        case = next(c for c in TORCH_CASES if c.name == unit.name and (c.world_size,) == unit.world_sizes)
+        yield from run_builtin(gang, case, replace(cfg, seeds=unit.seeds), gen_dir, skip=skip)
+        return
+    run_cfg = replace(cfg, world_sizes=unit.world_sizes, seeds=unit.seeds, microbatches=unit.microbatches,
+                      **(RECIPE if unit.recipe else {}))
+    if unit.replicas > 1:
+        yield from run_replicas(gang, unit.name, (unit.policy,), run_cfg, gen_dir, unit.replicas, skip=skip, used=used)
+    else:
+        yield from run_model(gang, unit.name, (unit.policy,), run_cfg, gen_dir, skip=skip,
+                             checkpoint=unit.checkpoint, used=used)
+
+
+def run_units(gang: Gang, units, cfg: RunConfig, specs: dict, gen_dir: str, skip, cache: VerdictCache | None,
+              record: Callable[[Unit, Iterable[Row], bool], list[Row]]) -> None:
+    """Each unit in turn, its rows from ``cache`` or from the ranks, handed to ``record(unit, rows,
+    cached)``, which writes each row as it comes and returns them all; a run unit's rows are then cached."""
+    for unit in units:
+        rows = cache.get(unit) if cache is not None else None
+        if rows is not None:
+            record(unit, [r for r in rows if r.key not in skip], True)
+            continue
+        used = Used()
+        rows = record(unit, run_unit(gang, unit, cfg, specs, gen_dir, skip, used), False)
+        if cache is not None:
+            cache.put(unit, rows, used)

@@ -1,0 +1,200 @@
+"""What ``verify all`` runs: its units, the whole matrix (``--full``) and the default sample of it.
+
+A :class:`Unit` is the piece the sweep runs, caches, shards and counts progress by: one registered
+operator under every partition, world size and seed, or one whole-model case (a model under one
+policy at one world size and seed, with its micro-batches, replicas, recipe and whether it resumes
+from a checkpoint), or one of torch's own parallelizations.
+
+The default sample keeps every operator row and every model under every policy at least once, and
+samples the expensive axes so each code path runs once per sweep (see :func:`default_units`):
+world sizes alternate over models and policies, seeded policies take each seed on some models, each
+model resumes from its checkpoint under one policy and each (policy, world size) resumes somewhere,
+micro-batches, pipelines, replicas and recipes run each of their kinds once. Its order puts the
+fastest, most telling units first, so a broken compiler shows within seconds; ``--full`` runs the
+default units first, then the rest of the matrix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from verify.cases.config import model_label
+from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
+from verify.cases.replica_rows import ALL_REPLICAS, replica_world_sizes
+from verify.cases.replicas import replica_label
+
+MICROBATCH_POLICIES = ("dp", "tp")  # the micro-batch sweep of `verify all`
+SEEDED_POLICIES = ("random", "random2d", "pp2_random")  # each seed draws another plan
+"""Policies whose plan is drawn from the seed: ``--full`` runs each under every ``--random-seeds``."""
+
+RECIPE = {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}  # verify all's sample
+RECIPE_TAG = " bf16-mixed zero3 clip1 recompute=full"
+RECIPE_MODELS = ("nanogpt", "llama")
+FIRST = ("weightnorm_mlp", "bucketed_mlp", "padded_gpt")  # the fastest models: their units run first
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of the sweep. ``kind``: ``op`` (``name`` a registered operator), ``model`` (a model
+    case; ``replicas`` above 1 plans on W/replicas ranks), ``torchpar`` (``name`` a built-in case)."""
+
+    kind: str
+    name: str
+    policy: str = ""
+    world_sizes: tuple[int, ...] = ()
+    seeds: tuple[int, ...] = ()
+    microbatches: int = 1
+    replicas: int = 1
+    checkpoint: bool = True
+    recipe: bool = False
+
+    @property
+    def label(self) -> str:
+        """What the progress line and the cache call it: ``model:nanogpt tp mb4 W=2 seed 1 resume``."""
+        if self.kind == "op":
+            return self.name
+        if self.kind == "torchpar":
+            return f"torchpar:{self.name} W={self.world_sizes[0]}"
+        policy = model_label(self.policy, self.microbatches)
+        if self.replicas > 1:
+            policy = replica_label(policy, self.replicas)
+        return (f"model:{self.name} {policy}{RECIPE_TAG if self.recipe else ''} "
+                f"W={','.join(map(str, self.world_sizes))} seed {','.join(map(str, self.seeds))}"
+                + ("" if self.checkpoint else " no-resume"))
+
+
+def _model(name, policy, w, seed, microbatches=1, replicas=1, checkpoint=True, recipe=False) -> Unit:
+    return Unit("model", name, policy, (w,), (seed,), microbatches, replicas, checkpoint, recipe)
+
+
+def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str], world_sizes: Sequence[int],
+               seeds: Sequence[int], random_seeds: Sequence[int], microbatches: Sequence[int],
+               torch_cases: Sequence, recipes: bool) -> list[Unit]:
+    """Today's whole matrix, one unit per model case: every model x policy x world size x seed (the
+    seeded policies x every random seed), the micro-batch sweep, the pipelines, the replicas, the
+    recipes and torch's own parallelizations. Pipeline units that cannot run (too few layers, a
+    world size they need not met) are left out here, not skipped later."""
+    def seeds_of(p):
+        return random_seeds if p in SEEDED_POLICIES else seeds
+
+    out = [Unit("op", n, world_sizes=tuple(world_sizes), seeds=tuple(seeds)) for n in ops]
+    out += [_model(m, p, w, s) for m in models for p in policies for s in seeds_of(p) for w in world_sizes]
+    out += [_model(m, p, w, s, k) for k in dict.fromkeys(microbatches) if k > 1 for m in models
+            for p in MICROBATCH_POLICIES for s in seeds for w in world_sizes]
+    out += [_model(m, p, w, s, PIPELINE_MICROBATCHES) for m in models if m in PIPELINE_MODELS for p in SWEPT
+            for s in seeds_of(p) for w in world_sizes if pipeline_applies(p, w, m, s)]
+    big = replica_world_sizes(world_sizes)
+    out += [_model(m, p, w, s, PIPELINE_MICROBATCHES if p == "pp" else 1, ALL_REPLICAS, checkpoint=False)
+            for m in models for p in ("tp", "pp") if p == "tp" or m in PIPELINE_MODELS
+            for s in seeds for w in big if pipeline_applies(p, w // ALL_REPLICAS, m, s)]
+    if recipes:
+        for m in (m for m in RECIPE_MODELS if m in models):
+            out += [_model(m, "dp", w, s, recipe=True) for s in seeds for w in world_sizes]
+            out += [_model(m, "hybrid", w, s, recipe=True) for s in seeds for w in world_sizes if w >= 4]
+            out += [_model(m, "tp", w, s, replicas=2, checkpoint=False, recipe=True) for s in seeds
+                    for w in world_sizes if w >= 4 and w % 2 == 0]
+    out += [Unit("torchpar", c.name, world_sizes=(c.world_size,), seeds=tuple(seeds[:1])) for c in torch_cases]
+    return out
+
+
+def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequence[str],
+                  world_sizes: Sequence[int], random_seeds: Sequence[int]) -> list[Unit]:
+    """The default sample of ``full`` (a subset of its units, fastest and most telling first):
+
+    * every operator unit and every torch-parallelization unit, as in ``full``;
+    * each model under each policy once, at a world size that alternates over models and policies
+      (so each policy runs at every world size on some models), the seeded policies under the seed
+      ``random_seeds[i % n]`` for the i-th model (each seed draws plans on some models);
+    * a checkpoint resume in the first case of each model and of each (policy, world size); the
+      rest train without the reload and resume phase;
+    * the micro-batch sweep: each model once, under dp or tp by turns;
+    * each pipeline schedule once, on the pipeline models by turns, and each world size where it runs;
+    * replicas: tp replicas on every third model, the pp replicas on one pipeline model;
+    * each recipe unit kind (dp at each world size, hybrid, tp replicas) once, the recipe models by turns.
+    """
+    W = list(world_sizes)
+    models = sorted(models, key=lambda m: (m not in FIRST, FIRST.index(m) if m in FIRST else 0))
+    ok = {_same(u) for u in full}
+    pick: list[Unit] = []
+
+    def take(u: Unit | None) -> bool:
+        if u is not None and _same(u) in ok and _same(u) not in {_same(v) for v in pick}:
+            pick.append(u)
+            return True
+        return False
+
+    chosen: list[Unit] = []
+    for i, m in enumerate(models):
+        for j, p in enumerate(policies):
+            w = W[(i + j) % len(W)]
+            seed = random_seeds[i % len(random_seeds)] if p in SEEDED_POLICIES else None
+            cands = [u for u in full if u.kind == "model" and u.name == m and u.policy == p and u.microbatches == 1
+                     and u.replicas == 1 and not u.recipe and (seed is None or u.seeds == (seed,))]
+            cands.sort(key=lambda u: (u.world_sizes != (w,), u.seeds))
+            if cands:
+                resume = p == policies[i % len(policies)]  # each model resumes under one policy, by turns
+                chosen.append(_variant(cands[0], resume))
+    resumed = {(u.policy, u.world_sizes) for u in chosen if u.checkpoint}
+    for k, u in enumerate(chosen):  # and each (policy, world size) resumes somewhere
+        if (u.policy, u.world_sizes) not in resumed:
+            chosen[k] = _variant(u, True)
+            resumed.add((u.policy, u.world_sizes))
+    for u in chosen:
+        take(u)
+    for i, m in enumerate(models):
+        p = MICROBATCH_POLICIES[i % len(MICROBATCH_POLICIES)]
+        w = W[(i // len(MICROBATCH_POLICIES)) % len(W)]
+        cands = [u for u in full if u.kind == "model" and u.name == m and u.policy == p and u.microbatches > 1
+                 and u.replicas == 1 and not u.recipe]
+        cands.sort(key=lambda u: (u.world_sizes != (w,), u.seeds))
+        if cands:
+            take(_variant(cands[0], False))
+    pipes = [m for m in PIPELINE_MODELS if m in models]
+    for k, p in enumerate(SWEPT):
+        seen: set = set()
+        for shift in range(len(pipes)):
+            m = pipes[(k + shift) % len(pipes)] if pipes else None
+            for u in full:
+                if u.kind == "model" and u.name == m and u.policy == p and u.replicas == 1 \
+                        and u.world_sizes not in seen and (p not in SEEDED_POLICIES or u.seeds[0] == random_seeds[k % len(random_seeds)]):
+                    take(_variant(u, not seen))  # one resume per schedule
+                    seen.add(u.world_sizes)
+    reps = [u for u in full if u.kind == "model" and u.replicas > 1 and not u.recipe]
+    for i, m in enumerate(models):
+        if i % 3 == 0:
+            take(next((u for u in reps if u.name == m and u.policy == "tp"), None))
+    take(next((u for u in reps if u.policy == "pp"), None))
+    recipe = [u for u in full if u.recipe]
+    kinds: dict = {}
+    for u in recipe:
+        kinds.setdefault((u.policy, u.replicas, u.world_sizes), []).append(u)
+    for k, (_, us) in enumerate(sorted(kinds.items())):
+        take(us[k % len(us)])
+    pick += [u for u in full if u.kind in ("op", "torchpar")]
+    return sorted(pick, key=_order)
+
+
+def _variant(u: Unit, checkpoint: bool) -> Unit:
+    return Unit(**{**u.__dict__, "checkpoint": checkpoint})
+
+
+def _order(u: Unit) -> tuple:
+    """Fastest, most telling first: the small models' cases, then the operators, then the rest."""
+    if u.kind == "model" and u.name in FIRST:
+        return (0, FIRST.index(u.name))
+    return (1 if u.kind == "op" else 2, 0)
+
+
+def full_order(full: Sequence[Unit], default: Sequence[Unit]) -> list[Unit]:
+    """``--full``'s order: the default sample first, each unit as the matrix has it (with its
+    checkpoint resume: the same training, more checks), so a mutant the default kills dies as soon;
+    then the rest of the matrix."""
+    whole = {_same(u): u for u in full}
+    first = [whole.get(_same(u), u) for u in default]
+    keys = {_same(u) for u in first}
+    return first + [u for u in full if _same(u) not in keys]
+
+
+def _same(u: Unit) -> tuple:
+    """A unit and its no-resume variant run the same training: the matrix counts them as one."""
+    return tuple(v for k, v in u.__dict__.items() if k != "checkpoint")
