@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import platform
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -36,7 +35,6 @@ from verify.selection import Unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("nnscaler", "verify", "opzoo")
-CATALOGUE = ROOT / "opzoo"
 DEFAULT_DIR = ".verify-cache"
 FORMAT = 3  # bump when the entry layout or the dependency rule changes
 
@@ -52,19 +50,18 @@ def file_hash(path: Path) -> str:
         return "missing"
 
 
-def leaves() -> list[Path]:
+def leaves(root: Path = ROOT) -> list[Path]:
     """The catalogue's modules that register operators or rules (not ``__init__`` or ``_*`` helpers)."""
-    return sorted(p for p in CATALOGUE.rglob("*.py") if not p.name.startswith("_"))
+    return sorted(p for p in (root / "opzoo").rglob("*.py") if not p.name.startswith("_"))
 
 
-def _module_file(obj) -> Path | None:
-    fn = getattr(obj, "func", obj)  # functools.partial
-    mod = sys.modules.get(getattr(fn, "__module__", "") or "")
-    f = getattr(mod, "__file__", None)
-    return Path(f).resolve() if f else None
+def _module_file(obj, root: Path) -> Path:
+    """``root/opzoo/rules/nn.py`` for a function of module ``opzoo.rules.nn`` (a partial: its function's)."""
+    fn = getattr(obj, "func", obj)
+    return root.joinpath(*(getattr(fn, "__module__", "") or "?").split(".")).with_suffix(".py")
 
 
-def claims(registry) -> tuple[dict[Path, set[str]], dict[Path, set[str]]]:
+def claims(registry, root: Path = ROOT) -> tuple[dict[Path, set[str]], dict[Path, set[str]]]:
     """``({leaf: overloads it has rules for}, {leaf: overloads its fixed entries claim})`` as the
     registry holds them now: a rule by the module that defines it, an entry's ``aten`` by its family's
     file. Rules are asked first (``nnscaler.trace.match.derive``): an operator a rule annotated
@@ -72,22 +69,20 @@ def claims(registry) -> tuple[dict[Path, set[str]], dict[Path, set[str]]]:
     rules: dict[Path, set[str]] = {}
     fixed: dict[Path, set[str]] = {}
     for spec in registry:
-        fixed.setdefault((CATALOGUE / f"{spec.family}.py").resolve(), set()).update(spec.aten)
+        fixed.setdefault(root / "opzoo" / f"{spec.family}.py", set()).update(spec.aten)
     for overload in registry.rule_overloads():
         for rule in registry.rules(overload):
-            path = _module_file(rule)
-            if path is not None:
-                rules.setdefault(path, set()).add(overload)
+            rules.setdefault(_module_file(rule, root), set()).add(overload)
     return rules, fixed
 
 
-def _imports(path: Path, known: dict[str, Path]) -> set[Path]:
+def _imports(path: Path, known: dict[str, Path], root: Path) -> set[Path]:
     """The leaves module ``path`` imports (``from .x import``, ``from opzoo.rules.y import``, ...)."""
     try:
         tree = ast.parse(path.read_text())
     except (OSError, SyntaxError):
         return set()
-    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    pkg = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
@@ -125,18 +120,20 @@ class Used:
 class VerdictCache:
     """``get(unit)`` -> the unit's rows (marked ``cached``) or None; ``put(unit, rows, ...)`` after a run."""
 
-    def __init__(self, directory: str | os.PathLike, cfg: RunConfig, registry):
+    def __init__(self, directory: str | os.PathLike, cfg: RunConfig, registry, root: Path = ROOT):
+        """``root``: the source tree whose files key the verdicts (this checkout's)."""
         self.dir = Path(directory) / "verdicts"
         self.cfg = cfg
         self.registry = registry
-        self.leaves = [p.resolve() for p in leaves()]
-        known = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in self.leaves}
-        self.imports = {p: _imports(p, known) for p in self.leaves}
-        self.rules, self.fixed = claims(registry)
-        core = sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if p.resolve() not in set(self.leaves))
+        self.root = root
+        self.leaves = leaves(root)
+        known = {".".join(p.relative_to(root).with_suffix("").parts): p for p in self.leaves}
+        self.imports = {p: _imports(p, known, root) for p in self.leaves}
+        self.rules, self.fixed = claims(registry, root)
+        core = sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py") if p not in set(self.leaves))
         h = hashlib.sha256()
         for p in core:
-            h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
+            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
         import torch  # noqa: PLC0415 (the version is part of every key)
         self.context = {"format": FORMAT, "core": h.hexdigest(), "torch": torch.__version__,
                         "python": platform.python_version(), "dtype": cfg.dtype, "precision": cfg.precision,
@@ -169,7 +166,7 @@ class VerdictCache:
             return set(self.leaves)
         if unit.kind == "op":
             spec = self.registry.get(unit.name)
-            own = (CATALOGUE / f"{spec.family}.py").resolve()
+            own = self.root / "opzoo" / f"{spec.family}.py"
             return self._closure([own]) if own in set(self.leaves) else set(self.leaves)
         ops, fixed = set(ops), set(fixed)
         found = [p for p, c in self.rules.items() if c & ops] + [p for p, c in self.fixed.items() if c & fixed]
@@ -183,9 +180,9 @@ class VerdictCache:
         except (OSError, ValueError, TypeError, KeyError):
             self.misses += 1
             return None
-        now = {str(p.relative_to(ROOT)) for p in self.depends(unit, entry.get("ops", ()), entry.get("fixed", ()),
+        now = {str(p.relative_to(self.root)) for p in self.depends(unit, entry.get("ops", ()), entry.get("fixed", ()),
                                                                   entry.get("every", False))}
-        fresh = rows and now <= set(deps) and all(file_hash(ROOT / f) == h for f, h in deps.items())
+        fresh = rows and now <= set(deps) and all(file_hash(self.root / f) == h for f, h in deps.items())
         if not fresh:
             self.misses += 1
             return None
@@ -196,7 +193,7 @@ class VerdictCache:
         """Keep ``rows`` of ``unit`` when every one matched, with the leaves it depends on."""
         if not rows or not all(r.ok for r in rows):
             return
-        deps = {str(p.relative_to(ROOT)): file_hash(p)
+        deps = {str(p.relative_to(self.root)): file_hash(p)
                 for p in sorted(self.depends(unit, used.ops, used.fixed, used.every))}
         entry = {"unit": unit.label, "rows": [asdict(r) for r in rows], "deps": deps, "ops": sorted(used.ops),
                  "fixed": sorted(used.fixed), "every": used.every, "seconds": sum(r.seconds for r in rows)}

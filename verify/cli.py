@@ -260,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "plan, FSDP2, FSDP2 x TP, transformers' tp_plan, known-wrong plans): "
                             f"{', '.join(sorted({c.name for c in TORCH_CASES}))} (default: all, or none with --op or "
                             "--model; none with an empty list)")
+    p_merge = sub.add_parser("merge", help="combine the reports of the N shards of one 'verify all --shard i/N' sweep",
+                             description="Check that the report directories are the N shares of one verify all "
+                                         "--shard sweep, each once, no unit or case missing or twice, and write "
+                                         "the combined reports (cases.jsonl, JSON, Markdown, JUnit, HTML).")
+    p_merge.add_argument("dirs", nargs="+", metavar="DIR", help="the shards' --reports directories")
+    p_merge.add_argument("--reports", default="reports", metavar="DIR", help="where to write (default reports/)")
     return parser
 
 
@@ -607,7 +613,8 @@ def cmd_all(args) -> int:
     shard_of = parse_shard(args.shard) if args.shard else (1, 1)
     writer.sweep = {"mode": "full" if args.full else "default", "selection": fingerprint(selection),
                     "shard": shard_of[0], "shards": shard_of[1], "total": len(selection),
-                    "units": list(writer.sweep.get("units", [])) if args.resume and writer.sweep else []}
+                    "units": list(writer.sweep.get("units", [])) if args.resume and writer.sweep else [],
+                    "seconds": dict(writer.sweep.get("seconds", {})) if args.resume and writer.sweep else {}}
     done = writer.done()
     cache = None if args.no_cache else VerdictCache(args.cache_dir, cfg, reg)
     gang = None
@@ -625,12 +632,14 @@ def cmd_all(args) -> int:
 
             def record(unit, rows, cached):  # each row is written the moment it is known
                 progress.start(unit.label)
-                new = []
+                t0, new = time.perf_counter(), []
                 for row in rows:
                     writer.add(row)
                     new.append(row)
                 progress.done(unit.label, new, cached)
                 writer.sweep["units"].append(unit.label)
+                writer.sweep["seconds"][unit.label] = round(sum(r.seconds for r in new) if cached else
+                                                            time.perf_counter() - t0, 3)
                 writer.seconds = time.perf_counter() - start
                 writer.flush()
                 return new
@@ -649,11 +658,21 @@ def cmd_all(args) -> int:
     return 0 if not failed else 1
 
 
+def cmd_merge(args) -> int:
+    from verify.merge import merge  # noqa: PLC0415
+    try:
+        shards, cases = merge(args.dirs, args.reports)
+    except ShardError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"merged {shards} shards, {cases} cases, into {args.reports}/")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all,
-                "lint": cmd_lint}[args.command](args)
+                "lint": cmd_lint, "merge": cmd_merge}[args.command](args)
     except (UsageError, UnknownOpError, BadInput, AnnotationError, ReportError) as exc:
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2

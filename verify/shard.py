@@ -40,14 +40,23 @@ def recorded_times(path: Path = TIMES) -> dict[str, float]:
         return {}
 
 
+def _like(u: Unit) -> list[tuple]:
+    """What an unrecorded unit's time is guessed from, closest first: the same model (or op) with and
+    without a resume, then its kind with and without a resume."""
+    return [(u.kind, u.name, u.checkpoint), (u.kind, u.name), (u.kind, u.checkpoint), (u.kind,)]
+
+
 def estimate(units: Sequence[Unit], times: dict[str, float]) -> list[float]:
-    """Seconds per unit: the recorded time, else the median recorded time of its kind (else a default)."""
-    by_kind: dict[str, list[float]] = {}
+    """Seconds per unit: the recorded time (``times`` by label), else the median recorded time of the
+    closest group it belongs to (:func:`_like`), else a default by kind."""
+    groups: dict[tuple, list[float]] = {}
     for u in units:
         if u.label in times:
-            by_kind.setdefault(u.kind, []).append(times[u.label])
-    typical = {k: median(v) for k, v in by_kind.items()}
-    return [times.get(u.label, typical.get(u.kind, DEFAULT_SECONDS.get(u.kind, 3.0))) for u in units]
+            for g in _like(u):
+                groups.setdefault(g, []).append(times[u.label])
+    typical = {g: median(v) for g, v in groups.items()}
+    return [times[u.label] if u.label in times else
+            next((typical[g] for g in _like(u) if g in typical), DEFAULT_SECONDS.get(u.kind, 3.0)) for u in units]
 
 
 def assign(units: Sequence[Unit], n: int, times: dict[str, float]) -> list[int]:
