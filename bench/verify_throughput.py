@@ -5,13 +5,25 @@ partition. Both run in this process, on the same cases, so the ratio is robust t
 With ``--zoo`` it also times the whole zoo, every partition, at world sizes 2 and 4, gang start
 included (the target is under 60 s on a 2-core machine).
 
+With ``--sweep`` it times ``python -m verify all`` as the README runs it, in a clone of this
+checkout's last commit: cold (an empty verdict cache), warm (every verdict cached), after touching
+one operator family's file (``--touch opzoo/reduction.py``: only that family's units may run again),
+and ``--resume`` of the finished run; then where a run's time goes, per phase, against ``--before
+DIR`` (the reports of an earlier run, e.g. of ``--full``) when given.
+
     python bench/verify_throughput.py [--ops linear bmm softmax] [--fresh 4] [--zoo]
+    python bench/verify_throughput.py --sweep [--touch opzoo/reduction.py] [--before reports_full/]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 from verify.cases.config import RunConfig
 
@@ -19,6 +31,8 @@ from verify.sweep import plan_op, run_op
 from verify.runner.gang import Gang
 from verify.report.writer import ReportWriter
 from verify.worker import load_modules
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def persistent(specs, cfg: RunConfig) -> tuple[int, float, float]:
@@ -64,13 +78,93 @@ def zoo(cfg: RunConfig) -> tuple[int, float, int]:
     return len(rows), time.perf_counter() - t0, sum(not r.ok for r in rows)
 
 
+def phases(report_dir: Path) -> dict[str, float]:
+    """Seconds per phase of a ``verify all`` run (from its ``report.json``): operators, each
+    policy's plain model cases, micro-batches, pipelines, replicas, recipes, torch's own, and
+    start-up and the rest (the run's time less its units')."""
+    meta = json.loads((report_dir / "report.json").read_text())
+    out: dict[str, float] = {}
+    secs = (meta.get("sweep") or {}).get("seconds")
+    if secs is None:  # a report from before units: its rows' own times, by the row's kind
+        secs = {}
+        for r in meta["cases"]:
+            label = r["op"] if not r["op"].startswith("model:") else f"{r['op']} {r['partition']}"
+            secs[label] = secs.get(label, 0.0) + r["seconds"]
+    for label, s in secs.items():
+        out[_phase(label)] = out.get(_phase(label), 0.0) + s
+    out["start-up and the rest"] = max(meta["seconds"] - sum(secs.values()), 0.0)
+    out["total"] = meta["seconds"]
+    return out
+
+
+def _phase(label: str) -> str:
+    if label.startswith("torchpar:"):
+        return "torch's own parallelizations"
+    if not label.startswith("model:"):
+        return "operators"
+    words = label.split()
+    if "bf16-mixed" in words:
+        return "recipes"
+    if "replicas" in words:
+        return "replicas"
+    if words[1].startswith("pp"):
+        return "pipelines"
+    if any(w.startswith("mb") for w in words[2:]):
+        return "micro-batches"
+    return f"models: {words[1]}"
+
+
+def _timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=cwd, env=dict(os.environ, PYTHONPATH=str(cwd)), capture_output=True, text=True)
+    if r.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return time.perf_counter() - t0, r.stdout
+
+
+def sweep(touch: str, before: str | None) -> None:
+    """Cold, warm, touched and resumed ``verify all`` in a clone of the last commit; per phase."""
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "src"
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(src)], check=True)
+        run = [sys.executable, "-m", "verify", "all", "--cache-dir", str(Path(d) / "cache")]
+        cold, _ = _timed(run + ["--reports", str(Path(d) / "cold")], src)
+        warm, _ = _timed(run + ["--reports", str(Path(d) / "warm")], src)
+        family = src / touch
+        family.write_text(family.read_text() + "\n# touched\n")
+        touched, _ = _timed(run + ["--reports", str(Path(d) / "touched")], src)
+        resumed, _ = _timed(run + ["--reports", str(Path(d) / "cold"), "--resume"], src)
+        rows = [json.loads(x) for x in (Path(d) / "touched" / "cases.jsonl").read_text().splitlines()]
+        fam = Path(touch).stem
+        rerun = {r["op"] for r in rows if not r["cached"]}
+        fam_ops = {r["op"] for r in rows if r["family"] == fam}
+        print(f"verify all (default sample), wall seconds from a clone: cold {cold:.1f}; warm {warm:.1f} "
+              f"({warm / cold:.1%} of cold); after touching {touch} {touched:.1f} ({touched / cold:.1%} of cold, "
+              f"{len(rerun)} operators/models ran again: all {len(fam_ops)} of family {fam}: {fam_ops <= rerun}, others: "
+              f"{sorted(rerun - fam_ops) or 'none'}); --resume of the finished run {resumed:.1f}")
+        now = phases(Path(d) / "cold")
+        then = phases(Path(before)) if before else {}
+        print(f"\n| phase | {'before (s) | ' if then else ''}default sample (s) |{' ratio |' if then else ''}")
+        print(f"|---|{'---|' if then else ''}---|{'---|' if then else ''}")
+        for k in sorted(set(now) | set(then), key=lambda k: (k == "total", k)):
+            a, b = then.get(k), now.get(k, 0.0)
+            print(f"| {k} | " + (f"{a:.0f} | " if then else "") + f"{b:.0f} |"
+                  + (f" {b / a:.2f} |" if then and a else (" - |" if then else "")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", nargs="+", default=["linear", "bmm", "softmax", "layer_norm", "embedding"])
     ap.add_argument("--world-size", type=int, nargs="+", default=[2])
     ap.add_argument("--fresh", type=int, default=4, help="cases to run with a fresh process group each")
     ap.add_argument("--zoo", action="store_true", help="also time the whole zoo at world sizes 2 and 4")
+    ap.add_argument("--sweep", action="store_true", help="time verify all: cold, warm, touched, resumed; per phase")
+    ap.add_argument("--touch", default="opzoo/reduction.py", help="the operator family file --sweep touches")
+    ap.add_argument("--before", default=None, metavar="DIR", help="--sweep: reports of an earlier run to compare with")
     args = ap.parse_args()
+    if args.sweep:
+        sweep(args.touch, args.before)
+        return
     reg = load_modules(())
     specs = [reg.get(n) for n in args.ops]
     cfg = RunConfig(world_sizes=tuple(args.world_size))

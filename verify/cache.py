@@ -141,6 +141,12 @@ class VerdictCache:
                         "grad_reduce_dtype": cfg.grad_reduce_dtype, "base": cfg.base_override,
                         "partition": cfg.partition, "modules": [file_hash(Path(m)) for m in cfg.modules]}
         self.hits = self.misses = 0
+        self._hashes: dict[Path, str] = {}  # each file read once per run
+
+    def _hash(self, path: Path) -> str:
+        if path not in self._hashes:
+            self._hashes[path] = file_hash(path)
+        return self._hashes[path]
 
     def key(self, unit: Unit) -> str:
         return _digest(json.dumps({"unit": asdict(unit), **self.context}, sort_keys=True, default=str).encode())
@@ -182,7 +188,7 @@ class VerdictCache:
             return None
         now = {str(p.relative_to(self.root)) for p in self.depends(unit, entry.get("ops", ()), entry.get("fixed", ()),
                                                                   entry.get("every", False))}
-        fresh = rows and now <= set(deps) and all(file_hash(self.root / f) == h for f, h in deps.items())
+        fresh = rows and now <= set(deps) and all(self._hash(self.root / f) == h for f, h in deps.items())
         if not fresh:
             self.misses += 1
             return None
@@ -193,7 +199,7 @@ class VerdictCache:
         """Keep ``rows`` of ``unit`` when every one matched, with the leaves it depends on."""
         if not rows or not all(r.ok for r in rows):
             return
-        deps = {str(p.relative_to(self.root)): file_hash(p)
+        deps = {str(p.relative_to(self.root)): self._hash(p)
                 for p in sorted(self.depends(unit, used.ops, used.fixed, used.every))}
         entry = {"unit": unit.label, "rows": [asdict(r) for r in rows], "deps": deps, "ops": sorted(used.ops),
                  "fixed": sorted(used.fixed), "every": used.every, "seconds": sum(r.seconds for r in rows)}

@@ -29,7 +29,7 @@ from verify.cases.config import BadInput, Row, RunConfig, model_label
 from verify.judge.lowprec import precheck
 from verify.judge.verdict import MISMATCH
 
-from verify.sweep import preflight, run_model, run_op
+from verify.sweep import check_spec, preflight, run_model, run_op
 from verify.lint import lint
 from verify.cases.model import PolicyFileError, resolve_policy
 from verify.cases.pipeline import PIPELINE_POLICIES, check_pipeline_input
@@ -43,7 +43,7 @@ from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError,
 from verify.report.progress import RunProgress
 from verify.cases.replica_rows import run_replicas
 from verify.cache import DEFAULT_DIR as CACHE_DIR, VerdictCache
-from verify.drive import run_units
+from verify.drive import LazyGang, run_units
 from verify.selection import MICROBATCH_POLICIES, SEEDED_POLICIES, default_units, full_order, full_units
 from verify.shard import ShardError, estimate, fingerprint, parse_shard, recorded_times, shard
 from verify.cases.pipeline import is_pipeline_policy
@@ -592,6 +592,14 @@ def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
     return units, units
 
 
+def _finished_units(before: dict) -> dict:
+    """The ``units``, ``rerun`` and ``seconds`` of a resumed run's sweep: the units it finished, less
+    those with a row that failed to run (error, timeout, crash: they run again)."""
+    again = set(before.get("rerun", []))
+    units = [u for u in before.get("units", []) if u not in again]
+    return {"units": units, "rerun": [], "seconds": {u: s for u, s in before.get("seconds", {}).items() if u in units}}
+
+
 def cmd_all(args) -> int:
     reg = _load(args.module)
     cfg = _config(args)
@@ -613,22 +621,29 @@ def cmd_all(args) -> int:
     shard_of = parse_shard(args.shard) if args.shard else (1, 1)
     writer.sweep = {"mode": "full" if args.full else "default", "selection": fingerprint(selection),
                     "shard": shard_of[0], "shards": shard_of[1], "total": len(selection),
-                    "units": list(writer.sweep.get("units", [])) if args.resume and writer.sweep else [],
-                    "seconds": dict(writer.sweep.get("seconds", {})) if args.resume and writer.sweep else {}}
+                    **_finished_units(writer.sweep if args.resume else {})}
     done = writer.done()
+    finished = set(writer.sweep["units"])  # --resume: units the interrupted run finished
     cache = None if args.no_cache else VerdictCache(args.cache_dir, cfg, reg)
-    gang = None
+    hits = {u: cache.get(u) for u in units if u.label not in finished} if cache is not None else {}
+    units = [u for u in units if u.label not in finished]
     start = time.perf_counter()
     times = recorded_times()
     print(f"verifying {len(specs)} operators and {len({u.name for u in units if u.kind == 'model'})} models "
           f"({'the whole matrix' if args.full else 'the default sample; --full runs the whole matrix'}"
-          f"{f', shard {args.shard}' if args.shard else ''}): {len(units)} units at world sizes "
-          f"{list(cfg.world_sizes)}, dtype {cfg.dtype}; reports in {args.reports}/", flush=True)
+          f"{f', shard {args.shard}' if args.shard else ''}): {len(units)} units"
+          + (f" ({sum(v is not None for v in hits.values())} from the verdict cache)" if cache is not None else "")
+          + (f", {len(finished)} finished before" if finished else "")
+          + f" at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}; reports in {args.reports}/", flush=True)
     by_name = {s.name: s for s in specs}
+    to_check = [by_name[u.name] for u in units if u.kind == "op" and hits.get(u) is None]
+    gang = LazyGang(lambda: _gang(cfg, args), lambda g: preflight(g, to_check, cfg))
+    for spec in to_check:  # what can be checked without ranks, before anything runs
+        check_spec(spec)
     try:
-        with _gang(cfg, args) as gang, tempfile.TemporaryDirectory() as tmp, \
-                RunProgress(len(units), estimate(units, times)) as progress:
-            preflight(gang, specs, cfg)
+        with gang, tempfile.TemporaryDirectory() as tmp, \
+                RunProgress(len(units), [0.0 if hits.get(u) is not None else t
+                                         for u, t in zip(units, estimate(units, times))]) as progress:
 
             def record(unit, rows, cached):  # each row is written the moment it is known
                 progress.start(unit.label)
@@ -638,13 +653,15 @@ def cmd_all(args) -> int:
                     new.append(row)
                 progress.done(unit.label, new, cached)
                 writer.sweep["units"].append(unit.label)
+                if any(r.status in ReportWriter.RERUN for r in new):  # --resume runs it again
+                    writer.sweep["rerun"].append(unit.label)
                 writer.sweep["seconds"][unit.label] = round(sum(r.seconds for r in new) if cached else
                                                             time.perf_counter() - t0, 3)
                 writer.seconds = time.perf_counter() - start
                 writer.flush()
                 return new
 
-            run_units(gang, units, cfg, by_name, tmp, done, cache, record)
+            run_units(gang, units, cfg, by_name, tmp, done, hits, cache, record)
     finally:
         writer.seconds = time.perf_counter() - start
         writer.close()

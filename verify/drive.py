@@ -33,12 +33,40 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
                              checkpoint=unit.checkpoint, used=used)
 
 
-def run_units(gang: Gang, units, cfg: RunConfig, specs: dict, gen_dir: str, skip, cache: VerdictCache | None,
-              record: Callable[[Unit, Iterable[Row], bool], list[Row]]) -> None:
-    """Each unit in turn, its rows from ``cache`` or from the ranks, handed to ``record(unit, rows,
-    cached)``, which writes each row as it comes and returns them all; a run unit's rows are then cached."""
+class LazyGang:
+    """A :class:`Gang` started on its first job (a sweep whose verdicts all come from the cache, or a
+    ``--resume`` with nothing left, starts no ranks); ``before`` runs once, after the start, before
+    that first job (the preflight)."""
+
+    def __init__(self, make: Callable[[], Gang], before: Callable[[Gang], None] = lambda g: None):
+        self._make, self._before, self.gang = make, before, None
+
+    def run(self, job: dict, ranks: int, timeout_s: float):
+        if self.gang is None:
+            self.gang = self._make()
+            self.gang.__enter__()
+            self._before(self.gang)
+        return self.gang.run(job, ranks, timeout_s)
+
+    @property
+    def starts(self) -> int:
+        return self.gang.starts if self.gang is not None else 0
+
+    def __enter__(self) -> "LazyGang":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.gang is not None:
+            self.gang.__exit__(*exc)
+
+
+def run_units(gang, units, cfg: RunConfig, specs: dict, gen_dir: str, skip, hits: dict,
+              cache: VerdictCache | None, record: Callable[[Unit, Iterable[Row], bool], list[Row]]) -> None:
+    """Each unit in turn, its rows from the cache (``hits``: unit -> cached rows) or from the ranks,
+    handed to ``record(unit, rows, cached)``, which writes each row as it comes and returns them
+    all; a run unit's rows are then cached."""
     for unit in units:
-        rows = cache.get(unit) if cache is not None else None
+        rows = hits.get(unit)
         if rows is not None:
             record(unit, [r for r in rows if r.key not in skip], True)
             continue

@@ -82,11 +82,11 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
     out += [_model(m, p, w, s, k) for k in dict.fromkeys(microbatches) if k > 1 for m in models
             for p in MICROBATCH_POLICIES for s in seeds for w in world_sizes]
     out += [_model(m, p, w, s, PIPELINE_MICROBATCHES) for m in models if m in PIPELINE_MODELS for p in SWEPT
-            for s in seeds_of(p) for w in world_sizes if pipeline_applies(p, w, m, s)]
+            for s in seeds_of(p) for w in world_sizes if pipeline_applies(p, w, m, 0)]  # layers: any seed
     big = replica_world_sizes(world_sizes)
     out += [_model(m, p, w, s, PIPELINE_MICROBATCHES if p == "pp" else 1, ALL_REPLICAS, checkpoint=False)
             for m in models for p in ("tp", "pp") if p == "tp" or m in PIPELINE_MODELS
-            for s in seeds for w in big if pipeline_applies(p, w // ALL_REPLICAS, m, s)]
+            for s in seeds for w in big if pipeline_applies(p, w // ALL_REPLICAS, m, 0)]
     if recipes:
         for m in (m for m in RECIPE_MODELS if m in models):
             out += [_model(m, "dp", w, s, recipe=True) for s in seeds for w in world_sizes]

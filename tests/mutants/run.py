@@ -45,14 +45,20 @@ def shim(directory: Path, name: str) -> Path:
     return path
 
 
-def run_one(name: str | None, args, tmp: Path) -> tuple[str, float, str]:
-    """(``killed`` | ``survived`` | ``broken``, seconds, the first failing row or the last lines) of
-    one mutant (None: no mutant)."""
+def command(name: str | None, args, tmp: Path) -> list[str]:
+    """The ``verify all`` command line of one mutant's run (None: no mutant)."""
     cmd = [sys.executable, "-m", "verify", "all", "--reports", str(tmp / f"reports_{name}"), "--no-cache"]
     cmd += (["--full"] if args.sweep == "full" else []) + (["--op", *args.op] if args.op else []) \
         + (["--model", *args.model] if args.model is not None else [])
     if name is not None:
         cmd += ["--module", str(shim(tmp, name))]
+    return cmd
+
+
+def run_one(name: str | None, args, tmp: Path) -> tuple[str, float, str]:
+    """(``killed`` | ``survived`` | ``broken``, seconds, the first failing row or the last lines) of
+    one mutant (None: no mutant)."""
+    cmd = command(name, args, tmp)
     start = time.perf_counter()
     lines: list[str] = []
     killed = False

@@ -1,24 +1,24 @@
-"""The mutation runner's reduced selection is rows ``python -m verify all`` runs by default, so a
-mutant it kills is killed by ``verify all``; its results table names the row that killed each one."""
+"""The mutation runner runs ``python -m verify all`` itself (the default sample, or ``--full``), with
+the verdict cache off, so a mutant it kills is killed by the README's command; its results table
+names the row that killed each one."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from nnscaler.policies import POLICIES
-from tests.mutants.run import first_failure, parser, write_results
-from verify.cli import DEFAULT_WORLD_SIZES, build_parser
-from verify.models.registry import MODELS
-from verify.worker import load_modules
+from tests.mutants.run import command, first_failure, parser, write_results
+from verify.cli import build_parser
 
 
-def test_the_reduced_selection_is_a_subset_of_the_default_verify_all():
-    mine, full = parser().parse_args([]), build_parser().parse_args(["all"])
-    assert full.op is None and full.model is None  # every registered operator and every model
-    assert set(mine.op) <= {spec.name for spec in load_modules(())}
-    assert set(mine.model) <= set(MODELS)
-    full_sizes = list(DEFAULT_WORLD_SIZES) if full.world_size is None else full.world_size  # None: the default sizes
-    assert mine.world_size == full_sizes and mine.random_seeds == full.random_seeds
-    assert mine.timeout == full.timeout and full.seed == [0] and len(POLICIES) >= 6  # every policy, both
+def test_the_runner_runs_the_readme_command_without_the_cache(tmp_path):
+    default = command("m", parser().parse_args([]), tmp_path)
+    assert default[1:4] == ["-m", "verify", "all"] and "--no-cache" in default and "--full" not in default
+    assert "--op" not in default and "--model" not in default  # every operator and model, as verify all
+    assert default[-2] == "--module" and Path(default[-1]).read_text().count("mod.apply('m')") == 1
+    full = command(None, parser().parse_args(["--sweep", "full"]), tmp_path)
+    assert "--full" in full and "--module" not in full
+    args = build_parser().parse_args(default[3:])
+    assert args.no_cache and not args.full and args.op is None and args.model is None
 
 
 def test_the_first_failing_row_is_named_in_the_results_table(tmp_path):
