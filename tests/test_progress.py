@@ -33,3 +33,17 @@ def test_a_bar_with_eta_on_a_terminal():
         p.done("model:llama tp", [_row(MATCH)])
     text = out.getvalue()
     assert "\x1b[" in text and "1/3" in text and "ETA" in text and "model:llama tp" in text
+
+
+def test_the_eta_counts_from_recorded_times_and_failures_so_far_are_shown():
+    out = io.StringIO()
+    with RunProgress(3, [10.0, 10.0, 100.0], stream=out) as p:
+        p.start("a")
+        p._t0 -= 20.0  # the first unit took twice its record: what is left is expected twice as slow
+        p.done("a", [_row(MISMATCH)])
+        assert 210 <= p.eta() <= 230
+        p.start("b")
+        p.done("b", [_row(MATCH)], cached=True)
+    lines = out.getvalue().splitlines()
+    assert "1 failed so far" in lines[0] and "ETA 3:" in lines[0]
+    assert "cached" in lines[1] and "1 failed so far" in lines[1]

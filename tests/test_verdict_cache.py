@@ -148,3 +148,14 @@ def test_shards_merge_into_the_whole_run_and_a_missing_one_is_refused(tmp_path, 
     assert err == "verify: error: shard 2/2 is missing (1 of 2 missing)"
     assert main(["merge", str(tmp_path / "s1"), str(tmp_path / "s1"), "--reports", str(tmp_path / "m3")]) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+def test_resume_of_a_finished_sweep_starts_no_ranks_and_keeps_every_row(tmp_path, capsys):
+    args = OPS + ["--reports", str(tmp_path / "a"), "--no-cache"]
+    assert main(args) == 0
+    before = (tmp_path / "a" / "cases.jsonl").read_text()
+    capsys.readouterr()
+    assert main(args + ["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "0 units, 2 finished before" in out and "gang started 0x" in out
+    assert (tmp_path / "a" / "cases.jsonl").read_text() == before
