@@ -637,7 +637,7 @@ def cmd_all(args) -> int:
           + f" at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}; reports in {args.reports}/", flush=True)
     by_name = {s.name: s for s in specs}
     to_check = [by_name[u.name] for u in units if u.kind == "op" and hits.get(u) is None]
-    gang = LazyGang(lambda: _gang(cfg, args), lambda g: preflight(g, to_check, cfg))
+    gang = LazyGang(lambda: _gang(cfg, args), lambda g: preflight(g, to_check, cfg, gang.planned))
     for spec in to_check:  # what can be checked without ranks, before anything runs
         check_spec(spec)
     try:
@@ -658,7 +658,7 @@ def cmd_all(args) -> int:
                 writer.sweep["seconds"][unit.label] = round(sum(r.seconds for r in new) if cached else
                                                             time.perf_counter() - t0, 3)
                 writer.seconds = time.perf_counter() - start
-                writer.flush()
+                writer.flush_now_and_then()
                 return new
 
             run_units(gang, units, cfg, by_name, tmp, done, hits, cache, record)

@@ -14,10 +14,12 @@ from verify.selection import RECIPE, Unit
 from verify.sweep import run_model, run_op
 
 
-def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used) -> Iterator[Row]:
-    """The rows of ``unit`` (leaving out the cases whose keys are in ``skip``, already done)."""
+def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used,
+             planned: dict | None = None) -> Iterator[Row]:
+    """The rows of ``unit`` (leaving out the cases whose keys are in ``skip``, already done);
+    ``planned``: the preflight's partitions of operators (``verify.sweep.preflight``)."""
     if unit.kind == "op":
-        yield from run_op(gang, specs[unit.name], cfg, skip=skip)
+        yield from run_op(gang, specs[unit.name], cfg, skip=skip, planned=planned)
         return
     if unit.kind == "torchpar":
         used.every = True  # torch's own modules: no graph of ours to key on
@@ -40,6 +42,7 @@ class LazyGang:
 
     def __init__(self, make: Callable[[], Gang], before: Callable[[Gang], None] = lambda g: None):
         self._make, self._before, self.gang = make, before, None
+        self.planned: dict = {}  # what ``before`` found out, for the units (the preflight's partitions)
 
     def run(self, job: dict, ranks: int, timeout_s: float):
         if self.gang is None:
@@ -71,6 +74,7 @@ def run_units(gang, units, cfg: RunConfig, specs: dict, gen_dir: str, skip, hits
             record(unit, [r for r in rows if r.key not in skip], True)
             continue
         used = Used()
-        rows = record(unit, run_unit(gang, unit, cfg, specs, gen_dir, skip, used), False)
+        rows = record(unit, run_unit(gang, unit, cfg, specs, gen_dir, skip, used, getattr(gang, "planned", None)),
+                      False)
         if cache is not None:
             cache.put(unit, rows, used)

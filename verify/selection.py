@@ -31,6 +31,7 @@ RECIPE = {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_
 RECIPE_TAG = " bf16-mixed zero3 clip1 recompute=full"
 RECIPE_MODELS = ("nanogpt", "llama")
 FIRST = ("weightnorm_mlp", "bucketed_mlp", "padded_gpt")  # the fastest models: their units run first
+REPLICA_MODELS = FIRST + ("llama",)  # the default's tp replicas units (bucketed_mlp: many small buckets)
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,10 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
       ``random_seeds[i % n]`` for the i-th model (each seed draws plans on some models);
     * a checkpoint resume in the first case of each model and of each (policy, world size); the
       rest train without the reload and resume phase;
-    * the micro-batch sweep: each model once, under dp or tp by turns;
+    * the micro-batch sweep: each model once, under dp or tp by turns (the fast models at each world
+      size, the others at the smallest);
     * each pipeline schedule once, on the pipeline models by turns, and each world size where it runs;
-    * replicas: tp replicas on every third model, the pp replicas on one pipeline model;
+    * replicas: tp replicas on :data:`REPLICA_MODELS`, the pp replicas on one pipeline model;
     * each recipe unit kind (dp at each world size, hybrid, tp replicas) once, the recipe models by turns.
     """
     W = list(world_sizes)
@@ -141,9 +143,9 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
             resumed.add((u.policy, u.world_sizes))
     for u in chosen:
         take(u)
-    for i, m in enumerate(models):
+    for i, m in enumerate(models):  # the fast models at each world size, the others at the cheaper W
         p = MICROBATCH_POLICIES[i % len(MICROBATCH_POLICIES)]
-        w = W[(i // len(MICROBATCH_POLICIES)) % len(W)]
+        w = W[(i // len(MICROBATCH_POLICIES)) % len(W)] if m in FIRST else min(W)
         cands = [u for u in full if u.kind == "model" and u.name == m and u.policy == p and u.microbatches > 1
                  and u.replicas == 1 and not u.recipe]
         cands.sort(key=lambda u: (u.world_sizes != (w,), u.seeds))
@@ -160,9 +162,8 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
                     take(_variant(u, not seen))  # one resume per schedule
                     seen.add(u.world_sizes)
     reps = [u for u in full if u.kind == "model" and u.replicas > 1 and not u.recipe]
-    for i, m in enumerate(models):
-        if i % 3 == 0:
-            take(next((u for u in reps if u.name == m and u.policy == "tp"), None))
+    for m in REPLICA_MODELS:  # replica sync is the models' own code path: the fast ones, and one HF model
+        take(next((u for u in reps if u.name == m and u.policy == "tp"), None))
     take(next((u for u in reps if u.policy == "pp"), None))
     recipe = [u for u in full if u.recipe]
     kinds: dict = {}

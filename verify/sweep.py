@@ -62,20 +62,26 @@ def check_spec(spec: OpSpec) -> None:
             raise BadInput(f"op {spec.name!r}: sizes[{k!r}] = {v!r}; lengths must be positive integers")
 
 
-def preflight(gang: Gang, specs, cfg: RunConfig) -> None:
+def preflight(gang: Gang, specs, cfg: RunConfig, planned: dict | None = None) -> None:
     """Check every spec, and sample each once on rank 0, before any case runs: bad input
-    (:class:`BadInput`) is found before work starts, not as failing rows halfway through."""
+    (:class:`BadInput`) is found before work starts, not as failing rows halfway through. The
+    answers go into ``planned`` (by spec name, for the first seed), for :func:`run_op` to reuse."""
     for spec in specs:
         check_spec(spec)
     for spec in specs:
-        plan_op(gang, spec, cfg, cfg.seeds[0])
+        answer = plan_op(gang, spec, cfg, cfg.seeds[0])
+        if planned is not None:
+            planned[spec.name] = answer
 
 
-def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = frozenset()) -> Iterator[Row]:
+def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = frozenset(),
+           planned: dict | None = None) -> Iterator[Row]:
     """Verify ``spec`` under every partition, world size and seed of ``cfg``; yield rows as they
-    finish, leaving out cases whose :attr:`Row.key` is in ``skip`` (already done)."""
+    finish, leaving out cases whose :attr:`Row.key` is in ``skip`` (already done). ``planned``:
+    :func:`preflight`'s answers for the first seed (not asked again)."""
     for seed in cfg.seeds:
-        plans, failed = plan_op(gang, spec, cfg, seed)
+        known = (planned or {}).pop(spec.name, None) if seed == cfg.seeds[0] else None
+        plans, failed = known if known is not None else plan_op(gang, spec, cfg, seed)
         if failed:
             yield failed
             continue

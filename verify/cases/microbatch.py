@@ -36,6 +36,24 @@ def whole_batch(batch: Callable[[int], tuple], step: int, microbatches: int) -> 
                  for k, a in enumerate(parts[0]))
 
 
+def one_device_loss(model: torch.nn.Module, args: tuple, microbatches: int, case: ModelCase) -> torch.Tensor:
+    """The single-device reference of a micro-batched step: the same recipe on one device, its M
+    micro-batches (the model's batches of :func:`whole_batch`) run one by one and their losses
+    weighted as ``train_step`` weighs them (by rows; by ``case.loss_count`` where the model gives it).
+    Where the loss is a mean over independent samples this equals the loss of the whole batch; where
+    the loss couples the samples of a batch (a contrastive loss), only this is the recipe's
+    reference: gradient accumulation trains each micro-batch's loss on its own."""
+    if microbatches == 1:
+        return model(*args)
+    rows = next(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0)
+    parts = [tuple(a.chunk(microbatches)[i] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args)
+             for i in range(microbatches)]
+    weights = [case.loss_count(*p) for p in parts] if case.loss_count is not None else \
+        [next(a.shape[0] for a in p if isinstance(a, torch.Tensor) and a.dim() > 0) for p in parts]
+    total = sum(float(w) for w in weights) if case.loss_count is not None else rows
+    return sum(model(*p) * w for p, w in zip(parts, weights)) / total
+
+
 def loss_fn_of(case: ModelCase):
     """``train_step``'s loss function for ``case``: ``None`` (the model's mean loss, weighted by rows)
     unless the model says how many elements its loss averages (``ModelCase.loss_count``); then

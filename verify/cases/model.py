@@ -25,7 +25,7 @@ from verify.cases.draws import same_draws
 from verify.cases.compiled import compile_case
 from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
-from verify.cases.microbatch import loss_fn_of, whole_batch
+from verify.cases.microbatch import loss_fn_of, one_device_loss, whole_batch
 from verify.cases.fresh import built_like
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
@@ -204,11 +204,11 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
                 pm.clip_grad_norm_(clip)
         grad_bytes = storage_bytes(pm.grad_tensors()) if hasattr(pm, "grad_tensors") else None
-        with same_draws(seed, step):
-            loss_ref = ref(*args)
+        with same_draws(seed, step):  # micro-batched: one device runs the same micro-batches
+            loss_ref = one_device_loss(ref, args, microbatches, case)
         loss_ref.backward()
         with fallback, same_draws(seed, step):
-            loss64 = ref64(*cast(args, torch.float64))
+            loss64 = one_device_loss(ref64, cast(args, torch.float64), microbatches, case)
             loss64.backward()
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import socket
+import time
 import xml.etree.ElementTree as ET
 from collections import OrderedDict
 from pathlib import Path
@@ -104,6 +105,7 @@ class ReportWriter:
         if not self.dir.is_dir():
             raise ReportError(f"reports directory {self.dir} is not a directory")
         self._lock = self._acquire()
+        self._flushed = 0.0
         self.sweep: dict = {}  # verify all: the selection, shard and finished units (verify/shard.py)
         self.rows: list[Row] = self._resume() if resume else []
         try:
@@ -174,8 +176,16 @@ class ReportWriter:
             raise _oserror(f"writing {self.dir / CASES_FILE} failed", exc) from None
         self.rows.append(row)
 
+    FLUSH_EVERY_S = 20.0  # reports rewritten at most this often while running (cases.jsonl: every row)
+
+    def flush_now_and_then(self) -> None:
+        """:meth:`flush` if the reports were last written :data:`FLUSH_EVERY_S` ago: rewriting every
+        report after every unit costs time quadratic in the rows; ``cases.jsonl`` keeps each row as it comes."""
+        if time.monotonic() - self._flushed >= self.FLUSH_EVERY_S:
+            self.flush()
+
     def flush(self) -> None:
-        ops = _by_op(self.rows)
+        self._flushed = time.monotonic()
         meta = {"config": _config_of(self.cfg), "summary": summary(self.rows), "seconds": round(self.seconds, 2),
                 "host": socket.gethostname(), "finished": _now()}
         if self.sweep:
