@@ -187,3 +187,22 @@ def test_every_model_trains_with_four_micro_batches_like_one_device(verify_model
     """The micro-batch sweep of ``verify all``: M=4 under dp and tp at W=2 and 4, every built-in model."""
     rows = verify_model(name, policies=[policy], world_sizes=[2, 4], steps=3, microbatches=4)
     assert [(r.world_size, r.partition) for r in rows] == [(2, f"{policy} mb4"), (4, f"{policy} mb4")]
+
+
+def test_a_loss_that_couples_the_batch_is_judged_against_the_same_micro_batches_on_one_device(gang):
+    # clip_tiny's contrastive loss couples every pair of a batch: 4 micro-batches of it are 4 losses,
+    # not the loss of the whole batch; the reference runs the same 4 micro-batches on one device
+    from verify.cases.config import RunConfig
+    from verify.cases.microbatch import one_device_loss, whole_batch
+    from verify.models.registry import MODELS
+    from verify.sweep import run_model
+    case = MODELS["clip_tiny"](0)
+    args = whole_batch(case.batch, 0, 4)
+    with torch.no_grad():
+        assert abs(float(one_device_loss(case.model, args, 4, case)) - float(case.model(*args))) > 0.1
+        mean = sum(case.model(*case.batch(i)) for i in range(4)) / 4
+        assert torch.allclose(one_device_loss(case.model, args, 4, case), mean)
+    with tempfile.TemporaryDirectory() as tmp:
+        (row,) = run_model(gang, "clip_tiny", ("dp",), RunConfig(world_sizes=(2,), microbatches=4), tmp, steps=2,
+                           checkpoint=False)
+    assert (row.status, row.detail) == (MATCH, "")
