@@ -601,6 +601,7 @@ def _finished_units(before: dict) -> dict:
 
 
 def cmd_all(args) -> int:
+    catalogue = {s.name for s in load_modules(())}  # the built-in operators: sampled in their own units
     reg = _load(args.module)
     cfg = _config(args)
     specs = [reg.get(n) for n in args.op] if args.op else list(reg)
@@ -637,7 +638,8 @@ def cmd_all(args) -> int:
           + f" at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}; reports in {args.reports}/", flush=True)
     by_name = {s.name: s for s in specs}
     to_check = [by_name[u.name] for u in units if u.kind == "op" and hits.get(u) is None]
-    gang = LazyGang(lambda: _gang(cfg, args), lambda g: preflight(g, to_check, cfg, gang.planned))
+    to_sample = [s for s in to_check if s.name not in catalogue]  # the user's operators, before any case
+    gang = LazyGang(lambda: _gang(cfg, args), lambda g: preflight(g, to_sample, cfg, gang.planned))
     for spec in to_check:  # what can be checked without ranks, before anything runs
         check_spec(spec)
     try:
