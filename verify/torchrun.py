@@ -79,8 +79,22 @@ def _handler_class():
 
         def shutdown(self) -> bool:
             if self._sock is not None:
+                self._leave()
                 self._sock.close()
             return True
+
+        def _leave(self, timeout_s: float = 30.0) -> None:
+            """Node 0 hosts the store: before closing it, check in at the agents' exit barrier if its
+            agent did not (it skips the barrier when its workers failed), so the other nodes finish
+            their barrier rather than lose the store mid-wait."""
+            from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+            from torch.distributed.elastic.utils import store as store_util
+            store = PrefixStore(self.run_id, self._store)
+            try:
+                if self.nnodes > 1 and store.add(_TERMINAL_STATE_SYNC_ID + store_util._NUM_MEMBERS, 0) < self.nnodes:
+                    store_util.barrier(store, self.nnodes, _TERMINAL_STATE_SYNC_ID, barrier_timeout=timeout_s)
+            except Exception:  # a node that never arrives: it sees the store go, as under torchrun's own
+                pass
 
     return LoopbackRendezvous
 
@@ -99,31 +113,22 @@ def command(args: Sequence[str], host: str = "127.0.0.1", port: int | None = Non
     return [sys.executable, "-m", "verify.torchrun", "--host", host, *(["--port", str(port)] if port else []), *args]
 
 
-def _own_flags(argv: list[str]) -> tuple[str, int, list[str]]:
-    """``--host`` and ``--port`` from the front of ``argv``, and the rest."""
-    host, port = "127.0.0.1", 0
-    while argv[:1] and argv[0] in ("--host", "--port"):
-        if len(argv) < 2:
-            raise LaunchError(f"{argv[0]} needs a value")
-        if argv[0] == "--host":
-            host = argv[1]
-        else:
-            try:
-                port = int(argv[1])
-            except ValueError:
-                raise LaunchError(f"--port must be an integer, got {argv[1]!r}") from None
-            if not 0 < port < 65536:
-                raise LaunchError(f"--port must be between 1 and 65535, got {port}")
-        argv = argv[2:]
-    return host, port, argv
-
-
-def _nodes(argv: list[str], port: int) -> tuple[int, list[str]]:
-    """This launcher's node rank, and ``argv`` without ``--node-rank`` (torchrun uses it only for its
-    static rendezvous, and warns otherwise; this handler takes it from ``rdzv-conf``); refuses the
-    rendezvous options this launcher sets itself."""
+def _parse(argv: list[str]) -> tuple[str, int, int, list[str]]:
+    """``(host, port, node rank, torchrun's argv)``: this launcher's ``--host`` and ``--port``, and
+    ``--node-rank`` (torchrun uses it only for its static rendezvous, and warns otherwise; this handler
+    takes it from ``rdzv-conf``), anywhere among torchrun's options, taken out; the rendezvous options
+    this launcher sets itself are refused."""
     from torch.distributed.run import get_args_parser
-    parsed = get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", default="0")
+    parsed = parser.parse_args(argv)
+    try:
+        port = int(parsed.port)
+    except ValueError:
+        raise LaunchError(f"--port must be an integer, got {parsed.port!r}") from None
+    if not 0 <= port < 65536:
+        raise LaunchError(f"--port must be between 1 and 65535, got {port}")
     lo, _, hi = str(parsed.nnodes).partition(":")
     try:
         nnodes, most = int(lo), int(hi or lo)
@@ -143,26 +148,26 @@ def _nodes(argv: list[str], port: int) -> tuple[int, list[str]]:
     for a in head:
         if skip:
             skip = False
-        elif a in ("--node-rank", "--node_rank"):
+        elif a in ("--node-rank", "--node_rank", "--host", "--port"):
             skip = True
-        elif not a.startswith(("--node-rank=", "--node_rank=")):
+        elif not a.startswith(("--node-rank=", "--node_rank=", "--host=", "--port=")):
             kept.append(a)
-    return parsed.node_rank, kept + argv[end:]
+    return parsed.host, port, parsed.node_rank, kept + argv[end:]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        host, port, argv = _own_flags(argv)
         if not argv:
             raise LaunchError("usage: python -m verify.torchrun [--host ADDR] [--port P] [torchrun options] "
                               "SCRIPT [args]")
-        node_rank, argv = _nodes(argv, port)
+        host, port, node_rank, argv = _parse(argv)
     except LaunchError as exc:
         print(f"verify.torchrun: error: {exc}", file=sys.stderr)
         return 2
     if host in ("127.0.0.1", "::1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several workers, without its banner
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.run import main as torchrun_main
     rendezvous_handler_registry.register(BACKEND, _create)
