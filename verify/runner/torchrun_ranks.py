@@ -124,7 +124,7 @@ class TorchrunRanks:
             try:
                 registry, error = worker.load_modules(message["modules"]), None
             except Exception as exc:
-                registry, error = None, worker._short(exc)
+                registry, error = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
             groups = GroupCache(datetime.timedelta(seconds=PG_TIMEOUT_S))  # collective: on every rank alike
             groups.create_for_shapes(mesh_shapes(self.size))
             if error:
