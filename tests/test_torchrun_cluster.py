@@ -103,3 +103,14 @@ def test_bad_launches_are_one_line_and_exit_2():
     out = subprocess.run(command(["--nnodes", "2", "--nproc-per-node", "2", "-m", "verify.cluster", "model", "x"]),
                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)  # no --port for node 0
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [out.stderr.strip()] and "--port" in out.stderr
+
+
+def test_a_case_past_its_limit_ends_the_job_in_one_line(tmp_path):
+    """A torchrun job cannot restart its ranks: a hung case (faulty_hang sleeps when partitioned) ends
+    the job at its --timeout with one line naming it, exit 1, rather than hanging."""
+    out = subprocess.run(command(["--nproc-per-node", "2", "-m", "verify.cluster", "op", "faulty_hang", "--module",
+                                  str(ROOT / "tests" / "fixtures" / "faulty_ops.py"), "--timeout", "5", "--base", "4"]),
+                         capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    (line,) = [x for x in out.stderr.splitlines() if "within its limit" in x]
+    assert line.startswith("verify.cluster: op faulty_hang a=2 at W=2 gave no answer within its limit of 5 s"), line

@@ -188,8 +188,12 @@ def _failed(exc: Exception) -> int:
     codes = {rank: f.exitcode for rank, f in failures.items()}
     if set(codes) == {0} and codes[0] in (1, 2):
         return codes[0]
-    text = str(exc).strip()
-    print(f"verify.torchrun: {type(exc).__name__}: {text.splitlines()[0] if text else ''}", file=sys.stderr)
+    if codes:
+        print(f"verify.torchrun: the job failed: " + ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items())),
+              file=sys.stderr)
+    else:
+        text = str(exc).strip()
+        print(f"verify.torchrun: {type(exc).__name__}: {text.splitlines()[0] if text else ''}", file=sys.stderr)
     return 1
 
 

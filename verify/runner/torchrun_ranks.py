@@ -113,10 +113,15 @@ class TorchrunRanks:
         """Answer rank 0's messages until it says stop (ranks other than 0)."""
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
-                return
-            dist.gather_object(self._answer(box[0]), None, dst=0)
+            try:
+                dist.broadcast_object_list(box, src=0)
+                if box[0] is None:
+                    return
+                dist.gather_object(self._answer(box[0]), None, dst=0)
+            except (RuntimeError, dist.DistError) as exc:  # rank 0 ended the job (a case past its limit)
+                text = str(exc).strip()
+                raise SystemExit(f"verify.cluster: rank {self.rank}: the job ended under it "
+                                 f"({type(exc).__name__}: {text.splitlines()[0][:200] if text else ''})") from None
 
     def _answer(self, message: dict):
         host = socket.gethostname()
@@ -143,7 +148,8 @@ class TorchrunRanks:
 
 def _expire(job: dict, timeout_s: float) -> None:
     """A case past its limit: one line, and the job ends (the other ranks are ended by torchrun)."""
-    what = f"{job.get('kind')} {job.get('model') or job.get('op', '')} {job.get('policy') or job.get('partition') or ''}"
-    print(f"verify.cluster: case {' '.join(what.split())} gave no answer within its limit of {timeout_s:.0f} s; "
+    kind = {"case": "op", "plan": "sampling of op"}.get(job.get("kind"), job.get("kind"))
+    what = f"{kind} {job.get('model') or job.get('op', '')} {job.get('policy') or job.get('partition') or ''}"
+    print(f"verify.cluster: {' '.join(what.split())} at W={job.get('world_size', 1)} gave no answer within its limit of {timeout_s:.0f} s; "
           f"ending the job (a rank may be stuck in a collective)", file=sys.stderr, flush=True)
     os._exit(1)
