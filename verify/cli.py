@@ -321,7 +321,10 @@ def _load(modules: Sequence[str]) -> OpRegistry:
 
 
 def _gang(cfg: RunConfig, args) -> Gang:
-    """The ranks for ``cfg``: gloo's own timeout stays far above the longest case limit."""
+    """The ranks for ``cfg``: gloo's own timeout stays far above the longest case limit; under
+    ``verify.cluster``, the torchrun job's ranks (``args.ranks``, set by its ``prepare``)."""
+    if getattr(args, "ranks", None) is not None:
+        return args.ranks
     sweep = getattr(args, "microbatches", 1)  # `all`: a list of micro-batch counts; the longest case sets the limit
     most = max([cfg.microbatches, *sweep]) if isinstance(sweep, list) else cfg.microbatches
     longest = replace(cfg, microbatches=most).limit_s("model", getattr(args, "steps", 3))
@@ -687,9 +690,13 @@ def cmd_merge(args) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prepare=None) -> int:
+    """``prepare(args)``: a hook run on the parsed arguments before the command (``verify.cluster``
+    sets torchrun's world size and ranks there; it may raise :class:`UsageError`)."""
     try:
         args = build_parser().parse_args(argv)
+        if prepare is not None:
+            prepare(args)
         return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all,
                 "lint": cmd_lint, "merge": cmd_merge}[args.command](args)
     except (UsageError, UnknownOpError, BadInput, AnnotationError, ReportError) as exc:

@@ -69,13 +69,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def host_store(host: str = "127.0.0.1", timeout_s: float = 300.0) -> tuple[dist.TCPStore, socket.socket]:
-    """A TCP store server listening on ``host`` only (torch binds its own to every interface); keep
-    the returned socket open as long as the store is used."""
+def host_store(host: str = "127.0.0.1", timeout_s: float = 300.0, port: int = 0) -> tuple[dist.TCPStore, socket.socket]:
+    """A TCP store server listening on ``host`` only (torch binds its own to every interface), on
+    ``port`` (0: any free one); keep the returned socket open as long as the store is used."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+    sock.bind((host, port))
     sock.listen(256)
     store = dist.TCPStore(host, sock.getsockname()[1], None, True, datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False, master_listen_fd=sock.fileno())
