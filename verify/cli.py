@@ -1,4 +1,5 @@
-"""``python -m verify``: ``op NAME``, ``model NAME``, ``list``, ``lint`` and ``all``.
+"""``python -m verify``: ``op NAME``, ``model NAME``, ``list``, ``lint``, ``all`` and ``plan PATH``
+(:mod:`verify.plan.cli`).
 
 Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, crash), 2 bad input
 (unknown operator, bad flag, malformed annotation), with one line on stderr.
@@ -50,6 +51,7 @@ from verify.cases.torchpar_rows import BAD_INPUT as TORCHPAR_BAD_INPUT, check_pa
 from verify.report.writer import ReportError, ReportWriter, summary, table
 from verify.cases.samples import DTYPES
 from verify.worker import load_modules
+from verify.plan.cli import add_plan_parser, cmd_plan
 
 
 
@@ -248,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "plan, FSDP2, FSDP2 x TP, transformers' tp_plan, known-wrong plans): "
                             f"{', '.join(sorted({c.name for c in TORCH_CASES}))} (default: all, or none with --op or "
                             "--model; none with an empty list)")
+    add_plan_parser(sub)
     return parser
 
 
@@ -651,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all,
-                "lint": cmd_lint}[args.command](args)
+                "lint": cmd_lint, "plan": cmd_plan}[args.command](args)
     except (UsageError, UnknownOpError, BadInput, AnnotationError, ReportError) as exc:
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2
