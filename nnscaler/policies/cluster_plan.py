@@ -171,23 +171,25 @@ def _weight_split(op, plan, axis: int) -> str:
     return str(op.layout(plan.partition(op)).inputs[pos][axis])
 
 
-def check_lowering(model, sample_args, par: Parallel, precision: str = "32-true") -> list[str]:
+def check_lowering(model, sample_args, par: Parallel, precision: str = "32-true", policy=None) -> list[str]:
     """Where the per-operator plan the compiler makes for ``par`` (:func:`lower`, one stage's ranks)
     splits a parameter of a linear or an embedding on the tp axis otherwise than the cost model costed
     it (:mod:`nnscaler.cost.blocks`: column-parallel weights split along their output dim (``D0``),
     row-parallel along their input (``D1``), embeddings by vocabulary (``D0``)); one line per operator,
     none when the compiler runs the plan that was costed. ``sample_args``: one micro-batch of every dp
-    rank, a ``(batch, seq)`` tensor of token ids first."""
+    rank, a ``(batch, seq)`` tensor of token ids first. ``policy``: check another per-operator policy
+    (a name or function) than the lowering's against the costed splits."""
     if par.tp == 1:
         return []
     from ..compile.plan import choose_plan, trace_model
     from ..cost.blocks import model_shape
     from .pipeline import stage_config
-    policy, config = lower(par, precision)
+    lowered, config = lower(par, precision)
+    policy = lowered if policy is None else policy
     graph = trace_model(model, sample_args, None, registry=None, strict=False)
     shape = model_shape(graph, int(sample_args[0].shape[0]), int(sample_args[0].shape[1]))
     plan = choose_plan(graph, policy, stage_config(config))
-    axis = plan.axis_names.index("tp")
+    axis = plan.axis_names.index("tp") if "tp" in plan.axis_names else len(plan.mesh_shape) - 1  # tp innermost
     ops = {op.name: op for op in graph.ops}
     out = []
     for f in (*shape.pre.ops, *shape.block.ops, *shape.post.ops):
@@ -199,5 +201,5 @@ def check_lowering(model, sample_args, par: Parallel, precision: str = "32-true"
             kind = "vocabulary-parallel" if f.kind == "lookup" else "column-parallel" if f.column else "row-parallel"
             op = ops[f.name]
             out.append(f"{f.name} ({'.'.join(op.scope[-1:]) or op.overload}) costed {kind} (weight {want} on tp), "
-                       f"planned {got} by policy {policy}")
+                       f"planned {got} by policy {getattr(policy, '__name__', policy)}")
     return out

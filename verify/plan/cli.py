@@ -39,6 +39,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--seed", type=_positive_int, default=0, help="seed of the model and batches (default 0)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="the case's time limit is 8x this (default 60)")
+    p.add_argument("--module", action="append", default=[], metavar="FILE.py",
+                   help="import this file first, here and on every rank (repeatable)")
     p.add_argument("--keep", default=None, metavar="DIR",
                    help="write the reduced plan and the generated programs here (default: a temporary directory)")
 
@@ -63,6 +65,15 @@ def cmd_plan(args) -> int:
     from verify.runner.gang import Gang, max_ranks
     from verify.sweep import run_model
     from verify.report.writer import summary, table
+    from verify.worker import load_modules
+    for m in args.module:
+        if not Path(m).is_file():
+            raise BadInput(f"--module {m}: no such file")
+    modules = tuple(str(Path(m).resolve()) for m in args.module)
+    try:
+        load_modules(modules)
+    except Exception as exc:  # noqa: BLE001  (a file that cannot be imported is bad input)
+        raise BadInput(f"importing {', '.join(modules)} failed: {type(exc).__name__}: {exc}") from None
     try:
         saved = load(args.path)
     except PlanError as exc:
@@ -101,8 +112,9 @@ def cmd_plan(args) -> int:
                         precision=precision, layout=layout)
         rerun = " ".join(shlex.quote(x) for x in ["python", "-m", "verify", "plan", str(args.path)]
                          + (["--as-planned"] if args.as_planned else [])
-                         + (["--precision", args.precision] if args.precision else []))
-        with Gang(red.world, (), (red.world,), pg_timeout_s=max(120.0, 2 * cfg.limit_s("model", args.steps))) as gang:
+                         + (["--precision", args.precision] if args.precision else [])
+                         + [x for m in modules for x in ("--module", m)])
+        with Gang(red.world, modules, (red.world,), pg_timeout_s=max(120.0, 2 * cfg.limit_s("model", args.steps))) as gang:
             rows = list(run_model(gang, ref, (policy,), cfg, str(out), args.steps))
         for r in rows:
             r.op, r.partition = f"plan:{saved.path.name}", f"{_label(red.parallel)} {precision}"

@@ -9,8 +9,11 @@
   interleaved schedule), each of at least the planned size up to 2 sequences per dp rank, more where
   the world size needs a batch it divides (the checkpoint is also reloaded under plain ``dp``);
 * the model: the same ``transformers`` class and config with fewer layers (pp x virtual stages, at
-  least 2), a small width (head dim 4), the same query-to-key/value-head ratio and feed-forward ratio,
-  heads and vocabulary divisible by tp, sequences of 8 tokens.
+  least 2), a small width (head dim 8), the same query-to-key/value-head ratio and feed-forward ratio,
+  key/value heads = tp, a vocabulary 4x the width, sequences of 8 tokens. At these sizes the compiler's
+  per-operator policy still splits every block's linears as the cost model costed them (Megatron's
+  column/row pairs, vocabulary-parallel embedding and head): ``verify plan`` checks that before any
+  rank starts (:func:`nnscaler.policies.cluster_plan.check_lowering`); at head dim 4 it would not.
 
 The reduced plan is written in the same file format (``reduced_from`` names the original), and a
 plan file is a model reference of the harness (:func:`build_case`): ``verify model PLAN.json``
@@ -35,8 +38,8 @@ from verify.models.registry import ModelCase, tokens
 
 REDUCED_DEGREE = 2
 SEQ = 8
-HEAD_DIM = 4
-VOCAB_PER_TP = 32
+HEAD_DIM = 8
+VOCAB_PER_HIDDEN = 4  # a vocabulary well above the width, as in real models (the head then splits by vocabulary)
 MAX_PARAMS = 20_000_000  # a plan file whose model is larger is a real plan: verify its reduced model
 
 
@@ -80,7 +83,7 @@ def reduce_architecture(arch: dict, par: Parallel) -> dict:
     hidden_r = heads_r * HEAD_DIM
     cfg = dict(arch["config"])
     cfg.update(hidden_size=hidden_r, num_attention_heads=heads_r, num_hidden_layers=max(2, par.pp * par.virtual_stages),
-               vocab_size=VOCAB_PER_TP * par.tp, max_position_embeddings=4 * SEQ)
+               vocab_size=VOCAB_PER_HIDDEN * hidden_r, max_position_embeddings=4 * SEQ)
     if "num_key_value_heads" in cfg or hasattr(full, "num_key_value_heads"):
         cfg["num_key_value_heads"] = kv_r
     if getattr(full, "head_dim", None):
