@@ -112,29 +112,34 @@ def fit(rows, shapes) -> None:
     h100 = kernel_fit.fit(CALIBRATED["h100"], kernel_fit.load())  # the kernel constants, held
     print(f"h100 kernel constants held: matmul_max={h100.matmul_max} matmul_half={h100.matmul_half} "
           f"attention={h100.attention}")
-    # a first grid (a100 matmul_max 0.85-0.95, attention 0.3-0.5, fusion 3-6, dp_overlap 0.3-0.7) ended on its upper
-    # edges (0.95, 0.5, 6, 0.7; median |log err| 0.129, worst 0.194): this one extends them
-    grid = itertools.product((0.9, 0.95, 1.0), (0.5, 0.6, 0.7), (5.0, 6.0, 8.0), (0.7, 0.8, 0.9))
+    # grids run so far, the h100 kernel constants held: a100 matmul_max 0.85-0.95, attention 0.3-0.5, fusion 3-6,
+    # dp_overlap 0.3-0.7 ended on its upper edges (median |log err| 0.129, worst 0.194); extended (0.9-1.0,
+    # 0.5-0.7, 5-8, 0.7-0.9): 0.95, 0.5, 6, 0.9 (0.127, 0.187). This one frees tp_exposed (Megatron-LM and
+    # Llama 3 overlap tensor-parallel collectives with compute): 0.95, 0.5, 6, dp_overlap 1.0, tp_exposed 1.0 (0.127,
+    # 0.184). The H100 GEMM curve measured is slower than the one the published runs imply (mm 0.766 vs 0.9), and
+    # the other constants cannot make it up: CALIBRATED keeps the published-run fit (median 0.075, worst 0.135)
+    grid = itertools.product((0.95, 1.0), (0.5, 0.6), (5.0, 6.0), (0.9, 1.0), (0.25, 0.5, 1.0))
     best = None
 
-    def profiles(mm, att, fus, ov, **more):
+    def profiles(mm, att, fus, ov, tpx, **more):
         return {"a100": dataclasses.replace(PROFILES["a100"], cluster=dataclasses.replace(
-                    CALIBRATED["a100"], matmul_max=mm, attention=att, fusion=fus, dp_overlap=ov, **more)),
+                    CALIBRATED["a100"], matmul_max=mm, attention=att, fusion=fus, dp_overlap=ov, tp_exposed=tpx,
+                    **more)),
                 "h100": dataclasses.replace(PROFILES["h100"], cluster=dataclasses.replace(
-                    h100, fusion=fus, dp_overlap=ov, **more))}
-    for mm, att, fus, ov in grid:
-        errs = [abs(math.log(e / p)) for _, e, p, _ in errors(rows, shapes, profiles(mm, att, fus, ov))]
+                    h100, fusion=fus, dp_overlap=ov, tp_exposed=tpx, **more))}
+    for mm, att, fus, ov, tpx in grid:
+        errs = [abs(math.log(e / p)) for _, e, p, _ in errors(rows, shapes, profiles(mm, att, fus, ov, tpx))]
         score = (max(errs), statistics.median(errs))
         if best is None or score < best[0]:
-            best = (score, mm, att, fus, ov)
-    (worst, med), mm, att, fus, ov = best
-    print(f"best fit: a100 matmul_max={mm} attention={att}, fusion={fus} dp_overlap={ov}: median |log err| "
-          f"{med:.3f}, worst {worst:.3f}")
+            best = (score, mm, att, fus, ov, tpx)
+    (worst, med), mm, att, fus, ov, tpx = best
+    print(f"best fit: a100 matmul_max={mm} attention={att}, fusion={fus} dp_overlap={ov} tp_exposed={tpx}: "
+          f"median |log err| {med:.3f}, worst {worst:.3f}")
     fused = [r for r in rows if r["kernels"] == "fused"]
     if fused:  # then fusion_fused alone, on the rows that ran fused kernels, the rest held at the fit
         scores = []
         for ff in (0.25, 0.5, 1.0, 1.5, 2.0, 3.0):
-            errs = [abs(math.log(e / p)) for _, e, p, _ in errors(fused, shapes, profiles(mm, att, fus, ov,
+            errs = [abs(math.log(e / p)) for _, e, p, _ in errors(fused, shapes, profiles(mm, att, fus, ov, tpx,
                                                                                            fusion_fused=ff))]
             scores.append((max(errs), ff))
         print(f"best fusion_fused={min(scores)[1]} (worst |log err| on fused rows {min(scores)[0]:.3f})")
