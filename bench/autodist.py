@@ -6,7 +6,7 @@ the chosen configuration and estimated MFU (goal >= 0.40, planning < 60 s each);
 ``bench/published_runs.csv`` the unconstrained search against the published configuration on the same cost
 model (goal: never slower).
 
-    python bench/autodist.py [--skip-published] [--operators]
+    python bench/autodist.py [--skip-published] [--save DIR] [--operators]
 
 Per-operator (``--operators``): plan search time and estimated step time of ``autodist`` for a 24-layer GPT at hidden 2048
 (~1.4 B parameters, built on the meta device: no weights allocated) at 8, 16 and 32 ranks on the
@@ -37,8 +37,8 @@ from nnscaler.trace.build import trace
 from verify.models.nanogpt import GPT, GPTConfig
 
 
-def cluster_table() -> None:
-    from bench.llama_models import llama_shape
+def cluster_table(save: str | None = None) -> None:
+    from bench.llama_models import llama_architecture, llama_shape
     from nnscaler.policies.cluster import search
     print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s; "
           "the first plan of each model includes its meta trace, the others reuse it)")
@@ -51,6 +51,9 @@ def cluster_table() -> None:
                 shapes[name] = llama_shape(name, 4096)
             plan = search(shapes[name], ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w))
             took = time.perf_counter() - t0
+            if save:  # each plan as a file `python -m verify plan` checks
+                plan.model, plan.architecture = name, llama_architecture(name, 4096)
+                plan.save(Path(save) / f"{name}-{w}.json")
             p, e = plan.parallel, plan.best
             print(f"{name:<11} {w:>5} {took:>6.1f}s {e.mfu:>6.3f} {e.step_seconds:>7.2f}s "
                   f"{human(e.memory['peak']):>10}  tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} "
@@ -81,6 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--operators", action="store_true", help="the per-operator autodist table instead")
     ap.add_argument("--skip-published", action="store_true")
+    ap.add_argument("--save", default=None, metavar="DIR",
+                    help="write each cluster plan as DIR/MODEL-GPUS.json (check one: python -m verify plan FILE)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
@@ -88,7 +93,9 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     if not args.operators:
-        cluster_table()
+        if args.save:
+            Path(args.save).mkdir(parents=True, exist_ok=True)
+        cluster_table(args.save)
         if not args.skip_published:
             published_table()
         return

@@ -15,20 +15,33 @@ SHAPES = {
 }
 
 
-def llama_shape(name: str, seq: int):
-    """The :class:`~nnscaler.cost.blocks.ModelShape` of model ``name`` traced once on meta at ``seq``."""
-    import opzoo  # noqa: F401  (registers the operator annotations)
+def llama_model(name: str, seq: int):
+    """``(model, ids)``: model ``name`` on meta (returning its loss) and one sample of ``seq`` tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from nnscaler.policies.cluster import trace_shape
     from verify.models.common import LossOf
     hidden, ffn, layers, heads, kv, vocab = SHAPES[name]
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
-                                             num_hidden_layers=layers, num_attention_heads=heads,
-                                             num_key_value_heads=kv, max_position_embeddings=seq,
-                                             attn_implementation="sdpa", use_cache=False))
+        model = LossOf(LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                                                    num_hidden_layers=layers, num_attention_heads=heads,
+                                                    num_key_value_heads=kv, max_position_embeddings=seq,
+                                                    attn_implementation="sdpa", use_cache=False)))
         ids = torch.zeros(1, seq, dtype=torch.long)
+    return model, ids
+
+
+def llama_architecture(name: str, seq: int) -> dict:
+    """What a saved cluster plan of model ``name`` records to rebuild it (``cluster_plan.architecture_of``)."""
+    from nnscaler.policies.cluster_plan import architecture_of
+    return architecture_of(llama_model(name, seq)[0])
+
+
+def llama_shape(name: str, seq: int):
+    """The :class:`~nnscaler.cost.blocks.ModelShape` of model ``name`` traced once on meta at ``seq``."""
+    import opzoo  # noqa: F401  (registers the operator annotations)
+
+    from nnscaler.policies.cluster import trace_shape
+    model, ids = llama_model(name, seq)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return trace_shape(LossOf(model), (ids, ids))
+        return trace_shape(model, (ids, ids))

@@ -50,6 +50,8 @@ class ComputeConfig:
     pp_size: int = 1
     schedule: str = "1F1B"
     pp_split: tuple[str, ...] | None = None
+    # stages per rank of an interleaved schedule (None: the schedule's default, nnscaler.runtime.schedules)
+    virtual_stages: int | None = None
     # training recipes (``nnscaler.runtime.clip``, ``nnscaler.codegen.recompute``): ``clip_grad_norm``, a max norm
     # ``train_step`` clips the whole model's gradient norm to; ``recompute`` ("none", "full": each block, "selective":
     # the attention core) on torch.utils.checkpoint; ``recompute_modules`` names the blocks "full" recomputes
@@ -84,7 +86,7 @@ class ComputeConfig:
             raise PlanError(f"mem_budget must be a positive number of bytes per rank, got {self.mem_budget}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise PlanError(f"zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero!r}")
-        if self.pp_size != 1 or self.pp_split is not None or self.schedule != "1F1B":
+        if self.pp_size != 1 or self.pp_split is not None or self.schedule != "1F1B" or self.virtual_stages is not None:
             check_config(self)
         if self.global_batch is not None and (isinstance(self.global_batch, bool) or not isinstance(
                 self.global_batch, int) or self.global_batch < 1):
@@ -179,16 +181,30 @@ def check_config(config) -> None:
                         f"choose a divisor such as {', '.join(str(d) for d in range(1, config.plan_ngpus + 1) if config.plan_ngpus % d == 0)}")
     if canonical_schedule(config.schedule) is None:
         raise PlanError(f"unknown pipeline schedule {config.schedule!r}; valid: {', '.join(SCHEDULES)}")
+    v = config.virtual_stages
+    if v is not None:
+        interleaved = canonical_schedule(config.schedule).startswith("Interleaved")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"virtual_stages must be a positive integer, got {v!r}")
+        if interleaved and v < 2 or not interleaved and v != 1:
+            raise PlanError(f"virtual_stages={v} does not fit schedule {config.schedule!r}: "
+                            f"{'an interleaved schedule runs 2 or more' if interleaved else 'it runs 1'} per rank")
     if config.pp_split is not None:
         split = config.pp_split
         if isinstance(split, str) or not all(isinstance(s, str) for s in split):
             raise PlanError(f"pp_split must be a tuple of module names (e.g. ('transformer.h.1',)), got {split!r}")
-        want = pp * stages_per_rank(config.schedule) - 1
+        want = pp * per_rank(config) - 1
         if len(split) != want:
-            raise PlanError(f"pp_split names {len(split)} modules but {pp * stages_per_rank(config.schedule)} stages "
+            raise PlanError(f"pp_split names {len(split)} modules but {pp * per_rank(config)} stages "
                             f"need {want} split points")
 
 
+def per_rank(config) -> int:
+    """Pipeline stages per rank: ``virtual_stages`` where given, else the schedule's default."""
+    v = getattr(config, "virtual_stages", None)
+    return v if v is not None else stages_per_rank(config.schedule)
+
+
 def n_stages(config) -> int:
-    """Pipeline stages in all (``pp_size`` times the stages per rank of the schedule)."""
-    return config.pp_size * stages_per_rank(config.schedule)
+    """Pipeline stages in all (``pp_size`` times the stages per rank)."""
+    return config.pp_size * per_rank(config)

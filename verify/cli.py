@@ -1,4 +1,5 @@
-"""``python -m verify``: ``op NAME``, ``model NAME``, ``list``, ``lint`` and ``all``.
+"""``python -m verify``: ``op NAME``, ``model NAME``, ``list``, ``lint``, ``all`` and ``plan PATH``
+(:mod:`verify.plan.cli`).
 
 Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, crash), 2 bad input
 (unknown operator, bad flag, malformed annotation), with one line on stderr.
@@ -54,6 +55,7 @@ from verify.cases.torchpar_rows import BAD_INPUT as TORCHPAR_BAD_INPUT, check_pa
 from verify.report.writer import ReportError, ReportWriter, summary, table
 from verify.cases.samples import DTYPES
 from verify.worker import load_modules
+from verify.plan.cli import add_plan_parser, cmd_plan
 
 
 
@@ -266,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "the combined reports (cases.jsonl, JSON, Markdown, JUnit, HTML).")
     p_merge.add_argument("dirs", nargs="+", metavar="DIR", help="the shards' --reports directories")
     p_merge.add_argument("--reports", default="reports", metavar="DIR", help="where to write (default reports/)")
+    add_plan_parser(sub)
     return parser
 
 
@@ -698,7 +701,7 @@ def main(argv: Sequence[str] | None = None, prepare=None) -> int:
         if prepare is not None:
             prepare(args)
         return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all,
-                "lint": cmd_lint, "merge": cmd_merge}[args.command](args)
+                "lint": cmd_lint, "merge": cmd_merge, "plan": cmd_plan}[args.command](args)
     except (UsageError, UnknownOpError, BadInput, AnnotationError, ReportError) as exc:
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2

@@ -13,13 +13,13 @@ import torch
 
 from .precision import apply_precision
 from ..codegen.emit import emit_program
-from ..config import ComputeConfig, PlanError, n_stages
+from ..config import ComputeConfig, PlanError, n_stages, per_rank
 from ..policies.cut import balanced_cuts, check_model, split_at_modules, stage_graphs
 from ..policies.pipeline import pipeline_config, stage_config
 from ..runtime.mesh import GroupCache, RankMesh
 from ..runtime.microbatch import split_batch
 from ..runtime.pipeline import PipelineModule
-from ..runtime.schedules import canonical_schedule, stages_per_rank
+from ..runtime.schedules import canonical_schedule
 from ..trace.build import Tracer
 from .artifacts import build_rank_module
 from .gate import Verifier, check_mode, verify_on_ranks
@@ -60,7 +60,7 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
     m = config.num_microbatches
     check_model(model, sample_args, config)  # bad input, before any process group
     replicas, plan_ngpus = config.replicas, config.plan_ngpus
-    pp, v = config.pp_size, stages_per_rank(config.schedule)
+    pp, v = config.pp_size, per_rank(config)
     k = plan_ngpus // pp
     graph = trace_model(model, split_batch(sample_args, None, m)[0][0], None, registry=registry, strict=strict,
                         tracer=tracer)

@@ -37,6 +37,9 @@ _SAVES_INPUTS = ("linear", "mul", "div", "pow", "silu", "gelu", "sigmoid", "tanh
                  "layer_norm", "native_layer_norm", "rms_norm", "cross_entropy", "dropout", "relu", "matmul", "bmm",
                  "scaled_dot_product_attention", "baddbmm", "addmm")
 _SAVES_OUTPUT = ("scaled_dot_product_attention", "rsqrt", "sigmoid", "tanh", "softmax", "_softmax", "exp", "log_softmax")
+# products: the gradient of one operand needs the others, so an operand is kept only when another one needs a
+# gradient (``q * cos`` of rotary embeddings keeps ``cos``, not ``q``); the rest keep an input needing a gradient
+_PRODUCTS = ("linear", "mul", "div", "matmul", "bmm", "baddbmm", "addmm")
 
 
 @dataclass
@@ -133,6 +136,16 @@ def _kv_heads(k: IRTensor) -> int:
     return heads
 
 
+def _needs_grad(graph: IRGraph) -> set[int]:
+    """Ids of the tensors autograd tracks: floating parameters and everything computed from one (token
+    ids, position tables, masks and buffers are not, so a product with one of them saves less)."""
+    out = {id(t) for t in graph.params if t.dtype.is_floating_point}
+    for op in graph.ops:
+        if any(id(t) in out for t in op.tensor_inputs()):
+            out.update(id(o) for o in op.outputs if o is not None and o.dtype.is_floating_point)
+    return out
+
+
 def _signature(ops: list[IROp]) -> tuple:
     return tuple((op.overload, tuple(tuple(o.shape) for o in op.outputs if o is not None)) for op in ops)
 
@@ -165,6 +178,7 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
     split: set[int] = set()  # ids of tensors split over tp
     owned: set[int] = set()
     kept: set[int] = set()  # ids of tensors counted as saved once
+    grad = _needs_grad(graph)
     root: dict[int, int] = {}  # a view's id -> the id of the tensor it views
     hidden = 0
     heads = kv = 0
@@ -229,8 +243,13 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
             if in_split:
                 split.update(id(o) for o in outs)
         base = op.overload.removeprefix("aten.").split(".")[0]
-        keep = [t for t in acts if t.dtype.is_floating_point] if base in _SAVES_INPUTS else []
-        keep += [o for o in outs if o.dtype.is_floating_point] if base in _SAVES_OUTPUT else []
+        floating = [t for t in acts if t.dtype.is_floating_point]
+        if base in _PRODUCTS:
+            keep = [t for t in floating if any(id(o) in grad for o in ins if o is not t)]
+        else:
+            keep = [t for t in floating if id(t) in grad] if base in _SAVES_INPUTS else []
+        if base in _SAVES_OUTPUT and any(id(t) in grad for t in ins):
+            keep += [o for o in outs if o.dtype.is_floating_point]
         for t in keep:
             r = root.get(id(t), id(t))
             if r in kept or seq not in t.shape:

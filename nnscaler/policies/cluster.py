@@ -36,6 +36,7 @@ from ..cost.blocks import ModelShape, model_shape
 from ..cost.cluster import Estimate, Parallel, estimate
 from ..cost.profiles import get_profile
 from ..cost.summary import human, seconds
+from .cluster_plan import FORMAT, architecture_of, lower, lowered_dict
 
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL = 8
@@ -68,6 +69,7 @@ class ClusterPlan:
     feasible: int
     seconds: float
     constraints: dict
+    architecture: dict | None = None  # the transformers model's class and config (cluster_plan.architecture_of)
 
     @property
     def parallel(self) -> Parallel:
@@ -87,10 +89,17 @@ class ClusterPlan:
             "search": {"considered": self.considered, "feasible": self.feasible, "seconds": self.seconds},
         }
 
+    def lower(self, **extra) -> tuple[str, ComputeConfig]:
+        """The policy and config the compiler runs for this plan (:func:`~.cluster_plan.lower`)."""
+        return lower(self.best.parallel, self.precision, **extra)
+
     def save(self, path: str | os.PathLike) -> Path:
-        """Write :meth:`summary` as JSON (no pickle); returns the path."""
+        """Write :meth:`summary` as JSON (no pickle) with the file format, the model's ``architecture``
+        and what the compiler runs (``lowered``); read back by :func:`.cluster_plan.load`. Returns the path."""
         p = Path(path)
-        p.write_text(json.dumps(self.summary(), indent=1) + "\n")
+        data = {"format": FORMAT, **self.summary(), "architecture": self.architecture,
+                "lowered": lowered_dict(self.best.parallel, self.precision)}
+        p.write_text(json.dumps(data, indent=1) + "\n")
         return p
 
     def one_line(self) -> str:
@@ -261,6 +270,8 @@ def plan_cluster(model: torch.nn.Module, sample_args: Sequence[Any], config: Com
     meta, read the repeated blocks, search every outer configuration (:func:`search`)."""
     t0 = time.perf_counter()
     shape = trace_shape(model, sample_args, sample_kwargs)
-    plan = search(shape, config, name or type(model).__name__)
+    arch = architecture_of(model)
+    plan = search(shape, config, name or (arch["transformers"] if arch else type(model).__name__))
+    plan.architecture = arch
     plan.seconds = time.perf_counter() - t0
     return plan

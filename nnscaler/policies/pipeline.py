@@ -77,4 +77,4 @@ def stage_config(config: ComputeConfig) -> ComputeConfig:
     (those are the whole pipeline's), ``tp_size`` capped at them (``hybrid`` stages: dp x tp)."""
     k = config.plan_ngpus // config.pp_size
     return dataclasses.replace(config, plan_ngpus=k, runtime_ngpus=None, pp_size=1, schedule="1F1B",
-                               pp_split=None, tp_size=min(config.tp_size or k, k))
+                               pp_split=None, virtual_stages=None, tp_size=min(config.tp_size or k, k))

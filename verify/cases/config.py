@@ -38,11 +38,15 @@ class RunConfig:
     recompute: str = "none"  # whole-model cases: ComputeConfig.recompute
     precision: str = "32-true"  # whole-model cases: the recipe (nnscaler.runtime.precision), judged by verify/judge/lowprec.py
     grad_reduce_dtype: str | None = None  # whole-model cases under bf16-mixed: "fp32" or "bf16"
+    # whole-model cases: more ComputeConfig fields as (name, value) pairs (a cluster plan's lowering: tp_size,
+    # pp_size, schedule, virtual_stages, sequence_parallel; see verify/plan/cluster_cli.py)
+    layout: tuple[tuple[str, object], ...] = ()
 
     def recipe_job(self) -> dict:
         """The training recipe's keys of a whole-model rank job (carried into ``ComputeConfig``)."""
         return {"clip_grad_norm": self.clip_grad_norm, "recompute": self.recompute, "precision": self.precision,
-                "grad_reduce_dtype": self.grad_reduce_dtype, "zero": self.zero}
+                "grad_reduce_dtype": self.grad_reduce_dtype, "zero": self.zero,
+                **({"layout": dict(self.layout)} if self.layout else {})}
 
     @property
     def recipe_label(self) -> str:

@@ -139,14 +139,14 @@ def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = Non
                           bucket_bytes=job.get("bucket_bytes"),
                           microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True),
                           traces=traces, clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
-                          precision=precision, zero=job.get("zero", 0), memory=memory)
+                          precision=precision, zero=job.get("zero", 0), memory=memory, layout=job.get("layout"))
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
                    gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
                    microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None,
                    clip: float | None = None, recompute: str = "none", precision: Precision = Precision(),
-                   zero: int = 0, memory: MemoryLog | None = None) -> list[Check]:
+                   zero: int = 0, memory: MemoryLog | None = None, layout: dict | None = None) -> list[Check]:
     """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
     With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
     (:func:`~verify.cases.microbatch.whole_batch`), trained by ``train_step`` in M micro-batches and
@@ -156,13 +156,14 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     ``clip``/``recompute``: the training recipe (``ComputeConfig.clip_grad_norm``/``recompute``); the
     single-device runs clip with ``torch.nn.utils.clip_grad_norm_``, and each step's total norm is checked.
     ``precision``: the precision recipe (:class:`~verify.judge.lowprec.Precision`), run alike by the references.
-    ``memory``: where the last step's measured memory on this rank is left (:mod:`verify.cases.memory`)."""
+    ``memory``: where the last step's measured memory on this rank is left (:mod:`verify.cases.memory`).
+    ``layout``: more :class:`ComputeConfig` fields (a lowered cluster plan's tp_size, pp_size, schedule, ...)."""
     dt = DTYPES[dtype]
     microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
     case.model.to(dt)
     ref, ref64 = precision.reference(built_like(name, seed, case.model, dt)), built_like(name, seed, case.model, torch.float64)
-    config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed,
+    config = ComputeConfig(world_size, **{"tp_size": 2 if world_size % 2 == 0 else 1, **(layout or {})}, seed=seed,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
                            num_microbatches=microbatches, clip_grad_norm=clip, recompute=recompute, zero=zero,
                            **precision.config_kwargs())

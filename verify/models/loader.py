@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from verify.models.registry import MODELS, WIDENABLE, ModelCase
+from verify.plan.reduced import build_case, is_plan_reference
 
 
 class ModelNotFound(ValueError):
@@ -57,6 +58,10 @@ def is_file_reference(ref: str) -> bool:
 
 def find_builder(ref: str) -> Callable[[int], ModelCase]:
     """The builder ``ref`` names; :class:`ModelNotFound` with how to fix it otherwise."""
+    if is_plan_reference(ref):  # a saved cluster plan: the model it describes (verify.plan.reduced)
+        if not Path(ref).is_file():
+            raise ModelNotFound(f"model {ref!r}: no such plan file")
+        return _checked(lambda seed: build_case(ref, seed), ref)
     if not is_file_reference(ref):
         if ref in MODELS:
             return _checked(MODELS[ref], ref)
@@ -137,6 +142,8 @@ def check_builder(ref: str, seed: int = 0) -> ModelCase:
 
 def known_model(name: str) -> bool:
     """Whether :func:`build_model` knows ``name`` (a registered model or ``NAME@WIDTH``)."""
+    if is_plan_reference(name):
+        return Path(name).is_file()
     base, _, width = name.partition("@")
     return name in MODELS or (base in WIDENABLE and width.isdigit() and int(width) > 0)
 
@@ -144,7 +151,7 @@ def known_model(name: str) -> bool:
 def build_model(name: str, seed: int) -> ModelCase:
     """The case of model ``name`` (see :data:`MODELS` and :data:`WIDENABLE`, or ``FILE.py:builder``)
     for ``seed``."""
-    if is_file_reference(name):
+    if is_file_reference(name) or is_plan_reference(name):
         return find_builder(name)(seed)
     if name in MODELS:
         return MODELS[name](seed)

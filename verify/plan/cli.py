@@ -1,0 +1,163 @@
+"""``python -m verify plan PATH``: a saved cluster plan, judged equal to one device on this machine.
+
+The plan (``plan_cluster(...).save(PATH)``) is reduced (:mod:`verify.plan.reduced`: the same axes in the
+same order, schedule, virtual stages, recipes, precision, and the same architecture, at degrees of 2
+and a small width), lowered to what the compiler runs (:func:`nnscaler.policies.cluster_plan.lower`,
+the one lowering the cost model assumed), checked to give every block's linears Megatron's
+column/row split as the cost model costed them, then trained for a few AdamW steps on real ranks and
+compared with one device like any whole-model case (loss, every gradient and update, checkpoint).
+:func:`prepare` and :func:`plan_rows` are the same on any gang (``verify all`` can run saved plans so).
+Exit 0 match, 1 mismatch or failure, 2 bad input (one line, before any rank starts).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from nnscaler.config import ComputeConfig, PlanError
+from nnscaler.policies.cluster_plan import SavedPlan, check_lowering, load
+
+from verify.cases.config import BadInput, Row, RunConfig
+from verify.judge.verdict import MISMATCH
+from verify.plan.reduced import build_case, write_reduced
+
+LAYOUT_FIELDS = ("tp_size", "pp_size", "schedule", "virtual_stages", "sequence_parallel")
+
+
+def add_plan_parser(sub) -> None:
+    """The ``plan`` subcommand of ``python -m verify`` (``sub``: its subparsers)."""
+    p = sub.add_parser("plan", help="verify a saved cluster plan on a reduced model of the same architecture",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("path", metavar="PATH", help="a plan file written by plan_cluster(...).save(PATH)")
+    p.add_argument("--as-planned", action="store_true",
+                   help="keep the plan's own parallel degrees (its world size must run here) instead of 2 per axis")
+    p.add_argument("--precision", default=None, metavar="RECIPE",
+                   help="run under this precision recipe instead of the plan's (e.g. 32-true)")
+    p.add_argument("--steps", type=_positive_int, default=3, help="AdamW steps (default 3)")
+    p.add_argument("--seed", type=_positive_int, default=0, help="seed of the model and batches (default 0)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="the case's time limit is 8x this (default 60)")
+    p.add_argument("--module", action="append", default=[], metavar="FILE.py",
+                   help="import this file first, here and on every rank (repeatable)")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="write the reduced plan and the generated programs here (default: a temporary directory)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return v
+
+
+def _label(par) -> str:
+    return (f"tp{par.tp}{'+sp' if par.sequence_parallel else ''} pp{par.pp}"
+            f"{f' v{par.virtual_stages}' if par.virtual_stages > 1 else ''} dp{par.dp} mbs{par.micro_batch_size}"
+            f"x{par.num_microbatches} zero{par.zero} recompute={par.recompute}")
+
+
+@dataclass(frozen=True)
+class PlanCase:
+    """A saved plan made ready for the ranks (:func:`prepare`): the plan, its reduced plan file (``ref``, a
+    model reference), what the compiler runs for it, and where the compiler's per-operator plan of the
+    reduced model differs from the costed one (``problems``, one line each)."""
+
+    saved: SavedPlan
+    reduced: SavedPlan
+    ref: str
+    policy: str
+    config: ComputeConfig
+    problems: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{_label(self.reduced.parallel)} {self.config.precision}"
+
+
+def prepare(path: str | os.PathLike, out_dir: str | os.PathLike, as_planned: bool = False,
+            precision: str | None = None, seed: int = 0) -> PlanCase:
+    """Read, reduce (into ``out_dir``), lower and check the plan at ``path`` before any rank starts;
+    bad input is one :class:`BadInput` line."""
+    from verify.runner.gang import max_ranks
+    try:
+        saved = load(path)
+        ref = str(write_reduced(saved, out_dir, as_planned))
+        red = load(ref)
+        policy, config = red.lower(precision=precision)
+        case = build_case(ref, seed)
+    except PlanError as exc:
+        raise BadInput(str(exc)) from None
+    if red.world > max_ranks():
+        raise BadInput(f"the plan needs {red.world} ranks, more than this machine runs ({max_ranks()}); "
+                       f"leave out --as-planned to verify it at 2 per axis")
+    with warnings.catch_warnings():  # the plan's own warnings are the report's, not the check's
+        warnings.simplefilter("ignore")
+        problems = check_lowering(case.model, case.batch(0), red.parallel, config.precision)
+    return PlanCase(saved, red, ref, policy, config, tuple(problems))
+
+
+def plan_rows(gang, case: PlanCase, out_dir: str | os.PathLike, steps: int = 3, seed: int = 0,
+              timeout_s: float = 60.0, rerun: str = "") -> list[Row]:
+    """The rows of one prepared plan on ``gang`` (``case.reduced.world`` of its ranks): a failed row
+    naming the first operator split otherwise than costed, or the whole-model case against one device."""
+    from verify.sweep import run_model
+    name = f"plan:{case.saved.path.name}"
+    if case.problems:
+        return [Row(name, "model", "the compiler's per-operator plan vs the costed one", case.reduced.world,
+                    case.label, "float32", seed, MISMATCH,
+                    detail=f"{len(case.problems)} operator(s) split otherwise than costed; first: {case.problems[0]}",
+                    rerun=rerun)]
+    c = case.config
+    cfg = RunConfig(world_sizes=(case.reduced.world,), seeds=(seed,), timeout_s=timeout_s,
+                    microbatches=c.num_microbatches, zero=c.zero, recompute=c.recompute, precision=c.precision,
+                    layout=tuple((k, getattr(c, k)) for k in LAYOUT_FIELDS))
+    rows = list(run_model(gang, case.ref, (case.policy,), cfg, str(out_dir), steps))
+    for r in rows:
+        r.op, r.partition, r.rerun = name, case.label, "" if r.ok else rerun
+    return rows
+
+
+def cmd_plan(args) -> int:
+    from verify.runner.gang import Gang
+    from verify.report.writer import summary, table
+    from verify.worker import load_modules
+    for m in args.module:
+        if not Path(m).is_file():
+            raise BadInput(f"--module {m}: no such file")
+    modules = tuple(str(Path(m).resolve()) for m in args.module)
+    try:
+        load_modules(modules)
+    except Exception as exc:  # noqa: BLE001  (a file that cannot be imported is bad input)
+        raise BadInput(f"importing {', '.join(modules)} failed: {type(exc).__name__}: {exc}") from None
+    if args.keep is not None and Path(args.keep).exists() and not Path(args.keep).is_dir():
+        raise BadInput(f"--keep {args.keep}: not a directory")
+    rerun = " ".join(shlex.quote(x) for x in ["python", "-m", "verify", "plan", str(args.path)]
+                     + (["--as-planned"] if args.as_planned else [])
+                     + (["--precision", args.precision] if args.precision else [])
+                     + [x for m in modules for x in ("--module", m)])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.keep or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        case = prepare(args.path, out, args.as_planned, args.precision, args.seed)
+        red = case.reduced.parallel
+        print(f"plan {case.saved.path}: {_label(case.saved.parallel)} on {case.saved.world} ranks, "
+              f"{case.saved.precision}", flush=True)
+        print(f"verifying it as {case.label} on {case.reduced.world} ranks: {case.policy} in each of {red.pp} "
+              f"stage(s), schedule {red.schedule}; model {case.reduced.architecture['transformers']} with "
+              f"{case.reduced.architecture['config']['num_hidden_layers']} layers, hidden "
+              f"{case.reduced.architecture['config']['hidden_size']}", flush=True)
+        limit = RunConfig(timeout_s=args.timeout, microbatches=case.config.num_microbatches).limit_s("model", args.steps)
+        with Gang(case.reduced.world, modules, (case.reduced.world,), pg_timeout_s=max(120.0, 2 * limit)) as gang:
+            rows = plan_rows(gang, case, out, args.steps, args.seed, args.timeout, rerun)
+    print(table(rows))
+    print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
+    return 0 if rows and all(r.ok for r in rows) else 1
