@@ -5,11 +5,9 @@ Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, cr
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
 import json
 import math
-import os
 import shlex
 import sys
 import tempfile
@@ -17,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from tabulate import tabulate
 
 from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry, UnknownOpError
@@ -31,15 +28,16 @@ from verify.judge.verdict import MISMATCH
 
 from verify.sweep import preflight, run_model, run_op
 from verify.lint import lint
+from verify.catalogue import current_key, render, store_rows
 from verify.cases.model import PolicyFileError, resolve_policy
-from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, PIPELINE_POLICIES, SWEPT, check_pipeline_input
+from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, check_pipeline_input
 from verify.cases.coverage import replicated_lines
 from verify.cases.node import UnknownNode, model_graph, node_op
 from verify.models.registry import MODELS
 from verify.models.loader import build_model, known_model
 from verify.models.registry import ModelCase
 from verify.models.loader import ModelNotFound, check_builder, is_file_reference
-from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, MemoryCapError, WorldSizeError, max_ranks
+from verify.runner.gang import PG_TIMEOUT_S, Gang, GangError, MemoryCapError, WorldSizeError
 from verify.report.progress import RunProgress
 from verify.cases.replica_rows import replica_items, run_replicas
 from verify.cases.pipeline import is_pipeline_policy
@@ -48,217 +46,10 @@ from verify.cases.torchpar_mesh import parse_mesh
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
 from verify.cases.torchpar_rows import BAD_INPUT as TORCHPAR_BAD_INPUT, check_parallelize, run_torchpar
 from verify.report.writer import ReportError, ReportWriter, summary, table
-from verify.cases.samples import DTYPES
 from verify.worker import load_modules
+from verify.arguments import DEFAULT_WORLD_SIZES, MICROBATCH_POLICIES, SEEDED_POLICIES, UsageError, build_parser
+from verify.names import POLICY_NAMES
 
-
-
-DEFAULT_WORLD_SIZES = (2, 4)
-MICROBATCH_POLICIES = ("dp", "tp")  # the micro-batch sweep of `verify all`
-SEEDED_POLICIES = ("random", "random2d", "pp2_random")  # each seed draws another plan
-"""Policies whose plan is drawn from the seed: ``verify all`` runs each under every ``--random-seeds``."""
-
-
-class UsageError(Exception):
-    """Bad input: reported in one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        raise UsageError(message)
-
-
-def _world_size(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"world size must be an integer, got {text!r}") from None
-    if not 1 <= n <= max_ranks():
-        raise argparse.ArgumentTypeError(f"world size must be between 1 and {max_ranks()} on this machine "
-                                         f"({os.cpu_count()} cores), got {n}")
-    return n
-
-
-def _positive(kind: type, what: str):
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a {kind.__name__}, got {text!r}") from None
-        if not (math.isfinite(v) and v > 0):
-            raise argparse.ArgumentTypeError(f"{what} must be a finite number above 0, got {text!r}")
-        return v
-    return parse
-
-
-MIN_TIMEOUT_S = 1.0  # below this a limit cannot apply: starting a case's collectives alone takes longer
-MAX_SEED = 2 ** 63 - 1  # torch.manual_seed takes seeds up to this
-
-
-def _at_least(kind: type, what: str, least: float):
-    positive = _positive(kind, what)
-
-    def parse(text: str):
-        v = positive(text)
-        if v < least:
-            raise argparse.ArgumentTypeError(f"{what} must be at least {least:g}, got {text!r}")
-        return v
-    return parse
-
-
-def _nonempty(what: str):
-    def parse(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"{what} must not be empty (e.g. 'm=2,k=2')")
-        return text
-    return parse
-
-
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seed must be an integer, got {text!r}") from None
-    if not 0 <= v <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"--seed must be between 0 and {MAX_SEED}, got {text}")
-    return v
-
-
-def _common(p: argparse.ArgumentParser, run: bool = True) -> None:
-    p.add_argument("--module", action="append", default=[], metavar="FILE.py",
-                   help="import this file first so its register_op calls take effect (repeatable)")
-    if not run:
-        return
-    p.add_argument("--world-size", type=_world_size, nargs="+", default=None, metavar="N",
-                   help="world sizes to verify at (default: 2 4; with --mesh of fixed sizes, their product)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="dtype of the run (default float32); every case is also judged against float64")
-    p.add_argument("--seed", type=_seed, nargs="+", default=[0], metavar="S", help="input seeds (default: 0)")
-    p.add_argument("--timeout", type=_at_least(float, "--timeout", MIN_TIMEOUT_S), default=30.0, metavar="SECONDS",
-                   help=f"time limit per operator case, at least {MIN_TIMEOUT_S:g}; a model case gets 8x (default 30)")
-    p.add_argument("--rank-memory", type=_positive(float, "--rank-memory"), default=DEFAULT_MEMORY_MB, metavar="MB",
-                   help=f"resident memory cap per rank; a rank past it fails its case and the ranks restart "
-                        f"(default {DEFAULT_MEMORY_MB})")
-    p.add_argument("--base", type=_positive(int, "--base"), default=None, help=argparse.SUPPRESS)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("nnscaler-verify")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "(not installed)"
-
-
-def _precision_name(text: str) -> str:
-    try:  # the compiler's own check: an unknown name, or bf16 on a device without it, in one line
-        ComputeConfig(1, precision=text)
-    except PlanError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _precision(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", type=_precision_name, default="32-true", metavar="RECIPE",
-                   help="whole models: 32-true (default), bf16-mixed (bf16 compute as under torch.autocast, fp32 "
-                        "master weights) or bf16-true, each against the single-device run of the same recipe "
-                        "(bound: verify/judge/compare.py)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m verify", description="Verify partitioned operators on real ranks.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p_op = sub.add_parser("op", help="verify one operator under every partition it admits",
-                          description="Verify a registered operator NAME, or (--model M --node N) the operator N of "
-                                      "model M as traced on its step-0 batch in --dtype with --seed: its annotation, "
-                                      "lengths and arguments there. Localised model rows print the second form.")
-    p_op.add_argument("name", nargs="?", help="a registered operator (see 'list'); leave out with --model")
-    p_op.add_argument("--model", default=None, metavar="MODEL",
-                      help="a model (built-in, NAME@WIDTH or FILE.py:BUILDER) whose traced operator --node to verify")
-    p_op.add_argument("--node", default=None, metavar="NODE", help="the operator's name in the traced model (linear_3)")
-    _common(p_op)
-    p_op.add_argument("--partition", type=_nonempty("--partition"), default=None, metavar="SPEC",
-                      help="only this partition, e.g. 'm=2,k=2'")
-    p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
-    p_op.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
-    p_model = sub.add_parser("model", help="train a whole model under every policy and compare with one device")
-    p_model.add_argument("name", help="a registered model (see --help of 'all') or FILE.py:BUILDER")
-    _common(p_model)
-    p_model.add_argument("--policy", nargs="+", default=list(POLICIES), metavar="POLICY",
-                         help=f"built-in ({', '.join(sorted(POLICIES))}), a pipeline ({', '.join(PIPELINE_POLICIES)}: "
-                              "pp = one stage per rank, pp2_tp / pp2_dp = 2 stages each tp / dp over world/2 ranks, "
-                              "1F1B unless _gpipe; pp_interleaved / pp_zb = 2 stages per rank; 4 micro-batches) "
-                              "or FILE.py:function, your own (graph, config) -> Plan (default: every built-in)")
-    p_model.add_argument("--bucket-bytes", type=_positive(int, "--bucket-bytes"), default=None, metavar="N",
-                         help="gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)")
-    p_model.add_argument("--replicas", type=_positive(int, "--replicas"), default=1, metavar="R",
-                         help="plan each policy on W/R ranks and run it as R data-parallel replicas on W ranks, "
-                              "each fed its share of the batch (default 1: no replicas)")
-    p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
-    p_model.add_argument("--microbatches", type=_positive(int, "--microbatches"), default=1, metavar="M",
-                         help="train each step by train_step in M micro-batches (M of the model's batches stacked), "
-                              "against one device on the whole batch (default 1: plain forward and backward)")
-    _recipes(p_model)
-    _precision(p_model)
-    p_model.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default=None,
-                         help="with --precision bf16-mixed: the dtype gradients are reduced in (default fp32)")
-    p_model.add_argument("--zero", type=int, default=0, metavar="Z",
-                         help="ZeRO stage over the data-parallel ranks (dp, hybrid's dp axis, --replicas): 1 shards "
-                              "optimizer state, 2 also gradients (default 0)")
-    p_model.add_argument("--parallelize", default=None, metavar="FILE.py:FN",
-                         help="verify your own torch parallelization instead of the compiler's policies: "
-                              "fn(model, mesh) applies parallelize_module plans, fully_shard, a transformers tp_plan "
-                              "(any mix) on the DeviceMesh the harness builds and returns the module (or "
-                              "verify.torch_parallel.Parallelized(module, step_context=loss_parallel)); the batch is split over the "
-                              "mesh dimension named dp")
-    p_model.add_argument("--mesh", default=None, metavar="SPEC",
-                         help="with --parallelize: the mesh's dimension names and sizes, NAME (1-D over the world "
-                              "size; default tp) or NAME=N,NAME=M (2-D, e.g. dp=2,tp=2; world size their product)")
-    p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
-    p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
-    p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
-    p_list = sub.add_parser("list", help="list registered operators with their annotations")
-    _common(p_list, run=False)
-    p_lint = sub.add_parser("lint", help="check annotations for likely mistakes before any rank runs")
-    p_lint.add_argument("names", nargs="*", metavar="NAME", help="operators to check (default: every registered one)")
-    _common(p_lint, run=False)
-    p_lint.add_argument("--static", action="store_true", help="annotation-only checks (do not run the functions)")
-    p_all = sub.add_parser("all", help="verify every registered operator and write reports/")
-    _common(p_all)
-    p_all.add_argument("--reports", default="reports", metavar="DIR", help="report directory (default reports/)")
-    p_all.add_argument("--resume", action="store_true", help="keep rows already in DIR/cases.jsonl, run the rest")
-    p_all.add_argument("--op", nargs="+", default=None, metavar="NAME", help="only these operators")
-    p_all.add_argument("--model", nargs="*", default=None, metavar="NAME",
-                       help="whole models to train under every policy (default: all, or none with --op; none with an "
-                            "empty list)")
-    p_all.add_argument("--microbatches", type=_positive(int, "--microbatches"), nargs="*", default=[4], metavar="M",
-                       help=f"also train every model under {' and '.join(MICROBATCH_POLICIES)} with M micro-batches per "
-                            "step, for each M (default: 4; none with an empty list)")
-    _precision(p_all)
-    p_all.add_argument("--zero", type=int, default=0, metavar="Z",
-                       help="train the models under ZeRO stage Z where a plan has data-parallel ranks (dp, hybrid at "
-                            "W>=4, the tp replicas rows); the other model rows are left out (default 0)")
-    p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
-                       help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
-                            "different plan (default: 0 1 2)")
-    _recipes(p_all)
-    p_all.add_argument("--torchpar", nargs="*", default=None, metavar="NAME",
-                       help="built-in torch parallelizations to verify, a section of their own (torchtitan's Llama "
-                            "plan, FSDP2, FSDP2 x TP, transformers' tp_plan, known-wrong plans): "
-                            f"{', '.join(sorted({c.name for c in TORCH_CASES}))} (default: all, or none with --op or "
-                            "--model; none with an empty list)")
-    return parser
-
-
-def _recipes(p: argparse.ArgumentParser) -> None:
-    """The training-recipe flags of whole-model runs (carried into ``ComputeConfig``; the single-device
-    reference runs the same recipe)."""
-    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
-                   help="clip the whole model's gradient norm to MAX each step (ComputeConfig.clip_grad_norm; "
-                        "the reference uses torch.nn.utils.clip_grad_norm_)")
-    p.add_argument("--recompute", default="none", metavar="MODE",
-                   help="activation recompute: none (default), full (each block), selective (attention core)")
 
 
 def _config(args) -> RunConfig:
@@ -268,6 +59,10 @@ def _config(args) -> RunConfig:
         raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
     microbatches = getattr(args, "microbatches", 1)
     precision = getattr(args, "precision", "32-true")
+    try:  # the compiler's own check: an unknown name, or bf16 on a device without it, in one line
+        ComputeConfig(1, precision=precision)
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
     if precision != "32-true" and args.dtype != "float32":
         raise UsageError(f"--precision {precision} sets the dtypes itself; leave --dtype at float32 (got {args.dtype})")
     if getattr(args, "grad_reduce_dtype", None) and precision != "bf16-mixed":
@@ -334,10 +129,11 @@ def _write_json(path: str | None, rows) -> None:
 
 
 def cmd_list(args) -> int:
+    key = None if args.module else current_key()  # read before the import: the rows belong to this source
     reg = _load(args.module)
     rows = [[s.name, s.family, s.annotation, ", ".join(s.aten)] for s in reg]
-    print(tabulate(rows, headers=["op", "family", "annotation", "aten"], tablefmt="github"))
-    print(f"\n{len(rows)} operators")
+    store_rows(key, rows)  # the next plain ``list`` answers without torch (verify/__main__.py)
+    print(render(rows))
     return 0
 
 
@@ -453,7 +249,7 @@ def cmd_model(args) -> int:
     case = _check_model(args.name, build=True)  # the one build before the ranks start
     if args.parallelize is not None or args.mesh is not None:
         return cmd_torchpar(args)
-    policies = _policies(args.policy)
+    policies = _policies(args.policy or POLICY_NAMES)  # no --policy: every built-in
     cfg = _config(args)
     try:  # a pipeline the model cannot be cut into, or a batch that does not divide: before any rank starts
         check_pipeline_input(args.name, policies, cfg.world_sizes, cfg.microbatches, replicas=args.replicas, case=case)
@@ -467,7 +263,7 @@ def cmd_model(args) -> int:
     odd = [w for w in cfg.world_sizes if w % args.replicas]
     if odd:
         raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")
-    if cfg.zero and args.policy == list(POLICIES):  # no --policy: those with data-parallel ranks at every W
+    if cfg.zero and args.policy is None:  # no --policy: those with data-parallel ranks at every W
         policies = tuple(p for p in policies if not zero_refusal(cfg.zero, p, cfg.world_sizes, args.replicas)) \
             or policies
     for policy in policies:  # a plan with no data-parallel ranks to shard over: before any rank starts
@@ -514,7 +310,7 @@ def cmd_torchpar(args) -> int:
     parallelization (:mod:`verify.cases.torchpar`) against one device."""
     if args.parallelize is None:
         raise UsageError("--mesh needs --parallelize FILE.py:fn (the compiler's policies build their own meshes)")
-    if args.policy != list(POLICIES):
+    if args.policy is not None:
         raise UsageError("give --policy or --parallelize, not both (--parallelize verifies your own parallelization)")
     for opt, default in TORCHPAR_REFUSED.items():
         if getattr(args, opt) != default:
@@ -648,8 +444,18 @@ def cmd_all(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m verify ARGS`` in this process (the tests' entry); the shell's is :mod:`verify.__main__`."""
     try:
         args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        print(f"verify: error: {exc}", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def run(args) -> int:
+    """Run the parsed command; bad input is one line on stderr and exit 2."""
+    try:
         return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all,
                 "lint": cmd_lint}[args.command](args)
     except (UsageError, UnknownOpError, BadInput, AnnotationError, ReportError) as exc:
