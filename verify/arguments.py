@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "lengths and arguments there. Localised model rows print the second form.")
     p_op.add_argument("name", nargs="?", help="a registered operator (see 'list'); leave out with --model")
     p_op.add_argument("--model", default=None, metavar="MODEL",
-                      help="a model (built-in, NAME@WIDTH or FILE.py:BUILDER) whose traced operator --node to verify")
+                      help="a model (built-in, NAME@WIDTH or FILE.py:BUILDER[@WIDTH]) whose traced operator --node to "
+                           "verify")
     p_op.add_argument("--node", default=None, metavar="NODE", help="the operator's name in the traced model (linear_3)")
     _common(p_op)
     p_op.add_argument("--partition", type=_nonempty("--partition"), default=None, metavar="SPEC",
@@ -140,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_op.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
     p_model = sub.add_parser("model", help="train a whole model under every policy and compare with one device")
-    p_model.add_argument("name", help="a registered model (see --help of 'all') or FILE.py:BUILDER")
+    p_model.add_argument("name", help="a registered model (NAME, or NAME@WIDTH for the widenable ones), or "
+                                      "FILE.py:BUILDER where BUILDER(seed) returns a ModelCase or (model, batch_fn); "
+                                      "FILE.py:BUILDER@WIDTH calls BUILDER(seed, WIDTH). FILE's folder is on sys.path "
+                                      "(its sibling modules import, as under python FILE.py)")
     _common(p_model)
     p_model.add_argument("--policy", nargs="+", default=None, metavar="POLICY",
                          help=f"built-in ({', '.join(sorted(POLICY_NAMES))}), a pipeline ({', '.join(PIPELINE_NAMES)}: "

@@ -12,11 +12,13 @@ import shlex
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 
 from nnscaler.dimops.grammar import AnnotationError
+from nnscaler.ops.lint import AnnotationWarning
 from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
 from nnscaler.config import ComputeConfig
@@ -31,7 +33,6 @@ from verify.lint import lint
 from verify.catalogue import current_key, render, store_rows
 from verify.cases.model import PolicyFileError, resolve_policy
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, check_pipeline_input
-from verify.cases.coverage import replicated_lines
 from verify.cases.node import UnknownNode, model_graph, node_op
 from verify.models.registry import MODELS
 from verify.models.loader import build_model, known_model
@@ -83,18 +84,40 @@ def _config(args) -> RunConfig:
                      base_override=args.base, microbatches=microbatches if isinstance(microbatches, int) else 1)
 
 
-def _load(modules: Sequence[str]) -> OpRegistry:
+def _imported(modules: Sequence[str]) -> tuple[OpRegistry, list[warnings.WarningMessage]]:
+    """The registry with ``modules`` imported, and what their import warned of, not yet shown (input
+    refused later is one line, with no warnings before it): :func:`_say` shows them."""
     for m in modules:
         if not Path(m).is_file():
             raise UsageError(f"--module {m}: no such file")
     try:
-        return load_modules(modules)
+        with warnings.catch_warnings(record=True) as caught:
+            return load_modules(modules), caught
     except AnnotationError as exc:
         raise UsageError(str(exc)) from None
     except SystemExit as exc:
         raise UsageError(f"importing {', '.join(modules)} called sys.exit({exc.code!r})") from None
     except Exception as exc:
         raise UsageError(f"importing {', '.join(modules)} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _say(caught: Sequence[warnings.WarningMessage], findings: Sequence = ()) -> None:
+    """Each warning once, in one line at the user's line that caused it; then each lint finding not
+    already said so."""
+    said = set()
+    for w in caught:
+        if str(w.message) not in said:
+            said.add(str(w.message))
+            print(f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}", file=sys.stderr, flush=True)
+    for finding in findings:
+        if str(finding) not in said:
+            print(f"verify: warning: {finding}", file=sys.stderr, flush=True)
+
+
+def _load(modules: Sequence[str]) -> OpRegistry:
+    reg, caught = _imported(modules)
+    _say(caught)
+    return reg
 
 
 def _gang(cfg: RunConfig, args) -> Gang:
@@ -168,7 +191,7 @@ def _check_model(name: str, build: bool = False) -> ModelCase | None:
             raise UsageError(str(exc)) from None
     if not known_model(name):
         raise UsageError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))} (or NAME@WIDTH, or "
-                         f"FILE.py:BUILDER where BUILDER(seed) returns a ModelCase or (model, batch_fn))")
+                         f"FILE.py:BUILDER[@WIDTH] where BUILDER(seed[, WIDTH]) returns a ModelCase or (model, batch_fn))")
     return build_model(name, 0) if build else None
 
 
@@ -187,9 +210,10 @@ def _node_spec(args, cfg: RunConfig):
 
 
 def cmd_op(args) -> int:
-    reg = _load(args.module)
+    reg, caught = _imported(args.module)  # said once the operator's input passed the checks (preflight)
     cfg = _config(args)
     wrong_backward: list[Row] = []
+    notes = []
     if args.model is not None:
         cfg = replace(cfg, node=(args.model, args.node or ""))
         spec, what = _node_spec(args, cfg)
@@ -205,7 +229,9 @@ def cmd_op(args) -> int:
                                           rerun=f"python -m verify lint {shlex.quote(spec.name)}"
                                           + "".join(f" --module {shlex.quote(m)}" for m in cfg.modules)))
             elif finding.kind != "failed":  # a function that cannot run at all is bad input, said below in one line
-                print(f"verify: warning: {finding}", file=sys.stderr)
+                notes.append(finding)
+        caught = [w for w in caught if not issubclass(w.category, AnnotationWarning)  # the others' are not ours
+                  or str(w.message).startswith(f"{spec.name}: ")]
     _json_target(args.json)
     writer = None if args.reports is None else ReportWriter(args.reports, cfg)  # refuses an unwritable directory
     print(f"verifying {what} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
@@ -213,6 +239,7 @@ def cmd_op(args) -> int:
     rows = list(wrong_backward)
     with _gang(cfg, args) as gang, RunProgress(len(cfg.world_sizes)) as progress:
         preflight(gang, [spec], cfg)
+        _say(caught, notes)
         for w in cfg.world_sizes:  # one progress item per world size, at the lengths of the whole run
             label = f"{cfg.row_name(spec)} W={w}"
             progress.start(label)
@@ -274,8 +301,6 @@ def cmd_model(args) -> int:
     mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
     print(f"training {args.name} for {args.steps} steps{mb} under {', '.join(policies)} at world sizes "
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
-    for line in replicated_lines(args.name, [p for p in policies if p in POLICIES], cfg.world_sizes, case=case):
-        print(line, flush=True)
     missing = precheck(case.model, case.batch(0), cfg.precision)  # a bf16 kernel this device lacks: before any rank
     if missing:
         raise UsageError(f"--precision {cfg.precision}: {args.name} runs an operator without bf16 support on this "
