@@ -7,7 +7,7 @@ import argparse
 import math
 import os
 
-from verify.names import DTYPE_NAMES, PIPELINE_NAMES, POLICY_NAMES, TORCHPAR_NAMES
+from verify.names import DTYPE_NAMES, OVERWRITE, PIPELINE_NAMES, POLICY_NAMES, TORCHPAR_NAMES
 from verify.runner.limits import DEFAULT_MEMORY_MB, max_ranks
 
 DEFAULT_WORLD_SIZES = (2, 4)
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="only this partition, e.g. 'm=2,k=2'")
     p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_op.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
+    _overwrite(p_op)
     p_model = sub.add_parser("model", help="train a whole model under every policy and compare with one device")
     p_model.add_argument("name", help="a registered model (NAME, or NAME@WIDTH for the widenable ones), or "
                                       "FILE.py:BUILDER where BUILDER(seed) returns a ModelCase or (model, batch_fn); "
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
+    _overwrite(p_model)
     p_list = sub.add_parser("list", help="list registered operators with their annotations")
     _common(p_list, run=False)
     p_lint = sub.add_parser("lint", help="check annotations for likely mistakes before any rank runs")
@@ -188,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_all = sub.add_parser("all", help="verify every registered operator and write reports/")
     _common(p_all)
     p_all.add_argument("--reports", default="reports", metavar="DIR", help="report directory (default reports/)")
-    p_all.add_argument("--resume", action="store_true", help="keep rows already in DIR/cases.jsonl, run the rest")
+    keep = p_all.add_mutually_exclusive_group()
+    keep.add_argument("--resume", action="store_true", help="keep rows already in DIR/cases.jsonl, run the rest")
+    _overwrite(keep)
     p_all.add_argument("--op", nargs="+", default=None, metavar="NAME", help="only these operators")
     p_all.add_argument("--model", nargs="*", default=None, metavar="NAME",
                        help="whole models to train under every policy (default: all, or none with --op; none with an "
@@ -210,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{', '.join(TORCHPAR_NAMES)} (default: all, or none with --op or "
                             "--model; none with an empty list)")
     return parser
+
+
+def _overwrite(p) -> None:
+    """``--overwrite``: ``args.resume`` becomes :data:`OVERWRITE` (what ``ReportWriter(resume=...)`` takes)."""
+    p.add_argument("--overwrite", dest="resume", action="store_const", const=OVERWRITE, default=False,
+                   help="replace the rows already in the --reports directory (without it, only a finished run of "
+                        "the same command at the same settings is replaced, and a line says so; any other is "
+                        "refused)")
 
 
 def _recipes(p: argparse.ArgumentParser) -> None:

@@ -233,7 +233,8 @@ def cmd_op(args) -> int:
         caught = [w for w in caught if not issubclass(w.category, AnnotationWarning)  # the others' are not ours
                   or str(w.message).startswith(f"{spec.name}: ")]
     _json_target(args.json)
-    writer = None if args.reports is None else ReportWriter(args.reports, cfg)  # refuses an unwritable directory
+    command = f"op {args.name}" if args.model is None else f"op --model {args.model} --node {args.node}"
+    writer = None if args.reports is None else ReportWriter(args.reports, cfg, resume=args.resume, command=command)
     print(f"verifying {what} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
           f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     rows = list(wrong_backward)
@@ -297,7 +298,8 @@ def cmd_model(args) -> int:
         reason = zero_refusal(cfg.zero, policy, cfg.world_sizes, args.replicas)
         if reason:
             raise UsageError(reason)
-    writer = None if args.reports is None else ReportWriter(args.reports, cfg)
+    writer = None if args.reports is None else ReportWriter(args.reports, cfg, resume=args.resume,
+                                                            command=f"model {args.name}")
     mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
     print(f"training {args.name} for {args.steps} steps{mb} under {', '.join(policies)} at world sizes "
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
@@ -349,7 +351,8 @@ def cmd_torchpar(args) -> int:
     cfg = _config(args)
     dims = _torchpar_dims(mesh, args.name, args.parallelize, cfg.world_sizes)
     _json_target(args.json)
-    writer = None if args.reports is None else ReportWriter(args.reports, cfg)
+    writer = None if args.reports is None else ReportWriter(
+        args.reports, cfg, resume=args.resume, command=f"model {args.name} --parallelize {args.parallelize}")
     print(f"training {args.name} for {args.steps} steps parallelized by {args.parallelize} on a {mesh} mesh at world "
           f"sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang, RunProgress(1) as progress:

@@ -16,3 +16,7 @@ TORCHPAR_NAMES = ("fsdp", "fsdp_tp", "hf_llama_tp_auto", "hf_qwen3_tp_auto", "ti
                   "titan_tp_wo_colwise", "vocab_offsets_v96", "wrong_missing_sp_gather", "wrong_rowwise_as_colwise",
                   "wrong_vocab_offsets")
 """The names of ``verify.cases.torchpar_builtin.CASES``, sorted."""
+
+OVERWRITE = "overwrite"
+"""``args.resume`` under ``--overwrite``, and ``ReportWriter(resume=OVERWRITE)``: the rows already in
+the reports directory are replaced."""
