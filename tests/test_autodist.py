@@ -155,3 +155,19 @@ def test_a_model_with_no_annotated_operator_gets_the_whole_model_plan_not_a_solv
     plan = POLICIES["autodist"](graph, ComputeConfig(2))
     assert plan.partitions == {} or all(not p.splits or all(i is None for i, _ in p.splits)
                                         for p in plan.partitions.values())
+
+
+def test_a_search_prints_no_highs_banner():
+    """The solver's C++ banner (``Running HiGHS ...``) would print once per process, in every rank of a
+    run: the plan search makes its first instance with stdout pointed at the null device."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    probe = ("import torch, opzoo\nfrom nnscaler import ComputeConfig\nfrom nnscaler.policies import POLICIES\n"
+             "from nnscaler.trace.build import trace\n"
+             "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))\n"
+             "POLICIES['autodist'](trace(m, (torch.randn(4, 8),)), ComputeConfig(4, tp_size=2))\n"
+             "import sys; assert 'highspy' in sys.modules\nprint('planned')\n")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "planned" and "HiGHS" not in r.stdout + r.stderr, r.stdout + r.stderr

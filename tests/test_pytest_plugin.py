@@ -64,3 +64,10 @@ def test_the_plugin_is_installed_as_an_entry_point():
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert 'nnscaler_verify = "verify.pytest_plugin"' in pyproject
     assert eps, "pip install -e . registers the plugin under pytest11"
+
+
+def test_the_main_job_install_pulls_what_the_plugin_needs():
+    """``pip install -e '.[models]'`` (the README's main job) brings pytest with its built-in subtests."""
+    import tomllib
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert "pytest>=9" in project["optional-dependencies"]["models"]

@@ -20,7 +20,7 @@ USER = str(ROOT / "tests" / "fixtures" / "user_model.py")
     (f"{USER}:not_a_case", "must return a ModelCase(model, batch_fn) or a pair"),
     (f"{USER}:wrong_batch", "the model does not accept its batch"),
     ("no/such/file.py:build", "no such file"),
-    ("my_model", "or FILE.py:BUILDER where BUILDER(seed) returns"),
+    ("my_model", "or FILE.py:BUILDER[@WIDTH] where BUILDER(seed[, WIDTH]) returns"),
 ])
 def test_bad_model_references_exit_2_in_one_line(ref, needle, capsys):
     assert main(["model", ref]) == 2

@@ -35,7 +35,6 @@ from verify.selection import Unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("nnscaler", "verify", "opzoo")
-DEFAULT_DIR = ".verify-cache"
 FORMAT = 3  # bump when the entry layout or the dependency rule changes
 
 

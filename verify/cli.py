@@ -6,46 +6,45 @@ Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, cr
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
 import json
 import math
-import os
 import shlex
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
-from tabulate import tabulate
 
 from nnscaler.dimops.grammar import AnnotationError
+from nnscaler.ops.lint import AnnotationWarning
 from nnscaler.ops.registry import OpRegistry, UnknownOpError
 
 from nnscaler.config import ComputeConfig
 from nnscaler.policies import POLICIES, PlanError
 
-from verify.cases.config import BadInput, Row, RunConfig, model_label
+from verify.cases.config import BadInput, Row, RunConfig
 from verify.judge.lowprec import precheck
 from verify.judge.verdict import MISMATCH
 
 from verify.sweep import check_spec, preflight, run_model, run_op
 from verify.lint import lint
+from verify.catalogue import current_key, render, store_rows
 from verify.cases.model import PolicyFileError, resolve_policy
-from verify.cases.pipeline import PIPELINE_POLICIES, check_pipeline_input
-from verify.cases.coverage import replicated_lines
+from verify.cases.pipeline import check_pipeline_input
 from verify.cases.node import UnknownNode, model_graph, node_op
 from verify.models.registry import MODELS
 from verify.models.loader import build_model, known_model
 from verify.models.registry import ModelCase
 from verify.models.loader import ModelNotFound, check_builder, is_file_reference
-from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, MemoryCapError, WorldSizeError, max_ranks
+from verify.runner.gang import PG_TIMEOUT_S, Gang, GangError, MemoryCapError, WorldSizeError
 from verify.report.progress import RunProgress
 from verify.cases.replica_rows import run_replicas
-from verify.cache import DEFAULT_DIR as CACHE_DIR, VerdictCache
+from verify.cache import VerdictCache
 from verify.drive import LazyGang, run_units
-from verify.selection import MICROBATCH_POLICIES, SEEDED_POLICIES, default_units, full_order, full_units
+from verify.selection import default_units, full_order, full_units
 from verify.shard import ShardError, estimate, fingerprint, parse_shard, recorded_times, shard
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.zero import zero_applies, zero_refusal
@@ -53,233 +52,11 @@ from verify.cases.torchpar_mesh import parse_mesh
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES
 from verify.cases.torchpar_rows import BAD_INPUT as TORCHPAR_BAD_INPUT, check_parallelize, run_torchpar
 from verify.report.writer import ReportError, ReportWriter, summary, table
-from verify.cases.samples import DTYPES
 from verify.worker import load_modules
-from verify.plan.cli import add_plan_parser, cmd_plan
+from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, build_parser
+from verify.names import POLICY_NAMES
+from verify.plan.cli import cmd_plan
 
-
-
-DEFAULT_WORLD_SIZES = (2, 4)
-
-
-class UsageError(Exception):
-    """Bad input: reported in one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        raise UsageError(message)
-
-
-def _world_size(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"world size must be an integer, got {text!r}") from None
-    if not 1 <= n <= max_ranks():
-        raise argparse.ArgumentTypeError(f"world size must be between 1 and {max_ranks()} on this machine "
-                                         f"({os.cpu_count()} cores), got {n}")
-    return n
-
-
-def _positive(kind: type, what: str):
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a {kind.__name__}, got {text!r}") from None
-        if not (math.isfinite(v) and v > 0):
-            raise argparse.ArgumentTypeError(f"{what} must be a finite number above 0, got {text!r}")
-        return v
-    return parse
-
-
-MIN_TIMEOUT_S = 1.0  # below this a limit cannot apply: starting a case's collectives alone takes longer
-MAX_SEED = 2 ** 63 - 1  # torch.manual_seed takes seeds up to this
-
-
-def _at_least(kind: type, what: str, least: float):
-    positive = _positive(kind, what)
-
-    def parse(text: str):
-        v = positive(text)
-        if v < least:
-            raise argparse.ArgumentTypeError(f"{what} must be at least {least:g}, got {text!r}")
-        return v
-    return parse
-
-
-def _nonempty(what: str):
-    def parse(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"{what} must not be empty (e.g. 'm=2,k=2')")
-        return text
-    return parse
-
-
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seed must be an integer, got {text!r}") from None
-    if not 0 <= v <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"--seed must be between 0 and {MAX_SEED}, got {text}")
-    return v
-
-
-def _common(p: argparse.ArgumentParser, run: bool = True) -> None:
-    p.add_argument("--module", action="append", default=[], metavar="FILE.py",
-                   help="import this file first so its register_op calls take effect (repeatable)")
-    if not run:
-        return
-    p.add_argument("--world-size", type=_world_size, nargs="+", default=None, metavar="N",
-                   help="world sizes to verify at (default: 2 4; with --mesh of fixed sizes, their product)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="dtype of the run (default float32); every case is also judged against float64")
-    p.add_argument("--seed", type=_seed, nargs="+", default=[0], metavar="S", help="input seeds (default: 0)")
-    p.add_argument("--timeout", type=_at_least(float, "--timeout", MIN_TIMEOUT_S), default=30.0, metavar="SECONDS",
-                   help=f"time limit per operator case, at least {MIN_TIMEOUT_S:g}; a model case gets 8x (default 30)")
-    p.add_argument("--rank-memory", type=_positive(float, "--rank-memory"), default=DEFAULT_MEMORY_MB, metavar="MB",
-                   help=f"resident memory cap per rank; a rank past it fails its case and the ranks restart "
-                        f"(default {DEFAULT_MEMORY_MB})")
-    p.add_argument("--base", type=_positive(int, "--base"), default=None, help=argparse.SUPPRESS)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("nnscaler-verify")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "(not installed)"
-
-
-def _precision_name(text: str) -> str:
-    try:  # the compiler's own check: an unknown name, or bf16 on a device without it, in one line
-        ComputeConfig(1, precision=text)
-    except PlanError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _precision(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", type=_precision_name, default="32-true", metavar="RECIPE",
-                   help="whole models: 32-true (default), bf16-mixed (bf16 compute as under torch.autocast, fp32 "
-                        "master weights) or bf16-true, each against the single-device run of the same recipe "
-                        "(bound: verify/judge/compare.py)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m verify", description="Verify partitioned operators on real ranks.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p_op = sub.add_parser("op", help="verify one operator under every partition it admits",
-                          description="Verify a registered operator NAME, or (--model M --node N) the operator N of "
-                                      "model M as traced on its step-0 batch in --dtype with --seed: its annotation, "
-                                      "lengths and arguments there. Localised model rows print the second form.")
-    p_op.add_argument("name", nargs="?", help="a registered operator (see 'list'); leave out with --model")
-    p_op.add_argument("--model", default=None, metavar="MODEL",
-                      help="a model (built-in, NAME@WIDTH or FILE.py:BUILDER) whose traced operator --node to verify")
-    p_op.add_argument("--node", default=None, metavar="NODE", help="the operator's name in the traced model (linear_3)")
-    _common(p_op)
-    p_op.add_argument("--partition", type=_nonempty("--partition"), default=None, metavar="SPEC",
-                      help="only this partition, e.g. 'm=2,k=2'")
-    p_op.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
-    p_op.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
-    p_model = sub.add_parser("model", help="train a whole model under every policy and compare with one device")
-    p_model.add_argument("name", help="a registered model (see --help of 'all') or FILE.py:BUILDER")
-    _common(p_model)
-    p_model.add_argument("--policy", nargs="+", default=list(POLICIES), metavar="POLICY",
-                         help=f"built-in ({', '.join(sorted(POLICIES))}), a pipeline ({', '.join(PIPELINE_POLICIES)}: "
-                              "pp = one stage per rank, pp2_tp / pp2_dp = 2 stages each tp / dp over world/2 ranks, "
-                              "1F1B unless _gpipe; pp_interleaved / pp_zb = 2 stages per rank; 4 micro-batches) "
-                              "or FILE.py:function, your own (graph, config) -> Plan (default: every built-in)")
-    p_model.add_argument("--bucket-bytes", type=_positive(int, "--bucket-bytes"), default=None, metavar="N",
-                         help="gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)")
-    p_model.add_argument("--replicas", type=_positive(int, "--replicas"), default=1, metavar="R",
-                         help="plan each policy on W/R ranks and run it as R data-parallel replicas on W ranks, "
-                              "each fed its share of the batch (default 1: no replicas)")
-    p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
-    p_model.add_argument("--microbatches", type=_positive(int, "--microbatches"), default=1, metavar="M",
-                         help="train each step by train_step in M micro-batches (M of the model's batches stacked), "
-                              "against one device on the whole batch (default 1: plain forward and backward)")
-    _recipes(p_model)
-    _precision(p_model)
-    p_model.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default=None,
-                         help="with --precision bf16-mixed: the dtype gradients are reduced in (default fp32)")
-    p_model.add_argument("--zero", type=int, default=0, metavar="Z",
-                         help="ZeRO stage over the data-parallel ranks (dp, hybrid's dp axis, --replicas): 1 shards "
-                              "optimizer state, 2 also gradients (default 0)")
-    p_model.add_argument("--parallelize", default=None, metavar="FILE.py:FN",
-                         help="verify your own torch parallelization instead of the compiler's policies: "
-                              "fn(model, mesh) applies parallelize_module plans, fully_shard, a transformers tp_plan "
-                              "(any mix) on the DeviceMesh the harness builds and returns the module (or "
-                              "verify.torch_parallel.Parallelized(module, step_context=loss_parallel)); the batch is split over the "
-                              "mesh dimension named dp")
-    p_model.add_argument("--mesh", default=None, metavar="SPEC",
-                         help="with --parallelize: the mesh's dimension names and sizes, NAME (1-D over the world "
-                              "size; default tp) or NAME=N,NAME=M (2-D, e.g. dp=2,tp=2; world size their product)")
-    p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
-    p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
-    p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")
-    p_list = sub.add_parser("list", help="list registered operators with their annotations")
-    _common(p_list, run=False)
-    p_lint = sub.add_parser("lint", help="check annotations for likely mistakes before any rank runs")
-    p_lint.add_argument("names", nargs="*", metavar="NAME", help="operators to check (default: every registered one)")
-    _common(p_lint, run=False)
-    p_lint.add_argument("--static", action="store_true", help="annotation-only checks (do not run the functions)")
-    p_all = sub.add_parser("all", help="verify every registered operator and write reports/")
-    _common(p_all)
-    p_all.add_argument("--reports", default="reports", metavar="DIR", help="report directory (default reports/)")
-    p_all.add_argument("--resume", action="store_true", help="keep rows already in DIR/cases.jsonl, run the rest")
-    p_all.add_argument("--op", nargs="+", default=None, metavar="NAME", help="only these operators")
-    p_all.add_argument("--model", nargs="*", default=None, metavar="NAME",
-                       help="whole models to train under every policy (default: all, or none with --op; none with an "
-                            "empty list)")
-    p_all.add_argument("--microbatches", type=_positive(int, "--microbatches"), nargs="*", default=[4], metavar="M",
-                       help=f"also train every model under {' and '.join(MICROBATCH_POLICIES)} with M micro-batches per "
-                            "step, for each M (default: 4; none with an empty list)")
-    _precision(p_all)
-    p_all.add_argument("--zero", type=int, default=0, metavar="Z",
-                       help="train the models under ZeRO stage Z where a plan has data-parallel ranks (dp, hybrid at "
-                            "W>=4, the tp replicas rows); the other model rows are left out (default 0)")
-    p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
-                       help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
-                            "different plan (default: 0 1 2)")
-    _recipes(p_all)
-    p_all.add_argument("--full", action="store_true",
-                       help="run the whole matrix (every model x policy x world size x seed, every random seed, "
-                            "micro-batch count, pipeline, replica and recipe case, each resuming from its checkpoint) "
-                            "instead of the default sample, which runs each of those at least once")
-    p_all.add_argument("--shard", default=None, metavar="I/N",
-                       help="run share I of N (time-balanced by recorded unit times, the same on every machine); "
-                            "combine the N report directories with 'python -m verify merge'")
-    p_all.add_argument("--no-cache", action="store_true",
-                       help="run every unit, ignoring verdicts kept in the cache (a cached row says so in reports)")
-    p_all.add_argument("--cache-dir", default=CACHE_DIR, metavar="DIR",
-                       help=f"where verdicts are kept, keyed by everything that can change them (default {CACHE_DIR})")
-    p_all.add_argument("--torchpar", nargs="*", default=None, metavar="NAME",
-                       help="built-in torch parallelizations to verify, a section of their own (torchtitan's Llama "
-                            "plan, FSDP2, FSDP2 x TP, transformers' tp_plan, known-wrong plans): "
-                            f"{', '.join(sorted({c.name for c in TORCH_CASES}))} (default: all, or none with --op or "
-                            "--model; none with an empty list)")
-    p_merge = sub.add_parser("merge", help="combine the reports of the N shards of one 'verify all --shard i/N' sweep",
-                             description="Check that the report directories are the N shares of one verify all "
-                                         "--shard sweep, each once, no unit or case missing or twice, and write "
-                                         "the combined reports (cases.jsonl, JSON, Markdown, JUnit, HTML).")
-    p_merge.add_argument("dirs", nargs="+", metavar="DIR", help="the shards' --reports directories")
-    p_merge.add_argument("--reports", default="reports", metavar="DIR", help="where to write (default reports/)")
-    add_plan_parser(sub)
-    return parser
-
-
-def _recipes(p: argparse.ArgumentParser) -> None:
-    """The training-recipe flags of whole-model runs (carried into ``ComputeConfig``; the single-device
-    reference runs the same recipe)."""
-    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
-                   help="clip the whole model's gradient norm to MAX each step (ComputeConfig.clip_grad_norm; "
-                        "the reference uses torch.nn.utils.clip_grad_norm_)")
-    p.add_argument("--recompute", default="none", metavar="MODE",
-                   help="activation recompute: none (default), full (each block), selective (attention core)")
 
 
 def _config(args) -> RunConfig:
@@ -289,6 +66,10 @@ def _config(args) -> RunConfig:
         raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
     microbatches = getattr(args, "microbatches", 1)
     precision = getattr(args, "precision", "32-true")
+    try:  # the compiler's own check: an unknown name, or bf16 on a device without it, in one line
+        ComputeConfig(1, precision=precision)
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
     if precision != "32-true" and args.dtype != "float32":
         raise UsageError(f"--precision {precision} sets the dtypes itself; leave --dtype at float32 (got {args.dtype})")
     if getattr(args, "grad_reduce_dtype", None) and precision != "bf16-mixed":
@@ -309,18 +90,40 @@ def _config(args) -> RunConfig:
                      base_override=args.base, microbatches=microbatches if isinstance(microbatches, int) else 1)
 
 
-def _load(modules: Sequence[str]) -> OpRegistry:
+def _imported(modules: Sequence[str]) -> tuple[OpRegistry, list[warnings.WarningMessage]]:
+    """The registry with ``modules`` imported, and what their import warned of, not yet shown (input
+    refused later is one line, with no warnings before it): :func:`_say` shows them."""
     for m in modules:
         if not Path(m).is_file():
             raise UsageError(f"--module {m}: no such file")
     try:
-        return load_modules(modules)
+        with warnings.catch_warnings(record=True) as caught:
+            return load_modules(modules), caught
     except AnnotationError as exc:
         raise UsageError(str(exc)) from None
     except SystemExit as exc:
         raise UsageError(f"importing {', '.join(modules)} called sys.exit({exc.code!r})") from None
     except Exception as exc:
         raise UsageError(f"importing {', '.join(modules)} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _say(caught: Sequence[warnings.WarningMessage], findings: Sequence = ()) -> None:
+    """Each warning once, in one line at the user's line that caused it; then each lint finding not
+    already said so."""
+    said = set()
+    for w in caught:
+        if str(w.message) not in said:
+            said.add(str(w.message))
+            print(f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}", file=sys.stderr, flush=True)
+    for finding in findings:
+        if str(finding) not in said:
+            print(f"verify: warning: {finding}", file=sys.stderr, flush=True)
+
+
+def _load(modules: Sequence[str]) -> OpRegistry:
+    reg, caught = _imported(modules)
+    _say(caught)
+    return reg
 
 
 def _gang(cfg: RunConfig, args) -> Gang:
@@ -358,10 +161,11 @@ def _write_json(path: str | None, rows) -> None:
 
 
 def cmd_list(args) -> int:
+    key = None if args.module else current_key()  # read before the import: the rows belong to this source
     reg = _load(args.module)
     rows = [[s.name, s.family, s.annotation, ", ".join(s.aten)] for s in reg]
-    print(tabulate(rows, headers=["op", "family", "annotation", "aten"], tablefmt="github"))
-    print(f"\n{len(rows)} operators")
+    store_rows(key, rows)  # the next plain ``list`` answers without torch (verify/__main__.py)
+    print(render(rows))
     return 0
 
 
@@ -396,7 +200,7 @@ def _check_model(name: str, build: bool = False) -> ModelCase | None:
             raise UsageError(str(exc)) from None
     if not known_model(name):
         raise UsageError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))} (or NAME@WIDTH, or "
-                         f"FILE.py:BUILDER where BUILDER(seed) returns a ModelCase or (model, batch_fn))")
+                         f"FILE.py:BUILDER[@WIDTH] where BUILDER(seed[, WIDTH]) returns a ModelCase or (model, batch_fn))")
     return build_model(name, 0) if build else None
 
 
@@ -415,9 +219,10 @@ def _node_spec(args, cfg: RunConfig):
 
 
 def cmd_op(args) -> int:
-    reg = _load(args.module)
+    reg, caught = _imported(args.module)  # said once the operator's input passed the checks (preflight)
     cfg = _config(args)
     wrong_backward: list[Row] = []
+    notes = []
     if args.model is not None:
         cfg = replace(cfg, node=(args.model, args.node or ""))
         spec, what = _node_spec(args, cfg)
@@ -433,14 +238,18 @@ def cmd_op(args) -> int:
                                           rerun=f"python -m verify lint {shlex.quote(spec.name)}"
                                           + "".join(f" --module {shlex.quote(m)}" for m in cfg.modules)))
             elif finding.kind != "failed":  # a function that cannot run at all is bad input, said below in one line
-                print(f"verify: warning: {finding}", file=sys.stderr)
+                notes.append(finding)
+        caught = [w for w in caught if not issubclass(w.category, AnnotationWarning)  # the others' are not ours
+                  or str(w.message).startswith(f"{spec.name}: ")]
     _json_target(args.json)
-    writer = None if args.reports is None else ReportWriter(args.reports, cfg)  # refuses an unwritable directory
+    command = f"op {args.name}" if args.model is None else f"op --model {args.model} --node {args.node}"
+    writer = None if args.reports is None else ReportWriter(args.reports, cfg, resume=args.resume, command=command)
     print(f"verifying {what} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
           f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     rows = list(wrong_backward)
     with _gang(cfg, args) as gang, RunProgress(len(cfg.world_sizes)) as progress:
         preflight(gang, [spec], cfg)
+        _say(caught, notes)
         for w in cfg.world_sizes:  # one progress item per world size, at the lengths of the whole run
             label = f"{cfg.row_name(spec)} W={w}"
             progress.start(label)
@@ -477,7 +286,7 @@ def cmd_model(args) -> int:
     case = _check_model(args.name, build=True)  # the one build before the ranks start
     if args.parallelize is not None or args.mesh is not None:
         return cmd_torchpar(args)
-    policies = _policies(args.policy)
+    policies = _policies(args.policy or POLICY_NAMES)  # no --policy: every built-in
     cfg = _config(args)
     try:  # a pipeline the model cannot be cut into, or a batch that does not divide: before any rank starts
         check_pipeline_input(args.name, policies, cfg.world_sizes, cfg.microbatches, replicas=args.replicas, case=case)
@@ -491,19 +300,18 @@ def cmd_model(args) -> int:
     odd = [w for w in cfg.world_sizes if w % args.replicas]
     if odd:
         raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")
-    if cfg.zero and args.policy == list(POLICIES):  # no --policy: those with data-parallel ranks at every W
+    if cfg.zero and args.policy is None:  # no --policy: those with data-parallel ranks at every W
         policies = tuple(p for p in policies if not zero_refusal(cfg.zero, p, cfg.world_sizes, args.replicas)) \
             or policies
     for policy in policies:  # a plan with no data-parallel ranks to shard over: before any rank starts
         reason = zero_refusal(cfg.zero, policy, cfg.world_sizes, args.replicas)
         if reason:
             raise UsageError(reason)
-    writer = None if args.reports is None else ReportWriter(args.reports, cfg)
+    writer = None if args.reports is None else ReportWriter(args.reports, cfg, resume=args.resume,
+                                                            command=f"model {args.name}")
     mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
     print(f"training {args.name} for {args.steps} steps{mb} under {', '.join(policies)} at world sizes "
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
-    for line in replicated_lines(args.name, [p for p in policies if p in POLICIES], cfg.world_sizes, case=case):
-        print(line, flush=True)
     missing = precheck(case.model, case.batch(0), cfg.precision)  # a bf16 kernel this device lacks: before any rank
     if missing:
         raise UsageError(f"--precision {cfg.precision}: {args.name} runs an operator without bf16 support on this "
@@ -538,7 +346,7 @@ def cmd_torchpar(args) -> int:
     parallelization (:mod:`verify.cases.torchpar`) against one device."""
     if args.parallelize is None:
         raise UsageError("--mesh needs --parallelize FILE.py:fn (the compiler's policies build their own meshes)")
-    if args.policy != list(POLICIES):
+    if args.policy is not None:
         raise UsageError("give --policy or --parallelize, not both (--parallelize verifies your own parallelization)")
     for opt, default in TORCHPAR_REFUSED.items():
         if getattr(args, opt) != default:
@@ -552,7 +360,8 @@ def cmd_torchpar(args) -> int:
     cfg = _config(args)
     dims = _torchpar_dims(mesh, args.name, args.parallelize, cfg.world_sizes)
     _json_target(args.json)
-    writer = None if args.reports is None else ReportWriter(args.reports, cfg)
+    writer = None if args.reports is None else ReportWriter(
+        args.reports, cfg, resume=args.resume, command=f"model {args.name} --parallelize {args.parallelize}")
     print(f"training {args.name} for {args.steps} steps parallelized by {args.parallelize} on a {mesh} mesh at world "
           f"sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang, RunProgress(1) as progress:
@@ -694,12 +503,22 @@ def cmd_merge(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prepare=None) -> int:
-    """``prepare(args)``: a hook run on the parsed arguments before the command (``verify.cluster``
-    sets torchrun's world size and ranks there; it may raise :class:`UsageError`)."""
+    """``python -m verify ARGS`` in this process (the tests' entry); the shell's is :mod:`verify.__main__`.
+    ``prepare(args)``: a hook run on the parsed arguments before the command (``verify.cluster`` sets
+    torchrun's world size and ranks there; it may raise :class:`UsageError`)."""
     try:
         args = build_parser().parse_args(argv)
         if prepare is not None:
             prepare(args)
+    except UsageError as exc:
+        print(f"verify: error: {exc}", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def run(args) -> int:
+    """Run the parsed command; bad input is one line on stderr and exit 2."""
+    try:
         return {"op": cmd_op, "model": cmd_model, "list": cmd_list, "all": cmd_all,
                 "lint": cmd_lint, "merge": cmd_merge, "plan": cmd_plan}[args.command](args)
     except (UsageError, UnknownOpError, BadInput, AnnotationError, ReportError) as exc:

@@ -22,10 +22,8 @@ from verify.cases.config import model_label
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
 from verify.cases.replica_rows import ALL_REPLICAS, replica_world_sizes
 from verify.cases.replicas import replica_label
+from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES
 
-MICROBATCH_POLICIES = ("dp", "tp")  # the micro-batch sweep of `verify all`
-SEEDED_POLICIES = ("random", "random2d", "pp2_random")  # each seed draws another plan
-"""Policies whose plan is drawn from the seed: ``--full`` runs each under every ``--random-seeds``."""
 
 RECIPE = {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}  # verify all's sample
 RECIPE_TAG = " bf16-mixed zero3 clip1 recompute=full"

@@ -2,7 +2,7 @@
 (``Plan.summary()`` and the others reach these through ``plan.stats``)."""
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from tabulate import tabulate
 
@@ -61,6 +61,17 @@ def summary(plan, s) -> dict:
     }
 
 
+LISTED = 10  # overloads named in a one-line summary
+
+
+def replicated_listing(replicated_ops) -> str:
+    """``overload xK (reason), ...`` of ``(name, overload, reason)`` triples, the most frequent first."""
+    kinds = Counter((o.removeprefix("aten."), why) for _, o, why in replicated_ops).most_common()
+    listing = ", ".join(f"{o} x{n}" + (f" ({REASONS[why].split(':')[0]})" if why != "whole" else "")
+                        for (o, why), n in kinds[:LISTED])
+    return listing + (f", {len(kinds) - LISTED} more kinds" if len(kinds) > LISTED else "")
+
+
 def one_line(plan, s) -> str:
     table = collective_table(s)
     count = {p: sum(k["count"] for k in table.get(p, {}).values()) for p in ("forward", "backward", "grad sync")}
@@ -70,7 +81,8 @@ def one_line(plan, s) -> str:
             f"{human(s.single_device['param'])}), peak {human(max(s.peak_bytes))}/rank, collectives "
             f"{count['forward']} fwd + {count['backward']} bwd + {count['grad sync']} grad sync "
             f"({human(moved)}), est. step {seconds(s.step_seconds)} on {s.profile}, "
-            f"{len(s.replicated_ops)} ops replicated")
+            f"{len(s.replicated_ops)} ops replicated"
+            + (f": {replicated_listing(s.replicated_ops)}" if s.replicated_ops else ""))
 
 
 def report(plan, s) -> str:

@@ -8,6 +8,7 @@ import warnings
 from importlib.metadata import entry_points
 from typing import Any, Callable, Iterator, Mapping
 
+from ..dimops.grammar import AnnotationError
 from .lint import AnnotationWarning, lint_static
 from .rules import Rule, aten_overload
 from .spec import OpSpec
@@ -164,12 +165,24 @@ def register_op(annotation: str | Callable[..., str], name: str | None = None, *
             options["aten"] = (qualname.replace("::", ".") + ".default",)
         spec = OpSpec.create(op_name, annotation, fn, args=positions,
                              inputs={_position(fn, k, n): v for k, v in (inputs or {}).items()}, **options)
+        _refuse_empty_dims(spec)
         target.add(spec)
         for finding in lint_static(spec):  # a likely mistake is said now, before any rank runs
             warnings.warn(str(finding), AnnotationWarning, stacklevel=2)
         return returned
 
     return deco
+
+
+def _refuse_empty_dims(spec: OpSpec) -> None:
+    """A registered operator's annotation with a fixed length 0 (``a 0 -> a 0``): its tensors are
+    empty, so no value is compared and no dim split; refused, where a rule's traced call may yield one."""
+    for t in spec.anno.inputs + spec.anno.outputs:
+        for d in t.dims:
+            for i in d.idents:
+                if i.is_number and int(i.name) == 0:
+                    raise AnnotationError(f"annotation {spec.annotation!r}, column {i.col + 1}: a dimension of "
+                                          f"length 0 has nothing to verify; give it a positive length")
 
 
 def _register_callable(fn: Callable, anno_fn: Callable[..., str], name: str | None, target: OpRegistry,

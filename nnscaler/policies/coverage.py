@@ -7,16 +7,13 @@ communication.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
-from ..cost.summary import REASONS
+from ..cost.summary import replicated_listing
 from ..dimops.partition import splittable
 from ..ir.graph import IRGraph, IROp
 from ..ir.plan import Plan
 
-
-LISTED = 10  # overloads named in the one-line summary
 
 
 @dataclass(frozen=True)
@@ -54,10 +51,5 @@ def replicated_operators(graph: IRGraph, plan: Plan) -> list[Replicated]:
 def replicated_line(graph: IRGraph, plan: Plan) -> str:
     """``N of M operators replicated: overload xK (reason), ...`` in one line."""
     reps = replicated_operators(graph, plan)
-    counts = Counter((r.op.overload.removeprefix("aten."), r.reason) for r in reps)
-    kinds = counts.most_common()
-    listing = ", ".join(f"{o} x{n}" + (f" ({REASONS[why].split(':')[0]})" if why != "whole" else "")
-                        for (o, why), n in kinds[:LISTED])
-    if len(kinds) > LISTED:
-        listing += f", {len(kinds) - LISTED} more kinds"
+    listing = replicated_listing([(r.op.name, r.op.overload, r.reason) for r in reps])
     return f"{len(reps)} of {len(graph.ops)} operators replicated" + (f": {listing}" if listing else "")

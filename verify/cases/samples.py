@@ -12,7 +12,9 @@ from nnscaler.dimops.binding import BoundAnno, bind
 from nnscaler.dimops.grammar import FROZEN
 from nnscaler.ops.spec import Index, Mask, OpSpec, Positive, Uniform, outputs_of, resolve, size_names
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from verify.names import DTYPE_NAMES
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 SPLIT_MULTIPLES = (2, 1, 3)  # splittable lengths are base x these, cycling over identifiers
 FROZEN_LENGTHS = (3, 5, 6, 7)  # lengths of identifiers that are never split
 HIDDEN_LENGTHS = (2, 3)  # lengths of non-first factors of a group

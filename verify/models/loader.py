@@ -1,10 +1,12 @@
 """A model to verify, named either as a registered model (``nanogpt``) or as a user's builder in a
-file (``path/to/file.py:builder``). A builder is ``builder(seed)`` returning a
-:class:`~verify.models.registry.ModelCase`, or a pair ``(model, batch_fn)`` with ``batch_fn(step)``
-giving the sample arguments of a training step."""
+file (``path/to/file.py:builder``, or ``path/to/file.py:builder@WIDTH`` for ``builder(seed, WIDTH)``).
+A builder is ``builder(seed)`` returning a :class:`~verify.models.registry.ModelCase`, or a pair
+``(model, batch_fn)`` with ``batch_fn(step)`` giving the sample arguments of a training step. The
+file's folder goes first on ``sys.path``, as under ``python file.py``."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 import sys
 import traceback
@@ -21,8 +23,8 @@ class ModelNotFound(ValueError):
     """The model reference names no registered model and no builder in a file (exit 2 on the CLI)."""
 
 
-HOW_TO_ADD = ("pass FILE.py:BUILDER, where BUILDER(seed) returns a ModelCase or (model, batch_fn), or decorate a "
-              "builder with verify.models.register_model('NAME') in a file given with --module")
+HOW_TO_ADD = ("pass FILE.py:BUILDER[@WIDTH], where BUILDER(seed[, WIDTH]) returns a ModelCase or (model, batch_fn), "
+              "or decorate a builder with verify.models.register_model('NAME') in a file given with --module")
 
 
 def import_file(path: Path):
@@ -34,8 +36,8 @@ def import_file(path: Path):
         raise ModelNotFound(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    if str(path.parent) not in sys.path:  # its sibling modules import, as under ``python FILE.py``
-        sys.path.append(str(path.parent))
+    if str(path.parent) not in sys.path:  # its sibling modules import, as under ``python FILE.py`` (first)
+        sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
@@ -67,6 +69,9 @@ def find_builder(ref: str) -> Callable[[int], ModelCase]:
             return _checked(MODELS[ref], ref)
         raise ModelNotFound(f"unknown model {ref!r}; known: {', '.join(sorted(MODELS))}; to add one, {HOW_TO_ADD}")
     path_text, _, attr = ref.rpartition(":")
+    attr, at, width = attr.partition("@")
+    if at and not (width.isdigit() and int(width) > 0):
+        raise ModelNotFound(f"model {ref!r}: the width after '@' must be a positive integer, got {width!r}")
     path = Path(path_text)
     if not path.is_file():
         raise ModelNotFound(f"model {ref!r}: no such file {path_text}")
@@ -77,6 +82,20 @@ def find_builder(ref: str) -> Callable[[int], ModelCase]:
                  and getattr(v, "__module__", None) == module.__name__]
         raise ModelNotFound(f"model {ref!r}: {path_text} has no function {attr!r} (functions there: "
                             f"{', '.join(names) or 'none'})")
+    if at:  # FILE.py:builder@WIDTH, as NAME@WIDTH of a built-in: builder(seed, WIDTH)
+        try:
+            inspect.signature(builder).bind(0, int(width))
+        except TypeError:
+            raise ModelNotFound(f"model {ref!r}: {attr} takes no width; define {attr}(seed, width) to build it "
+                                f"at @{width}") from None
+        except ValueError:
+            pass  # no signature to read: the call says
+        n = int(width)
+
+        def at_width(seed: int):
+            return builder(seed, n)
+        at_width.__name__ = f"{attr}@{n}"
+        return _checked(at_width, ref)
     return _checked(builder, ref)
 
 

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 import xml.etree.ElementTree as ET
 from collections import OrderedDict
@@ -20,6 +21,7 @@ from nnscaler.io import atomic_write
 from verify.report import html as html_report
 from verify.judge.verdict import MATCH
 from verify.cases.config import Row, RunConfig
+from verify.names import OVERWRITE
 
 CASES_FILE = "cases.jsonl"
 LOCK_FILE = ".lock"  # flock'ed by the one run writing the directory
@@ -88,15 +90,23 @@ class ReportWriter:
     ``junit.xml`` are rewritten atomically from all rows by :meth:`flush`.
 
     One writer per directory: a second run into a directory in use is refused (``ReportError``).
-    ``resume`` keeps the valid rows of a run with the same configuration (another configuration is
-    refused), each case once, and drops failed-to-run rows (error, timeout, crash) so they run again.
+    ``resume`` True keeps the valid rows of a run with the same configuration (another configuration
+    is refused), each case once, and drops failed-to-run rows (error, timeout, crash) so they run
+    again; :data:`OVERWRITE` replaces whatever is there. Without either, rows already there are
+    replaced only when a finished run of the same ``command`` at the same configuration wrote them
+    (one line says so, on stderr); rows of an unfinished run, of another command or configuration
+    are refused, in one line naming the way out. ``report.json`` records ``command`` and whether the
+    run finished (``complete``: it closed with no exception on its way).
     """
 
     RERUN = ("error", "timeout", "crash")
 
-    def __init__(self, directory: str | os.PathLike, cfg: RunConfig, resume: bool = False):
+    def __init__(self, directory: str | os.PathLike, cfg: RunConfig, resume: bool | str = False,
+                 command: str = "all"):
         self.dir = Path(directory)
         self.cfg = cfg
+        self.command = command
+        self.complete = False
         self.seconds = 0.0
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -107,7 +117,13 @@ class ReportWriter:
         self._lock = self._acquire()
         self._flushed = 0.0
         self.sweep: dict = {}  # verify all: the selection, shard and finished units (verify/shard.py)
-        self.rows: list[Row] = self._resume() if resume else []
+        try:
+            if resume is not True and resume != OVERWRITE:
+                self._check_replace()
+        except (ReportError, OSError) as exc:
+            self._lock.close()
+            raise exc if isinstance(exc, ReportError) else _oserror(f"cannot read {self.dir}", exc) from None
+        self.rows: list[Row] = self._resume() if resume is True else []
         try:
             kept = b"".join((json.dumps(r.to_json()) + "\n").encode() for r in self.rows)
             atomic_write(self.dir / CASES_FILE, kept)
@@ -135,6 +151,38 @@ class ReportWriter:
         fh.write(str(os.getpid()))
         fh.flush()
         return fh
+
+    def _check_replace(self) -> None:
+        """Rows already in the directory: replaced (and said) when a finished run of this command at
+        this configuration wrote them, else refused."""
+        before = load_rows(self.dir)
+        if not before:
+            return
+        try:
+            meta = json.loads((self.dir / "report.json").read_text())
+            meta = meta if isinstance(meta, dict) else {}
+        except (OSError, ValueError):
+            meta = {}
+        command = meta.get("command", "all")  # reports written before the field: by `verify all`
+        finished = meta.get("complete", "config" in meta)  # ... and closed, when report.json is whole
+        now = _config_of(self.cfg)
+        config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        diff = [k for k in now if config.get(k) != now[k]]
+        replace = "pass --overwrite to replace it, or another --reports"
+        way = "pass --resume to continue it, --overwrite to replace it, or another --reports" \
+            if self.command == "all" else replace  # only `verify all` resumes
+        held = f"{self.dir} holds {len(before)} case{'' if len(before) == 1 else 's'} of "
+        if command != self.command:
+            raise ReportError(held + f"a `python -m verify {command}` run; {way}")
+        if not finished:
+            raise ReportError(held + f"an unfinished run; {way}")
+        if not meta:
+            raise ReportError(held + f"a run whose report.json is missing or damaged; {way}")
+        if diff:
+            settings = ", ".join(f"{k} {config.get(k)} there, {now[k]} now" for k in diff)
+            raise ReportError(held + f"a run with other settings ({settings}); {replace}")
+        print(f"verify: replacing the finished `python -m verify {command}` run in {self.dir} ({len(before)} cases, "
+              f"{meta.get('finished', 'time unknown')})", file=sys.stderr, flush=True)
 
     def _resume(self) -> list[Row]:
         meta = self.dir / "report.json"
@@ -186,13 +234,17 @@ class ReportWriter:
 
     def flush(self) -> None:
         self._flushed = time.monotonic()
-        meta = {"config": _config_of(self.cfg), "summary": summary(self.rows), "seconds": round(self.seconds, 2),
-                "host": socket.gethostname(), "finished": _now()}
+        meta = {"config": _config_of(self.cfg), "command": self.command, "complete": self.complete,
+                "summary": summary(self.rows), "seconds": round(self.seconds, 2), "host": socket.gethostname(),
+                "finished": _now()}
         if self.sweep:
             meta["sweep"] = self.sweep
         write_reports(self.dir, self.rows, meta)
 
     def close(self) -> None:
+        """The last flush; the run is ``complete`` unless an exception (an interruption, ranks that
+        could not start) is on its way through the caller's ``finally``."""
+        self.complete = sys.exc_info()[0] is None
         try:
             self.flush()
         finally:

@@ -33,10 +33,9 @@ import torch.multiprocessing as mp
 from verify import worker
 from verify.runner import isolation
 from verify.runner.answer import RankAnswer
+from verify.runner.limits import DEFAULT_MEMORY_MB, max_ranks  # noqa: F401  (the gang's own checks; re-exported)
 
 PG_TIMEOUT_S = 3600.0  # gloo's own timeout: only a backstop, case limits are far shorter
-DEFAULT_MEMORY_MB = 4096  # per rank; override with Gang(memory_mb=...) or ``--rank-memory``
-RANKS_PER_CORE = 4  # more ranks than this per core cannot make progress on a loaded machine
 ERROR_GRACE_S = 3.0  # after one rank's error, how long its peers get to answer
 
 
@@ -50,15 +49,6 @@ class MemoryCapError(ValueError):
 
 class WorldSizeError(ValueError):
     """More ranks than this machine can run."""
-
-
-def max_ranks() -> int:
-    """The most ranks this machine runs: ``RANKS_PER_CORE`` per usable core."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return RANKS_PER_CORE * cores
 
 
 def free_port(host: str = "127.0.0.1") -> int:

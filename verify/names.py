@@ -1,0 +1,31 @@
+"""The names the command line offers (policies, pipelines, dtypes, torch parallelization cases),
+free of torch so ``python -m verify --help`` answers at once. Each mirrors a registry that imports
+torch; ``tests/test_cli_startup.py`` checks that they agree."""
+
+POLICY_NAMES = ("dp", "tp", "hybrid", "random", "random2d", "autodist")
+"""``nnscaler.policies.POLICIES``, in its order."""
+
+PIPELINE_NAMES = ("pp", "pp_gpipe", "pp2_tp", "pp2_tp_gpipe", "pp2_dp", "pp2_dp_gpipe", "pp2_random", "pp2_hybrid",
+                  "pp_interleaved", "pp_zb")
+"""``nnscaler.policies.pipeline.PIPELINE_POLICIES``, in its order."""
+
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
+"""The ``torch`` dtypes a run may use (``verify.cases.samples.DTYPES`` is built from these)."""
+
+TORCHPAR_NAMES = ("fsdp", "fsdp_tp", "hf_llama_tp_auto", "hf_qwen3_tp_auto", "titan_tp", "titan_tp_replicated_logits",
+                  "titan_tp_wo_colwise", "vocab_offsets_v96", "wrong_missing_sp_gather", "wrong_rowwise_as_colwise",
+                  "wrong_vocab_offsets")
+"""The names of ``verify.cases.torchpar_builtin.CASES``, sorted."""
+
+OVERWRITE = "overwrite"
+"""``args.resume`` under ``--overwrite``, and ``ReportWriter(resume=OVERWRITE)``: the rows already in
+the reports directory are replaced."""
+
+MICROBATCH_POLICIES = ("dp", "tp")
+"""The policies ``verify all`` trains with micro-batches (:mod:`verify.selection`)."""
+
+SEEDED_POLICIES = ("random", "random2d", "pp2_random")
+"""Policies whose plan is drawn from the seed: ``verify all --full`` runs each under every ``--random-seeds``."""
+
+CACHE_DIR = ".verify-cache"
+"""Where ``verify all`` keeps verdicts unless told (``--cache-dir``; :mod:`verify.cache`)."""
