@@ -108,6 +108,17 @@ def test_an_optimizer_by_hand_over_a_zero_2_module_is_refused_not_a_silent_no_op
                               "nothing") and "module.build_optimizer(AdamW, ...)" in msg, msg
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_hand_clipping_over_gradient_shards_gets_the_whole_norm_and_a_subset_is_refused(tmp_path, zero):
+    """zero 2/3 keep each gradient as slices of a shard: ``torch.nn.utils.clip_grad_norm_(pm.parameters())``
+    used to find no ``.grad``, return 0 and clip nothing; it now equals ``pm.clip_grad_norm_`` (norm and
+    clipped gradients), and a norm over some of the parameters is refused in one line."""
+    for hand, builtin, same, subset in zero_ranks.run(str(tmp_path), f"hand_clip_z{zero}"):
+        assert hand > 1e-2 and hand == builtin and same, (hand, builtin, same)  # clipped, like the built-in
+        assert subset.startswith("ShardGradError: ") and f"zero={zero}" in subset and "\n" not in subset, subset
+        assert "module.clip_grad_norm_(max_norm)" in subset, subset
+
+
 def test_zero_redundancy_optimizer_by_hand_over_dp_copies_is_right(tmp_path):
     assert zero_ranks.run(str(tmp_path), "hand_dp") == [0.0, 0.0]
 
