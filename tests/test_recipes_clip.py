@@ -65,7 +65,8 @@ def test_a_wrong_norm_is_caught(fixture, policies, name):  # (a pipeline of one 
 
 def test_hand_clipping_gets_the_whole_models_norm_and_a_subset_warns():
     """tp x 2 replicas at W=4: torch's local norm of the shards differs from the single-device norm;
-    ``torch.nn.utils.clip_grad_norm_(pm.parameters())`` and ``pm.clip_grad_norm_`` both equal it."""
+    ``torch.nn.utils.clip_grad_norm_(pm.parameters())`` and ``pm.clip_grad_norm_`` both equal it; torch's
+    own norm function is routed only while the module lives (not by importing nnscaler)."""
     import json
     import subprocess
 
@@ -79,3 +80,4 @@ def test_hand_clipping_gets_the_whole_models_norm_and_a_subset_warns():
     assert abs(res["hand"] - res["single_device"]) <= 1e-5 * res["single_device"], res
     assert abs(res["builtin"] - res["single_device"]) <= 1e-5 * res["single_device"], res
     assert res["hand_grads_ok"] and res["builtin_grads_ok"] and res["subset_warns"], res
+    assert res["scoped"], res
