@@ -86,7 +86,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(LOSS.format(step), loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
                             traces)
     checks += fallback.notes(dtype)

@@ -138,11 +138,12 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
         if microbatches == 1 and memory is not None:
             memory.last = measure(pm, opts[0], saved.bytes, grad_bytes)
     # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device
     # and under another plan at W=2, as every whole-model case's does
-    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces, precision)
+    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces, precision,
+                            fallback.spreads)
     checks += fallback.notes(dtype)
     return checks
