@@ -73,6 +73,15 @@ def test_zero_trains_like_one_device_and_resumes_under_another_plan(gang, policy
     assert any(n.startswith(f"resumed under {other} at W={w_b}: param") and "after step" in n for n in names)
 
 
+def test_a_zero_checkpoint_of_a_model_with_a_frozen_parameter_resumes_under_a_plain_optimizer(gang):
+    """speech_encdec keeps a frozen sinusoidal table (``requires_grad=False``): the zero optimizer, built
+    over the trainable parameters, saved no entry for it, and the plain AdamW of plan B (over every
+    parameter) refused the checkpoint ("holds no optimizer state for it")."""
+    status, detail, checks, _ = _model(gang, "speech_encdec", "dp", 2, 1)
+    assert status == MATCH, detail
+    assert any(c["name"].startswith("resumed under tp at W=2: param") for c in checks)
+
+
 def test_zero_2_with_micro_batches_accumulates_the_gradient_shards_exactly(gang):
     with tempfile.TemporaryDirectory() as tmp:  # train_step: no_sync, then one reduce-scatter of the sum, scaled
         job = {"kind": "model", "model": "nanogpt", "policy": "dp", "world_size": 2, "steps": 2, "seed": 0,
