@@ -326,7 +326,8 @@ def render_program(e: Emitter, header: str = "") -> str:
     body = [f"def forward(p, g, {params}{', probe' if probe else ''}):",
             '    """p: the state this rank holds, by model name; g: its process group on each mesh axis."""']
     lines = e.lines
-    if e.recompute != "none" and not probe:  # the instrumented program runs every operator once
+    hand = any(op.checkpoint is not None for op, _, _ in e.spans)  # the model's own torch.utils.checkpoint calls
+    if (e.recompute != "none" or hand) and not probe:  # the instrumented program runs every operator once
         lines, n = wrap(lines, e.spans, e.recompute, [t.name for t in graph.inputs], e.recompute_modules)
         if n:
             head.insert(head.index("import torch") + 1, "from nnscaler.runtime.recompute import checkpoint  # torch.utils.checkpoint, non-reentrant")
