@@ -42,7 +42,6 @@ from verify.models.loader import ModelNotFound, check_builder, is_file_reference
 from verify.runner.gang import DEFAULT_MEMORY_MB, PG_TIMEOUT_S, Gang, GangError, MemoryCapError, WorldSizeError, max_ranks
 from verify.report.progress import RunProgress
 from verify.cases.replica_rows import replica_items, run_replicas
-from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.zero import zero_refusal
 from verify.cases.torchpar_mesh import parse_mesh
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
@@ -460,10 +459,6 @@ def cmd_model(args) -> int:
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     _json_target(args.json)
-    piped = [p for p in policies if is_pipeline_policy(p)]
-    if args.replicas > 1 and cfg.precision != "32-true" and piped:
-        raise UsageError(f"--replicas with --precision {cfg.precision}: pipeline replica cases ({piped[0]}) run 32-true "
-                         f"only (not yet a recipe); leave out --precision or the pipeline policy")
     odd = [w for w in cfg.world_sizes if w % args.replicas]
     if odd:
         raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")
