@@ -49,6 +49,13 @@ def test_a_correct_model_matches_under_bf16_mixed_with_its_checkpoint(gang2):
     assert row.status == MATCH, row.detail
 
 
+def test_a_model_whose_rounding_is_coherent_matches_on_resume(gang2):
+    """transformer_encoder under dp, resumed under tp: its first resumed step false-alarmed on one step's
+    lucky single-device spread (0.00575 > 0.00564); the bound now takes the tensor's median spread."""
+    row = _row(gang2, "transformer_encoder", "dp", steps=3, checkpoint=True)
+    assert row.status == MATCH, row.detail
+
+
 @pytest.mark.parametrize("policy", ["dp", "pp"])
 def test_bf16_mixed_matches_under_dp_and_a_pipeline(gang2, policy):
     row = _row(gang2, "nanogpt", policy, steps=2)

@@ -2,7 +2,8 @@
 modules ``recompute_modules`` names) or each attention core (``selective``) of the generated program in
 ``torch.utils.checkpoint`` (non-reentrant); full recompute cuts the saved activations of a 4-layer
 nanoGPT >= 3x with identical gradients; the harness matches one device under dp, tp and a pipeline;
-``torch.utils.checkpoint`` inside a user's model is refused naming ``recompute=``."""
+``torch.utils.checkpoint`` inside a user's model is honoured (its regions recomputed alike; a reentrant
+one refused naming ``use_reentrant=False``)."""
 from __future__ import annotations
 
 import json
@@ -103,14 +104,42 @@ class _HandCheckpointed(nn.Module):
         return x.sum()
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_torch_checkpoint_in_the_model_is_refused_naming_recompute(reentrant):
+def test_torch_checkpoint_in_the_model_is_a_recompute_region_of_the_program():
+    """It used to be traced away (the program kept every activation, silently), then refused; now each
+    call's operators are a region the program runs through torch.utils.checkpoint, as the model asks."""
+    graph = trace(_HandCheckpointed(False), (torch.randn(2, 8, requires_grad=True),))
+    assert [op.checkpoint for op in graph.ops] == [0, 0, 1, 1, None]
+    src = render_program(emit_program(graph, choose_plan(graph, "dp", ComputeConfig(2)), 0))
+    assert src.count("= checkpoint(_recompute_") == 2 and "# recompute (the model): torch.utils.checkpoint #1" in src
+    assert "sum.default" not in src.split("= checkpoint(_recompute_1")[0].split("def _recompute_1")[1]
+    compile(src, "hand", "exec")
+
+
+def test_a_reentrant_torch_checkpoint_is_refused_naming_use_reentrant_false():
     with pytest.raises(TraceError) as info:
-        trace(_HandCheckpointed(reentrant), (torch.randn(2, 8, requires_grad=True),))
+        trace(_HandCheckpointed(True), (torch.randn(2, 8, requires_grad=True),))
     msg = str(info.value)
-    assert "\n" not in msg and "recompute=" in msg and "test_recipes_recompute.py" in msg, msg
+    assert "\n" not in msg and "use_reentrant=False" in msg and "test_recipes_recompute.py" in msg, msg
     import torch.utils.checkpoint as tuc  # the watch is undone
     assert tuc.CheckpointFunction.__name__ == "CheckpointFunction"
+
+
+def test_a_model_that_checkpoints_itself_matches_one_device_and_saves_what_it_saves():
+    """Checked against one device under dp and tp (W=2); the measured saved activations of the
+    checkpointing model are a fraction of the same model's without (as on one device)."""
+    fixture = str(ROOT / "tests" / "fixtures" / "hand_checkpoint_models.py")
+    from verify.worker import load_modules
+    load_modules([fixture])
+    names = ("hand_checkpoint_none", "hand_checkpoint_non_reentrant")
+    with Gang(2, (fixture,), (2,)) as g, tempfile.TemporaryDirectory() as tmp:
+        rows = {(n, p): row for n in names for p in ("dp", "tp")
+                for row in run_model(g, n, (p,), RunConfig(world_sizes=(2,), modules=(fixture,)), tmp, steps=2,
+                                     checkpoint=False)}
+    assert all(r.status == MATCH for r in rows.values()), [(k, r.detail) for k, r in rows.items() if r.status != MATCH]
+    saved = {k: max(m["activations"] for m in r.memory) for k, r in rows.items()}
+    for p in ("dp", "tp"):
+        for n in names[1:]:
+            assert 2 * saved[(n, p)] <= saved[(names[0], p)], saved
 
 
 @pytest.mark.slow

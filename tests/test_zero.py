@@ -73,6 +73,15 @@ def test_zero_trains_like_one_device_and_resumes_under_another_plan(gang, policy
     assert any(n.startswith(f"resumed under {other} at W={w_b}: param") and "after step" in n for n in names)
 
 
+def test_a_zero_checkpoint_of_a_model_with_a_frozen_parameter_resumes_under_a_plain_optimizer(gang):
+    """speech_encdec keeps a frozen sinusoidal table (``requires_grad=False``): the zero optimizer, built
+    over the trainable parameters, saved no entry for it, and the plain AdamW of plan B (over every
+    parameter) refused the checkpoint ("holds no optimizer state for it")."""
+    status, detail, checks, _ = _model(gang, "speech_encdec", "dp", 2, 1)
+    assert status == MATCH, detail
+    assert any(c["name"].startswith("resumed under tp at W=2: param") for c in checks)
+
+
 def test_zero_2_with_micro_batches_accumulates_the_gradient_shards_exactly(gang):
     with tempfile.TemporaryDirectory() as tmp:  # train_step: no_sync, then one reduce-scatter of the sum, scaled
         job = {"kind": "model", "model": "nanogpt", "policy": "dp", "world_size": 2, "steps": 2, "seed": 0,
@@ -106,6 +115,17 @@ def test_an_optimizer_by_hand_over_a_zero_2_module_is_refused_not_a_silent_no_op
     for msg in zero_ranks.run(str(tmp_path), "hand_z2"):
         assert msg.startswith("ZeroError: AdamW over the parameters of a module compiled with zero=2 would step "
                               "nothing") and "module.build_optimizer(AdamW, ...)" in msg, msg
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_hand_clipping_over_gradient_shards_gets_the_whole_norm_and_a_subset_is_refused(tmp_path, zero):
+    """zero 2/3 keep each gradient as slices of a shard: ``torch.nn.utils.clip_grad_norm_(pm.parameters())``
+    used to find no ``.grad``, return 0 and clip nothing; it now equals ``pm.clip_grad_norm_`` (norm and
+    clipped gradients), and a norm over some of the parameters is refused in one line."""
+    for hand, builtin, same, subset in zero_ranks.run(str(tmp_path), f"hand_clip_z{zero}"):
+        assert hand > 1e-2 and hand == builtin and same, (hand, builtin, same)  # clipped, like the built-in
+        assert subset.startswith("ShardGradError: ") and f"zero={zero}" in subset and "\n" not in subset, subset
+        assert "module.clip_grad_norm_(max_norm)" in subset, subset
 
 
 def test_zero_redundancy_optimizer_by_hand_over_dp_copies_is_right(tmp_path):

@@ -293,10 +293,6 @@ def cmd_model(args) -> int:
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     _json_target(args.json)
-    piped = [p for p in policies if is_pipeline_policy(p)]
-    if args.replicas > 1 and cfg.precision != "32-true" and piped:
-        raise UsageError(f"--replicas with --precision {cfg.precision}: pipeline replica cases ({piped[0]}) run 32-true "
-                         f"only (not yet a recipe); leave out --precision or the pipeline policy")
     odd = [w for w in cfg.world_sizes if w % args.replicas]
     if odd:
         raise UsageError(f"--replicas {args.replicas}: world size {odd[0]} is not a multiple of it")

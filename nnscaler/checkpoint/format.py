@@ -90,6 +90,17 @@ def finish_load(optimizer, view) -> None:
     optimizer.load_param_state(view.state)
 
 
+def frozen_keys(modules, keys: dict, groups: dict) -> None:
+    """Every frozen parameter (``requires_grad=False``) of ``modules`` that the optimizer saved left out
+    (a sharded optimizer is built over the trainable ones) holds no state: ``[]`` keys, so that a plain
+    optimizer over all of a module's parameters, holding nothing for it either, resumes from it."""
+    for mod in modules:
+        for key, name in model_names(mod).items():
+            p = getattr(mod, key)
+            if isinstance(p, torch.nn.Parameter) and not p.requires_grad and name not in keys:
+                keys[name], groups[name] = [], 0
+
+
 def check_optimizer(meta: dict, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
     """The checkpoint's optimizer state fits ``optimizer`` (same kind); errors name the parameter."""
     saved = meta.get("optimizer")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from .format import (META, CheckpointError, check_model, finish_load, hyper_params, kind_of, model_names,
+from .format import (META, CheckpointError, check_model, finish_load, frozen_keys, hyper_params, kind_of, model_names,
                      optimizer_targets, read_meta, restore_optimizer)
 from .format import plain as plain_view
 from .layout import device_mesh, gather_blocks, load_buffer, sharded
@@ -78,6 +78,7 @@ def _save(path, pm, optimizer) -> None:
         for g, k in parts:
             groups.update(g)
             keys.update(k)
+        frozen_keys(pm.stages.values(), keys, groups)
         meta = {"optimizer": kind, "param_groups": [hyper_params(g) for g in optimizer.param_groups],
                 "group_of": groups, "state_keys": keys}
     state: dict[str, torch.Tensor] = dict(plain)

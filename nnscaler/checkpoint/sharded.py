@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from .format import (META, CheckpointError, check_model, finish_load, hyper_params, kind_of, model_names,
+from .format import (META, CheckpointError, check_model, finish_load, frozen_keys, hyper_params, kind_of, model_names,
                      optimizer_targets, read_meta, restore_optimizer)
 from .format import plain as plain_view
 from .layout import device_mesh, gather_blocks, load_buffer, sharded
@@ -59,6 +59,7 @@ def _save(path, module, optimizer) -> None:
                         pieces[f"optim.{name}.{k}"] = (name, v.detach())
                     else:
                         plain[f"optim.{name}.{k}"] = v.detach()
+        frozen_keys([module], keys, groups)
         meta = {"optimizer": kind, "param_groups": [hyper_params(g) for g in optimizer.param_groups],
                 "group_of": groups, "state_keys": keys}
     whole = gather_blocks(module, list(pieces.values())) if mesh is not None else [t for _, t in pieces.values()]

@@ -199,12 +199,14 @@ class Emitter:
             self.lines.append(f"    # {comment(op.source)}")
         outs = [self.var.setdefault(t, t.name) if t is not None else "_" for t in op.outputs]
         target = ", ".join(outs) + ("," if len(outs) == 1 and len(op.outputs) > 1 else "")
+        new = (lambda x: op.literals.get(x, x) if isinstance(x, float) else x) if op.literals else (lambda x: x)  # noqa: E731
+        inputs, op_kwargs = [new(x) for x in op.inputs], {k: new(v) for k, v in op.kwargs.items()}  # bf16's extremes
         if not op.known:
             whole = tuple(Replicate() for _ in self.plan.mesh_shape)
             none = tuple(None for _ in self.plan.mesh_shape)
             get = lambda t: self.cast(self.read(op.name, t, whole, none), t, op.cast)  # noqa: E731
-            args = [self._arg(x, get) for x in op.inputs]
-            kwargs = [f"{k}={self._arg(v, get)}" for k, v in op.kwargs.items()]
+            args = [self._arg(x, get) for x in inputs]
+            kwargs = [f"{k}={self._arg(v, get)}" for k, v in op_kwargs.items()]
             fn = f"torch.ops.{op.overload}" if not op.overload.startswith("_operator") else op.overload
             self.lines.append(f"    {target} = {fn}({', '.join(args + kwargs)})  # replicated: no annotation")
             for t in op.outputs:
@@ -216,15 +218,15 @@ class Emitter:
         lay = _layout(op, self.plan)
         sizes = local_sizes(op.bound, p)
         args = []
-        for i, x in enumerate(op.inputs[:len(spec.anno.inputs)]):
+        for i, x in enumerate(inputs[:len(spec.anno.inputs)]):
             if spec.anno.inputs[i].opaque:
-                args.append(literal(resolve(spec.args[i], sizes) if i in spec.args else x))
+                args.append(literal(new(resolve(spec.args[i], sizes)) if i in spec.args else x))
             else:
                 args.append(self.cast(self.read(op.name, x, lay.inputs[i], p.axis_ids), x, op.cast)
                             if isinstance(x, IRTensor) else self.fetch(x, lay.inputs[i], p.axis_ids))
         fn = spec.local or spec.fn
         expr, kw = self.name_of(fn, spec)
-        kw.update(resolve(dict(spec.kwargs), sizes))
+        kw.update({k: new(v) for k, v in resolve(dict(spec.kwargs), sizes).items()})
         for k, v in kw.items():
             if callable(v) and not isinstance(v, type):
                 kw[k] = Raw(self.name_of(v, spec)[0])
@@ -324,7 +326,8 @@ def render_program(e: Emitter, header: str = "") -> str:
     body = [f"def forward(p, g, {params}{', probe' if probe else ''}):",
             '    """p: the state this rank holds, by model name; g: its process group on each mesh axis."""']
     lines = e.lines
-    if e.recompute != "none" and not probe:  # the instrumented program runs every operator once
+    hand = any(op.checkpoint is not None for op, _, _ in e.spans)  # the model's own torch.utils.checkpoint calls
+    if (e.recompute != "none" or hand) and not probe:  # the instrumented program runs every operator once
         lines, n = wrap(lines, e.spans, e.recompute, [t.name for t in graph.inputs], e.recompute_modules)
         if n:
             head.insert(head.index("import torch") + 1, "from nnscaler.runtime.recompute import checkpoint  # torch.utils.checkpoint, non-reentrant")

@@ -13,6 +13,10 @@ Which operators form a region comes from the model module each one ran in (``IRO
   attention module (its class or name says ``attn``/``attention``) that read no parameter (the
   projections stay out), as runs holding a softmax, an attention kernel or a matmul.
 
+Whatever the mode, the operators of each ``torch.utils.checkpoint`` call the model makes itself
+(``IROp.checkpoint``, :mod:`nnscaler.trace.checkpoints`) form a region of their own where the mode puts
+them in none (inside a block that ``"full"`` recomputes they are recomputed with it).
+
 A region's inputs are the variables it reads that the program made before it; its outputs those
 it makes that the program reads after it. Parameters (``p``) and groups (``g``) are read through
 the enclosing function.
@@ -33,8 +37,18 @@ _ATTN = re.compile(r"attn|attention", re.I)
 _CORE = re.compile(r"softmax|scaled_dot_product|flash|efficient_attention|matmul|bmm|baddbmm")
 
 
+HAND = "torch.utils.checkpoint #"  # the key prefix of a region the model's own checkpoint call made
+
+
 def region_key(op: IROp, mode: str, modules: Sequence[str] | None = None) -> str | None:
-    """The region ``op`` is recomputed in (a module name), or None."""
+    """The region ``op`` is recomputed in (a module name, or the model's own checkpoint call), or None."""
+    key = _mode_key(op, mode, modules)
+    if key is None and op.checkpoint is not None:
+        return f"{HAND}{op.checkpoint}"
+    return key
+
+
+def _mode_key(op: IROp, mode: str, modules: Sequence[str] | None = None) -> str | None:
     if mode == "full":
         for path in op.scope:
             if modules is not None:
@@ -66,7 +80,7 @@ def regions(spans: list[tuple[IROp, int, int]], mode: str, modules: Sequence[str
             out.append((key, start, end))
     if mode == "selective":
         ops_in = lambda s, e: [op for op, a, b in spans if s <= a and b <= e]  # noqa: E731
-        out = [r for r in out if any(_CORE.search(op.overload) for op in ops_in(r[1], r[2]))]
+        out = [r for r in out if r[0].startswith(HAND) or any(_CORE.search(op.overload) for op in ops_in(r[1], r[2]))]
     return out
 
 
@@ -98,12 +112,16 @@ def wrap(lines: list[str], spans: list[tuple[IROp, int, int]], mode: str, params
             blocks = sorted({p for op, _, _ in spans for p in op.scope if _BLOCK.search(p)})[:4]
             raise PlanError(f"recompute_modules names {missing[0]!r}, which runs no operator of this program"
                             + (f" (blocks here: {', '.join(blocks)})" if blocks else ""))
-    if not found:
+    if not found and mode == "none":
+        return lines, 0
+    if not any(not k.startswith(HAND) for k, _, _ in found) and mode != "none":
         what = "no block (no child of an nn.ModuleList or nn.Sequential; name them with recompute_modules=)" \
             if mode == "full" else "no attention core (no module named attn/attention with a softmax or attention op)"
-        warnings.warn(f"recompute={mode!r}: the program has {what}; nothing is recomputed", RecomputeWarning,
+        warnings.warn(f"recompute={mode!r}: the program has {what}; nothing is recomputed"
+                      + (" but the model's own torch.utils.checkpoint calls" if found else ""), RecomputeWarning,
                       stacklevel=2)
-        return lines, 0
+        if not found:
+            return lines, 0
     names = [_names(line) for line in lines]
     made: set[str] = set(params)  # variables of forward known so far
     out: list[str] = []
@@ -124,7 +142,7 @@ def wrap(lines: list[str], spans: list[tuple[IROp, int, int]], mode: str, params
             pos = end
             continue
         fn = f"_recompute_{i}"
-        out.append(f"    # recompute ({mode}): {key}")
+        out.append(f"    # recompute ({'the model' if key.startswith(HAND) else mode}): {key}")
         out.append(f"    def {fn}({', '.join(reads)}):")
         out += ["    " + lines[j] for j in range(start, end)]
         out.append(f"        return ({', '.join(outs)},)")

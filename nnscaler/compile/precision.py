@@ -29,23 +29,27 @@ def _dtype_assert(op) -> bool:
 def apply_precision(graph, precision: str) -> None:
     """Set ``op.cast`` on every operator of ``graph``: for ``bf16-mixed``, the dtype autocast casts its
     floating inputs to on this device type (``"drop"`` for an assert of the fp32 trace's dtype);
-    None otherwise."""
+    None otherwise. ``op.literals``: the constants of the fp32 trace it computes with in bf16 instead
+    (:mod:`nnscaler.trace.amp`)."""
     for op in graph.ops:
         op.cast = "drop" if precision != "32-true" and _dtype_assert(op) else None
+        op.literals = None
     if precision != "bf16-mixed":
         return
     if graph.exported is None:
         raise PlanError("precision='bf16-mixed' needs the torch.export program the graph was traced from "
                         "(the tracer returned a graph without it)")
-    casts = getattr(graph.exported, "_nnscaler_casts", None)
-    if casts is None:
+    found = getattr(graph.exported, "_nnscaler_casts", None)
+    if found is None:
         kind = tensors_device_type(n.meta.get("val") for n in graph.exported.graph.nodes if n.op == "placeholder")
         try:
-            casts = autocast_casts(graph.exported, kind, torch.bfloat16)
+            found = autocast_casts(graph.exported, kind, torch.bfloat16)
         except Exception as exc:  # an operator without a bf16 kernel (or meta kernel) on this device
             raise PlanError(f"precision='bf16-mixed': the model cannot run under torch.autocast({kind!r}, "
                             f"bfloat16): {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
                             f"use precision='32-true'") from None
-        graph.exported._nnscaler_casts = casts  # one fake run per trace, shared by its copies
+        graph.exported._nnscaler_casts = found  # one fake run per trace, shared by its copies
+    casts, literals = found
     for op in graph.ops:
         op.cast = casts.get(op.name, op.cast)
+        op.literals = literals.get(op.name)

@@ -54,6 +54,8 @@ class IROp:
     scope: tuple[str, ...] = ()  # the model's modules it ran in, outermost first (``h.0``, ``h.0.attn``)
     scope_types: tuple[str, ...] = ()  # those modules' class names (``Block``, ``CausalSelfAttention``)
     cast: Any = None  # bf16-mixed: the dtype its floating inputs are cast to, "drop" for a dtype assert (runtime/precision.py)
+    checkpoint: int | None = None  # the model's torch.utils.checkpoint call it ran in (trace/checkpoints.py)
+    literals: dict | None = None  # bf16-mixed: {traced constant: the one it computes with} (trace/amp.py)
 
     @property
     def known(self) -> bool:

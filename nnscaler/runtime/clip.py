@@ -10,13 +10,16 @@ over every rank of the module gives the whole model's ``sum |g|^p``, which every
 tied across stages counts in its owner stage only).
 
 ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` by hand would see this rank's shards only and
-compute a local norm. :func:`install` (run when :mod:`nnscaler.runtime.module` is imported) makes it
-right: torch's norm of a list of gradients (``torch.nn.utils.clip_grad._get_total_norm``, which
-``clip_grad_norm_`` and ``get_total_norm`` call, however they were imported) is, when the list is
-exactly the gradients of a live compiled module, that module's whole-model norm; a list holding some
-of a module's gradients but not all (one parameter group, say) warns that the norm is local. The
-built-in :meth:`ParallelModule.clip_grad_norm_` (or ``ComputeConfig(clip_grad_norm=...)``, which
-``train_step`` applies) is the direct way.
+compute a local norm. torch offers no hook for it, so while a compiled module is alive (and only then:
+:func:`register` routes, and the last module's collection restores torch's own function) torch's norm
+of a list of gradients (``torch.nn.utils.clip_grad._get_total_norm``, which ``clip_grad_norm_`` and
+``get_total_norm`` call, however they were imported) is, when the list is exactly the gradients of a
+live compiled module, that module's whole-model norm; a list holding some of a module's gradients but
+not all (one parameter group, say) warns that the norm is local; any other list goes to torch's own
+function untouched. Importing nnscaler changes nothing in torch. Under zero 2/3 a parameter's ``.grad``
+is a placeholder of its gradient's slices (:mod:`.shard_grad`), so the hand call counts and clips them
+too. The built-in :meth:`ParallelModule.clip_grad_norm_` (or ``ComputeConfig(clip_grad_norm=...)``,
+which ``train_step`` applies) is the direct way.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.utils.clip_grad as _torch_clip
 
+from .shard_grad import real
+
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()  # compiled modules (ParallelModule, PipelineModule) alive
 
 
@@ -37,19 +42,32 @@ class LocalNormWarning(UserWarning):
 
 
 def register(module) -> None:
-    """Let torch's own norm functions recognise ``module``'s gradients (see :func:`install`)."""
+    """Let torch's own norm functions recognise ``module``'s gradients while it is alive (module
+    docstring): the route is installed with the first live module and removed with the last."""
     _LIVE.add(module)
+    routed = _torch_clip._get_total_norm
+    if not getattr(routed, "_nnscaler", False):
+        routed = _routed(routed)
+        _torch_clip._get_total_norm = routed
+    routed.users[0] += 1
+    weakref.finalize(module, _release, routed)
+
+
+def _release(routed) -> None:
+    """One live module fewer: with none left, torch's own function is back (unless another hook has
+    wrapped ours since: then ours stays, passing everything through)."""
+    routed.users[0] -= 1
+    if routed.users[0] == 0 and _torch_clip._get_total_norm is routed:
+        _torch_clip._get_total_norm = routed.original
 
 
 def _grad_ids(module) -> set[int]:
     return {id(p.grad) for p in module.parameters() if p.grad is not None}
 
 
-def install() -> None:
-    """Route ``torch.nn.utils.clip_grad._get_total_norm`` through :func:`_total_norm` (once)."""
-    if getattr(_torch_clip._get_total_norm, "_nnscaler", False):
-        return
-    original = _torch_clip._get_total_norm
+def _routed(original):
+    """``original`` (torch's ``_get_total_norm``) routing the gradient list of a live compiled module to
+    its whole-model norm (module docstring)."""
 
     def _total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -73,7 +91,8 @@ def install() -> None:
 
     _total_norm._nnscaler = True
     _total_norm.original = original
-    _torch_clip._get_total_norm = _total_norm
+    _total_norm.users = [0]  # live modules registered through it
+    return _total_norm
 
 
 def counted_grads(module, skip: Iterable[str] = (), first_replica: bool = True) -> list[torch.Tensor]:
@@ -141,7 +160,7 @@ def clip_(params: Iterable[torch.nn.Parameter], max_norm: float, total: torch.Te
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for p in params:
-            if p.grad is not None:
+            if real(p.grad) is not None:  # a zero 2/3 placeholder's slices are the shard's, scaled with it
                 p.grad.mul_(coef.to(p.grad.dtype))
 
 

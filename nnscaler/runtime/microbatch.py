@@ -28,6 +28,8 @@ from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from .shard_grad import real
+
 
 class MicroBatchError(ValueError):
     """A batch that cannot be split into the configured micro-batches, or a loss of the wrong kind."""
@@ -113,7 +115,7 @@ class Accumulation:
     def begin(cls, params: Iterable[torch.nn.Parameter], replica_group=None, replicas: int = 1) -> "Accumulation":
         acc = cls([p for p in params if p.requires_grad], replica_group, replicas)
         for p in acc.params:
-            acc.stash[id(p)], p.grad = p.grad, None
+            acc.stash[id(p)], p.grad = real(p.grad), None  # a zero 2/3 placeholder: its shard is stashed
         return acc
 
     def add(self, loss_sum: torch.Tensor, count: torch.Tensor) -> None:
@@ -131,11 +133,12 @@ class Accumulation:
         scale = self.replicas / float(count)  # the sync averaged over replicas: a sum over them, then / count
         with torch.no_grad():
             for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+                cur = real(p.grad)  # a zero 2/3 placeholder's slices are the shard's, scaled with it
+                if cur is not None:
+                    cur.mul_(scale)
                 old = self.stash.pop(id(p), None)
                 if old is not None:
-                    p.grad = old if p.grad is None else p.grad.add_(old)
+                    p.grad = old if cur is None else cur.add_(old)
         return (loss_sum / count).to(dtype)
 
 

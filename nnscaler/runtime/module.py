@@ -18,6 +18,7 @@ from .precision import GRAD_REDUCE_DTYPES, autocast_message, autocast_on
 from .mesh import RankMesh
 from .microbatch import accumulate
 from .zero import guard_hand_zero
+from .shard_grad import real
 from .zero3 import GatheredParams, saved_hooks
 
 
@@ -94,7 +95,7 @@ class ParallelModule(torch.nn.Module):
         self._grad_sync.attach()
         self.max_grad_norm: float | None = None  # ComputeConfig.clip_grad_norm: train_step clips to it
         self.last_grad_norm: torch.Tensor | None = None  # the total norm the last clip_grad_norm_ found
-        clip.register(self)  # torch.nn.utils.clip_grad_norm_(self.parameters()) gets the whole model's norm
+        clip.register(self)  # while alive, torch.nn.utils.clip_grad_norm_(self.parameters()) gets the whole model's norm
 
     def _zero_setup(self, zero, synced, trainables, program, bucket_bytes):
         """Tag every parameter with the ranks holding the same piece (``zero.ranks``); with a stage
@@ -156,7 +157,7 @@ class ParallelModule(torch.nn.Module):
     def grad_tensors(self) -> list[torch.Tensor]:
         """The gradient tensors this rank holds now: each parameter's ``.grad`` and, under zero 2,
         the reduce-scattered gradient shards."""
-        out = [p.grad for p in self.parameters() if p.grad is not None]
+        out = [p.grad for p in self.parameters() if real(p.grad) is not None]  # not zero 2/3's placeholders
         if self._zero is not None:
             out += [b.shard.grad for b in self._zero.buckets if b.shard.grad is not None]
         return out
@@ -309,5 +310,3 @@ class ParallelModule(torch.nn.Module):
                     getattr(self, key).copy_(take(full, slices))
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
-
-clip.install()  # torch.nn.utils.clip_grad_norm_ over a compiled module's parameters: its whole-model norm

@@ -34,6 +34,7 @@ from .mesh import backend_device
 from .microbatch import Accumulation, MicroBatchError, batch_rows, check_divisible, loss_terms
 from .module import ParallelModule, take
 from .schedules import SCHEDULES, canonical_schedule
+from .shard_grad import real
 
 
 def _example(t) -> torch.Tensor:
@@ -220,7 +221,7 @@ class PipelineModule(torch.nn.Module):
     def grad_tensors(self) -> list[torch.Tensor]:
         """The gradient tensors this rank holds now: each parameter's and, under zero 2, each stage's
         reduce-scattered gradient shards."""
-        return [t.grad for t in clip.holders(self) if t.grad is not None]
+        return [t.grad for t in clip.holders(self) if real(t.grad) is not None]  # not zero 2/3's placeholders
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
                         ) -> torch.Tensor:

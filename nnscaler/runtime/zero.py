@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import ReadyBuckets
+from .shard_grad import ShardGrad, real
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adadelta", "ASGD")
 
@@ -127,7 +128,11 @@ class ZeroShards:
 
     # -- zero 2: gradients reduce-scattered during backward --------------------------------------------
     def attach(self) -> None:
-        self.schedule.attach(b for b in self.buckets if b.scatter)
+        scattered = [b for b in self.buckets if b.scatter]
+        self.schedule.attach(scattered)
+        for b in scattered:  # a backward accumulates into .grad: the placeholder goes first (.shard_grad)
+            for p in b.params:
+                p.register_hook(lambda g, p=p: _drop_placeholder(p))
 
     @property
     def paused(self) -> bool:
@@ -154,7 +159,7 @@ class ZeroShards:
         axis is all-reduced there first."""
         grad_flat = torch.zeros(b.chunk * b.n, dtype=b.flat.dtype, device=b.flat.device)
         for i, (p, off, scale) in enumerate(zip(b.params, b.offsets, b.scales)):
-            g = p.grad if grads is None else grads[i]
+            g = real(p.grad) if grads is None else grads[i]
             if g is not None:
                 view = grad_flat[off:off + p.numel()]
                 view.copy_(g.reshape(-1))
@@ -182,6 +187,11 @@ class ZeroShards:
                 work.wait()
             b.shard.grad = out if b.shard.grad is None else b.shard.grad.add_(out)
         self._pending = []
+        for b in self.buckets:  # .grad says where the gradient is (.shard_grad), rather than reading None
+            if b.scatter:
+                for p in b.params:
+                    if p.grad is None:
+                        p.grad = ShardGrad(p, lambda p=p: self.grad_pieces(p), self.stage)
         self.regathered.clear()
 
     # -- the optimizer's side ---------------------------------------------------------------------------
@@ -291,6 +301,11 @@ class ZeroShards:
             b.shard.grad = None
             for p in b.params:
                 p.grad = None
+
+
+def _drop_placeholder(p: torch.nn.Parameter) -> None:
+    if isinstance(p.grad, ShardGrad):
+        p.grad = None
 
 
 class ZeroOptimizer(torch.optim.Optimizer):

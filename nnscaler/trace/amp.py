@@ -10,7 +10,13 @@ run it, as ``linear`` of a bf16 input and an fp32 weight), autocast cast the flo
 dtype of the autocast result (bf16 for its lower-precision ops, fp32 for its fp32 ops, the widest
 for its promote ops). The generated program casts exactly those operators' floating inputs to that
 dtype and runs with autocast off, so every operator computes in the dtype it computes in on one
-device under autocast, whatever kernel carries it out."""
+device under autocast, whatever kernel carries it out.
+
+The fp32 trace also baked the Python values a model computes from a tensor's dtype: ``masked_fill(s,
+mask, torch.finfo(s.dtype).min)`` holds float32's lowest, -3.4028e38, where under autocast ``s`` is bf16
+and the model asks for bf16's, -3.3895e38 (float32's does not even convert to bf16: the program would
+stop with an overflow). So an operator computing in bf16 that holds float32's ``+-finfo.max`` gets
+bf16's instead (:func:`autocast_casts`'s second result); other constants are left as traced."""
 from __future__ import annotations
 
 import logging
@@ -34,15 +40,19 @@ def _first_float_dtype(out: Any) -> torch.dtype | None:
     return next((t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
 
-def autocast_casts(ep, device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+def autocast_casts(ep, device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16
+                   ) -> tuple[dict[str, Any], dict[str, dict[float, float]]]:
     """``{op name: dtype}`` (or ``"drop"`` for an assert of a floating dtype) for every operator of the exported program ``ep`` whose floating inputs
     ``torch.autocast(device_type, dtype)`` casts, named as :func:`nnscaler.trace.build.trace` names
-    them (regions under a grad-mode switch prefixed by their node's name)."""
+    them (regions under a grad-mode switch prefixed by their node's name); and ``{op name: {traced
+    constant: constant}}`` for the operators computing in ``dtype`` that hold float32's extremes
+    (module docstring)."""
     vals = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"]
     fake = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     casts: dict[str, torch.dtype] = {}
+    literals: dict[str, dict[float, float]] = {}
     if fake is None:
-        return casts
+        return casts, literals
 
     def visit(graph: torch.fx.Graph, env: dict, prefix: str) -> list:
         def value(a):
@@ -78,6 +88,12 @@ def autocast_casts(ep, device_type: str = "cpu", dtype: torch.dtype = torch.bflo
         cast = _autocast_class(node.target, args, kwargs)
         if cast is not None:
             casts[name] = cast
+        computes = cast if cast is not None else next(x.dtype for x in tree_leaves((args, kwargs)) if _floating(x))
+        if computes == dtype:
+            top, low = torch.finfo(torch.float32).max, torch.finfo(dtype).max
+            held = {x for x in tree_leaves((node.args, node.kwargs)) if isinstance(x, float) and abs(x) == top}
+            if held:
+                literals[name] = {x: low if x > 0 else -low for x in held}
         return out
 
     def _autocast_class(target, args, kwargs):
@@ -104,4 +120,4 @@ def autocast_casts(ep, device_type: str = "cpu", dtype: torch.dtype = torch.bflo
             visit(ep.graph, {}, "")
     finally:
         quiet.setLevel(level)
-    return casts
+    return casts, literals

@@ -15,6 +15,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from ..ir.graph import ACTIVATION, BUFFER, CONSTANT, INPUT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY, OpRegistry
 from .calls import call_of, flatten_tensor_lists, meta_of
+from .checkpoints import checkpoint_of
 from .export import TraceError, export_model
 from .heads import heads_outer
 from .rows import batch_major_rows
@@ -125,6 +126,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
                   {k: value(v) for k, v in node.kwargs.items()},
                   spec=found[0] if found else None, bound=found[1] if found else None, source=_source(node))
         op.scope, op.scope_types = _scope(node)
+        op.checkpoint = checkpoint_of(node)  # a torch.utils.checkpoint call of the model: recomputed alike
         for t in op.tensor_inputs():
             t.consumers.append(op)
         for t in outs:

@@ -133,7 +133,7 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
     # torch.export prints the partial graph of a failed trace to stderr (thousands of lines for a
     # real model); capture stderr while it runs and pass on everything but that dump
     captured = io.StringIO()
-    checkpoints: list[str] = []  # torch.utils.checkpoint calls of the model: refused below
+    checkpoints: list[str] = []  # torch.utils.checkpoint calls of the model: recompute regions (.checkpoints)
     try:
         with contextlib.redirect_stderr(captured), watch_checkpoints(checkpoints):
             ep = torch.export.export(model, tuple(args), kwargs, strict=False)
@@ -149,7 +149,7 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
         rest = captured.getvalue().strip()
         if rest:
             print(rest, file=sys.stderr)
-    if checkpoints:
+    if refusal(model, checkpoints):  # a reentrant one (the non-reentrant ones are recompute regions)
         raise TraceError(refusal(model, checkpoints))
     refused = refuse_unregistered(ep.graph)
     if refused:

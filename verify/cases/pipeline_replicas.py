@@ -31,6 +31,7 @@ from verify.models.loader import file_tag
 from verify.cases.pipeline import PIPELINE_MICROBATCHES
 from verify.cases.samples import DTYPES
 from verify.cases.traces import TraceCache, tracer_of
+from verify.judge.lowprec import Precision
 
 LOSS = "loss step {} (whole batch over replicas)"
 
@@ -39,16 +40,17 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
                                groups: GroupCache, gen_dir: str, dtype: str = "float32",
                                microbatches: int = PIPELINE_MICROBATCHES, bucket_bytes: int | None = None,
                                traces: TraceCache | None = None, zero: int = 0, clip: float | None = None,
-                               recompute: str = "none") -> list[Check]:
+                               recompute: str = "none", precision: Precision = Precision()) -> list[Check]:
     """Checks for ``steps`` AdamW steps of pipeline ``policy`` planned on ``plan_ngpus`` ranks and run as
     replicas on ``world_size`` (each stage's gradient-sync buckets of ``bucket_bytes``, default the model's;
     ``zero``: ZeRO over the replicas, and each stage's dp axis; ``clip``/``recompute``: the training
     recipe, ``train_step`` clipping as ``ComputeConfig(clip_grad_norm=...)`` asks, the reference with
-    ``torch.nn.utils.clip_grad_norm_``)."""
-    dt = DTYPES[dtype]
+    ``torch.nn.utils.clip_grad_norm_``); ``precision``: the precision recipe, run alike by the reference
+    and judged by the low-precision rule, as in :mod:`verify.cases.replicas`)."""
+    dt = DTYPES["bfloat16" if precision.precision == "bf16-true" else dtype]
     case = build_model(name, seed)
     case.model.to(dt)
-    ref = built_like(name, seed, case.model, dt)
+    ref = precision.reference(built_like(name, seed, case.model, dt))
     ref64 = built_like(name, seed, ref, torch.float64)
     replicas, replica = world_size // plan_ngpus, dist.get_rank() // plan_ngpus
     m = max(microbatches, PIPELINE_MICROBATCHES)
@@ -56,9 +58,10 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=m,
                            tp_size=2 if plan_ngpus % 2 == 0 else 1,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes, zero=zero,
-                           clip_grad_norm=clip, recompute=recompute)
+                           clip_grad_norm=clip, recompute=recompute, **precision.config_kwargs())
     tag = f"{file_tag(name)}-{file_tag(policy)}-mb{m}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}" + (f"-zero{zero}" if zero else "") \
-        + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "")
+        + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "") \
+        + (f"-{precision.precision}" if precision.active else "")
     pm = compile_case(case.model, share(batch(0), replica, replicas), policy, config, groups, Path(gen_dir) / tag,
                       tracer_of(traces, (name, seed)))
     check_deterministic(pm.graph, f"{replicas} replicas of a pipeline")
@@ -68,7 +71,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the replicas under zero
     opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
     checks: list[Check] = []
-    fallback = Float64Fallback(dt)
+    fallback = Float64Fallback(dt, lowprec=precision.active)
     for step in range(steps):
         args = batch(step)
         point = {n: p.detach().clone() for n, p in params.items()}
@@ -86,8 +89,8 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(LOSS.format(step), loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
-                            traces)
+                            traces, precision, fallback.spreads)
     checks += fallback.notes(dtype)
     return checks

@@ -71,14 +71,12 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     trains its share by ``train_step`` in M micro-batches (the loss exact over all replicas), and the
     reference is one device on the whole batch. A pipeline policy: :mod:`verify.cases.pipeline_replicas`.
     ``clip``/``recompute``: the training recipe (the reference clips with torch); ``precision``: the
-    precision recipe (:class:`~verify.judge.lowprec.Precision`; not yet for pipelines), run alike by the
+    precision recipe (:class:`~verify.judge.lowprec.Precision`), run alike by the
     references and judged by the low-precision rule. ``memory``: where the last step's measured memory
     on this rank is left."""
     if is_pipeline_policy(policy):
-        if precision.active:  # fail closed: the pipeline replicas case runs 32-true only
-            raise NotImplementedError("--precision is not wired into pipeline replicas cases yet")
         return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
-                                          microbatches, bucket_bytes, traces, zero, clip, recompute)
+                                          microbatches, bucket_bytes, traces, zero, clip, recompute, precision)
     dt = DTYPES["bfloat16" if precision.precision == "bf16-true" else dtype]
     case = build_model(name, seed)
     case.model.to(dt)
@@ -138,11 +136,12 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw, clip=clip)
+        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
         if microbatches == 1 and memory is not None:
             memory.last = measure(pm, opts[0], saved.bytes, grad_bytes)
     # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device
     # and under another plan at W=2, as every whole-model case's does
-    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces, precision)
+    checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces, precision,
+                            fallback.spreads)
     checks += fallback.notes(dtype)
     return checks

@@ -22,7 +22,7 @@ from verify.cases.draws import same_draws
 from verify.cases.batch import cast
 from verify.models.loader import file_tag
 from verify.judge.lowprec import Precision
-from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
+from verify.judge.compare import Check, Float64Fallback, SpreadHistory, check_tensor, check_update
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
 from verify.cases.traces import TraceCache, tracer_of
@@ -114,13 +114,15 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
 
 
 def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int, pm, opt, groups, gen_dir: str,
-                  dtype: torch.dtype, traces: TraceCache | None = None, precision: Precision = Precision()) -> list[Check]:
+                  dtype: torch.dtype, traces: TraceCache | None = None, precision: Precision = Precision(),
+                  spreads: SpreadHistory | None = None) -> list[Check]:
     """Checkpoint ``pm`` and its AdamW ``opt`` after ``steps`` steps; load the merged export on one
     device and the sharded checkpoint under plan B; every parameter and optimizer moment must equal
     what was saved, bit for bit. Then train ``MORE_STEPS`` more steps: the run resumed on one device
     is the reference, and plan B is judged against it exactly as a whole-model case judges a plan
     (loss and gradients at the same parameters, against float64; each update against AdamW on one
-    device fed plan B's gradients from the same state)."""
+    device fed plan B's gradients from the same state). ``spreads``: the training phase's record of
+    single-device spreads (bf16 recipes, :class:`~verify.judge.compare.SpreadHistory`), continued here."""
     rank = dist.get_rank()
     path = Path(gen_dir) / f"ckpt-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}"
     group = pm.process_group
@@ -162,7 +164,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     shadow_opt.load_state_dict(copy.deepcopy(single_opt.state_dict()))
     sp, hp = dict(single.named_parameters()), dict(shadow.named_parameters())
     single64 = built_like(name, seed, single, torch.float64)
-    fallback = Float64Fallback(dtype, lowprec=precision.active)  # an operator without a float64 kernel runs in the test dtype (bound widens)
+    fallback = Float64Fallback(dtype, lowprec=precision.active, spreads=spreads)  # an operator without a float64 kernel runs in the test dtype (bound widens)
     for step in range(steps, steps + MORE_STEPS):
         args = cast(batch(step), dtype)
         point = {n: p.detach().clone() for n, p in sp.items()}
