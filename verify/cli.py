@@ -46,7 +46,6 @@ from verify.cache import VerdictCache
 from verify.drive import LazyGang, run_units
 from verify.selection import default_units, full_order, full_units
 from verify.shard import ShardError, estimate, fingerprint, parse_shard, recorded_times, shard
-from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.zero import zero_applies, zero_refusal
 from verify.cases.torchpar_mesh import parse_mesh
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES
