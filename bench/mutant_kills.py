@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mutants", nargs="+", default=list(MUTANTS), choices=list(MUTANTS), metavar="NAME")
     ap.add_argument("--sweeps", nargs="+", default=["default", "full"], choices=["default", "full"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mutant_kills.md"))
+    ap.add_argument("--report-only", action="store_true", help="write the table of what the partial record holds")
     args = ap.parse_args(argv)
     results: dict[str, dict[str, tuple[str, float, str]]] = {}
     out = Path(args.out)
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     if partial.exists():  # an interrupted run goes on where it stopped
         results = {m: {s: tuple(v) for s, v in d.items()} for m, d in json.loads(partial.read_text()).items()}
     with tempfile.TemporaryDirectory() as d:
-        for name in args.mutants:
+        for name in ([] if args.report_only else args.mutants):
             for sweep in args.sweeps:
                 if sweep in results.get(name, {}):
                     continue
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
              ", ".join(f"**{s}: {counts[s]}/{ran[s]} killed**" for s in args.sweeps), "",
              "| mutant | " + " | ".join(f"{s} | {s} s | {s}: first failing row" for s in args.sweeps) + " |",
              "|---|" + "---|---|---|" * len(args.sweeps)]
+    missing = [m for m in MUTANTS if m not in results]
+    if missing:
+        lines[5:5] = [f"Not run yet ({len(missing)} of {len(MUTANTS)}): {', '.join(missing)}.", ""]
     for m, per in results.items():
         cells = []
         for s in args.sweeps:
