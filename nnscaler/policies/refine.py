@@ -30,6 +30,8 @@ from ..ir.plan import Plan
 from .greedy import COMPUTE_WEIGHT, AxisOptions, candidates, fused_blocks, numel
 
 ROUNDS = 3  # a demand travels the whole program in one round; a second and third settle what it changed
+DEPTH = 8  # producers re-planned up a chain to meet one reader (rotary, views and repeat_kv: 6)
+STEP = 1.0  # elements a collective costs beyond its bytes: a tie-break towards fewer collectives
 
 
 def refine(graph: IRGraph, plan: Plan, options: AxisOptions) -> Plan:
@@ -37,18 +39,21 @@ def refine(graph: IRGraph, plan: Plan, options: AxisOptions) -> Plan:
     fused = fused_blocks(graph)
     grads = graph.carries_grad()
     for _ in range(ROUNDS):
-        state = _State(graph, plan, grads)
+        state = _State(graph, plan, grads, options, fused)
         changed = False
         for op in reversed(graph.ops):
             if not op.known:
                 continue
-            cur = plan.partitions[op.name]
-            cands = candidates(op, plan.mesh_shape, state.options(options), state.layouts, fused.get(op.name))
-            best = min(cands, key=lambda p: state.cost(op, p))
-            if state.cost(op, best) < state.cost(op, cur):
-                plan.partitions[op.name] = best
-                state.update(op, best)
-                changed = True
+            base, _ = state.total(op, plan.partitions[op.name], 0)
+            best, changes = base, []
+            for p in state.candidates(op):
+                cost, ch = state.total(op, p, DEPTH)
+                if cost < best - 1e-6:
+                    best, changes = cost, [(op, p), *ch]
+            for o, p in changes:
+                plan.partitions[o.name] = p
+                state.update(o, p)
+            changed |= bool(changes)
         if not changed:
             break
     return plan
@@ -57,8 +62,11 @@ def refine(graph: IRGraph, plan: Plan, options: AxisOptions) -> Plan:
 class _State:
     """Every tensor's layout under the plan, and what each consumer wants of it."""
 
-    def __init__(self, graph: IRGraph, plan: Plan, grads: set):
-        self.graph, self.plan, self.grads = graph, plan, grads
+    def __init__(self, graph: IRGraph, plan: Plan, grads: set, options: AxisOptions, fused: dict):
+        self.graph, self.plan, self.grads, self.fused = graph, plan, grads, fused
+        self.opts = self.options(options)
+        self.memo: dict = {}
+        self.demand: tuple[IRTensor, Layout] | None = None
         self.whole: Layout = tuple(Replicate() for _ in plan.mesh_shape)
         self.layouts: dict[IRTensor, Layout] = {t: self.whole for t in graph.inputs}
         self.first_use: dict[IRTensor, IROp] = {}  # a parameter is stored as its first consumer wants it
@@ -79,7 +87,17 @@ class _State:
         for t in tensors_in(graph.outputs):  # the program returns whole tensors
             self.wants.setdefault(t, {})["<output>"] = (self.whole, (None,) * len(self.whole))
 
+    def candidates(self, op: IROp, demand: tuple[IRTensor, Layout] | None = None) -> list[Partition]:
+        """``op``'s partitions the policy offers, also along what its readers want of its outputs
+        (and ``demand``: a layout a reader would want of one of them)."""
+        self.demand = demand
+        try:
+            return candidates(op, self.plan.mesh_shape, self.opts, self.layouts, self.fused.get(op.name))
+        finally:
+            self.demand = None
+
     def update(self, op: IROp, p: Partition) -> None:
+        self.memo.clear()
         lay = op.layout(p)
         for x, want in zip(op.inputs, lay.inputs):
             if isinstance(x, IRTensor):
@@ -111,7 +129,10 @@ class _State:
     def _demanded(self, op: IROp, axis: int) -> list[str]:
         out = []
         for t, dims in zip(op.outputs, op.bound.outputs):
-            for want, _ in self.wants.get(t, {}).values() if t is not None and dims else ():
+            wants = [w for w, _ in self.wants.get(t, {}).values()] if t is not None and dims else []
+            if self.demand is not None and self.demand[0] is t and dims:
+                wants.append(self.demand[1])
+            for want in wants:
                 q = want[axis]
                 if isinstance(q, Shard) and q.dim < len(dims):
                     i = next((i for i in dims[q.dim] if not i.isdigit()), None)
@@ -132,37 +153,84 @@ class _State:
                 hyp[x] = tuple(lay)
         return hyp
 
-    def cost(self, op: IROp, p: Partition) -> tuple[float, float, float]:
-        """(bytes moved for ``op``'s inputs and outputs, of them for its outputs, its compute) under
-        ``p``, the other operators' partitions as they stand."""
-        lay = op.layout(p)
-        mesh = self.plan.mesh_shape
-        used = tuple(i is not None for i in p.axis_ids)
-        inputs = 0.0
-        for x, want in zip(op.inputs, lay.inputs):
-            if not isinstance(x, IRTensor) or want is None:
-                continue
-            if x.kind in (PARAM, BUFFER, CONSTANT) and self.first_use.get(x) is op:
-                continue  # stored the way this operator wants it
-            others = self.wants.get(x, {})
-            if any(c != op.name and w == want and tuple(i is not None for i in ids) == used
-                   for c, (w, ids) in others.items()):
-                continue  # another consumer already has it converted so: the program reuses it
-            src = self.layouts.get(x, self.whole)
-            inputs += conversion(src, want, p.axis_ids, mesh, len(x.shape), x in self.grads)[1] * numel(x)
-        outputs = 0.0
+    def conv(self, src: Layout, want: Layout, ids: tuple, t: IRTensor) -> float:
+        """Elements moved to turn ``src`` into ``want`` for a reader splitting ``ids``, plus ``STEP``
+        per collective (of equal bytes, fewer collectives win)."""
+        steps, frac = conversion(src, want, ids, self.plan.mesh_shape, len(t.shape), t in self.grads)
+        return frac * numel(t) + STEP * len(steps)
+
+    def _input(self, op: IROp, x: IRTensor, want: Layout, ids: tuple) -> float | None:
+        """The cost of ``x`` reaching ``op`` as ``want`` as the plan stands; None where it is free
+        (a parameter stored that way, a conversion another reader already makes)."""
+        if x.kind in (PARAM, BUFFER, CONSTANT) and self.first_use.get(x) is op:
+            return None
+        used = tuple(i is not None for i in ids)
+        if any(c != op.name and w == want and tuple(i is not None for i in wids) == used
+               for c, (w, wids) in self.wants.get(x, {}).items()):
+            return None
+        return self.conv(self.layouts.get(x, self.whole), want, ids, x)
+
+    def _outputs(self, op: IROp, lay, skip: str | None = None) -> float:
+        """What ``op``'s outputs under ``lay`` cost to reach their readers (but ``skip``)."""
+        total = 0.0
         for t, out in zip(op.outputs, lay.outputs):
             if t is None or out is None:
                 continue
             seen = set()
             for c, (want, ids) in self.wants.get(t, {}).items():
                 key = (want, tuple(i is not None for i in ids))
-                if key not in seen:
+                if c != skip and key not in seen:
                     seen.add(key)
-                    outputs += conversion(out, want, ids, mesh, len(t.shape), t in self.grads)[1] * numel(t)
-        work = math.prod(op.bound.sizes.values()) / p.degree
-        contracts = COMPUTE_WEIGHT * work if _contracts(op) else 0.0
-        return round(inputs + outputs + contracts, 6), round(outputs, 6), work
+                    total += self.conv(out, want, ids, t)
+        return total
+
+    def compute(self, op: IROp, p: Partition) -> float:
+        return COMPUTE_WEIGHT * math.prod(op.bound.sizes.values()) / p.degree if _contracts(op) else 0.0
+
+    def total(self, op: IROp, p: Partition, depth: int) -> tuple[float, list]:
+        """The cost of ``op`` under ``p``: its compute, its inputs reaching it (each the cheaper of
+        converting it or re-planning its producer, ``depth`` producers up), its outputs reaching
+        their readers; and the producers' re-plans that cost assumes."""
+        lay = op.layout(p)
+        cost, changes = self.compute(op, p) + self._outputs(op, lay), []
+        for x, want in zip(op.inputs, lay.inputs):
+            if isinstance(x, IRTensor) and want is not None:
+                c, ch = self.deliver(op, x, want, p.axis_ids, depth)
+                cost += c
+                changes += ch
+        return cost, changes
+
+    def deliver(self, reader: IROp, x: IRTensor, want: Layout, ids: tuple, depth: int) -> tuple[float, list]:
+        """The cheapest way to have ``x`` reach ``reader`` as ``want``: convert it, or re-plan its
+        producer to make ``want`` (its compute, inputs and other readers counted against what they
+        cost now)."""
+        base = self._input(reader, x, want, ids)
+        if base is None:
+            return 0.0, []
+        P = x.producer
+        if depth == 0 or P is None or not P.known or x.kind in (PARAM, BUFFER, CONSTANT):
+            return base, []
+        key = (id(x), reader.name, want, ids, depth)
+        if key in self.memo:
+            return self.memo[key]
+        best = (base, [])
+        cur = self.plan.partitions[P.name]
+        cur_lay = P.layout(cur)
+        now = self.compute(P, cur) + self._outputs(P, cur_lay, skip=reader.name) + sum(
+            self._input(P, y, w, cur.axis_ids) or 0.0 for y, w in zip(P.inputs, cur_lay.inputs)
+            if isinstance(y, IRTensor) and w is not None)
+        k = P.outputs.index(x)
+        for c in self.candidates(P, (x, want)):
+            lay = P.layout(c)
+            if c == cur or lay.outputs[k] != want:
+                continue
+            cost, ch = self.total(P, c, depth - 1)  # its compute, inputs and its outputs' readers
+            cost -= self._outputs(P, lay) - self._outputs(P, lay, skip=reader.name)  # this reader: below
+            cost += self.conv(want, want, ids, x) - now
+            if cost < best[0] - 1e-6:
+                best = (cost, [(P, c), *ch])
+        self.memo[key] = best
+        return best
 
 
 def _contracts(op: IROp) -> bool:
