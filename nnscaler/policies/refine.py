@@ -13,10 +13,14 @@ splits its repeat dim and takes its input whole, the demand for a whole tensor t
 rotary and the views, and the k/v projection runs whole on every rank with no collective at all,
 which is Megatron's way (replicate the kv heads, split the query heads).
 
-Communication decides, ties go to the candidate whose outputs need less (so a conversion moves up
-towards a producer that may absorb it), then to less compute; an operator changes only when that
-strictly improves it. Compute is not traded against bytes here: the forward pass already did that,
-and this pass only accepts moves that do not add communication.
+Each operator (in reverse program order) takes the candidate of least cost: elements moved for
+its inputs and outputs (a collective costs one element more: of equal bytes, fewer collectives),
+plus ``COMPUTE_WEIGHT`` per multiply-add of an operator that contracts a dim (as the forward pass
+weighs them). An input it wants in another layout costs the cheaper of converting it and
+re-planning its producer, up to ``DEPTH`` producers up a chain (the producer's compute, inputs and
+other readers counted against what they cost now); a parameter's first reader may be re-planned
+likewise (a dtype assert that fixed its storage). A move never stores a parameter less split than
+the forward pass did: tensor parallelism promises that memory.
 """
 from __future__ import annotations
 
@@ -38,17 +42,22 @@ def refine(graph: IRGraph, plan: Plan, options: AxisOptions) -> Plan:
     """Improve ``plan`` (a greedy plan of ``graph`` drawn from ``options``) in place; returns it."""
     fused = fused_blocks(graph)
     grads = graph.carries_grad()
+    stored = None
     for _ in range(ROUNDS):
         state = _State(graph, plan, grads, options, fused)
+        stored = stored or {x: state.split(x) for x in graph.params}  # what the forward pass stored split
         changed = False
         for op in reversed(graph.ops):
             if not op.known:
                 continue
-            base, _ = state.total(op, plan.partitions[op.name], 0)
+            cur = plan.partitions[op.name]
+            base, _ = state.total(op, cur, 0)
+            if base <= state.compute(op, cur):  # its inputs arrive as it wants them, its readers get theirs
+                continue
             best, changes = base, []
             for p in state.candidates(op):
                 cost, ch = state.total(op, p, DEPTH)
-                if cost < best - 1e-6:
+                if cost < best - 1e-6 and state.keeps_split([(op, p), *ch], stored):
                     best, changes = cost, [(op, p), *ch]
             for o, p in changes:
                 plan.partitions[o.name] = p
@@ -65,7 +74,10 @@ class _State:
     def __init__(self, graph: IRGraph, plan: Plan, grads: set, options: AxisOptions, fused: dict):
         self.graph, self.plan, self.grads, self.fused = graph, plan, grads, fused
         self.opts = self.options(options)
-        self.memo: dict = {}
+        self.memo: dict = {}  # deliver's answers while no partition changes
+        self._cands: dict = {}  # candidates likewise
+        self._conv: dict = {}  # conversion costs by layouts (shapes enter only by their element count)
+        self._layout: dict = {}
         self.demand: tuple[IRTensor, Layout] | None = None
         self.whole: Layout = tuple(Replicate() for _ in plan.mesh_shape)
         self.layouts: dict[IRTensor, Layout] = {t: self.whole for t in graph.inputs}
@@ -90,15 +102,19 @@ class _State:
     def candidates(self, op: IROp, demand: tuple[IRTensor, Layout] | None = None) -> list[Partition]:
         """``op``'s partitions the policy offers, also along what its readers want of its outputs
         (and ``demand``: a layout a reader would want of one of them)."""
-        self.demand = demand
-        try:
-            return candidates(op, self.plan.mesh_shape, self.opts, self.layouts, self.fused.get(op.name))
-        finally:
-            self.demand = None
+        key = (op.name, None if demand is None else (id(demand[0]), demand[1]))
+        if key not in self._cands:
+            self.demand = demand
+            try:
+                self._cands[key] = candidates(op, self.plan.mesh_shape, self.opts, self.layouts, self.fused.get(op.name))
+            finally:
+                self.demand = None
+        return self._cands[key]
 
     def update(self, op: IROp, p: Partition) -> None:
         self.memo.clear()
-        lay = op.layout(p)
+        self._cands.clear()
+        lay = self.layout(op, p)
         for x, want in zip(op.inputs, lay.inputs):
             if isinstance(x, IRTensor):
                 w = self.wants.setdefault(x, {})
@@ -110,6 +126,23 @@ class _State:
         for t, out in zip(op.outputs, lay.outputs):
             if t is not None and out is not None:
                 self.layouts[t] = out
+
+    def split(self, x: IRTensor) -> int:
+        """Over how many ranks parameter ``x`` is stored split."""
+        return math.prod(f for f, q in zip(self.plan.mesh_shape, self.layouts.get(x, self.whole)) if isinstance(q, Shard))
+
+    def keeps_split(self, changes: list, stored: dict) -> bool:
+        """Whether ``changes`` store every parameter at least as split as ``stored`` (tensor
+        parallelism promises the memory: a parameter the forward pass split stays split, even
+        where it is gathered for use)."""
+        mesh = self.plan.mesh_shape
+        for op, p in changes:
+            for x, want in zip(op.inputs, self.layout(op, p).inputs):
+                if isinstance(x, IRTensor) and x.kind == PARAM and self.first_use.get(x) is op:
+                    have = math.prod(f for f, q in zip(mesh, want or self.whole) if isinstance(q, Shard))
+                    if have < stored.get(x, 1):
+                        return False
+        return True
 
     def options(self, options: AxisOptions) -> AxisOptions:
         """``options``, plus each identifier of an output dim a consumer wants split along the axis
@@ -156,8 +189,20 @@ class _State:
     def conv(self, src: Layout, want: Layout, ids: tuple, t: IRTensor) -> float:
         """Elements moved to turn ``src`` into ``want`` for a reader splitting ``ids``, plus ``STEP``
         per collective (of equal bytes, fewer collectives win)."""
-        steps, frac = conversion(src, want, ids, self.plan.mesh_shape, len(t.shape), t in self.grads)
-        return frac * numel(t) + STEP * len(steps)
+        if src == want and all(i is None for i in ids):
+            return 0.0
+        key = (src, want, ids, len(t.shape), t in self.grads)
+        if key not in self._conv:
+            steps, frac = conversion(src, want, ids, self.plan.mesh_shape, len(t.shape), t in self.grads)
+            self._conv[key] = (frac, len(steps))
+        frac, n = self._conv[key]
+        return frac * numel(t) + STEP * n
+
+    def layout(self, op: IROp, p: Partition):
+        key = (op.name, p)
+        if key not in self._layout:
+            self._layout[key] = op.layout(p)
+        return self._layout[key]
 
     def _input(self, op: IROp, x: IRTensor, want: Layout, ids: tuple) -> float | None:
         """The cost of ``x`` reaching ``op`` as ``want`` as the plan stands; None where it is free
@@ -191,7 +236,7 @@ class _State:
         """The cost of ``op`` under ``p``: its compute, its inputs reaching it (each the cheaper of
         converting it or re-planning its producer, ``depth`` producers up), its outputs reaching
         their readers; and the producers' re-plans that cost assumes."""
-        lay = op.layout(p)
+        lay = self.layout(op, p)
         cost, changes = self.compute(op, p) + self._outputs(op, lay), []
         for x, want in zip(op.inputs, lay.inputs):
             if isinstance(x, IRTensor) and want is not None:
@@ -205,23 +250,54 @@ class _State:
         producer to make ``want`` (its compute, inputs and other readers counted against what they
         cost now)."""
         base = self._input(reader, x, want, ids)
-        if base is None:
+        if not base:  # nothing to move: a producer better re-planned anyway is found on its own turn
             return 0.0, []
-        P = x.producer
-        if depth == 0 or P is None or not P.known or x.kind in (PARAM, BUFFER, CONSTANT):
+        if depth == 0:
             return base, []
         key = (id(x), reader.name, want, ids, depth)
         if key in self.memo:
             return self.memo[key]
+        self.memo[key] = best = self._restore(x, want, ids, depth, base) if x.kind in (PARAM, BUFFER, CONSTANT) \
+            else self._reproduce(reader, x, want, ids, depth, base)
+        return best
+
+    def _restore(self, x: IRTensor, want: Layout, ids: tuple, depth: int, base: float) -> tuple[float, list]:
+        """A parameter (buffer, constant) is stored as its first reader wants it: re-plan that
+        reader to want ``want`` (a dtype assert or cast read it first, a norm's ``1 + w`` next)."""
         best = (base, [])
+        F = self.first_use.get(x)
+        if F is None or not F.known:
+            return best
+        cur = self.plan.partitions[F.name]
+        now, _ = self.total(F, cur, 0)
+        stored = tuple(Replicate() if isinstance(q, Partial) else q for q in want)
+        for c in self.candidates(F):
+            lay = self.layout(F, c)
+            got = [w for y, w in zip(F.inputs, lay.inputs) if y is x]
+            if c == cur or not got or got[0] is None or tuple(
+                    Replicate() if isinstance(q, Partial) else q for q in got[0]) != stored:
+                continue
+            cost, ch = self.total(F, c, depth - 1)
+            cost += self.conv(stored, want, ids, x) - now
+            if cost < best[0] - 1e-6:
+                best = (cost, [(F, c), *ch])
+        return best
+
+    def _reproduce(self, reader: IROp, x: IRTensor, want: Layout, ids: tuple, depth: int,
+                   base: float) -> tuple[float, list]:
+        """Re-plan the producer of ``x`` to make ``want``."""
+        best = (base, [])
+        P = x.producer
+        if P is None or not P.known:
+            return best
         cur = self.plan.partitions[P.name]
-        cur_lay = P.layout(cur)
+        cur_lay = self.layout(P, cur)
         now = self.compute(P, cur) + self._outputs(P, cur_lay, skip=reader.name) + sum(
             self._input(P, y, w, cur.axis_ids) or 0.0 for y, w in zip(P.inputs, cur_lay.inputs)
             if isinstance(y, IRTensor) and w is not None)
         k = P.outputs.index(x)
         for c in self.candidates(P, (x, want)):
-            lay = P.layout(c)
+            lay = self.layout(P, c)
             if c == cur or lay.outputs[k] != want:
                 continue
             cost, ch = self.total(P, c, depth - 1)  # its compute, inputs and its outputs' readers
@@ -229,7 +305,6 @@ class _State:
             cost += self.conv(want, want, ids, x) - now
             if cost < best[0] - 1e-6:
                 best = (cost, [(P, c), *ch])
-        self.memo[key] = best
         return best
 
 
