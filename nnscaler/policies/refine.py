@@ -1,17 +1,16 @@
-"""A reverse pass over a greedy plan: pull each operator's output towards the layout its consumers
-want, moving a conversion up to the operator's inputs, and dropping it where those inputs already
-have what the new partition wants.
+"""A reverse pass over a greedy plan: re-plan operators (and chains of their producers) so that
+tensors reach their readers in the layouts they want, where that moves less.
 
 The forward greedy (:mod:`nnscaler.policies.greedy`) sees only the producers' layouts. On
 multi-query or grouped-query attention with fewer key/value heads than ranks it column-splits the
-k/v projection (the cheapest choice it sees: half the work, its input already whole), which splits
-the head dim; three operators later ``repeat_kv`` (unsqueeze, expand, reshape) wants the query
-heads split and the program re-lays the expanded k/v out by ``all_to_all``. Walking the operators
-in reverse, each picks the candidate with the least communication counted on both sides (what its
-inputs need from their producers, what its outputs need to reach their consumers): the expand
-splits its repeat dim and takes its input whole, the demand for a whole tensor travels up through
-rotary and the views, and the k/v projection runs whole on every rank with no collective at all,
-which is Megatron's way (replicate the kv heads, split the query heads).
+k/v projection (half the work, its input already whole), which splits the head dim; three
+operators later ``repeat_kv`` (unsqueeze, expand, reshape) wants the query heads split and the
+program re-lays the expanded k/v out by ``all_to_all``, twice per layer. Walking back, the score
+matmul asks for k by heads, the reshape and the expand split the repeats (an identifier no input
+has: each rank makes its part), the expand takes its input whole, and that demand travels up
+through rotary and the views to the projection's output: one all-gather of the small k (and v)
+per layer instead. Replicating the projection instead (Megatron's way) would move nothing, but
+costs more by ``COMPUTE_WEIGHT`` than the gather it saves; the cost model decides.
 
 Each operator (in reverse program order) takes the candidate of least cost: elements moved for
 its inputs and outputs (a collective costs one element more: of equal bytes, fewer collectives),
