@@ -2,7 +2,7 @@
 of the pinned ``transformers``, each built from a generic tiny config (no download), traced on CPU
 and planned by ``dp`` and ``tp`` at W=2 with ``plan_model``'s pieces (no ranks).
 
-    python bench/zoo_sweep.py [--sample 48] [--archs llama olmo2 ...] [--baseline DIR] [--out FILE.md]
+    python bench/zoo_sweep.py [--sample 48] [--archs llama olmo2 ...] [--kv-heads 1] [--baseline DIR] [--out FILE.md]
 
 Per architecture: builds? traces? (or the first line of why not), under ``dp`` the forward
 collectives of a step (1 = the loss alone), the operators kept whole (``replicated_operators``: no
@@ -11,6 +11,9 @@ share of the transformer blocks' parameters stored split. Below the table: the o
 most often under ``dp`` (by overload, counted once per architecture), the top reasons a plan is not
 data parallel. ``--baseline DIR`` runs the same sample a second time on another source tree (e.g. an
 ``git archive`` of ``main``), ``PYTHONPATH=DIR``, so the table shows before -> after of the same run.
+
+``--kv-heads K`` gives every config K key/value heads (default 2 of the 4 query heads; 1 is
+multi-query attention, fewer kv heads than the W=2 ranks).
 
 Each code tree runs in one worker process (a per-architecture alarm caps a slow one; a worker
 that dies is restarted after the architecture that killed it, which becomes a failing row).
@@ -53,12 +56,12 @@ def sample(n: int) -> list[str]:
     return [types[round(i * (len(types) - 1) / (n - 1))] for i in range(n)] if n > 1 else types[:1]
 
 
-def build(arch: str):
+def build(arch: str, kv_heads: int = TINY["num_key_value_heads"]):
     """The tiny model of ``arch`` returning its loss, and its sample arguments."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from verify.models.common import LossOf, causal_lm
-    cfg = AutoConfig.for_model(arch, **TINY)
+    cfg = AutoConfig.for_model(arch, **{**TINY, "num_key_value_heads": kv_heads})
     torch.manual_seed(0)
     try:
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
@@ -68,7 +71,7 @@ def build(arch: str):
     return LossOf(causal_lm(model)).train(), (ids, ids.clone())
 
 
-def row(arch: str) -> dict:
+def row(arch: str, kv_heads: int) -> dict:
     """One architecture's figures (see the module docstring)."""
     import torch
     from nnscaler.compile.plan import plan_graph, trace_model
@@ -77,7 +80,7 @@ def row(arch: str) -> dict:
     from nnscaler.policies.tp_check import collectives, sharded_fraction
     out: dict = {"arch": arch}
     try:
-        model, args = build(arch)
+        model, args = build(arch, kv_heads)
     except Exception as exc:  # noqa: BLE001  (a row per architecture, whatever breaks)
         return {**out, "stage": _stage("build", exc), "error": _first_line(exc)}
     out["params"] = sum(p.numel() for p in model.parameters())
@@ -117,7 +120,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:140] if text else ''}"
 
 
-def worker(archs: list[str]) -> None:
+def worker(archs: list[str], kv_heads: int) -> None:
     """Print one JSON line per architecture (a ``start`` line first, so a crash names its culprit)."""
     import signal
     import warnings
@@ -134,7 +137,7 @@ def worker(archs: list[str]) -> None:
         t0 = time.perf_counter()
         signal.alarm(TIMEOUT_S)
         try:
-            r = row(arch)
+            r = row(arch, kv_heads)
         except TimeoutError as exc:
             r = {"arch": arch, "stage": "timeout", "error": str(exc)}
         finally:
@@ -143,13 +146,13 @@ def worker(archs: list[str]) -> None:
         print(json.dumps(r), flush=True)
 
 
-def run_tree(tree: Path, archs: list[str]) -> dict[str, dict]:
+def run_tree(tree: Path, archs: list[str], kv_heads: int) -> dict[str, dict]:
     """Every architecture's row, computed by workers importing ``tree``'s code."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     rows: dict[str, dict] = {}
     todo = list(archs)
     while todo:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", *todo], env=env,
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--kv-heads", str(kv_heads), "--worker", *todo], env=env,
                               cwd=str(tree), capture_output=True, text=True)
         started = None
         for line in proc.stdout.splitlines():
@@ -217,9 +220,10 @@ def histogram(rows: dict[str, dict], top: int = 15, no_rule: bool = False) -> li
     return c.most_common(top)
 
 
-def report(after: dict[str, dict], before: dict[str, dict] | None, baseline: str | None) -> str:
+def report(after: dict[str, dict], before: dict[str, dict] | None, baseline: str | None, kv_heads: int) -> str:
     sa = summary(after)
-    out = [f"# bench/zoo_sweep.py: {sa['sampled']} causal-LM types of transformers, tiny configs, W={WORLD}", ""]
+    out = [f"# bench/zoo_sweep.py: {sa['sampled']} causal-LM types of transformers, tiny configs, "
+           f"{kv_heads} kv heads of 4, W={WORLD}", ""]
     head = "summary"
     if before is not None:
         sb = summary(before)
@@ -251,15 +255,17 @@ def main() -> None:
     ap.add_argument("--archs", nargs="+", help="these model types instead of a sample")
     ap.add_argument("--baseline", help="another source tree (e.g. main) to run the same sample on, for before/after")
     ap.add_argument("--out", help="also write the Markdown report here")
+    ap.add_argument("--kv-heads", type=int, default=TINY["num_key_value_heads"],
+                    help="key/value heads of every config (of 4 query heads; 1: multi-query attention)")
     ap.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        return worker(args.worker)
+        return worker(args.worker, args.kv_heads)
     archs = args.archs or sample(args.sample)
     t0 = time.perf_counter()
-    before = run_tree(Path(args.baseline).resolve(), archs) if args.baseline else None
-    after = run_tree(ROOT, archs)
-    text = report(after, before, args.baseline) + f"\n({time.perf_counter() - t0:.0f} s)\n"
+    before = run_tree(Path(args.baseline).resolve(), archs, args.kv_heads) if args.baseline else None
+    after = run_tree(ROOT, archs, args.kv_heads)
+    text = report(after, before, args.baseline, args.kv_heads) + f"\n({time.perf_counter() - t0:.0f} s)\n"
     print(text)
     if args.out:
         Path(args.out).write_text(text)

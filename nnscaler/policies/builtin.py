@@ -7,6 +7,7 @@ import random as _random
 from ..dimops.partition import splittable
 from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
 from .greedy import parameter_identifiers, plan_greedy, sharded_identifiers
+from .refine import refine
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan
 
@@ -123,7 +124,8 @@ def tp(graph: IRGraph, config: ComputeConfig) -> Plan:
     linear pairs, heads in attention, a fused qkv split by heads); the word embedding and cross
     entropy split their vocabulary; position tables, norms and biases stay whole.
     ``config.sequence_parallel`` adds Megatron's sequence parallelism."""
-    return plan_greedy(graph, (config.plan_ngpus,), ("tp",), _tp_options(graph, config.sequence_parallel), "tp")
+    options = _tp_options(graph, config.sequence_parallel)
+    return refine(graph, plan_greedy(graph, (config.plan_ngpus,), ("tp",), options, "tp"), options)
 
 
 def hybrid(graph: IRGraph, config: ComputeConfig) -> Plan:
