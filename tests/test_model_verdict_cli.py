@@ -49,7 +49,7 @@ def test_every_built_in_policy_whose_plan_follows_the_seed_gets_every_random_see
     import opzoo  # noqa: F401
     from nnscaler.policies import POLICIES, ComputeConfig
     from nnscaler.trace.build import trace
-    from verify.cli import SEEDED_POLICIES
+    from verify.names import SEEDED_POLICIES
     from verify.models.loader import build_model
     case = build_model("nanogpt", 0)
     with warnings.catch_warnings():
@@ -65,7 +65,7 @@ def test_every_built_in_policy_whose_plan_follows_the_seed_gets_every_random_see
 def test_the_mutation_runner_kills_one_mutant_and_not_a_harmless_one(capsys):
     from tests.mutants.run import main as run_mutants
     code = run_mutants(["--mutants", "all_reduce_missing", "loss_mean_over_local_count", "--model", "weightnorm_mlp",
-                        "--op", "relu", "--world-size", "2", "--random-seeds", "0", "--no-baseline"])
+                        "--op", "relu", "--no-baseline"])
     out = capsys.readouterr().out
     assert code == 0, out
     lines = {ln.split()[0]: ln.split()[1] for ln in out.splitlines() if ln.split() and ln.split()[0] in

@@ -194,7 +194,7 @@ def test_random_stage_plans_are_swept_at_every_random_seed():
     """``verify all`` draws random plans on pipeline meshes too (issue 13): a pipeline policy whose
     stages are planned by a seeded policy is swept, once per ``--random-seeds``."""
     from nnscaler.policies.pipeline import PIPELINE_POLICIES, SWEPT
-    from verify.cli import SEEDED_POLICIES
+    from verify.names import SEEDED_POLICIES
     seeded = {n for n, p in PIPELINE_POLICIES.items() if p.stage_policy in ("random", "random2d")}
     assert seeded and seeded <= set(SWEPT) and seeded <= set(SEEDED_POLICIES)
 
