@@ -133,6 +133,7 @@ def sweep(touch: str, before: str | None) -> None:
         family = src / touch
         family.write_text(family.read_text() + "\n# touched\n")
         touched, _ = _timed(run + ["--reports", str(Path(d) / "touched")], src)
+        now = phases(Path(d) / "cold")  # before the resume rewrites its report
         resumed, _ = _timed(run + ["--reports", str(Path(d) / "cold"), "--resume"], src)
         rows = [json.loads(x) for x in (Path(d) / "touched" / "cases.jsonl").read_text().splitlines()]
         fam = Path(touch).stem
@@ -142,7 +143,6 @@ def sweep(touch: str, before: str | None) -> None:
               f"({warm / cold:.1%} of cold); after touching {touch} {touched:.1f} ({touched / cold:.1%} of cold, "
               f"{len(rerun)} operators/models ran again: all {len(fam_ops)} of family {fam}: {fam_ops <= rerun}, others: "
               f"{sorted(rerun - fam_ops) or 'none'}); --resume of the finished run {resumed:.1f}")
-        now = phases(Path(d) / "cold")
         then = phases(Path(before)) if before else {}
         print(f"\n| phase | {'before (s) | ' if then else ''}default sample (s) |{' ratio |' if then else ''}")
         print(f"|---|{'---|' if then else ''}---|{'---|' if then else ''}")

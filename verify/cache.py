@@ -7,7 +7,9 @@ seeds, micro-batches, replicas, recipe, resume), the run's settings (dtype, prec
 ``nnscaler/``, ``verify/`` and ``opzoo/`` except the catalogue's *leaf* files, the modules of
 ``opzoo/`` that register operators or rules (``opzoo/<family>.py``, ``opzoo/rules/<family>.py``,
 ``opzoo/experts.py``; not the shared ``_*.py`` helpers). A leaf is a dependency of just the units
-that can run what it registers: an operator unit depends on its family's file; a model unit on the
+that can run what it registers: an operator unit depends on its family's file (a rule's example,
+``rule.<name>.<k>``, on the modules with rules for that operator and ``opzoo/rules/examples.py``); a
+torch-parallelization unit on none (torch's own modules run, no catalogue entry); a model unit on the
 leaves that claim (register a spec or a rule for) an aten operator of its traced graphs, as its
 ranks report them, and on the leaves those import. The entry keeps the graphs' operators, and the
 claims are taken again at lookup: a leaf that claims one of them now (an edit added a rule) and is
@@ -172,7 +174,15 @@ class VerdictCache:
         if unit.kind == "op":
             spec = self.registry.get(unit.name)
             own = self.root / "opzoo" / f"{spec.family}.py"
-            return self._closure([own]) if own in set(self.leaves) else set(self.leaves)
+            if own in set(self.leaves):
+                return self._closure([own])
+            overloads = [o for o in self.registry.rule_overloads()  # a rule's example: rule.<short name>.<k>
+                         if unit.name.rsplit(".", 1)[0] == "rule." + o.removeprefix("aten.").removesuffix(".default")]
+            if not overloads:
+                return set(self.leaves)
+            examples = [p for p in self.leaves if p.name == "examples.py"]  # where the examples are written
+            return {p for p in self._closure([p for p, c in self.rules.items() if c & set(overloads)] + examples)
+                    if p in set(self.leaves)}
         ops, fixed = set(ops), set(fixed)
         found = [p for p, c in self.rules.items() if c & ops] + [p for p, c in self.fixed.items() if c & fixed]
         return {p for p in self._closure(found) if p in set(self.leaves)}

@@ -22,7 +22,7 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
         yield from run_op(gang, specs[unit.name], cfg, skip=skip, planned=planned)
         return
     if unit.kind == "torchpar":
-        used.every = True  # torch's own modules: no graph of ours to key on
+        # torch's own modules (DTensor, FSDP2): no operator or rule of the catalogue runs, no leaf to key on
         case = next(c for c in TORCH_CASES if c.name == unit.name and (c.world_size,) == unit.world_sizes)
         yield from run_builtin(gang, case, replace(cfg, seeds=unit.seeds), gen_dir, skip=skip)
         return
