@@ -13,23 +13,18 @@ from nnscaler.cost.cluster import Parallel, bubble_fraction, estimate, in_flight
 from nnscaler.cost.profiles import get_profile
 from nnscaler.policies.cluster import plan_cluster, search, trace_shape
 
+from tests.fixtures.llama_meta import meta_llama
+
 H100 = get_profile("h100")
 
 
 @pytest.fixture(scope="module")
 def shape():
     pytest.importorskip("transformers")
-    import opzoo  # noqa: F401
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from verify.models.common import LossOf
-    with torch.device("meta"):
-        m = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
-                                         attn_implementation="sdpa", use_cache=False))
-        ids = torch.zeros(1, 2048, dtype=torch.long)
+    model, batch = meta_llama(2048, 5632, 2048, 32000)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return trace_shape(LossOf(m), (ids, ids))
+        return trace_shape(model, batch)
 
 
 def est(shape, **kw):

@@ -5,36 +5,18 @@ known-wrong runtime under the same plan is caught."""
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
-from nnscaler import ComputeConfig, PlanError
 from nnscaler.cost.cluster import Parallel
-from nnscaler.policies.cluster import plan_cluster
 from nnscaler.policies.cluster_plan import check_lowering, load, lower
 from verify.cli import main
 
+from tests.fixtures.llama_meta import saved_plan
+
 pytest.importorskip("transformers")
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def _plan(tmp_path, world, constraints, name="plan.json"):
-    import opzoo  # noqa: F401
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from verify.models.common import LossOf
-    with torch.device("meta"):
-        m = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=896, num_hidden_layers=8,
-                                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=256,
-                                         attn_implementation="sdpa", use_cache=False))
-        ids = torch.zeros(1, 256, dtype=torch.long)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = plan_cluster(LossOf(m), (ids, ids), ComputeConfig(world, profile="h100", precision="bf16-mixed",
-                                                                  global_batch=4 * world, constraints=constraints))
-    return plan, plan.save(tmp_path / name)
 
 
 def test_lowering_is_megatrons_order_and_the_plans_recipes():
@@ -50,7 +32,7 @@ def test_lowering_is_megatrons_order_and_the_plans_recipes():
 
 def test_saved_plan_reads_back_and_reduces(tmp_path):
     from verify.plan.reduced import reduce
-    plan, path = _plan(tmp_path, 32, {"tp": 4, "pp": 4, "dp": 2, "virtual_stages": 2, "sequence_parallel": True,
+    plan, path = saved_plan(tmp_path, 32, {"tp": 4, "pp": 4, "dp": 2, "virtual_stages": 2, "sequence_parallel": True,
                                       "recompute": "selective", "zero": 1, "micro_batch_size": 1})
     saved = load(path)
     assert saved.parallel == plan.parallel and saved.world == 32 and saved.architecture["transformers"] == \
@@ -72,7 +54,7 @@ def test_the_compiler_splits_what_the_cost_model_costed(tmp_path):
     import opzoo  # noqa: F401
     from verify.models.hf import llama
     from verify.plan.reduced import build_case, write_reduced
-    _, path = _plan(tmp_path, 8, {"tp": 2, "pp": 2, "dp": 2})
+    _, path = saved_plan(tmp_path, 8, {"tp": 2, "pp": 2, "dp": 2})
     case = build_case(str(write_reduced(load(path), tmp_path)), 0)
     assert check_lowering(case.model, case.batch(0), Parallel(tp=2, dp=2)) == []
     assert check_lowering(case.model, case.batch(0), Parallel(tp=2, sequence_parallel=True)) == []
@@ -87,7 +69,7 @@ def test_the_compiler_splits_what_the_cost_model_costed(tmp_path):
 
 
 def test_bad_plan_files_are_one_line_and_exit_2(tmp_path, capsys):
-    _, good = _plan(tmp_path, 8, {"tp": 2, "pp": 2})
+    _, good = saved_plan(tmp_path, 8, {"tp": 2, "pp": 2})
     data = json.loads(good.read_text())
     cases = {
         "missing.json": None,
@@ -112,13 +94,13 @@ def test_bad_plan_files_are_one_line_and_exit_2(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_reduced_plan_trains_like_one_device_and_a_wrong_runtime_is_caught(tmp_path, capsys):
     # 8 GPUs: tp 2 with sequence parallelism x 4 interleaved stages, selective recompute -> tp2 pp2 v2 at W=4
-    _, path = _plan(tmp_path, 8, {"tp": 2, "pp": 4, "virtual_stages": 2, "sequence_parallel": True,
+    _, path = saved_plan(tmp_path, 8, {"tp": 2, "pp": 4, "virtual_stages": 2, "sequence_parallel": True,
                                   "recompute": "selective"})
     assert main(["plan", str(path), "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "tp2+sp pp2 v2 dp1" in out and "1 match" in out
     # the same plan under a runtime whose last micro-batch carries no gradient: a mismatch, with its rerun line
-    _, path = _plan(tmp_path, 4, {"tp": 1, "pp": 2, "dp": 2, "zero": 1}, "pp2.json")
+    _, path = saved_plan(tmp_path, 4, {"tp": 1, "pp": 2, "dp": 2, "zero": 1}, "pp2.json")
     assert main(["plan", str(path), "--steps", "1", "--precision", "32-true", "--module",
                  str(FIXTURES / "microbatch_mutant.py")]) == 1
     out = capsys.readouterr().out

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from verify.runner.gang import free_port
 from verify.runner.isolation import descendants
 from verify.torchrun import command
@@ -94,6 +96,24 @@ def test_two_nodes_refuse_bad_input_in_one_line(tmp_path):
     errors = [line for line in node0.stderr.splitlines() if line.startswith("verify")]
     assert errors == [errors[0]] and "--gen-dir" in errors[0], node0.stderr
     assert node1.returncode == 0 and "Traceback" not in node0.stderr + node1.stderr, node1.stderr
+
+
+def test_two_nodes_verify_a_saved_plan_at_its_own_size(tmp_path):
+    """A plan made for 4 GPUs (tp 2 x dp 2 with ZeRO-1) runs --as-planned on the 4 ranks of two nodes and
+    matches one device; on a job of another size it is refused in one line before any case runs."""
+    pytest.importorskip("transformers")
+    from tests.fixtures.llama_meta import saved_plan
+    _, path = saved_plan(tmp_path, 4, {"tp": 2, "pp": 1, "dp": 2, "zero": 1})
+    (node0, node1), _ = two_nodes(["plan", str(path), "--as-planned", "--steps", "2", "--precision", "32-true",
+                                   "--keep", str(tmp_path / "keep")], tmp_path)
+    assert node0.returncode == 0, node0.stdout[-3000:] + node0.stderr[-3000:]
+    assert node1.returncode == 0, node1.stderr[-3000:]
+    assert "verifying it as tp2 pp1 dp2" in node0.stdout and "on 4 ranks" in node0.stdout
+    assert "1 match" in node0.stdout, node0.stdout[-3000:]
+    out = subprocess.run(command(["--nproc-per-node", "2", "-m", "verify.cluster", "plan", str(path), "--as-planned"]),
+                         capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("verify")]
+    assert out.returncode == 2 and len(errors) == 1 and "start torchrun with 4 ranks" in errors[0], out.stderr[-2000:]
 
 
 def test_bad_launches_are_one_line_and_exit_2():

@@ -1,6 +1,7 @@
-"""``torchrun [...] -m verify.cluster model NAME [options of verify model]`` (or ``op NAME [...]``):
-``verify model``/``verify op`` with the parallel side on the ranks of a torchrun job, on as many
-nodes as torchrun starts, at its world size (``WORLD_SIZE``).
+"""``torchrun [...] -m verify.cluster model NAME [options of verify model]`` (or ``op NAME [...]``, or
+``plan PATH [--as-planned ...]``): ``verify model``/``op``/``plan`` with the parallel side on the ranks of
+a torchrun job, on as many nodes as torchrun starts, at its world size (``WORLD_SIZE``); a saved plan
+``--as-planned`` runs at the very degrees it was planned for.
 
 Every rank joins the process group torchrun describes (:func:`verify.runner.torchrun_ranks.join`);
 rank 0 runs the command exactly as ``python -m verify`` does (the same checks of its input, cases,
@@ -17,9 +18,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-COMMANDS = ("model", "op")
+COMMANDS = ("model", "op", "plan")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-USAGE = "usage: torchrun [torchrun options] -m verify.cluster {model,op} NAME [options of python -m verify model/op]"
+USAGE = ("usage: torchrun [torchrun options] -m verify.cluster {model,op} NAME | plan PATH "
+         "[options of python -m verify model/op/plan]")
+SHARED_DIR = {"model": "gen_dir", "plan": "keep"}  # the option naming the directory every rank reads and writes
 
 
 def _prepare(ranks):
@@ -29,22 +32,25 @@ def _prepare(ranks):
     from verify.runner.gang import DEFAULT_MEMORY_MB
 
     def prepare(args) -> None:
-        if args.world_size is not None:
+        if getattr(args, "world_size", None) is not None:
             raise UsageError(f"--world-size: torchrun sets the world size (WORLD_SIZE={ranks.size} here); leave it out")
-        if args.rank_memory != DEFAULT_MEMORY_MB:
+        if getattr(args, "rank_memory", DEFAULT_MEMORY_MB) != DEFAULT_MEMORY_MB:
             raise UsageError("--rank-memory caps the ranks of the one-machine gang; under torchrun leave it out")
-        gen_dir = getattr(args, "gen_dir", None)
-        if ranks.multinode and args.command == "model" and gen_dir is None:
-            raise UsageError(f"{ranks.size} ranks on several nodes: give --gen-dir DIR on a filesystem every node sees "
-                             f"(each rank writes its programs and checkpoint shards there and reads the others')")
+        attr = SHARED_DIR.get(args.command)
+        flag = f"--{attr.replace('_', '-')}" if attr else ""
+        gen_dir = getattr(args, attr, None) if attr else None
+        if ranks.multinode and attr and gen_dir is None:
+            raise UsageError(f"{ranks.size} ranks on several nodes: give {flag} DIR on a filesystem every node sees "
+                             f"(each rank reads its model and writes its programs and checkpoint shards there, and "
+                             f"reads the others')")
         if gen_dir is not None:
-            args.gen_dir = str(Path(gen_dir).resolve())
+            setattr(args, attr, str(Path(gen_dir).resolve()))
             try:
-                unseen = ranks.unseen(args.gen_dir)
+                unseen = ranks.unseen(getattr(args, attr))
             except OSError as exc:
-                raise UsageError(f"--gen-dir {gen_dir}: cannot write: {exc.strerror or exc}") from None
+                raise UsageError(f"{flag} {gen_dir}: cannot write: {exc.strerror or exc}") from None
             if unseen:
-                raise UsageError(f"--gen-dir {gen_dir}: {', '.join(unseen[:3])} cannot read what rank 0 writes there; "
+                raise UsageError(f"{flag} {gen_dir}: {', '.join(unseen[:3])} cannot read what rank 0 writes there; "
                                  f"give a directory every node sees (a shared filesystem)")
         ranks.modules = [str(Path(m).resolve()) for m in args.module]
         args.world_size = [ranks.size]

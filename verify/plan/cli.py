@@ -53,9 +53,10 @@ class PlanCase:
 
 
 def prepare(path: str | os.PathLike, out_dir: str | os.PathLike, as_planned: bool = False,
-            precision: str | None = None, seed: int = 0) -> PlanCase:
+            precision: str | None = None, seed: int = 0, ranks: int | None = None) -> PlanCase:
     """Read, reduce (into ``out_dir``), lower and check the plan at ``path`` before any rank starts;
-    bad input is one :class:`BadInput` line."""
+    bad input is one :class:`BadInput` line. ``ranks``: the size of the torchrun job it must run on
+    (``verify.cluster plan``), else it must fit this machine's gang."""
     from verify.runner.gang import max_ranks
     try:
         saved = load(path)
@@ -65,9 +66,13 @@ def prepare(path: str | os.PathLike, out_dir: str | os.PathLike, as_planned: boo
         case = build_case(ref, seed)
     except PlanError as exc:
         raise BadInput(str(exc)) from None
-    if red.world > max_ranks():
+    if ranks is not None and red.world != ranks:
+        raise BadInput(f"the plan runs on {red.world} ranks{' as planned' if as_planned else ' reduced to 2 per axis'}, "
+                       f"the torchrun job has {ranks}: start torchrun with {red.world} ranks in all")
+    if ranks is None and red.world > max_ranks():
         raise BadInput(f"the plan needs {red.world} ranks, more than this machine runs ({max_ranks()}); "
-                       f"leave out --as-planned to verify it at 2 per axis")
+                       f"leave out --as-planned to verify it at 2 per axis, or verify it at its size on a cluster "
+                       f"(torchrun ... -m verify.cluster plan PATH --as-planned)")
     with warnings.catch_warnings():  # the plan's own warnings are the report's, not the check's
         warnings.simplefilter("ignore")
         problems = check_lowering(case.model, case.batch(0), red.parallel, config.precision)
@@ -113,10 +118,12 @@ def cmd_plan(args) -> int:
                      + (["--as-planned"] if args.as_planned else [])
                      + (["--precision", args.precision] if args.precision else [])
                      + [x for m in modules for x in ("--module", m)])
+    ranks = getattr(args, "ranks", None)  # verify.cluster: the torchrun job's ranks in the gang's place
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.keep or tmp)
         out.mkdir(parents=True, exist_ok=True)
-        case = prepare(args.path, out, args.as_planned, args.precision, args.seed)
+        case = prepare(args.path, out, args.as_planned, args.precision, args.seed,
+                       None if ranks is None else ranks.size)
         red = case.reduced.parallel
         print(f"plan {case.saved.path}: {_label(case.saved.parallel)} on {case.saved.world} ranks, "
               f"{case.saved.precision}", flush=True)
@@ -125,7 +132,9 @@ def cmd_plan(args) -> int:
               f"{case.reduced.architecture['config']['num_hidden_layers']} layers, hidden "
               f"{case.reduced.architecture['config']['hidden_size']}", flush=True)
         limit = RunConfig(timeout_s=args.timeout, microbatches=case.config.num_microbatches).limit_s("model", args.steps)
-        with Gang(case.reduced.world, modules, (case.reduced.world,), pg_timeout_s=max(120.0, 2 * limit)) as gang:
+        gang = ranks if ranks is not None else \
+            Gang(case.reduced.world, modules, (case.reduced.world,), pg_timeout_s=max(120.0, 2 * limit))
+        with gang:
             rows = plan_rows(gang, case, out, args.steps, args.seed, args.timeout, rerun)
     print(table(rows))
     print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
