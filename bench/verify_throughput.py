@@ -9,10 +9,13 @@ With ``--sweep`` it times ``python -m verify all`` as the README runs it, in a c
 checkout's last commit: cold (an empty verdict cache), warm (every verdict cached), after touching
 one operator family's file (``--touch opzoo/reduction.py``: only that family's units may run again),
 and ``--resume`` of the finished run; then where a run's time goes, per phase, against ``--before
-DIR`` (the reports of an earlier run, e.g. of ``--full``) when given.
+DIR`` (the reports of an earlier run, e.g. of ``--full``) when given. With ``--shards N`` it runs the
+default sample as N shards one after another, each as a CI machine would (its own clone, cache and
+reports), prints each shard's wall time against its share of the recorded unit times, and merges them.
 
     python bench/verify_throughput.py [--ops linear bmm softmax] [--fresh 4] [--zoo]
     python bench/verify_throughput.py --sweep [--touch opzoo/reduction.py] [--before reports_full/]
+    python bench/verify_throughput.py --shards 2
 """
 from __future__ import annotations
 
@@ -152,6 +155,36 @@ def sweep(touch: str, before: str | None) -> None:
                   + (f" {b / a:.2f} |" if then and a else (" - |" if then else "")))
 
 
+def shards(n: int) -> None:
+    """The default sample as ``n`` shards, each in a fresh clone of the last commit with an empty cache,
+    one after another (the machine otherwise idle): wall seconds per shard against its predicted share,
+    then ``verify merge`` of their reports."""
+    from verify.shard import recorded_times
+    with tempfile.TemporaryDirectory() as d:
+        walls, cases = [], []
+        for i in range(1, n + 1):
+            src = Path(d) / f"src{i}"
+            subprocess.run(["git", "clone", "-q", str(ROOT), str(src)], check=True)
+            wall, out = _timed([sys.executable, "-m", "verify", "all", "--shard", f"{i}/{n}", "--cache-dir",
+                                str(Path(d) / f"cache{i}"), "--reports", str(Path(d) / f"r{i}")], src)
+            walls.append(wall)
+            cases.append(next((x for x in out.splitlines()[::-1] if " cases, " in x), "?"))
+        metas = [json.loads((Path(d) / f"r{i}" / "report.json").read_text())["sweep"] for i in range(1, n + 1)]
+        merged = subprocess.run([sys.executable, "-m", "verify", "merge", *(str(Path(d) / f"r{i}") for i in
+                                                                         range(1, n + 1)),
+                                 "--reports", str(Path(d) / "merged")], cwd=Path(d) / "src1",
+                                env=dict(os.environ, PYTHONPATH=str(Path(d) / "src1")), capture_output=True, text=True)
+    times = recorded_times()  # what the shares were cut by
+    predicted = [sum(times.get(label, 0.0) for label in m["units"]) for m in metas]
+    print(f"verify all --shard i/{n} (default sample, selection {metas[0]['selection']}, {metas[0]['total']} units), "
+          f"each from a fresh clone, cold:")
+    print("| shard | predicted (s, recorded unit times) | wall (s) | cases |\n|---|---|---|---|")
+    for i in range(n):
+        print(f"| {i + 1}/{n} | {predicted[i]:.0f} | {walls[i]:.0f} | {cases[i].strip()} |")
+    print(f"slowest / fastest wall: {max(walls) / min(walls):.2f} (goal: within 1.20); "
+          f"merge: exit {merged.returncode}, {(merged.stdout.strip().splitlines() or ['?'])[-1]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", nargs="+", default=["linear", "bmm", "softmax", "layer_norm", "embedding"])
@@ -161,7 +194,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time verify all: cold, warm, touched, resumed; per phase")
     ap.add_argument("--touch", default="opzoo/reduction.py", help="the operator family file --sweep touches")
     ap.add_argument("--before", default=None, metavar="DIR", help="--sweep: reports of an earlier run to compare with")
+    ap.add_argument("--shards", type=int, default=0, metavar="N", help="run the default sample as N shards, timed")
     args = ap.parse_args()
+    if args.shards:
+        shards(args.shards)
+        return
     if args.sweep:
         sweep(args.touch, args.before)
         return
