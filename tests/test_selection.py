@@ -12,7 +12,8 @@ from nnscaler.policies import POLICIES
 from verify.cases.pipeline import PIPELINE_MODELS, SWEPT
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES
 from verify.models.registry import MODELS
-from verify.selection import SEEDED_POLICIES, Unit, _same, default_units, full_order, full_units
+from verify.names import TWO_D_RESUME
+from verify.selection import BLOCKED_MODELS, SEEDED_POLICIES, Unit, _same, default_units, full_order, full_units
 from verify.shard import ShardError, assign, check_shards, estimate, fingerprint, parse_shard, recorded_times, shard
 
 # the built-in models and policies (the test fixtures register more: tp_* models, tp_sp policies)
@@ -65,6 +66,15 @@ def test_each_expensive_axis_is_exercised_at_least_once(matrix):
     assert {u.policy for u in models if u.replicas > 1 and not u.recipe} == {"tp", "pp"}
     assert {(u.policy, u.replicas, u.world_sizes) for u in models if u.recipe} == \
         {("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,))}
+
+
+def test_a_piece_split_in_blocks_is_resumed_on_a_2x2_mesh_under_each_2d_resume(matrix):
+    """The 2-D resumes (dp -> hybrid, tp -> random2d at W=4) include a fused-projection model each:
+    a load cutting a blocked piece by the other mesh axis's coordinate is caught by the default."""
+    _, default = matrix
+    for p in TWO_D_RESUME:
+        assert any(u.policy == p and u.world_sizes == (4,) and u.checkpoint and u.name in BLOCKED_MODELS
+                   for u in default), p
 
 
 def test_full_runs_the_default_units_first_then_the_rest_each_once(matrix):

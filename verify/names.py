@@ -29,3 +29,7 @@ SEEDED_POLICIES = ("random", "random2d", "pp2_random")
 
 CACHE_DIR = ".verify-cache"
 """Where ``verify all`` keeps verdicts unless told (``--cache-dir``; :mod:`verify.cache`)."""
+
+TWO_D_RESUME = {"dp": "hybrid", "tp": "random2d"}
+"""At W=4 a checkpoint of these policies resumes under a 2-D plan (a 2 x 2 mesh; :mod:`verify.cases.resume`),
+so a load that takes one mesh axis's coordinate for the other's is caught."""

@@ -22,7 +22,7 @@ from verify.cases.config import model_label
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
 from verify.cases.replica_rows import ALL_REPLICAS, replica_world_sizes
 from verify.cases.replicas import replica_label
-from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES
+from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, TWO_D_RESUME
 
 
 RECIPE = {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}  # verify all's sample
@@ -30,6 +30,9 @@ RECIPE_TAG = " bf16-mixed zero3 clip1 recompute=full"
 RECIPE_MODELS = ("nanogpt", "llama")
 FIRST = ("weightnorm_mlp", "bucketed_mlp", "padded_gpt")  # the fastest models: their units run first
 REPLICA_MODELS = FIRST + ("llama",)  # the default's tp replicas units (bucketed_mlp: many small buckets)
+BLOCKED_MODELS = ("nanogpt", "clip_tiny", "gpt2", "gpt2_v96")
+"""Models with a fused projection (one weight holding q, k and v) that tp splits in blocks: their
+checkpoints take the blocked-piece path (gathered whole on its axis when saved, cut when loaded)."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,9 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
       (so each policy runs at every world size on some models), the seeded policies under the seed
       ``random_seeds[i % n]`` for the i-th model (each seed draws plans on some models);
     * a checkpoint resume in the first case of each model and of each (policy, world size); the
-      rest train without the reload and resume phase;
+      rest train without the reload and resume phase; the resumes into a 2-D plan (dp and tp at
+      W=4, :data:`~verify.names.TWO_D_RESUME`) include one on a model of :data:`BLOCKED_MODELS`
+      each, so a piece split in blocks is loaded on a 2 x 2 mesh;
     * the micro-batch sweep: each model once, under dp or tp by turns (the fast models at each world
       size, the others at the smallest);
     * each pipeline schedule once, on the pipeline models by turns, and each world size where it runs;
@@ -139,6 +144,18 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
         if (u.policy, u.world_sizes) not in resumed:
             chosen[k] = _variant(u, True)
             resumed.add((u.policy, u.world_sizes))
+    if 4 in W:  # a blocked piece loaded on a 2 x 2 mesh: the 2-D resumes on a fused-projection model
+        for p in (p for p in TWO_D_RESUME if p in policies):
+            if any(u.policy == p and u.world_sizes == (4,) and u.checkpoint and u.name in BLOCKED_MODELS
+                   for u in chosen):
+                continue
+            m = next((m for m in models if m in BLOCKED_MODELS), None)
+            at = next((k for k, u in enumerate(chosen) if u.name == m and u.policy == p), None)
+            if at is not None and chosen[at].world_sizes == (4,):
+                chosen[at] = _variant(chosen[at], True)
+            elif m is not None:
+                seed = min(u.seeds[0] for u in full if u.kind == "model" and u.name == m)
+                chosen.append(_model(m, p, 4, seed))
     for u in chosen:
         take(u)
     for i, m in enumerate(models):  # the fast models at each world size, the others at the cheaper W

@@ -30,7 +30,7 @@ from verify.cases.traces import TraceCache, tracer_of
 MORE_STEPS = 2
 
 
-TWO_D = {"dp": "hybrid", "tp": "random2d"}  # at W=4, these resume into a 2-D plan (a 2 x 2 mesh)
+from verify.names import TWO_D_RESUME as TWO_D  # at W=4, these resume into a 2-D plan (a 2 x 2 mesh)
 
 
 def plan_b(policy: str, world_size: int) -> tuple[str, int]:
