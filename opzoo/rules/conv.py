@@ -28,33 +28,18 @@ def conv_rule(call: OpCall):
     if not usable(call):
         return None
     x, w = call.tensor(0), call.tensor(1)
-    out = call.outputs[0]
     groups = arg(call, 6, "groups", 1)
     if not isinstance(groups, int) or w.ndim != x.ndim or x.ndim < 3 or w.shape[1] * groups != x.shape[1] \
             or w.shape[0] % groups:
         return None
-    names, sizes = Names(), {}
-    n = names.dim(x.shape[0], "n")
-    bias = call.args[2] if len(call.args) > 2 else call.kwargs.get("bias")
-    args, kwargs = {}, dict(call.kwargs)
+    names = Names()
     if groups == 1:
         c, o = mark(names.dim(x.shape[1], "c"), "+"), names.dim(w.shape[0], "o")
-        cin, wc, bias_dim = c, c, "+" + o  # the bias is added after the contraction over c: partial under a c split
-    else:
-        g = names.new("g")
-        per_in, per_out = w.shape[1], w.shape[0] // groups
-        cin, wc = (g if per_in == 1 else f"({g} {per_in})"), str(per_in)
-        o = bias_dim = g if per_out == 1 else f"({g} {per_out})"
-        if len(call.args) > 6:
-            args[6] = Size(g)
-        else:
-            kwargs["groups"] = Size(g)
-    ins = {0: [n, cin] + [frozen_dim(names, s, sizes) for s in x.shape[2:]],
-           1: [o, wc] + [frozen_dim(names, s, sizes) for s in w.shape[2:]]}
-    if isinstance(bias, TensorMeta):
-        ins[2] = [bias_dim]
-    return build(call, FAMILY, ins, [[n, o] + [frozen_dim(names, s, sizes) for s in out.shape[2:]]], sizes=sizes,
-                 args=args, kwargs=kwargs)
+        return _convolution(call, names, c, [o, c], o, "+" + o)
+    g = names.new("g")
+    per_in, per_out = w.shape[1], w.shape[0] // groups
+    o = g if per_out == 1 else f"({g} {per_out})"
+    return _convolution(call, names, g if per_in == 1 else f"({g} {per_in})", [o, str(per_in)], o, o, g)
 
 
 @annotation_rule("aten.group_norm.default")
@@ -96,30 +81,37 @@ def conv_transpose_rule(call: OpCall):
     if not usable(call):
         return None
     x, w = call.tensor(0), call.tensor(1)
-    out = call.outputs[0]
     groups = arg(call, 6, "groups", 1)
     if not isinstance(groups, int) or w.ndim != x.ndim or x.ndim < 3 or w.shape[0] != x.shape[1] \
             or x.shape[1] % groups:
         return None
-    names, sizes = Names(), {}
-    n = names.dim(x.shape[0], "n")
-    bias = call.args[2] if len(call.args) > 2 else call.kwargs.get("bias")
-    args, kwargs = {}, dict(call.kwargs)
+    names = Names()
     per_in, per_out = x.shape[1] // groups, w.shape[1]
     if groups == 1:
         c, o = mark(names.dim(x.shape[1], "c"), "+"), names.dim(per_out, "o")
-        cin, wc, wo, bias_dim = c, c, o, "+" + o if o != "1" else o
-    else:
-        g = names.new("g")
-        cin = wc = g if per_in == 1 else f"({g} {per_in})"
-        wo = str(per_out)
-        o = bias_dim = g if per_out == 1 else f"({g} {per_out})"
+        return _convolution(call, names, c, [c, o], o, "+" + o if o != "1" else o)
+    g = names.new("g")
+    cin = g if per_in == 1 else f"({g} {per_in})"
+    o = g if per_out == 1 else f"({g} {per_out})"
+    return _convolution(call, names, cin, [cin, str(per_out)], o, o, g)
+
+
+def _convolution(call: OpCall, names: Names, cin: str, weight: list[str], o: str, bias_dim: str, g: str | None = None):
+    """The annotation of a (transposed) convolution whose channel dims are named: input ``n cin
+    spatial^``, weight ``weight kernel^``, bias ``bias_dim``, output ``n o spatial^``; with groups
+    ``g``, ``groups`` follows as ``Size(g)``."""
+    x, w, out = call.tensor(0), call.tensor(1), call.outputs[0]
+    sizes: dict = {}
+    n = names.dim(x.shape[0], "n")
+    args, kwargs = {}, dict(call.kwargs)
+    if g is not None:
         if len(call.args) > 6:
             args[6] = Size(g)
         else:
             kwargs["groups"] = Size(g)
     ins = {0: [n, cin] + [frozen_dim(names, s, sizes) for s in x.shape[2:]],
-           1: [wc, wo] + [frozen_dim(names, s, sizes) for s in w.shape[2:]]}
+           1: weight + [frozen_dim(names, s, sizes) for s in w.shape[2:]]}
+    bias = call.args[2] if len(call.args) > 2 else call.kwargs.get("bias")
     if isinstance(bias, TensorMeta):
         ins[2] = [bias_dim]
     return build(call, FAMILY, ins, [[n, o] + [frozen_dim(names, s, sizes) for s in out.shape[2:]]], sizes=sizes,
