@@ -80,6 +80,25 @@ def kind_of(optimizer) -> str:
     return getattr(optimizer, "kind", type(optimizer).__name__)
 
 
+def optimizer_state(optimizer, name_of, own=lambda p: True) -> tuple[dict, dict, list]:
+    """Walk ``optimizer``'s parameters (``name_of(p)``: the model name of each, or raise): (the group of each
+    name, the sorted state keys of each, and ``(p, key, tensor, laid_out)`` for the state of the parameters
+    this rank stores (``own(p)``), ``key`` ``optim.NAME.STATE``, ``laid_out`` when the tensor is shaped like
+    its parameter (stored sharded like it; otherwise a scalar stored whole))."""
+    groups, keys, items = {}, {}, []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            name = name_of(p)
+            groups[name], keys[name] = gi, sorted(optimizer.state.get(p, {}))
+            for k, v in optimizer.state.get(p, {}).items() if own(p) else ():
+                v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                items.append((p, f"optim.{name}.{k}", v.detach(), v.shape == p.shape and v.dim() > 0))
+    return groups, keys, items
+
+
+FOREIGN = ("the optimizer holds a parameter this module does not have; build it over module.parameters()")
+
+
 def finish_load(optimizer, view) -> None:
     """After :func:`restore_optimizer` into ``view = plain(optimizer, False)``: hand the loaded
     hyperparameters and state on to the sharded optimizer (each rank keeps its slices)."""

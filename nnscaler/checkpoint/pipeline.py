@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from .format import (META, CheckpointError, check_model, finish_load, frozen_keys, hyper_params, kind_of, model_names,
-                     optimizer_targets, read_meta, restore_optimizer)
+from .format import (FOREIGN, META, CheckpointError, check_model, finish_load, frozen_keys, hyper_params, kind_of,
+                     model_names, optimizer_state, optimizer_targets, read_meta, restore_optimizer)
 from .format import plain as plain_view
 from .layout import device_mesh, gather_blocks, load_buffer, sharded
 
@@ -59,20 +59,17 @@ def _save(path, pm, optimizer) -> None:
         kind, optimizer = kind_of(optimizer), plain_view(optimizer)  # a sharded optimizer's state gathered per parameter
         params = _params(pm)
         stage_of = {id(mod): s for s, mod in pm.stages.items()}
-        keys, groups = {}, {}
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in params:
-                    raise CheckpointError("the optimizer holds a parameter this module does not have; build it "
-                                          "over module.parameters()")
-                mod, mesh, name, own = params[id(p)]
-                groups[name], keys[name] = gi, sorted(optimizer.state.get(p, {}))
-                for k, v in optimizer.state.get(p, {}).items() if own else ():
-                    v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                    if v.shape == p.shape and v.dim():
-                        pieces[stage_of[id(mod)]][f"optim.{name}.{k}"] = (name, v.detach())
-                    else:
-                        plain[f"optim.{name}.{k}"] = v.detach()
+
+        def name_of(p):
+            if id(p) not in params:
+                raise CheckpointError(FOREIGN)
+            return params[id(p)][2]
+        groups, keys, items = optimizer_state(optimizer, name_of, own=lambda p: params[id(p)][3])
+        for p, k, v, laid_out in items:
+            if laid_out:
+                pieces[stage_of[id(params[id(p)][0])]][k] = (params[id(p)][2], v)
+            else:
+                plain[k] = v
         parts: list = [None] * dist.get_world_size(pm.process_group)
         dist.all_gather_object(parts, (groups, keys), group=pm.process_group)  # every stage's parameters
         for g, k in parts:

@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
 
-from .format import (META, CheckpointError, check_model, finish_load, frozen_keys, hyper_params, kind_of, model_names,
-                     optimizer_targets, read_meta, restore_optimizer)
+from .format import (FOREIGN, META, CheckpointError, check_model, finish_load, frozen_keys, hyper_params, kind_of,
+                     model_names, optimizer_state, optimizer_targets, read_meta, restore_optimizer)
 from .format import plain as plain_view
 from .layout import device_mesh, gather_blocks, load_buffer, sharded
 
@@ -44,21 +43,17 @@ def _save(path, module, optimizer) -> None:
     if optimizer is not None:
         kind, optimizer = kind_of(optimizer), plain_view(optimizer)  # a sharded optimizer's state gathered per parameter
         names = _param_names(module)
-        keys, groups = {}, {}
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise CheckpointError("the optimizer holds a parameter this module does not have; build it "
-                                          "over module.parameters()")
-                name = names[id(p)]
-                groups[name] = gi
-                keys[name] = sorted(optimizer.state.get(p, {}))
-                for k, v in optimizer.state.get(p, {}).items():
-                    v = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                    if v.shape == p.shape and v.dim():
-                        pieces[f"optim.{name}.{k}"] = (name, v.detach())
-                    else:
-                        plain[f"optim.{name}.{k}"] = v.detach()
+
+        def name_of(p):
+            if id(p) not in names:
+                raise CheckpointError(FOREIGN)
+            return names[id(p)]
+        groups, keys, items = optimizer_state(optimizer, name_of)
+        for p, k, v, laid_out in items:
+            if laid_out:
+                pieces[k] = (names[id(p)], v)
+            else:
+                plain[k] = v
         frozen_keys([module], keys, groups)
         meta = {"optimizer": kind, "param_groups": [hyper_params(g) for g in optimizer.param_groups],
                 "group_of": groups, "state_keys": keys}
