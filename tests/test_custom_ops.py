@@ -50,10 +50,12 @@ def test_the_custom_backward_is_the_one_used_not_autograds(registry):
     assert torch.allclose(x.grad, 3 * (1 - y.detach() ** 2).clamp(min=0.5))
 
 
-def test_an_unregistered_autograd_function_is_refused_naming_it_its_line_and_the_fix():
+def test_an_unregistered_autograd_function_becomes_one_operator_with_its_own_backward():
+    """Inlined, Sign's straight-through gradient would be dropped (sign's own is 0); it is kept as one
+    operator with an inferred annotation, said in one warning at the model's line applying it."""
     import torch
     from nnscaler.trace.build import trace
-    from nnscaler.trace.export import TraceError
+    from nnscaler.ops.lint import AnnotationWarning
 
     class Sign(torch.autograd.Function):
         @staticmethod
@@ -72,9 +74,12 @@ def test_an_unregistered_autograd_function_is_refused_naming_it_its_line_and_the
         def forward(self, x):
             return Sign.apply(self.lin(x)).sum()
 
-    with pytest.raises(TraceError, match=r"Sign is a torch.autograd.Function \(applied at \S+test_custom_ops.py:\d+\).*"
-                                         r"register_op"):
-        trace(Net(), (torch.randn(2, 4),))
+    with pytest.warns(AnnotationWarning, match=r"Sign: a torch.autograd.Function traced as one operator with its "
+                                               r"own backward, annotation inferred by probing: 'a b -> a b'") as seen:
+        graph = trace(Net(), (torch.randn(2, 4),))
+    assert any(w.filename == __file__ for w in seen)  # at the model's line that applies it
+    (op,) = [o for o in graph.ops if "Sign" in o.overload]
+    assert op.spec.family == "inferred"
 
 
 def test_a_custom_op_registered_without_a_name_goes_by_its_qualified_name(registry):

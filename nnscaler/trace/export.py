@@ -17,6 +17,7 @@ import torch
 
 from .checkpoints import refusal, watch_checkpoints
 from .functions import refuse_unregistered
+from .leaves import make_leaves, unregistered
 
 
 class TraceError(ValueError):
@@ -122,10 +123,12 @@ def functional(ep):
     return ep
 
 
-def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None):
+def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
+                 leaves: bool = True):
     """``torch.export.export(model, args, kwargs, strict=False)``; a failure becomes a
     :class:`TraceError` naming the model, the exception's first lines, the model's source line and
-    what to change."""
+    what to change. With ``leaves``, the model's unregistered ``torch.autograd.Function``s are made
+    leaves with inferred annotations (:mod:`.leaves`) and the model traced again."""
     kwargs = dict(kwargs or {})
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"parallelize needs a torch.nn.Module, got {type(model).__name__}")
@@ -151,6 +154,12 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
             print(rest, file=sys.stderr)
     if refusal(model, checkpoints):  # a reentrant one (the non-reentrant ones are recompute regions)
         raise TraceError(refusal(model, checkpoints))
+    classes = unregistered(ep.graph) if leaves else []
+    if classes:
+        refused = make_leaves(model, args, kwargs, classes)
+        if refused:
+            raise TraceError(refused)
+        return export_model(model, args, kwargs, leaves=False)  # each is one operator now
     refused = refuse_unregistered(ep.graph)
     if refused:
         raise TraceError(refused)

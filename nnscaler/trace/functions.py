@@ -3,10 +3,10 @@
 ``torch.export`` traces a ``Function`` into the ATen operators of its ``forward`` and drops its
 ``backward`` without a word (a straight-through estimator loses its gradient). Export leaves no mark
 of the ``Function`` in the graph, so the compiler finds its operators by their source lines: a node
-whose stack trace passes through the ``forward`` of a ``Function`` subclass came from one. Such a
-model is refused, naming the ``Function``, the model's line that applies it and the fix, unless the
-``Function`` was registered with :func:`nnscaler.register_op` (then it is one operator, a custom op,
-with its own backward)."""
+whose stack trace passes through the ``forward`` of a ``Function`` subclass came from one. A
+``Function`` registered with :func:`nnscaler.register_op` is one operator, a custom op, with its own
+backward; an unregistered one is made so with an inferred annotation (:mod:`.leaves`), and a model
+still holding one after that is refused, naming the ``Function``, the model's line and the fix."""
 from __future__ import annotations
 
 import inspect

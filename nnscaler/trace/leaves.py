@@ -1,0 +1,205 @@
+"""A model's unregistered ``torch.autograd.Function``s made leaves: one operator each, with the
+``Function``'s own backward and an annotation inferred by probing.
+
+``torch.export`` would inline a ``Function``'s forward and drop its backward (:mod:`.functions`). Where
+the user has not registered one, :func:`make_leaves` records its calls in one eager forward of the
+model on the sample arguments, infers an annotation from the first call and registers the class with
+:func:`nnscaler.register_op` (its ``apply`` becomes a custom op whose backward is the ``Function``'s),
+so the retrace keeps it as one node. The inference (:func:`infer_annotation`) names each dim of the
+first output and the dims of the inputs aligned with it (right-aligned, as broadcasting aligns them);
+a dim stays splittable only if the probe finds that running the ``Function`` on the two halves of
+the inputs along it and concatenating gives the whole output and, for a random output gradient, the
+whole input gradients (halves concatenated where the input has the dim, summed where it does not);
+every other dim is frozen (``^``). An inferred annotation is said in one warning and its family is
+``inferred``; the harness verifies the programs that use it like any other."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..ops.lint import AnnotationWarning
+from .functions import applied_function, user_functions
+
+FAMILY = "inferred"
+MAX_CALLS = 16  # calls recorded per Function: enough to see whether their constant arguments differ
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def unregistered(graph: torch.fx.Graph) -> dict[type, str]:
+    """The unregistered ``Function`` classes whose forward made nodes of ``graph``, in graph order,
+    each with the ``file:line`` of the model that first applies it."""
+    functions = user_functions()
+    out: dict[type, str] = {}
+    for node in graph.nodes if functions else ():
+        if node.op == "call_function":
+            found = applied_function(node, functions)
+            if found and found[0] not in out:
+                out[found[0]] = found[1]
+    return out
+
+
+def _record(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, classes: list[type]) -> dict[type, list]:
+    """Each class's calls (their arguments, tensors cloned) in one eager forward under ``no_grad``."""
+    calls: dict[type, list] = {c: [] for c in classes}
+    saved = {c: c.__dict__.get("apply") for c in classes}
+
+    def recorder(cls, original):
+        def apply(*a):
+            if len(calls[cls]) < MAX_CALLS:
+                calls[cls].append([x.detach().clone() if isinstance(x, torch.Tensor) else x for x in a])
+            return original(*a)
+        return apply
+
+    try:
+        for c in classes:
+            c.apply = recorder(c, c.apply)
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for c in classes:
+            if saved[c] is None:
+                del c.apply
+            else:
+                c.apply = saved[c]
+    return calls
+
+
+def _split_dims(tensors: list[torch.Tensor], ref: torch.Size, k: int) -> list[int | None]:
+    """The dim of each tensor aligned with dim ``k`` of ``ref`` and of its length (None: not there)."""
+    out = []
+    for t in tensors:
+        j = t.ndim - (len(ref) - k)
+        out.append(j if 0 <= j < t.ndim and t.shape[j] == ref[k] else None)
+    return out
+
+
+def _probe(fn: Callable, call: list, k: int, ref: torch.Size) -> bool:
+    """Whether dim ``k`` of the first output splits: two halves along it give the whole forward and
+    the whole input gradients (see the module docstring)."""
+    pos = [i for i, x in enumerate(call) if isinstance(x, torch.Tensor)]
+    xs = [call[i] for i in pos]
+    dims = _split_dims(xs, ref, k)
+    if not any(d is not None for d in dims):
+        return False
+
+    def run(parts):
+        a = list(call)
+        leaves = []
+        for i, t in zip(pos, parts):
+            t = t.detach().clone().requires_grad_(t.is_floating_point())
+            leaves.append(t)
+            a[i] = t
+        out = fn(*a)
+        return leaves, list(out) if isinstance(out, (tuple, list)) else [out]
+
+    try:
+        leaves, whole = run(xs)
+        if not all(o.shape == whole[0].shape for o in whole):
+            return False
+        gen = torch.Generator().manual_seed(k)
+        grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if o.is_floating_point() else None for o in whole]
+        want = _grads(whole, leaves, grads)
+        got_out, got_grad = [[] for _ in whole], [[] for _ in leaves]
+        for h in range(2):
+            parts = [x.chunk(2, d)[h] if d is not None else x for x, d in zip(xs, dims)]
+            pl, po = run(parts)
+            for i, o in enumerate(po):
+                got_out[i].append(o)
+            gk = [g.chunk(2, k)[h] if g is not None else None for g in grads]
+            for i, g in enumerate(_grads(po, pl, gk)):
+                got_grad[i].append(g)
+        for w, parts in zip(whole, got_out):
+            if not _close(torch.cat(parts, k), w):
+                return False
+        for w, parts, d in zip(want, got_grad, dims):
+            if w is None or any(p is None for p in parts):
+                if not (w is None and all(p is None for p in parts)):
+                    return False
+                continue
+            if not _close(torch.cat(parts, d) if d is not None else parts[0] + parts[1], w):
+                return False
+        return True
+    except Exception:  # noqa: BLE001  (a probe that fails to run keeps the dim whole)
+        return False
+
+
+def _grads(outs, leaves, grads):
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    wanted = [t for t in leaves if t.requires_grad]
+    if not pairs or not wanted:
+        return [None] * len(leaves)
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+    return [next(got) if t.requires_grad else None for t in leaves]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    tol = 64 * torch.finfo(a.dtype).eps
+    return bool(torch.allclose(a.double(), b.double(), rtol=tol, atol=tol * max(1.0, b.abs().max().item())))
+
+
+def infer_annotation(fn: Callable, call: list) -> str:
+    """The annotation of ``fn`` at ``call`` (its positional arguments): inputs and outputs named
+    against the first output, each dim splittable where :func:`_probe` finds it so, ``?`` for
+    arguments other than tensors."""
+    with torch.no_grad():
+        out = fn(*call)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
+        raise ValueError("it returns something other than tensors")
+    ref = outs[0].shape
+    splits = [len(ref) > 0 and ref[k] > 1 and _probe(fn, call, k, ref) for k in range(len(ref))]
+    fresh = iter(_LETTERS[len(ref):] + "".join(f"z{i}" for i in range(100)))  # z0.. never clash with a..y
+    names = [_LETTERS[k] if splits[k] else f"{_LETTERS[k]}^" for k in range(len(ref))]
+
+    def name(t: torch.Tensor) -> str:
+        dims = []
+        for j, n in enumerate(t.shape):
+            k = len(ref) - (t.ndim - j)
+            if 0 <= k < len(ref) and n == ref[k]:
+                dims.append(names[k])
+            elif n == 1:
+                dims.append("1")
+            else:
+                dims.append(f"{next(fresh)}^")
+        return " ".join(dims) if dims else "1"
+
+    ins = [name(x) if isinstance(x, torch.Tensor) else "?" for x in call]
+    return f"{', '.join(ins)} -> {', '.join(name(o) for o in outs)}"
+
+
+def make_leaves(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, classes: dict[type, str]) -> str | None:
+    """Register each of ``classes`` (class -> the model's ``file:line`` applying it) as a leaf with an
+    inferred annotation (one warning each, at that line); the refusal for the first that cannot be
+    (None when all could)."""
+    from ..ops.registry import register_op
+    calls = _record(model, args, kwargs, list(classes))
+    for cls, where in classes.items():
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        seen = calls[cls]
+        if not seen:
+            return f"{name} is a torch.autograd.Function the sample forward never applied"
+        constants = [tuple(x for x in c if not isinstance(x, torch.Tensor)) for c in seen]
+        if any(c != constants[0] for c in constants) or any(len(c) != len(seen[0]) for c in seen):
+            return (f"{name} is a torch.autograd.Function applied with different non-tensor arguments "
+                    f"({constants[0]} and {next(c for c in constants if c != constants[0])}): one inferred "
+                    f"operator cannot fix them; register it with @nnscaler.register_op(\"<annotation>\") on the class")
+        try:
+            anno = infer_annotation(cls.apply, seen[0])
+            register_op(anno, name=name, family=FAMILY,
+                        args={i: x for i, x in enumerate(seen[0]) if not isinstance(x, torch.Tensor)})(cls)
+        except Exception as exc:  # noqa: BLE001  (the refusal says why)
+            return (f"{name} is a torch.autograd.Function whose annotation could not be inferred "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); register it with "
+                    f"@nnscaler.register_op(\"<annotation>\") on the class (it then stays one operator with its "
+                    f"own backward)")
+        path, _, line = where.rpartition(":")
+        warnings.warn_explicit(f"{name}: a torch.autograd.Function traced as one operator with its own backward, "
+                               f"annotation inferred by probing: {anno!r} (register it with @nnscaler.register_op "
+                               f"to choose another)", AnnotationWarning, path, int(line) if line.isdigit() else 0)
+    return None

@@ -1,0 +1,62 @@
+"""Unregistered ``torch.autograd.Function``s as leaves (``nnscaler/trace/leaves.py``): the probe names
+the dims a split keeps equal to the whole, forward and backward; a model applying them traces (the
+``Function``'s own backward kept, not dropped) and trains like one device under dp and tp; what cannot
+be one operator is refused in one line."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nnscaler.trace.leaves import infer_annotation
+from verify.cli import main
+
+FIXTURE = Path(__file__).parent / "fixtures" / "function_leaves.py"
+
+
+def _fixture():
+    spec = importlib.util.spec_from_file_location("function_leaves_probe", FIXTURE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_probe_splits_what_stays_equal_forward_and_backward():
+    m = _fixture()
+    x = torch.randn(4, 6)
+    assert infer_annotation(m.RoundSTE.apply, [x]) == "a b -> a b"
+    assert infer_annotation(m.GlobalScaledGrad.apply, [x]) == "a^ b^ -> a^ b^"  # the backward couples every element
+    assert infer_annotation(m.Scale.apply, [x, 2.0]) == "a b, ? -> a b"
+    assert infer_annotation(lambda t: torch.softmax(t, -1), [x]) == "a b^ -> a b^"
+    assert infer_annotation(lambda t, b: t + b, [x, torch.randn(6)]) == "a b, b -> a b"
+    assert infer_annotation(lambda t: t.cumsum(0), [x]) == "a^ b -> a^ b"
+    assert infer_annotation(lambda t: t.sum(), [x]) == "a^ b^ -> 1"
+
+
+@pytest.mark.parametrize("builder", ["ste", "global_grad"])
+def test_a_model_with_its_own_functions_trains_like_one_device(tmp_path, builder, capsys):
+    rows = tmp_path / "rows.json"
+    assert main(["model", f"{FIXTURE}:{builder}", "--policy", "dp", "tp", "--world-size", "2", "--steps", "2",
+                 "--json", str(rows)]) == 0, capsys.readouterr().out[-3000:]
+    assert [r["status"] for r in json.loads(rows.read_text())] == ["match", "match"]
+
+
+def test_the_same_function_claimed_splittable_is_a_mismatch_under_dp(tmp_path):
+    """What the probe refused (a backward over the whole input), registered by hand as split on every
+    dim: dp gives each rank its half's mean, and the harness says so."""
+    rows = tmp_path / "rows.json"
+    assert main(["model", f"{FIXTURE}:global_grad_claimed_split", "--policy", "dp", "--world-size", "2", "--steps",
+                 "1", "--json", str(rows)]) == 1
+    (row,) = json.loads(rows.read_text())
+    assert row["status"] == "MISMATCH" and "grad" in row["detail"], row
+
+
+def test_a_function_applied_with_two_constants_is_refused_in_one_line(tmp_path, capsys):
+    rows = tmp_path / "rows.json"
+    assert main(["model", f"{FIXTURE}:two_constants", "--policy", "dp", "--world-size", "2", "--steps", "1",
+                 "--json", str(rows)]) == 1
+    (row,) = json.loads(rows.read_text())
+    assert "Scale is a torch.autograd.Function applied with different non-tensor arguments" in row["detail"], row
