@@ -14,6 +14,7 @@ every other dim is frozen (``^``). An inferred annotation is said in one warning
 ``inferred``; the harness verifies the programs that use it like any other."""
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -100,7 +101,10 @@ def _probe(fn: Callable, call: list, k: int, ref: torch.Size) -> bool:
             return False
         gen = torch.Generator().manual_seed(k)
         grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if o.is_floating_point() else None for o in whole]
-        want = _grads(whole, leaves, grads)
+        try:
+            want = _grads(whole, leaves, grads)
+        except RuntimeError:  # no backward (heaviside): the forward alone decides
+            want, grads = None, [None] * len(whole)
         got_out, got_grad = [[] for _ in whole], [[] for _ in leaves]
         for h in range(2):
             parts = [x.chunk(2, d)[h] if d is not None else x for x, d in zip(xs, dims)]
@@ -108,12 +112,12 @@ def _probe(fn: Callable, call: list, k: int, ref: torch.Size) -> bool:
             for i, o in enumerate(po):
                 got_out[i].append(o)
             gk = [g.chunk(2, k)[h] if g is not None else None for g in grads]
-            for i, g in enumerate(_grads(po, pl, gk)):
+            for i, g in enumerate(_grads(po, pl, gk) if want is not None else []):
                 got_grad[i].append(g)
         for w, parts in zip(whole, got_out):
             if not _close(torch.cat(parts, k), w):
                 return False
-        for w, parts, d in zip(want, got_grad, dims):
+        for w, parts, d in zip(want or [], got_grad, dims):
             if w is None or any(p is None for p in parts):
                 if not (w is None and all(p is None for p in parts)):
                     return False
@@ -140,7 +144,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not a.is_floating_point():
         return bool(torch.equal(a, b))
     tol = 64 * torch.finfo(a.dtype).eps
-    return bool(torch.allclose(a.double(), b.double(), rtol=tol, atol=tol * max(1.0, b.abs().max().item())))
+    scale = b[b.isfinite()].abs().max().item() if b.isfinite().any() else 1.0
+    return bool(torch.allclose(a.double(), b.double(), rtol=tol, atol=tol * max(1.0, scale), equal_nan=True))
 
 
 def infer_annotation(fn: Callable, call: list) -> str:
@@ -203,3 +208,39 @@ def make_leaves(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, class
                                f"annotation inferred by probing: {anno!r} (register it with @nnscaler.register_op "
                                f"to choose another)", AnnotationWarning, path, int(line) if line.isdigit() else 0)
     return None
+
+
+PROBE_ELEMENTS = 2**20  # the largest tensor an operator is probed on (a meta-device trace for a cluster plan is not)
+
+
+def infer_rule(call):
+    """The spec of an ATen call no rule or entry annotates, its annotation inferred by probing it on
+    random inputs of the call's shapes (:func:`infer_annotation`; family ``inferred``); None where a
+    probe cannot stand for it: a tensor list, an integer or boolean tensor (its values would be
+    guesses), a tensor over :data:`PROBE_ELEMENTS`, an op that writes in place or draws random numbers,
+    an output that is not a tensor."""
+    from ..ops.rules import TensorMeta, aten_overload
+    from ..ops.spec import OpSpec
+    try:
+        op = aten_overload(call.overload)
+    except KeyError:
+        return None
+    if op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
+        return None
+    metas = [a for a in call.args if isinstance(a, TensorMeta)]
+    if not metas or any(isinstance(a, (list, tuple)) and any(isinstance(x, TensorMeta) for x in a) for a in call.args):
+        return None
+    if any(not m.dtype.is_floating_point or math.prod(m.shape) > PROBE_ELEMENTS for m in metas) \
+            or not call.outputs or any(not isinstance(o, TensorMeta) for o in call.outputs):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    sample = [torch.randn(a.shape, generator=gen, dtype=a.dtype) if isinstance(a, TensorMeta) else a
+              for a in call.args]
+    kwargs = dict(call.kwargs)
+    try:
+        anno = infer_annotation(lambda *a: op(*a, **kwargs), sample)
+        return OpSpec.create(f"inferred.{call.overload.removeprefix('aten.')}", anno, op,
+                             args={i: a for i, a in enumerate(call.args) if not isinstance(a, TensorMeta)},
+                             kwargs=kwargs, family=FAMILY, aten=(call.overload,))
+    except Exception:  # noqa: BLE001  (no annotation: the operator stays unknown, replicated and named)
+        return None

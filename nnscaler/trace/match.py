@@ -97,7 +97,8 @@ def match_fixed(call: OpCall, spec: OpSpec) -> BoundAnno | None:
 
 def derive(call: OpCall, registry: OpRegistry) -> tuple[OpSpec, BoundAnno] | None:
     """The spec and bound annotation of a call: the first rule that annotates it, else the first
-    fixed entry that matches it; ``None`` if the registry does not know it."""
+    fixed entry that matches it, else one inferred by probing the call (:func:`.leaves.infer_rule`);
+    ``None`` if none of them annotates it."""
     ins = _shapes(flatten_tensor_lists(call.args))
     outs = [tuple(o.shape) if isinstance(o, TensorMeta) else None for o in call.outputs]
     if None in outs:  # an op returning nothing (a metadata assert): outputs bound from the annotation
@@ -114,4 +115,11 @@ def derive(call: OpCall, registry: OpRegistry) -> tuple[OpSpec, BoundAnno] | Non
         bound = match_fixed(call, spec)
         if bound is not None:
             return spec, bound
+    from .leaves import infer_rule  # the last resort: an annotation inferred by probing the call
+    spec = infer_rule(call)
+    if spec is not None:
+        try:
+            return spec, bind(spec.anno, ins[:len(spec.anno.inputs)], outs, known=dict(spec.sizes) or None)
+        except AnnotationError:
+            return None
     return None

@@ -1,7 +1,9 @@
-"""Unregistered ``torch.autograd.Function``s as leaves (``nnscaler/trace/leaves.py``): the probe names
-the dims a split keeps equal to the whole, forward and backward; a model applying them traces (the
-``Function``'s own backward kept, not dropped) and trains like one device under dp and tp; what cannot
-be one operator is refused in one line."""
+"""Annotations inferred by probing (``nnscaler/trace/leaves.py``): the probe names the dims a split
+keeps equal to the whole, forward and backward; an unregistered ``torch.autograd.Function`` becomes one
+operator with its own backward (not dropped) and an ATen operator no rule annotates gets a probed
+annotation instead of being replicated; models using either train like one device on real ranks, a
+hand annotation the probe would not give is caught, and what cannot be one operator is refused in
+one line."""
 from __future__ import annotations
 
 import importlib.util
@@ -36,12 +38,22 @@ def test_the_probe_splits_what_stays_equal_forward_and_backward():
     assert infer_annotation(lambda t: t.sum(), [x]) == "a^ b^ -> 1"
 
 
-@pytest.mark.parametrize("builder", ["ste", "global_grad"])
+def test_aten_operators_without_a_rule_are_probed_not_replicated():
+    from nnscaler.trace.build import trace
+    m = _fixture()
+    graph = trace(m.NoRules(), m._batches(0))
+    assert not graph.unknown()
+    inferred = {o.overload: o.spec.annotation for o in graph.ops if o.spec.family == "inferred"}
+    assert inferred == {"aten.logaddexp.default": "a b, a b -> a b", "aten.copysign.Tensor": "a b, a b -> a b",
+                        "aten.nan_to_num.default": "a b -> a b", "aten.cummax.default": "a b^, ? -> a b^, a b^"}
+
+
+@pytest.mark.parametrize("builder", ["ste", "global_grad", "no_rules"])
 def test_a_model_with_its_own_functions_trains_like_one_device(tmp_path, builder, capsys):
     rows = tmp_path / "rows.json"
-    assert main(["model", f"{FIXTURE}:{builder}", "--policy", "dp", "tp", "--world-size", "2", "--steps", "2",
-                 "--json", str(rows)]) == 0, capsys.readouterr().out[-3000:]
-    assert [r["status"] for r in json.loads(rows.read_text())] == ["match", "match"]
+    assert main(["model", f"{FIXTURE}:{builder}", "--policy", "dp", "tp", "random", "--world-size", "2", "--steps",
+                 "2", "--json", str(rows)]) == 0, capsys.readouterr().out[-3000:]
+    assert [r["status"] for r in json.loads(rows.read_text())] == ["match"] * 3
 
 
 def test_the_same_function_claimed_splittable_is_a_mismatch_under_dp(tmp_path):
