@@ -56,17 +56,21 @@ def test_consumers_and_producers_link_up(gpt_graph):
 
 
 class _Bessel(torch.nn.Module):
-    def forward(self, x):
-        return torch.special.bessel_j0(x).sum()
+    def forward(self, x, n):
+        return torch.special.bessel_j0(x).sum() + torch.gcd(n, n + 1).sum()
 
 
 def test_unknown_operators_are_named_once_or_refused_in_strict_mode():
-    x = torch.randn(4, 8)
-    with pytest.warns(UnknownOperatorWarning, match=r"aten.special_bessel_j0.default x1"):
-        g = trace(_Bessel(), (x,))
-    assert [op.overload for op in g.unknown()] == ["aten.special_bessel_j0.default"]
-    with pytest.raises(TraceError, match="special_bessel_j0"):
-        trace(_Bessel(), (x,), strict=True)
+    """bessel_j0 has no rule and is probed (elementwise); gcd's integer inputs cannot be probed
+    (their values would be guesses): it stays unknown, named once, refused under strict."""
+    x, n = torch.randn(4, 8), torch.arange(32).reshape(4, 8)
+    with pytest.warns(UnknownOperatorWarning, match=r"1 operators .* aten.gcd.default x1"):
+        g = trace(_Bessel(), (x, n))
+    assert [op.overload for op in g.unknown()] == ["aten.gcd.default"]
+    (bessel,) = [op for op in g.ops if op.overload == "aten.special_bessel_j0.default"]
+    assert (bessel.spec.family, bessel.spec.annotation) == ("inferred", "a b -> a b")
+    with pytest.raises(TraceError, match="gcd"):
+        trace(_Bessel(), (x, n), strict=True)
 
 
 def test_sample_arguments_that_do_not_match_forward():

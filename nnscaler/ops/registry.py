@@ -27,12 +27,15 @@ class OpRegistry:
     ``catalogues``: an entry-point group whose modules register the built-in operators; they are
     imported the first time the registry is read (as DTensor's package loads its op catalogue), so
     no user has to import the catalogue first. The default registry reads ``nnscaler.ops``, under
-    which ``opzoo`` is installed."""
+    which ``opzoo`` is installed. ``infer``: an ATen call no rule or entry annotates is annotated by
+    probing it (:func:`nnscaler.trace.leaves.infer_rule`); on in the default registry, off in a new
+    one (which then knows only what is added to it)."""
 
-    def __init__(self, catalogues: str | None = None) -> None:
+    def __init__(self, catalogues: str | None = None, infer: bool = False) -> None:
         self._ops: dict[str, OpSpec] = {}
         self._rules: dict[str, list[Rule]] = {}
         self._catalogues = catalogues  # set to None once they are loaded
+        self.infer = infer
 
     def _load(self) -> None:
         if self._catalogues is None:
@@ -100,13 +103,14 @@ class OpRegistry:
 
     def fingerprint(self) -> tuple:
         """What annotating a traced operator depends on: every operator's name and annotation, and
-        which rules stand for each overload (equal fingerprints annotate every graph alike)."""
+        which rules stand for each overload, and whether it infers (equal fingerprints annotate every
+        graph alike)."""
         self._load()
         return (tuple((n, s.annotation, id(s)) for n, s in sorted(self._ops.items())),
-                tuple((o, tuple(id(r) for r in rules)) for o, rules in sorted(self._rules.items())))
+                tuple((o, tuple(id(r) for r in rules)) for o, rules in sorted(self._rules.items())), self.infer)
 
 
-DEFAULT_REGISTRY = OpRegistry(catalogues="nnscaler.ops")
+DEFAULT_REGISTRY = OpRegistry(catalogues="nnscaler.ops", infer=True)
 """Filled by the catalogues installed under the ``nnscaler.ops`` entry point (``opzoo``), loaded on
 first use, and by ``register_op`` decorators, as ``torch.library`` is."""
 
