@@ -46,6 +46,12 @@ def test_aten_operators_without_a_rule_are_probed_not_replicated():
     inferred = {o.overload: o.spec.annotation for o in graph.ops if o.spec.family == "inferred"}
     assert inferred == {"aten.logaddexp.default": "a b, a b -> a b", "aten.copysign.Tensor": "a b, a b -> a b",
                         "aten.nan_to_num.default": "a b -> a b", "aten.cummax.default": "a b^, ? -> a b^, a b^"}
+    from nnscaler.compile.plan import plan_graph
+    from nnscaler.config import ComputeConfig
+    plan = plan_graph(graph, "dp", ComputeConfig(2))
+    assert "annotations inferred by probing (no rule; verified like every plan by the harness): 4" in plan.report()
+    assert {d["operator"] for d in plan.summary()["inferred_annotations"]} == \
+        {"inferred." + o.removeprefix("aten.") for o in inferred}
 
 
 @pytest.mark.parametrize("builder", ["ste", "global_grad", "no_rules"])

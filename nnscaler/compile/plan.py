@@ -71,6 +71,8 @@ def attach_stats(plan: Plan, graph: IRGraph, config: ComputeConfig, steps: list 
     of the program when it is already emitted (see :func:`nnscaler.cost.estimate.analyze`)."""
     plan.stats = analyze(graph, plan, get_profile(config.profile), config.replicas, steps)
     plan.stats.replicated_ops = [(r.op.name, r.op.overload, r.reason) for r in replicated_operators(graph, plan)]
+    plan.stats.inferred = sorted({(op.spec.name, op.spec.annotation) for op in graph.ops
+                                  if op.spec is not None and op.spec.family == "inferred"})
     t = _promised_tp(plan)
     frac = param_fraction(plan.stats)
     if t > 1 and frac > 1 / t + SLACK and plan.policy == "autodist" and not plan.stats.sharded:

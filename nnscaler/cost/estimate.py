@@ -33,6 +33,7 @@ class PlanStats:
     compute_seconds: float
     comm_seconds: float
     replicated_ops: list[tuple[str, str, str]] = field(default_factory=list)
+    inferred: list[tuple[str, str]] = field(default_factory=list)  # (operator, annotation) found by probing
 
     @property
     def step_seconds(self) -> float:

@@ -57,6 +57,7 @@ def summary(plan, s) -> dict:
         "step_time": {"compute_s": s.compute_seconds, "comm_s": s.comm_seconds, "total_s": s.step_seconds},
         "replicated_operators": {"count": len(s.replicated_ops),
                                  "ops": [{"name": n, "overload": o, "why": w} for n, o, w in s.replicated_ops]},
+        "inferred_annotations": [{"operator": n, "annotation": a} for n, a in getattr(s, "inferred", [])],
         "note": plan.note,
     }
 
@@ -114,6 +115,10 @@ def report(plan, s) -> str:
     parts.append(f"replicated operators: {len(s.replicated_ops)}")
     parts += [f"  {o} x{len(names)} ({REASONS.get(why, why)}): {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
               for (o, why), names in by_kind.items()]
+    inferred = getattr(s, "inferred", [])
+    if inferred:
+        parts += ["", f"annotations inferred by probing (no rule; verified like every plan by the harness): {len(inferred)}"]
+        parts += [f"  {n}: {a}" for n, a in inferred]
     if plan.note:
         parts += ["", plan.note]
     return "\n".join(parts) + "\n"
