@@ -35,7 +35,10 @@ def test_the_probe_splits_what_stays_equal_forward_and_backward():
     assert infer_annotation(lambda t: torch.softmax(t, -1), [x]) == "a b^ -> a b^"
     assert infer_annotation(lambda t, b: t + b, [x, torch.randn(6)]) == "a b, b -> a b"
     assert infer_annotation(lambda t: t.cumsum(0), [x]) == "a^ b -> a^ b"
-    assert infer_annotation(lambda t: t.sum(), [x]) == "a^ b^ -> 1"
+    assert infer_annotation(lambda t: t.sum(), [x]) == "a+ b+ -> 1"  # split by value: the halves add up
+    assert infer_annotation(lambda t: t.sum(1), [x]) == "a b+ -> a"
+    assert infer_annotation(lambda t: t.mean(1), [x]) == "a b^ -> a"  # the halves' means do not add up
+    assert infer_annotation(lambda a, b: a @ b, [x, torch.randn(6, 5)]) == "a c+, c+ b -> a b"  # contracted together
 
 
 def test_aten_operators_without_a_rule_are_probed_not_replicated():

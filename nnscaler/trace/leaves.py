@@ -5,12 +5,13 @@
 the user has not registered one, :func:`make_leaves` records its calls in one eager forward of the
 model on the sample arguments, infers an annotation from the first call and registers the class with
 :func:`nnscaler.register_op` (its ``apply`` becomes a custom op whose backward is the ``Function``'s),
-so the retrace keeps it as one node. The inference (:func:`infer_annotation`) names each dim of the
-first output and the dims of the inputs aligned with it (right-aligned, as broadcasting aligns them);
-a dim stays splittable only if the probe finds that running the ``Function`` on the two halves of
-the inputs along it and concatenating gives the whole output and, for a random output gradient, the
-whole input gradients (halves concatenated where the input has the dim, summed where it does not);
-every other dim is frozen (``^``). An inferred annotation is said in one warning and its family is
+so the retrace keeps it as one node; an ATen operator no rule annotates is probed alike
+(:func:`infer_rule`). The inference (:func:`infer_annotation`) names each dim of the first output and
+the dims of the inputs matched with it; a dim stays splittable only if the probe finds that running
+the operator on the two halves of the inputs along it and concatenating gives the whole output and,
+for a random output gradient, the whole input gradients (halves concatenated where the input has the
+dim, summed where it does not); an input's own dim splits by value (``+``) where the halves' outputs
+add up to the whole; every other dim is frozen (``^``). An inferred annotation is said in one warning and its family is
 ``inferred``; the harness verifies the programs that use it like any other."""
 from __future__ import annotations
 
@@ -67,21 +68,29 @@ def _record(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, classes: 
     return calls
 
 
-def _split_dims(tensors: list[torch.Tensor], ref: torch.Size, k: int) -> list[int | None]:
-    """The dim of each tensor aligned with dim ``k`` of ``ref`` and of its length (None: not there)."""
-    out = []
-    for t in tensors:
-        j = t.ndim - (len(ref) - k)
-        out.append(j if 0 <= j < t.ndim and t.shape[j] == ref[k] else None)
+def _align(shape: Sequence[int], ref: Sequence[int]) -> dict[int, int]:
+    """Each dim of ``shape`` (longer than 1) matched with a dim of ``ref`` of its length: right-aligned
+    as broadcasting aligns them where that matches every such dim, else in order (a reduction drops
+    dims); the rest are the tensor's own."""
+    n, m = len(shape), len(ref)
+    right = {j: j - n + m for j in range(n) if shape[j] > 1 and 0 <= j - n + m < m and shape[j] == ref[j - n + m]}
+    if all(shape[j] == 1 or j in right for j in range(n)):
+        return right
+    out, k = {}, 0
+    for j, length in enumerate(shape):
+        q = next((q for q in range(k, m) if ref[q] == length), None) if length > 1 else None
+        if q is not None:
+            out[j], k = q, q + 1
     return out
 
 
-def _probe(fn: Callable, call: list, k: int, ref: torch.Size) -> bool:
-    """Whether dim ``k`` of the first output splits: two halves along it give the whole forward and
-    the whole input gradients (see the module docstring)."""
+def _probe(fn: Callable, call: list, dims: list[int | None], k: int | None) -> bool:
+    """Whether splitting each tensor argument along ``dims`` (None: whole) in two halves gives the
+    whole: the halves' outputs concatenated along ``k`` (``k`` None: summed, a split by value) and,
+    for a random output gradient, the halves' input gradients concatenated where split, summed where
+    not (see the module docstring)."""
     pos = [i for i, x in enumerate(call) if isinstance(x, torch.Tensor)]
     xs = [call[i] for i in pos]
-    dims = _split_dims(xs, ref, k)
     if not any(d is not None for d in dims):
         return False
 
@@ -99,7 +108,7 @@ def _probe(fn: Callable, call: list, k: int, ref: torch.Size) -> bool:
         leaves, whole = run(xs)
         if not all(o.shape == whole[0].shape for o in whole):
             return False
-        gen = torch.Generator().manual_seed(k)
+        gen = torch.Generator().manual_seed(0 if k is None else k + 1)
         grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if o.is_floating_point() else None for o in whole]
         try:
             want = _grads(whole, leaves, grads)
@@ -111,11 +120,11 @@ def _probe(fn: Callable, call: list, k: int, ref: torch.Size) -> bool:
             pl, po = run(parts)
             for i, o in enumerate(po):
                 got_out[i].append(o)
-            gk = [g.chunk(2, k)[h] if g is not None else None for g in grads]
+            gk = [(g.chunk(2, k)[h] if k is not None else g) if g is not None else None for g in grads]
             for i, g in enumerate(_grads(po, pl, gk) if want is not None else []):
                 got_grad[i].append(g)
         for w, parts in zip(whole, got_out):
-            if not _close(torch.cat(parts, k), w):
+            if not _close(torch.cat(parts, k) if k is not None else parts[0] + parts[1], w):
                 return False
         for w, parts, d in zip(want or [], got_grad, dims):
             if w is None or any(p is None for p in parts):
@@ -149,33 +158,51 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def infer_annotation(fn: Callable, call: list) -> str:
-    """The annotation of ``fn`` at ``call`` (its positional arguments): inputs and outputs named
-    against the first output, each dim splittable where :func:`_probe` finds it so, ``?`` for
-    arguments other than tensors."""
+    """The annotation of ``fn`` at ``call`` (its positional arguments): every dim of the inputs and
+    outputs matched with a dim of the first output (:func:`_align`) and splittable where
+    :func:`_probe` finds the halves give the whole; an input's own dims (no output has them) split
+    by value (``+``) where the halves' outputs add up to the whole, dims of one length across inputs
+    together (a contraction); every other dim frozen (``^``); ``?`` for arguments other than tensors."""
     with torch.no_grad():
         out = fn(*call)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
         raise ValueError("it returns something other than tensors")
-    ref = outs[0].shape
-    splits = [len(ref) > 0 and ref[k] > 1 and _probe(fn, call, k, ref) for k in range(len(ref))]
+    ref = tuple(outs[0].shape)
+    xs = [x for x in call if isinstance(x, torch.Tensor)]
+    maps = [_align(tuple(x.shape), ref) for x in xs]
+    names = []
+    for k in range(len(ref)):
+        dims = [next((j for j, q in mp.items() if q == k), None) for mp in maps]
+        names.append(_LETTERS[k] + ("" if ref[k] > 1 and _probe(fn, call, dims, k) else "^"))
+    own: dict[tuple[int, int], str] = {}  # (tensor, dim) -> name of a dim no output has
     fresh = iter(_LETTERS[len(ref):] + "".join(f"z{i}" for i in range(100)))  # z0.. never clash with a..y
-    names = [_LETTERS[k] if splits[k] else f"{_LETTERS[k]}^" for k in range(len(ref))]
+    floating = all(o.is_floating_point() for o in outs)
+    by_length: dict[int, list[tuple[int, int]]] = {}
+    for i, (x, mp) in enumerate(zip(xs, maps)):
+        for j, length in enumerate(x.shape):
+            if j not in mp and length > 1:
+                by_length.setdefault(length, []).append((i, j))
+    for length, members in by_length.items():
+        def summed(group):
+            dims = [dict(group).get(i) for i in range(len(xs))]
+            return floating and len({i for i, _ in group}) == len(group) and _probe(fn, call, dims, None)
+        if len(members) > 1 and summed(members):
+            shared = f"{next(fresh)}+"
+            own.update({m: shared for m in members})
+            continue
+        for m in members:
+            own[m] = f"{next(fresh)}{'+' if summed([m]) else '^'}"
 
-    def name(t: torch.Tensor) -> str:
-        dims = []
-        for j, n in enumerate(t.shape):
-            k = len(ref) - (t.ndim - j)
-            if 0 <= k < len(ref) and n == ref[k]:
-                dims.append(names[k])
-            elif n == 1:
-                dims.append("1")
-            else:
-                dims.append(f"{next(fresh)}^")
+    def text(t: torch.Tensor, i: int | None) -> str:
+        mp = maps[i] if i is not None else ({j: j for j in range(len(ref))} if tuple(t.shape) == ref else {})
+        dims = [names[mp[j]] if j in mp else "1" if n == 1 else own.get((i, j)) or f"{next(fresh)}^"
+                for j, n in enumerate(t.shape)]
         return " ".join(dims) if dims else "1"
 
-    ins = [name(x) if isinstance(x, torch.Tensor) else "?" for x in call]
-    return f"{', '.join(ins)} -> {', '.join(name(o) for o in outs)}"
+    which = iter(range(len(xs)))
+    ins = [text(x, next(which)) if isinstance(x, torch.Tensor) else "?" for x in call]
+    return f"{', '.join(ins)} -> {', '.join(text(o, None) for o in outs)}"
 
 
 def make_leaves(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, classes: dict[type, str]) -> str | None:
