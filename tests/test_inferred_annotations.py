@@ -32,6 +32,7 @@ def test_the_probe_splits_what_stays_equal_forward_and_backward():
     assert infer_annotation(m.RoundSTE.apply, [x]) == "a b -> a b"
     assert infer_annotation(m.GlobalScaledGrad.apply, [x]) == "a^ b^ -> a^ b^"  # the backward couples every element
     assert infer_annotation(m.Scale.apply, [x, 2.0]) == "a b, ? -> a b"
+    assert infer_annotation(m.RowSum.apply, [x]) == "a b+ -> a"
     assert infer_annotation(lambda t: torch.softmax(t, -1), [x]) == "a b^ -> a b^"
     assert infer_annotation(lambda t, b: t + b, [x, torch.randn(6)]) == "a b, b -> a b"
     assert infer_annotation(lambda t: t.cumsum(0), [x]) == "a^ b -> a^ b"
@@ -57,7 +58,7 @@ def test_aten_operators_without_a_rule_are_probed_not_replicated():
         {"inferred." + o.removeprefix("aten.") for o in inferred}
 
 
-@pytest.mark.parametrize("builder", ["ste", "global_grad", "no_rules"])
+@pytest.mark.parametrize("builder", ["ste", "global_grad", "no_rules", "row_sum"])
 def test_a_model_with_its_own_functions_trains_like_one_device(tmp_path, builder, capsys):
     rows = tmp_path / "rows.json"
     assert main(["model", f"{FIXTURE}:{builder}", "--policy", "dp", "tp", "random", "--world-size", "2", "--steps",
