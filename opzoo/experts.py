@@ -20,6 +20,7 @@ adds ``"nnscaler_ep"`` (this op) next to its ``"grouped_mm"`` and ``"batched_mm"
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -166,6 +167,37 @@ def transformers_forward(self, hidden_states, top_k_index, top_k_weights):
                          f"(gate_up_proj [E, 2I, H], down_proj [E, H, I]), as Mixtral's")
     return moe_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), self.gate_up_proj,
                        self.down_proj, _act_name(self))
+
+
+def experts_rewrite(module: torch.nn.Module):
+    """The tracer's rewrite (:meth:`~nnscaler.ops.registry.OpRegistry.add_module_rewrite`) of
+    transformers' experts modules that :func:`transformers_forward` computes exactly (gated, no bias,
+    gate and up concatenated, the default gate, an activation :data:`ACTS` has, Mixtral's weight
+    layout), whichever implementation the config names: they trace as one ``moe_experts`` operator, so
+    plans split them by expert and the tokens with them, never gathering the batch (the library's
+    grouped or batched matmuls group rows by expert, which no split of the batch keeps). The model
+    itself still runs its own code (the single-device reference)."""
+    up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and up.dim() == 3 and down.dim() == 3):
+        return None
+    if not getattr(module, "is_concatenated", False) or getattr(module, "has_bias", True) or \
+            not getattr(module, "has_gate", False) or getattr(module, "is_transposed", True) or \
+            getattr(module, "has_post_expert_norm", False):
+        return None
+    from transformers.integrations.moe import _default_apply_gate  # (the module is transformers': it imports)
+    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+        return None
+    (e, n, h), (e2, h2, i) = up.shape, down.shape
+    if (e, h, n) != (e2, h2, 2 * i):
+        return None
+    try:
+        _act_name(module)
+    except (ValueError, AttributeError):
+        return None
+    return functools.partial(transformers_forward, module)
+
+
+DEFAULT_REGISTRY.add_module_rewrite(experts_rewrite)
 
 
 def register_transformers() -> None:

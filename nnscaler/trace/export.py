@@ -122,10 +122,34 @@ def functional(ep):
     return ep
 
 
-def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None):
-    """``torch.export.export(model, args, kwargs, strict=False)``; a failure becomes a
-    :class:`TraceError` naming the model, the exception's first lines, the model's source line and
-    what to change."""
+@contextlib.contextmanager
+def rewritten(model: torch.nn.Module, rewrites: Sequence) -> Any:
+    """Within: each module of ``model`` that one of ``rewrites`` (``rewrite(module) -> forward | None``,
+    :meth:`OpRegistry.add_module_rewrite`) answers for runs that forward; restored on exit."""
+    done = []
+    try:
+        for module in model.modules():
+            for rewrite in rewrites:
+                forward = rewrite(module)
+                if forward is not None:
+                    had = "forward" in vars(module)
+                    done.append((module, had, vars(module).get("forward")))
+                    module.forward = forward
+                    break
+        yield
+    finally:
+        for module, had, old in reversed(done):
+            if had:
+                module.forward = old
+            else:
+                del module.forward
+
+
+def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
+                 rewrites: Sequence = ()):
+    """``torch.export.export(model, args, kwargs, strict=False)`` (with the module ``rewrites`` of
+    :func:`rewritten`); a failure becomes a :class:`TraceError` naming the model, the exception's
+    first lines, the model's source line and what to change."""
     kwargs = dict(kwargs or {})
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"parallelize needs a torch.nn.Module, got {type(model).__name__}")
@@ -135,7 +159,7 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
     captured = io.StringIO()
     checkpoints: list[str] = []  # torch.utils.checkpoint calls of the model: recompute regions (.checkpoints)
     try:
-        with contextlib.redirect_stderr(captured), watch_checkpoints(checkpoints):
+        with contextlib.redirect_stderr(captured), watch_checkpoints(checkpoints), rewritten(model, rewrites):
             ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as exc:
         dump = str(getattr(exc, "partial_fx_graph", "") or "")
