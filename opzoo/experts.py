@@ -125,7 +125,8 @@ def expert_parallel(shard, hidden, top_k_index, top_k_weights, gate_up, down, ac
 
 def experts_rule(call: OpCall):
     """``(g r) h^, (g r) k^, (g r) k^, (g f) n^ h^, (g f) h^ i^, ? -> (g r) h^`` with ``g`` the
-    greatest common divisor of the token and expert counts (see the module)."""
+    greatest common divisor of the token and expert counts (see the module); where that is 1 (3
+    experts, an even batch), ``t h^, t k^, t k^, e^ n^ h^, e^ h^ i^, ? -> t h^``: tokens alone."""
     if not usable(call):
         return None
     hidden, idx, w, gate_up, down = (call.tensor(p) for p in range(5))
@@ -134,6 +135,11 @@ def experts_rule(call: OpCall):
     if (h, h, e, t, k) != (h2, h3, e2, idx.shape[0], w.shape[1]) or n != 2 * i or w.shape[0] != t:
         return None
     g = math.gcd(t, e)
+    if g == 1:  # no factor of the expert count splits the tokens: split the tokens alone, each rank running
+        # every expert on its own (data parallel, the experts whole), rather than no split at all
+        return build(call, FAMILY, {0: ["t", "h^"], 1: ["t", "k^"], 2: ["t", "k^"], 3: ["e^", "n^", "h^"],
+                                    4: ["e^", "h^", "i^"]}, [["t", "h^"]], sizes=dict(t=t, h=h, k=k, e=e, n=n, i=i),
+                     fn=moe_experts_math, inputs={1: Index(e)})
     sizes = dict(g=g, r=t // g, f=e // g, h=h, k=k, n=n, i=i)
     tokens, experts = "(g r)", "(g f)"
     return build(call, FAMILY, {0: [tokens, "h^"], 1: [tokens, "k^"], 2: [tokens, "k^"], 3: [experts, "n^", "h^"],
@@ -144,7 +150,8 @@ def experts_rule(call: OpCall):
 DEFAULT_REGISTRY.add_rule(OVERLOAD, experts_rule)
 _IDX = torch.int64
 register_examples(OVERLOAD, [(T(16, 8), T(16, 2, dtype=_IDX), T(16, 2), T(4, 12, 8), T(4, 8, 6), "silu"),
-                             (T(12, 6), T(12, 1, dtype=_IDX), T(12, 1), T(6, 8, 6), T(6, 6, 4), "gelu")])
+                             (T(12, 6), T(12, 1, dtype=_IDX), T(12, 1), T(6, 8, 6), T(6, 6, 4), "gelu"),
+                             (T(10, 8), T(10, 2, dtype=_IDX), T(10, 2), T(3, 12, 8), T(3, 8, 6), "silu")])
 
 
 # activation modules by class name (torch's and transformers' ACT2FN) -> the name ACTS knows
