@@ -183,6 +183,7 @@ def main() -> None:
     ap.add_argument("--archs", nargs="+", help="these model types instead of a sample")
     ap.add_argument("--no-match", action="store_true", help="static figures only (no rank cases)")
     ap.add_argument("--resume", action="store_true", help="keep the finished rows of --json")
+    ap.add_argument("--redo", nargs="+", default=[], help="with --resume: these architectures afresh")
     ap.add_argument("--timeout", type=float, default=30.0, help="the harness's case timeout (a model case gets 8x)")
     ap.add_argument("--md", default=str(ROOT / "reports" / "zoo.md"))
     ap.add_argument("--json", default=str(ROOT / "reports" / "zoo.json"))
@@ -198,6 +199,8 @@ def main() -> None:
     t0 = time.perf_counter()
     jpath = Path(args.json)
     rows: dict = json.loads(jpath.read_text()) if args.resume and jpath.is_file() else {}
+    for a in args.redo:
+        rows.pop(a, None)
 
     def save():
         jpath.parent.mkdir(parents=True, exist_ok=True)

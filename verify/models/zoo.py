@@ -17,6 +17,7 @@ from verify.models.registry import ModelCase, tokens
 
 PREFIX = "zoo:"
 BATCH, SEQ, LABELS, IMAGE, CLIP = 4, 8, 4, 32, 3200
+MAX_PARAMS = 5_000_000  # a shrunk config past this is refused (sized on the meta device first, no memory)
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
             eos_token_id=2, use_cache=False, tie_word_embeddings=False,
@@ -74,7 +75,14 @@ def shrunk(defaults: dict, kind: str, kv_heads: int | None) -> dict:
     (``kv_heads`` key/value heads), stage lists of vision models one block each, dropout, layer drop
     and spec-augment masks off (each is randomness a split would follow)."""
     out: dict = {}
+    layers = next((v for k, v in defaults.items() if k in LAYERS and isinstance(v, int) and v > 2), None)
     for k, v in defaults.items():
+        if isinstance(v, dict) and "model_type" in v:  # a nested model's config (encoder, decoder, text, audio)
+            out[k] = {**v, **shrunk(v, kind, kv_heads)}
+            continue
+        if isinstance(v, list) and layers and len(v) == layers and k not in LAYERS:  # one entry per layer
+            out[k] = v[:2]
+            continue
         if isinstance(v, bool) or k in ("id2label", "label2id") or k in ("hidden_size", "num_layers") and "depths" in defaults:
             continue  # (a staged vision model derives these from its stages)
         if isinstance(v, float) and ("drop" in k or k.startswith("mask_") and k.endswith("_prob")):
@@ -139,11 +147,12 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
     if kind == "causal":
         over.update({**TINY, "num_key_value_heads": kv_heads or TINY["num_key_value_heads"]})
     cfg = AutoConfig.for_model(arch, **over)
+    with torch.device("meta"):  # its size first: a config that ignores the shrinking is refused, not built
+        n = sum(p.numel() for p in _construct(auto, cfg).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"{arch}: {n} parameters after shrinking its config (over {MAX_PARAMS})")
     torch.manual_seed(seed)
-    try:
-        model = auto.from_config(cfg, attn_implementation="eager")
-    except (ValueError, ImportError):  # a model with no eager attention: its default
-        model = auto.from_config(cfg)
+    model = _construct(auto, cfg)
     if kind == "causal":
         model.loss_type = "ForCausalLM"  # transformers warns on each first loss of a process unless set
     vocab = getattr(cfg, "vocab_size", 128) or 128
@@ -163,6 +172,13 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
         g = torch.Generator().manual_seed(100 * seed + step)
         return torch.randn(shape, generator=g), torch.randint(0, LABELS, (BATCH,), generator=g)
     return ModelCase(NamedLoss(model.train(), (name, "labels")), batch)
+
+
+def _construct(auto, cfg) -> nn.Module:
+    try:
+        return auto.from_config(cfg, attn_implementation="eager")
+    except (ValueError, ImportError):  # a model with no eager attention: its default
+        return auto.from_config(cfg)
 
 
 def _input_shape(model: nn.Module, cfg, kind: str) -> tuple[int, ...]:
