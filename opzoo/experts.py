@@ -46,8 +46,12 @@ def _ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -
 
 def run_experts(x: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 act: str) -> torch.Tensor:
-    """Row ``j`` of ``x`` through expert ``expert[j]`` (an index into the local ``gate_up``/``down``)."""
+    """Row ``j`` of ``x`` through expert ``expert[j]`` (an index into the local ``gate_up``/``down``).
+    The result always depends on ``x`` and the weights (by a zero term), so a rank that got no rows
+    still joins the backward's all-to-all and gives its experts a (zero) gradient like the others."""
     out = x.new_zeros(x.shape[0], down.shape[1])
+    if torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad):
+        out = out + 0 * (x.sum() + gate_up.sum() + down.sum())
     for e in range(gate_up.shape[0]):
         rows = (expert == e).nonzero().squeeze(1)
         if rows.numel():

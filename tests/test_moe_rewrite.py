@@ -72,3 +72,16 @@ def test_a_layer_the_operator_would_compute_wrongly_is_left_alone():
     assert experts_rewrite(module) is not None
     module.has_bias = True
     assert experts_rewrite(module) is None
+
+
+def test_a_rank_whose_experts_get_no_rows_still_joins_the_backward():
+    """Expert parallelism's all-to-all backward runs on every rank: a rank that received no rows must
+    still have a result that depends on its inputs and experts (else it skips the collective and the
+    other ranks hang; afmoe did at W=2)."""
+    from opzoo.experts import run_experts
+    x = torch.zeros(0, 8, requires_grad=True)
+    gate_up, down = torch.randn(2, 12, 8, requires_grad=True), torch.randn(2, 8, 6, requires_grad=True)
+    out = run_experts(x, torch.zeros(0, dtype=torch.long), gate_up, down, "silu")
+    assert out.shape == (0, 8) and out.requires_grad
+    out.sum().backward()
+    assert gate_up.grad is not None and not gate_up.grad.any() and down.grad is not None
