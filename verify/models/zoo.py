@@ -75,7 +75,8 @@ def shrunk(defaults: dict, kind: str, kv_heads: int | None) -> dict:
     (``kv_heads`` key/value heads), stage lists of vision models one block each, dropout, layer drop
     and spec-augment masks off (each is randomness a split would follow)."""
     out: dict = {}
-    layers = next((v for k, v in defaults.items() if k in LAYERS and isinstance(v, int) and v > 2), None)
+    layers = None if "depths" in defaults else \
+        next((v for k, v in defaults.items() if k in LAYERS and isinstance(v, int) and v > 2), None)  # (staged: per stage)
     for k, v in defaults.items():
         if isinstance(v, dict) and "model_type" in v:  # a nested model's config (encoder, decoder, text, audio)
             out[k] = {**v, **shrunk(v, kind, kv_heads)}
