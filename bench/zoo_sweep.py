@@ -10,7 +10,8 @@ annotation, or annotated yet not split) and how many of those have no annotation
 share of the transformer blocks' parameters stored split. Below the table: the operators kept whole
 most often under ``dp`` (by overload, counted once per architecture), the top reasons a plan is not
 data parallel. ``--baseline DIR`` runs the same sample a second time on another source tree (e.g. an
-``git archive`` of ``main``), ``PYTHONPATH=DIR``, so the table shows before -> after of the same run.
+``git archive`` of ``main``; it must have ``verify/models/zoo.py``), ``PYTHONPATH=DIR``, so the table
+shows before -> after of the same run.
 
 ``--kv-heads K`` gives every config K key/value heads (default 2 of the 4 query heads; 1 is
 multi-query attention, fewer kv heads than the W=2 ranks).
@@ -30,19 +31,11 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2, use_cache=False, tie_word_embeddings=False,
-            # no dropout: a dropout with p > 0 stays unannotated on purpose (its random stream would follow the split)
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attention_dropout=0.0, dropout=0.0,
-            activation_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            summary_first_dropout=0.0, classifier_dropout=0.0, ffn_dropout=0.0, embedding_dropout=0.0,
-            # mixture of experts, state spaces, latent attention: small where a config has them
-            num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
-            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-            state_size=8, ssm_state_size=8, conv_kernel=4, expand=2, mamba_d_state=8, mamba_n_heads=4,
-            mamba_d_head=16, n_groups=1, time_step_rank=8)
+if str(ROOT) not in sys.path:  # verify.models.zoo when run as a script (PYTHONPATH's tree first)
+    sys.path.append(str(ROOT))
+
+from verify.models.zoo import TINY  # noqa: E402  (the tiny causal-LM config lives with the zoo's models)
+
 BATCH, SEQ, WORLD = 4, 8, 2
 TIMEOUT_S = 120
 
@@ -71,8 +64,9 @@ def build(arch: str, kv_heads: int = TINY["num_key_value_heads"]):
     return LossOf(causal_lm(model)).train(), (ids, ids.clone())
 
 
-def row(arch: str, kv_heads: int) -> dict:
-    """One architecture's figures (see the module docstring)."""
+def row(arch: str, kv_heads: int, build=build, extra=None) -> dict:
+    """One architecture's figures (see the module docstring); ``build(arch, kv_heads)`` gives its model
+    and sample arguments, ``extra(graph, dp, tp, out)`` adds more figures to the row ``out``."""
     import torch
     from nnscaler.compile.plan import plan_graph, trace_model
     from nnscaler.config import ComputeConfig
@@ -100,6 +94,8 @@ def row(arch: str, kv_heads: int) -> dict:
         tp = plan_graph(graph, "tp", ComputeConfig(WORLD))
         out["tp_fwd"] = sum(collectives(graph, tp, params=False)[0].values())
         out["tp_split"] = round(sharded_fraction(graph, tp)[0], 3)
+        if extra is not None:
+            extra(graph, dp, tp, out)
     except Exception as exc:  # noqa: BLE001
         return {**out, "stage": _stage("plan", exc), "error": _first_line(exc)}
     del torch
@@ -120,8 +116,9 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:140] if text else ''}"
 
 
-def worker(archs: list[str], kv_heads: int) -> None:
-    """Print one JSON line per architecture (a ``start`` line first, so a crash names its culprit)."""
+def worker(archs: list[str], kv_heads: int, row=row) -> None:
+    """Print one JSON line per architecture (a ``start`` line first, so a crash names its culprit);
+    ``row(arch, kv_heads)`` computes it."""
     import signal
     import warnings
     warnings.simplefilter("ignore")
@@ -146,13 +143,15 @@ def worker(archs: list[str], kv_heads: int) -> None:
         print(json.dumps(r), flush=True)
 
 
-def run_tree(tree: Path, archs: list[str], kv_heads: int) -> dict[str, dict]:
-    """Every architecture's row, computed by workers importing ``tree``'s code."""
+def run_tree(tree: Path, archs: list[str], kv_heads: int, script: Path = Path(__file__).resolve(),
+             args: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Every architecture's row, computed by workers importing ``tree``'s code (``script --worker``
+    with ``args``)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     rows: dict[str, dict] = {}
     todo = list(archs)
     while todo:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--kv-heads", str(kv_heads), "--worker", *todo], env=env,
+        proc = subprocess.run([sys.executable, str(script), *args, "--kv-heads", str(kv_heads), "--worker", *todo], env=env,
                               cwd=str(tree), capture_output=True, text=True)
         started = None
         for line in proc.stdout.splitlines():

@@ -20,6 +20,7 @@ adds ``"nnscaler_ep"`` (this op) next to its ``"grouped_mm"`` and ``"batched_mm"
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,8 +46,12 @@ def _ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -
 
 def run_experts(x: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 act: str) -> torch.Tensor:
-    """Row ``j`` of ``x`` through expert ``expert[j]`` (an index into the local ``gate_up``/``down``)."""
+    """Row ``j`` of ``x`` through expert ``expert[j]`` (an index into the local ``gate_up``/``down``).
+    The result always depends on ``x`` and the weights (by a zero term), so a rank that got no rows
+    still joins the backward's all-to-all and gives its experts a (zero) gradient like the others."""
     out = x.new_zeros(x.shape[0], down.shape[1])
+    if torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad):
+        out = out + 0 * (x.sum() + gate_up.sum() + down.sum())
     for e in range(gate_up.shape[0]):
         rows = (expert == e).nonzero().squeeze(1)
         if rows.numel():
@@ -124,7 +129,8 @@ def expert_parallel(shard, hidden, top_k_index, top_k_weights, gate_up, down, ac
 
 def experts_rule(call: OpCall):
     """``(g r) h^, (g r) k^, (g r) k^, (g f) n^ h^, (g f) h^ i^, ? -> (g r) h^`` with ``g`` the
-    greatest common divisor of the token and expert counts (see the module)."""
+    greatest common divisor of the token and expert counts (see the module); where that is 1 (3
+    experts, an even batch), ``t h^, t k^, t k^, e^ n^ h^, e^ h^ i^, ? -> t h^``: tokens alone."""
     if not usable(call):
         return None
     hidden, idx, w, gate_up, down = (call.tensor(p) for p in range(5))
@@ -133,6 +139,11 @@ def experts_rule(call: OpCall):
     if (h, h, e, t, k) != (h2, h3, e2, idx.shape[0], w.shape[1]) or n != 2 * i or w.shape[0] != t:
         return None
     g = math.gcd(t, e)
+    if g == 1:  # no factor of the expert count splits the tokens: split the tokens alone, each rank running
+        # every expert on its own (data parallel, the experts whole), rather than no split at all
+        return build(call, FAMILY, {0: ["t", "h^"], 1: ["t", "k^"], 2: ["t", "k^"], 3: ["e^", "n^", "h^"],
+                                    4: ["e^", "h^", "i^"]}, [["t", "h^"]], sizes=dict(t=t, h=h, k=k, e=e, n=n, i=i),
+                     fn=moe_experts_math, inputs={1: Index(e)})
     sizes = dict(g=g, r=t // g, f=e // g, h=h, k=k, n=n, i=i)
     tokens, experts = "(g r)", "(g f)"
     return build(call, FAMILY, {0: [tokens, "h^"], 1: [tokens, "k^"], 2: [tokens, "k^"], 3: [experts, "n^", "h^"],
@@ -143,7 +154,8 @@ def experts_rule(call: OpCall):
 DEFAULT_REGISTRY.add_rule(OVERLOAD, experts_rule)
 _IDX = torch.int64
 register_examples(OVERLOAD, [(T(16, 8), T(16, 2, dtype=_IDX), T(16, 2), T(4, 12, 8), T(4, 8, 6), "silu"),
-                             (T(12, 6), T(12, 1, dtype=_IDX), T(12, 1), T(6, 8, 6), T(6, 6, 4), "gelu")])
+                             (T(12, 6), T(12, 1, dtype=_IDX), T(12, 1), T(6, 8, 6), T(6, 6, 4), "gelu"),
+                             (T(10, 8), T(10, 2, dtype=_IDX), T(10, 2), T(3, 12, 8), T(3, 8, 6), "silu")])
 
 
 # activation modules by class name (torch's and transformers' ACT2FN) -> the name ACTS knows
@@ -166,6 +178,37 @@ def transformers_forward(self, hidden_states, top_k_index, top_k_weights):
                          f"(gate_up_proj [E, 2I, H], down_proj [E, H, I]), as Mixtral's")
     return moe_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), self.gate_up_proj,
                        self.down_proj, _act_name(self))
+
+
+def experts_rewrite(module: torch.nn.Module):
+    """The tracer's rewrite (:meth:`~nnscaler.ops.registry.OpRegistry.add_module_rewrite`) of
+    transformers' experts modules that :func:`transformers_forward` computes exactly (gated, no bias,
+    gate and up concatenated, the default gate, an activation :data:`ACTS` has, Mixtral's weight
+    layout), whichever implementation the config names: they trace as one ``moe_experts`` operator, so
+    plans split them by expert and the tokens with them, never gathering the batch (the library's
+    grouped or batched matmuls group rows by expert, which no split of the batch keeps). The model
+    itself still runs its own code (the single-device reference)."""
+    up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and up.dim() == 3 and down.dim() == 3):
+        return None
+    if not getattr(module, "is_concatenated", False) or getattr(module, "has_bias", True) or \
+            not getattr(module, "has_gate", False) or getattr(module, "is_transposed", True) or \
+            getattr(module, "has_post_expert_norm", False):
+        return None
+    from transformers.integrations.moe import _default_apply_gate  # (the module is transformers': it imports)
+    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+        return None
+    (e, n, h), (e2, h2, i) = up.shape, down.shape
+    if (e, h, n) != (e2, h2, 2 * i):
+        return None
+    try:
+        _act_name(module)
+    except (ValueError, AttributeError):
+        return None
+    return functools.partial(transformers_forward, module)
+
+
+DEFAULT_REGISTRY.add_module_rewrite(experts_rewrite)
 
 
 def register_transformers() -> None:

@@ -28,18 +28,11 @@ BUILT_IN = ["nanogpt", "transformer_encoder", "llama", "gpt2", "bert"]
 NEW = ["mixtral", "mixtral_batched", "mixtral_ep", "qwen3", "gemma", "phi3", "t5", "vit", "resnet_gn", "conv1d_net"]
 FORWARD = re.compile(r"= C\.(all_gather|all_reduce|reduce_scatter|all_to_all)\(")
 
-# model -> (batch operators left whole, forward collectives under dp at W=2), the most allowed
-LIMITS = {
-    # transformers' grouped experts sort all S = tokens x top_k token-expert pairs of the batch by
-    # expert (torch.sort over the whole batch), gather tokens by that permutation (perm // top_k), count
-    # tokens per expert (histc) for the offsets of torch._grouped_mm and scatter the results back
-    # (index_put). The layer as a whole does not care how tokens are split (each token's output is its
-    # own), but no single operator of it is split-invariant: a rank's local sort is not a slice of the
-    # global one, so sort and the gathers and scatter by its permutation must see the whole batch
-    # (2 layers x sort, 2 gathers, index_put). ``mixtral_ep`` makes the layer one operator
-    # (nnscaler::moe_experts), which splits by tokens and experts.
-    "mixtral": (8, 13),
-}
+# model -> (batch operators left whole, forward collectives under dp at W=2), the most allowed. None now:
+# transformers' grouped experts (mixtral: a sort of the whole batch by expert, gathers and an index_put by
+# its permutation, 8 operators whole and 13 collectives before) trace as one nnscaler::moe_experts operator
+# (opzoo.experts' module rewrite), which splits by tokens and experts.
+LIMITS: dict[str, tuple[int, int]] = {}
 
 
 def _needs(name: str) -> None:
@@ -132,12 +125,12 @@ def test_expert_parallel_mixtral_shards_experts_by_expert(policy, world):
 CFG = RunConfig(world_sizes=(2, 4))
 
 # the default CI trains each new model for real, 2 steps: dp and tp at W=2, a few at W=4 too; transformers'
-# grouped mixtral (whole on every rank, see LIMITS) under dp only. The training checks alone: checkpoints and
+# grouped mixtral (its experts traced as one expert-parallel operator) too. The training checks alone: checkpoints and
 # resumes are model-agnostic and run in the default CI on the built-in models; the slow test below sweeps
 # every policy with them.
 FAST = [(name, policy, (2, 4) if (name, policy) in {("mixtral_ep", "dp"), ("conv1d_net", "dp"), ("conv1d_net", "tp"),
                                                      ("gemma", "tp")} else (2,))
-        for name in NEW for policy in ("dp", "tp") if (name, policy) != ("mixtral", "tp")]
+        for name in NEW for policy in ("dp", "tp")]
 
 
 @pytest.mark.parametrize("name,policy,worlds", FAST, ids=[f"{n}-{p}" for n, p, _ in FAST])

@@ -28,7 +28,9 @@ NEW = ["aten.cat.default", "aten.concatenate.default", "aten.roll.default", "ate
        "aten.std.correction", "aten.std.dim", "aten.gru.input", "aten.lstm.input", "aten.rnn_tanh.input",
        "aten.max.dim", "aten.min.dim", "aten.argmax.default", "aten.amax.default", "aten.tril.default",
        "aten.triu.default", "aten.scatter.value", "aten.scatter.src", "aten.repeat.default",
-       "aten.reshape_as.default", "aten.view_as.default", "aten.view_as_complex.default"]
+       "aten.reshape_as.default", "aten.view_as.default", "aten.view_as_complex.default",
+       "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.max_pool1d.default", "aten.max_pool2d.default",
+       "aten.adaptive_avg_pool1d.default", "aten.adaptive_avg_pool2d.default"]
 
 
 @pytest.mark.parametrize("overload, args, annotation", [
@@ -43,6 +45,8 @@ NEW = ["aten.cat.default", "aten.concatenate.default", "aten.roll.default", "ate
     ("aten.max.dim", (T(4, 4, 8, 8), -1, True), "a b c d^, ?, ? -> a b c 1, a b c 1"),
     ("aten.tril.default", (T(4, 2, 6, 6), -1), "a b c^ d^, ? -> a b c^ d^"),
     ("aten.repeat.default", (T(4, 6), [2, 1, 3]), "a b^, ? -> 2 a c^"),
+    ("aten.adaptive_avg_pool2d.default", (T(4, 6, 8, 8), [1, 1]), "n c a^ b^, ? -> n c 1 1"),
+    ("aten.conv2d.default", (T(4, 1, 8, 8), T(6, 1, 3, 3), T(6)), "n 1 a^ b^, o 1 c^ d^, o -> n o e^ f^"),
 ])
 def test_derived_annotation(overload, args, annotation):
     assert derive(make_call(overload, args)).annotation == annotation

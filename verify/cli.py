@@ -7,6 +7,7 @@ Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, cr
 from __future__ import annotations
 
 from dataclasses import replace
+import importlib.util
 import json
 import math
 import shlex
@@ -36,6 +37,7 @@ from verify.cases.model import PolicyFileError, resolve_policy
 from verify.cases.pipeline import check_pipeline_input
 from verify.cases.node import UnknownNode, model_graph, node_op
 from verify.models.registry import MODELS
+from verify.models.zoo import is_zoo
 from verify.models.loader import build_model, known_model
 from verify.models.registry import ModelCase
 from verify.models.loader import ModelNotFound, check_builder, is_file_reference
@@ -44,7 +46,7 @@ from verify.report.progress import RunProgress
 from verify.cases.replica_rows import run_replicas
 from verify.cache import VerdictCache
 from verify.drive import LazyGang, run_units
-from verify.selection import default_units, full_order, full_units
+from verify.selection import ZOO, default_units, full_order, full_units
 from verify.shard import ShardError, estimate, fingerprint, parse_shard, recorded_times, shard
 from verify.cases.zero import zero_applies, zero_refusal
 from verify.cases.torchpar_mesh import parse_mesh
@@ -192,7 +194,7 @@ def _check_model(name: str, build: bool = False) -> ModelCase | None:
     """A model reference that names a builder (exit 2 otherwise, before any rank starts); with
     ``build`` (or a file reference, which is checked by building it), the parent's one inspection
     build of it at seed 0, which every check before the ranks start reads."""
-    if is_file_reference(name):
+    if is_file_reference(name) or is_zoo(name):
         try:
             return check_builder(name)  # exists, returns a case, its batch fits: before any rank starts
         except ModelNotFound as exc:
@@ -388,7 +390,7 @@ def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
     policies = list(POLICIES)
     full = full_units([s.name for s in specs], models, policies, cfg.world_sizes, cfg.seeds,
                       list(dict.fromkeys(args.random_seeds)), args.microbatches,
-                      [c for c in torch_cases if c.world_size in cfg.world_sizes], recipes)
+                      [c for c in torch_cases if c.world_size in cfg.world_sizes], recipes, _zoo(args))
     if cfg.precision != "32-true":  # replica cases run 32-true only: left out rather than mislabelled
         full = [u for u in full if u.replicas == 1]
     if cfg.zero:
@@ -400,6 +402,14 @@ def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
         i, n = parse_shard(args.shard)
         return shard(units, i, n), units
     return units, units
+
+
+def _zoo(args) -> tuple[str, ...]:
+    """The zoo architectures ``verify all`` runs: :data:`verify.selection.ZOO` unless ``--op`` or
+    ``--model`` chose what runs, or ``transformers`` is not installed."""
+    if args.op or args.model is not None or importlib.util.find_spec("transformers") is None:
+        return ()
+    return ZOO
 
 
 def _finished_units(before: dict) -> dict:

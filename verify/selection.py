@@ -33,6 +33,9 @@ REPLICA_MODELS = FIRST + ("llama",)  # the default's tp replicas units (bucketed
 BLOCKED_MODELS = ("nanogpt", "clip_tiny", "gpt2", "gpt2_v96")
 """Models with a fused projection (one weight holding q, k and v) that tp splits in blocks: their
 checkpoints take the blocked-piece path (gathered whole on its axis when saved, cut when loaded)."""
+ZOO = ("vit", "albert", "distilbert", "t5", "bart", "wav2vec2", "hubert", "swin", "resnet", "gpt_bigcode",
+       "olmo2", "olmoe")  # --full's zoo:<model_type> units (verify.models.zoo), over the kinds bench/zoo.py sweeps
+ZOO_DEFAULT = ("vit",)  # the default's: one cheap non-language model
 
 
 @dataclass(frozen=True)
@@ -71,10 +74,10 @@ def _model(name, policy, w, seed, microbatches=1, replicas=1, checkpoint=True, r
 
 def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str], world_sizes: Sequence[int],
                seeds: Sequence[int], random_seeds: Sequence[int], microbatches: Sequence[int],
-               torch_cases: Sequence, recipes: bool) -> list[Unit]:
+               torch_cases: Sequence, recipes: bool, zoo: Sequence[str] = ()) -> list[Unit]:
     """Today's whole matrix, one unit per model case: every model x policy x world size x seed (the
     seeded policies x every random seed), the micro-batch sweep, the pipelines, the replicas, the
-    recipes and torch's own parallelizations. Pipeline units that cannot run (too few layers, a
+    recipes, torch's own parallelizations and the ``zoo`` architectures (:func:`zoo_units`). Pipeline units that cannot run (too few layers, a
     world size they need not met) are left out here, not skipped later."""
     def seeds_of(p):
         return random_seeds if p in SEEDED_POLICIES else seeds
@@ -96,7 +99,19 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
             out += [_model(m, "tp", w, s, replicas=2, checkpoint=False, recipe=True) for s in seeds
                     for w in world_sizes if w >= 4 and w % 2 == 0]
     out += [Unit("torchpar", c.name, world_sizes=(c.world_size,), seeds=tuple(seeds[:1])) for c in torch_cases]
-    return out
+    return out + zoo_units(zoo, world_sizes, seeds)
+
+
+def zoo_units(archs: Sequence[str], world_sizes: Sequence[int], seeds: Sequence[int]) -> list[Unit]:
+    """``zoo:<model_type>`` of each of ``archs`` under dp and tp at the smallest world size and the first
+    seed, training without the checkpoint phase: as ``bench/zoo.py`` runs them."""
+    return [_model(f"zoo:{a}", p, min(world_sizes), seeds[0], checkpoint=False) for a in archs for p in ("dp", "tp")]
+
+
+def default_zoo(full: Sequence[Unit]) -> list[Unit]:
+    """The zoo units of ``full`` the default sample keeps: those of :data:`ZOO_DEFAULT`."""
+    names = {f"zoo:{a}" for a in ZOO_DEFAULT}
+    return [u for u in full if u.kind == "model" and u.name in names]
 
 
 def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequence[str],
@@ -115,7 +130,8 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
       size, the others at the smallest);
     * each pipeline schedule once, on the pipeline models by turns, and each world size where it runs;
     * replicas: tp replicas on :data:`REPLICA_MODELS`, the pp replicas on one pipeline model;
-    * each recipe unit kind (dp at each world size, hybrid, tp replicas) once, the recipe models by turns.
+    * each recipe unit kind (dp at each world size, hybrid, tp replicas) once, the recipe models by turns;
+    * the zoo units of :data:`ZOO_DEFAULT` (:func:`default_zoo`).
     """
     W = list(world_sizes)
     models = sorted(models, key=lambda m: (m not in FIRST, FIRST.index(m) if m in FIRST else 0))
@@ -186,7 +202,7 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
         kinds.setdefault((u.policy, u.replicas, u.world_sizes), []).append(u)
     for k, (_, us) in enumerate(sorted(kinds.items())):
         take(us[k % len(us)])
-    pick += [u for u in full if u.kind in ("op", "torchpar")]
+    pick += [u for u in full if u.kind in ("op", "torchpar")] + default_zoo(full)
     return sorted(pick, key=_order)
 
 

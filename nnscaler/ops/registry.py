@@ -34,6 +34,7 @@ class OpRegistry:
     def __init__(self, catalogues: str | None = None, infer: bool = False) -> None:
         self._ops: dict[str, OpSpec] = {}
         self._rules: dict[str, list[Rule]] = {}
+        self._rewrites: list[Callable] = []
         self._catalogues = catalogues  # set to None once they are loaded
         self.infer = infer
 
@@ -55,9 +56,23 @@ class OpRegistry:
         return rule
 
     def remove_rules(self, keep: Callable[[Rule], bool]) -> None:
-        """Drop every rule for which ``keep(rule)`` is false."""
+        """Drop every rule (and module rewrite) for which ``keep(rule)`` is false."""
         for rules in self._rules.values():
             rules[:] = [r for r in rules if keep(r)]
+        self._rewrites[:] = [r for r in self._rewrites if keep(r)]
+
+    def add_module_rewrite(self, rewrite: Callable) -> Callable:
+        """Register ``rewrite(module) -> forward | None``: while the model is traced, each module it
+        answers for runs that forward instead of its own (a library's layer computed as one annotated
+        operator, whose rule says how it splits); the model itself is left as it was."""
+        self._load()
+        if rewrite not in self._rewrites:
+            self._rewrites.append(rewrite)
+        return rewrite
+
+    def module_rewrites(self) -> list[Callable]:
+        self._load()
+        return list(self._rewrites)
 
     def rules(self, overload: str) -> list[Rule]:
         self._load()

@@ -72,7 +72,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     :class:`UnknownOperatorWarning`; with ``strict=True`` they are a :class:`TraceError`.
     """
     registry = DEFAULT_REGISTRY if registry is None else registry
-    ep = export_model(model, args, kwargs)
+    ep = export_model(model, args, kwargs, registry.module_rewrites())
     rewrites = batch_major_rows(ep.graph)  # rows merged batch-second (nn.MultiheadAttention): batch first
     rewrites += heads_outer(ep.graph)  # heads merged into the batch (nn.MultiheadAttention): a dim of their own
     if rewrites:

@@ -123,12 +123,36 @@ def functional(ep):
     return ep
 
 
+@contextlib.contextmanager
+def rewritten(model: torch.nn.Module, rewrites: Sequence) -> Any:
+    """Within: each module of ``model`` that one of ``rewrites`` (``rewrite(module) -> forward | None``,
+    :meth:`OpRegistry.add_module_rewrite`) answers for runs that forward; restored on exit."""
+    done = []
+    try:
+        for module in model.modules():
+            for rewrite in rewrites:
+                forward = rewrite(module)
+                if forward is not None:
+                    had = "forward" in vars(module)
+                    done.append((module, had, vars(module).get("forward")))
+                    module.forward = forward
+                    break
+        yield
+    finally:
+        for module, had, old in reversed(done):
+            if had:
+                module.forward = old
+            else:
+                del module.forward
+
+
 def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
-                 leaves: bool = True):
-    """``torch.export.export(model, args, kwargs, strict=False)``; a failure becomes a
-    :class:`TraceError` naming the model, the exception's first lines, the model's source line and
-    what to change. With ``leaves``, the model's unregistered ``torch.autograd.Function``s are made
-    leaves with inferred annotations (:mod:`.leaves`) and the model traced again."""
+                 rewrites: Sequence = (), leaves: bool = True):
+    """``torch.export.export(model, args, kwargs, strict=False)`` (with the module ``rewrites`` of
+    :func:`rewritten`); a failure becomes a :class:`TraceError` naming the model, the exception's
+    first lines, the model's source line and what to change. With ``leaves``, the model's
+    unregistered ``torch.autograd.Function``s are made leaves with inferred annotations
+    (:mod:`.leaves`) and the model traced again."""
     kwargs = dict(kwargs or {})
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"parallelize needs a torch.nn.Module, got {type(model).__name__}")
@@ -138,7 +162,7 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
     captured = io.StringIO()
     checkpoints: list[str] = []  # torch.utils.checkpoint calls of the model: recompute regions (.checkpoints)
     try:
-        with contextlib.redirect_stderr(captured), watch_checkpoints(checkpoints):
+        with contextlib.redirect_stderr(captured), watch_checkpoints(checkpoints), rewritten(model, rewrites):
             ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as exc:
         dump = str(getattr(exc, "partial_fx_graph", "") or "")
@@ -156,10 +180,11 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
         raise TraceError(refusal(model, checkpoints))
     classes = unregistered(ep.graph) if leaves else []
     if classes:
-        refused = make_leaves(model, args, kwargs, classes)
+        with rewritten(model, rewrites):
+            refused = make_leaves(model, args, kwargs, classes)
         if refused:
             raise TraceError(refused)
-        return export_model(model, args, kwargs, leaves=False)  # each is one operator now
+        return export_model(model, args, kwargs, rewrites, leaves=False)  # each is one operator now
     refused = refuse_unregistered(ep.graph)
     if refused:
         raise TraceError(refused)

@@ -6,6 +6,8 @@ them (``padding``/``stride`` as lists, ``cudnn_enabled`` given), any batch and s
   rank), the spatial extents frozen (a split would need halos); grouped and depthwise convolutions
   split by group; ``padding="same"`` (the ``.padding`` overloads) alike;
 * ``conv_transpose1d/2d/3d`` alike, the weight being ``c o kh^ kw^`` (input channels first);
+* pooling (``avg_pool``, ``max_pool``, ``adaptive_avg_pool`` 1d/2d/3d): ``n c h^ w^ -> n c ho^ wo^``,
+  each channel of each sample pooled on its own (the window's extents frozen);
 * ``group_norm``: ``n (g c) h^ w^, ?, (g c), (g c), ?, ? -> n (g c) h^ w^`` with ``num_groups``
   ``Size("g")``: a rank normalises whole groups; one group (``g == 1``) freezes the channels.
 """
@@ -35,7 +37,8 @@ def conv_rule(call: OpCall):
     names = Names()
     if groups == 1:
         c, o = mark(names.dim(x.shape[1], "c"), "+"), names.dim(w.shape[0], "o")
-        return _convolution(call, names, c, [o, c], o, "+" + o)
+        # the bias is added after the contraction over c: partial under a c split (one input channel: no split)
+        return _convolution(call, names, c, [o, c], o, "+" + o if c.endswith("+") else o)
     g = names.new("g")
     per_in, per_out = w.shape[1], w.shape[0] // groups
     o = g if per_out == 1 else f"({g} {per_out})"
@@ -116,3 +119,20 @@ def _convolution(call: OpCall, names: Names, cin: str, weight: list[str], o: str
         ins[2] = [bias_dim]
     return build(call, FAMILY, ins, [[n, o] + [frozen_dim(names, s, sizes) for s in out.shape[2:]]], sizes=sizes,
                  args=args, kwargs=kwargs)
+
+
+POOLS = {f"aten.{kind}_pool{d}d.default": d for kind in ("avg", "max", "adaptive_avg") for d in (1, 2, 3)}
+
+
+@annotation_rule(*POOLS)
+def pool_rule(call: OpCall):
+    """``n c h^ w^, ? .. -> n c ho^ wo^`` (batched inputs: batch, channels, ``d`` spatial dims)."""
+    if not usable(call) or len(call.outputs) != 1:
+        return None
+    x, out = call.tensor(0), call.outputs[0]
+    if x.ndim != POOLS[call.overload] + 2 or out.ndim != x.ndim or tuple(out.shape[:2]) != tuple(x.shape[:2]):
+        return None
+    names, sizes = Names(), {}
+    n, c = names.dim(x.shape[0], "n"), names.dim(x.shape[1], "c")
+    return build(call, FAMILY, {0: [n, c] + [frozen_dim(names, s, sizes) for s in x.shape[2:]]},
+                 [[n, c] + [frozen_dim(names, s, sizes) for s in out.shape[2:]]], sizes=sizes)

@@ -176,7 +176,8 @@ register_examples("aten.mse_loss.default", [(T(4, 8, 6), T(4, 8, 6)), (T(4, 8), 
 # --- convolutions and group norm as nn.Conv2d / nn.GroupNorm trace them ------------------------------
 register_examples("aten.conv2d.default", [(T(4, 3, 8, 8), T(12, 3, 3, 3), T(12), [1, 1], [1, 1]),
                                           (T(4, 12, 8, 8), T(24, 12, 3, 3), None, [2, 2], [1, 1]),
-                                          (T(4, 3, 8, 8), T(6, 3, 4, 4), T(6), [4, 4])])
+                                          (T(4, 3, 8, 8), T(6, 3, 4, 4), T(6), [4, 4]),
+                                          (T(4, 1, 8, 8), T(6, 1, 3, 3), T(6))])  # one input channel, a bias
 register_examples("aten.conv1d.default", [(T(4, 6, 9), T(8, 6, 3), T(8), [1], [1]), (T(2, 4, 10), T(6, 4, 2)),
                                           (T(4, 12, 9), T(12, 4, 3), T(12), [1], [1], [1], 3),  # grouped
                                           (T(4, 8, 10), T(8, 1, 5), None, [1], [2], [1], 8)])  # depthwise
@@ -209,6 +210,12 @@ register_examples("aten.conv_transpose1d.default", [(T(4, 6, 9), T(6, 8, 4), T(8
                                                     (T(4, 6, 9), T(6, 2, 3), None, [1], [1], [0], 3)])
 register_examples("aten.conv_transpose2d.input", [(T(2, 4, 5, 5), T(4, 6, 3, 3), T(6), [2, 2], [1, 1], [1, 1]),
                                                   (T(2, 8, 4, 4), T(8, 3, 2, 2), T(12), [2, 2], [0, 0], [0, 0], 4)])
+register_examples("aten.avg_pool1d.default", [(T(2, 4, 8), [2]), (T(4, 6, 9), [3], [2], [1])])
+register_examples("aten.avg_pool2d.default", [(T(2, 4, 8, 8), [2, 2])])
+register_examples("aten.max_pool1d.default", [(T(2, 4, 8), [2])])
+register_examples("aten.max_pool2d.default", [(T(2, 4, 8, 8), [3, 3], [2, 2], [1, 1])])
+register_examples("aten.adaptive_avg_pool1d.default", [(T(2, 4, 8), [1]), (T(4, 6, 9), [3])])
+register_examples("aten.adaptive_avg_pool2d.default", [(T(2, 4, 8, 8), [1, 1])])
 register_examples("aten.conv_transpose3d.input", [(T(2, 3, 3, 4, 4), T(3, 4, 2, 2, 2), None, [2, 2, 2])])
 register_examples("aten.var.dim", [(T(4, 8, 2, 16), [-1], False, True), (T(4, 8), [0])])
 register_examples("aten.var.correction", [ex(T(4, 8, 6), [1, 2], correction=0, keepdim=True), (T(4, 8),)])

@@ -17,6 +17,7 @@ import torch
 
 from verify.models.registry import MODELS, WIDENABLE, ModelCase
 from verify.plan.reduced import build_case, is_plan_reference
+from verify.models.zoo import is_zoo, zoo_builder
 
 
 class ModelNotFound(ValueError):
@@ -64,6 +65,11 @@ def find_builder(ref: str) -> Callable[[int], ModelCase]:
         if not Path(ref).is_file():
             raise ModelNotFound(f"model {ref!r}: no such plan file")
         return _checked(lambda seed: build_case(ref, seed), ref)
+    if is_zoo(ref):  # zoo:<model_type>: transformers' architecture, shrunk (verify.models.zoo)
+        try:
+            return _checked(zoo_builder(ref), ref)
+        except KeyError as exc:
+            raise ModelNotFound(exc.args[0]) from None
     if not is_file_reference(ref):
         if ref in MODELS:
             return _checked(MODELS[ref], ref)
@@ -163,6 +169,11 @@ def known_model(name: str) -> bool:
     """Whether :func:`build_model` knows ``name`` (a registered model or ``NAME@WIDTH``)."""
     if is_plan_reference(name):
         return Path(name).is_file()
+    if is_zoo(name):
+        try:
+            return zoo_builder(name) is not None
+        except (KeyError, ImportError):
+            return False
     base, _, width = name.partition("@")
     return name in MODELS or (base in WIDENABLE and width.isdigit() and int(width) > 0)
 
@@ -170,7 +181,7 @@ def known_model(name: str) -> bool:
 def build_model(name: str, seed: int) -> ModelCase:
     """The case of model ``name`` (see :data:`MODELS` and :data:`WIDENABLE`, or ``FILE.py:builder``)
     for ``seed``."""
-    if is_file_reference(name) or is_plan_reference(name):
+    if is_file_reference(name) or is_plan_reference(name) or is_zoo(name):
         return find_builder(name)(seed)
     if name in MODELS:
         return MODELS[name](seed)

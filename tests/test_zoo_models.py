@@ -1,0 +1,58 @@
+"""``zoo:<model_type>``: any architecture of transformers' zoo (causal, masked, seq2seq LM, image and audio
+classification), built from its config class's defaults shrunk, is a model the harness verifies; an
+unknown type is one line and exit 2; ``verify all`` runs a sample of them (``--full``) and one cheap one
+(the default)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from verify.cli import main  # noqa: E402
+from verify.judge.verdict import MATCH  # noqa: E402
+from verify.models.loader import build_model, known_model  # noqa: E402
+from verify.models.zoo import KINDS, kind_of  # noqa: E402
+from verify.selection import ZOO, ZOO_DEFAULT, default_units, full_units  # noqa: E402
+
+ONE_PER_KIND = {"causal": "llama", "masked": "albert", "seq2seq": "t5", "image": "vit", "speech": "wav2vec2"}
+
+
+@pytest.mark.parametrize("kind, arch", ONE_PER_KIND.items())
+def test_each_kind_builds_tiny_with_a_scalar_loss_and_a_batch_per_step(kind, arch):
+    assert kind_of(arch) == kind and known_model(f"zoo:{arch}")
+    a, b = build_model(f"zoo:{arch}", 0), build_model(f"zoo:{arch}", 0)
+    assert sum(p.numel() for p in a.model.parameters()) < 500_000  # shrunk: few layers, small width
+    for p, q in zip(a.model.parameters(), b.model.parameters()):  # the seed fixes the weights
+        assert torch.equal(p, q)
+    first, second = a.batch(0), a.batch(1)
+    assert any(not torch.equal(x, y) for x, y in zip(first, second))  # each step its own batch
+    with torch.no_grad():
+        loss = a.model(*first)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert not any(m.p for m in a.model.modules() if isinstance(m, torch.nn.Dropout))  # no random stream to split
+
+
+@pytest.mark.parametrize("name", ["zoo:no_such_model", "zoo:"])
+def test_an_unknown_zoo_type_is_one_line_and_exit_2(name, capsys):
+    assert main(["model", name, "--policy", "dp", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no model type" in err[0], err
+
+
+def test_verify_all_runs_the_zoo_sample_under_full_and_one_cheap_one_by_default():
+    assert all(kind_of(a) for a in ZOO) and set(ZOO_DEFAULT) <= set(ZOO)
+    assert {kind_of(a) for a in ZOO} == set(KINDS)  # every kind the sweep covers
+    full = full_units(["relu"], ["nanogpt"], ["dp", "tp"], (2, 4), (0,), (0,), [1], [], False, zoo=ZOO)
+    zoo = [u for u in full if u.name.startswith("zoo:")]
+    assert {(u.name, u.policy) for u in zoo} == {(f"zoo:{a}", p) for a in ZOO for p in ("dp", "tp")}
+    assert all(u.world_sizes == (2,) and not u.checkpoint for u in zoo)
+    default = default_units(full, ["nanogpt"], ["dp", "tp"], (2, 4), (0,))
+    assert {u.name for u in default if u.name.startswith("zoo:")} == {f"zoo:{a}" for a in ZOO_DEFAULT}
+    assert not [u for u in full_units(["relu"], ["nanogpt"], ["dp"], (2,), (0,), (0,), [1], [], False)
+                if u.name.startswith("zoo:")]  # only when asked
+
+
+def test_a_vision_transformer_of_the_zoo_trains_like_one_device_under_dp_and_tp(verify_model):
+    rows = verify_model("zoo:vit", policies=["dp", "tp"], world_sizes=(2,), steps=2)
+    assert [r.status for r in rows] == [MATCH, MATCH]

@@ -1,0 +1,221 @@
+"""Any architecture of the pinned ``transformers`` as a model case, built from its config class's
+defaults shrunk (few layers, small width, 4 heads, small images and clips; no download): the zoo
+the sweep ``bench/zoo.py`` measures, named ``zoo:<model_type>`` wherever a model name is taken::
+
+    python -m verify model zoo:albert --policy dp tp --world-size 2
+
+Five kinds, each with its loss and batch: causal LM, masked LM, seq2seq LM (token ids and labels),
+image classification (pixels, class labels), speech (audio classification: a clip, class labels).
+A model type in several kinds is built as the first of :data:`KINDS` that has it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from verify.models.registry import ModelCase, tokens
+
+PREFIX = "zoo:"
+BATCH, SEQ, LABELS, IMAGE, CLIP = 4, 8, 4, 32, 3200
+MAX_PARAMS = 5_000_000  # a shrunk config past this is refused (sized on the meta device first, no memory)
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, use_cache=False, tie_word_embeddings=False,
+            # no dropout: a dropout with p > 0 stays unannotated on purpose (its random stream would follow the split)
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attention_dropout=0.0, dropout=0.0,
+            activation_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            summary_first_dropout=0.0, classifier_dropout=0.0, ffn_dropout=0.0, embedding_dropout=0.0,
+            # mixture of experts, state spaces, latent attention: small where a config has them
+            num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            state_size=8, ssm_state_size=8, conv_kernel=4, expand=2, mamba_d_state=8, mamba_n_heads=4,
+            mamba_d_head=16, n_groups=1, time_step_rank=8)
+"""The causal-LM overrides (``bench/zoo_sweep.py``'s, kept so its tables stay comparable)."""
+
+# config fields shrunk by name, whatever the kind (a field the config class lacks is not added)
+LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+          "num_decoder_layers", "num_encoder_layers"}
+WIDTH = {"hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 32, "embedding_size": 32,
+         "intermediate_size": 128, "d_ff": 128, "ffn_dim": 128, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+         "n_inner": 128, "hidden_dim": 128, "d_kv": 16, "head_dim": 16, "classifier_proj_size": 32,
+         "pooler_hidden_size": 64, "output_hidden_size": 64, "num_conv_pos_embeddings": 16,
+         "num_conv_pos_embedding_groups": 4, "max_position_embeddings": 64, "max_source_positions": 64,
+         "max_target_positions": 64, "image_size": IMAGE, "num_mel_bins": 16, "max_length": 64}
+HEADS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads"}
+
+
+def kinds():
+    """(kind, the ``transformers`` auto class's name, its model-type -> class-name mapping) in
+    :data:`KINDS`' order."""
+    from transformers.models.auto import modeling_auto as m
+    return [("causal", "AutoModelForCausalLM", m.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+            ("masked", "AutoModelForMaskedLM", m.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
+            ("seq2seq", "AutoModelForSeq2SeqLM", m.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+            ("image", "AutoModelForImageClassification", m.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES),
+            ("speech", "AutoModelForAudioClassification", m.MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES)]
+
+
+KINDS = ("causal", "masked", "seq2seq", "image", "speech")
+
+
+def kind_of(arch: str) -> str | None:
+    """The first kind whose auto class builds ``arch``, or None."""
+    return next((k for k, _, names in kinds() if arch in names), None)
+
+
+def archs_of(kind: str) -> list[str]:
+    """The model types whose kind (:func:`kind_of`) is ``kind``, sorted."""
+    names = dict((k, n) for k, _, n in kinds())[kind]
+    return sorted(a for a in names if kind_of(a) == kind)
+
+
+def shrunk(defaults: dict, kind: str, kv_heads: int | None) -> dict:
+    """Overrides that make a config with these ``defaults`` tiny: layers 2, widths small, 4 heads
+    (``kv_heads`` key/value heads), stage lists of vision models one block each, dropout, layer drop
+    and spec-augment masks off (each is randomness a split would follow)."""
+    out: dict = {}
+    layers = None if "depths" in defaults else \
+        next((v for k, v in defaults.items() if k in LAYERS and isinstance(v, int) and v > 2), None)  # (staged: per stage)
+    for k, v in defaults.items():
+        if isinstance(v, dict) and "model_type" in v:  # a nested model's config (encoder, decoder, text, audio)
+            out[k] = {**v, **shrunk(v, kind, kv_heads)}
+            continue
+        if isinstance(v, list) and layers and len(v) == layers and k not in LAYERS:  # one entry per layer
+            out[k] = v[:2]
+            continue
+        if isinstance(v, bool) or k in ("id2label", "label2id") or k in ("hidden_size", "num_layers") and "depths" in defaults:
+            continue  # (a staged vision model derives these from its stages)
+        if isinstance(v, float) and ("drop" in k or k.startswith("mask_") and k.endswith("_prob")):
+            out[k] = 0.0
+        elif isinstance(v, int) and k in LAYERS:
+            out[k] = min(v, 2)
+        elif isinstance(v, int) and k in HEADS:
+            out[k] = 4
+        elif isinstance(v, int) and k in WIDTH:
+            out[k] = min(v, WIDTH[k]) if v > 0 else v
+        elif isinstance(v, int) and k == "num_key_value_heads" and kv_heads is not None:
+            out[k] = kv_heads
+        elif isinstance(v, int) and k == "vocab_size":
+            out[k] = 128
+        elif isinstance(v, float) and k == "depth_multiplier":
+            out[k] = min(v, 0.25)
+        elif isinstance(v, int) and k == "patch_size":
+            out[k] = min(v, 4)
+        elif isinstance(v, int) and k == "window_size":
+            out[k] = min(v, 2)
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, int) for x in v):
+            if k == "depths":
+                out[k] = [1] * len(v)
+            elif k in ("hidden_sizes", "embed_dims", "embed_dim", "neck_hidden_sizes"):
+                out[k] = [16 * 2 ** i for i in range(len(v))]
+            elif k == "num_heads":
+                out[k] = [4] * len(v)
+            elif k in ("conv_dim", "tdnn_dim"):
+                out[k] = [32] * len(v)
+    if "window_size" in out and "depths" in defaults:  # windows of 2 down to the last stage
+        out["image_size"] = min(defaults.get("image_size", 224), 2 * out.get("patch_size", 4) * 2 ** (len(defaults["depths"]) - 1))
+    if kind in ("causal", "masked", "seq2seq"):
+        out.update(pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False, tie_word_embeddings=False)
+        if kind == "seq2seq":
+            out["decoder_start_token_id"] = 2
+    else:
+        out["num_labels"] = LABELS
+    return out
+
+
+class NamedLoss(nn.Module):
+    """``model(**dict(zip(names, args))).loss`` as a module of positional tensors."""
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...]):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *args):
+        return self.model(**dict(zip(self.names, args))).loss
+
+
+def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_heads"]) -> ModelCase:
+    """``arch``'s tiny model of its kind, returning its loss, and the batch of each step."""
+    import transformers
+    from transformers import AutoConfig
+    kind = kind_of(arch)
+    if kind is None:
+        raise KeyError(f"{arch!r} is no model type of transformers' causal LM, masked LM, seq2seq, image or "
+                       f"audio classification models")
+    auto = getattr(transformers, dict((k, a) for k, a, _ in kinds())[kind])
+    over = shrunk(AutoConfig.for_model(arch).to_dict(), kind, kv_heads)
+    if kind == "causal":
+        over.update({**TINY, "num_key_value_heads": kv_heads or TINY["num_key_value_heads"]})
+    cfg = AutoConfig.for_model(arch, **over)
+    with torch.device("meta"):  # its size first: a config that ignores the shrinking is refused, not built
+        n = sum(p.numel() for p in _construct(auto, cfg).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"{arch}: {n} parameters after shrinking its config (over {MAX_PARAMS})")
+    torch.manual_seed(seed)
+    model = _construct(auto, cfg)
+    if kind == "causal":
+        model.loss_type = "ForCausalLM"  # transformers warns on each first loss of a process unless set
+    vocab = getattr(cfg, "vocab_size", 128) or 128
+    vocab = min(vocab, 128)
+    if kind in ("causal", "masked", "seq2seq"):
+        def batch(step: int):
+            ids = tokens(vocab - 3, (BATCH, SEQ), 100 * seed + step) + 3
+            labels = ids.clone() if kind != "seq2seq" else tokens(vocab - 3, (BATCH, SEQ), 100 * seed + step + 50) + 3
+            if kind == "masked":  # predict every other position only
+                labels[:, ::2] = -100
+            return ids, labels
+        return ModelCase(NamedLoss(model.train(), ("input_ids", "labels")), batch)
+    shape = _input_shape(model, cfg, kind)
+    name = model.main_input_name
+
+    def batch(step: int):
+        g = torch.Generator().manual_seed(100 * seed + step)
+        return torch.randn(shape, generator=g), torch.randint(0, LABELS, (BATCH,), generator=g)
+    return ModelCase(NamedLoss(model.train(), (name, "labels")), batch)
+
+
+def _construct(auto, cfg) -> nn.Module:
+    try:
+        return auto.from_config(cfg, attn_implementation="eager")
+    except (ValueError, ImportError):  # a model with no eager attention: its default
+        return auto.from_config(cfg)
+
+
+def _input_shape(model: nn.Module, cfg, kind: str) -> tuple[int, ...]:
+    """The input of an image or speech model: the first of the usual shapes its forward takes."""
+    if kind == "image":
+        side = getattr(cfg, "image_size", IMAGE)
+        side = side if isinstance(side, int) else IMAGE
+        cands = [(BATCH, getattr(cfg, "num_channels", 3), side, side)]
+    else:
+        mel = getattr(cfg, "num_mel_bins", 16)
+        cands = [(BATCH, CLIP), (BATCH, getattr(cfg, "max_length", 64), mel),
+                 (BATCH, mel, 2 * getattr(cfg, "max_source_positions", 32)),
+                 (BATCH, 32, getattr(cfg, "feature_size", mel))]
+    errors = []
+    for shape in cands:
+        try:
+            with torch.no_grad():
+                model(**{model.main_input_name: torch.randn(shape), "labels": torch.zeros(BATCH, dtype=torch.long)})
+            return shape
+        except Exception as exc:  # noqa: BLE001  (the next usual shape)
+            errors.append(f"{shape}: {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}")
+    raise ValueError(f"no usual input shape fits {type(model).__name__}: " + "; ".join(errors))
+
+
+def is_zoo(ref: str) -> bool:
+    return ref.startswith(PREFIX)
+
+
+def zoo_builder(ref: str):
+    """The builder ``seed -> ModelCase`` of ``zoo:<model_type>``; KeyError for an unknown type."""
+    arch = ref[len(PREFIX):]
+    if kind_of(arch) is None:
+        raise KeyError(f"model {ref!r}: {arch!r} is no model type of transformers' causal LM, masked LM, seq2seq, "
+                       f"image or audio classification models")
+
+    def builder(seed: int) -> ModelCase:
+        return build(arch, seed)
+    builder.__name__ = ref
+    return builder
