@@ -48,7 +48,8 @@ PLANS = {  # world size -> the configurations measured in one set of processes
 
 
 def label(p: Parallel) -> str:
-    return (f"tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp}{f' v{p.virtual_stages}' if p.virtual_stages > 1 else ''}"
+    v = f" v{p.virtual_stages}" if p.virtual_stages > 1 else ""
+    return (f"tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp}{v}"
             f" dp{p.dp} mbs{p.micro_batch_size}x{p.num_microbatches} zero{p.zero} {p.recompute}")
 
 
@@ -87,7 +88,7 @@ def _rank(rank: int, world: int, port: int, steps: int, out_path: str) -> None:
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
-    import opzoo  # noqa: F401
+    import opzoo  # noqa: F401  (registers the operator annotations)
     from nnscaler import parallelize
     from nnscaler.policies.cluster_plan import lower
     g = torch.Generator().manual_seed(1)
@@ -147,7 +148,8 @@ def table(steps: int = 6, profile=None) -> float:
     for par, est, took in rows:
         print(f"{par.world:>2} {label(par):<42} {est * 1e3:>8.1f}ms {took * 1e3:>8.1f}ms {est / took:>8.2f}")
     rho = spearman([e for _, e, _ in rows], [m for *_, m in rows])
-    per_w = {w: spearman([e for p, e, _ in rows if p.world == w], [m for p, _, m in rows if p.world == w]) for w in PLANS}
+    per_w = {w: spearman([e for p, e, _ in rows if p.world == w], [m for p, _, m in rows if p.world == w])
+             for w in PLANS}
     print(f"{len(rows)} plans: Spearman rank correlation estimated vs measured {rho:.3f} (goal >= 0.8); within one "
           f"world size (the same processes, steps interleaved): "
           + ", ".join(f"W={w} {r:.3f}" for w, r in per_w.items()))

@@ -73,7 +73,10 @@ def test_every_saved_plan_runs_under_full_and_one_cheap_one_by_default(matrix):
     plans = saved_plans()
     assert plans, "verify/plans holds the plans bench/autodist.py prints (--save verify/plans)"
     units = [u for u in full if u.kind == "plan"]
-    assert {u.name for u in units} == {f"verify/plans/{p.name}" for p in plans}  # each reduces to W 2 or 4
+    from verify.plan.cli import load
+    from verify.plan.reduced import reduce_parallel
+    small = {p for p in plans if reduce_parallel(load(p).parallel).world <= 4}  # tp x pp x dp all > 1: W=8, left out
+    assert small and {u.name for u in units} == {f"verify/plans/{p.name}" for p in small}
     assert all(u.world_sizes[0] in (2, 4) and u.seeds == (0,) for u in units)
     assert {u.name.split("/")[-1][:-5] for u in default if u.kind == "plan"} == set(DEFAULT_PLANS)
     assert next(u for u in units if DEFAULT_PLANS[0] in u.name).label == f"plan:{DEFAULT_PLANS[0]} W=2 seed 0"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import replace
-from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from verify.cache import Used, VerdictCache
@@ -40,6 +39,9 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
                              checkpoint=unit.checkpoint, used=used)
 
 
+PLAN_TIMEOUT_S = 60.0  # ``python -m verify plan``'s default: a plan unit is never held to less
+
+
 def run_plan_unit(gang, unit: Unit, cfg: RunConfig, gen_dir: str, skip, used: Used) -> Iterator[Row]:
     """A saved cluster plan as ``python -m verify plan FILE`` runs it (reduced, its own recipe), on the
     sweep's gang; a plan file that cannot be read or reduced is a failed row, not the end of the sweep."""
@@ -55,7 +57,8 @@ def run_plan_unit(gang, unit: Unit, cfg: RunConfig, gen_dir: str, skip, used: Us
             yield Row(f"plan:{path.name}", "model", "saved cluster plan", unit.world_sizes[0], "", "float32",
                       unit.seeds[0], ERROR, detail=str(exc), rerun=rerun)
             return
-        rows = plan_rows(gang, case, out, seed=unit.seeds[0], timeout_s=cfg.timeout_s, rerun=rerun, used=used)
+        rows = plan_rows(gang, case, out, seed=unit.seeds[0], timeout_s=max(cfg.timeout_s, PLAN_TIMEOUT_S),
+                         rerun=rerun, used=used)
     yield from (r for r in rows if r.key not in skip)
 
 

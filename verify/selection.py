@@ -78,8 +78,9 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
                torch_cases: Sequence, recipes: bool, plans: Sequence[str | Path] = ()) -> list[Unit]:
     """Today's whole matrix, one unit per model case: every model x policy x world size x seed (the
     seeded policies x every random seed), the micro-batch sweep, the pipelines, the replicas, the
-    recipes, torch's own parallelizations and the saved cluster ``plans`` (:func:`plan_units`). Pipeline units that cannot run (too few layers, a
-    world size they need not met) are left out here, not skipped later."""
+    recipes, torch's own parallelizations and the saved cluster ``plans`` (:func:`plan_units`). Pipeline units
+    that cannot run (too few layers, a world size they need not met) are left out here, not skipped later.
+    """
     def seeds_of(p):
         return random_seeds if p in SEEDED_POLICIES else seeds
 

@@ -188,7 +188,7 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
              budget: float | None = None, grad_reduce_bytes: int = 4) -> Estimate:
     """Step time and per-rank memory of ``par`` for ``global_batch`` sequences per optimizer step."""
     c = _consts(profile)
-    peak = c.peak
+    peak_flops = c.peak
     share = profile.share(min(par.world, profile.ranks_per_node))  # an oversubscribed CPU: ranks take turns
     if share < 1:
         c = dataclasses.replace(c, peak=c.peak * share)
@@ -246,11 +246,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
             dp_comm = dp_coll("all_reduce", grad_bytes)
         elif par.zero == 2:  # reduce-scatter after every micro-batch, all-gather of the updated shard once
             dp_comm = m * dp_coll("reduce_scatter", grad_bytes) + dp_coll("all_gather", stage_params * pb)
-        else:  # gather parameters for forward and backward, reduce-scatter gradients, every micro-batch, one block
-            # at a time (FSDP's units: each block's collectives pay their own latency), the rest of the stage as one
-            units = max(counts) * v + 1
-            dp_comm = m * units * (2 * dp_coll("all_gather", stage_params * ab / units)
-                                   + dp_coll("reduce_scatter", grad_bytes / units))
+        else:  # gather parameters for forward and backward, reduce-scatter gradients, every micro-batch
+            dp_comm = m * (2 * dp_coll("all_gather", stage_params * ab) + dp_coll("reduce_scatter", grad_bytes))
     # what hides the collectives: ZeRO-3 prefetches across the whole step, ZeRO-2 reduce-scatters behind every
     # backward, ZeRO-0/1 all-reduce buckets behind the last micro-batch's backward
     hide = c.dp_overlap * (m * t_mb if par.zero >= 3 else
@@ -283,7 +280,7 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     peak = params_b + grads_b + optim_b + activations + buffers
     tokens = global_batch * shape.seq
     model_flops = (1 + BACKWARD) * shape.fwd_flops / shape.batch * global_batch
-    mfu = model_flops / (total * par.world * peak)
+    mfu = model_flops / (total * par.world * peak_flops)
     times = {"compute": compute, "recompute": recompute, "tp_comm": tp_exposed_t, "pp_comm": pp_comm,
              "dp_comm": dp_exposed, "bubble": bubble, "optimizer": optimizer, "total": total}
     memory = {"params": params_b, "grads": grads_b, "optimizer": optim_b, "activations": activations,

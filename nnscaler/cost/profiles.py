@@ -108,12 +108,13 @@ CALIBRATED = {
                              tp_exposed=1.0, dp_overlap=0.3, fusion_fused=0.25, fitted=_FIT),
 }
 
-# This machine (one fp32 thread per rank, gloo over 127.0.0.1), fitted by a grid search (bench/calibrate.py's
-# cpu-gloo table: estimated vs measured step time of 14 configurations on real gloo ranks, maximising the Spearman
-# rank correlation; latency and launch overhead held at the profile's measured alpha and op_overhead): GEMMs reach
-# 40 GFLOP/s when large (matmul_half 30), gloo collectives block the rank (tp_exposed 1, no data-parallel
-# overlap, pipeline sends exposed), and sequence parallelism's collectives cost 6 all-reduces (gloo has no
-# reduce-scatter: an all-to-all and a local sum, plus the layout conversions around the norms it splits).
+# This machine (one fp32 thread per rank, gloo over 127.0.0.1), fitted by a grid search on bench/calibrate.py's
+# cpu-gloo table (estimated vs measured step time of 14 configurations on real gloo ranks, maximising the Spearman
+# rank correlation; latency and launch overhead held at the profile's measured alpha and op_overhead; results in
+# bench/results/calibrate.md): GEMMs reach 40 GFLOP/s when large (matmul_half 30), gloo collectives block the rank
+# (tp_exposed 1, no data-parallel overlap, pipeline sends exposed), and sequence parallelism's collectives cost 6
+# all-reduces (gloo has no reduce-scatter: an all-to-all and a local sum, plus the layout conversions around the
+# norms it splits). Ranks beyond the cores share them (``DeviceProfile.share``).
 CPU_GLOO = ClusterConstants(peak=40e9, matmul_max=1.0, matmul_half=30.0, attention=0.3, fusion=2.0, tp_exposed=1.0,
                             dp_overlap=0.0, pp_exposed=1.0, sp_comm=6.0,
                             fitted="grid search against bench/calibrate.py's cpu-gloo table (Spearman, in-sample)")
