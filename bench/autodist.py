@@ -8,6 +8,9 @@ model (goal: never slower).
 
     python bench/autodist.py [--skip-published] [--save DIR] [--operators]
 
+``--save verify/plans`` writes every plan printed (``MODEL-GPUS.json``, ``search-ROW.json``) where
+``verify all`` runs each reduced (a ``plan`` unit, :mod:`verify.selection`).
+
 Per-operator (``--operators``): plan search time and estimated step time of ``autodist`` for a 24-layer GPT at hidden 2048
 (~1.4 B parameters, built on the meta device: no weights allocated) at 8, 16 and 32 ranks on the
 H100 profile, against Megatron-LM's hand plan (tensor parallelism 8 inside a node, data parallelism
@@ -37,14 +40,25 @@ from nnscaler.trace.build import trace
 from verify.models.nanogpt import GPT, GPTConfig
 
 
+CLUSTER_RUNS = (("llama3-8b", (8, 64)), ("llama3-70b", (64, 256, 1024)))  # (model, GPU counts) of the table
+PLANS_DIR = Path(__file__).resolve().parent.parent / "verify" / "plans"  # where `--save` keeps them for verify all
+
+
+def _save(plan, model: str, seq: int, path: Path) -> None:
+    """``plan`` as a file ``python -m verify plan`` checks (with the architecture to rebuild it reduced)."""
+    from bench.llama_models import llama_architecture
+    plan.model, plan.architecture = model, llama_architecture(model, seq)
+    plan.save(path)
+
+
 def cluster_table(save: str | None = None) -> None:
-    from bench.llama_models import llama_architecture, llama_shape
+    from bench.llama_models import llama_shape
     from nnscaler.policies.cluster import search
     print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s; "
           "the first plan of each model includes its meta trace, the others reuse it)")
     print(f"{'model':<11} {'GPUs':>5} {'plan s':>7} {'MFU':>6} {'step':>8} {'peak/rank':>10}  configuration")
     shapes: dict = {}
-    for name, worlds in (("llama3-8b", (8, 64)), ("llama3-70b", (64, 256, 1024))):
+    for name, worlds in CLUSTER_RUNS:
         for w in worlds:
             t0 = time.perf_counter()
             if name not in shapes:
@@ -52,22 +66,23 @@ def cluster_table(save: str | None = None) -> None:
             plan = search(shapes[name], ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w))
             took = time.perf_counter() - t0
             if save:  # each plan as a file `python -m verify plan` checks
-                plan.model, plan.architecture = name, llama_architecture(name, 4096)
-                plan.save(Path(save) / f"{name}-{w}.json")
+                _save(plan, name, 4096, Path(save) / f"{name}-{w}.json")
             p, e = plan.parallel, plan.best
             print(f"{name:<11} {w:>5} {took:>6.1f}s {e.mfu:>6.3f} {e.step_seconds:>7.2f}s "
                   f"{human(e.memory['peak']):>10}  tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} "
                   f"v{p.virtual_stages} dp{p.dp} mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} "
-                  f"{p.recompute}")
+                  f"{p.recompute}", flush=True)
 
 
-def published_table() -> None:
+def published_table(save: str | None = None) -> None:
     from bench.calibrate import config, load_rows, partly_published, shapes_for
     from nnscaler.policies.cluster import search
     rows = load_rows()
     shapes = shapes_for(rows)
     print("\nunconstrained search vs published configuration (same cost model and memory; goal ratio <= 1.00)")
-    print(f"{'row':<26} {'published cfg':>13} {'search':>9} {'ratio':>6}  search's configuration")
+    print(f"{'row':<26} {'published cfg':>13} {'search':>9} {'ratio':>6}  {'never lose':>10}  "
+          f"search's configuration")
+    wins = 0
     for r in rows:
         shape = shapes[(r["model"], int(r["seq"]))]
         pub = search(shape, config(r, fit_memory=partly_published(r)), r["model"])  # as bench/calibrate.py
@@ -76,8 +91,14 @@ def published_table() -> None:
         mine = search(shape, config(r, cons={}, budget=budget), r["model"])
         a, b = pub.best.step_seconds, mine.best.step_seconds
         p = mine.parallel
-        print(f"{r['name']:<26} {a:>12.3f}s {b:>8.3f}s {b / a:>6.2f}  tp{p.tp}{'+sp' if p.sequence_parallel else ''} "
-              f"pp{p.pp} v{p.virtual_stages} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} {p.recompute}")
+        print(f"{r['name']:<26} {a:>12.3f}s {b:>8.3f}s {b / a:>6.2f}  {'yes' if b <= a else 'NO':>10}  "
+              f"tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} v{p.virtual_stages} dp{p.dp} "
+              f"mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} {p.recompute}", flush=True)
+        wins += b <= a
+        if save:
+            _save(mine, r["model"], int(r["seq"]), Path(save) / f"search-{r['name']}.json")
+    print(f"never lose to the experts: {wins}/{len(rows)} rows (the search's estimate no slower than the published "
+          f"configuration's)")
 
 
 def main() -> None:
@@ -97,7 +118,7 @@ def main() -> None:
             Path(args.save).mkdir(parents=True, exist_ok=True)
         cluster_table(args.save)
         if not args.skip_published:
-            published_table()
+            published_table(args.save)
         return
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=24, n_head=16, n_embd=2048))

@@ -7,13 +7,17 @@ measured kernels, the A100's matmul_max and attention (no kernels measured there
 jointly on every row (minimising the worst, then the median, absolute log error), then fusion_fused on the
 rows that ran fused kernels.
 
-    python bench/calibrate.py [--fit]
+    python bench/calibrate.py [--fit] [--skip-cpu | --cpu-only] [--steps N]
 
 Published step time: ``global_batch * seq / (gpus * tokens_per_gpu)``, or for rows published as model
 TFLOP/s per GPU ``model FLOPs per step / (gpus * TFLOP/s)`` with the model FLOPs counted on our trace
 (3 x forward, attention in full). Estimated: the cost model on the published configuration; fields the
 source did not publish are completed by the search (the best completion that fits the run's memory).
 Goal: every row within +-20%, median within 10%.
+
+Last, the cost model on this machine (:mod:`bench.cpu_gloo`): estimated vs measured step time on the
+``cpu-gloo`` profile of 14 configurations trained on real gloo ranks here, and their Spearman rank
+correlation (goal >= 0.8); ``--cpu-only`` prints that table alone, ``--skip-cpu`` leaves it out.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import kernel_fit  # noqa: E402
+from bench import cpu_gloo, kernel_fit  # noqa: E402
 from bench.llama_models import llama_shape  # noqa: E402
 from nnscaler import ComputeConfig  # noqa: E402
 from nnscaler.cost.cluster import BACKWARD  # noqa: E402
@@ -148,7 +152,13 @@ def fit(rows, shapes) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="grid-search matmul_max, attention, fusion, dp_overlap")
+    ap.add_argument("--cpu-only", action="store_true", help="only the cpu-gloo table (measured here)")
+    ap.add_argument("--skip-cpu", action="store_true", help="leave out the cpu-gloo table")
+    ap.add_argument("--steps", type=int, default=6, help="cpu-gloo: measured steps per configuration")
     args = ap.parse_args()
+    if args.cpu_only:
+        cpu_gloo.table(args.steps)
+        return
     kernels = kernel_fit.load()
     print(kernel_fit.table(dataclasses.replace(CALIBRATED["h100"], fitted=""), kernel_fit.fit(CALIBRATED["h100"],
                                                                                                 kernels), kernels))
@@ -171,6 +181,9 @@ def main() -> None:
     abs_err = [abs(e) for e in errs]
     print(f"\n{len(errs)} rows: median |error| {100 * statistics.median(abs_err):.1f}% (goal <= 10%), worst "
           f"{100 * max(abs_err):.1f}% (goal <= 20%), {sum(a <= 0.2 for a in abs_err)}/{len(errs)} within 20%")
+    if not args.skip_cpu:
+        print()
+        cpu_gloo.table(args.steps)
 
 
 if __name__ == "__main__":

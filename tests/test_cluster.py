@@ -66,6 +66,15 @@ def test_tensor_and_sequence_parallelism(shape):
     assert tp4.time["tp_comm"] > 0 == tp1.time["tp_comm"]
 
 
+def test_cpu_gloo_plans_clusters_and_pays_for_sequence_parallelism(shape):
+    # the cpu-gloo profile plans clusters too; its sequence-parallel collectives cost more than the all-reduces
+    cpu = get_profile("cpu-gloo")
+    assert cpu.cluster is not None and cpu.cluster.sp_comm > 1 == H100.cluster.sp_comm
+    tp, sp = (estimate(shape, Parallel(tp=2, sequence_parallel=s), cpu, "32-true", 1) for s in (False, True))
+    assert sp.time["tp_comm"] == pytest.approx(cpu.cluster.sp_comm * tp.time["tp_comm"])
+    assert search(shape, ComputeConfig(2, profile="cpu-gloo", global_batch=2)).parallel.world == 2
+
+
 def test_pipeline_bubble_and_in_flight(shape):
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
     assert bubble_fraction(4, 8, v=2) == pytest.approx(1.5 / 9.5)

@@ -13,7 +13,8 @@ from verify.cases.pipeline import PIPELINE_MODELS, SWEPT
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES
 from verify.models.registry import MODELS
 from verify.names import TWO_D_RESUME
-from verify.selection import BLOCKED_MODELS, SEEDED_POLICIES, Unit, _same, default_units, full_order, full_units
+from verify.selection import (BLOCKED_MODELS, DEFAULT_PLANS, SEEDED_POLICIES, Unit, _same, default_units, full_order,
+                              full_units, plan_units, saved_plans)
 from verify.shard import ShardError, assign, check_shards, estimate, fingerprint, parse_shard, recorded_times, shard
 
 # the built-in models and policies (the test fixtures register more: tp_* models, tp_sp policies)
@@ -26,7 +27,7 @@ RANDOM_SEEDS = (0, 1, 2)
 @pytest.fixture(scope="module")
 def matrix():
     full = full_units(["relu", "linear"], MODEL_NAMES, list(POLICIES), (2, 4), (0,), RANDOM_SEEDS, [4], TORCH_CASES,
-                      True)
+                      True, plans=saved_plans())
     return full, default_units(full, MODEL_NAMES, list(POLICIES), (2, 4), RANDOM_SEEDS)
 
 
@@ -75,6 +76,29 @@ def test_a_piece_split_in_blocks_is_resumed_on_a_2x2_mesh_under_each_2d_resume(m
     for p in TWO_D_RESUME:
         assert any(u.policy == p and u.world_sizes == (4,) and u.checkpoint and u.name in BLOCKED_MODELS
                    for u in default), p
+
+
+def test_every_saved_plan_runs_under_full_and_one_cheap_one_by_default(matrix):
+    full, default = matrix
+    plans = saved_plans()
+    assert plans, "verify/plans holds the plans bench/autodist.py prints (--save verify/plans)"
+    units = [u for u in full if u.kind == "plan"]
+    from verify.plan.cli import load
+    from verify.plan.reduced import reduce_parallel
+    small = {p for p in plans if reduce_parallel(load(p).parallel).world <= 4}  # tp x pp x dp all > 1: W=8, left out
+    assert small and {u.name for u in units} == {f"verify/plans/{p.name}" for p in small}
+    assert all(u.world_sizes[0] in (2, 4) and u.seeds == (0,) for u in units)
+    assert {u.name.split("/")[-1][:-5] for u in default if u.kind == "plan"} == set(DEFAULT_PLANS)
+    assert next(u for u in units if DEFAULT_PLANS[0] in u.name).label == f"plan:{DEFAULT_PLANS[0]} W=2 seed 0"
+    assert plan_units(plans, (2,), (0,)) == [u for u in units if u.world_sizes == (2,)]  # no gang group for W=4
+
+
+def test_every_plan_bench_autodist_prints_is_saved():
+    from bench.autodist import CLUSTER_RUNS
+    from bench.calibrate import load_rows
+    names = {p.stem for p in saved_plans()}
+    assert {f"{m}-{w}" for m, ws in CLUSTER_RUNS for w in ws} <= names
+    assert {f"search-{r['name']}" for r in load_rows()} <= names
 
 
 def test_full_runs_the_default_units_first_then_the_rest_each_once(matrix):

@@ -58,6 +58,18 @@ def test_any_core_file_and_the_run_settings_are_in_the_key(tmp_path, tree):
     assert _cache(tmp_path, tree).get(relu) is None
 
 
+def test_a_saved_plan_unit_reruns_when_its_plan_file_changes(tmp_path, tree):
+    plan = tree / "verify" / "plans" / "p.json"
+    plan.parent.mkdir(exist_ok=True)
+    plan.write_text('{"parallel": {"dp": 8}}\n')
+    unit = Unit("plan", "verify/plans/p.json", world_sizes=(2,), seeds=(0,))
+    row = Row("plan:p.json", "model", "", 2, "dp2", "float32", 0, "match", seconds=2.0)
+    _cache(tmp_path, tree).put(unit, [row], _model_used())
+    assert _cache(tmp_path, tree).get(unit) is not None
+    plan.write_text('{"parallel": {"dp": 16}}\n')  # same reduced world, another plan
+    assert _cache(tmp_path, tree).get(unit) is None
+
+
 def _model_used():
     used = Used()
     used.ops, used.fixed = {"aten.linear.default", "aten.add.Tensor"}, set()

@@ -1,8 +1,8 @@
 """The verdict cache: a unit's rows kept under a key made of everything that can change them, so a
 rerun after an edit reruns only the units the edit can affect (``verify all``; ``--no-cache`` ignores it).
 
-The key of a unit (:meth:`VerdictCache.key`) holds the unit (operator or model, policy, world sizes,
-seeds, micro-batches, replicas, recipe, resume), the run's settings (dtype, precision, recipe, base,
+The key of a unit (:meth:`VerdictCache.key`) holds the unit (operator, model or saved plan, policy, world
+sizes, seeds, micro-batches, replicas, recipe, resume; a saved plan's file content), the run's settings (dtype, precision, recipe, base,
 ``--module`` files' contents), the torch and Python versions and the *core*: every source file of
 ``nnscaler/``, ``verify/`` and ``opzoo/`` except the catalogue's *leaf* files, the modules of
 ``opzoo/`` that register operators or rules (``opzoo/<family>.py``, ``opzoo/rules/<family>.py``,
@@ -150,7 +150,10 @@ class VerdictCache:
         return self._hashes[path]
 
     def key(self, unit: Unit) -> str:
-        return _digest(json.dumps({"unit": asdict(unit), **self.context}, sort_keys=True, default=str).encode())
+        """The unit, the run's context and, for a saved plan, its file's content (an edited plan reruns)."""
+        plan = {"plan": file_hash(self.root / unit.name)} if unit.kind == "plan" else {}
+        return _digest(json.dumps({"unit": asdict(unit), **self.context, **plan}, sort_keys=True,
+                                  default=str).encode())
 
     def _path(self, unit: Unit) -> Path:
         k = self.key(unit)

@@ -46,7 +46,7 @@ from verify.report.progress import RunProgress
 from verify.cases.replica_rows import run_replicas
 from verify.cache import VerdictCache
 from verify.drive import LazyGang, run_units
-from verify.selection import ZOO, default_units, full_order, full_units
+from verify.selection import ZOO, default_units, full_order, full_units, saved_plans
 from verify.shard import ShardError, estimate, fingerprint, parse_shard, recorded_times, shard
 from verify.cases.zero import zero_applies, zero_refusal
 from verify.cases.torchpar_mesh import parse_mesh
@@ -390,7 +390,8 @@ def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
     policies = list(POLICIES)
     full = full_units([s.name for s in specs], models, policies, cfg.world_sizes, cfg.seeds,
                       list(dict.fromkeys(args.random_seeds)), args.microbatches,
-                      [c for c in torch_cases if c.world_size in cfg.world_sizes], recipes, _zoo(args))
+                      [c for c in torch_cases if c.world_size in cfg.world_sizes], recipes, _zoo(args),
+                      saved_plans() if recipes and not args.op and args.model is None else ())
     if cfg.precision != "32-true":  # replica cases run 32-true only: left out rather than mislabelled
         full = [u for u in full if u.replicas == 1]
     if cfg.zero:

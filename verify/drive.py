@@ -2,6 +2,7 @@
 when it holds it (:mod:`verify.cache`), else on the ranks; rows go to the report writer as they come."""
 from __future__ import annotations
 
+import tempfile
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
@@ -10,7 +11,7 @@ from verify.cases.config import Row, RunConfig
 from verify.cases.replica_rows import run_replicas
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
 from verify.runner.gang import Gang
-from verify.selection import RECIPE, Unit
+from verify.selection import RECIPE, ROOT, Unit
 from verify.sweep import run_model, run_op
 
 
@@ -26,6 +27,9 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
         case = next(c for c in TORCH_CASES if c.name == unit.name and (c.world_size,) == unit.world_sizes)
         yield from run_builtin(gang, case, replace(cfg, seeds=unit.seeds), gen_dir, skip=skip)
         return
+    if unit.kind == "plan":
+        yield from run_plan_unit(gang, unit, cfg, gen_dir, skip, used)
+        return
     run_cfg = replace(cfg, world_sizes=unit.world_sizes, seeds=unit.seeds, microbatches=unit.microbatches,
                       **(RECIPE if unit.recipe else {}))
     if unit.replicas > 1:
@@ -33,6 +37,29 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
     else:
         yield from run_model(gang, unit.name, (unit.policy,), run_cfg, gen_dir, skip=skip,
                              checkpoint=unit.checkpoint, used=used)
+
+
+PLAN_TIMEOUT_S = 60.0  # ``python -m verify plan``'s default: a plan unit is never held to less
+
+
+def run_plan_unit(gang, unit: Unit, cfg: RunConfig, gen_dir: str, skip, used: Used) -> Iterator[Row]:
+    """A saved cluster plan as ``python -m verify plan FILE`` runs it (reduced, its own recipe), on the
+    sweep's gang; a plan file that cannot be read or reduced is a failed row, not the end of the sweep."""
+    from verify.cases.config import BadInput  # noqa: PLC0415
+    from verify.judge.verdict import ERROR  # noqa: PLC0415
+    from verify.plan.cli import plan_rows, prepare  # noqa: PLC0415 (transformers: only a sweep with plans)
+    path = ROOT / unit.name
+    rerun = f"python -m verify plan {unit.name}"
+    with tempfile.TemporaryDirectory(dir=gen_dir) as out:
+        try:
+            case = prepare(path, out, seed=unit.seeds[0])
+        except BadInput as exc:
+            yield Row(f"plan:{path.name}", "model", "saved cluster plan", unit.world_sizes[0], "", "float32",
+                      unit.seeds[0], ERROR, detail=str(exc), rerun=rerun)
+            return
+        rows = plan_rows(gang, case, out, seed=unit.seeds[0], timeout_s=max(cfg.timeout_s, PLAN_TIMEOUT_S),
+                         rerun=rerun, used=used)
+    yield from (r for r in rows if r.key not in skip)
 
 
 class LazyGang:

@@ -16,6 +16,7 @@ default units first, then the rest of the matrix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from verify.cases.config import model_label
@@ -36,12 +37,16 @@ checkpoints take the blocked-piece path (gathered whole on its axis when saved, 
 ZOO = ("vit", "albert", "distilbert", "t5", "bart", "wav2vec2", "hubert", "swin", "resnet", "gpt_bigcode",
        "olmo2", "olmoe")  # --full's zoo:<model_type> units (verify.models.zoo), over the kinds bench/zoo.py sweeps
 ZOO_DEFAULT = ("vit",)  # the default's: one cheap non-language model
+ROOT = Path(__file__).resolve().parents[1]
+PLANS = Path(__file__).with_name("plans")  # the plans bench/autodist.py prints (`--save verify/plans`)
+DEFAULT_PLANS = ("llama3-8b-8",)  # the default sample's: one cheap plan (dp x ZeRO-3 reduced to W=2)
 
 
 @dataclass(frozen=True)
 class Unit:
     """One piece of the sweep. ``kind``: ``op`` (``name`` a registered operator), ``model`` (a model
-    case; ``replicas`` above 1 plans on W/replicas ranks), ``torchpar`` (``name`` a built-in case)."""
+    case; ``replicas`` above 1 plans on W/replicas ranks), ``torchpar`` (``name`` a built-in case),
+    ``plan`` (``name`` a saved cluster plan file, relative to the checkout, run reduced as ``verify plan``)."""
 
     kind: str
     name: str
@@ -60,6 +65,8 @@ class Unit:
             return self.name
         if self.kind == "torchpar":
             return f"torchpar:{self.name} W={self.world_sizes[0]}"
+        if self.kind == "plan":
+            return f"plan:{Path(self.name).stem} W={self.world_sizes[0]} seed {self.seeds[0]}"
         policy = model_label(self.policy, self.microbatches)
         if self.replicas > 1:
             policy = replica_label(policy, self.replicas)
@@ -74,11 +81,13 @@ def _model(name, policy, w, seed, microbatches=1, replicas=1, checkpoint=True, r
 
 def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str], world_sizes: Sequence[int],
                seeds: Sequence[int], random_seeds: Sequence[int], microbatches: Sequence[int],
-               torch_cases: Sequence, recipes: bool, zoo: Sequence[str] = ()) -> list[Unit]:
+               torch_cases: Sequence, recipes: bool, zoo: Sequence[str] = (),
+               plans: Sequence[str | Path] = ()) -> list[Unit]:
     """Today's whole matrix, one unit per model case: every model x policy x world size x seed (the
     seeded policies x every random seed), the micro-batch sweep, the pipelines, the replicas, the
-    recipes, torch's own parallelizations and the ``zoo`` architectures (:func:`zoo_units`). Pipeline units that cannot run (too few layers, a
-    world size they need not met) are left out here, not skipped later."""
+    recipes, torch's own parallelizations, the ``zoo`` architectures (:func:`zoo_units`) and the saved
+    cluster ``plans`` (:func:`plan_units`). Pipeline units that cannot run (too few layers, a world size
+    they need not met) are left out here, not skipped later."""
     def seeds_of(p):
         return random_seeds if p in SEEDED_POLICIES else seeds
 
@@ -99,7 +108,7 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
             out += [_model(m, "tp", w, s, replicas=2, checkpoint=False, recipe=True) for s in seeds
                     for w in world_sizes if w >= 4 and w % 2 == 0]
     out += [Unit("torchpar", c.name, world_sizes=(c.world_size,), seeds=tuple(seeds[:1])) for c in torch_cases]
-    return out + zoo_units(zoo, world_sizes, seeds)
+    return out + zoo_units(zoo, world_sizes, seeds) + plan_units(plans, world_sizes, seeds)
 
 
 def zoo_units(archs: Sequence[str], world_sizes: Sequence[int], seeds: Sequence[int]) -> list[Unit]:
@@ -112,6 +121,32 @@ def default_zoo(full: Sequence[Unit]) -> list[Unit]:
     """The zoo units of ``full`` the default sample keeps: those of :data:`ZOO_DEFAULT`."""
     names = {f"zoo:{a}" for a in ZOO_DEFAULT}
     return [u for u in full if u.kind == "model" and u.name in names]
+
+
+def saved_plans(directory: Path = PLANS) -> list[Path]:
+    """The committed plan files (``bench/autodist.py --save verify/plans``)."""
+    return sorted(directory.glob("*.json"))
+
+
+def plan_units(plans: Sequence[str | Path], world_sizes: Sequence[int], seeds: Sequence[int]) -> list[Unit]:
+    """One unit per saved plan file, at the world size ``verify plan`` reduces it to (2 per parallel axis),
+    under the first seed; a plan whose reduced world size is not among ``world_sizes`` is left out (the
+    gang has no group for it). ``name``: the file relative to the checkout where it lies inside it."""
+    from nnscaler.policies.cluster_plan import load  # noqa: PLC0415 (only a sweep with plans reads them)
+    from verify.plan.reduced import reduce_parallel  # noqa: PLC0415
+    out = []
+    for p in map(Path, plans):
+        w = reduce_parallel(load(p).parallel).world
+        if w in world_sizes:
+            p = p.resolve()
+            name = str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+            out.append(Unit("plan", name, world_sizes=(w,), seeds=tuple(seeds[:1])))
+    return out
+
+
+def default_plans(full: Sequence[Unit], names: Sequence[str] = DEFAULT_PLANS) -> list[Unit]:
+    """The default sample's plan units: those of ``full`` whose file is named in ``names`` (cheap ones)."""
+    return [u for u in full if u.kind == "plan" and Path(u.name).stem in names]
 
 
 def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequence[str],
@@ -132,6 +167,7 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
     * replicas: tp replicas on :data:`REPLICA_MODELS`, the pp replicas on one pipeline model;
     * each recipe unit kind (dp at each world size, hybrid, tp replicas) once, the recipe models by turns;
     * the zoo units of :data:`ZOO_DEFAULT` (:func:`default_zoo`).
+    * the saved cluster plans of :data:`DEFAULT_PLANS` (:func:`default_plans`).
     """
     W = list(world_sizes)
     models = sorted(models, key=lambda m: (m not in FIRST, FIRST.index(m) if m in FIRST else 0))
@@ -203,6 +239,7 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
     for k, (_, us) in enumerate(sorted(kinds.items())):
         take(us[k % len(us)])
     pick += [u for u in full if u.kind in ("op", "torchpar")] + default_zoo(full)
+    pick += default_plans(full)
     return sorted(pick, key=_order)
 
 

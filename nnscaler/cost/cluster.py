@@ -188,6 +188,11 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
              budget: float | None = None, grad_reduce_bytes: int = 4) -> Estimate:
     """Step time and per-rank memory of ``par`` for ``global_batch`` sequences per optimizer step."""
     c = _consts(profile)
+    peak_flops = c.peak
+    share = profile.share(min(par.world, profile.ranks_per_node))  # an oversubscribed CPU: ranks take turns
+    if share < 1:
+        c = dataclasses.replace(c, peak=c.peak * share)
+        profile = dataclasses.replace(profile, mem_bw=profile.mem_bw * share, op_overhead=profile.op_overhead / share)
     pb, gb, ob, ab = BYTES[precision]
     tp, pp, dp, v, m = par.tp, par.pp, par.dp, par.virtual_stages, par.num_microbatches
     sp = par.sequence_parallel and tp > 1
@@ -198,7 +203,7 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
            for name, sec in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
     act_el_bytes = tokens_mb * shape.hidden * ab  # one activation between blocks
     intra = tp <= profile.ranks_per_node
-    ar = collective_time("all_reduce", act_el_bytes, tp, profile, not intra) * c.tp_exposed
+    ar = collective_time("all_reduce", act_el_bytes, tp, profile, not intra) * c.tp_exposed * (c.sp_comm if sp else 1.0)
     tp_f = {n: _tp_collectives(s) for n, s in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
     tp_time = {n: (f + b) * ar for n, (f, b) in tp_f.items()}
     if par.recompute == "full":
@@ -275,7 +280,7 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     peak = params_b + grads_b + optim_b + activations + buffers
     tokens = global_batch * shape.seq
     model_flops = (1 + BACKWARD) * shape.fwd_flops / shape.batch * global_batch
-    mfu = model_flops / (total * par.world * c.peak)
+    mfu = model_flops / (total * par.world * peak_flops)
     times = {"compute": compute, "recompute": recompute, "tp_comm": tp_exposed_t, "pp_comm": pp_comm,
              "dp_comm": dp_exposed, "bubble": bubble, "optimizer": optimizer, "total": total}
     memory = {"params": params_b, "grads": grads_b, "optimizer": optim_b, "activations": activations,

@@ -43,6 +43,7 @@ class ClusterConstants:
     tp_exposed: float
     dp_overlap: float
     fusion_fused: float = 1.0  # ``fusion`` of a stack with fused kernels (calibration rows that ran one)
+    sp_comm: float = 1.0  # sequence-parallel tp collectives vs the all-reduces they replace (gloo: no reduce-scatter)
     pp_exposed: float = 0.5
     usable: float = 0.9
     fitted: str = ""
@@ -107,11 +108,22 @@ CALIBRATED = {
                              tp_exposed=1.0, dp_overlap=0.3, fusion_fused=0.25, fitted=_FIT),
 }
 
+# This machine (one fp32 thread per rank, gloo over 127.0.0.1), fitted by a grid search on bench/calibrate.py's
+# cpu-gloo table (estimated vs measured step time of 14 configurations on real gloo ranks, maximising the Spearman
+# rank correlation; latency and launch overhead held at the profile's measured alpha and op_overhead; results in
+# bench/results/calibrate.md): GEMMs reach 40 GFLOP/s when large (matmul_half 30), gloo collectives block the rank
+# (tp_exposed 1, no data-parallel overlap, pipeline sends exposed), and sequence parallelism's collectives cost 6
+# all-reduces (gloo has no reduce-scatter: an all-to-all and a local sum, plus the layout conversions around the
+# norms it splits). Ranks beyond the cores share them (``DeviceProfile.share``).
+CPU_GLOO = ClusterConstants(peak=40e9, matmul_max=1.0, matmul_half=30.0, attention=0.3, fusion=2.0, tp_exposed=1.0,
+                            dp_overlap=0.0, pp_exposed=1.0, sp_comm=6.0,
+                            fitted="grid search against bench/calibrate.py's cpu-gloo table (Spearman, in-sample)")
+
 PROFILES: dict[str, DeviceProfile] = {
     "cpu-gloo": DeviceProfile(
         "cpu-gloo", {"float32": 20e9, "float64": 10e9, "bfloat16": 5e9, "float16": 5e9}, mem_bw=4e9,
         op_overhead=20e-6, intra_alpha=300e-6, intra_beta=0.7e9, inter_alpha=300e-6, inter_beta=0.7e9,
-        ranks_per_node=1 << 20, memory=24 * _GIB, cores=os.cpu_count() or 1,
+        ranks_per_node=1 << 20, memory=24 * _GIB, cores=os.cpu_count() or 1, cluster=CPU_GLOO,
         source="measured here (torch 2.13 CPU, 1 thread per rank): 512^3 fp32 matmul ~22 GFLOP/s; gloo "
                "all-reduce on 127.0.0.1 at W=2: 64 KiB ~0.26 ms, 4 MiB ~6.3 ms (alpha ~0.3 ms, ~0.7 GB/s)"),
     "a100": DeviceProfile(

@@ -80,9 +80,10 @@ def prepare(path: str | os.PathLike, out_dir: str | os.PathLike, as_planned: boo
 
 
 def plan_rows(gang, case: PlanCase, out_dir: str | os.PathLike, steps: int = 3, seed: int = 0,
-              timeout_s: float = 60.0, rerun: str = "") -> list[Row]:
+              timeout_s: float = 60.0, rerun: str = "", used=None) -> list[Row]:
     """The rows of one prepared plan on ``gang`` (``case.reduced.world`` of its ranks): a failed row
-    naming the first operator split otherwise than costed, or the whole-model case against one device."""
+    naming the first operator split otherwise than costed, or the whole-model case against one device
+    (``used``: a :class:`verify.cache.Used` collecting what the ranks ran, for ``verify all``'s cache)."""
     from verify.sweep import run_model
     name = f"plan:{case.saved.path.name}"
     if case.problems:
@@ -94,7 +95,7 @@ def plan_rows(gang, case: PlanCase, out_dir: str | os.PathLike, steps: int = 3, 
     cfg = RunConfig(world_sizes=(case.reduced.world,), seeds=(seed,), timeout_s=timeout_s,
                     microbatches=c.num_microbatches, zero=c.zero, recompute=c.recompute, precision=c.precision,
                     layout=tuple((k, getattr(c, k)) for k in LAYOUT_FIELDS))
-    rows = list(run_model(gang, case.ref, (case.policy,), cfg, str(out_dir), steps))
+    rows = list(run_model(gang, case.ref, (case.policy,), cfg, str(out_dir), steps, used=used))
     for r in rows:
         r.op, r.partition, r.rerun = name, case.label, "" if r.ok else rerun
     return rows
