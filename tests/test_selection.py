@@ -12,7 +12,7 @@ from nnscaler.policies import POLICIES
 from verify.cases.pipeline import PIPELINE_MODELS, SWEPT
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES
 from verify.models.registry import MODELS
-from verify.selection import SEEDED_POLICIES, Unit, _same, default_units, full_order, full_units
+from verify.selection import RECIPE_MODELS, SEEDED_POLICIES, Unit, _same, default_units, full_order, full_units
 from verify.shard import ShardError, assign, check_shards, estimate, fingerprint, parse_shard, recorded_times, shard
 
 # the built-in models and policies (the test fixtures register more: tp_* models, tp_sp policies)
@@ -65,6 +65,15 @@ def test_each_expensive_axis_is_exercised_at_least_once(matrix):
     assert {u.policy for u in models if u.replicas > 1 and not u.recipe} == {"tp", "pp"}
     assert {(u.policy, u.replicas, u.world_sizes) for u in models if u.recipe} == \
         {("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,))}
+
+
+def test_full_runs_the_combined_recipe_on_every_model_and_the_default_one_unit_per_kind_cheaply(matrix):
+    full, default = matrix
+    kinds = {("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,))}
+    for m in MODEL_NAMES:
+        assert {(u.policy, u.replicas, u.world_sizes) for u in full if u.recipe and u.name == m} == kinds, m
+    picked = [u for u in default if u.recipe]
+    assert len(picked) == len(kinds) and {u.name for u in picked} <= set(RECIPE_MODELS)
 
 
 def test_full_runs_the_default_units_first_then_the_rest_each_once(matrix):
