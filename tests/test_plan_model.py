@@ -169,3 +169,20 @@ def test_parallelize_writes_the_report_next_to_the_code(gang):
         reports = list(Path(tmp).glob(f"*/{REPORT_NAME}"))
         assert reports and "estimated step time" in reports[0].read_text()
         assert (reports[0].parent / "plan_rank_0.py").exists()
+
+
+def test_saved_activations_are_estimated_alike_on_a_copy_of_the_graph():
+    """The saved-tensor analysis is cached on the export program; a graph copy (each policy compiles
+    one) gets its own tensors back, so its estimate is the original's."""
+    from nnscaler.compile.plan import trace_model
+    from nnscaler.cost.saved import saved_bytes
+    from nnscaler.policies import POLICIES
+    model, batch = _gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        graph = trace_model(model, batch, None, registry=None, strict=False)
+    plan = POLICIES["tp"](graph, ComputeConfig(2))
+    first = saved_bytes(graph, plan)
+    copy = graph.copy()
+    assert saved_bytes(copy, POLICIES["tp"](copy, ComputeConfig(2))) == first
+    assert saved_bytes(graph, plan, "full") < first  # a recomputed block keeps its inputs only

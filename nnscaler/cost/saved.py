@@ -63,7 +63,13 @@ def saved_per_op(graph: IRGraph) -> tuple[dict[str, list[Saved]], dict[str, IRTe
     cache = ep.__dict__.setdefault("_nnscaler_saved", {})
     if key not in cache:
         cache[key] = _run(graph, casts)
-    return cache[key]
+    per_op, alias, sizes = cache[key]
+    # the cache holds the tensors of the graph that filled it; a copy (graph.copy()) has its own, by name
+    cur = {t.name: t for t in graph.inputs + graph.params + graph.buffers}
+    cur.update({t.name: t for op in graph.ops for t in op.outputs if t is not None})
+    here = lambda t: cur.get(t.name, t) if t is not None else None  # noqa: E731
+    return ({n: [Saved(here(x.tensor), x.read, x.nbytes, here(x.like), x.cast) for x in xs] for n, xs in per_op.items()},
+            {n: here(t) for n, t in alias.items()}, sizes)
 
 
 def _run(graph: IRGraph, casts: dict[str, Any]) -> tuple[dict[str, list[Saved]], dict[str, IRTensor], dict[str, int]]:
