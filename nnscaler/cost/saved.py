@@ -49,6 +49,14 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata  # the StorageImpl: views share it (no public accessor on fake tensors)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storage as a plain int (a fake tensor may hold a symbolic size: 0 when no hint)."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001 (an unbacked symbolic size: nothing the estimate can count)
+        return 0
+
+
 def saved_per_op(graph: IRGraph) -> tuple[dict[str, list[Saved]], dict[str, IRTensor], dict[str, int]]:
     """``{op name: what it saves}`` for every operator of ``graph`` (module docstring; an operator
     saving nothing, or that cannot run on fake tensors, is left out) and ``{tensor name: the tensor
@@ -92,7 +100,7 @@ def _run(graph: IRGraph, casts: dict[str, Any]) -> tuple[dict[str, list[Saved]],
         if isinstance(val, torch.Tensor) and isinstance(t, IRTensor):
             alias[t.name] = roots.setdefault(_storage(val), t)
             fakes[t.name] = val
-            sizes[t.name] = val.untyped_storage().nbytes()
+            sizes[t.name] = _nbytes(val)
 
     def visit(g: torch.fx.Graph, env: dict, prefix: str, grad: bool) -> list:
         def value(a):
@@ -196,7 +204,7 @@ def _run(graph: IRGraph, casts: dict[str, Any]) -> tuple[dict[str, list[Saved]],
             elif st in roots:
                 saves.append(Saved(roots[st], read=roots[st] not in ts))
             else:
-                saves.append(Saved(None, nbytes=s.untyped_storage().nbytes(), like=like(s)))
+                saves.append(Saved(None, nbytes=_nbytes(s), like=like(s)))
         if saves:
             out[name] = saves
         return res
