@@ -64,8 +64,9 @@ def test_a_meta_model_plans_like_the_real_one():
     for kind in ("params", "grads", "optimizer"):
         assert real["memory_per_rank"][kind] == meta["memory_per_rank"][kind]
     assert real["sharded"] == meta["sharded"]
-    # export keeps one more `contiguous` per layer on meta tensors (their strides differ): activations agree within 5%
-    assert meta["memory_per_rank"]["activations"][0] == pytest.approx(real["memory_per_rank"]["activations"][0], rel=0.05)
+    # export keeps one more `contiguous` per layer on meta tensors (their strides differ), a storage of its own
+    # that the attention saves where the real trace saves a view of a kept one: activations agree within 10%
+    assert meta["memory_per_rank"]["activations"][0] == pytest.approx(real["memory_per_rank"]["activations"][0], rel=0.10)
 
 
 def test_summary_of_dp_and_tp(gpt_graph):
@@ -168,3 +169,20 @@ def test_parallelize_writes_the_report_next_to_the_code(gang):
         reports = list(Path(tmp).glob(f"*/{REPORT_NAME}"))
         assert reports and "estimated step time" in reports[0].read_text()
         assert (reports[0].parent / "plan_rank_0.py").exists()
+
+
+def test_saved_activations_are_estimated_alike_on_a_copy_of_the_graph():
+    """The saved-tensor analysis is cached on the export program; a graph copy (each policy compiles
+    one) gets its own tensors back, so its estimate is the original's."""
+    from nnscaler.compile.plan import trace_model
+    from nnscaler.cost.saved import saved_bytes
+    from nnscaler.policies import POLICIES
+    model, batch = _gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownOperatorWarning)
+        graph = trace_model(model, batch, None, registry=None, strict=False)
+    plan = POLICIES["tp"](graph, ComputeConfig(2))
+    first = saved_bytes(graph, plan)
+    copy = graph.copy()
+    assert saved_bytes(copy, POLICIES["tp"](copy, ComputeConfig(2))) == first
+    assert saved_bytes(graph, plan, "full") < first  # a recomputed block keeps its inputs only

@@ -13,8 +13,8 @@ from verify.cases.pipeline import PIPELINE_MODELS, SWEPT
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES
 from verify.models.registry import MODELS
 from verify.names import TWO_D_RESUME
-from verify.selection import (BLOCKED_MODELS, DEFAULT_PLANS, SEEDED_POLICIES, Unit, _same, default_units, full_order,
-                              full_units, plan_units, saved_plans)
+from verify.selection import (BLOCKED_MODELS, DEFAULT_PLANS, RECIPE_MODELS, SEEDED_POLICIES, Unit, _same, default_units,
+                              full_order, full_units, plan_units, saved_plans)
 from verify.shard import ShardError, assign, check_shards, estimate, fingerprint, parse_shard, recorded_times, shard
 
 # the built-in models and policies (the test fixtures register more: tp_* models, tp_sp policies)
@@ -99,6 +99,15 @@ def test_every_plan_bench_autodist_prints_is_saved():
     names = {p.stem for p in saved_plans()}
     assert {f"{m}-{w}" for m, ws in CLUSTER_RUNS for w in ws} <= names
     assert {f"search-{r['name']}" for r in load_rows()} <= names
+
+
+def test_full_runs_the_combined_recipe_on_every_model_and_the_default_one_unit_per_kind_cheaply(matrix):
+    full, default = matrix
+    kinds = {("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,))}
+    for m in MODEL_NAMES:
+        assert {(u.policy, u.replicas, u.world_sizes) for u in full if u.recipe and u.name == m} == kinds, m
+    picked = [u for u in default if u.recipe]
+    assert len(picked) == len(kinds) and {u.name for u in picked} <= set(RECIPE_MODELS)
 
 
 def test_full_runs_the_default_units_first_then_the_rest_each_once(matrix):

@@ -28,7 +28,7 @@ from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, TWO_D_RESUME
 
 RECIPE = {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}  # verify all's sample
 RECIPE_TAG = " bf16-mixed zero3 clip1 recompute=full"
-RECIPE_MODELS = ("nanogpt", "llama")
+RECIPE_MODELS = ("nanogpt", "llama")  # the default sample's recipe units (--full: every model)
 FIRST = ("weightnorm_mlp", "bucketed_mlp", "padded_gpt")  # the fastest models: their units run first
 REPLICA_MODELS = FIRST + ("llama",)  # the default's tp replicas units (bucketed_mlp: many small buckets)
 BLOCKED_MODELS = ("nanogpt", "clip_tiny", "gpt2", "gpt2_v96")
@@ -102,11 +102,7 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
             for m in models for p in ("tp", "pp") if p == "tp" or m in PIPELINE_MODELS
             for s in seeds for w in big if pipeline_applies(p, w // ALL_REPLICAS, m, 0)]
     if recipes:
-        for m in (m for m in RECIPE_MODELS if m in models):
-            out += [_model(m, "dp", w, s, recipe=True) for s in seeds for w in world_sizes]
-            out += [_model(m, "hybrid", w, s, recipe=True) for s in seeds for w in world_sizes if w >= 4]
-            out += [_model(m, "tp", w, s, replicas=2, checkpoint=False, recipe=True) for s in seeds
-                    for w in world_sizes if w >= 4 and w % 2 == 0]
+        out += recipe_units(models, seeds, world_sizes)
     out += [Unit("torchpar", c.name, world_sizes=(c.world_size,), seeds=tuple(seeds[:1])) for c in torch_cases]
     return out + zoo_units(zoo, world_sizes, seeds) + plan_units(plans, world_sizes, seeds)
 
@@ -149,6 +145,20 @@ def default_plans(full: Sequence[Unit], names: Sequence[str] = DEFAULT_PLANS) ->
     return [u for u in full if u.kind == "plan" and Path(u.name).stem in names]
 
 
+def recipe_units(models: Sequence[str], seeds: Sequence[int], world_sizes: Sequence[int]) -> list[Unit]:
+    """The combined recipe (:data:`RECIPE`) on every model of ``models``: ``dp`` at each world size,
+    ``hybrid`` at W >= 4 and ``tp`` x 2 replicas at even W >= 4 (zero 3 over the replica axis). A model
+    that cannot run it fails its row with the reason; the default sample draws only on
+    :data:`RECIPE_MODELS` (see :func:`default_units`)."""
+    out = []
+    for m in models:
+        out += [_model(m, "dp", w, s, recipe=True) for s in seeds for w in world_sizes]
+        out += [_model(m, "hybrid", w, s, recipe=True) for s in seeds for w in world_sizes if w >= 4]
+        out += [_model(m, "tp", w, s, replicas=2, checkpoint=False, recipe=True) for s in seeds
+                for w in world_sizes if w >= 4 and w % 2 == 0]
+    return out
+
+
 def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequence[str],
                   world_sizes: Sequence[int], random_seeds: Sequence[int]) -> list[Unit]:
     """The default sample of ``full`` (a subset of its units, fastest and most telling first):
@@ -165,8 +175,9 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
       size, the others at the smallest);
     * each pipeline schedule once, on the pipeline models by turns, and each world size where it runs;
     * replicas: tp replicas on :data:`REPLICA_MODELS`, the pp replicas on one pipeline model;
-    * each recipe unit kind (dp at each world size, hybrid, tp replicas) once, the recipe models by turns;
-    * the zoo units of :data:`ZOO_DEFAULT` (:func:`default_zoo`).
+    * each recipe unit kind (dp at each world size, hybrid, tp replicas) once, :data:`RECIPE_MODELS` by
+      turns (``full`` has them on every model);
+    * the zoo units of :data:`ZOO_DEFAULT` (:func:`default_zoo`);
     * the saved cluster plans of :data:`DEFAULT_PLANS` (:func:`default_plans`).
     """
     W = list(world_sizes)
@@ -232,7 +243,7 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
     for m in REPLICA_MODELS:  # replica sync is the models' own code path: the fast ones, and one HF model
         take(next((u for u in reps if u.name == m and u.policy == "tp"), None))
     take(next((u for u in reps if u.policy == "pp"), None))
-    recipe = [u for u in full if u.recipe]
+    recipe = [u for u in full if u.recipe and u.name in RECIPE_MODELS]  # cheap: --full runs every model's
     kinds: dict = {}
     for u in recipe:
         kinds.setdefault((u.policy, u.replicas, u.world_sizes), []).append(u)

@@ -24,6 +24,7 @@ from ..policies import POLICIES
 from ..policies.coverage import replicated_operators
 from ..trace.build import Tracer, trace
 from .gate import Verifier, check_mode, verify_offline
+from .precision import apply_precision
 
 REPORT_NAME = "plan_report.txt"
 SUMMARY_NAME = "plan_summary.json"
@@ -69,7 +70,8 @@ def attach_stats(plan: Plan, graph: IRGraph, config: ComputeConfig, steps: list 
     """Give ``plan`` its cost estimate (``plan.stats``) and warn when a policy promising tensor
     parallelism keeps more than 1/W + 10% of the parameters on a rank. ``steps``: the conversion steps
     of the program when it is already emitted (see :func:`nnscaler.cost.estimate.analyze`)."""
-    plan.stats = analyze(graph, plan, get_profile(config.profile), config.replicas, steps)
+    plan.stats = analyze(graph, plan, get_profile(config.profile), config.replicas, steps, config.zero,
+                         config.recompute, config.recompute_modules)
     plan.stats.replicated_ops = [(r.op.name, r.op.overload, r.reason) for r in replicated_operators(graph, plan)]
     plan.stats.inferred = sorted({(op.spec.name, op.spec.annotation) for op in graph.ops
                                   if op.spec is not None and op.spec.family == "inferred"})
@@ -155,4 +157,5 @@ def plan_model(model: torch.nn.Module, sample_args: Sequence[Any], policy: str |
     graph = trace_model(model, sample_args, sample_kwargs, registry=registry, strict=strict)
     plan = choose_plan(graph, policy, config)
     verify_offline(graph, plan, verify, verifier, verify_cache)
+    apply_precision(graph, config.precision)  # bf16-mixed's casts: the saved activations' dtypes
     return attach_stats(plan, graph, config)

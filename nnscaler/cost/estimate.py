@@ -13,6 +13,7 @@ from ..runtime.grad_sync import BUCKET_BYTES
 from .comm import collective_time, spans_nodes
 from .compute import op_time, optimizer_time
 from .profiles import DeviceProfile
+from .saved import saved_bytes
 from . import summary as printing
 from .steps import OPTIMIZER_STATES, Collective, carries_grad, local_nbytes, nbytes, step_collectives
 
@@ -54,21 +55,13 @@ class PlanStats:
         return printing.one_line(plan, self)
 
 
-def activation_bytes(graph: IRGraph, plan) -> int:
-    """Bytes of every operator output one rank keeps for backward (the estimate of peak activations)."""
-    total = 0
-    for op in graph.ops:
-        lay = op.layout(plan.partition(op)).outputs if op.known else [None] * len(op.outputs)
-        for t, q in zip(op.outputs, lay):
-            if t is not None:
-                total += local_nbytes(t, q, plan.mesh_shape) if q is not None else nbytes(t)
-    return total
-
-
-def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, steps: list | None = None) -> PlanStats:
+def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, steps: list | None = None,
+            zero: int = 0, recompute: str = "none", recompute_modules=None) -> PlanStats:
     """Costs of ``plan`` on ``graph``; ``replicas`` data-parallel copies of the plan sync gradients.
     ``steps``: the conversion steps of the plan's program when the caller emitted it already (any rank's:
-    every rank takes the same steps), so the program is emitted once per plan."""
+    every rank takes the same steps), so the program is emitted once per plan. The recipe: ``zero``
+    (:func:`zero_shards`), ``recompute`` and ``recompute_modules`` (:func:`nnscaler.cost.saved.saved_bytes`;
+    ``bf16-mixed`` is read from the graph's casts)."""
     mesh, names = plan.mesh_shape, plan.axis_names
     world = plan.world_size
     stored = stored_layouts(graph, plan)
@@ -81,7 +74,7 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, ste
             n = math.prod((sl[1] - sl[0]) * (sl[2] if len(sl) > 2 else 1)
                           for sl in shard_slices(t.shape, lay, mesh, r)) * t.dtype.itemsize
             per_rank["param" if t in params else "buffer"][r] += n
-    grads = list(per_rank["param"])  # one gradient per parameter element, in its dtype
+    params_kept, grads, optim = zero_shards(graph, plan, stored, replicas, zero)
     sharded = [(t.target or t.name, t.shape, layout_str(lay)) for t, lay in stored.items()
                if any(isinstance(q, Shard) for q in lay)]
     steps = emit_program(graph, plan, 0).steps if steps is None else steps
@@ -99,14 +92,37 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, ste
                           world * replicas > profile.ranks_per_node)
     compute = sum(op_time(op, plan.partition(op) if op.known else None, profile, ranks_here) for op in graph.ops)
     compute += optimizer_time(max(per_rank["param"]), profile, ranks_here)
-    act = activation_bytes(graph, plan)
+    act = saved_bytes(graph, plan, recompute, recompute_modules)
     whole_params = sum(nbytes(t) for t in graph.params)
     single = {"param": whole_params, "grad": whole_params, "optim": OPTIMIZER_STATES * whole_params,
-              "buffer": sum(nbytes(t) for t in graph.buffers), "activation": sum(nbytes(t) for op in graph.ops for t in op.outputs if t is not None)}
-    return PlanStats(profile.name, per_rank["param"], grads, [OPTIMIZER_STATES * p for p in per_rank["param"]],
+              "buffer": sum(nbytes(t) for t in graph.buffers),
+              "activation": saved_bytes(graph, None, recompute, recompute_modules)}
+    return PlanStats(profile.name, params_kept, grads, optim,
                      per_rank["buffer"], [act] * world, single, sharded,
                      sum(1 for t in graph.params if not any(isinstance(q, Shard) for q in stored[t])),
                      colls, compute, sum(c.seconds for c in colls))
+
+
+def zero_shards(graph: IRGraph, plan, stored: dict, replicas: int, zero: int) -> tuple[list[int], list[int], list[int]]:
+    """Per plan rank, bytes of parameters, gradients (one per parameter element, in its dtype) and
+    AdamW state under ZeRO stage ``zero`` (:mod:`nnscaler.runtime.zero`): a parameter is sharded over
+    the ranks holding the same piece of it, the plan's ``dp`` axis (where it is not split along it) times
+    the ``replicas``; stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters."""
+    mesh = plan.mesh_shape
+    dp = mesh[plan.axis_names.index("dp")] if "dp" in plan.axis_names else 1
+    out = {k: [0] * plan.world_size for k in ("param", "grad", "optim")}
+    for t, lay in stored.items():
+        if t not in set(graph.params):
+            continue
+        split_on_dp = "dp" in plan.axis_names and isinstance(lay[plan.axis_names.index("dp")], Shard)
+        n = replicas * (1 if split_on_dp else dp) if zero else 1
+        for r in range(plan.world_size):
+            b = math.prod((sl[1] - sl[0]) * (sl[2] if len(sl) > 2 else 1)
+                          for sl in shard_slices(t.shape, lay, mesh, r)) * t.dtype.itemsize
+            out["param"][r] += b // n if zero >= 3 else b
+            out["grad"][r] += b // n if zero >= 2 else b
+            out["optim"][r] += OPTIMIZER_STATES * b // n
+    return out["param"], out["grad"], out["optim"]
 
 
 def bucket_bytes(sizes: list[int], limit: int = BUCKET_BYTES) -> list[int]:

@@ -18,6 +18,7 @@ import numpy as np
 from ..comm.conversion import conversion, step_layout
 from ..cost.comm import collective_time
 from ..cost.compute import op_time, optimizer_time
+from ..cost.saved import saved_by_op
 from ..cost.steps import OPTIMIZER_STATES, step_collectives
 from ..cost.profiles import DeviceProfile
 from ..dimops.layout import Layout, Partial, Replicate, Shard
@@ -171,6 +172,8 @@ def build_program(graph: IRGraph, classes: list[OpClass], of: dict[IROp, int], m
                   and op.bound.inputs[i] is not None):
                 uses.setdefault(x, []).append((op, i))
     rep_across = world * replicas > profile.ranks_per_node
+    kept, loose = saved_by_op(graph)
+    prog.fixed_memory += loose
 
     def unary_src(x: IRTensor, src: Layout, k: int, i: int):
         seconds[k] += np.array([costs.convert(x, src, lay.inputs[i], p.axis_ids)
@@ -187,16 +190,14 @@ def build_program(graph: IRGraph, classes: list[OpClass], of: dict[IROp, int], m
                     u = of[fop]
                     seconds[u] += np.array([costs.convert(x, _stored(lay.inputs[fi]), whole, none)
                                             for lay in classes[u].layouts])
-            for t in op.outputs:
-                if t is not None:
-                    prog.fixed_memory += _local(t, None, mesh_shape)
+            prog.fixed_memory += sum(w for *_, w in kept.get(op.name, ()))
             prog.fixed_seconds += op_time(op, None, profile, ranks_here)
             continue
         v = of[op]
         cls = classes[v]
-        for t_idx, t in enumerate(op.outputs):
-            if t is not None:
-                memory[v] += np.array([_local(t, lay.outputs[t_idx], mesh_shape) for lay in cls.layouts])
+        for t, where, j, nb in kept.get(op.name, ()):  # what autograd keeps, as the estimate counts it
+            memory[v] += np.array([nb * _local(t, (lay.outputs if where == "out" else lay.inputs)[j], mesh_shape)
+                                   // max(1, _local(t, None, mesh_shape)) for lay in cls.layouts])
         for i, x in enumerate(op.inputs[:len(op.bound.inputs)]):
             if not isinstance(x, IRTensor) or op.bound.inputs[i] is None:
                 continue
