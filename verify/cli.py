@@ -1,5 +1,5 @@
-"""``python -m verify``: ``op NAME``, ``model NAME``, ``list``, ``lint``, ``all`` and ``plan PATH``
-(:mod:`verify.plan.cli`).
+"""``python -m verify``: ``op NAME``, ``model NAME``, ``list``, ``lint``, ``merge``, ``all``
+(:mod:`verify.all_command`) and ``plan PATH`` (:mod:`verify.plan.cli`).
 
 Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, crash), 2 bad input
 (unknown operator, bad flag, malformed annotation), with one line on stderr.
@@ -7,30 +7,26 @@ Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, cr
 from __future__ import annotations
 
 from dataclasses import replace
-import importlib.util
 import json
 import math
 import shlex
 import sys
 import tempfile
-import time
-import warnings
 from pathlib import Path
 from typing import Sequence
 
 
 from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.lint import AnnotationWarning
-from nnscaler.ops.registry import OpRegistry, UnknownOpError
+from nnscaler.ops.registry import UnknownOpError
 
-from nnscaler.config import ComputeConfig
 from nnscaler.policies import POLICIES, PlanError
 
 from verify.cases.config import BadInput, Row, RunConfig
 from verify.judge.lowprec import precheck
 from verify.judge.verdict import MISMATCH
 
-from verify.sweep import check_spec, preflight, run_model, run_op
+from verify.sweep import preflight, run_model, run_op
 from verify.lint import lint
 from verify.catalogue import current_key, render, store_rows
 from verify.cases.model import PolicyFileError, resolve_policy
@@ -41,102 +37,20 @@ from verify.models.zoo import is_zoo
 from verify.models.loader import build_model, known_model
 from verify.models.registry import ModelCase
 from verify.models.loader import ModelNotFound, check_builder, is_file_reference
-from verify.runner.gang import PG_TIMEOUT_S, Gang, GangError, MemoryCapError, WorldSizeError
+from verify.runner.gang import GangError, MemoryCapError, WorldSizeError
 from verify.report.progress import RunProgress
 from verify.cases.replica_rows import run_replicas
-from verify.cache import VerdictCache
-from verify.drive import LazyGang, run_units
-from verify.selection import ZOO, default_units, full_order, full_units, saved_plans
-from verify.shard import ShardError, estimate, fingerprint, parse_shard, recorded_times, shard
-from verify.cases.zero import zero_applies, zero_refusal
+from verify.shard import ShardError
+from verify.cases.zero import zero_refusal
 from verify.cases.torchpar_mesh import parse_mesh
-from verify.cases.torchpar_builtin import CASES as TORCH_CASES
 from verify.cases.torchpar_rows import BAD_INPUT as TORCHPAR_BAD_INPUT, check_parallelize, run_torchpar
 from verify.report.writer import ReportError, ReportWriter, summary, table
-from verify.worker import load_modules
 from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, build_parser
 from verify.names import POLICY_NAMES
 from verify.plan.cli import cmd_plan
+from verify.all_command import cmd_all
+from verify.options import gang_for, imported, load_registry, run_config, say
 
-
-
-def _config(args) -> RunConfig:
-    if args.world_size is None:
-        args.world_size = list(DEFAULT_WORLD_SIZES)
-    if args.base is not None and any(args.base % w for w in args.world_size):
-        raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
-    microbatches = getattr(args, "microbatches", 1)
-    precision = getattr(args, "precision", "32-true")
-    try:  # the compiler's own check: an unknown name, or bf16 on a device without it, in one line
-        ComputeConfig(1, precision=precision)
-    except PlanError as exc:
-        raise UsageError(str(exc)) from None
-    if precision != "32-true" and args.dtype != "float32":
-        raise UsageError(f"--precision {precision} sets the dtypes itself; leave --dtype at float32 (got {args.dtype})")
-    if getattr(args, "grad_reduce_dtype", None) and precision != "bf16-mixed":
-        raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
-    zero = getattr(args, "zero", 0)
-    try:
-        ComputeConfig(1, zero=zero)  # the one check of the option: 0..3
-    except PlanError as exc:
-        raise UsageError(f"--zero {zero}: {exc}") from None
-    recipe = {"clip_grad_norm": getattr(args, "clip_grad_norm", None), "recompute": getattr(args, "recompute", "none")}
-    try:  # bad recipe values are one line naming the option, before any rank starts
-        ComputeConfig(1, **recipe, zero=zero)
-    except PlanError as exc:
-        raise UsageError(str(exc)) from None
-    return RunConfig(**recipe, zero=zero, precision=precision, grad_reduce_dtype=getattr(args, "grad_reduce_dtype", None),
-                     world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype, seeds=tuple(args.seed),
-                     modules=tuple(args.module), timeout_s=args.timeout, partition=getattr(args, "partition", None),
-                     base_override=args.base, microbatches=microbatches if isinstance(microbatches, int) else 1)
-
-
-def _imported(modules: Sequence[str]) -> tuple[OpRegistry, list[warnings.WarningMessage]]:
-    """The registry with ``modules`` imported, and what their import warned of, not yet shown (input
-    refused later is one line, with no warnings before it): :func:`_say` shows them."""
-    for m in modules:
-        if not Path(m).is_file():
-            raise UsageError(f"--module {m}: no such file")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            return load_modules(modules), caught
-    except AnnotationError as exc:
-        raise UsageError(str(exc)) from None
-    except SystemExit as exc:
-        raise UsageError(f"importing {', '.join(modules)} called sys.exit({exc.code!r})") from None
-    except Exception as exc:
-        raise UsageError(f"importing {', '.join(modules)} failed: {type(exc).__name__}: {exc}") from None
-
-
-def _say(caught: Sequence[warnings.WarningMessage], findings: Sequence = ()) -> None:
-    """Each warning once, in one line at the user's line that caused it; then each lint finding not
-    already said so."""
-    said = set()
-    for w in caught:
-        if str(w.message) not in said:
-            said.add(str(w.message))
-            print(f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}", file=sys.stderr, flush=True)
-    for finding in findings:
-        if str(finding) not in said:
-            print(f"verify: warning: {finding}", file=sys.stderr, flush=True)
-
-
-def _load(modules: Sequence[str]) -> OpRegistry:
-    reg, caught = _imported(modules)
-    _say(caught)
-    return reg
-
-
-def _gang(cfg: RunConfig, args) -> Gang:
-    """The ranks for ``cfg``: gloo's own timeout stays far above the longest case limit; under
-    ``verify.cluster``, the torchrun job's ranks (``args.ranks``, set by its ``prepare``)."""
-    if getattr(args, "ranks", None) is not None:
-        return args.ranks
-    sweep = getattr(args, "microbatches", 1)  # `all`: a list of micro-batch counts; the longest case sets the limit
-    most = max([cfg.microbatches, *sweep]) if isinstance(sweep, list) else cfg.microbatches
-    longest = replace(cfg, microbatches=most).limit_s("model", getattr(args, "steps", 3))
-    return Gang(max(cfg.world_sizes), cfg.modules, cfg.world_sizes, memory_mb=args.rank_memory,
-                pg_timeout_s=max(PG_TIMEOUT_S, 2 * longest))
 
 
 def _json_target(path: str | None) -> None:
@@ -163,7 +77,7 @@ def _write_json(path: str | None, rows) -> None:
 
 def cmd_list(args) -> int:
     key = None if args.module else current_key()  # read before the import: the rows belong to this source
-    reg = _load(args.module)
+    reg = load_registry(args.module)
     rows = [[s.name, s.family, s.annotation, ", ".join(s.aten)] for s in reg]
     store_rows(key, rows)  # the next plain ``list`` answers without torch (verify/__main__.py)
     print(render(rows))
@@ -171,7 +85,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_lint(args) -> int:
-    reg = _load(args.module)
+    reg = load_registry(args.module)
     specs = [reg.get(n) for n in args.names] if args.names else list(reg)
     found = lint(specs, dynamic=not args.static)
     for f in found:
@@ -220,8 +134,8 @@ def _node_spec(args, cfg: RunConfig):
 
 
 def cmd_op(args) -> int:
-    reg, caught = _imported(args.module)  # said once the operator's input passed the checks (preflight)
-    cfg = _config(args)
+    reg, caught = imported(args.module)  # said once the operator's input passed the checks (preflight)
+    cfg = run_config(args)
     wrong_backward: list[Row] = []
     notes = []
     if args.model is not None:
@@ -248,9 +162,9 @@ def cmd_op(args) -> int:
     print(f"verifying {what} `{spec.annotation}` at world sizes {list(cfg.world_sizes)}, "
           f"dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     rows = list(wrong_backward)
-    with _gang(cfg, args) as gang, RunProgress(len(cfg.world_sizes)) as progress:
+    with gang_for(cfg, args) as gang, RunProgress(len(cfg.world_sizes)) as progress:
         preflight(gang, [spec], cfg)
-        _say(caught, notes)
+        say(caught, notes)
         for w in cfg.world_sizes:  # one progress item per world size, at the lengths of the whole run
             label = f"{cfg.row_name(spec)} W={w}"
             progress.start(label)
@@ -283,12 +197,12 @@ def _policies(specs: Sequence[str]) -> tuple[str, ...]:
 
 
 def cmd_model(args) -> int:
-    _load(args.module)
+    load_registry(args.module)
     case = _check_model(args.name, build=True)  # the one build before the ranks start
     if args.parallelize is not None or args.mesh is not None:
         return cmd_torchpar(args)
     policies = _policies(args.policy or POLICY_NAMES)  # no --policy: every built-in
-    cfg = _config(args)
+    cfg = run_config(args)
     try:  # a pipeline the model cannot be cut into, or a batch that does not divide: before any rank starts
         check_pipeline_input(args.name, policies, cfg.world_sizes, cfg.microbatches, replicas=args.replicas, case=case)
     except PlanError as exc:
@@ -314,7 +228,7 @@ def cmd_model(args) -> int:
         raise UsageError(f"--precision {cfg.precision}: {args.name} runs an operator without bf16 support on this "
                          f"device ({missing}); use --precision 32-true")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang, RunProgress(len(policies)) as progress:
+    with tempfile.TemporaryDirectory() as tmp, gang_for(cfg, args) as gang, RunProgress(len(policies)) as progress:
         for policy in policies:
             label = f"model:{args.name} {policy}"
             progress.start(label)
@@ -354,14 +268,14 @@ def cmd_torchpar(args) -> int:
         dims = _torchpar_dims(mesh)
         fixed = all(s is not None for _, s in dims)
         args.world_size = [math.prod(s for _, s in dims)] if fixed else list(DEFAULT_WORLD_SIZES)
-    cfg = _config(args)
+    cfg = run_config(args)
     dims = _torchpar_dims(mesh, args.name, args.parallelize, cfg.world_sizes)
     _json_target(args.json)
     writer = None if args.reports is None else ReportWriter(
         args.reports, cfg, resume=args.resume, command=f"model {args.name} --parallelize {args.parallelize}")
     print(f"training {args.name} for {args.steps} steps parallelized by {args.parallelize} on a {mesh} mesh at world "
           f"sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp, _gang(cfg, args) as gang, RunProgress(1) as progress:
+    with tempfile.TemporaryDirectory() as tmp, gang_for(cfg, args) as gang, RunProgress(1) as progress:
         label = f"model:{args.name} {args.parallelize}"
         progress.start(label)
         rows = list(run_torchpar(gang, args.name, args.parallelize, dims, cfg, args.gen_dir or tmp, args.steps))
@@ -381,121 +295,6 @@ def _torchpar_dims(mesh: str, model: str | None = None, fn: str | None = None, w
         return check_parallelize(model, fn, mesh, list(world_sizes))
     except TORCHPAR_BAD_INPUT as exc:
         raise UsageError(str(exc)) from None
-
-
-def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
-    """(the units this run runs, the whole selection they are cut from): the default sample or
-    ``--full``'s matrix (:mod:`verify.selection`), then ``--shard``'s share."""
-    recipes = not (cfg.zero or cfg.precision != "32-true" or cfg.clip_grad_norm is not None or cfg.recompute != "none")
-    policies = list(POLICIES)
-    full = full_units([s.name for s in specs], models, policies, cfg.world_sizes, cfg.seeds,
-                      list(dict.fromkeys(args.random_seeds)), args.microbatches,
-                      [c for c in torch_cases if c.world_size in cfg.world_sizes], recipes, _zoo(args),
-                      saved_plans() if recipes and not args.op and args.model is None else ())
-    if cfg.precision != "32-true":  # replica cases run 32-true only: left out rather than mislabelled
-        full = [u for u in full if u.replicas == 1]
-    if cfg.zero:
-        full = [u for u in full if u.kind != "model" or zero_applies(u.policy, u.world_sizes[0] // u.replicas,
-                                                                      u.replicas, zero=cfg.zero)]
-    default = default_units(full, models, policies, cfg.world_sizes, list(dict.fromkeys(args.random_seeds)))
-    units = full_order(full, default) if args.full else default
-    if args.shard:
-        i, n = parse_shard(args.shard)
-        return shard(units, i, n), units
-    return units, units
-
-
-def _zoo(args) -> tuple[str, ...]:
-    """The zoo architectures ``verify all`` runs: :data:`verify.selection.ZOO` unless ``--op`` or
-    ``--model`` chose what runs, or ``transformers`` is not installed."""
-    if args.op or args.model is not None or importlib.util.find_spec("transformers") is None:
-        return ()
-    return ZOO
-
-
-def _finished_units(before: dict) -> dict:
-    """The ``units``, ``rerun`` and ``seconds`` of a resumed run's sweep: the units it finished, less
-    those with a row that failed to run (error, timeout, crash: they run again)."""
-    again = set(before.get("rerun", []))
-    units = [u for u in before.get("units", []) if u not in again]
-    return {"units": units, "rerun": [], "seconds": {u: s for u, s in before.get("seconds", {}).items() if u in units}}
-
-
-def cmd_all(args) -> int:
-    catalogue = {s.name for s in load_modules(())}  # the built-in operators: sampled in their own units
-    reg = _load(args.module)
-    cfg = _config(args)
-    specs = [reg.get(n) for n in args.op] if args.op else list(reg)
-    unknown = [m for m in args.model or () if not known_model(m)]
-    if unknown:
-        raise UsageError(f"unknown model {unknown[0]!r}; known: {', '.join(sorted(MODELS))}")
-    models = (sorted(MODELS) if not args.op else []) if args.model is None else args.model
-    torch_names = args.torchpar if args.torchpar is not None else \
-        ([] if args.op or args.model is not None else sorted({c.name for c in TORCH_CASES}))
-    unknown = sorted(set(torch_names) - {c.name for c in TORCH_CASES})
-    if unknown:
-        raise UsageError(f"--torchpar {unknown[0]}: no such case; known: {', '.join(sorted({c.name for c in TORCH_CASES}))}")
-    try:
-        units, selection = _selection(args, cfg, specs, models, [c for c in TORCH_CASES if c.name in torch_names])
-    except ShardError as exc:
-        raise UsageError(str(exc)) from None
-    writer = ReportWriter(args.reports, cfg, resume=args.resume)  # refuses a busy or unwritable directory
-    shard_of = parse_shard(args.shard) if args.shard else (1, 1)
-    writer.sweep = {"mode": "full" if args.full else "default", "selection": fingerprint(selection),
-                    "shard": shard_of[0], "shards": shard_of[1], "total": len(selection),
-                    **_finished_units(writer.sweep if args.resume else {})}
-    done = writer.done()
-    finished = set(writer.sweep["units"])  # --resume: units the interrupted run finished
-    cache = None if args.no_cache else VerdictCache(args.cache_dir, cfg, reg)
-    hits = {u: cache.get(u) for u in units if u.label not in finished} if cache is not None else {}
-    units = [u for u in units if u.label not in finished]
-    start = time.perf_counter()
-    times = recorded_times()
-    print(f"verifying {len(specs)} operators and {len({u.name for u in units if u.kind == 'model'})} models "
-          f"({'the whole matrix' if args.full else 'the default sample; --full runs the whole matrix'}"
-          f"{f', shard {args.shard}' if args.shard else ''}): {len(units)} units"
-          + (f" ({sum(v is not None for v in hits.values())} from the verdict cache)" if cache is not None else "")
-          + (f", {len(finished)} finished before" if finished else "")
-          + f" at world sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}; reports in {args.reports}/", flush=True)
-    by_name = {s.name: s for s in specs}
-    to_check = [by_name[u.name] for u in units if u.kind == "op" and hits.get(u) is None]
-    to_sample = [s for s in to_check if s.name not in catalogue]  # the user's operators, before any case
-    gang = LazyGang(lambda: _gang(cfg, args), lambda g: preflight(g, to_sample, cfg, gang.planned))
-    for spec in to_check:  # what can be checked without ranks, before anything runs
-        check_spec(spec)
-    try:
-        with gang, tempfile.TemporaryDirectory() as tmp, \
-                RunProgress(len(units), [0.0 if hits.get(u) is not None else t
-                                         for u, t in zip(units, estimate(units, times))]) as progress:
-
-            def record(unit, rows, cached):  # each row is written the moment it is known
-                progress.start(unit.label)
-                t0, new = time.perf_counter(), []
-                for row in rows:
-                    writer.add(row)
-                    new.append(row)
-                progress.done(unit.label, new, cached)
-                writer.sweep["units"].append(unit.label)
-                if any(r.status in ReportWriter.RERUN for r in new):  # --resume runs it again
-                    writer.sweep["rerun"].append(unit.label)
-                writer.sweep["seconds"][unit.label] = round(sum(r.seconds for r in new) if cached else
-                                                            time.perf_counter() - t0, 3)
-                writer.seconds = time.perf_counter() - start
-                writer.flush_now_and_then()
-                return new
-
-            run_units(gang, units, cfg, by_name, tmp, done, hits, cache, record)
-    finally:
-        writer.seconds = time.perf_counter() - start
-        writer.close()
-    failed = [r for r in writer.rows if not r.ok]
-    if failed:
-        print(table(failed, with_op=True))
-    s = summary(writer.rows)
-    cached = sum(r.cached for r in writer.rows)
-    print(", ".join(f"{v} {k}" for k, v in s.items()) + (f" ({cached} from the cache)" if cached else "")
-          + f" in {writer.seconds:.1f} s; gang started {gang.starts if gang else 0}x")
-    return 0 if not failed else 1
 
 
 def cmd_merge(args) -> int:
