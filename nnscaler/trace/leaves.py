@@ -209,7 +209,6 @@ def make_leaves(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, class
     """Register each of ``classes`` (class -> the model's ``file:line`` applying it) as a leaf with an
     inferred annotation (one warning each, at that line); the refusal for the first that cannot be
     (None when all could)."""
-    from ..ops.registry import register_op
     calls = _record(model, args, kwargs, list(classes))
     for cls, where in classes.items():
         name = f"{cls.__module__}.{cls.__qualname__}"
@@ -222,9 +221,7 @@ def make_leaves(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, class
                     f"({constants[0]} and {next(c for c in constants if c != constants[0])}): one inferred "
                     f"operator cannot fix them; register it with @nnscaler.register_op(\"<annotation>\") on the class")
         try:
-            anno = infer_annotation(cls.apply, seen[0])
-            register_op(anno, name=name, family=FAMILY,
-                        args={i: x for i, x in enumerate(seen[0]) if not isinstance(x, torch.Tensor)})(cls)
+            anno = _leaf(cls, seen[0], name)
         except Exception as exc:  # noqa: BLE001  (the refusal says why)
             return (f"{name} is a torch.autograd.Function whose annotation could not be inferred "
                     f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); register it with "
@@ -235,6 +232,25 @@ def make_leaves(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, class
                                f"annotation inferred by probing: {anno!r} (register it with @nnscaler.register_op "
                                f"to choose another)", AnnotationWarning, path, int(line) if line.isdigit() else 0)
     return None
+
+
+def _leaf(cls: type, call: list, name: str) -> str:
+    """Make ``cls`` one custom op of its tensor arguments, its other arguments (the same in every
+    call: checked by the caller) baked in, so any constant works (a config object, None); its
+    ``apply`` takes the full argument list as before. Returns the inferred annotation."""
+    from ..ops.registry import register_op
+    original, n = cls.apply, len(call)
+    const = {i: x for i, x in enumerate(call) if not isinstance(x, torch.Tensor)}
+
+    def core(*tensors):
+        it = iter(tensors)
+        return original(*[const[i] if i in const else next(it) for i in range(n)])
+
+    anno = infer_annotation(core, [x for x in call if isinstance(x, torch.Tensor)])
+    op = register_op(anno, name=name, family=FAMILY)(core)
+    cls.apply = lambda *a: op(*[x for x in a if isinstance(x, torch.Tensor)])
+    cls._nnscaler_custom_op = op
+    return anno
 
 
 PROBE_ELEMENTS = 2**20  # the largest tensor an operator is probed on (a meta-device trace for a cluster plan is not)
