@@ -155,7 +155,7 @@ def test_verify_model_replicas_passes_microbatches_and_bucket_bytes_to_the_ranks
 
     fake_gang = _Jobs()
     monkeypatch.setattr(cli, "run_replicas", fake)
-    monkeypatch.setattr(cli, "_gang", no_gang)
+    monkeypatch.setattr(cli, "gang_for", no_gang)
     code = cli.main(["model", "nanogpt", "--policy", "dp", "--world-size", "2", "--replicas", "2",
                      "--microbatches", "4", "--bucket-bytes", "256", "--steps", "1"])
     assert code == 1 and seen == {"microbatches": 4, "bucket_bytes": 256, "replicas": 2}

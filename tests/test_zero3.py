@@ -137,7 +137,7 @@ def test_verify_all_samples_the_combined_recipe_on_nanogpt_and_llama_only_when_i
     units = [u for u in full_units([], ("bert", "llama", "nanogpt"), ["dp"], (2, 4), (0,), (0,), [], [], True)
              if u.recipe]
     assert {(u.name, u.policy, u.replicas, u.world_sizes) for u in units} == {
-        (m, p, r, w) for m in ("nanogpt", "llama") for p, r, w in
+        (m, p, r, w) for m in ("bert", "nanogpt", "llama") for p, r, w in  # --full: on every model
         (("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,)))}
     assert all(u.label.endswith("bf16-mixed zero3 clip1 recompute=full W=" + str(u.world_sizes[0]) + " seed 0"
                                 + ("" if u.checkpoint else " no-resume")) for u in units)
