@@ -37,6 +37,7 @@ class OpRegistry:
         self._rewrites: list[Callable] = []
         self._catalogues = catalogues  # set to None once they are loaded
         self.infer = infer
+        self.inferred: dict[str, Any] = {}  # a probed call's spec (or None) by the call's text: probed once
 
     def _load(self) -> None:
         if self._catalogues is None:

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .checkpoints import refusal, watch_checkpoints
-from .functions import refuse_unregistered
+from .functions import refusal as function_refusal
 from .leaves import make_leaves, unregistered
 
 
@@ -176,16 +176,16 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
         rest = captured.getvalue().strip()
         if rest:
             print(rest, file=sys.stderr)
-    if refusal(model, checkpoints):  # a reentrant one (the non-reentrant ones are recompute regions)
-        raise TraceError(refusal(model, checkpoints))
-    classes = unregistered(ep.graph) if leaves else []
-    if classes:
+    reentrant = refusal(model, checkpoints)  # a reentrant one (the non-reentrant ones are recompute regions)
+    if reentrant:
+        raise TraceError(reentrant)
+    classes = unregistered(ep.graph)  # one scan: made leaves, or (after that) refused
+    if classes and leaves:
         with rewritten(model, rewrites):
             refused = make_leaves(model, args, kwargs, classes)
         if refused:
             raise TraceError(refused)
         return export_model(model, args, kwargs, rewrites, leaves=False)  # each is one operator now
-    refused = refuse_unregistered(ep.graph)
-    if refused:
-        raise TraceError(refused)
+    if classes:
+        raise TraceError(function_refusal(*next(iter(classes.items()))))
     return functional(ep)

@@ -60,18 +60,9 @@ def applied_function(node: torch.fx.Node, functions: dict) -> tuple[type, str] |
     return None
 
 
-def refuse_unregistered(graph: torch.fx.Graph) -> str | None:
-    """The error message for the first node made by an unregistered ``Function``, or None."""
-    functions = user_functions()
-    if not functions:
-        return None
-    for node in graph.nodes:
-        if node.op == "call_function":
-            found = applied_function(node, functions)
-            if found:
-                cls, where = found
-                return (f"{cls.__module__}.{cls.__qualname__} is a torch.autograd.Function (applied at {where}): "
-                        f"torch.export would inline its forward and silently drop its backward. Register it with "
-                        f"@nnscaler.register_op(\"<annotation>\") on the class (it then stays one operator with its "
-                        f"own backward), or write it as a torch.library.custom_op with register_autograd")
-    return None
+def refusal(cls: type, where: str) -> str:
+    """The error for a model still holding unregistered ``Function`` ``cls`` (applied at ``where``)."""
+    return (f"{cls.__module__}.{cls.__qualname__} is a torch.autograd.Function (applied at {where}): "
+            f"torch.export would inline its forward and silently drop its backward. Register it with "
+            f"@nnscaler.register_op(\"<annotation>\") on the class (it then stays one operator with its "
+            f"own backward), or write it as a torch.library.custom_op with register_autograd")

@@ -116,7 +116,12 @@ def derive(call: OpCall, registry: OpRegistry) -> tuple[OpSpec, BoundAnno] | Non
         if bound is not None:
             return spec, bound
     from .leaves import infer_rule  # the last resort: an annotation inferred by probing the call
-    spec = infer_rule(call) if getattr(registry, "infer", False) else None
+    spec = None
+    if getattr(registry, "infer", False):
+        key = repr((call.overload, call.args, sorted(call.kwargs.items())))  # shapes, dtypes and values
+        if key not in registry.inferred:
+            registry.inferred[key] = infer_rule(call)
+        spec = registry.inferred[key]
     if spec is not None:
         try:
             return spec, bind(spec.anno, ins[:len(spec.anno.inputs)], outs, known=dict(spec.sizes) or None)
