@@ -10,6 +10,7 @@ from verify.cache import Used, VerdictCache
 from verify.cases.config import Row, RunConfig
 from verify.cases.replica_rows import run_replicas
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
+from verify.plan.arguments import DEFAULT_TIMEOUT_S  # a plan unit is never held to less
 from verify.runner.gang import Gang
 from verify.selection import RECIPE, ROOT, Unit
 from verify.sweep import run_model, run_op
@@ -39,9 +40,6 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
                              checkpoint=unit.checkpoint, used=used)
 
 
-PLAN_TIMEOUT_S = 60.0  # ``python -m verify plan``'s default: a plan unit is never held to less
-
-
 def run_plan_unit(gang, unit: Unit, cfg: RunConfig, gen_dir: str, skip, used: Used) -> Iterator[Row]:
     """A saved cluster plan as ``python -m verify plan FILE`` runs it (reduced, its own recipe), on the
     sweep's gang; a plan file that cannot be read or reduced is a failed row, not the end of the sweep."""
@@ -57,7 +55,7 @@ def run_plan_unit(gang, unit: Unit, cfg: RunConfig, gen_dir: str, skip, used: Us
             yield Row(f"plan:{path.name}", "model", "saved cluster plan", unit.world_sizes[0], "", "float32",
                       unit.seeds[0], ERROR, detail=str(exc), rerun=rerun)
             return
-        rows = plan_rows(gang, case, out, seed=unit.seeds[0], timeout_s=max(cfg.timeout_s, PLAN_TIMEOUT_S),
+        rows = plan_rows(gang, case, out, seed=unit.seeds[0], timeout_s=max(cfg.timeout_s, DEFAULT_TIMEOUT_S),
                          rerun=rerun, used=used)
     yield from (r for r in rows if r.key not in skip)
 

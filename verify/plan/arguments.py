@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+DEFAULT_TIMEOUT_S = 60.0
+"""``python -m verify plan``'s ``--timeout``: a plan's case limit is 8x this (``verify all``'s plan units too)."""
+
 
 def add_plan_parser(sub) -> None:
     """The ``plan`` subcommand of ``python -m verify`` (``sub``: its subparsers)."""
@@ -16,7 +19,7 @@ def add_plan_parser(sub) -> None:
                    help="run under this precision recipe instead of the plan's (e.g. 32-true)")
     p.add_argument("--steps", type=_positive_int, default=3, help="AdamW steps (default 3)")
     p.add_argument("--seed", type=_positive_int, default=0, help="seed of the model and batches (default 0)")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="the case's time limit is 8x this (default 60)")
     p.add_argument("--module", action="append", default=[], metavar="FILE.py",
                    help="import this file first, here and on every rank (repeatable)")
