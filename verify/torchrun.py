@@ -182,14 +182,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _failed(exc: Exception) -> int:
-    """The exit code of a failed job: global rank 0's own code when it alone failed (a worker such
-    as ``verify.cluster`` answers 1 for a mismatch and 2 for bad input there), else 1."""
+    """The exit code of a failed job: global rank 0's own code (a worker such as ``verify.cluster``
+    answers 1 for a mismatch and 2 for bad input there) when it alone failed, or the other ranks were
+    only ended by a signal after it (torchrun terminates the rest of a job once one rank exits
+    non-zero: who is still running then is a race), else 1."""
     failures = getattr(exc, "failures", None) or {}
     codes = {rank: f.exitcode for rank, f in failures.items()}
-    if set(codes) == {0} and codes[0] in (1, 2):
+    if codes.get(0) in (1, 2) and all(c < 0 for r, c in codes.items() if r != 0):
         return codes[0]
     if codes:
-        print(f"verify.torchrun: the job failed: " + ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items())),
+        print("verify.torchrun: the job failed: " + ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items())),
               file=sys.stderr)
     else:
         text = str(exc).strip()
