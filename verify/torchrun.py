@@ -31,6 +31,9 @@ OWN = ("--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
        "--local_addr")  # set by this launcher: --host and --port say where node 0 listens
 
 
+CHECKED_OUT, ALL_CHECKED_OUT = "verify/checked_out", "verify/all_checked_out"  # node 0 closes the store last
+
+
 class LaunchError(ValueError):
     """Bad launcher options: one line, exit 2."""
 
@@ -78,21 +81,31 @@ def _handler_class():
             return self.run_id
 
         def shutdown(self) -> bool:
-            if self._sock is not None:
+            """Called by every node's launcher once its agent is done (after its exit barrier)."""
+            if self._store is not None and self.nnodes > 1:
                 self._leave()
+            if self._sock is not None:
                 self._sock.close()
             return True
 
         def _leave(self, timeout_s: float = 30.0) -> None:
-            """Node 0 hosts the store: before closing it, check in at the agents' exit barrier if its
-            agent did not (it skips the barrier when its workers failed), so the other nodes finish
-            their barrier rather than lose the store mid-wait."""
+            """Node 0 hosts the store, so it closes last: it checks in at the agents' exit barrier if its
+            agent did not (it skips the barrier when its workers failed), then waits until every other
+            node has checked out (each does once its own barrier returned). Closing at the barrier
+            alone races: the other nodes' barrier may not have read its answer yet (torch's agent then
+            logs a traceback on that node)."""
             from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
             from torch.distributed.elastic.utils import store as store_util
             store = PrefixStore(self.run_id, self._store)
             try:
-                if self.nnodes > 1 and store.add(_TERMINAL_STATE_SYNC_ID + store_util._NUM_MEMBERS, 0) < self.nnodes:
+                if self.node_rank != 0:
+                    if store.add(CHECKED_OUT, 1) == self.nnodes - 1:
+                        store.set(ALL_CHECKED_OUT, "1")
+                    return
+                if store.add(_TERMINAL_STATE_SYNC_ID + store_util._NUM_MEMBERS, 0) < self.nnodes:
                     store_util.barrier(store, self.nnodes, _TERMINAL_STATE_SYNC_ID, barrier_timeout=timeout_s)
+                with store_util.store_timeout(store, timeout_s):
+                    store.wait([ALL_CHECKED_OUT])
             except Exception:  # a node that never arrives: it sees the store go, as under torchrun's own
                 pass
 
