@@ -66,7 +66,7 @@ def test_each_expensive_axis_is_exercised_at_least_once(matrix):
     assert {u.name for u in models if u.policy in SWEPT} <= set(PIPELINE_MODELS)
     assert {u.policy for u in models if u.replicas > 1 and not u.recipe} == {"tp", "pp"}
     assert {(u.policy, u.replicas, u.world_sizes) for u in models if u.recipe} == \
-        {("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,))}
+        {("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,)), ("pp2_dp", 1, (4,))}
 
 
 def test_a_piece_split_in_blocks_is_resumed_on_a_2x2_mesh_under_each_2d_resume(matrix):
@@ -105,9 +105,11 @@ def test_full_runs_the_combined_recipe_on_every_model_and_the_default_one_unit_p
     full, default = matrix
     kinds = {("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,))}
     for m in MODEL_NAMES:
-        assert {(u.policy, u.replicas, u.world_sizes) for u in full if u.recipe and u.name == m} == kinds, m
+        pipe = {("pp2_dp", 1, (4,))} if m in PIPELINE_MODELS else set()
+        assert {(u.policy, u.replicas, u.world_sizes) for u in full if u.recipe and u.name == m} == kinds | pipe, m
     picked = [u for u in default if u.recipe]
-    assert len(picked) == len(kinds) and {u.name for u in picked} <= set(RECIPE_MODELS)
+    assert len(picked) == len(kinds) + 1 and {u.name for u in picked} <= set(RECIPE_MODELS)
+    assert all(u.microbatches > 1 for u in picked if u.policy == "pp2_dp")
 
 
 def test_full_runs_the_default_units_first_then_the_rest_each_once(matrix):

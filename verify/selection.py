@@ -147,7 +147,8 @@ def default_plans(full: Sequence[Unit], names: Sequence[str] = DEFAULT_PLANS) ->
 
 def recipe_units(models: Sequence[str], seeds: Sequence[int], world_sizes: Sequence[int]) -> list[Unit]:
     """The combined recipe (:data:`RECIPE`) on every model of ``models``: ``dp`` at each world size,
-    ``hybrid`` at W >= 4 and ``tp`` x 2 replicas at even W >= 4 (zero 3 over the replica axis). A model
+    ``hybrid`` at W >= 4, ``tp`` x 2 replicas at even W >= 4 (zero 3 over the replica axis) and, on the
+    pipeline models, ``pp2_dp`` at even W >= 4 (two stages, each data parallel: zero 3 on a pipeline). A model
     that cannot run it fails its row with the reason; the default sample draws only on
     :data:`RECIPE_MODELS` (see :func:`default_units`)."""
     out = []
@@ -156,6 +157,9 @@ def recipe_units(models: Sequence[str], seeds: Sequence[int], world_sizes: Seque
         out += [_model(m, "hybrid", w, s, recipe=True) for s in seeds for w in world_sizes if w >= 4]
         out += [_model(m, "tp", w, s, replicas=2, checkpoint=False, recipe=True) for s in seeds
                 for w in world_sizes if w >= 4 and w % 2 == 0]
+        if m in PIPELINE_MODELS:
+            out += [_model(m, "pp2_dp", w, s, PIPELINE_MICROBATCHES, recipe=True) for s in seeds
+                    for w in world_sizes if w >= 4 and w % 2 == 0]
     return out
 
 
