@@ -2,6 +2,7 @@
 under its whole matrix (``--full``): the default sample must kill every mutant the full one does.
 
     python bench/mutant_kills.py [--mutants NAME ...] [--out bench/results/mutant_kills.md]
+    python bench/mutant_kills.py --precision bf16-mixed --sweeps default [--model M ...] [--mutants NAME ...]
 
 Each mutant runs alone through ``tests/mutants/run.py`` (fail-fast: a run stops at its first failing
 row) once per sweep; the table gives each sweep's verdict, first failing row and wall seconds.
@@ -32,13 +33,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mutants", nargs="+", default=list(MUTANTS), choices=list(MUTANTS), metavar="NAME")
     ap.add_argument("--sweeps", nargs="+", default=["default", "full"], choices=["default", "full"])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mutant_kills.md"))
+    ap.add_argument("--out", default=None, help="default: bench/results/mutant_kills[_PRECISION].md")
+    ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"],
+                    help="run every model row under this recipe (the bf16 verdict must kill what fp32 does)")
+    ap.add_argument("--model", nargs="+", default=None, help="only these models (verify all --model)")
     ap.add_argument("--report-only", action="store_true", help="write the table of what the partial record holds")
     ap.add_argument("--measure-full", action="store_true",
                     help="run --full for mutants the default kills too (else their full verdict is derived)")
     args = ap.parse_args(argv)
     results: dict[str, dict[str, tuple[str, float, str]]] = {}
-    out = Path(args.out)
+    tag = "" if args.precision == "32-true" else "_" + args.precision.replace("-", "_")
+    out = Path(args.out or ROOT / "bench" / "results" / f"mutant_kills{tag}.md")
     partial = out.with_suffix(".json")
     if partial.exists():  # an interrupted run goes on where it stopped
         results = {m: {s: tuple(v) for s, v in d.items()} for m, d in json.loads(partial.read_text()).items()}
@@ -51,7 +56,8 @@ def main(argv=None) -> int:
                 if sweep == "full" and done and done[0] == "killed" and not args.measure_full:
                     results[name]["full"] = ("killed*", 0.0, done[2])  # the default's unit runs first under --full
                     continue
-                opts = run_parser().parse_args(["--sweep", sweep])
+                opts = run_parser().parse_args(["--sweep", sweep, "--precision", args.precision]
+                                               + (["--model", *args.model] if args.model else []))
                 status, secs, row = run_one(name, opts, Path(d))
                 results.setdefault(name, {})[sweep] = (status, secs, row if status == "killed" else "")
                 print(f"{name:<42} {sweep:<8} {status:<9} {secs:6.0f} s  {row[:100] if status == 'killed' else ''}",
@@ -69,6 +75,11 @@ def main(argv=None) -> int:
                 f"units first, in the same order; the rest measured)" if derived else ""), "",
              "| mutant | " + " | ".join(f"{s} | {s} s | {s}: first failing row" for s in args.sweeps) + " |",
              "|---|" + "---|---|---|" * len(args.sweeps)]
+    if tag:
+        lines[0] += f", every model row under {args.precision}"
+        lines[2] = (f"`python bench/mutant_kills.py --precision {args.precision}"
+                    + (f" --model {' '.join(args.model)}" if args.model else "") + f" --sweeps {' '.join(args.sweeps)}`: "
+                    "as below, each `verify all` run with `--precision`; operator rows are not affected by it.")
     missing = [m for m in MUTANTS if m not in results]
     if missing:
         lines[5:5] = [f"Not run yet ({len(missing)} of {len(MUTANTS)}): {', '.join(missing)}.", ""]

@@ -7,7 +7,8 @@ imports a shim ``--module`` file that applies the mutant); a mutant is killed wh
 
 ``--sweep default`` (the default) runs the default sample exactly as ``verify all`` does, ``full`` the
 whole matrix (``verify all --full``, which runs the default sample's units first, then the rest);
-``--model``/``--op`` narrow either for a quick look. The verdict cache is off (``--no-cache``): a mutant
+``--model``/``--op`` narrow either for a quick look; ``--precision bf16-mixed`` runs every model row under
+that recipe (the bf16 verdict must kill what the float32 one does). The verdict cache is off (``--no-cache``): a mutant
 changes what a cached verdict was computed from. Runs stop at the first failing row
 (``--no-fail-fast`` runs all). ``bench/mutant_kills.py`` prints both sweeps' kill counts.
 """
@@ -49,7 +50,8 @@ def command(name: str | None, args, tmp: Path) -> list[str]:
     """The ``verify all`` command line of one mutant's run (None: no mutant)."""
     cmd = [sys.executable, "-m", "verify", "all", "--reports", str(tmp / f"reports_{name}"), "--no-cache"]
     cmd += (["--full"] if args.sweep == "full" else []) + (["--op", *args.op] if args.op else []) \
-        + (["--model", *args.model] if args.model is not None else [])
+        + (["--model", *args.model] if args.model is not None else []) \
+        + (["--precision", args.precision] if args.precision != "32-true" else [])
     if name is not None:
         cmd += ["--module", str(shim(tmp, name))]
     return cmd
@@ -124,6 +126,8 @@ def parser() -> argparse.ArgumentParser:
                     help="verify all's default sample, or its whole matrix (--full)")
     ap.add_argument("--model", nargs="*", default=None, help="only these models (default: verify all's)")
     ap.add_argument("--op", nargs="+", default=None, help="only these operators (default: verify all's)")
+    ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"],
+                    help="the recipe every model row runs under (verify all --precision)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run (which must pass)")
     ap.add_argument("--no-fail-fast", dest="fail_fast", action="store_false",
                     help="run every case of a mutant even after its first failing row")
