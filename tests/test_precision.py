@@ -164,7 +164,7 @@ def test_the_bf16_bound_takes_a_moved_points_spread_where_the_first_is_lucky():
     kept.rel = {k: list(v) for k, v in history.rel.items()}
     assert not _lowprec_step(kept, 1, 0.013, 0.056).ok  # the single-device sample alone: the false alarm
     for rel in (0.009, 0.053):
-        history.second(SpreadHistory.key("grad w step 1"), rel)
+        history.add(SpreadHistory.key("grad w step 1"), rel)
     assert _lowprec_step(history, 1, 0.013, 0.056).ok
     wrong = _lowprec_step(history, 2, 0.013, 0.6)
     assert not wrong.ok and wrong.err > 2 * wrong.tol, wrong

@@ -27,7 +27,7 @@ from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
 from verify.cases.microbatch import loss_fn_of, one_device_loss, whole_batch
 from verify.cases.fresh import built_like
-from verify.cases.spread import second_sample
+from verify.cases.spread import moved_samples
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
 from verify.cases.traces import TraceCache, tracer_of
@@ -212,8 +212,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         with fallback, same_draws(seed, step):
             loss64 = one_device_loss(ref64, cast(args, torch.float64), microbatches, case)
             loss64.backward()
-        if precision.active:  # a second sample of the recipe's own rounding error (verify/cases/spread.py)
-            second_sample(ref, ref64, lambda m, a: one_device_loss(m, a, microbatches, case), args,
+        if precision.active:  # more samples of the recipe's own rounding error (verify/cases/spread.py)
+            moved_samples(ref, ref64, lambda m, a: one_device_loss(m, a, microbatches, case), args,
                           cast(args, torch.float64), seed, step, fallback)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))

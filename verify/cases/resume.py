@@ -26,7 +26,7 @@ from verify.judge.compare import Check, Float64Fallback, SpreadHistory, check_te
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
 from verify.cases.traces import TraceCache, tracer_of
-from verify.cases.spread import second_sample
+from verify.cases.spread import moved_samples
 
 MORE_STEPS = 2
 
@@ -180,8 +180,8 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
         with fallback, same_draws(seed, step):
             loss64 = single64(*cast(args, torch.float64))
             loss64.backward()
-        if precision.active:  # a second sample of the recipe's own rounding error (verify/cases/spread.py)
-            second_sample(single, single64, lambda m, a: m(*a), args, cast(args, torch.float64), seed, step, fallback)
+        if precision.active:  # more samples of the recipe's own rounding error (verify/cases/spread.py)
+            moved_samples(single, single64, lambda m, a: m(*a), args, cast(args, torch.float64), seed, step, fallback)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(f"resumed {where}: loss step {step}", loss.detach(), loss_ref.detach(),
                                    loss64.detach(), **kw))

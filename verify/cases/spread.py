@@ -1,4 +1,4 @@
-"""A second sample of a bf16 recipe's own rounding error, per tensor and step.
+"""More samples of a bf16 recipe's own rounding error, per tensor and step.
 
 The low-precision rule (:mod:`verify.judge.compare`) bounds the parallel program by the single-device
 recipe's distance from float64. Where that error is coherent (one early rounding carried into every
@@ -32,16 +32,16 @@ def _rel(x: torch.Tensor | None, ref: torch.Tensor | None) -> float | None:
     return float((x.double() - ref).norm()) / norm if norm > 0 else None
 
 
-def second_sample(single: torch.nn.Module, single64: torch.nn.Module, run: Callable, args: tuple, args64: tuple,
+def moved_samples(single: torch.nn.Module, single64: torch.nn.Module, run: Callable, args: tuple, args64: tuple,
                   seed: int, step: int, fallback: Float64Fallback) -> None:
     """Record in ``fallback.spreads`` the relative error of the loss and of every parameter's gradient
-    of the recipe's single-device model ``single`` at a point moved by :data:`PERTURB`, against
-    ``single64`` (the float64 reference) at that point; ``run(model, args)`` computes the step's loss
+    of the recipe's single-device model ``single`` at :data:`SAMPLES` points, each parameter moved by
+    :data:`PERTURB` at random, against ``single64`` (the float64 reference) at each point; ``run(model, args)`` computes the step's loss
     as the case does. Copies both models: the case's own are left as they are."""
     for k in range(SAMPLES):
         for key, rel in _sample(single, single64, run, args, args64, seed, step, k, fallback).items():
             if rel is not None:
-                fallback.spreads.second(key, rel)
+                fallback.spreads.add(key, rel)
 
 
 def _sample(single, single64, run, args, args64, seed: int, step: int, k: int,

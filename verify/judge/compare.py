@@ -135,15 +135,14 @@ class SpreadHistory:
 
     def __init__(self):
         self.rel: dict[str, list[float]] = {}
-        self.other: dict[str, float] = {}  # this step's second sample per tensor (verify.cases.spread)
 
     @staticmethod
     def key(name: str) -> str:
         return re.sub(r" (after )?step \d+$", "", name.rpartition(": ")[2])
 
-    def second(self, key: str, rel: float) -> None:
+    def add(self, key: str, rel: float) -> None:
         """Another correct program's relative spread on tensor ``key`` at the step about to be judged
-        (:func:`verify.cases.spread.second_sample`)."""
+        (:func:`verify.cases.spread.moved_samples`)."""
         if math.isfinite(rel):
             self.rel.setdefault(key, []).append(rel)
 
