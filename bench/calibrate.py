@@ -7,7 +7,7 @@ measured kernels, the A100's matmul_max and attention (no kernels measured there
 jointly on every row (minimising the worst, then the median, absolute log error), then fusion_fused on the
 rows that ran fused kernels.
 
-    python bench/calibrate.py [--fit] [--skip-cpu | --cpu-only] [--steps N]
+    python bench/calibrate.py [--fit] [--skip-cpu | --cpu-only] [--steps N] [--repeats R]
 
 Published step time: ``global_batch * seq / (gpus * tokens_per_gpu)``, or for rows published as model
 TFLOP/s per GPU ``model FLOPs per step / (gpus * TFLOP/s)`` with the model FLOPs counted on our trace
@@ -155,9 +155,11 @@ def main() -> None:
     ap.add_argument("--cpu-only", action="store_true", help="only the cpu-gloo table (measured here)")
     ap.add_argument("--skip-cpu", action="store_true", help="leave out the cpu-gloo table")
     ap.add_argument("--steps", type=int, default=6, help="cpu-gloo: measured steps per configuration")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="cpu-gloo: sets of processes measured, each plan's median over them")
     args = ap.parse_args()
     if args.cpu_only:
-        cpu_gloo.table(args.steps)
+        cpu_gloo.table(args.steps, repeats=args.repeats)
         return
     kernels = kernel_fit.load()
     print(kernel_fit.table(dataclasses.replace(CALIBRATED["h100"], fitted=""), kernel_fit.fit(CALIBRATED["h100"],
@@ -183,7 +185,7 @@ def main() -> None:
           f"{100 * max(abs_err):.1f}% (goal <= 20%), {sum(a <= 0.2 for a in abs_err)}/{len(errs)} within 20%")
     if not args.skip_cpu:
         print()
-        cpu_gloo.table(args.steps)
+        cpu_gloo.table(args.steps, repeats=args.repeats)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,12 @@ tp with and without sequence parallelism, hybrid tp x dp, 1F1B and interleaved p
 pp x tp) at world sizes 2 and 4, each lowered as ``verify plan`` lowers a saved plan
 (:func:`nnscaler.policies.cluster_plan.lower`) and trained on real gloo ranks here (forward, backward,
 AdamW step). The plans of one world size train in the same processes, their steps interleaved round by
-round so machine noise hits each alike; each plan's measured time is its fastest step. Printed by
-``bench/calibrate.py`` with the Spearman rank correlation (goal >= 0.8).
+round so machine noise hits each alike; each plan's time in one set of processes is its fastest step.
+The whole measurement is repeated (``repeats``, fresh processes each time, the world sizes taking turns)
+and each plan's measured time is the median over the repeats, so one set of processes that met a burst
+of load (which moves every plan of a world size against the other's) does not swing the rank order.
+Printed by ``bench/calibrate.py`` with the Spearman rank correlation (goal >= 0.8) and the load average
+it ran under.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import datetime
 import io
 import json
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -122,33 +127,46 @@ def _rank(rank: int, world: int, port: int, steps: int, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def measure(steps: int = 6) -> list[tuple[Parallel, float]]:
-    """``(configuration, fastest step seconds)`` of every plan of :data:`PLANS`, on real gloo ranks."""
+def measure(steps: int = 6, repeats: int = 3) -> list[tuple[Parallel, float, float]]:
+    """``(configuration, median over repeats of its fastest step, spread)`` of every plan of :data:`PLANS`
+    on real gloo ranks; ``spread``: (slowest - fastest repeat) / median."""
     from verify.runner.gang import free_port
-    out = []
+    seen: dict[Parallel, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for world, plans in PLANS.items():
-            path = os.path.join(tmp, f"w{world}.json")
-            mp.spawn(_rank, args=(world, free_port(), steps, path), nprocs=world)
-            with open(path) as f:
-                out += list(zip(plans, json.load(f)))
+        for r in range(repeats):
+            for world, plans in PLANS.items():
+                path = os.path.join(tmp, f"w{world}-{r}.json")
+                mp.spawn(_rank, args=(world, free_port(), steps, path), nprocs=world)
+                with open(path) as f:
+                    for par, took in zip(plans, json.load(f)):
+                        seen.setdefault(par, []).append(took)
+    out = []
+    for par, times in seen.items():
+        mid = statistics.median(times)
+        out.append((par, mid, (max(times) - min(times)) / mid))
     return out
 
 
-def table(steps: int = 6, profile=None) -> float:
+def table(steps: int = 6, profile=None, repeats: int = 3) -> float:
     """Print estimated vs measured per plan and the Spearman rank correlation; return it."""
     from nnscaler.cost.cluster import estimate
     from nnscaler.cost.profiles import get_profile
     prof = profile or get_profile("cpu-gloo")
     sh = shape()
-    rows = [(par, estimate(sh, par, prof, "32-true", GLOBAL_BATCH).step_seconds, took) for par, took in measure(steps)]
+    load0 = os.getloadavg()
+    measured = measure(steps, repeats)
+    load1 = os.getloadavg()
+    rows = [(par, estimate(sh, par, prof, "32-true", GLOBAL_BATCH).step_seconds, took, spread)
+            for par, took, spread in measured]
     print(f"cpu-gloo: estimated vs measured step time, Llama 4 x 128 (seq {SEQ}, batch {GLOBAL_BATCH}), fp32, "
-          f"fastest of {steps} interleaved steps on real gloo ranks here")
-    print(f"{'W':>2} {'configuration':<42} {'estimated':>10} {'measured':>10} {'est/meas':>8}")
-    for par, est, took in rows:
-        print(f"{par.world:>2} {label(par):<42} {est * 1e3:>8.1f}ms {took * 1e3:>8.1f}ms {est / took:>8.2f}")
-    rho = spearman([e for _, e, _ in rows], [m for *_, m in rows])
-    per_w = {w: spearman([e for p, e, _ in rows if p.world == w], [m for p, _, m in rows if p.world == w])
+          f"median over {repeats} sets of processes of the fastest of {steps} interleaved steps on real gloo ranks "
+          f"here; load average {load0[0]:.1f} before, {load1[0]:.1f} after ({os.cpu_count()} cores)")
+    print(f"{'W':>2} {'configuration':<42} {'estimated':>10} {'measured':>10} {'est/meas':>8} {'spread':>7}")
+    for par, est, took, spread in rows:
+        print(f"{par.world:>2} {label(par):<42} {est * 1e3:>8.1f}ms {took * 1e3:>8.1f}ms {est / took:>8.2f} "
+              f"{100 * spread:>6.0f}%")
+    rho = spearman([e for _, e, _, _ in rows], [m for _, _, m, _ in rows])
+    per_w = {w: spearman([e for p, e, _, _ in rows if p.world == w], [m for p, _, m, _ in rows if p.world == w])
              for w in PLANS}
     print(f"{len(rows)} plans: Spearman rank correlation estimated vs measured {rho:.3f} (goal >= 0.8); within one "
           f"world size (the same processes, steps interleaved): "

@@ -90,6 +90,59 @@ def test_pipeline_bubble_and_in_flight(shape):
     assert counts[-1] == 1 and sum(counts) == 8
 
 
+def _split_by_scan(layers: int, stages: int, pre: float, post: float, per_layer: float) -> tuple[list[int], float]:
+    """layer_split as it was: every candidate value of the slowest stage sorted, then bisected (L log L)."""
+    if stages == 1:
+        return [layers], pre + post + layers * per_layer
+    eps = 1e-9
+
+    def caps(t: float) -> tuple[int, int, int]:
+        return (int((t - pre) / per_layer + eps), int((t - post) / per_layer + eps), int(t / per_layer + eps))
+
+    def feasible(t: float) -> bool:
+        a, b, c = caps(t)
+        return a >= 1 and b >= 1 and (stages == 2 or c >= 1) and a + b + (stages - 2) * c >= layers
+
+    cands = sorted({pre + a * per_layer for a in range(1, layers + 1)} | {post + b * per_layer for b in range(1, layers + 1)}
+                   | {c * per_layer for c in range(1, layers + 1)})
+    lo, hi = 0, len(cands) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(cands[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    t = cands[lo]
+    a, b, c = caps(t)
+    first = max(1, min(a, layers - (stages - 1)))
+    last = max(1, min(b, layers - first - (stages - 2)))
+    rest = layers - first - last
+    if stages == 2:
+        return [first, last + rest], max(pre + first * per_layer, post + (last + rest) * per_layer)
+    base, extra = divmod(rest, stages - 2)
+    counts = [first] + [base + (1 if i < extra else 0) for i in range(stages - 2)] + [last]
+    return counts, max(pre + first * per_layer, post + last * per_layer, max(counts[1:-1]) * per_layer)
+
+
+def test_layer_split_finds_the_slowest_stage_the_full_scan_finds():
+    import random
+    rng = random.Random(0)
+    for _ in range(400):
+        layers = rng.randint(2, 130)
+        stages = rng.randint(2, min(layers, 64))
+        pre, post, t = rng.choice([0.0, rng.uniform(0, 5)]), rng.uniform(0, 8), rng.uniform(0.1, 2)
+        assert layer_split(layers, stages, pre, post, t) == _split_by_scan(layers, stages, pre, post, t)
+
+
+def test_a_search_memo_changes_no_estimate(shape):
+    from nnscaler.policies.cluster import candidates
+    memo: dict = {}
+    for par in list(candidates(shape, 16, 32, {}, 8))[::7]:
+        a = estimate(shape, par, H100, "bf16-mixed", 32, None, 4, memo)
+        b = estimate(shape, par, H100, "bf16-mixed", 32)
+        assert a.time == b.time and a.memory == b.memory, par
+    assert memo  # and it was used
+
 def test_fixing_every_key_evaluates_exactly_that_configuration(shape):
     cons = {"tp": 2, "pp": 2, "dp": 2, "micro_batch_size": 1, "num_microbatches": 4, "virtual_stages": 2,
             "recompute": "full", "zero": 1, "sequence_parallel": True}

@@ -1,7 +1,7 @@
 """The plans ``bench/autodist.py`` prints, saved under ``verify/plans``, verified as ``verify all`` runs them:
 a ``plan`` unit reduced as ``python -m verify plan`` reduces it, trained on real ranks against one device
-(the default sample's plan here; every saved plan in the slow test), and a plan file that cannot be read
-is a failed row of the sweep, not its end."""
+(the default sample's plan and one tp x pp x dp plan on 8 ranks here; every saved plan in the slow test),
+and a plan file that cannot be read is a failed row of the sweep, not its end."""
 from __future__ import annotations
 
 import json
@@ -12,16 +12,18 @@ import pytest
 from verify.cache import Used
 from verify.cases.config import RunConfig
 from verify.drive import run_unit
+from verify.drive import LazyGang
 from verify.runner.gang import Gang
-from verify.selection import DEFAULT_PLANS, PLANS, Unit, plan_units, saved_plans
+from verify.runner.limits import max_ranks
+from verify.selection import DEFAULT_PLANS, PLANS, Unit, plan_units, saved_plans, wide_plan_units
 
 pytest.importorskip("transformers")
 
 
-def _rows(gang, unit, tmp_path):
+def _rows(gang, unit, tmp_path, cfg=None):
     used = Used()
-    rows = list(run_unit(gang, unit, RunConfig(world_sizes=unit.world_sizes), {}, str(tmp_path), frozenset(), used))
-    return rows, used
+    cfg = cfg or RunConfig(world_sizes=unit.world_sizes)
+    return list(run_unit(gang, unit, cfg, {}, str(tmp_path), frozenset(), used)), used
 
 
 def test_the_default_samples_plan_trains_like_one_device(tmp_path):
@@ -38,6 +40,24 @@ def test_the_default_samples_plan_trains_like_one_device(tmp_path):
     assert "aten.linear.default" in used.ops  # what the verdict cache keys the unit's leaves on
     assert len(failed) == 1 and not failed[0].ok and "world_size 3" in failed[0].detail
     assert failed[0].rerun == f"python -m verify plan {bad}"
+
+
+THREE_D = "search-tt-a100-llama2-70b-full"  # tp 4 x pp 8 (v 2) x dp 2: tp2+sp pp2 v2 dp2 zero1 on 8 ranks, ~75 s here
+
+
+@pytest.mark.skipif(max_ranks() < 8, reason="this machine runs fewer than 8 ranks")
+def test_a_tp_pp_dp_plan_runs_on_a_gang_of_eight_of_its_own(tmp_path):
+    """``verify all --full``'s sweep gang has 2 or 4 ranks; a plan with tp, pp and dp all above 1 keeps its
+    three axes only at 8, so its unit starts a gang of its own and never the sweep's."""
+    unit, = wide_plan_units([PLANS / f"{THREE_D}.json"], (2, 4), (0,))
+    assert unit.world_sizes == (8,)
+    sweep = LazyGang(lambda: Gang(4, (), (2, 4)))
+    with sweep:
+        rows, used = _rows(sweep, unit, tmp_path, RunConfig(world_sizes=(2, 4)))
+    assert sweep.starts == 0
+    assert len(rows) == 1 and rows[0].ok, rows
+    assert rows[0].world_size == 8 and "tp2+sp pp2 v2 dp2" in rows[0].partition, rows[0].partition
+    assert "aten.linear.default" in used.ops
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ axis at least once, is a subset of the whole matrix (--full), and comes first in
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -13,8 +14,9 @@ from verify.cases.pipeline import PIPELINE_MODELS, SWEPT
 from verify.cases.torchpar_builtin import CASES as TORCH_CASES
 from verify.models.registry import MODELS
 from verify.names import TWO_D_RESUME
-from verify.selection import (BLOCKED_MODELS, DEFAULT_PLANS, RECIPE_MODELS, SEEDED_POLICIES, Unit, _same, default_units,
-                              full_order, full_units, plan_units, saved_plans)
+from verify.runner.limits import max_ranks
+from verify.selection import (BLOCKED_MODELS, DEFAULT_PLANS, PLANS, RECIPE_MODELS, SEEDED_POLICIES, Unit, _same,
+                              default_units, full_order, full_units, plan_units, saved_plans, wide_plan_units)
 from verify.shard import ShardError, assign, check_shards, estimate, fingerprint, parse_shard, recorded_times, shard
 
 # the built-in models and policies (the test fixtures register more: tp_* models, tp_sp policies)
@@ -85,12 +87,21 @@ def test_every_saved_plan_runs_under_full_and_one_cheap_one_by_default(matrix):
     units = [u for u in full if u.kind == "plan"]
     from verify.plan.cli import load
     from verify.plan.reduced import reduce_parallel
-    small = {p for p in plans if reduce_parallel(load(p).parallel).world <= 4}  # tp x pp x dp all > 1: W=8, left out
-    assert small and {u.name for u in units} == {f"verify/plans/{p.name}" for p in small}
-    assert all(u.world_sizes[0] in (2, 4) and u.seeds == (0,) for u in units)
+    world = {p: reduce_parallel(load(p).parallel).world for p in plans}
+    small = {p for p in plans if world[p] <= 4}
+    wide = {p for p in plans if world[p] == 8}  # tp x pp x dp all > 1: on a gang of 8 of their own
+    assert small and wide and small | wide == set(plans)
+    named = {u.name for u in units}
+    assert named == {f"verify/plans/{p.name}" for p in (small | wide if max_ranks() >= 8 else small)}
+    assert all(u.world_sizes[0] in (2, 4, 8) and u.seeds == (0,) for u in units)
+    assert all(u.world_sizes == (world[PLANS / Path(u.name).name],) for u in units)
+    assert not any(u.kind == "plan" and u.world_sizes == (8,) for u in default)  # ~75-220 s each: --full only
     assert {u.name.split("/")[-1][:-5] for u in default if u.kind == "plan"} == set(DEFAULT_PLANS)
     assert next(u for u in units if DEFAULT_PLANS[0] in u.name).label == f"plan:{DEFAULT_PLANS[0]} W=2 seed 0"
     assert plan_units(plans, (2,), (0,)) == [u for u in units if u.world_sizes == (2,)]  # no gang group for W=4
+    assert wide_plan_units(plans, (2, 4), (0,), most=8) == plan_units(plans, (8,), (0,))
+    assert wide_plan_units(plans, (2, 4), (0,), most=4) == []  # a machine that runs 4 ranks leaves them out
+    assert wide_plan_units(plans, (2, 4, 8), (0,), most=8) == []  # the sweep's own gang runs them
 
 
 def test_every_plan_bench_autodist_prints_is_saved():

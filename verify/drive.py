@@ -42,7 +42,9 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
 
 def run_plan_unit(gang, unit: Unit, cfg: RunConfig, gen_dir: str, skip, used: Used) -> Iterator[Row]:
     """A saved cluster plan as ``python -m verify plan FILE`` runs it (reduced, its own recipe), on the
-    sweep's gang; a plan file that cannot be read or reduced is a failed row, not the end of the sweep."""
+    sweep's gang, or on a gang of its own when its world size is none of the sweep's (the 8 ranks of a
+    tp x pp x dp plan, :func:`verify.selection.wide_plan_units`); a plan file that cannot be read or
+    reduced is a failed row, not the end of the sweep."""
     from verify.cases.config import BadInput  # noqa: PLC0415
     from verify.judge.verdict import ERROR  # noqa: PLC0415
     from verify.plan.cli import plan_rows, prepare  # noqa: PLC0415 (transformers: only a sweep with plans)
@@ -55,8 +57,14 @@ def run_plan_unit(gang, unit: Unit, cfg: RunConfig, gen_dir: str, skip, used: Us
             yield Row(f"plan:{path.name}", "model", "saved cluster plan", unit.world_sizes[0], "", "float32",
                       unit.seeds[0], ERROR, detail=str(exc), rerun=rerun)
             return
-        rows = plan_rows(gang, case, out, seed=unit.seeds[0], timeout_s=max(cfg.timeout_s, DEFAULT_TIMEOUT_S),
-                         rerun=rerun, used=used)
+        timeout_s = max(cfg.timeout_s, DEFAULT_TIMEOUT_S)
+        w = case.reduced.world
+        if w in cfg.world_sizes:
+            rows = plan_rows(gang, case, out, seed=unit.seeds[0], timeout_s=timeout_s, rerun=rerun, used=used)
+        else:  # as `verify plan` starts its own: gloo's timeout far above the case's limit
+            limit = replace(cfg, timeout_s=timeout_s, microbatches=case.config.num_microbatches).limit_s("model", 3)
+            with Gang(w, cfg.modules, (w,), pg_timeout_s=max(120.0, 2 * limit)) as own:
+                rows = plan_rows(own, case, out, seed=unit.seeds[0], timeout_s=timeout_s, rerun=rerun, used=used)
     yield from (r for r in rows if r.key not in skip)
 
 

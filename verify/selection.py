@@ -86,7 +86,7 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
     """Today's whole matrix, one unit per model case: every model x policy x world size x seed (the
     seeded policies x every random seed), the micro-batch sweep, the pipelines, the replicas, the
     recipes, torch's own parallelizations, the ``zoo`` architectures (:func:`zoo_units`) and the saved
-    cluster ``plans`` (:func:`plan_units`). Pipeline units that cannot run (too few layers, a world size
+    cluster ``plans`` (:func:`plan_units`, and :func:`wide_plan_units` on gangs of their own). Pipeline units that cannot run (too few layers, a world size
     they need not met) are left out here, not skipped later."""
     def seeds_of(p):
         return random_seeds if p in SEEDED_POLICIES else seeds
@@ -104,7 +104,8 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
     if recipes:
         out += recipe_units(models, seeds, world_sizes)
     out += [Unit("torchpar", c.name, world_sizes=(c.world_size,), seeds=tuple(seeds[:1])) for c in torch_cases]
-    return out + zoo_units(zoo, world_sizes, seeds) + plan_units(plans, world_sizes, seeds)
+    return out + zoo_units(zoo, world_sizes, seeds) + plan_units(plans, world_sizes, seeds) \
+        + wide_plan_units(plans, world_sizes, seeds)
 
 
 def zoo_units(archs: Sequence[str], world_sizes: Sequence[int], seeds: Sequence[int]) -> list[Unit]:
@@ -138,6 +139,18 @@ def plan_units(plans: Sequence[str | Path], world_sizes: Sequence[int], seeds: S
             name = str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
             out.append(Unit("plan", name, world_sizes=(w,), seeds=tuple(seeds[:1])))
     return out
+
+
+def wide_plan_units(plans: Sequence[str | Path], world_sizes: Sequence[int], seeds: Sequence[int],
+                    most: int | None = None) -> list[Unit]:
+    """The saved plans that reduce to more ranks than the sweep's largest world size and at most ``most``
+    (default: what this machine runs, :func:`~verify.runner.limits.max_ranks`): a plan with tp, pp and dp
+    all above 1 keeps its three axes only at 8 ranks. Each runs on a gang of its own
+    (:func:`verify.drive.run_plan_unit`), so ``--full`` verifies every printed plan."""
+    from verify.runner.limits import max_ranks  # noqa: PLC0415
+    most = max_ranks() if most is None else most
+    bigger = tuple(range(max(world_sizes) + 1, most + 1))
+    return plan_units(plans, bigger, seeds) if bigger else []
 
 
 def default_plans(full: Sequence[Unit], names: Sequence[str] = DEFAULT_PLANS) -> list[Unit]:

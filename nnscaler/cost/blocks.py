@@ -16,6 +16,7 @@ model costs as fast as one block.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class ModelShape:
     params: int
     buffers_bytes: int
     block_names: list[str] = field(default_factory=list)
+    block_fwd_flops: float = 0.0  # forward FLOPs of one block (what each block adds to ``fwd_flops``)
 
     @property
     def block_params(self) -> float:
@@ -281,7 +283,19 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
                     seen.add(id(x))
                     f.tp_bwd_collectives = 1
     fwd = sum(op_flops(op, None)[0] for op in graph.ops if op.known and not _is_alias(op))
+    block_fwd = sum(op_flops(op, None)[0] for op in first if op.known and not _is_alias(op))
     params = sum(_elements(t) for t in graph.params)
     buffers = sum(_elements(t) * t.dtype.itemsize for t in graph.buffers)
     return ModelShape(pre, block, len(idx), post, batch, seq, hidden, heads, kv, vocab, causal, fwd, params, buffers,
-                      [f"{prefix}.{i}" for i in idx])
+                      [f"{prefix}.{i}" for i in idx], block_fwd)
+
+
+def with_layers(shape: ModelShape, layers: int, block_buffer_bytes: int = 0) -> ModelShape:
+    """``shape`` (traced with fewer blocks) as the model with ``layers`` blocks: each block adds its
+    parameters, forward FLOPs and ``block_buffer_bytes``; the block itself is unchanged."""
+    extra = layers - shape.layers
+    prefix = shape.block_names[0].rsplit(".", 1)[0] if shape.block_names else "layers"
+    return dataclasses.replace(shape, layers=layers, params=shape.params + extra * round(shape.block.params(1)),
+                               fwd_flops=shape.fwd_flops + extra * shape.block_fwd_flops,
+                               buffers_bytes=shape.buffers_bytes + extra * block_buffer_bytes,
+                               block_names=[f"{prefix}.{i}" for i in range(layers)])

@@ -151,16 +151,21 @@ def layer_split(layers: int, stages: int, pre: float, post: float, per_layer: fl
         a, b, c = caps(t)
         return a >= 1 and b >= 1 and (stages == 2 or c >= 1) and a + b + (stages - 2) * c >= layers
 
-    cands = sorted({pre + a * per_layer for a in range(1, layers + 1)} | {post + b * per_layer for b in range(1, layers + 1)}
-                   | {c * per_layer for c in range(1, layers + 1)})
-    lo, hi = 0, len(cands) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if feasible(cands[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    t = cands[lo]
+    # each of the three forms is increasing in its count and feasibility is monotone in t: the smallest
+    # feasible value of each form by bisection, the smallest of those wins (3 log L steps, not L log L)
+    best = []
+    for base in (pre, post, 0.0):
+        lo, hi = 1, layers
+        if not feasible(base + hi * per_layer):
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if feasible(base + mid * per_layer):
+                hi = mid
+            else:
+                lo = mid + 1
+        best.append(base + lo * per_layer)
+    t = min(best) if best else max(pre, post, 0.0) + layers * per_layer
     a, b, c = caps(t)
     first = max(1, min(a, layers - (stages - 1)))
     last = max(1, min(b, layers - first - (stages - 2)))
@@ -184,9 +189,44 @@ def _group_collective(profile: DeviceProfile, f: int, across: bool, per_node: in
     return time
 
 
+def _micro_batch(shape: ModelShape, tp: int, sp: bool, scale: float, recompute: str, c: ClusterConstants,
+                 profile: DeviceProfile, ab: int, tokens_mb: int) -> dict:
+    """What one micro-batch costs per section, and what it saves, under (tp, sequence parallelism,
+    micro-batch size, recompute): the part of :func:`estimate` that reads every operator of a section."""
+    fwd = {name: section_forward(sec, tp, sp, scale, c, profile, ab if name != "post" else LOSS_BYTES, shape.causal)
+           for name, sec in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
+    act_el_bytes = tokens_mb * shape.hidden * ab  # one activation between blocks
+    intra = tp <= profile.ranks_per_node
+    ar = collective_time("all_reduce", act_el_bytes, tp, profile, not intra) * c.tp_exposed * (c.sp_comm if sp else 1.0)
+    tp_f = {n: _tp_collectives(s) for n, s in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
+    tp_time = {n: (f + b) * ar for n, (f, b) in tp_f.items()}
+    if recompute == "full":
+        rc = {n: fwd[n] + tp_f[n][0] * ar for n in ("block",)}
+    elif recompute == "selective":
+        rc = {"block": section_forward(shape.block, tp, sp, scale, c, profile, ab, shape.causal, core_only=True)}
+    else:
+        rc = {"block": 0.0}
+    full_act = section_saved(shape.block, tp, sp, scale, ab)
+    if recompute == "full":
+        per_layer_act, working = act_el_bytes / (tp if sp else 1), full_act
+    elif recompute == "selective":
+        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True), 0.0
+    else:
+        per_layer_act, working = full_act, 0.0
+    return {"fwd": fwd, "tp_time": tp_time, "rc": rc,
+            "per_layer": fwd["block"] * (1 + BACKWARD) + tp_time["block"] + rc["block"],
+            "pre_t": fwd["pre"] * (1 + BACKWARD) + tp_time["pre"], "post_t": fwd["post"] * (1 + BACKWARD) + tp_time["post"],
+            "per_layer_act": per_layer_act, "working": working,
+            "pre_act": section_saved(shape.pre, tp, sp, scale, ab),
+            "post_act": section_saved(shape.post, tp, sp, scale, LOSS_BYTES),
+            "params": (shape.pre.params(tp), shape.block.params(tp), shape.post.params(tp))}
+
+
 def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision: str, global_batch: int,
-             budget: float | None = None, grad_reduce_bytes: int = 4) -> Estimate:
-    """Step time and per-rank memory of ``par`` for ``global_batch`` sequences per optimizer step."""
+             budget: float | None = None, grad_reduce_bytes: int = 4, memo: dict | None = None) -> Estimate:
+    """Step time and per-rank memory of ``par`` for ``global_batch`` sequences per optimizer step.
+    ``memo``: a dict kept across calls on the same ``shape``, ``profile``, precision and world size (one
+    search), so each (tp, sequence parallelism, micro-batch size, recompute) reads the sections once."""
     c = _consts(profile)
     peak_flops = c.peak
     share = profile.share(min(par.world, profile.ranks_per_node))  # an oversubscribed CPU: ranks take turns
@@ -198,25 +238,19 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     sp = par.sequence_parallel and tp > 1
     scale = par.micro_batch_size / shape.batch
     tokens_mb = par.micro_batch_size * shape.seq
-    # --- time of one micro-batch, per section --------------------------------------------------------------
-    fwd = {name: section_forward(sec, tp, sp, scale, c, profile, ab if name != "post" else LOSS_BYTES, shape.causal)
-           for name, sec in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
+    key = (tp, sp, par.micro_batch_size, par.recompute)
+    costs = memo.get(key) if memo is not None else None
+    if costs is None:
+        costs = _micro_batch(shape, tp, sp, scale, par.recompute, c, profile, ab, tokens_mb)
+        if memo is not None:
+            memo[key] = costs
+    tp_time, rc = costs["tp_time"], costs["rc"]
     act_el_bytes = tokens_mb * shape.hidden * ab  # one activation between blocks
-    intra = tp <= profile.ranks_per_node
-    ar = collective_time("all_reduce", act_el_bytes, tp, profile, not intra) * c.tp_exposed * (c.sp_comm if sp else 1.0)
-    tp_f = {n: _tp_collectives(s) for n, s in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
-    tp_time = {n: (f + b) * ar for n, (f, b) in tp_f.items()}
-    if par.recompute == "full":
-        rc = {n: fwd[n] + tp_f[n][0] * ar for n in ("block",)}
-    elif par.recompute == "selective":
-        rc = {"block": section_forward(shape.block, tp, sp, scale, c, profile, ab, shape.causal, core_only=True)}
-    else:
-        rc = {"block": 0.0}
-    per_layer = fwd["block"] * (1 + BACKWARD) + tp_time["block"] + rc["block"]
-    pre_t = fwd["pre"] * (1 + BACKWARD) + tp_time["pre"]
-    post_t = fwd["post"] * (1 + BACKWARD) + tp_time["post"]
     chunks = pp * v
-    counts, slow_chunk = layer_split(shape.layers, chunks, pre_t, post_t, per_layer)
+    split = costs.setdefault("split", {})  # by chunks: the ZeRO stages and micro-batch counts share it
+    if chunks not in split:
+        split[chunks] = layer_split(shape.layers, chunks, costs["pre_t"], costs["post_t"], costs["per_layer"])
+    counts, slow_chunk = split[chunks]
     # a rank runs v chunks; its per-micro-batch time is v chunk times (balanced: v x the slowest chunk)
     t_mb = slow_chunk * v if v > 1 else slow_chunk
     # --- pipeline -----------------------------------------------------------------------------------------
@@ -230,9 +264,9 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     pp_comm = 2 * (m * v + pp - 1) * p2p * c.pp_exposed if pp > 1 else 0.0
     # --- state and data parallelism -----------------------------------------------------------------------
     layers_max = max(counts) if v == 1 else max(counts) * v
-    stage_params = max(shape.pre.params(tp) + counts[0] * shape.block.params(tp) * (1 if v == 1 else v),
-                       shape.post.params(tp) + counts[-1] * shape.block.params(tp) * (1 if v == 1 else v),
-                       layers_max * shape.block.params(tp))
+    pre_p, block_p, post_p = costs["params"]
+    stage_params = max(pre_p + counts[0] * block_p * (1 if v == 1 else v),
+                       post_p + counts[-1] * block_p * (1 if v == 1 else v), layers_max * block_p)
     dp_across = tp * dp > profile.ranks_per_node
     dp_coll = _group_collective(profile, dp, dp_across, max(1, min(dp, profile.ranks_per_node // tp)))
     shard = dp if dp > 1 else 1
@@ -260,23 +294,14 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     compute = m * t_mb - recompute - tp_exposed_t
     total = m * t_mb + bubble + pp_comm + dp_exposed + optimizer
     # --- activations ----------------------------------------------------------------------------------------
-    full_act = section_saved(shape.block, tp, sp, scale, ab)
-    if par.recompute == "full":
-        per_layer_act = act_el_bytes / (tp if sp else 1)
-        working = full_act
-    elif par.recompute == "selective":
-        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True), 0.0
-    else:
-        per_layer_act, working = full_act, 0.0
+    per_layer_act, working = costs["per_layer_act"], costs["working"]
     flight = in_flight(pp, 0, m, v)
-    act_stage0 = flight * (counts[0] if v == 1 else max(counts) * v) * per_layer_act + \
-        flight * section_saved(shape.pre, tp, sp, scale, ab)
-    act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * min(1, m) + \
-        section_saved(shape.post, tp, sp, scale, LOSS_BYTES)
+    act_stage0 = flight * (counts[0] if v == 1 else max(counts) * v) * per_layer_act + flight * costs["pre_act"]
+    act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * min(1, m) + costs["post_act"]
     activations = max(act_stage0, act_last) + working
     buffers = shape.buffers_bytes + 2 * BUCKET_BYTES
     if par.zero >= 3 and dp > 1:
-        buffers += 2 * shape.block.params(tp) * ab
+        buffers += 2 * block_p * ab
     peak = params_b + grads_b + optim_b + activations + buffers
     tokens = global_batch * shape.seq
     model_flops = (1 + BACKWARD) * shape.fwd_flops / shape.batch * global_batch

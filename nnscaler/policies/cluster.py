@@ -3,7 +3,8 @@ model (:mod:`nnscaler.cost.cluster`): tensor parallelism (with or without sequen
 pipeline stages (1F1B, or interleaved with virtual stages), micro-batch size and count, data
 parallelism with a ZeRO stage, and recompute.
 
-The model is traced once on the meta device and read as repeated blocks (:mod:`nnscaler.cost.blocks`);
+The model is traced once on the meta device, two of its blocks (:mod:`.cluster_trace`), and read as
+repeated blocks (:mod:`nnscaler.cost.blocks`);
 one block is costed per (tp, sequence parallelism, micro-batch size, recompute) and the rest of the
 space is enumerated analytically, so a 126-layer model plans in about the time of its trace.
 
@@ -32,11 +33,12 @@ from typing import Any, Sequence
 import torch
 
 from ..config import CONSTRAINT_KEYS as KEYS, RECOMPUTE_CHOICES as RECOMPUTES, ComputeConfig, PlanError
-from ..cost.blocks import ModelShape, model_shape
+from ..cost.blocks import ModelShape
 from ..cost.cluster import Estimate, Parallel, estimate
 from ..cost.profiles import get_profile
 from ..cost.summary import human, seconds
 from .cluster_plan import FORMAT, architecture_of, lower, lowered_dict
+from .cluster_trace import trace_shape
 
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL = 8
@@ -213,8 +215,9 @@ def search(shape: ModelShape, config: ComputeConfig, name: str = "model") -> Clu
     best: Estimate | None = None
     least: Estimate | None = None
     considered = feasible = 0
+    memo: dict = {}  # each (tp, sp, micro-batch size, recompute) costs its sections once
     for par in candidates(shape, world, gb, cons, profile.ranks_per_node):
-        e = estimate(shape, par, profile, config.precision, gb, budget, grad_bytes)
+        e = estimate(shape, par, profile, config.precision, gb, budget, grad_bytes, memo)
         considered += 1
         if least is None or e.memory["peak"] < least.memory["peak"]:
             least = e
@@ -248,20 +251,6 @@ def _more_ranks(world: int, need: float, budget: float) -> int:
 def _profiles():
     from ..cost.profiles import PROFILES
     return PROFILES
-
-
-def trace_shape(model: torch.nn.Module, sample_args: Sequence[Any], sample_kwargs: dict | None = None) -> ModelShape:
-    """Trace ``model`` once (build it under ``torch.device("meta")`` to allocate nothing) and read it as
-    repeated blocks. The first sample argument's shape is ``(batch, seq)`` of token ids."""
-    from ..compile.plan import trace_model
-    graph = trace_model(model, sample_args, sample_kwargs, registry=None, strict=False)
-    x = sample_args[0]
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        raise PlanError("plan_cluster: the first sample argument must be a (batch, seq) tensor of token ids")
-    try:
-        return model_shape(graph, int(x.shape[0]), int(x.shape[1]))
-    except ValueError as exc:
-        raise PlanError(f"plan_cluster: {exc}") from None
 
 
 def plan_cluster(model: torch.nn.Module, sample_args: Sequence[Any], config: ComputeConfig,
