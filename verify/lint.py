@@ -15,7 +15,8 @@ Two kinds of finding, each with the fix:
     function run on each half (inputs lacking it whole on the first half, zero on the second, as a
     partial value is laid out); the halves must add up to the whole result. A mean, a max or any
     non-linear use of the dim fails this. Specs with a partition-aware ``local`` kernel are skipped
-    (the kernel, not the function, defines what a shard computes).
+    (the kernel, not the function, defines what a shard computes); so are the spec's ``coupled``
+    identifiers under *mixing* (batch statistics: the kernel's own collective joins the slices).
 
 The real verdict stays with the harness on real ranks; lint only answers "is this annotation
 plausible?" in milliseconds, with a sentence a user can act on.
@@ -68,8 +69,8 @@ def _mixing(spec: OpSpec, bound: BoundAnno, inputs: list, base: tuple) -> list[F
     found = []
     markers = bound.markers
     for ident in bound.identifiers():
-        if markers.get(ident) != SPATIAL or bound.sizes.get(ident, 1) < 3:
-            continue
+        if markers.get(ident) != SPATIAL or bound.sizes.get(ident, 1) < 3 or ident in spec.coupled:
+            continue  # (a coupled identifier mixes by design: its local kernel shares the statistics)
         holders = [k for k, dims in enumerate(bound.outputs) if _first_dim(dims, ident) is not None
                    and isinstance(base[k], torch.Tensor) and base[k].is_floating_point()]
         source = next((k for k, (x, dims) in enumerate(zip(inputs, bound.inputs))
