@@ -55,13 +55,13 @@ def sample(n: int, kinds=KINDS) -> list[str]:
 
 def attention_split(graph, plan) -> tuple[int, int]:
     """(attention-score operators, of them split on their heads dim) under ``plan``: softmax and sdpa
-    outputs of 3 or more dims; heads are dim 1 of 4-dim scores, dim 0 of (batch x heads)-fused 3-dim ones."""
+    outputs of 3 or more dims whose last dim (the keys) is over 1; heads are dim 1 of 4-dim scores, dim 0 of (batch x heads)-fused 3-dim ones."""
     from nnscaler.dimops.layout import Shard
     n = split = 0
     for op in graph.ops:
         out = op.outputs[0] if op.outputs else None
-        if out is None or len(out.shape) < 3 or not any(a in op.overload for a in ATTENTION):
-            continue
+        if out is None or len(out.shape) < 3 or not any(a in op.overload for a in ATTENTION) or out.shape[-1] == 1:
+            continue  # (a softmax over a length-1 last dim weighs tokens, as additive attention does: no heads)
         n += 1
         if op.known:
             lay = op.layout(plan.partition(op)).outputs[0] or ()
