@@ -8,7 +8,9 @@ harness's model cases (``verify.sweep.run_model``).
                         [--resume] [--timeout S] [--md reports/zoo.md] [--json reports/zoo.json]
 
 One row per architecture: kind, builds, traces (or the first line of the refusal), matches (dp and
-tp against one device), dp forward collectives (1 = the loss alone), tp forward collectives per
+tp against one device), dp forward collectives (1 = the loss alone; "+ N coupled": N batch-coupled
+collectives inside operators, one per batch norm: SyncBatchNorm's statistics, inherent to a
+program that equals one device, counted apart like a contrastive loss's), tp forward collectives per
 layer, attention split by heads under tp (share of the attention-score operators: softmax or
 sdpa), share of the blocks' parameters stored split under tp, operators kept whole under dp with
 why (no rule / indivisible / whole). The static figures come from ``bench/zoo_sweep.py``'s worker
@@ -53,13 +55,13 @@ def sample(n: int, kinds=KINDS) -> list[str]:
 
 def attention_split(graph, plan) -> tuple[int, int]:
     """(attention-score operators, of them split on their heads dim) under ``plan``: softmax and sdpa
-    outputs of 3 or more dims; heads are dim 1 of 4-dim scores, dim 0 of (batch x heads)-fused 3-dim ones."""
+    outputs of 3 or more dims whose last dim (the keys) is over 1; heads are dim 1 of 4-dim scores, dim 0 of (batch x heads)-fused 3-dim ones."""
     from nnscaler.dimops.layout import Shard
     n = split = 0
     for op in graph.ops:
         out = op.outputs[0] if op.outputs else None
-        if out is None or len(out.shape) < 3 or not any(a in op.overload for a in ATTENTION):
-            continue
+        if out is None or len(out.shape) < 3 or not any(a in op.overload for a in ATTENTION) or out.shape[-1] == 1:
+            continue  # (a softmax over a length-1 last dim weighs tokens, as additive attention does: no heads)
         n += 1
         if op.known:
             lay = op.layout(plan.partition(op)).outputs[0] or ()
@@ -160,7 +162,8 @@ def table(rows: dict) -> str:
         att = f"{r['attn_split']}/{r['attn']}" if r["attn"] else "no attention"
         split = f"{r['tp_split']:.2f}" if r["block_params"] else "-"
         whole = ", ".join(r["whole_why"][:6]) + (f", {len(r['whole_why']) - 6} more" if len(r["whole_why"]) > 6 else "")
-        lines.append(f"| {arch} | {r['kind']} | {r['params']} | yes | {_match_cell(r)} | {r['dp_fwd']} | {per} | {att} | "
+        dp = f"{r['dp_fwd']} + {r['dp_coupled']} coupled" if r.get("dp_coupled") else f"{r['dp_fwd']}"
+        lines.append(f"| {arch} | {r['kind']} | {r['params']} | yes | {_match_cell(r)} | {dp} | {per} | {att} | "
                      f"{split} | {whole or '-'} |")
     return "\n".join(lines)
 

@@ -71,7 +71,7 @@ def row(arch: str, kv_heads: int, build=build, extra=None) -> dict:
     from nnscaler.compile.plan import plan_graph, trace_model
     from nnscaler.config import ComputeConfig
     from nnscaler.policies.coverage import replicated_operators
-    from nnscaler.policies.tp_check import collectives, sharded_fraction
+    from nnscaler.policies.tp_check import collectives, coupled_collectives, sharded_fraction
     out: dict = {"arch": arch}
     try:
         model, args = build(arch, kv_heads)
@@ -87,6 +87,7 @@ def row(arch: str, kv_heads: int, build=build, extra=None) -> dict:
         dp = plan_graph(graph, "dp", ComputeConfig(WORLD))
         reps = replicated_operators(graph, dp)
         out["dp_fwd"] = sum(collectives(graph, dp, params=False)[0].values())
+        out["dp_coupled"] = coupled_collectives(graph, dp)  # batch statistics (batch norm), one each
         out["dp_whole"] = len(reps)
         out["unknown"] = sum(r.reason == "unknown" for r in reps)
         out["dp_whole_ops"] = sorted({r.op.overload.removeprefix("aten.") + (" (no rule)" if r.reason == "unknown" else "")

@@ -6,7 +6,7 @@ transformers' experts compute (each token through its ``k`` routed experts, ``ac
 ``down``, weighted and summed over the ``k`` slots). Its annotation ties the tokens and the experts
 to one identifier ``g`` (a hidden first factor of both, ``g = gcd(tokens, experts)``)::
 
-    (g r) h^, (g r) k^, (g r) k^, (g f) n^ h^, (g f) h^ i^, ? -> (g r) h^
+    (g r) h^, (g r) k^, (g r) k^, (g f) (2 i+) h^, (g f) h^ i+, ? -> (g r) h^
 
 so one split of ``g`` gives every rank a contiguous chunk of the tokens AND of the experts: under
 ``dp`` the batch split is the expert split, each rank holds ``1/W`` of the expert weights, and
@@ -14,6 +14,8 @@ so one split of ``g`` gives every rank a contiguous chunk of the tokens AND of t
 :func:`nnscaler.runtime.collectives.all_to_all_v` (one exchange of counts, one all-to-all of rows
 there and one back per layer; the backward mirrors them), so no rank ever holds another's experts.
 The dimops grammar gives one mesh axis per identifier; sharing ``g`` is how one axis splits both.
+``i`` (the experts' FFN width) splits every expert by columns then rows (the output a partial sum):
+what ``tp`` takes, with any expert count.
 
 transformers picks its experts' code by ``config._experts_implementation``; :func:`register_transformers`
 adds ``"nnscaler_ep"`` (this op) next to its ``"grouped_mm"`` and ``"batched_mm"``.
@@ -127,10 +129,17 @@ def expert_parallel(shard, hidden, top_k_index, top_k_weights, gate_up, down, ac
     return _combine(y, top_k_weights, hidden)
 
 
+# the gate and up halves of ``gate_up``'s rows: splitting ``i`` gives each rank its chunk of both
+FFN_UP = "(2 i+)"
+
+
 def experts_rule(call: OpCall):
-    """``(g r) h^, (g r) k^, (g r) k^, (g f) n^ h^, (g f) h^ i^, ? -> (g r) h^`` with ``g`` the
+    """``(g r) h^, (g r) k^, (g r) k^, (g f) (2 i+) h^, (g f) h^ i+, ? -> (g r) h^`` with ``g`` the
     greatest common divisor of the token and expert counts (see the module); where that is 1 (3
-    experts, an even batch), ``t h^, t k^, t k^, e^ n^ h^, e^ h^ i^, ? -> t h^``: tokens alone."""
+    experts, an even batch), ``t h^, t k^, t k^, e^ (2 i+) h^, e^ h^ i+, ? -> t h^``: tokens alone.
+    ``i`` (each expert's FFN width) splits every expert Megatron's way (tensor parallelism inside
+    the experts: gate and up by columns, down by rows, the output a partial sum), whatever the
+    expert count: the split ``tp`` takes where no ``g`` divides the ranks."""
     if not usable(call):
         return None
     hidden, idx, w, gate_up, down = (call.tensor(p) for p in range(5))
@@ -141,13 +150,13 @@ def experts_rule(call: OpCall):
     g = math.gcd(t, e)
     if g == 1:  # no factor of the expert count splits the tokens: split the tokens alone, each rank running
         # every expert on its own (data parallel, the experts whole), rather than no split at all
-        return build(call, FAMILY, {0: ["t", "h^"], 1: ["t", "k^"], 2: ["t", "k^"], 3: ["e^", "n^", "h^"],
-                                    4: ["e^", "h^", "i^"]}, [["t", "h^"]], sizes=dict(t=t, h=h, k=k, e=e, n=n, i=i),
+        return build(call, FAMILY, {0: ["t", "h^"], 1: ["t", "k^"], 2: ["t", "k^"], 3: ["e^", FFN_UP, "h^"],
+                                    4: ["e^", "h^", "i+"]}, [["t", "h^"]], sizes=dict(t=t, h=h, k=k, e=e, i=i),
                      fn=moe_experts_math, inputs={1: Index(e)})
-    sizes = dict(g=g, r=t // g, f=e // g, h=h, k=k, n=n, i=i)
+    sizes = dict(g=g, r=t // g, f=e // g, h=h, k=k, i=i)
     tokens, experts = "(g r)", "(g f)"
-    return build(call, FAMILY, {0: [tokens, "h^"], 1: [tokens, "k^"], 2: [tokens, "k^"], 3: [experts, "n^", "h^"],
-                                4: [experts, "h^", "i^"]}, [[tokens, "h^"]], sizes=sizes,
+    return build(call, FAMILY, {0: [tokens, "h^"], 1: [tokens, "k^"], 2: [tokens, "k^"], 3: [experts, FFN_UP, "h^"],
+                                4: [experts, "h^", "i+"]}, [[tokens, "h^"]], sizes=sizes,
                  fn=moe_experts_math, local=expert_parallel, inputs={1: Index(e)})
 
 

@@ -12,16 +12,19 @@ Two kinds of finding, each with the fix:
     ``torch.autograd.gradcheck`` (finite differences, float64, the sample's small lengths): the
     harness's single-device reference runs that same backward, so a wrong one would match itself.
   - *additivity*: for each ``+`` identifier, the inputs holding it are cut in two along it and the
-    function run on each half (inputs lacking it whole on the first half, zero on the second, as a
-    partial value is laid out); the halves must add up to the whole result. A mean, a max or any
+    function run on each half (inputs lacking it whole on both, as :func:`~nnscaler.dimops.partition.op_layout`
+    replicates them, or, written with a leading ``+``, whole on the first half and zero on the second,
+    as a partial value is laid out); the halves must add up to the whole result. A mean, a max or any
     non-linear use of the dim fails this. Specs with a partition-aware ``local`` kernel are skipped
-    (the kernel, not the function, defines what a shard computes).
+    (the kernel, not the function, defines what a shard computes); so are the spec's ``coupled``
+    identifiers under *mixing* (batch statistics: the kernel's own collective joins the slices).
 
 The real verdict stays with the harness on real ranks; lint only answers "is this annotation
 plausible?" in milliseconds, with a sentence a user can act on.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -68,8 +71,8 @@ def _mixing(spec: OpSpec, bound: BoundAnno, inputs: list, base: tuple) -> list[F
     found = []
     markers = bound.markers
     for ident in bound.identifiers():
-        if markers.get(ident) != SPATIAL or bound.sizes.get(ident, 1) < 3:
-            continue
+        if markers.get(ident) != SPATIAL or bound.sizes.get(ident, 1) < 3 or ident in spec.coupled:
+            continue  # (a coupled identifier mixes by design: its local kernel shares the statistics)
         holders = [k for k, dims in enumerate(bound.outputs) if _first_dim(dims, ident) is not None
                    and isinstance(base[k], torch.Tensor) and base[k].is_floating_point()]
         source = next((k for k, (x, dims) in enumerate(zip(inputs, bound.inputs))
@@ -104,9 +107,23 @@ def _mixing(spec: OpSpec, bound: BoundAnno, inputs: list, base: tuple) -> list[F
     return found
 
 
-def _halves(x: torch.Tensor, d: int, blk: int, n: int) -> list[torch.Tensor]:
+def _halves(x: torch.Tensor, d: int, blk: int, n: int, blocks: int = 1) -> list[torch.Tensor]:
+    """The two halves of ``x`` along ``ident`` at dim ``d``; with ``blocks`` (``(2 i)``: the dim is that
+    many blocks of ``ident``), each half takes its half of every block, as a split lays it out."""
+    if blocks > 1:
+        y = x.unflatten(d, (blocks, x.shape[d] // blocks))
+        return [p.flatten(d, d + 1) for p in _halves(y, d + 1, blk, n)]
     half = (n // 2) * blk
     return [x.narrow(d, 0, half), x.narrow(d, half, x.shape[d] - half)]
+
+
+def _blocked_dim(dims, ident: str) -> tuple[int, int] | None:
+    """(dim, block count) where ``ident`` follows fixed counts in a group (``(2 i)``: 2 blocks)."""
+    for d, ids in enumerate(dims or ()):
+        j = next((k for k, i in enumerate(ids) if not i.isdigit()), None)
+        if j and ids[j] == ident:
+            return d, math.prod(int(i) for i in ids[:j])
+    return None
 
 
 def _additivity(spec: OpSpec, bound: BoundAnno, inputs: list, base: tuple) -> list[Finding]:
@@ -116,13 +133,18 @@ def _additivity(spec: OpSpec, bound: BoundAnno, inputs: list, base: tuple) -> li
         if bound.markers.get(ident) != VALUE or n < 2 or n % 2:
             continue
         parts: list[list] = [[], []]
-        for x, dims in zip(inputs, bound.inputs):
+        for x, dims, anno in zip(inputs, bound.inputs, bound.anno.inputs):
             d = _first_dim(dims, ident) if isinstance(x, torch.Tensor) else None
+            cut = _blocked_dim(dims, ident) if isinstance(x, torch.Tensor) and d is None else None
             if d is not None:
                 for h, piece in enumerate(_halves(x, d, _block(bound, dims, d, ident), n)):
                     parts[h].append(piece)
-            elif isinstance(x, torch.Tensor) and x.is_floating_point():
-                parts[0].append(x)
+            elif cut is not None:
+                per = math.prod(int(i) if i.isdigit() else bound.sizes[i] for i in dims[cut[0]][1:]) // n
+                for h, piece in enumerate(_halves(x, cut[0], per, n, cut[1])):
+                    parts[h].append(piece)
+            elif isinstance(x, torch.Tensor) and x.is_floating_point() and anno.partial:
+                parts[0].append(x)  # a leading '+' (a bias added after the contraction): held by one rank
                 parts[1].append(torch.zeros_like(x))
             else:
                 parts[0].append(x)

@@ -139,6 +139,9 @@ class OpSpec:
     tolerance: Tolerance | None = None
     local: Callable | None = None
     differentiable: bool = True
+    # identifiers whose split makes ``local`` issue one collective of its own per call (forward, and
+    # one in the backward): statistics over a split batch (batch norm); counted apart in plan reports
+    coupled: tuple[str, ...] = ()
     doc: str = ""
 
     @classmethod

@@ -6,6 +6,7 @@ import random as _random
 
 from ..dimops.partition import splittable
 from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
+from .heads import heads_split, pin_heads, scores
 from .greedy import parameter_identifiers, plan_greedy, sharded_identifiers
 from .refine import refine
 from ..config import ComputeConfig, PlanError
@@ -123,9 +124,18 @@ def tp(graph: IRGraph, config: ComputeConfig) -> Plan:
     split that needs the least communication from its producers' layouts (column- then row-split
     linear pairs, heads in attention, a fused qkv split by heads); the word embedding and cross
     entropy split their vocabulary; position tables, norms and biases stay whole.
-    ``config.sequence_parallel`` adds Megatron's sequence parallelism."""
+    ``config.sequence_parallel`` adds Megatron's sequence parallelism. Attention the greedy left
+    whole is planned again with its heads split pinned (:mod:`nnscaler.policies.heads`)."""
     options = _tp_options(graph, config.sequence_parallel)
-    return refine(graph, plan_greedy(graph, (config.plan_ngpus,), ("tp",), options, "tp"), options)
+    plan = refine(graph, plan_greedy(graph, (config.plan_ngpus,), ("tp",), options, "tp"), options)
+    pins = pin_heads(graph, config.plan_ngpus, [op for op in scores(graph) if not heads_split(op, plan)])
+    if not pins:
+        return plan
+
+    def pinned(op: IROp, axis: int, layouts: dict):  # attention by heads, carried to the projections
+        return [pins[op.name]] if op.name in pins else options(op, axis, layouts)
+
+    return refine(graph, plan_greedy(graph, (config.plan_ngpus,), ("tp",), pinned, "tp"), pinned)
 
 
 def hybrid(graph: IRGraph, config: ComputeConfig) -> Plan:

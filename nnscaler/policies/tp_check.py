@@ -36,6 +36,19 @@ def collectives(graph: IRGraph, plan: Plan, rank: int = 0, params: bool = True) 
     return fwd, bwd
 
 
+def coupled_collectives(graph: IRGraph, plan: Plan) -> int:
+    """Forward collectives that operators issue inside their own kernels because the plan splits an
+    identifier their spec declares ``coupled`` (batch statistics: one per batch norm under dp; each
+    has one in the backward too). These are not layout conversions, so :func:`collectives` leaves
+    them out; a plan report counts them apart, as batch-coupled."""
+    n = 0
+    for op in graph.ops:
+        coupled = getattr(op.spec, "coupled", ()) if op.known else ()
+        if coupled and any(i in coupled for i in plan.partition(op).axis_ids):
+            n += 1
+    return n
+
+
 LAYER = re.compile(r"\.(h|layers|layer|block)\.(\d+)\.")
 
 

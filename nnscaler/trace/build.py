@@ -17,6 +17,7 @@ from ..ops.registry import DEFAULT_REGISTRY, OpRegistry
 from .calls import call_of, flatten_tensor_lists, meta_of
 from .checkpoints import checkpoint_of
 from .export import TraceError, export_model
+from .arange_index import per_row_index
 from .heads import heads_outer
 from .rows import batch_major_rows
 from .match import derive
@@ -75,6 +76,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     ep = export_model(model, args, kwargs, registry.module_rewrites())
     rewrites = batch_major_rows(ep.graph)  # rows merged batch-second (nn.MultiheadAttention): batch first
     rewrites += heads_outer(ep.graph)  # heads merged into the batch (nn.MultiheadAttention): a dim of their own
+    rewrites += per_row_index(ep.graph)  # x[arange(B)[:, None..], j] (transformers' masks): a per-row lookup
     if rewrites:
         ep.graph_module.recompile()
     kinds = {s.arg.name: (_KINDS.get(s.kind, CONSTANT), s.target or "") for s in ep.graph_signature.input_specs

@@ -160,7 +160,8 @@ register_examples("aten._assert_tensor_metadata.default", [
 # --- indexing and mixture-of-experts bookkeeping ------------------------------------------------------
 register_examples("aten.index.Tensor", [(T(64, 48), [I(64)]), (T(3, 12, 8), [I(16)]),
                                         (I(4, 8), [I(4, 1, 1, 1), I(1, 1, 8, 1)]), (T(10,), [I(4, 6)])])
-register_examples("aten.index_put.default", [(I(16), [I(16)], I(16)), (T(8, 4), [I(6)], T(6, 4), True)])
+register_examples("aten.index_put.default", [(I(16), [I(16)], I(16)), (T(8, 4), [I(6)], T(6, 4), True),
+                                            (I(4, 8), [B(4, 8)], I()), (T(4, 8, 6), [B(4, 8)], T(1), True)])
 register_examples("aten.index_put_.default", [(I(16), [I(16)], I(16))])
 register_examples("aten.diff.default", [(I(4, 8), 1, -1, I(4, 1)), (T(6, 5),), (T(4, 7), 1, 0, None, T(1, 7))])
 register_examples("aten.repeat_interleave.self_int", [(T(8, 6), 2, 0), (T(4, 3, 6), 3, 1), (I(8), 2, 0)])

@@ -5,13 +5,15 @@
   are spatial (an output element reads only its own index element), and ``x``'s remaining dims are
   spatial: ``v^ h, k -> k h``;
 * ``index_put`` (also the in-place ``index_put_``, run out of place): everything frozen (a write
-  anywhere may land anywhere);
+  anywhere may land anywhere), except ``x[mask] = v`` with a boolean mask over ``x``'s leading dims
+  and one value: element-wise (``a b, a b, 1 -> a b``);
 * ``diff``: the differenced dim is frozen, the others spatial; ``prepend``/``append`` share them;
 * ``repeat_interleave`` by an int: the repeated dim ``n`` becomes ``(n r)`` with ``r`` the fixed
   count: a rank's rows repeated are its own piece of the result.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -61,6 +63,12 @@ def index_put_rule(call: OpCall):
     if any(not isinstance(i, TensorMeta) for i in idx):
         return None
     names, sizes = Names(), {}
+    if len(idx) == 1 and idx[0].dtype == torch.bool and tuple(idx[0].shape) == tuple(x.shape[:len(idx[0].shape)]) \
+            and math.prod(values.shape) == 1 and len(values.shape) <= 1:
+        # x[mask] = v (or += v) with one value: element-wise, each element written only by its own mask bit
+        dx = [names.dim(n) for n in x.shape]
+        return build(call, FAMILY, {0: dx, 1: [dx[:len(idx[0].shape)]], 2: [str(n) for n in values.shape]}, [dx],
+                     fn=partial(index_put, n=1))
     ins = {0: [frozen_dim(names, n, sizes) for n in x.shape],
            1: [[frozen_dim(names, n, sizes) for n in i.shape] for i in idx],
            2: [frozen_dim(names, n, sizes) for n in values.shape]}
