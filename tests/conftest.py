@@ -24,6 +24,11 @@ def _ini_modules() -> tuple[str, ...]:
 MODULES = _ini_modules()
 
 
+def split_ids(label: str) -> set[str]:
+    """The identifiers an operator row's partition label (``Partition.label``: ``m=2,k=2/3``) splits."""
+    return set() if label == "replicate" else {part.split("=")[0] for part in label.split(",")}
+
+
 def first_mismatch(cases, run):
     """``(case, row)`` of the first of ``cases`` whose row (``run(case)``) mismatches. Every row must
     fail: a wrong split may make a later view fail outright (an error row, also a failure), and then

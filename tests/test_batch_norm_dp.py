@@ -18,15 +18,12 @@ from nnscaler.policies.coverage import replicated_operators
 from nnscaler.policies.tp_check import collectives, coupled_collectives
 from opzoo.rules import EXAMPLES
 from opzoo.rules.batch_norm import OVERLOAD
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, split_ids
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH, MISMATCH
 from verify.runner.gang import Gang
 from verify.sweep import run_op
 
-
-def _splits(label: str) -> set[str]:
-    return set() if label == "replicate" else {part.split("=")[0] for part in label.split(",")}
 
 
 def test_sync_statistics_match_and_local_statistics_are_caught():
@@ -35,13 +32,13 @@ def test_sync_statistics_match_and_local_statistics_are_caught():
     with Gang(4, [str(FIXTURES / "wrong_rule_families.py")], (2, 4)) as gang:
         for name in EXAMPLES[OVERLOAD]:
             rows = list(run_op(gang, DEFAULT_REGISTRY.get(name), cfg))
-            assert any(DEFAULT_REGISTRY.get(name).coupled[0] in _splits(r.partition) for r in rows)
+            assert any(DEFAULT_REGISTRY.get(name).coupled[0] in split_ids(r.partition) for r in rows)
             for row in rows:
                 assert row.status == MATCH, (name, row.partition, row.status, row.detail)
         (name, batch), = WRONG_BN.items()
         rows = list(run_op(gang, DEFAULT_REGISTRY.get(name), cfg))
     for row in rows:
-        assert row.status == (MISMATCH if batch in _splits(row.partition) else MATCH), (row.partition, row.status)
+        assert row.status == (MISMATCH if batch in split_ids(row.partition) else MATCH), (row.partition, row.status)
     assert any(row.status == MISMATCH for row in rows)
 
 

@@ -9,6 +9,7 @@ from verify.judge.verdict import CRASH, ERROR, MATCH, MISMATCH, TIMEOUT
 from verify.cases.config import RunConfig
 
 from verify.sweep import run_op
+from conftest import split_ids
 
 WRONG = {  # op -> the identifier whose split makes it wrong
     "wrong_softmax": "b",
@@ -22,9 +23,6 @@ RIGHT = ["right_rowscale", "sensitive_sum_4096", "right_mean_value", "right_resh
 PROFILE = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def _splits(label: str) -> set[str]:
-    return set() if label == "replicate" else {part.split("=")[0] for part in label.split(",")}
-
 
 @pytest.mark.parametrize("name", sorted(WRONG))
 @PROFILE
@@ -34,7 +32,7 @@ def test_wrong_annotation_is_caught(gang, registry, name, seed, dtype, base):
     rows = list(run_op(gang, registry.get(name), cfg))
     culprit = WRONG[name]
     for row in rows:
-        wrong = bool(_splits(row.partition)) if culprit is None else culprit in _splits(row.partition)
+        wrong = bool(split_ids(row.partition)) if culprit is None else culprit in split_ids(row.partition)
         assert row.status == (MISMATCH if wrong else MATCH), (row.partition, row.status, row.detail)
         if wrong:
             assert row.rerun.startswith("python -m verify op " + name)

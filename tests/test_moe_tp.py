@@ -17,7 +17,7 @@ from nnscaler.config import ComputeConfig
 from nnscaler.policies.tp_check import sharded_fraction
 from opzoo.experts import OVERLOAD
 from opzoo.rules import EXAMPLES
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, split_ids
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH, MISMATCH
 from verify.runner.gang import Gang
@@ -43,9 +43,6 @@ def test_tp_splits_the_experts_ffn_of_mixtral():
     assert split >= 0.95 and held <= 0.55, (split, held)
 
 
-def _splits(label: str) -> set[str]:
-    return set() if label == "replicate" else {part.split("=")[0] for part in label.split(",")}
-
 
 def test_the_ffn_split_matches_and_a_plain_chunk_of_gate_up_is_caught():
     from tests.fixtures.wrong_rule_families import WRONG  # noqa: F401  (registers the variant here too)
@@ -53,12 +50,12 @@ def test_the_ffn_split_matches_and_a_plain_chunk_of_gate_up_is_caught():
     with Gang(2, [str(FIXTURES / "wrong_rule_families.py")], (2,)) as gang:
         for name in EXAMPLES[OVERLOAD]:
             rows = list(run_op(gang, DEFAULT_REGISTRY.get(name), cfg))
-            assert any("i" in _splits(r.partition) for r in rows), name
+            assert any("i" in split_ids(r.partition) for r in rows), name
             for row in rows:
                 assert row.status == MATCH, (name, row.partition, row.status, row.detail)
         rows = list(run_op(gang, DEFAULT_REGISTRY.get("wrong.experts_ffn_plain_chunk"), cfg))
     for row in rows:  # rank 0 would hold every gate row and rank 1 every up row
-        assert row.status == (MISMATCH if "i" in _splits(row.partition) else MATCH), (row.partition, row.status)
+        assert row.status == (MISMATCH if "i" in split_ids(row.partition) else MATCH), (row.partition, row.status)
     assert any(row.status == MISMATCH for row in rows)
 
 

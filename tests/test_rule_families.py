@@ -16,7 +16,7 @@ import opzoo  # noqa: F401
 from nnscaler import DEFAULT_REGISTRY
 from opzoo.rules import EXAMPLES, derive
 from opzoo.rules._examples import T, make_call
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, split_ids
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH, MISMATCH
 from verify.runner.gang import Gang
@@ -75,9 +75,6 @@ def wrong_gang():
         yield g
 
 
-def _splits(label: str) -> set[str]:
-    return set() if label == "replicate" else {part.split("=")[0] for part in label.split(",")}
-
 
 def test_right_examples_match_and_wrong_variants_are_caught(wrong_gang):
     """Every example of the new families matches under every partition at W=2; each wrong variant
@@ -91,7 +88,7 @@ def test_right_examples_match_and_wrong_variants_are_caught(wrong_gang):
                 assert row.status == MATCH, (name, row.partition, row.status, row.detail)
     for name, culprit in WRONG.items():
         rows = list(run_op(gang, DEFAULT_REGISTRY.get(name), cfg))
-        caught = [r for r in rows if culprit in _splits(r.partition)]
+        caught = [r for r in rows if culprit in split_ids(r.partition)]
         assert caught, f"{name}: no partition splits {culprit}"
         for row in rows:
             expected = MISMATCH if row in caught else MATCH

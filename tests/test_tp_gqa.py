@@ -16,7 +16,7 @@ from nnscaler.policies import ComputeConfig
 from nnscaler.policies.builtin import _tp_options, tp
 from nnscaler.policies.greedy import plan_greedy
 from nnscaler.policies.tp_check import collectives, sharded_fraction
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, split_ids
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH, MISMATCH
 from verify.runner.gang import Gang
@@ -87,9 +87,7 @@ def test_repeat_kv_rules_match_and_a_wrong_merge_order_is_caught():
                 assert row.status == MATCH, (name, row.partition, row.detail)
         rows = list(run_op(gang, DEFAULT_REGISTRY.get("wrong.repeat_kv_merge_order"), cfg))
     for row in rows:  # splitting the repeats as if they led the heads hands each rank other heads
-        assert row.status == (MISMATCH if "c" in _splits(row.partition) else MATCH), (row.partition, row.status)
+        assert row.status == (MISMATCH if "c" in split_ids(row.partition) else MATCH), (row.partition, row.status)
     assert any(row.status == MISMATCH for row in rows)
 
 
-def _splits(label: str) -> set[str]:
-    return set() if label == "replicate" else {part.split("=")[0] for part in label.split(",")}

@@ -19,7 +19,7 @@ from nnscaler.policies.heads import heads_split, scores
 from nnscaler.policies.refine import refine
 from nnscaler.policies.tp_check import collectives
 from opzoo.rules import EXAMPLES
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, split_ids
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH, MISMATCH
 from verify.runner.gang import Gang
@@ -52,9 +52,6 @@ def test_tp_pins_the_heads_split_the_greedy_missed(arch):
     assert len(norms) >= 2 * len(attn)  # q and k norms: a partial statistic each
 
 
-def _splits(label: str) -> set[str]:
-    return set() if label == "replicate" else {part.split("=")[0] for part in label.split(",")}
-
 
 def test_partial_norm_statistics_match_and_a_local_count_is_caught():
     from tests.fixtures.wrong_rule_families import WRONG_MEAN  # registers the variant here too
@@ -66,7 +63,7 @@ def test_partial_norm_statistics_match_and_a_local_count_is_caught():
         (name, hidden), = WRONG_MEAN.items()
         rows = list(run_op(gang, DEFAULT_REGISTRY.get(name), cfg))
     for row in rows:
-        assert row.status == (MISMATCH if hidden in _splits(row.partition) else MATCH), (row.partition, row.status)
+        assert row.status == (MISMATCH if hidden in split_ids(row.partition) else MATCH), (row.partition, row.status)
     assert any(row.status == MISMATCH for row in rows)
 
 

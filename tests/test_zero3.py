@@ -138,14 +138,14 @@ def test_verify_all_samples_the_combined_recipe_on_nanogpt_and_llama_only_when_i
              if u.recipe]
     assert {(u.name, u.policy, u.replicas, u.world_sizes) for u in units} == {
         (m, p, r, w) for m in ("bert", "nanogpt", "llama") for p, r, w in  # --full: on every model
-        (("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,)))}
+        (("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,)), ("pp2_dp", 1, (4,)))}  # 3 pipeline models
     assert all(u.label.endswith("bf16-mixed zero3 clip1 recompute=full W=" + str(u.world_sizes[0]) + " seed 0"
                                 + ("" if u.checkpoint else " no-resume")) for u in units)
     assert RECIPE == {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}
     assert not [u for u in full_units([], ("nanogpt",), ["dp"], (2, 4), (0,), (0,), [], [], False) if u.recipe]
     sample = default_units(units, ("llama", "nanogpt"), ["dp"], (2, 4), (0,))
     assert {(u.policy, u.replicas, u.world_sizes) for u in sample} == {  # each kind of recipe unit once
-        ("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,))}
+        ("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,)), ("pp2_dp", 1, (4,))}
 
 
 @pytest.mark.parametrize("zero", [1, pytest.param(3, marks=pytest.mark.slow)])
