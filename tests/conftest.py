@@ -29,6 +29,14 @@ def split_ids(label: str) -> set[str]:
     return set() if label == "replicate" else {part.split("=")[0] for part in label.split(",")}
 
 
+def assert_caught_where_split(rows, ident: str) -> None:
+    """A known-wrong operator's rows: MISMATCH exactly where its partition splits ``ident``, and some do."""
+    from verify.judge.verdict import MATCH, MISMATCH
+    for row in rows:
+        assert row.status == (MISMATCH if ident in split_ids(row.partition) else MATCH), (row.partition, row.status)
+    assert any(row.status == MISMATCH for row in rows)
+
+
 def first_mismatch(cases, run):
     """``(case, row)`` of the first of ``cases`` whose row (``run(case)``) mismatches. Every row must
     fail: a wrong split may make a later view fail outright (an error row, also a failure), and then
