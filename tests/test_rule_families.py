@@ -30,7 +30,7 @@ NEW = ["aten.cat.default", "aten.concatenate.default", "aten.roll.default", "ate
        "aten.triu.default", "aten.scatter.value", "aten.scatter.src", "aten.repeat.default",
        "aten.reshape_as.default", "aten.view_as.default", "aten.view_as_complex.default",
        "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.max_pool1d.default", "aten.max_pool2d.default",
-       "aten.adaptive_avg_pool1d.default", "aten.adaptive_avg_pool2d.default"]
+       "aten.adaptive_avg_pool1d.default", "aten.adaptive_avg_pool2d.default", "aten.einsum.default"]
 
 
 @pytest.mark.parametrize("overload, args, annotation", [
@@ -47,6 +47,11 @@ NEW = ["aten.cat.default", "aten.concatenate.default", "aten.roll.default", "ate
     ("aten.repeat.default", (T(4, 6), [2, 1, 3]), "a b^, ? -> 2 a c^"),
     ("aten.adaptive_avg_pool2d.default", (T(4, 6, 8, 8), [1, 1]), "n c a^ b^, ? -> n c 1 1"),
     ("aten.conv2d.default", (T(4, 1, 8, 8), T(6, 1, 3, 3), T(6)), "n 1 a^ b^, o 1 c^ d^, o -> n o e^ f^"),
+    # einsum: a letter per identifier, contracted ones split by value; ``...`` and implicit outputs spelled out
+    ("aten.einsum.default", ("bind,bjnd->bnij", [T(2, 8, 4, 6), T(2, 8, 4, 6)]), "?, a b c d+, a e c d+ -> a c b e"),
+    ("aten.einsum.default", ("...ij,...jk->...ik", [T(2, 4, 8, 6), T(4, 6, 5)]), "?, a b c d+, b d+ e -> a b c e"),
+    ("aten.einsum.default", ("ij,jk", [T(4, 6), T(6, 5)]), "?, a b+, b+ c -> a c"),
+    ("aten.einsum.default", ("bij,xjk->bik", [T(2, 8, 6), T(1, 6, 5)]), "?, a b c+, 1 c+ d -> a b d"),
 ])
 def test_derived_annotation(overload, args, annotation):
     assert derive(make_call(overload, args)).annotation == annotation
@@ -65,6 +70,7 @@ def test_rules_decline_what_they_cannot_split():
                                        0.5, True, False, True))
     assert derive(gru) is None
     assert derive(make_call("aten.scatter.value", (T(8, 4), 1, T(4, 1, dtype=torch.int64), 1.0))) is None  # short index
+    assert derive(make_call("aten.einsum.default", ("ii->i", [T(6, 6)]))) is None  # a diagonal: no split of i
 
 
 @pytest.fixture(scope="module")

@@ -128,6 +128,11 @@ register_examples("aten.linear.default", [(T(2, 8, 32), T(96, 32), T(96)), (T(16
 register_examples("aten.matmul.default", [
     (T(2, 4, 8, 8), T(2, 4, 8, 8)), (T(2, 4, 8, 6), T(6, 5)), (T(8), T(8)), (T(4, 8), T(8)),
     (T(8), T(2, 8, 5)), (T(2, 1, 8, 6), T(3, 6, 5))])
+register_examples("aten.einsum.default", [  # funnel's attention, a sum, an outer product, ..., broadcasting
+    ("bind,bjnd->bnij", [T(2, 8, 4, 6), T(2, 8, 4, 6)]), ("bnij,bjnd->bind", [T(2, 4, 8, 8), T(2, 8, 4, 6)]),
+    ("binh,dnh->bind", [T(2, 8, 4, 6), T(5, 4, 6)]), ("ij->i", [T(8, 6)]), ("i,j", [T(8), T(6)]),
+    ("...ij,...jk->...ik", [T(2, 4, 8, 6), T(4, 6, 5)]), ("bij,xjk->bik", [T(2, 8, 6), T(1, 6, 5)]),
+    ("ab,bc,cd->ad", [T(4, 6), T(6, 8), T(8, 2)])])
 register_examples("aten.cross_entropy_loss.default", [
     (T(16, 64), I(16), None, 1, -1), (T(16, 64), I(16)), (T(16, 64), I(16), None, 0),
     (T(16, 64), I(16), None, 2, -100)])

@@ -50,3 +50,65 @@ def matmul_rule(call: OpCall):
         return None
     (bx, by), bout = dims
     return build(call, FAMILY, {0: bx + m + [k], 1: by + [k] + n}, [bout + m + n])
+
+
+def _einsum_terms(equation: str, ndims: list[int]) -> tuple[list[str], str] | None:
+    """The operand terms and the output of an einsum ``equation`` with ``...`` spelled out as one
+    character per broadcast dim (aligned from the right, as torch does) and an implicit output made
+    explicit (the broadcast dims, then the letters used once, sorted); None if it does not parse."""
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ndims):
+        return None
+    width = max((nd - (len(t) - 3) for t, nd in zip(terms, ndims) if "..." in t), default=0)
+    ell = "".join(chr(0x391 + i) for i in range(width))  # Greek capitals: never einsum letters
+    out = []
+    for t, nd in zip(terms, ndims):
+        if "..." in t:
+            n = nd - (len(t) - 3)
+            if n < 0:
+                return None
+            t = t.replace("...", ell[width - n:] if n else "")
+        out.append(t)
+    if arrow:
+        rhs = rhs.replace("...", ell)
+    else:
+        letters = "".join(t for t in terms).replace("...", "")
+        rhs = ell + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return out, rhs
+
+
+@annotation_rule("aten.einsum.default")
+def einsum_rule(call: OpCall):
+    """Any einsum whose operands repeat no letter: one identifier per letter, shared by every operand
+    that has it (a length-1 dim broadcasts, written ``1``); a letter the output lacks is contracted,
+    split by value (``+``: each rank sums its slice, the results are partial sums), as ``k`` of
+    ``linear``. ``bind,bjnd->bnij`` is ``b i n d+, b j n d+ -> b n i j``."""
+    if not usable(call) or len(call.args) < 2 or not isinstance(call.args[0], str):
+        return None
+    ops = call.args[1]
+    if not isinstance(ops, (list, tuple)) or not ops or not all(isinstance(t, TensorMeta) for t in ops):
+        return None
+    parsed = _einsum_terms(call.args[0], [t.ndim for t in ops])
+    if parsed is None:
+        return None
+    terms, rhs = parsed
+    sizes: dict[str, int] = {}
+    for term, t in zip(terms, ops):
+        if len(term) != t.ndim or len(set(term)) != len(term):
+            return None  # a diagonal (``ii->i``) is no split of either dim
+        for c, n in zip(term, t.shape):
+            if n != 1 and sizes.setdefault(c, n) != n:
+                return None
+    if len(set(rhs)) != len(rhs) or not set(rhs) <= set("".join(terms)):
+        return None
+    names = Names()
+    ids = {c: names.dim(n) for c, n in sizes.items()}
+
+    def dim(c: str, n: int) -> str:
+        return "1" if n == 1 else ids[c] if c in rhs else mark(ids[c], "+")
+    ins = {1: [[dim(c, n) for c, n in zip(term, t.shape)] for term, t in zip(terms, ops)]}
+    out = [ids.get(c, "1") for c in rhs]
+    if [sizes.get(c, 1) for c in rhs] != list(call.outputs[0].shape):
+        return None
+    return build(call, FAMILY, ins, [out])

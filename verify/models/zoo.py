@@ -43,6 +43,15 @@ WIDTH = {"hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim":
          "num_conv_pos_embedding_groups": 4, "max_position_embeddings": 64, "max_source_positions": 64,
          "max_target_positions": 64, "image_size": IMAGE, "num_mel_bins": 16, "max_length": 64}
 HEADS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads"}
+# The same fields under an architecture's own prefix (``linear_num_heads``, ``mamba_chunk_size``,
+# ``moe_shared_expert_intermediate_size``, ...): matched by the name's ending, so a field no list above
+# names is still shrunk (an unshrunk 32 x 128 linear-attention width made kimi_linear 4.4 M parameters
+# and ~1 GiB of activations per rank). (ending, its tiny value); the first ending that matches wins.
+SUFFIXES = (("num_key_value_heads", None), ("num_kv_heads", None), ("num_heads", 4), ("_n_heads", 4),
+            ("head_dim", 16), ("headdim", 16), ("dim_head", 16), ("_d_head", 16), ("kv_channels", 16),
+            ("intermediate_size", 128), ("ffn_hidden_size", 128), ("_ffn_dim", 128), ("d_inner", 128),
+            ("dim_ff", 128), ("feed_forward_size", 128), ("hidden_size", 64), ("embedding_dim", 64),
+            ("lora_rank", 16), ("dt_rank", 8), ("chunk_size", SEQ), ("vocab_size", 128))
 
 
 def kinds():
@@ -96,6 +105,8 @@ def shrunk(defaults: dict, kind: str, kv_heads: int | None) -> dict:
             out[k] = min(v, WIDTH[k]) if v > 0 else v
         elif isinstance(v, int) and k == "num_key_value_heads" and kv_heads is not None:
             out[k] = kv_heads
+        elif isinstance(v, int) and v > 0 and (tiny := _by_suffix(k, kv_heads)) is not None and v > tiny:
+            out[k] = tiny
         elif isinstance(v, int) and k == "vocab_size":
             out[k] = 128
         elif isinstance(v, float) and k == "depth_multiplier":
@@ -122,6 +133,14 @@ def shrunk(defaults: dict, kind: str, kv_heads: int | None) -> dict:
     else:
         out["num_labels"] = LABELS
     return out
+
+
+def _by_suffix(key: str, kv_heads: int | None) -> int | None:
+    """The tiny value of a field named by its ending (:data:`SUFFIXES`), or None."""
+    for end, tiny in SUFFIXES:
+        if key.endswith(end):
+            return kv_heads if tiny is None else tiny
+    return None
 
 
 class NamedLoss(nn.Module):
