@@ -55,6 +55,11 @@ def test_a_batch_norm_network_has_one_collective_plus_one_per_batch_norm_under_d
     assert sum(collectives(graph, dp, params=False)[0].values()) == 1  # the loss
     assert coupled_collectives(graph, dp) == norms
     assert replicated_operators(graph, dp) == []
+    # the plan's cost and its one line count them too, apart from the layout conversions
+    inside = [c for c in dp.stats.collectives if c.coupled]
+    assert sorted(c.phase for c in inside) == ["backward"] * norms + ["forward"] * norms
+    assert all(c.nbytes > 0 and c.seconds > 0 for c in inside)
+    assert f"collectives 1 (+{norms} coupled) fwd" in dp.one_line()
 
 
 def test_a_batch_norm_network_trains_like_one_device_under_dp(verify_model):

@@ -15,7 +15,8 @@ from .compute import op_time, optimizer_time
 from .profiles import DeviceProfile
 from .saved import saved_bytes
 from . import summary as printing
-from .steps import OPTIMIZER_STATES, Collective, carries_grad, local_nbytes, nbytes, step_collectives
+from .steps import (OPTIMIZER_STATES, Collective, carries_grad, coupled_collectives, local_nbytes, nbytes,
+                    step_collectives)
 
 @dataclass
 class PlanStats:
@@ -82,6 +83,7 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, ste
     colls = []
     for t, before, step in steps:
         colls += step_collectives(t, before, step, mesh, names, profile)
+    colls += coupled_collectives(graph, plan, profile)
     by_axis: dict[int, list[int]] = defaultdict(list)
     for t, axis in synced.items():
         by_axis[axis].append(local_nbytes(t, stored[t], mesh))

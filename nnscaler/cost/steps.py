@@ -29,6 +29,7 @@ class Collective:
     nbytes: int
     seconds: float
     tensor: str = ""
+    coupled: bool = False  # issued inside an operator's own kernel (OpSpec.coupled), not by a conversion
 
 
 def nbytes(t: IRTensor) -> int:
@@ -59,4 +60,35 @@ def step_collectives(t: IRTensor, before: Layout, step, mesh_shape, axis_names, 
             continue
         out.append(Collective(phase, kind, axis_names[step.axis], f, size,
                               runtime_time(kind, size, f, profile, across, share), t.name))
+    return out
+
+
+def coupled_splits(graph, plan):
+    """``(operator, mesh axis, identifier)`` wherever ``plan`` splits an identifier the operator's spec
+    declares ``coupled`` (:attr:`nnscaler.ops.spec.OpSpec.coupled`)."""
+    for op in graph.ops:
+        coupled = getattr(op.spec, "coupled", ()) if op.known else ()
+        for axis, ident in enumerate(plan.partition(op).axis_ids if coupled else ()):
+            if ident in coupled:
+                yield op, axis, ident
+
+
+def coupled_collectives(graph, plan, profile: DeviceProfile) -> list[Collective]:
+    """The collectives operators issue inside their own kernels where ``plan`` splits an identifier
+    their spec declares ``coupled`` (batch norm over a split batch gathers every rank's statistics in
+    one collective, its backward one reduce-scatter): per such operator and mesh axis, a forward
+    all-gather and a backward reduce-scatter of the operator's outputs that identifier does not index
+    (the statistics; for batch norm with its running pair too: an upper bound of a small payload)."""
+    out = []
+    mesh, names = plan.mesh_shape, plan.axis_names
+    for op, axis, ident in coupled_splits(graph, plan):
+        part = plan.partition(op)
+        f = part.factor(ident)
+        size = f * sum(nbytes(t) // math.prod(part.factor(ids[0]) for ids in dims if ids)
+                       for t, dims in zip(op.outputs, op.bound.outputs)
+                       if t is not None and dims is not None and not any(ident in ids for ids in dims))
+        across = axis < len(mesh) and spans_nodes(mesh, axis, profile)
+        for phase, kind in (("forward", "all_gather"), ("backward", "reduce_scatter")):
+            out.append(Collective(phase, kind, names[axis] if axis < len(names) else "?", f, size,
+                                  runtime_time(kind, size, f, profile, across), op.name, coupled=True))
     return out

@@ -76,6 +76,8 @@ def replicated_listing(replicated_ops) -> str:
 def one_line(plan, s) -> str:
     table = collective_table(s)
     count = {p: sum(k["count"] for k in table.get(p, {}).values()) for p in ("forward", "backward", "grad sync")}
+    coupled = sum(c.coupled and c.phase == "forward" for c in s.collectives)  # inside operators (batch norm)
+    count["forward"] = f"{count['forward'] - coupled}" + (f" (+{coupled} coupled)" if coupled else "")
     moved = sum(c.nbytes for c in s.collectives)
     return (f"plan {plan.policy or 'custom'} on mesh {plan.mesh_shape} {plan.axis_names}: params "
             f"{100 * param_fraction(s):.0f}% per rank ({human(max(s.param_bytes))} of "

@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Callable
 
 from ..codegen.emit import conversion_steps, stored_layouts
+from ..cost.steps import coupled_splits
 from ..dimops.layout import Shard
 from ..ir.graph import IRGraph
 from ..ir.plan import Plan
@@ -41,12 +42,7 @@ def coupled_collectives(graph: IRGraph, plan: Plan) -> int:
     identifier their spec declares ``coupled`` (batch statistics: one per batch norm under dp; each
     has one in the backward too). These are not layout conversions, so :func:`collectives` leaves
     them out; a plan report counts them apart, as batch-coupled."""
-    n = 0
-    for op in graph.ops:
-        coupled = getattr(op.spec, "coupled", ()) if op.known else ()
-        if coupled and any(i in coupled for i in plan.partition(op).axis_ids):
-            n += 1
-    return n
+    return len({op.name for op, _, _ in coupled_splits(graph, plan)})
 
 
 LAYER = re.compile(r"\.(h|layers|layer|block)\.(\d+)\.")
