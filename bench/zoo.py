@@ -5,7 +5,7 @@ defaults shrunk (``verify.models.zoo``, named ``zoo:<model_type>``), traced, pla
 harness's model cases (``verify.sweep.run_model``).
 
     python bench/zoo.py [--sample 48] [--kinds causal image ...] [--archs albert vit ...] [--no-match]
-                        [--resume] [--timeout S] [--md reports/zoo.md] [--json reports/zoo.json]
+                        [--resume] [--wide N] [--timeout S] [--md reports/zoo.md] [--json reports/zoo.json]
 
 One row per architecture: kind, builds, traces (or the first line of the refusal), matches (dp and
 tp against one device), dp forward collectives (1 = the loss alone; "+ N coupled": N batch-coupled
@@ -17,7 +17,8 @@ why (no rule / indivisible / whole). The static figures come from ``bench/zoo_sw
 (a per-architecture alarm, a crashed worker restarted); each architecture's rank cases get the
 harness's time limit (``--timeout`` x the model factor). The JSON is written after every
 architecture: ``--resume`` keeps its finished rows, so a cut-off sweep goes on where it stopped.
-``--sample N`` spreads N over the kinds by the square root of their share of the zoo (at least 4 each), evenly over
+``--wide N`` also trains N of the architectures that match, evenly over them, at W=4 under ``dp``,
+``tp`` and ``random`` (seed 0). ``--sample N`` spreads N over the kinds by the square root of their share of the zoo (at least 4 each), evenly over
 each kind's sorted model types (deterministic).
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ import zoo_sweep  # noqa: E402  (bench/zoo_sweep.py: the worker, the alarm, the 
 from verify.models.zoo import KINDS, archs_of, build, kind_of  # noqa: E402
 
 WORLD, STEPS = 2, 2
+WIDE, WIDE_POLICIES = 4, ("dp", "tp", "random")  # --wide N: a sample of N also at W=4, random plans included
 ATTENTION = ("softmax", "scaled_dot_product_attention")
 
 
@@ -109,6 +111,29 @@ def match(archs: list[str], rows: dict, timeout_s: float, save) -> None:
             save()
 
 
+def match_wide(archs: list[str], rows: dict, timeout_s: float, save) -> None:
+    """Train each of ``archs`` under dp, tp and random (seed 0) at W=:data:`WIDE` on one gang:
+    ``rows[arch]['wide']``, as :func:`match` fills ``'match'``."""
+    from verify.cases.config import RunConfig
+    from verify.runner.gang import Gang
+    from verify.sweep import run_model
+    cfg = RunConfig(world_sizes=(WIDE,), seeds=(0,), timeout_s=timeout_s)
+    with tempfile.TemporaryDirectory() as tmp, Gang(WIDE, (), (WIDE,), pg_timeout_s=max(300.0, 2 * cfg.limit_s("model", STEPS))) as gang:
+        for arch in archs:
+            got = {}
+            for row in run_model(gang, f"zoo:{arch}", WIDE_POLICIES, cfg, tmp, STEPS, checkpoint=False):
+                got[row.partition] = row.status if row.ok else f"{row.status}: {(row.detail or '').splitlines()[0][:120] if row.detail else ''}"
+            rows[arch]["wide"] = got
+            print(f"  {arch} at W={WIDE}: {got}", flush=True)
+            save()
+
+
+def wide_sample(rows: dict, archs: list[str], n: int) -> list[str]:
+    """``n`` of the architectures that trace and matched at W=2, evenly over their order (deterministic)."""
+    ok = [a for a in archs if _ok(rows[a]) and matched(rows[a])]
+    return ok[::max(1, len(ok) // n)][:n] if n else []
+
+
 def _ok(r: dict) -> bool:
     return r.get("stage") == "ok"
 
@@ -173,6 +198,12 @@ def report(rows: dict, command: str, seconds: float) -> str:
     line = ", ".join(f"{v} {k}" for k, v in s.items())
     out = [f"# bench/zoo.py: {len(rows)} architectures of transformers' zoo, tiny configs, W={WORLD}", "",
            f"    {command}", "", f"Summary: {line}", ""] + [f"- {g}" for g in goals(s)]
+    wide = {a: r["wide"] for a, r in rows.items() if r.get("wide")}
+    if wide:
+        good = sum(all(v == "match" for v in w.values()) for w in wide.values())
+        out += ["", f"At W={WIDE} under {', '.join(WIDE_POLICIES)} (seed 0; `--wide {len(wide)}`, evenly over the "
+                f"architectures that match at W={WORLD}): {good}/{len(wide)} match under all three", ""]
+        out += [f"- {a}: " + ", ".join(f"{p} {v}" for p, v in w.items()).replace("|", "/") for a, w in wide.items()]
     out += ["", table(rows), "", "Operators kept whole under dp (architectures that have them):", ""]
     c = Counter(w.split(" x")[0] for r in rows.values() if _ok(r) for w in r["whole_why"])
     out += [f"- {op}: {n}" for op, n in c.most_common(20)]
@@ -187,6 +218,8 @@ def main() -> None:
     ap.add_argument("--no-match", action="store_true", help="static figures only (no rank cases)")
     ap.add_argument("--resume", action="store_true", help="keep the finished rows of --json")
     ap.add_argument("--redo", nargs="+", default=[], help="with --resume: these architectures afresh")
+    ap.add_argument("--wide", type=int, default=0, metavar="N",
+                    help=f"also train N of the matching architectures at W={WIDE} under {', '.join(WIDE_POLICIES)}")
     ap.add_argument("--timeout", type=float, default=30.0, help="the harness's case timeout (a model case gets 8x)")
     ap.add_argument("--md", default=str(ROOT / "reports" / "zoo.md"))
     ap.add_argument("--json", default=str(ROOT / "reports" / "zoo.json"))
@@ -218,6 +251,10 @@ def main() -> None:
         run = [a for a in archs if _ok(rows[a]) and not rows[a].get("match")]
         print(f"rank cases of {len(run)} architectures", flush=True)
         match(run, rows, args.timeout, save)
+        wide = [a for a in wide_sample(rows, archs, args.wide) if not rows[a].get("wide")]
+        if wide:
+            print(f"rank cases of {len(wide)} architectures at W={WIDE}", flush=True)
+            match_wide(wide, rows, args.timeout, save)
     command = "python bench/zoo.py " + " ".join(sys.argv[1:])
     text = report({a: rows[a] for a in archs}, command, time.perf_counter() - t0)
     Path(args.md).write_text(text)

@@ -29,7 +29,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
             kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-            state_size=8, ssm_state_size=8, conv_kernel=4, expand=2, mamba_d_state=8, mamba_n_heads=4,
+            state_size=8, ssm_state_size=8, conv_kernel=4, expand=1, mamba_expand=1, mamba_d_state=8, mamba_n_heads=4,
             mamba_d_head=16, n_groups=1, time_step_rank=8)
 """The causal-LM overrides (``bench/zoo_sweep.py``'s, kept so its tables stay comparable)."""
 
@@ -47,10 +47,11 @@ HEADS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_atten
 # ``moe_shared_expert_intermediate_size``, ...): matched by the name's ending, so a field no list above
 # names is still shrunk (an unshrunk 32 x 128 linear-attention width made kimi_linear 4.4 M parameters
 # and ~1 GiB of activations per rank). (ending, its tiny value); the first ending that matches wins.
+# State-space mixers keep heads x head width = expand x hidden: expand 1, 4 heads of 16 over width 64.
 SUFFIXES = (("num_key_value_heads", None), ("num_kv_heads", None), ("num_heads", 4), ("_n_heads", 4),
             ("head_dim", 16), ("headdim", 16), ("dim_head", 16), ("_d_head", 16), ("kv_channels", 16),
             ("intermediate_size", 128), ("ffn_hidden_size", 128), ("_ffn_dim", 128), ("d_inner", 128),
-            ("dim_ff", 128), ("feed_forward_size", 128), ("hidden_size", 64), ("embedding_dim", 64),
+            ("dim_ff", 128), ("feed_forward_size", 128), ("hidden_size", 64), ("embedding_dim", 64), ("d_ssm", 64),
             ("lora_rank", 16), ("dt_rank", 8), ("chunk_size", SEQ), ("vocab_size", 128))
 
 
