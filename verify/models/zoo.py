@@ -164,9 +164,12 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
         raise KeyError(f"{arch!r} is no model type of transformers' causal LM, masked LM, seq2seq, image or "
                        f"audio classification models")
     auto = getattr(transformers, dict((k, a) for k, a, _ in kinds())[kind])
-    over = shrunk(AutoConfig.for_model(arch).to_dict(), kind, kv_heads)
+    defaults = AutoConfig.for_model(arch)
+    over = shrunk(defaults.to_dict(), kind, kv_heads)
     if kind == "causal":
         over.update({**TINY, "num_key_value_heads": kv_heads or TINY["num_key_value_heads"]})
+    # a field the config class derives (a read-only property: xLSTM's v_head_dim) is not set
+    over = {k: v for k, v in over.items() if not isinstance(getattr(type(defaults), k, None), property)}
     cfg = AutoConfig.for_model(arch, **over)
     with torch.device("meta"):  # its size first: a config that ignores the shrinking is refused, not built
         n = sum(p.numel() for p in _construct(auto, cfg).parameters())
