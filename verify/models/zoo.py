@@ -94,6 +94,10 @@ def shrunk(defaults: dict, kind: str, kv_heads: int | None) -> dict:
         if isinstance(v, list) and layers and len(v) == layers and k not in LAYERS:  # one entry per layer
             out[k] = v[:2]
             continue
+        if isinstance(v, dict) and layers and v and all(str(i).isdigit() for i in v):  # keyed by layer index
+            out[k] = {i: ({**x, **shrunk(x, kind, kv_heads)} if isinstance(x, dict) else x)
+                      for i, x in v.items() if int(i) < 2}
+            continue
         if isinstance(v, bool) or k in ("id2label", "label2id") or k in ("hidden_size", "num_layers") and "depths" in defaults:
             continue  # (a staged vision model derives these from its stages)
         if isinstance(v, float) and ("drop" in k or k.startswith("mask_") and k.endswith("_prob")):
@@ -129,6 +133,8 @@ def shrunk(defaults: dict, kind: str, kv_heads: int | None) -> dict:
         out["image_size"] = min(defaults.get("image_size", 224), 2 * out.get("patch_size", 4) * 2 ** (len(defaults["depths"]) - 1))
     if kind in ("causal", "masked", "seq2seq"):
         out.update(pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False, tie_word_embeddings=False)
+        if kind == "causal" and "is_decoder" in defaults:  # a causal LM is its config's decoder (reformer, bert-generation)
+            out["is_decoder"] = True
         if kind == "seq2seq":
             out["decoder_start_token_id"] = 2
     else:
