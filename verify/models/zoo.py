@@ -52,7 +52,7 @@ SUFFIXES = (("num_key_value_heads", None), ("num_kv_heads", None), ("num_heads",
             ("head_dim", 16), ("headdim", 16), ("dim_head", 16), ("_d_head", 16), ("kv_channels", 16),
             ("intermediate_size", 128), ("ffn_hidden_size", 128), ("_ffn_dim", 128), ("d_inner", 128),
             ("dim_ff", 128), ("feed_forward_size", 128), ("hidden_size", 64), ("embedding_dim", 64), ("d_ssm", 64),
-            ("lora_rank", 16), ("dt_rank", 8), ("chunk_size", SEQ), ("vocab_size", 128))
+            ("lora_rank", 16), ("dt_rank", 8), ("chunk_size", SEQ), ("vocab_size", 128), ("_heads", 4))
 
 
 def kinds():
