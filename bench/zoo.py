@@ -92,39 +92,23 @@ def static_row(arch: str, kv_heads: int) -> dict:
     return {**r, "kind": kind_of(arch)}
 
 
-def match(archs: list[str], rows: dict, timeout_s: float, save) -> None:
-    """Train each traced architecture under dp and tp at W=2 on one gang; ``rows[arch]['match']``:
-    ``{policy: status or 'status: detail'}``; ``save()`` after each."""
+def match(archs: list[str], rows: dict, timeout_s: float, save, world: int = WORLD,
+          policies: tuple[str, ...] = ("dp", "tp"), key: str = "match") -> None:
+    """Train each traced architecture under ``policies`` (seed 0) at W=``world`` on one gang;
+    ``rows[arch][key]``: ``{policy: status or 'status: detail'}``; ``save()`` after each."""
     from verify.cases.config import RunConfig
     from verify.runner.gang import Gang
     from verify.sweep import run_model
-    cfg = RunConfig(world_sizes=(WORLD,), seeds=(0,), timeout_s=timeout_s)
-    with tempfile.TemporaryDirectory() as tmp, Gang(WORLD, (), (WORLD,), pg_timeout_s=max(300.0, 2 * cfg.limit_s("model", STEPS))) as gang:
+    cfg = RunConfig(world_sizes=(world,), seeds=(0,), timeout_s=timeout_s)
+    with tempfile.TemporaryDirectory() as tmp, Gang(world, (), (world,), pg_timeout_s=max(300.0, 2 * cfg.limit_s("model", STEPS))) as gang:
         for arch in archs:
             t0 = time.perf_counter()
             got = {}
-            for row in run_model(gang, f"zoo:{arch}", ("dp", "tp"), cfg, tmp, STEPS, checkpoint=False):
+            for row in run_model(gang, f"zoo:{arch}", policies, cfg, tmp, STEPS, checkpoint=False):
                 got[row.partition] = row.status if row.ok else f"{row.status}: {(row.detail or '').splitlines()[0][:120] if row.detail else ''}"
-            rows[arch]["match"] = got
-            rows[arch]["match_seconds"] = round(time.perf_counter() - t0, 1)
-            print(f"  {arch}: {got} ({rows[arch]['match_seconds']} s)", flush=True)
-            save()
-
-
-def match_wide(archs: list[str], rows: dict, timeout_s: float, save) -> None:
-    """Train each of ``archs`` under dp, tp and random (seed 0) at W=:data:`WIDE` on one gang:
-    ``rows[arch]['wide']``, as :func:`match` fills ``'match'``."""
-    from verify.cases.config import RunConfig
-    from verify.runner.gang import Gang
-    from verify.sweep import run_model
-    cfg = RunConfig(world_sizes=(WIDE,), seeds=(0,), timeout_s=timeout_s)
-    with tempfile.TemporaryDirectory() as tmp, Gang(WIDE, (), (WIDE,), pg_timeout_s=max(300.0, 2 * cfg.limit_s("model", STEPS))) as gang:
-        for arch in archs:
-            got = {}
-            for row in run_model(gang, f"zoo:{arch}", WIDE_POLICIES, cfg, tmp, STEPS, checkpoint=False):
-                got[row.partition] = row.status if row.ok else f"{row.status}: {(row.detail or '').splitlines()[0][:120] if row.detail else ''}"
-            rows[arch]["wide"] = got
-            print(f"  {arch} at W={WIDE}: {got}", flush=True)
+            rows[arch][key] = got
+            rows[arch][f"{key}_seconds"] = round(time.perf_counter() - t0, 1)
+            print(f"  {arch} at W={world}: {got} ({rows[arch][f'{key}_seconds']} s)", flush=True)
             save()
 
 
@@ -254,7 +238,7 @@ def main() -> None:
         wide = [a for a in wide_sample(rows, archs, args.wide) if not rows[a].get("wide")]
         if wide:
             print(f"rank cases of {len(wide)} architectures at W={WIDE}", flush=True)
-            match_wide(wide, rows, args.timeout, save)
+            match(wide, rows, args.timeout, save, WIDE, WIDE_POLICIES, "wide")
     command = "python bench/zoo.py " + " ".join(sys.argv[1:])
     text = report({a: rows[a] for a in archs}, command, time.perf_counter() - t0)
     Path(args.md).write_text(text)
