@@ -27,6 +27,7 @@ from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
 from verify.cases.model import LR, installed, step_checks
+from verify.cases.reference import reference_grads
 from verify.models.loader import file_tag
 from verify.cases.pipeline import PIPELINE_MICROBATCHES
 from verify.cases.samples import DTYPES
@@ -89,7 +90,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(LOSS.format(step), loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+        checks += step_checks(pm, *reference_grads(params, ref64), shadow, point, opts, step, widen, kw)
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
                             traces, precision, fallback.spreads)
     checks += fallback.notes(dtype)

@@ -29,6 +29,7 @@ from verify.models.loader import build_model
 from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.resume import resume_checks
 from verify.cases.model import LR, installed, resolve_policy, step_checks
+from verify.cases.reference import reference_grads
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.pipeline_replicas import LOSS, run_pipeline_replicas_case
 from verify.cases.samples import DTYPES
@@ -136,7 +137,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
                                    loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+        checks += step_checks(pm, *reference_grads(params, ref64), shadow, point, opts, step, widen, kw)
         if microbatches == 1 and memory is not None:
             memory.last = measure(pm, opts[0], saved.bytes, grad_bytes)
     # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device
