@@ -319,7 +319,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
                 want = single(*args)
             with fallback, same_draws(seed, step):
                 want64 = single64(*cast(args, torch.float64))
-        return {"want": want, "want64": want64, "state": {k: state[k] for k in own_state(single)}}
+        return {"want": want, "want64": want64, "state": _clone({k: state[k] for k in own_state(single)})}
 
     one = reference.share(one_device, fallback)
     if "missing" in one:
