@@ -9,7 +9,7 @@ import pytest
 
 from verify.cases.config import RunConfig
 from verify.cases.model import expected_checks
-from verify.judge.verdict import MATCH, MISMATCH, judge
+from verify.judge.verdict import ERROR, MATCH, MISMATCH, judge
 from verify.runner.gang import Gang
 from verify.sweep import run_model
 from verify.worker import load_modules
@@ -48,3 +48,14 @@ def test_a_fault_only_rank_1_sees_is_caught_on_rank_1(ref_gang):
     assert "load step 0" in failed[1] and "load step 0" not in failed[0], failed
     status, detail, _, _ = judge(answers, expected_checks("nudged_rank1_load", "dp", 2, 0, checkpoint=False))
     assert status == MISMATCH and detail.startswith("load step 0"), detail
+
+
+def test_a_reference_that_raises_on_rank_0_fails_every_rank_at_once(ref_gang):
+    """Rank 0's error reaches the ranks waiting for its result: each raises at once (no rank waits out
+    the case's limit), and the row names rank 0's own error."""
+    cfg = RunConfig(world_sizes=(4,), modules=(FIXTURE,))
+    with tempfile.TemporaryDirectory() as tmp:
+        (row,) = run_model(ref_gang, "float64_fails", ("dp",), cfg, tmp, steps=1)
+    assert row.status == ERROR and row.detail.startswith("rank 0: RuntimeError: no float64 here"), row.detail
+    assert "ReferenceFailed: the single-device reference failed on rank 0" in row.detail, row.detail
+    assert "gave no answer" not in row.detail and row.seconds < 60, row
