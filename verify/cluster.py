@@ -7,8 +7,10 @@ Every rank joins the process group torchrun describes (:func:`verify.runner.torc
 rank 0 runs the command exactly as ``python -m verify`` does (the same checks of its input, cases,
 judging, table, reports and exit code: 0 every row matched, 1 a row failed, 2 bad input, one line on
 stderr) with the job's ranks in the place of the one-machine gang; the other ranks answer its jobs
-and exit 0. Each rank also computes the single-device reference itself, so the model must fit one
-device. With several nodes, ``--gen-dir`` must name a directory every rank sees (a shared
+and exit 0. The single-device reference of a whole-model case runs on rank 0 alone and is broadcast
+to the others (:mod:`verify.cases.reference`; each rank judges its own parallel tensors against it),
+so the model must fit rank 0's memory; operator cases compute their small references on every rank.
+With several nodes, ``--gen-dir`` must name a directory every rank sees (a shared
 filesystem): the ranks write the generated programs and checkpoints there and read each other's.
 """
 from __future__ import annotations

@@ -21,6 +21,7 @@ from verify.cases.batch import share
 from verify.judge.compare import Check, check_tensor
 from verify.models.registry import ModelCase
 from verify.cases.fresh import built_like
+from verify.cases.reference import SharedReference, reference_grads
 from verify.models.loader import build_model
 from verify.models.loader import file_tag
 
@@ -106,8 +107,10 @@ def _accumulation_checks(job: dict, groups: GroupCache) -> list[Check]:
     name, policy, mode, m, seed = job["model"], job["policy"], job["mode"], job["microbatches"], job["seed"]
     world, plan_ngpus = job["world_size"], job.get("plan_ngpus", job["world_size"])
     case = build_model(name, seed)
-    ref64 = built_like(name, seed, case.model, torch.float64)
-    ref = built_like(name, seed, case.model)
+    reference = SharedReference.of(groups, world)  # computed on rank 0 alone (verify/cases/reference.py)
+    if reference.computes:
+        ref64 = built_like(name, seed, case.model, torch.float64)
+        ref = built_like(name, seed, case.model)
     replicas, replica = world // plan_ngpus, dist.get_rank() // plan_ngpus
     full = whole_batch(case.batch, 0, m)
     mine = share(full, replica, replicas)
@@ -125,15 +128,19 @@ def _accumulation_checks(job: dict, groups: GroupCache) -> list[Check]:
             mb = share(case.batch(i), replica, replicas)
             with pm.no_sync() if mode == "no_sync" and i < m - 1 else nullcontext():
                 (pm(*mb) / m).backward()
-    loss_ref = ref(*full)
-    loss64 = ref64(*(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in full))
-    loss_ref.backward()
-    loss64.backward()
-    if mode == "train_step":
-        checks.append(check_tensor("loss", loss, loss_ref.detach(), loss64.detach()))
-    grads, rp64 = pm.whole_grads(), dict(ref64.named_parameters())
-    scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
-    for n, p in ref.named_parameters():
-        checks.append(check_tensor(f"grad {n}", grads.get(n), p.grad, rp64[n].grad, scale=scale))
-    return checks
+    def one_device() -> dict:
+        loss_ref = ref(*full)
+        loss64 = ref64(*(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in full))
+        loss_ref.backward()
+        loss64.backward()
+        grads, grads64 = reference_grads(dict(ref.named_parameters()), ref64)
+        return {"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads, "grads64": grads64}
 
+    one = reference.share(one_device)
+    if mode == "train_step":
+        checks.append(check_tensor("loss", loss, one["loss"], one["loss64"]))
+    grads = pm.whole_grads()
+    scale = max((float(g.abs().max()) for g in one["grads64"].values() if g is not None), default=0.0)
+    for n, g in one["grads"].items():
+        checks.append(check_tensor(f"grad {n}", grads.get(n), g, one["grads64"][n], scale=scale))
+    return checks

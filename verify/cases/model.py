@@ -28,6 +28,7 @@ from verify.judge.compare import Check, Float64Fallback, check_tensor, check_upd
 from verify.cases.microbatch import loss_fn_of, one_device_loss, whole_batch
 from verify.cases.fresh import built_like
 from verify.cases.spread import moved_samples
+from verify.cases.reference import SharedReference, reference_grads
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
 from verify.cases.traces import TraceCache, tracer_of
@@ -163,7 +164,11 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     microbatches = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
     case.model.to(dt)
-    ref, ref64 = precision.reference(built_like(name, seed, case.model, dt)), built_like(name, seed, case.model, torch.float64)
+    reference = SharedReference.of(groups, world_size)  # computed on the case's rank 0 (verify/cases/reference.py)
+    if reference.computes:
+        ref = precision.reference(built_like(name, seed, case.model, dt))
+        ref64 = built_like(name, seed, case.model, torch.float64)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     config = ComputeConfig(world_size, **{"tp_size": 2 if world_size % 2 == 0 else 1, **(layout or {})}, seed=seed,
                            bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
                            num_microbatches=microbatches, clip_grad_norm=clip, recompute=recompute, zero=zero,
@@ -178,22 +183,38 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     if microbatches > 1 or is_pipeline_policy(policy):
         check_deterministic(pm.graph, f"{microbatches} micro-batches")
     initial = pm.state_dict()
-    checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in own_state(ref).items()]
-    params = dict(ref.named_parameters())
-    shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the parallel grads
+    start, names = reference.share(lambda: (_clone(own_state(ref)), [n for n, _ in ref.named_parameters()]))
+    checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in start.items()]
+    shadow = {n: start[n].clone() for n in names}  # AdamW on one device, fed the parallel grads
     opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the data-parallel ranks under zero
-    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
+    opts += [torch.optim.AdamW(shadow.values(), lr=LR)]
     fallback = Float64Fallback(dt, lowprec=precision.active)
+
+    def one_device_step(args: tuple, step: int, point: dict) -> dict:
+        """The step on one device (the computing rank): the recipe's and float64's loss and gradients
+        at ``point`` (where ``ref`` is), the moved points' spreads, the clipped norms."""
+        ref64.load_state_dict(_with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
+                                                    for k, v in point.items()}), strict=True)
+        loss_ref, loss64 = _losses(ref, ref64, args, seed, step, fallback,
+                                   lambda m, a: one_device_loss(m, a, microbatches, case))
+        if precision.active:  # more samples of the recipe's own rounding error (verify/cases/spread.py)
+            moved_samples(ref, ref64, lambda m, a: one_device_loss(m, a, microbatches, case), args,
+                          cast(args, torch.float64), seed, step, fallback)
+        out = {"loss": loss_ref.detach(), "loss64": loss64.detach()}
+        if clip is not None:  # the single-device recipe: torch's own clipping of the whole model
+            out["norm"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).detach()
+            out["norm64"] = torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip).detach()
+        return dict(out, **_grads(ref, ref64))
+
     for step in range(steps):
         args = cast(batch(step), dt)
-        point = {k: v.clone() for k, v in own_state(ref).items()}
+        point = {k: v.clone() for k, v in start.items()} if step == 0 else \
+            reference.share(lambda: _clone(own_state(ref)))
         try:  # strict: every key of the module's own state_dict
             pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
         except (RuntimeError, KeyError) as exc:  # the rest of the case cannot run: its checks go missing
             return checks + [Check(f"load step {step}", float("inf"), 0.0, False, f"{type(exc).__name__}: {exc}")]
         checks.append(installed(pm, point, step))
-        ref64.load_state_dict(_with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
-                                                    for k, v in point.items()}), strict=True)
         saved = SavedActivations(pm.parameters())  # measured memory per rank (verify/cases/memory.py)
         with saved:
             if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
@@ -206,90 +227,119 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
                 pm.clip_grad_norm_(clip)
         grad_bytes = storage_bytes(pm.grad_tensors()) if hasattr(pm, "grad_tensors") else None
-        with same_draws(seed, step):  # micro-batched: one device runs the same micro-batches
-            loss_ref = one_device_loss(ref, args, microbatches, case)
-        loss_ref.backward()
-        with fallback, same_draws(seed, step):
-            loss64 = one_device_loss(ref64, cast(args, torch.float64), microbatches, case)
-            loss64.backward()
-        if precision.active:  # more samples of the recipe's own rounding error (verify/cases/spread.py)
-            moved_samples(ref, ref64, lambda m, a: one_device_loss(m, a, microbatches, case), args,
-                          cast(args, torch.float64), seed, step, fallback)
+        one = reference.share(lambda: one_device_step(args, step, point), fallback)
         widen, kw = fallback.widen, fallback.bounds()
-        checks.append(check_tensor(f"loss step {step}", loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
-        if clip is not None:  # the single-device recipe: torch's own clipping of the whole model
-            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-            norm64 = torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip)
+        checks.append(check_tensor(f"loss step {step}", loss.detach(), one["loss"], one["loss64"], **kw))
+        if clip is not None:
             got = pm.last_grad_norm
             checks.append(check_tensor(f"grad norm step {step}", None if got is None else got.detach().reshape(()),
-                                       norm_ref.detach(), norm64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+                                       one["norm"], one["norm64"], **kw))
+        checks += step_checks(pm, one["grads"], one["grads64"], shadow, point, opts, step, widen, kw)
+        if reference.computes:  # AdamW on one device: the next step's point
+            ref_opt.step()
+            ref_opt.zero_grad()
         if grad_bytes is not None and memory is not None:
             # train_step runs backward inside: its micro-batches' saved bytes add up, no peak to report
             memory.last = measure(pm, opts[0], None if microbatches > 1 else saved.bytes, grad_bytes)
     if checkpoint:
         checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
-                                 seed, dt, fallback, config.bucket_bytes, traces, precision)
+                                 seed, dt, fallback, config.bucket_bytes, traces, precision, reference)
         checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces,
                                 precision, fallback.spreads)
     checks += fallback.notes(dtype)
     return checks
 
 
-def step_checks(pm, params: dict, ref64: torch.nn.Module, shadow: dict, point: dict, opts: list, step: int,
+def _clone(state: dict) -> dict:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def _losses(ref, ref64, args: tuple, seed: int, step: int, fallback: Float64Fallback, run) -> tuple:
+    """The loss of ``ref`` and of ``ref64`` (under ``fallback``) on ``args`` by ``run(model, args)``,
+    each from the step's draws, backward run."""
+    with same_draws(seed, step):  # micro-batched: one device runs the same micro-batches
+        loss_ref = run(ref, args)
+    loss_ref.backward()
+    with fallback, same_draws(seed, step):
+        loss64 = run(ref64, cast(args, torch.float64))
+        loss64.backward()
+    return loss_ref, loss64
+
+
+def _grads(ref: torch.nn.Module, ref64: torch.nn.Module) -> dict:
+    """The gradients of both references by parameter name, for :func:`step_checks`."""
+    grads, grads64 = reference_grads(dict(ref.named_parameters()), ref64)
+    return {"grads": grads, "grads64": grads64}
+
+
+def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, opts: list, step: int,
                 widen: float, kw: dict) -> list[Check]:
     """The checks of one training step after its backward: the gradient of every parameter of the
-    single-device model (against its float32 ``params`` and float64 ``ref64`` runs), then AdamW on one
-    device applied to the parallel gradients from ``point`` (in ``shadow``, stepped by ``opts``)
-    against the parallel module's parameters after its own step. Under a clipping recipe the parallel
-    gradients are the clipped ones already (checked against the single-device clipped gradients), so
-    the shadow steps them as they are: clipping them again would scale them by ``max / (max + 1e-6)``
-    once more, an update error of ``lr * 1e-6 / max`` where AdamW's ``eps`` is of the gradient's size
-    (a false alarm at ``max = 0.1``). Zeroes ``ref64``'s gradients."""
-    grads, rp64 = pm.whole_grads(), dict(ref64.named_parameters())
-    scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
-    checks = [check_tensor(f"grad {n} step {step}", grads.get(n), p.grad, rp64[n].grad, scale=scale, **kw)
-              for n, p in params.items()]
+    single-device model (its gradients in the recipe's dtype ``grads_ref`` and in float64 ``grads64``,
+    by name), then AdamW on one device applied to the parallel gradients from ``point`` (in
+    ``shadow``, stepped by ``opts``) against the parallel module's parameters after its own step. Under
+    a clipping recipe the parallel gradients are the clipped ones already (checked against the
+    single-device clipped gradients), so the shadow steps them as they are: clipping them again would
+    scale them by ``max / (max + 1e-6)`` once more, an update error of ``lr * 1e-6 / max`` where
+    AdamW's ``eps`` is of the gradient's size (a false alarm at ``max = 0.1``)."""
+    grads = pm.whole_grads()
+    scale = max((float(g.abs().max()) for g in grads64.values() if g is not None), default=0.0)
+    checks = [check_tensor(f"grad {n} step {step}", grads.get(n), g, grads64[n], scale=scale, **kw)
+              for n, g in grads_ref.items()]
     for n, t in shadow.items():
         t.copy_(point[n])
         t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
     for opt in opts:
         opt.step()
         opt.zero_grad()
-    ref64.zero_grad()
     after = pm.state_dict()
     return checks + [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
 
 
 def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt, fallback,
-                   bucket_bytes, traces: TraceCache | None = None, precision: Precision = Precision()) -> list[Check]:
+                   bucket_bytes, traces: TraceCache | None = None, precision: Precision = Precision(),
+                   reference: SharedReference = SharedReference()) -> list[Check]:
     """The merged checkpoint loads strictly into the single-device model and into a module under
-    another plan; each computes the loss of the next batch as the parallel module does."""
+    another plan; each computes the loss of the next batch as the parallel module does. The single
+    device (``reference``'s computing rank) loads that rank's merged state; any other rank's must
+    equal it bit for bit, or its reload checks fail."""
     state = pm.state_dict()
-    single = build_model(name, seed).model.to(dt)
-    missing = [k for k in own_state(single) if k not in state]
-    if missing:
-        return [Check("checkpoint keys", float("inf"), 0.0, False, f"the checkpoint lacks {', '.join(missing[:5])}")]
-    single.load_state_dict(_with_aliases(single, state), strict=True)
-    single64 = built_like(name, seed, single, torch.float64)
-    precision.reference(single)
+    step = -1  # the reloads' own draws
+
+    def one_device() -> dict:
+        single = build_model(name, seed).model.to(dt)
+        missing = [k for k in own_state(single) if k not in state]
+        if missing:
+            return {"missing": missing}
+        single.load_state_dict(_with_aliases(single, state), strict=True)
+        single64 = built_like(name, seed, single, torch.float64)
+        precision.reference(single)
+        with torch.no_grad():
+            with same_draws(seed, step):
+                want = single(*args)
+            with fallback, same_draws(seed, step):
+                want64 = single64(*cast(args, torch.float64))
+        return {"want": want, "want64": want64, "state": _clone({k: state[k] for k in own_state(single)})}
+
+    one = reference.share(one_device, fallback)
+    if "missing" in one:
+        return [Check("checkpoint keys", float("inf"), 0.0, False, f"the checkpoint lacks {', '.join(one['missing'][:5])}")]
     other_policy = _other_policy(policy)
     other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
                          ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes, **precision.config_kwargs()),
                          groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",
                          tracer_of(traces, (name, seed)), announce=False)
     other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
-    step = -1  # the reloads' own draws
     with torch.no_grad():
         with same_draws(seed, step):
             got = pm(*args)
         with same_draws(seed, step):
-            want = single(*args)
-        with same_draws(seed, step):
             other_loss = other(*args)
-        with fallback, same_draws(seed, step):
-            want64 = single64(*cast(args, torch.float64))
+    names = ["loss of the checkpoint on one device", f"loss of the checkpoint under {other_policy}"]
+    differs = next((k for k, v in one["state"].items() if not _equal(k, state.get(k), v).ok), None)
+    if differs is not None:  # this rank's merged state is not what the one device loaded
+        why = f"this rank's merged state differs from rank {reference.src}'s, which the one device loaded ({differs})"
+        return [Check("checkpoint keys", 0.0, 0.0, True)] + [Check(n, float("inf"), 0.0, False, why) for n in names]
     return [Check("checkpoint keys", 0.0, 0.0, True),
-            check_tensor("loss of the checkpoint on one device", got, want, want64, lowprec=fallback.lowprec),
-            check_tensor(f"loss of the checkpoint under {other_policy}", other_loss, want, want64,
-                         lowprec=fallback.lowprec)]
+            check_tensor(names[0], got, one["want"], one["want64"], lowprec=fallback.lowprec),
+            check_tensor(names[1], other_loss, one["want"], one["want64"], lowprec=fallback.lowprec)]

@@ -27,6 +27,7 @@ from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
 from verify.cases.model import LR, installed, step_checks
+from verify.cases.reference import SharedReference, reference_grads
 from verify.models.loader import file_tag
 from verify.cases.pipeline import PIPELINE_MICROBATCHES
 from verify.cases.samples import DTYPES
@@ -50,8 +51,12 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     dt = DTYPES["bfloat16" if precision.precision == "bf16-true" else dtype]
     case = build_model(name, seed)
     case.model.to(dt)
-    ref = precision.reference(built_like(name, seed, case.model, dt))
-    ref64 = built_like(name, seed, ref, torch.float64)
+    reference = SharedReference.of(groups, world_size)  # computed on rank 0 alone (verify/cases/reference.py)
+    if reference.computes:
+        ref = precision.reference(built_like(name, seed, case.model, dt))
+        ref64 = built_like(name, seed, ref, torch.float64)
+        params = dict(ref.named_parameters())
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     replicas, replica = world_size // plan_ngpus, dist.get_rank() // plan_ngpus
     m = max(microbatches, PIPELINE_MICROBATCHES)
     batch = lambda step: cast(whole_batch(case.batch, step, m * replicas), dt)  # noqa: E731 (every replica's share)
@@ -66,19 +71,16 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
                       tracer_of(traces, (name, seed)))
     check_deterministic(pm.graph, f"{replicas} replicas of a pipeline")
     loss_fn = loss_fn_of(case)
-    params = dict(ref.named_parameters())
-    shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
+    start = reference.share(lambda: {n: p.detach().clone() for n, p in params.items()})
+    shadow = {n: t.clone() for n, t in start.items()}  # AdamW on one device, fed the replicas' grads
     opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the replicas under zero
-    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
+    opts += [torch.optim.AdamW(shadow.values(), lr=LR)]
     checks: list[Check] = []
     fallback = Float64Fallback(dt, lowprec=precision.active)
-    for step in range(steps):
-        args = batch(step)
-        point = {n: p.detach().clone() for n, p in params.items()}
-        pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
-        checks.append(installed(pm, point, step))
+
+    def one_device_step(args: tuple) -> dict:
+        """The step on one device (the computing rank) on the whole batch ``args``."""
         load_like(ref64, ref)
-        loss = pm.train_step(*share(args, replica, replicas), loss_fn=loss_fn)
         loss_ref = ref(*args)
         loss_ref.backward()
         with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
@@ -87,9 +89,23 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         if clip is not None:  # the single-device recipe: torch's own clipping (train_step clipped the replicas)
             for model in (ref, ref64):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        grads, grads64 = reference_grads(params, ref64)
+        return {"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads, "grads64": grads64}
+
+    for step in range(steps):
+        args = batch(step)
+        point = {n: t.clone() for n, t in start.items()} if step == 0 else \
+            reference.share(lambda: {n: p.detach().clone() for n, p in params.items()})
+        pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
+        checks.append(installed(pm, point, step))
+        loss = pm.train_step(*share(args, replica, replicas), loss_fn=loss_fn)
+        one = reference.share(lambda: one_device_step(args), fallback)
         widen, kw = fallback.widen, fallback.bounds()
-        checks.append(check_tensor(LOSS.format(step), loss.detach(), loss_ref.detach(), loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+        checks.append(check_tensor(LOSS.format(step), loss.detach(), one["loss"], one["loss64"], **kw))
+        checks += step_checks(pm, one["grads"], one["grads64"], shadow, point, opts, step, widen, kw)
+        if reference.computes:  # AdamW on one device: the next step's point
+            ref_opt.step()
+            ref_opt.zero_grad()
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
                             traces, precision, fallback.spreads)
     checks += fallback.notes(dtype)

@@ -29,6 +29,7 @@ from verify.models.loader import build_model
 from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.resume import resume_checks
 from verify.cases.model import LR, installed, resolve_policy, step_checks
+from verify.cases.reference import SharedReference, reference_grads
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.pipeline_replicas import LOSS, run_pipeline_replicas_case
 from verify.cases.samples import DTYPES
@@ -80,8 +81,12 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     dt = DTYPES["bfloat16" if precision.precision == "bf16-true" else dtype]
     case = build_model(name, seed)
     case.model.to(dt)
-    ref = precision.reference(built_like(name, seed, case.model, dt))
-    ref64 = built_like(name, seed, ref, torch.float64)
+    reference = SharedReference.of(groups, world_size)  # computed on rank 0 alone (verify/cases/reference.py)
+    if reference.computes:
+        ref = precision.reference(built_like(name, seed, case.model, dt))
+        ref64 = built_like(name, seed, ref, torch.float64)
+        params = dict(ref.named_parameters())
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     replicas, rank = world_size // plan_ngpus, dist.get_rank()
     replica = rank // plan_ngpus
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=microbatches,
@@ -97,19 +102,34 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
                       tracer_of(traces, (name, seed)))
     check_deterministic(pm.graph, f"{replicas} data-parallel replicas")
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
-    params = dict(ref.named_parameters())
-    shadow = {n: p.detach().clone() for n, p in params.items()}  # AdamW on one device, fed the replicas' grads
+    start = reference.share(lambda: {n: p.detach().clone() for n, p in params.items()})
+    shadow = {n: t.clone() for n, t in start.items()}  # AdamW on one device, fed the replicas' grads
     opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the replicas under zero
-    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
+    opts += [torch.optim.AdamW(shadow.values(), lr=LR)]
     checks: list[Check] = []
     fallback = Float64Fallback(dt, lowprec=precision.active)
+
+    def one_device_step(refs: list) -> dict:
+        """The step on one device (the computing rank): the mean of ``refs``' losses, its gradients."""
+        load_like(ref64, ref)
+        loss_ref = sum(ref(*a) for a in refs) / len(refs)
+        loss_ref.backward()
+        with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
+            loss64 = sum(ref64(*cast(a, torch.float64)) for a in refs) / len(refs)
+            loss64.backward()
+        if clip is not None:  # the single-device recipe: torch's own clipping
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip)
+        grads, grads64 = reference_grads(params, ref64)
+        return {"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads, "grads64": grads64}
+
     for step in range(steps):  # judged as every whole-model case is (verify/compare.py)
         args = cast(batch(step), dt)
         shares = [share(args, r, replicas) for r in range(replicas)]
-        point = {n: p.detach().clone() for n, p in params.items()}
+        point = {n: t.clone() for n, t in start.items()} if step == 0 else \
+            reference.share(lambda: {n: p.detach().clone() for n, p in params.items()})
         pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
         checks.append(installed(pm, point, step))
-        load_like(ref64, ref)
         if microbatches > 1:  # the whole batch's loss over every replica, exactly (train_step's weighting)
             mean = pm.train_step(*shares[replica], loss_fn=loss_fn)
             refs = [args]
@@ -125,18 +145,14 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
             dist.all_reduce(mean, group=groups.get(replica_ranks))
             mean = mean / replicas
             refs = shares  # the data-parallel objective (see above)
-        loss_ref = sum(ref(*a) for a in refs) / len(refs)
-        loss_ref.backward()
-        with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
-            loss64 = sum(ref64(*cast(a, torch.float64)) for a in refs) / len(refs)
-            loss64.backward()
-        if clip is not None:  # the single-device recipe: torch's own clipping
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-            torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip)
+        one = reference.share(lambda: one_device_step(refs), fallback)
         widen, kw = fallback.widen, fallback.bounds()
-        checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, loss_ref.detach(),
-                                   loss64.detach(), **kw))
-        checks += step_checks(pm, params, ref64, shadow, point, opts, step, widen, kw)
+        checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, one["loss"],
+                                   one["loss64"], **kw))
+        checks += step_checks(pm, one["grads"], one["grads64"], shadow, point, opts, step, widen, kw)
+        if reference.computes:  # AdamW on one device: the next step's point
+            ref_opt.step()
+            ref_opt.zero_grad()
         if microbatches == 1 and memory is not None:
             memory.last = measure(pm, opts[0], saved.bytes, grad_bytes)
     # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device

@@ -27,6 +27,7 @@ from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
 from verify.cases.traces import TraceCache, tracer_of
 from verify.cases.spread import moved_samples
+from verify.cases.reference import SharedReference, reference_grads
 
 MORE_STEPS = 2
 
@@ -164,37 +165,45 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     shadow_opt = torch.optim.AdamW(shadow.parameters(), lr=lr)
     shadow_opt.load_state_dict(copy.deepcopy(single_opt.state_dict()))
     sp, hp = dict(single.named_parameters()), dict(shadow.named_parameters())
-    single64 = built_like(name, seed, single, torch.float64)
+    reference = SharedReference.of(groups, w_b)  # the resumed run on one device: on rank 0 alone
+    single64 = built_like(name, seed, single, torch.float64) if reference.computes else None
     fallback = Float64Fallback(dtype, lowprec=precision.active, spreads=spreads)  # an operator without a float64 kernel runs in the test dtype (bound widens)
-    for step in range(steps, steps + MORE_STEPS):
-        args = cast(batch(step), dtype)
-        point = {n: p.detach().clone() for n, p in sp.items()}
-        resumed.load_state_dict({k: point.get(k, v) for k, v in resumed.state_dict().items()})
+
+    def one_device_step(args: tuple, step: int) -> dict:
+        """The resumed step on one device (the computing rank), from where ``single`` is."""
         load_like(single64, single)
         with same_draws(seed, step):
-            loss = resumed(*args)
-        with same_draws(seed, step):
             loss_ref = single(*args)
-        for x in (loss, loss_ref):
-            x.backward()
+        loss_ref.backward()
         with fallback, same_draws(seed, step):
             loss64 = single64(*cast(args, torch.float64))
             loss64.backward()
         if precision.active:  # more samples of the recipe's own rounding error (verify/cases/spread.py)
             moved_samples(single, single64, lambda m, a: m(*a), args, cast(args, torch.float64), seed, step, fallback)
+        grads, grads64 = reference_grads(sp, single64)
+        return {"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads, "grads64": grads64}
+
+    for step in range(steps, steps + MORE_STEPS):
+        args = cast(batch(step), dtype)
+        point = reference.share(lambda: {n: p.detach().clone() for n, p in sp.items()})
+        resumed.load_state_dict({k: point.get(k, v) for k, v in resumed.state_dict().items()})
+        with same_draws(seed, step):
+            loss = resumed(*args)
+        loss.backward()
+        one = reference.share(lambda: one_device_step(args, step), fallback)
         widen, kw = fallback.widen, fallback.bounds()
-        checks.append(check_tensor(f"resumed {where}: loss step {step}", loss.detach(), loss_ref.detach(),
-                                   loss64.detach(), **kw))
-        grads, rp64 = resumed.whole_grads(), dict(single64.named_parameters())
-        scale = max((float(p.grad.abs().max()) for p in rp64.values() if p.grad is not None), default=0.0)
-        for n, p in sp.items():
-            checks.append(check_tensor(f"resumed {where}: grad {n} step {step}", grads.get(n), p.grad, rp64[n].grad,
+        checks.append(check_tensor(f"resumed {where}: loss step {step}", loss.detach(), one["loss"],
+                                   one["loss64"], **kw))
+        grads = resumed.whole_grads()
+        scale = max((float(g.abs().max()) for g in one["grads64"].values() if g is not None), default=0.0)
+        for n, g in one["grads"].items():
+            checks.append(check_tensor(f"resumed {where}: grad {n} step {step}", grads.get(n), g, one["grads64"][n],
                                        scale=scale, **kw))
         with torch.no_grad():
             for n, t in hp.items():
                 t.copy_(point[n])
                 t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
-        for o in (resumed_opt, single_opt, shadow_opt):
+        for o in (resumed_opt, shadow_opt) + ((single_opt,) if reference.computes else ()):
             o.step()
             o.zero_grad()
         after = resumed.state_dict()

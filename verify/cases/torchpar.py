@@ -25,6 +25,7 @@ from nnscaler.runtime.mesh import GroupCache
 from verify.cases.batch import cast
 from verify.cases.fresh import load_like
 from verify.cases.model import LR, step_checks
+from verify.cases.reference import reference_grads
 from verify.cases.resume import exact
 from verify.cases.torchpar_build import parallel_model
 from verify.cases.samples import DTYPES
@@ -125,7 +126,7 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
             loss64.backward()
         kw = fallback.bounds()
         checks.append(check_tensor(f"loss step {step}", loss, loss_ref.detach(), loss64.detach(), **kw))
-        checks += step_checks(whole, params, ref64, shadow, point, opts, step, fallback.widen, kw)
+        checks += step_checks(whole, *reference_grads(params, ref64), shadow, point, opts, step, fallback.widen, kw)
     if job.get("checkpoint", True):
         checks += resume_checks(job, par, opts[0], mesh, dt, case, groups)
     return checks + fallback.notes(dtype)
@@ -176,6 +177,6 @@ def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case
     checks.append(check_tensor(f"resumed on one device: loss step {steps}", loss, loss_ref.detach(), loss64.detach(), **kw))
     whole = Whole(par.module)
     with torch.no_grad():  # the resumed model itself is the shadow: its resumed AdamW is fed the parallel gradients
-        resumed = step_checks(whole, params, single64, params, point, [opt, single_opt], steps, fallback.widen, kw)
+        resumed = step_checks(whole, *reference_grads(params, single64), params, point, [opt, single_opt], steps, fallback.widen, kw)
     return checks + [Check(f"resumed on one device: {c.name}", c.err, c.tol, c.ok, c.reason) for c in resumed]
 
