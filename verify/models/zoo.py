@@ -174,8 +174,10 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
     over = shrunk(defaults.to_dict(), kind, kv_heads)
     if kind == "causal":
         over.update({**TINY, "num_key_value_heads": kv_heads or TINY["num_key_value_heads"]})
-    # a field the config class derives (a read-only property: xLSTM's v_head_dim) is not set
-    over = {k: v for k, v in over.items() if not isinstance(getattr(type(defaults), k, None), property)}
+    # a field the config class derives (a property it refuses to set: xLSTM's v_head_dim, prophetnet's
+    # num_hidden_layers) is left to it; a property it takes (num_labels) is set
+    over = {k: v for k, v in over.items() if not isinstance(getattr(type(defaults), k, None), property)
+            or _settable(defaults, k, v)}
     cfg = AutoConfig.for_model(arch, **over)
     with torch.device("meta"):  # its size first: a config that ignores the shrinking is refused, not built
         n = sum(p.numel() for p in _construct(auto, cfg).parameters())
@@ -202,6 +204,16 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
         g = torch.Generator().manual_seed(100 * seed + step)
         return torch.randn(shape, generator=g), torch.randint(0, LABELS, (BATCH,), generator=g)
     return ModelCase(NamedLoss(model.train(), (name, "labels")), batch)
+
+
+def _settable(cfg, key: str, value) -> bool:
+    """Whether the config property ``key`` takes ``value`` (tried on a copy)."""
+    import copy
+    try:
+        setattr(copy.deepcopy(cfg), key, value)
+        return True
+    except Exception:  # noqa: BLE001  (no setter, or one that refuses: NotImplementedError, ValueError)
+        return False
 
 
 def _construct(auto, cfg) -> nn.Module:
