@@ -139,6 +139,7 @@ def shrunk(defaults: dict, kind: str, kv_heads: int | None) -> dict:
             out["decoder_start_token_id"] = 2
     else:
         out["num_labels"] = LABELS
+        out["id2label"] = {i: f"LABEL_{i}" for i in range(LABELS)}  # consistent with num_labels (no warning)
     return out
 
 
@@ -209,11 +210,17 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
 def _settable(cfg, key: str, value) -> bool:
     """Whether the config property ``key`` takes ``value`` (tried on a copy)."""
     import copy
+
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the probe's own complaints (num_labels vs id2label) are not the user's
     try:
         setattr(copy.deepcopy(cfg), key, value)
         return True
     except Exception:  # noqa: BLE001  (no setter, or one that refuses: NotImplementedError, ValueError)
         return False
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _construct(auto, cfg) -> nn.Module:
