@@ -24,10 +24,10 @@ from verify.cases.resume import resume_checks
 from verify.judge.verdict import check_deterministic
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
-from verify.cases.fresh import built_like, load_like
+from verify.cases.fresh import load_like
 from verify.models.loader import build_model
 from verify.cases.model import LR, installed, step_checks
-from verify.cases.reference import SharedReference, reference_grads
+from verify.cases.reference import SharedReference, reference_grads, reference_models
 from verify.models.loader import file_tag
 from verify.cases.pipeline import PIPELINE_MICROBATCHES
 from verify.cases.samples import DTYPES
@@ -53,10 +53,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     case.model.to(dt)
     reference = SharedReference.of(groups, world_size)  # computed on rank 0 alone (verify/cases/reference.py)
     if reference.computes:
-        ref = precision.reference(built_like(name, seed, case.model, dt))
-        ref64 = built_like(name, seed, ref, torch.float64)
-        params = dict(ref.named_parameters())
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        ref, ref64, params, ref_opt = reference_models(name, seed, case.model, dt, precision, LR)
     replicas, replica = world_size // plan_ngpus, dist.get_rank() // plan_ngpus
     m = max(microbatches, PIPELINE_MICROBATCHES)
     batch = lambda step: cast(whole_batch(case.batch, step, m * replicas), dt)  # noqa: E731 (every replica's share)

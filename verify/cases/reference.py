@@ -94,6 +94,15 @@ def _adopt(fallback: Float64Fallback | None, state) -> None:
     fallback.spreads.rel.update(rel)
 
 
+def reference_models(name: str, seed: int, like: torch.nn.Module, dt: torch.dtype, precision, lr: float):
+    """The computing rank's single-device models of a case: the recipe's (in ``dt``), float64, its
+    parameters by name and its AdamW."""
+    from verify.cases.fresh import built_like
+    ref = precision.reference(built_like(name, seed, like, dt))
+    return ref, built_like(name, seed, ref, torch.float64), dict(ref.named_parameters()), \
+        torch.optim.AdamW(ref.parameters(), lr=lr)
+
+
 def reference_grads(params: dict, ref64: torch.nn.Module) -> tuple[dict, dict]:
     """The gradients of the single-device ``params`` (by name) and of the float64 ``ref64`` by the same
     names (``None`` where one has none), copied; ``ref64``'s are then cleared (its next step starts

@@ -24,12 +24,12 @@ from verify.judge.verdict import check_deterministic
 from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
-from verify.cases.fresh import built_like, load_like
+from verify.cases.fresh import load_like
 from verify.models.loader import build_model
 from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.resume import resume_checks
 from verify.cases.model import LR, installed, resolve_policy, step_checks
-from verify.cases.reference import SharedReference, reference_grads
+from verify.cases.reference import SharedReference, reference_grads, reference_models
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.pipeline_replicas import LOSS, run_pipeline_replicas_case
 from verify.cases.samples import DTYPES
@@ -83,10 +83,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     case.model.to(dt)
     reference = SharedReference.of(groups, world_size)  # computed on rank 0 alone (verify/cases/reference.py)
     if reference.computes:
-        ref = precision.reference(built_like(name, seed, case.model, dt))
-        ref64 = built_like(name, seed, ref, torch.float64)
-        params = dict(ref.named_parameters())
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        ref, ref64, params, ref_opt = reference_models(name, seed, case.model, dt, precision, LR)
     replicas, rank = world_size // plan_ngpus, dist.get_rank()
     replica = rank // plan_ngpus
     config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=microbatches,
