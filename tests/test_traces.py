@@ -14,7 +14,7 @@ from verify.cases.traces import TraceCache
 def test_a_second_compile_gets_a_copy_of_the_same_graph():
     case = build_model("nanogpt", 0)
     traces = TraceCache()
-    tracer = traces.tracer(("nanogpt", 0))
+    tracer = traces.tracer("nanogpt")
     first = tracer(case.model, case.batch(0))
     second = tracer(build_model("nanogpt", 0).model, case.batch(1))  # another batch of the same shapes
     assert (traces.misses, traces.hits) == (1, 1)
@@ -30,7 +30,7 @@ def test_a_second_compile_gets_a_copy_of_the_same_graph():
 def test_what_the_trace_depends_on_misses_the_cache():
     case = build_model("nanogpt", 0)
     traces = TraceCache()
-    tracer = traces.tracer(("nanogpt", 0))
+    tracer = traces.tracer("nanogpt")
     tracer(case.model, case.batch(0))
     tracer(case.model, tuple(a[:2] for a in case.batch(0)))  # other shapes
     tracer(case.model.double(), case.batch(0))  # other dtypes
@@ -40,10 +40,40 @@ def test_what_the_trace_depends_on_misses_the_cache():
     assert (traces.misses, traces.hits) == (5, 0)
 
 
+class _Scaled(torch.nn.Module):
+    """A model whose builder draws a scale and a mask from its seed: values the trace bakes in."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = float(torch.rand(1, generator=g))
+        self.mask = torch.rand(4, generator=g) > 0.5  # a plain tensor attribute: a lifted constant
+
+    def forward(self, x):
+        return (self.lin(x) * self.scale).masked_fill(self.mask, 0.0).sum()
+
+
+def test_another_seed_shares_the_trace_unless_the_seed_changed_what_the_trace_bakes_in():
+    traces = TraceCache()
+    tracer = traces.tracer("nanogpt")
+    one, other = build_model("nanogpt", 0), build_model("nanogpt", 1)  # other weights, same program
+    assert str(tracer(one.model, one.batch(0))) == str(tracer(other.model, other.batch(0)))
+    assert (traces.misses, traces.hits) == (1, 1)
+    scaled = traces.tracer("scaled")
+    x = (torch.randn(2, 4),)
+    graphs = [scaled(_Scaled(s), x) for s in (0, 1)]
+    assert (traces.misses, traces.hits) == (3, 1)  # the second seed's scale and mask: a trace of its own
+    assert str(graphs[0]) != str(graphs[1]) or any(
+        not torch.equal(a, b) for a, b in zip(graphs[0].constants.values(), graphs[1].constants.values()))
+    scaled(_Scaled(0), x)
+    assert traces.hits == 2
+
+
 def test_the_cache_keeps_the_most_recent_graphs_only():
     model = torch.nn.Linear(4, 4)
     traces = TraceCache(keep=2)
-    tracer = traces.tracer(("linear", 0))
+    tracer = traces.tracer("linear")
     for rows in (2, 3, 4, 2):
         tracer(model, (torch.randn(rows, 4),))
     assert traces.misses == 4 and len(traces.graphs) == 2

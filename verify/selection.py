@@ -40,6 +40,7 @@ ZOO_DEFAULT = ("vit",)  # the default's: one cheap non-language model
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = Path(__file__).with_name("plans")  # the plans bench/autodist.py prints (`--save verify/plans`)
 DEFAULT_PLANS = ("llama3-8b-8",)  # the default sample's: one cheap plan (dp x ZeRO-3 reduced to W=2)
+TWO_D_POLICIES = ("hybrid", "random2d")  # their mesh is 2-D at W=4 (1-D at W=2)
 
 
 @dataclass(frozen=True)
@@ -181,8 +182,9 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
     """The default sample of ``full`` (a subset of its units, fastest and most telling first):
 
     * every operator unit and every torch-parallelization unit, as in ``full``;
-    * each model under each policy once, at a world size that alternates over models and policies
-      (so each policy runs at every world size on some models), the seeded policies under the seed
+    * each model under each policy once, at a world size that alternates over policies on the fast
+      models and is the largest for two policies of each other model (:func:`_world`; so each policy
+      runs at every world size on some models), the seeded policies under the seed
       ``random_seeds[i % n]`` for the i-th model (each seed draws plans on some models);
     * a checkpoint resume in the first case of each model and of each (policy, world size); the
       rest train without the reload and resume phase; the resumes into a 2-D plan (dp and tp at
@@ -211,7 +213,7 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
     chosen: list[Unit] = []
     for i, m in enumerate(models):
         for j, p in enumerate(policies):
-            w = W[(i + j) % len(W)]
+            w = _world(i, j, m, policies, W)
             seed = random_seeds[i % len(random_seeds)] if p in SEEDED_POLICIES else None
             cands = [u for u in full if u.kind == "model" and u.name == m and u.policy == p and u.microbatches == 1
                      and u.replicas == 1 and not u.recipe and (seed is None or u.seeds == (seed,))]
@@ -269,6 +271,21 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
     pick += [u for u in full if u.kind in ("op", "torchpar")] + default_zoo(full)
     pick += default_plans(full)
     return sorted(pick, key=_order)
+
+
+def _world(i: int, j: int, model: str, policies: Sequence[str], W: Sequence[int]) -> int:
+    """The world size of the ``i``-th model's unit under the ``j``-th policy. The fast models
+    (:data:`FIRST`) alternate world sizes over policies; every other model runs at the smallest but
+    for two units at the largest: one of the 2-D policies (:data:`TWO_D_POLICIES`, whose mesh is 2-D
+    only there) and one of the others, each by turns over the models. On this machine a rank of W=4
+    gets half a core, so a case there costs about three at W=2; each policy still runs at each world
+    size on several models."""
+    if model in FIRST or len(W) == 1:
+        return W[(i + j) % len(W)]
+    two_d = [p for p in policies if p in TWO_D_POLICIES]
+    one_d = [p for p in policies if p not in TWO_D_POLICIES]
+    wide = {two_d[i % len(two_d)] if two_d else None, one_d[i % len(one_d)] if one_d else None}
+    return max(W) if policies[j] in wide else min(W)
 
 
 def _variant(u: Unit, checkpoint: bool) -> Unit:

@@ -132,14 +132,14 @@ def handle(state: RankState, job: dict) -> dict:
                                        clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
                                        zero=job.get("zero", 0), precision=Precision.of(job), memory=log)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last,
-                        used=graph_ops(state.traces, (job["model"], job["seed"])))
+                        used=graph_ops(state.traces, job["model"]))
         if job["kind"] == "torchpar":  # the user's own torch parallelization (verify/cases/torchpar.py)
             checks = run_torchpar_job(job, state.groups)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         if job["kind"] == "model":
             checks = run_model_job(job, state.groups, state.traces, log)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last,
-                        used=graph_ops(state.traces, (job["model"], job["seed"])))
+                        used=graph_ops(state.traces, job["model"]))
         sample, ref = state.sample(job)
         if job["kind"] == "plan":
             plans = {w: [p.label for p in rank_case.partitions_of(sample, w, job.get("partition"))]

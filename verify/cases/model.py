@@ -179,7 +179,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
     pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
-                      Path(gen_dir) / f"{file_tag(name)}-{tag}-w{world_size}-{dtype}-s{seed}", tracer_of(traces, (name, seed)))
+                      Path(gen_dir) / f"{file_tag(name)}-{tag}-w{world_size}-{dtype}-s{seed}", tracer_of(traces, name))
     if microbatches > 1 or is_pipeline_policy(policy):
         check_deterministic(pm.graph, f"{microbatches} micro-batches")
     initial = pm.state_dict()
@@ -328,7 +328,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
     other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
                          ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes, **precision.config_kwargs()),
                          groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",
-                         tracer_of(traces, (name, seed)), announce=False)
+                         tracer_of(traces, name), announce=False)
     other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
     with torch.no_grad():
         with same_draws(seed, step):

@@ -65,7 +65,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "") \
         + (f"-{precision.precision}" if precision.active else "")
     pm = compile_case(case.model, share(batch(0), replica, replicas), policy, config, groups, Path(gen_dir) / tag,
-                      tracer_of(traces, (name, seed)))
+                      tracer_of(traces, name))
     check_deterministic(pm.graph, f"{replicas} replicas of a pipeline")
     loss_fn = loss_fn_of(case)
     start = reference.share(lambda: {n: p.detach().clone() for n, p in params.items()})

@@ -96,7 +96,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     pm = compile_case(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config, groups,
                       Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}{'-clip' if clip else ''}"
                                       f"{'-rc' + recompute if recompute != 'none' else ''}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}",
-                      tracer_of(traces, (name, seed)))
+                      tracer_of(traces, name))
     check_deterministic(pm.graph, f"{replicas} data-parallel replicas")
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     start = reference.share(lambda: {n: p.detach().clone() for n, p in params.items()})

@@ -108,7 +108,7 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
                            ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES,
                                          **precision.config_kwargs()), groups,
                            Path(gen_dir) / f"{file_tag(name)}-reload-{other}-w{w_b}-{dtype}-s{seed}",
-                           tracer_of(traces, (name, seed)), announce=False)
+                           tracer_of(traces, name), announce=False)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
     checkpoint.load(path, resumed, resumed_opt)
     return _loaded_checks(f"under {other} at W={w_b}", resumed.state_dict(), _moments(resumed, resumed_opt, True),
@@ -155,7 +155,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
                            ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1,
                                          **precision.config_kwargs()), groups,
                            Path(gen_dir) / f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}",
-                           tracer_of(traces, (name, seed)), announce=False)
+                           tracer_of(traces, name), announce=False)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
     checkpoint.load(path, resumed, resumed_opt)
     where = f"under {other} at W={w_b}"

@@ -1,14 +1,18 @@
 """A rank's trace cache: a whole-model case compiles its model three or four times (the plan under
 test, the checkpoint reloaded under another plan, the resumed run under plan B), and ``verify all``
 compiles each model under every policy; each compile would export the same model again, the largest
-part of a compile. The graph depends only on the model's structure and the traced arguments, so the
-cache traces once per (model, seed, dtype, argument shapes) and hands every compile a copy.
+part of a compile. The graph depends only on the model's structure, the values a trace bakes in
+(:func:`_baked`) and the traced arguments' shapes, not on the weights, so the cache traces once per
+(model, structure, baked values, argument shapes) and hands every compile a copy: the cases of one
+model under several seeds (the random plans' seeds) share one trace.
 
 ``torch.export`` has no cache of its own (each call re-traces), hence this one."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
+
+import hashlib
 
 import torch
 
@@ -38,20 +42,47 @@ def _structure(model: torch.nn.Module) -> tuple:
             tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()))
 
 
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping (_parameters, hooks, training)
+
+
+def _digest(t: torch.Tensor) -> str:
+    data = t.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest() if data.numel() else ""
+
+
+def _baked(model: torch.nn.Module) -> tuple:
+    """What a trace bakes into the program besides the structure: each module's tensor attributes
+    that are neither parameters nor buffers (lifted as constants) and its plain scalar attributes,
+    by value. Parameters and buffers are the program's inputs, so their values (the seed's draw) are
+    not in it; a builder that draws a constant or a scale from its seed misses the cache."""
+    out = []
+    for name, module in model.named_modules():
+        for k, v in vars(module).items():
+            if k in _MODULE_OWN:
+                continue
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                out.append((name, k, tuple(v.shape), v.dtype, _digest(v) if v.device.type != "meta" else ""))
+            elif isinstance(v, (bool, int, float, str)) or v is None:
+                out.append((name, k, v))
+    return tuple(out)
+
+
 class TraceCache:
-    """Graphs traced on this rank, by the caller's key (model name, seed, dtype), the model's structure
-    and the traced arguments; :meth:`tracer` is what ``parallelize(tracer=...)`` takes."""
+    """Graphs traced on this rank, by the caller's key (the model's name), the model's structure and
+    baked values (:func:`_baked`) and the traced arguments; :meth:`tracer` is what
+    ``parallelize(tracer=...)`` takes."""
 
     def __init__(self, keep: int = KEEP):
         self.keep, self.graphs, self.hits, self.misses = keep, OrderedDict(), 0, 0
 
-    def tracer(self, key: tuple) -> Tracer:
+    def tracer(self, key: Hashable) -> Tracer:
         """A tracer for the model ``key`` names: a copy of the graph traced before on the same
         arguments, or a new trace (kept)."""
         def traced(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *,
                    registry=None, strict: bool = False) -> IRGraph:
             known = (DEFAULT_REGISTRY if registry is None else registry).fingerprint()
-            full = (key, _structure(model), _signature(tuple(args)), _signature(dict(kwargs or {})), known, strict)
+            full = (key, _structure(model), _baked(model), _signature(tuple(args)), _signature(dict(kwargs or {})),
+                    known, strict)
             if full in self.graphs:
                 self.hits += 1
                 self.graphs.move_to_end(full)
@@ -64,7 +95,7 @@ class TraceCache:
         return traced
 
 
-def graph_ops(traces: "TraceCache | None", key: tuple) -> dict | None:
+def graph_ops(traces: "TraceCache | None", key: Hashable) -> dict | None:
     """What the verdict cache keys a model case on (:mod:`verify.cache`): the aten operators of the
     graphs ``traces`` holds for ``key`` (``ops``), and those of them no rule annotated (``fixed``: a
     catalogue entry matched, or nothing did); None when it holds no graph for ``key``."""
@@ -76,6 +107,6 @@ def graph_ops(traces: "TraceCache | None", key: tuple) -> dict | None:
             "fixed": sorted({op.overload for op in ops if op.spec is None or not op.spec.name.startswith("rule.")})}
 
 
-def tracer_of(traces: TraceCache | None, key: tuple) -> Tracer | None:
+def tracer_of(traces: TraceCache | None, key: Hashable) -> Tracer | None:
     """``traces.tracer(key)``, or None (``parallelize`` traces afresh) without a cache."""
     return None if traces is None else traces.tracer(key)
