@@ -20,7 +20,8 @@ class Raw(str):
 
 def comment(text: str) -> str:
     """``text`` made safe for the rest of one ``#`` comment line (no line breaks, no control characters)."""
-    return "".join(ch if ch.isprintable() else " " for ch in str(text))
+    text = str(text)
+    return text if text.isprintable() else "".join(ch if ch.isprintable() else " " for ch in text)
 
 
 def literal(value: Any) -> str:

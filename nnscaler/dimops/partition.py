@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Sequence
 
 from .binding import BoundAnno
@@ -36,13 +37,13 @@ class Partition:
     def replicas(self) -> int:
         return self.world_size // self.degree
 
-    @property
+    @cached_property  # read per tensor of every op by layouts and code generation: computed once
     def mesh_shape(self) -> tuple[int, ...]:
         shape = tuple(f for _, f in self.splits)
         rest = self.world_size // math.prod(shape)
         return shape + ((rest,) if rest > 1 else ())
 
-    @property
+    @cached_property
     def axis_ids(self) -> tuple[str | None, ...]:
         """The identifier each mesh axis splits; ``None`` for the replication axis."""
         ids = tuple(i for i, _ in self.splits)

@@ -56,6 +56,7 @@ class IROp:
     cast: Any = None  # bf16-mixed: the dtype its floating inputs are cast to, "drop" for a dtype assert (runtime/precision.py)
     checkpoint: int | None = None  # the model's torch.utils.checkpoint call it ran in (trace/checkpoints.py)
     literals: dict | None = None  # bf16-mixed: {traced constant: the one it computes with} (trace/amp.py)
+    _layouts: dict = field(default_factory=dict, repr=False, compare=False)  # layout()'s answers, see there
 
     @property
     def known(self) -> bool:
@@ -64,8 +65,15 @@ class IROp:
     def layout(self, partition: Partition) -> OpLayout:
         """The layouts of this (known) op's inputs and outputs under ``partition``; floating inputs
         may be partial values, others are replicated instead."""
-        floating = [isinstance(x, IRTensor) and x.dtype.is_floating_point for x in self.inputs[:len(self.bound.inputs)]]
-        return op_layout(self.bound, partition, floating)
+        floating = tuple(isinstance(x, IRTensor) and x.dtype.is_floating_point for x in self.inputs[:len(self.bound.inputs)])
+        # planning and code generation ask for the same layouts many times: a pure function of the
+        # bound annotation (kept to check it is still this op's), the partition and the inputs' kinds
+        known = self._layouts.get((partition, floating))
+        if known is not None and known[0] is self.bound:
+            return known[1]
+        out = op_layout(self.bound, partition, floating)
+        self._layouts[(partition, floating)] = (self.bound, out)
+        return out
 
     def tensor_inputs(self) -> list[IRTensor]:
         """Every tensor this op reads, in order: positional, nested in lists, tuples and dicts, and
