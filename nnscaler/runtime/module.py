@@ -26,6 +26,26 @@ def _parse_layout(text: Sequence[str]) -> list:
     return [Shard.parse(q) if q.startswith("D") else None for q in text]
 
 
+GATHER_BUCKET_BYTES = 64 << 20  # the most one state_dict all_gather sends per rank
+
+
+def _buckets(names: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """``names`` grouped by dtype (in order of first appearance), each group cut into runs of at
+    most :data:`GATHER_BUCKET_BYTES` (a tensor larger than that alone)."""
+    out: list[list[str]] = []
+    open_: dict[torch.dtype, tuple[list[str], int]] = {}
+    for n in names:
+        t = tensors[n]
+        size = t.numel() * t.element_size()
+        run, used = open_.get(t.dtype, (None, 0))
+        if run is None or used + size > GATHER_BUCKET_BYTES:
+            run, used = [], 0
+            out.append(run)
+        run.append(n)
+        open_[t.dtype] = (run, used + size)
+    return out
+
+
 def take(full: torch.Tensor, slices: Sequence[tuple]) -> torch.Tensor:
     """The piece of ``full`` at ``slices`` (``(start, stop)`` per dim, ``(start, stop, blocks)``
     for a dim split in blocks)."""
@@ -279,20 +299,46 @@ class ParallelModule(torch.nn.Module):
                 x = join_blocks(parts, q.dim, q.blocks)
         return x
 
+    def _whole_many(self, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """:meth:`_whole` of every piece at once, in the order given: per mesh axis (highest first)
+        one ``all_gather`` of all the pieces split on it, flattened and joined per dtype (in buckets
+        of at most :data:`GATHER_BUCKET_BYTES`), where one collective per tensor cost a round trip
+        each (a model's state is hundreds of small tensors). Every rank of the module must call it
+        with the same names in the same order."""
+        out = dict(pieces)
+        layouts = {n: _parse_layout(self._program.STATE[n][1]) for n in out}
+        for axis in reversed(range(max((len(q) for q in layouts.values()), default=0))):
+            group = self._mesh.groups[axis]
+            if group is None:
+                continue
+            split = [n for n in out if axis < len(layouts[n]) and layouts[n][axis] is not None]
+            for names in _buckets(split, out):
+                flat = torch.cat([out[n].contiguous().reshape(-1) for n in names])
+                parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, flat, group=group)
+                at = 0
+                for n in names:
+                    x, q = out[n], layouts[n][axis]
+                    out[n] = join_blocks([p[at:at + x.numel()].view(x.shape) for p in parts], q.dim, q.blocks)
+                    at += x.numel()
+        return out
+
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D401
         """Whole tensors under the single-device model's names (gathered from every rank)."""
         with self.materialized():
-            return {name: self._whole(name, getattr(self, key).detach()).clone() for key, name in self._names.items()}
+            local = {name: getattr(self, key).detach() for key, name in self._names.items()}
+            return {name: x.clone() for name, x in self._whole_many(local).items()}
 
     def whole_grads(self) -> dict[str, torch.Tensor | None]:
         """Whole gradients of the trainable parameters, under the model's names."""
-        out = {}
+        grads = {}
         for key, name in self._names.items():
             p = getattr(self, key)
             if isinstance(p, torch.nn.Parameter):
                 g = p.grad if self._zero is None or self._zero.stage < 2 else self._zero.full_grad(p)  # zero 2/3: shards
-                out[name] = None if g is None else self._whole(name, g.detach()).clone()
-        return out
+                grads[name] = None if g is None else g.detach()
+        whole = self._whole_many({n: g for n, g in grads.items() if g is not None})
+        return {n: None if g is None else whole[n].clone() for n, g in grads.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         """Load whole tensors (from the single-device model, or from ``state_dict`` under any plan)."""
