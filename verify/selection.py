@@ -219,7 +219,7 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
                      and u.replicas == 1 and not u.recipe and (seed is None or u.seeds == (seed,))]
             cands.sort(key=lambda u: (u.world_sizes != (w,), u.seeds))
             if cands:
-                resume = p == policies[i % len(policies)]  # each model resumes under one policy, by turns
+                resume = p == _resume_policy(i, m, policies, W)  # each model resumes under one policy, by turns
                 chosen.append(_variant(cands[0], resume))
     resumed = {(u.policy, u.world_sizes) for u in chosen if u.checkpoint}
     for k, u in enumerate(chosen):  # and each (policy, world size) resumes somewhere
@@ -232,8 +232,9 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
                    for u in chosen):
                 continue
             m = next((m for m in models if m in BLOCKED_MODELS), None)
-            at = next((k for k, u in enumerate(chosen) if u.name == m and u.policy == p), None)
-            if at is not None and chosen[at].world_sizes == (4,):
+            at = next((k for k, u in enumerate(chosen)  # a unit of the sample there already resumes
+                       if u.name in BLOCKED_MODELS and u.policy == p and u.world_sizes == (4,)), None)
+            if at is not None:
                 chosen[at] = _variant(chosen[at], True)
             elif m is not None:
                 seed = min(u.seeds[0] for u in full if u.kind == "model" and u.name == m)
@@ -286,6 +287,16 @@ def _world(i: int, j: int, model: str, policies: Sequence[str], W: Sequence[int]
     one_d = [p for p in policies if p not in TWO_D_POLICIES]
     wide = {two_d[i % len(two_d)] if two_d else None, one_d[i % len(one_d)] if one_d else None}
     return max(W) if policies[j] in wide else min(W)
+
+
+def _resume_policy(i: int, model: str, policies: Sequence[str], W: Sequence[int]) -> str:
+    """The policy the ``i``-th model resumes from its checkpoint under, by turns over the policies:
+    any on the fast models, on the others one of those it runs at the smallest world size (a resume
+    compiles and trains twice more; the fast models resume at the largest too)."""
+    if model in FIRST:
+        return policies[i % len(policies)]
+    small = [p for j, p in enumerate(policies) if _world(i, j, model, policies, W) == min(W)] or list(policies)
+    return small[i % len(small)]
 
 
 def _variant(u: Unit, checkpoint: bool) -> Unit:

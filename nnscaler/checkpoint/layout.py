@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -66,31 +65,19 @@ GATHER_BYTES = 2**20  # pieces gathered together in one collective: few collecti
 def gather_blocks(module: "ParallelModule", items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
     """Each ``(name, local)`` made whole along the axes that split ``name`` in blocks (stored
     replicated on those axes), with one all-gather per axis, dtype and ``GATHER_BYTES`` of pieces
-    rather than one per tensor (every rank calls this with the same names in the same order)."""
-    from ..dimops.layout import join_blocks
+    rather than one per tensor (:func:`nnscaler.runtime.merge.gather_joined`; every rank calls this
+    with the same names in the same order)."""
+    from ..runtime.merge import gather_joined
     out = [local for _, local in items]
-    layouts = [module._program.STATE[name][1] for name, _ in items]
+    blocked = [_blocked(module._program.STATE[name][1]) for name, _ in items]
     for axis, group in enumerate(module.mesh.groups):
-        if group is None:
+        todo = [(i, dim, blocks) for i, b in enumerate(blocked) for a, dim, blocks in b if a == axis]
+        if group is None or not todo:
             continue
-        todo: dict[torch.dtype, list[list[tuple[int, int, int]]]] = {}
-        for i, layout in enumerate(layouts):
-            for a, dim, blocks in _blocked(layout):
-                if a == axis:
-                    runs = todo.setdefault(out[i].dtype, [[]])
-                    if sum(out[j].numel() * out[j].element_size() for j, _, _ in runs[-1]) >= GATHER_BYTES:
-                        runs.append([])
-                    runs[-1].append((i, dim, blocks))
-        for runs in todo.values():
-            for run in runs:
-                flat = torch.cat([out[i].reshape(-1) for i, _, _ in run])
-                parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(parts, flat, group=group)
-                offset = 0
-                for i, dim, blocks in run:
-                    n, shape = out[i].numel(), out[i].shape
-                    out[i] = join_blocks([q[offset:offset + n].view(shape) for q in parts], dim, blocks)
-                    offset += n
+        whole = gather_joined([out[i] for i, _, _ in todo], [(dim, blocks) for _, dim, blocks in todo], group,
+                              GATHER_BYTES)
+        for (i, _, _), w in zip(todo, whole):
+            out[i] = w
     return out
 
 

@@ -10,12 +10,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..dimops.layout import Shard, join_blocks, take_piece
+from ..dimops.layout import Shard, take_piece
 from . import clip
 from ..config import PlanError
 from .grad_sync import GradSync
 from .precision import GRAD_REDUCE_DTYPES, autocast_message, autocast_on
 from .mesh import RankMesh
+from .merge import gather_joined
 from .microbatch import accumulate
 from .zero import guard_hand_zero
 from .shard_grad import real
@@ -27,23 +28,6 @@ def _parse_layout(text: Sequence[str]) -> list:
 
 
 GATHER_BUCKET_BYTES = 64 << 20  # the most one state_dict all_gather sends per rank
-
-
-def _buckets(names: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
-    """``names`` grouped by dtype (in order of first appearance), each group cut into runs of at
-    most :data:`GATHER_BUCKET_BYTES` (a tensor larger than that alone)."""
-    out: list[list[str]] = []
-    open_: dict[torch.dtype, tuple[list[str], int]] = {}
-    for n in names:
-        t = tensors[n]
-        size = t.numel() * t.element_size()
-        run, used = open_.get(t.dtype, (None, 0))
-        if run is None or used + size > GATHER_BUCKET_BYTES:
-            run, used = [], 0
-            out.append(run)
-        run.append(n)
-        open_[t.dtype] = (run, used + size)
-    return out
 
 
 def take(full: torch.Tensor, slices: Sequence[tuple]) -> torch.Tensor:
@@ -286,22 +270,15 @@ class ParallelModule(torch.nn.Module):
 
     # -- whole-model state ---------------------------------------------------------------------------
     def _whole(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """Gather this rank's piece of ``name`` (or of its gradient) into the whole tensor: highest
-        mesh axis first, since a higher axis splits the chunk a lower one gave (the nesting convention of
-        :mod:`nnscaler.comm.conversion`, which ``shard_slices`` follows when the state is laid out)."""
-        layout = self._program.STATE[name][1]
-        for axis in reversed(range(len(layout))):
-            q = _parse_layout(layout)[axis]
-            group = self._mesh.groups[axis]
-            if q is not None and group is not None:
-                parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(parts, x.contiguous(), group=group)
-                x = join_blocks(parts, q.dim, q.blocks)
-        return x
+        """Gather this rank's piece of ``name`` (or of its gradient) into the whole tensor
+        (:meth:`_whole_many` of one piece)."""
+        return self._whole_many({name: x})[name]
 
     def _whole_many(self, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """:meth:`_whole` of every piece at once, in the order given: per mesh axis (highest first)
-        one ``all_gather`` of all the pieces split on it, flattened and joined per dtype (in buckets
+        """The whole tensor of each rank's piece, by name, in the order given: highest mesh axis
+        first, since a higher axis splits the chunk a lower one gave (the nesting convention of
+        :mod:`nnscaler.comm.conversion`, which ``shard_slices`` follows when the state is laid out).
+        Per axis, one ``all_gather`` of all the pieces split on it, flattened and joined per dtype (in buckets
         of at most :data:`GATHER_BUCKET_BYTES`), where one collective per tensor cost a round trip
         each (a model's state is hundreds of small tensors). Every rank of the module must call it
         with the same names in the same order."""
@@ -309,18 +286,12 @@ class ParallelModule(torch.nn.Module):
         layouts = {n: _parse_layout(self._program.STATE[n][1]) for n in out}
         for axis in reversed(range(max((len(q) for q in layouts.values()), default=0))):
             group = self._mesh.groups[axis]
-            if group is None:
-                continue
             split = [n for n in out if axis < len(layouts[n]) and layouts[n][axis] is not None]
-            for names in _buckets(split, out):
-                flat = torch.cat([out[n].contiguous().reshape(-1) for n in names])
-                parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(parts, flat, group=group)
-                at = 0
-                for n in names:
-                    x, q = out[n], layouts[n][axis]
-                    out[n] = join_blocks([p[at:at + x.numel()].view(x.shape) for p in parts], q.dim, q.blocks)
-                    at += x.numel()
+            if group is None or not split:
+                continue
+            whole = gather_joined([out[n] for n in split], [(layouts[n][axis].dim, layouts[n][axis].blocks) for n in split],
+                                  group, GATHER_BUCKET_BYTES)
+            out.update(zip(split, whole))
         return out
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D401

@@ -2,9 +2,6 @@
 ``nnscaler/codegen/emit.py``, ``nnscaler/pipeline/checkpoint.py``)."""
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 from ._base import mutant, patch
 
 
@@ -25,19 +22,10 @@ def shard_offset_reversed():
 
 @mutant
 def checkpoint_merge_reversed():
-    M = _M()
-
-    def whole(self, name, x):
-        layout = self._program.STATE[name][1]
-        for axis in reversed(range(len(layout))):
-            q = M._parse_layout(layout)[axis]
-            group = self._mesh.groups[axis]
-            if q is not None and group is not None:
-                parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(parts, x.contiguous(), group=group)
-                x = M.join_blocks(parts[::-1], q.dim, q.blocks)
-        return x
-    patch(M.ParallelModule, "_whole", whole)
+    """Merges (``state_dict``, a checkpoint's blocked pieces) join the ranks' pieces in reverse order."""
+    from nnscaler.runtime import merge
+    orig = merge.join_blocks
+    patch(merge, "join_blocks", lambda parts, dim, blocks: orig(parts[::-1], dim, blocks))
 
 
 @mutant
