@@ -15,8 +15,8 @@ from verify.cases.torchpar_builtin import CASES as TORCH_CASES
 from verify.models.registry import MODELS
 from verify.names import TWO_D_RESUME
 from verify.runner.limits import max_ranks
-from verify.selection import (BLOCKED_MODELS, DEFAULT_PLANS, PLANS, RECIPE_MODELS, SEEDED_POLICIES, Unit, _same,
-                              default_units, full_order, full_units, plan_units, saved_plans, wide_plan_units)
+from verify.selection import (BLOCKED_MODELS, DEFAULT_PLANS, NO_RESUME_STEPS, PLANS, RECIPE_MODELS, SEEDED_POLICIES,
+                              Unit, _same, default_units, full_order, full_units, plan_units, saved_plans, wide_plan_units)
 from verify.shard import ShardError, assign, check_shards, estimate, fingerprint, parse_shard, recorded_times, shard
 
 # the built-in models and policies (the test fixtures register more: tp_* models, tp_sp policies)
@@ -69,6 +69,20 @@ def test_each_expensive_axis_is_exercised_at_least_once(matrix):
     assert {u.policy for u in models if u.replicas > 1 and not u.recipe} == {"tp", "pp"}
     assert {(u.policy, u.replicas, u.world_sizes) for u in models if u.recipe} == \
         {("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,)), ("pp2_dp", 1, (4,))}
+
+
+def test_no_resume_units_train_two_steps_and_are_the_first_steps_of_the_full_units(matrix):
+    """The default's no-resume model units train NO_RESUME_STEPS; its resumes and the whole matrix 3;
+    --full runs each default unit as the matrix has it, so it trains the same first steps."""
+    full, default = matrix
+    models = [u for u in default if u.kind == "model"]
+    assert {u.steps for u in models if u.checkpoint} == {3}
+    assert {u.steps for u in models if not u.checkpoint and u.replicas == 1 and not u.recipe
+            and not u.name.startswith("zoo:")} == {NO_RESUME_STEPS} == {2}
+    assert {u.steps for u in full} == {3}
+    order = full_order(full, default)
+    assert [_same(u) for u in order[:len(default)]] == [_same(u) for u in default]
+    assert all(u.steps == 3 for u in order)
 
 
 def test_a_piece_split_in_blocks_is_resumed_on_a_2x2_mesh_under_each_2d_resume(matrix):

@@ -36,7 +36,7 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
     if unit.replicas > 1:
         yield from run_replicas(gang, unit.name, (unit.policy,), run_cfg, gen_dir, unit.replicas, skip=skip, used=used)
     else:
-        yield from run_model(gang, unit.name, (unit.policy,), run_cfg, gen_dir, skip=skip,
+        yield from run_model(gang, unit.name, (unit.policy,), run_cfg, gen_dir, steps=unit.steps, skip=skip,
                              checkpoint=unit.checkpoint, used=used)
 
 

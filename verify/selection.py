@@ -41,6 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PLANS = Path(__file__).with_name("plans")  # the plans bench/autodist.py prints (`--save verify/plans`)
 DEFAULT_PLANS = ("llama3-8b-8",)  # the default sample's: one cheap plan (dp x ZeRO-3 reduced to W=2)
 TWO_D_POLICIES = ("hybrid", "random2d")  # their mesh is 2-D at W=4 (1-D at W=2)
+NO_RESUME_STEPS = 2
+"""Steps of the default's model units that do not resume: AdamW's first step (no moments yet) and one
+with moments, each judged in full; a third takes the same paths as the second. A unit that resumes
+keeps the matrix's 3 (its checkpoint carries them), and ``--full`` trains 3 everywhere, so each of
+the default's units is the first steps of the matching ``--full`` unit."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class Unit:
     replicas: int = 1
     checkpoint: bool = True
     recipe: bool = False
+    steps: int = 3  # AdamW steps a model unit trains (the matrix's 3; see NO_RESUME_STEPS)
 
     @property
     def label(self) -> str:
@@ -300,7 +306,10 @@ def _resume_policy(i: int, model: str, policies: Sequence[str], W: Sequence[int]
 
 
 def _variant(u: Unit, checkpoint: bool) -> Unit:
-    return Unit(**{**u.__dict__, "checkpoint": checkpoint})
+    """``u`` resuming from its checkpoint or not; the default's no-resume units train
+    :data:`NO_RESUME_STEPS` steps."""
+    return Unit(**{**u.__dict__, "checkpoint": checkpoint,
+                   "steps": Unit.steps if checkpoint else NO_RESUME_STEPS})
 
 
 def _order(u: Unit) -> tuple:
@@ -312,8 +321,8 @@ def _order(u: Unit) -> tuple:
 
 def full_order(full: Sequence[Unit], default: Sequence[Unit]) -> list[Unit]:
     """``--full``'s order: the default sample first, each unit as the matrix has it (with its
-    checkpoint resume: the same training, more checks), so a mutant the default kills dies as soon;
-    then the rest of the matrix."""
+    checkpoint resume and all its steps: the same training, continued, and more checks), so a mutant
+    the default kills dies as soon; then the rest of the matrix."""
     whole = {_same(u): u for u in full}
     first = [whole.get(_same(u), u) for u in default]
     keys = {_same(u) for u in first}
@@ -321,5 +330,6 @@ def full_order(full: Sequence[Unit], default: Sequence[Unit]) -> list[Unit]:
 
 
 def _same(u: Unit) -> tuple:
-    """A unit and its no-resume variant run the same training: the matrix counts them as one."""
-    return tuple(v for k, v in u.__dict__.items() if k != "checkpoint")
+    """A unit and its no-resume variant run the same training (the variant's first steps of it): the
+    matrix counts them as one."""
+    return tuple(v for k, v in u.__dict__.items() if k not in ("checkpoint", "steps"))
