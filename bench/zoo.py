@@ -56,19 +56,19 @@ def sample(n: int, kinds=KINDS) -> list[str]:
 
 
 def attention_split(graph, plan) -> tuple[int, int]:
-    """(attention-score operators, of them split on their heads dim) under ``plan``: softmax and sdpa
-    outputs of 3 or more dims whose last dim (the keys) is over 1; heads are dim 1 of 4-dim scores, dim 0 of (batch x heads)-fused 3-dim ones."""
-    from nnscaler.dimops.layout import Shard
+    """(attention-score operators, of them split on their heads) under ``plan``: softmax and sdpa
+    outputs of 3 or more dims whose last dim (the keys) is over 1 (a softmax over a length-1 last
+    dim weighs tokens, as additive attention does: no heads). Split by heads as
+    :func:`nnscaler.policies.heads.heads_split` reads it: a dim between the batch and the (queries,
+    keys) pair, or dim 0 of 3-d scores in blocks (heads merged into the batch)."""
+    from nnscaler.policies.heads import heads_split
     n = split = 0
     for op in graph.ops:
         out = op.outputs[0] if op.outputs else None
         if out is None or len(out.shape) < 3 or not any(a in op.overload for a in ATTENTION) or out.shape[-1] == 1:
-            continue  # (a softmax over a length-1 last dim weighs tokens, as additive attention does: no heads)
+            continue
         n += 1
-        if op.known:
-            lay = op.layout(plan.partition(op)).outputs[0] or ()
-            heads = 1 if len(out.shape) >= 4 else 0
-            split += any(isinstance(q, Shard) and q.dim == heads for q in lay)
+        split += bool(op.known and heads_split(op, plan))
     return n, split
 
 

@@ -72,15 +72,23 @@ class Anno:
         return tuple(math.prod(int(x) if x.isdigit() else sizes[x] for x in ids)
                      for ids in self.expanded(t, len(star_sizes)))
 
-    def splittable(self, star_len: int) -> set[str]:
+    def splittable(self, star_len: int, sizes: dict[str, int] | None = None) -> set[str]:
         """Identifiers a partition may split: not frozen, never a non-first group factor unless
-        only numbers precede it (``(3 d)``)."""
+        only numbers precede it (``(3 d)``), or it also leads a dim somewhere and every factor
+        before it has a known length (numbers, or names in ``sizes``)."""
+        known = sizes or {}
+        whole = {toks[0] for t in self.tensors() for toks, _ in (t or [])}
         barred = {x for t in self.tensors() for toks, _ in (t or []) for j, x in enumerate(toks)
-                  if j and not all(y.isdigit() for y in toks[:j])}
+                  if j and not all(y.isdigit() for y in toks[:j])
+                  and (x not in whole or not all(y.isdigit() or y in known for y in toks[:j]))}
         out = {n for n in self.names() if self.markers[n] != "^" and n not in barred}
         if self.has_star():
             out |= {f"*{k}" for k in range(star_len)}
         return out
+
+    def nested(self, split) -> bool:
+        """Whether two of the identifiers ``split`` are factors of one merged dim."""
+        return any(len(set(toks) & set(split)) > 1 for t in self.tensors() for toks, _ in (t or []))
 
 
 @st.composite

@@ -21,12 +21,14 @@ CASES = bound_cases(size_values=st.sampled_from([2, 4, 6, 8, 12, 1, 3]), max_nam
 MATMUL = "b m k+, b k+ n -> b m n"
 
 
-def brute_force(ids, sizes, world):
-    """Every assignment of a factor (1 = not split) to every identifier, as {ident: factor>1}."""
+def brute_force(ids, sizes, world, nested=lambda split: False):
+    """Every assignment of a factor (1 = not split) to every identifier, as {ident: factor>1}, never
+    two factors of one merged dim (``nested``)."""
     ids = sorted(ids)
     choices = [[f for f in range(1, world + 1) if world % f == 0 and sizes[i] % f == 0] for i in ids]
-    return {frozenset((i, f) for i, f in zip(ids, combo) if f > 1)
-            for combo in itertools.product(*choices) if world % math.prod(combo) == 0}
+    out = {frozenset((i, f) for i, f in zip(ids, combo) if f > 1)
+           for combo in itertools.product(*choices) if world % math.prod(combo) == 0}
+    return {s for s in out if not nested({i for i, _ in s})}
 
 
 def bound_case(case):
@@ -42,7 +44,7 @@ def bound_case(case):
 @given(CASES, WORLDS)
 def test_partition_space(case, world):
     anno, b, sizes, star_len = bound_case(case)
-    allowed = anno.splittable(star_len)  # not frozen, not a number, not a group factor after a name
+    allowed = anno.splittable(star_len, sizes)  # not frozen, not a number, not a group factor after an unknown length
     parts = list(enumerate_partitions(b, world))
     assert parts[0].splits == ()  # pure replication
     for p in parts:
@@ -56,7 +58,7 @@ def test_partition_space(case, world):
         assert p.mesh_shape in mesh_shapes(world) and math.prod(p.mesh_shape) == world
         assert local_sizes(b, p) == {i: n // p.factor(i) for i, n in sizes.items()}
     assert len({p.label for p in parts}) == len(parts)  # no duplicates
-    assert {frozenset(p.splits) for p in parts} == brute_force(allowed, sizes, world)
+    assert {frozenset(p.splits) for p in parts} == brute_force(allowed, sizes, world, anno.nested)
 
 
 def test_matmul_on_four_ranks():
@@ -73,11 +75,24 @@ def test_small_lengths_limit_the_space():
     assert [p.label for p in enumerate_partitions(b, 1)] == ["replicate"]
 
 
-def test_frozen_numbers_and_hidden_factors_are_never_split():
+def test_frozen_numbers_are_never_split_and_inner_factors_split_in_blocks():
     b = bind("a b^ -> a b^", [(4, 4)])
     assert {p.label for p in enumerate_partitions(b, 4)} == {"replicate", "a=2", "a=4"}
-    b = bind("(h d) s 4 -> h s d", [(16, 3, 4)], known={"h": 4})
+    b = bind("(h d) s 4 -> h s", [(16, 3, 4)], known={"h": 4})  # d hidden: a factor only
     assert {p.label for p in enumerate_partitions(b, 4)} == {"replicate", "h=2", "h=4"}
+    b = bind("(h d) s 4 -> h s d", [(16, 3, 4)], known={"h": 4})  # d also leads a dim: a reshape
+    assert {p.label for p in enumerate_partitions(b, 4)} == {"replicate", "h=2", "h=4", "d=2", "d=4"}
+    # d, the inner factor of (h d): each rank holds its share of d inside each of the h blocks
+    assert op_layout(b, Partition.parse("d=2", 2)).inputs[0] == (Shard(0, 4),)
+    assert op_layout(b, Partition.parse("d=2", 2)).outputs[0] == (Shard(2),)
+
+
+def test_a_merged_dim_is_never_split_on_two_of_its_factors():
+    b = bind("a b c -> (a b) c", [(4, 4, 2)])  # b leads a dim of the input
+    labels = {p.label for p in enumerate_partitions(b, 4)}
+    assert {"a=2,b=2", "b=2,a=2"}.isdisjoint(labels) and {"a=2,c=2", "b=2,c=2", "b=4"} <= labels
+    with pytest.raises(AnnotationError, match="cannot split twice"):
+        check_partition(b, Partition.parse("a=2,b=2", 4))
 
 
 # --- Partition values and checks ------------------------------------------------------------------
@@ -107,7 +122,7 @@ def test_partition_parse_zero_factor():
 @pytest.mark.parametrize("label, world, words", [
     ("x=2", 4, "'x'"),           # unknown identifier
     ("f=2", 4, "'f'"),           # frozen
-    ("d=2", 4, "'d'"),           # non-first factor of a group
+    ("d=2", 4, "'d'"),           # a hidden factor (it leads no dim)
     ("3=3", 3, "'3'"),           # a number
     ("m=4", 4, "not divisible"),  # factor does not divide the length (6)
     ("m=1", 4, "'m'"),           # a factor of 1 is not a split

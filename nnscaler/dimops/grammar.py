@@ -6,7 +6,10 @@ An annotation names every dimension of every tensor argument and result of an op
 * a number (``1``, ``3``) is a fixed length;
 * ``*`` stands for any number of leading/inner dims, the same in every tensor that has one;
 * ``?`` is a non-tensor (or opaque) argument;
-* ``(h d)`` is one real dim made of hidden factors; only the first factor may be split;
+* ``(h d)`` is one real dim made of hidden factors; only the first factor may be split, unless
+  only numbers precede it (``(3 d)``) or it also leads a dim of a tensor of the annotation (a
+  reshape's ``a b -> (a b)``): the merged dim is then split in blocks, each rank
+  holding its share of ``b`` inside each of the ``a`` blocks (never together with ``a``);
 * a marker after an identifier: none = spatially splittable, ``+`` = splittable by value (results
   lacking it become partial sums), ``^`` = frozen, never split; a number may carry ``^`` (``2^``,
   numbers are never split anyway) and ``*^`` is a frozen star (its dims are never split);

@@ -115,20 +115,46 @@ def axis_groups(shape: Sequence[int]) -> list[list[tuple[int, ...]]]:
     return out
 
 
-def _fixed_prefix(ids: tuple[str, ...], j: int) -> bool:
-    return all(i.isdigit() for i in ids[:j])
+def prefix_size(ids: tuple[str, ...], j: int, bound: BoundAnno) -> int | None:
+    """The length of the factors before factor ``j`` of a merged dim: a split of factor ``j`` holds
+    that many blocks of the dim (``(3 d)``: 3; ``(b h)``, heads merged into the batch: b); ``None``
+    where a factor's length is unknown."""
+    n = 1
+    for i in ids[:j]:
+        size = int(i) if i.isdigit() else bound.sizes.get(i)
+        if size is None:
+            return None
+        n *= size
+    return n
 
 
 def splittable(bound: BoundAnno) -> list[str]:
-    """Identifiers that may be split: not frozen, not a number, never a non-first group factor
-    unless every factor before it is a number (``(3 d)``: d is split in 3 blocks), never one naming
-    several dims of a tensor (``l l``: see :mod:`nnscaler.dimops.grammar`)."""
+    """Identifiers that may be split: not frozen, not a number, never one naming several dims of a
+    tensor (``l l``: see :mod:`nnscaler.dimops.grammar`). A non-first factor of a merged dim stays
+    hidden, unless only numbers precede it (``(3 d)``: d in 3 blocks, a fused qkv) or it also leads
+    a dim of a tensor and the factors before it have known lengths (a reshape's ``a b c d -> (a b) c
+    d``: heads merged into the batch, split in ``a`` blocks). A partition never splits such a factor
+    together with one before it (:func:`nested_splits`)."""
     barred: set[str] = set(bound.anno.repeated())
+    whole = {ids[0] for dims in bound.inputs + bound.outputs for ids in dims or ()}  # dims they lead
     for dims in bound.inputs + bound.outputs:
         for ids in dims or ():
-            barred.update(i for j, i in enumerate(ids) if j and not _fixed_prefix(ids, j))
+            barred.update(i for j, i in enumerate(ids) if j and not all(x.isdigit() for x in ids[:j])
+                          and (i not in whole or prefix_size(ids, j, bound) is None))
     return [i for i in bound.identifiers()
             if bound.markers.get(i) != FROZEN and i not in barred and i in bound.sizes]
+
+
+def nested_splits(bound: BoundAnno, named) -> tuple[str, str] | None:
+    """Two of the split identifiers ``named`` that one merged dim holds, ``(outer, inner)``: a
+    layout cannot split a dim and then split each of its pieces in blocks, so no partition has both."""
+    named = set(named)
+    for dims in bound.inputs + bound.outputs:
+        for ids in dims or ():
+            cut = [i for i in ids if i in named]
+            if len(cut) > 1:
+                return cut[0], cut[1]
+    return None
 
 
 def _divisors(n: int) -> list[int]:
@@ -144,7 +170,7 @@ def enumerate_partitions(bound: BoundAnno, world_size: int) -> Iterator[Partitio
         yield Partition(chosen, world_size)
         for j in range(start, len(ids)):
             for f in _divisors(remaining):
-                if bound.sizes[ids[j]] % f == 0:
+                if bound.sizes[ids[j]] % f == 0 and nested_splits(bound, [i for i, _ in chosen] + [ids[j]]) is None:
                     yield from rec(j + 1, remaining // f, chosen + ((ids[j], f),))
 
     yield from rec(0, world_size, ())
@@ -168,6 +194,10 @@ def check_partition(bound: BoundAnno, partition: Partition) -> None:
         if bound.sizes[ident] % (f * k):
             raise AnnotationError(f"partition {partition.label!r}: {ident!r} has length {bound.sizes[ident]}, "
                                   f"not divisible by {f * k}" + (f" ({f} ranks x {k} blocks)" if k > 1 else ""))
+    nested = nested_splits(bound, named)
+    if nested is not None:
+        raise AnnotationError(f"partition {partition.label!r}: {nested[1]!r} is a factor of the dim {nested[0]!r} "
+                              f"leads, which a layout cannot split twice; split one of them")
     for ident, k in partition.blocks:
         if ident not in named or k < 2:
             raise AnnotationError(f"partition {partition.label!r}: blocks need a split identifier and a count of at least 2")
@@ -195,12 +225,15 @@ class OpLayout:
 
 
 def _find(dims, ident: str, bound: BoundAnno, partition: Partition) -> Shard | None:
-    """The placement of a tensor with ``dims`` when ``ident`` is split: on the dim ``ident`` leads,
-    or follows fixed counts in (``(3 d)``: blocks of 3); ``None`` when no dim holds it."""
+    """The placement of a tensor with ``dims`` when ``ident`` is split: on the dim that holds it, in
+    as many blocks as the factors before it hold (``(3 d)``: 3; ``(b h)``: b), times the partition's
+    own blocks; ``None`` when no dim holds it."""
     for d, ids in enumerate(dims):
         for j, i in enumerate(ids):
-            if i == ident and _fixed_prefix(ids, j):
-                return Shard(d, math.prod(int(x) for x in ids[:j]) * partition.block_count(ident))
+            if i == ident:
+                prefix = prefix_size(ids, j, bound)
+                if prefix is not None:
+                    return Shard(d, prefix * partition.block_count(ident))
     return None
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random as _random
 
-from ..dimops.partition import splittable
+from ..dimops.partition import prefix_size, splittable
 from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
 from .heads import heads_split, pin_heads, scores
-from .greedy import parameter_identifiers, plan_greedy, sharded_identifiers
+from .greedy import held_blocks, parameter_identifiers, plan_greedy, sharded_identifiers
 from .refine import refine
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan
@@ -15,24 +15,37 @@ from ..ir.plan import Plan
 
 def batch_identifiers(graph: IRGraph, dim: int = 0) -> dict[str, str | None]:
     """Per operator, the identifier that carries the batch (dim ``dim`` of the user inputs; 1: the
-    sequence of token inputs), if any."""
-    batch_dim: dict[IRTensor, int] = {t: dim for t in graph.inputs if t.kind == INPUT and len(t.shape) > dim}
+    sequence of token inputs), if any. The batch is followed through merges: in ``(s b)`` (rows of
+    sequence x batch) it is ``b``, and an operator reading those rows whole splits them in ``s``
+    blocks (the greedy follows the blocks its input holds)."""
+    where: dict[IRTensor, tuple[int, int]] = {t: (dim, 1) for t in graph.inputs if t.kind == INPUT and len(t.shape) > dim}
     out: dict[str, str | None] = {}
     for op in graph.ops:
-        ident = None
+        ident, blocks = None, 1
         if op.known:
             for x, dims in zip(op.inputs, op.bound.inputs):
-                if isinstance(x, IRTensor) and x in batch_dim and dims is not None:
-                    ident = dims[batch_dim[x]][0]
+                if isinstance(x, IRTensor) and x in where and dims is not None:
+                    d, blocks = where[x]
+                    ident = _factor(dims[d], blocks, op)
+                    blocks = blocks if len(dims[d]) == 1 else 1
                     break
             if ident is not None:
                 for t, dims in zip(op.outputs, op.bound.outputs):
-                    if t is not None and dims is not None:
-                        pos = next((d for d, ids in enumerate(dims) if ids[0] == ident), None)
-                        if pos is not None:
-                            batch_dim[t] = pos
+                    for d, ids in enumerate(dims or ()) if t is not None else ():
+                        if ident in ids:
+                            j = ids.index(ident)
+                            where[t] = (d, prefix_size(ids, j, op.bound) or 1 if j else blocks)
+                            break
         out[op.name] = ident
     return out
+
+
+def _factor(ids: tuple[str, ...], blocks: int, op: IROp) -> str | None:
+    """The factor of a dim written ``ids`` that holds the batch, ``blocks`` the length before it in
+    the dim (1: the batch leads it)."""
+    if blocks == 1 or len(ids) == 1:
+        return ids[0]
+    return next((i for j, i in enumerate(ids) if j and prefix_size(ids, j, op.bound) == blocks), None)
 
 
 def check_batch_divisible(graph: IRGraph, ranks: int, policy: str) -> None:
@@ -77,8 +90,9 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
         params = set(parameter_identifiers(op))
         allowed = params | set(sharded_identifiers(op, axis, layouts))
         # the sequence splits no weight matrix's work; an identifier that also splits a parameter
-        # (experts, which opzoo.experts ties to the tokens) is model parallelism, not the batch
-        never = {batch[op.name], seq.get(op.name)} - params
+        # (experts, which opzoo.experts ties to the tokens) is model parallelism, not the batch; nor
+        # is a batch dim its inputs hold split in blocks (heads merged into the batch, ``(b h)``)
+        never = {batch[op.name], seq.get(op.name)} - params - set(held_blocks(op, layouts))
         return [None, *(i for i in splittable(op.bound) if i in allowed and i not in never)]
 
     return options

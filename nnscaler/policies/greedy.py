@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from ..comm.conversion import conversion, local_fraction
 from ..dimops.layout import Layout, Partial, Replicate, Shard
-from ..dimops.partition import Partition, splittable
+from ..dimops.partition import Partition, nested_splits, prefix_size, splittable
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from ..ir.plan import Plan
 
@@ -69,6 +69,7 @@ def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layout
     partition-aware kernel, which indexes contiguous chunks)."""
     ok = set(splittable(op.bound))
     blocks = {} if op.spec.local is not None else (blocks or {})
+    held = {} if op.spec.local is not None else held_blocks(op, layouts)
     per_axis = []
     for axis, f in enumerate(mesh_shape):
         if f == 1:  # a degenerate axis splits nothing
@@ -76,21 +77,42 @@ def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layout
             continue
         per_axis.append([i for i in options(op, axis, layouts)
                          if i is None or (i in ok and op.bound.sizes[i] % f == 0)] or [None])
-    out = _combinations(op, mesh_shape, per_axis, blocks)
+    out = _combinations(op, mesh_shape, per_axis, blocks, held)
     if not out:  # every axis offers only the same identifier (a square logits' loss, n x n): leave axes whole too
-        out = _combinations(op, mesh_shape, [axis + [None] if None not in axis else axis for axis in per_axis], blocks)
+        out = _combinations(op, mesh_shape, [axis + [None] if None not in axis else axis for axis in per_axis],
+                            blocks, held)
     return out
 
 
-def _combinations(op: IROp, mesh_shape: Sequence[int], per_axis: list[list], blocks: dict[str, int]) -> list[Partition]:
-    """A partition per choice of one option per axis, each identifier used once."""
+def held_blocks(op: IROp, layouts: dict) -> dict[str, int]:
+    """Identifiers whose dim an input already holds split in blocks (``D0/4``: a ``(b h)`` merge of
+    heads into the batch split by heads, read by a ``bmm`` whose ``b`` is that merged dim): a split of
+    one of them may follow those blocks, and so need no conversion."""
+    out: dict[str, int] = {}
+    for x, dims in zip(op.inputs, op.bound.inputs):
+        lay = layouts.get(x) if isinstance(x, IRTensor) else None
+        for q in lay or ():
+            if isinstance(q, Shard) and q.blocks > 1 and q.dim < len(dims or ()) and len(dims[q.dim]) == 1:
+                out.setdefault(dims[q.dim][0], q.blocks)
+    return out
+
+
+def _combinations(op: IROp, mesh_shape: Sequence[int], per_axis: list[list], blocks: dict[str, int],
+                  held: dict[str, int] | None = None) -> list[Partition]:
+    """A partition per choice of one option per axis, each identifier used once and never two
+    factors of one merged dim; an identifier in ``held`` also in its blocks (both variants)."""
     out = []
     for combo in itertools.product(*per_axis):
         named = [i for i in combo if i is not None]
-        if len(set(named)) == len(named):
-            cut = tuple((i, blocks[i]) for i, f in zip(combo, mesh_shape)
-                        if i in blocks and op.bound.sizes[i] % (f * blocks[i]) == 0)
-            out.append(Partition(tuple(zip(combo, mesh_shape)), math.prod(mesh_shape), cut))
+        if len(set(named)) != len(named) or nested_splits(op.bound, named) is not None:
+            continue
+        cut = tuple((i, blocks[i]) for i, f in zip(combo, mesh_shape)
+                    if i in blocks and op.bound.sizes[i] % (f * blocks[i]) == 0)
+        out.append(Partition(tuple(zip(combo, mesh_shape)), math.prod(mesh_shape), cut))
+        follow = tuple((i, held[i]) for i, f in zip(combo, mesh_shape)
+                       if i in (held or {}) and i not in blocks and op.bound.sizes[i] % (f * held[i]) == 0)
+        if follow:
+            out.append(Partition(out[-1].splits, out[-1].world_size, cut + follow))
     return out
 
 
@@ -173,7 +195,12 @@ def sharded_identifiers(op: IROp, axis: int, layouts: dict) -> list[str]:
     for x, dims in zip(op.inputs, op.bound.inputs):
         lay = layouts.get(x) if isinstance(x, IRTensor) else None
         if lay is not None and dims is not None and isinstance(lay[axis], Shard) and lay[axis].dim < len(dims):
-            out.append(next(i for i in dims[lay[axis].dim] if not i.isdigit()))  # (3 d): d
+            ids = dims[lay[axis].dim]
+            # the factor whose split gives those blocks ((b h) held in b blocks: h), else the first
+            # that is not a number ((3 d): d)
+            out.append(next((i for j, i in enumerate(ids) if j and not i.isdigit() and lay[axis].blocks > 1
+                             and prefix_size(ids, j, op.bound) == lay[axis].blocks),
+                            next(i for i in ids if not i.isdigit())))
     return out
 
 

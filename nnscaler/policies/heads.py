@@ -16,19 +16,27 @@ the path (its input lacks the heads dim after the reduction): the greedy then ta
 statistic's ``+`` split (a partial sum, one small all-reduce), Megatron's way for QK-norm over the
 whole projection. An attention whose walk meets an operator that cannot split its heads (not
 splittable, not divisible by the degree, or already pinned otherwise) is left as it was.
+
+Attention written with ``bmm`` merges the heads into the batch (``view(b*h, s, d)``: 3-d scores).
+The walk then carries the heads as the inner factor of that merged dim: an operator reading it
+whole splits it in ``b`` blocks (the greedy follows the blocks its input holds), a reshape
+writing it ``(b h)`` splits ``h`` (:mod:`nnscaler.dimops.partition`).
 """
 from __future__ import annotations
 
 from ..dimops.partition import splittable
-from ..ir.graph import IRGraph, IROp, IRTensor
+from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 
 ATTENTION = ("softmax", "scaled_dot_product_attention")
 
 
 def scores(graph: IRGraph) -> list[IROp]:
-    """Attention-score operators: softmax and sdpa with a 4-d output (batch, heads, q, k)."""
+    """Attention-score operators: softmax and sdpa with a 4-d output (batch, heads, q, k), or a 3-d
+    one whose dim 0 is the batch and the heads merged, ``(b h)`` (``bmm`` attention, as BART's
+    generation of models and ``F.multi_head_attention_forward`` write it)."""
     return [op for op in graph.ops if op.known and op.outputs and op.outputs[0] is not None
-            and len(op.outputs[0].shape) == 4 and any(a in op.overload for a in ATTENTION)]
+            and len(op.outputs[0].shape) in (3, 4) and any(a in op.overload for a in ATTENTION)
+            and op.outputs[0].shape[-1] > 1]
 
 
 def _lead(ids: tuple[str, ...]) -> str | None:
@@ -36,63 +44,113 @@ def _lead(ids: tuple[str, ...]) -> str | None:
     return next((i for i in ids if not i.isdigit()), None)
 
 
-def _walk(op: IROp, degree: int, pins: dict[str, str]) -> dict[str, str] | None:
-    """Pins for one attention: ``op``'s output 0 split on dim 1, carried back to the operators that
-    make its inputs and on to those that use its outputs, wherever a tensor holds the heads dim;
-    ``None`` if an operator on the way cannot take it."""
-    out: dict[str, str] = {}
-    todo: list[tuple[IROp, str]] = [(op, op.bound.outputs[0][1] and _lead(op.bound.outputs[0][1]))]
-    while todo:
-        p, ident = todo.pop()
-        if p.name in out:
-            continue
-        if ident is None or ident not in splittable(p.bound) or p.bound.sizes[ident] % degree:
-            return None
-        if pins.get(p.name, ident) != ident:
-            return None
-        out[p.name] = ident
-        for x, dims in zip(p.inputs, p.bound.inputs):  # back to the producers (parameters: stored split)
-            if isinstance(x, IRTensor) and dims is not None and x.producer is not None:
-                for k, ids in enumerate(dims):
-                    if _lead(ids) == ident:
-                        todo.append(_from_output(x.producer, x, k))
-        for t, dims in zip(p.outputs, p.bound.outputs):  # on to the readers
-            if t is not None and dims is not None:
-                for k, ids in enumerate(dims):
-                    if _lead(ids) == ident:
-                        todo += [_from_input(c, t, k) for c in t.consumers]
+def _heads_of(ids: tuple[str, ...], merged: bool) -> tuple[str | None, bool]:
+    """The identifier an operator splits the heads on, on a dim written ``ids`` of a tensor that
+    holds the heads (``merged``: as the inner factor of batch x heads), and whether that identifier
+    still names the merged dim: ``(b h)`` gives ``h``, a plain dim its one identifier."""
+    if merged:
+        return (ids[0], True) if len(ids) == 1 else (ids[-1], False)
+    return _lead(ids), False
+
+
+def _carries(ids: tuple[str, ...], ident: str, merged: bool) -> bool | None:
+    """Whether a tensor dim written ``ids`` holds the heads an operator splits as ``ident``: ``None``
+    if not, else whether it holds them merged into the batch (``(b h)``, ``h`` its last factor)."""
+    if ident not in ids:
+        return None
+    j = ids.index(ident)
+    if len(ids) == 1:
+        return merged
+    if j == 0 or _lead(ids) == ident:
+        return None if merged else False
+    return None if merged or j != len(ids) - 1 else True
+
+
+def weights_only(graph: IRGraph) -> set[IRTensor]:
+    """Tensors computed from parameters, buffers and constants alone (a bias ``cat`` of q, k and v's
+    biases): whole on every rank at no cost, so a split of one is a local slice."""
+    out: set[IRTensor] = set()
+    for op in graph.ops:
+        if all(x.kind in (PARAM, BUFFER, CONSTANT) or x in out for x in op.tensor_inputs()):
+            out.update(t for t in op.outputs if t is not None)
     return out
 
 
-def _from_output(p: IROp, t: IRTensor, d: int) -> tuple[IROp, str | None]:
+def _walk(op: IROp, degree: int, pins: dict[str, str], weights: set[IRTensor] = frozenset()) -> dict[str, str] | None:
+    """Pins for one attention: ``op``'s output 0 split on its heads (dim 1 of 4-d scores, the inner
+    factor of dim 0 of 3-d ones), carried back to the operators that make its inputs and on to
+    those that use its outputs, wherever a tensor holds the heads dim; ``None`` if an operator on
+    the way cannot take it, or the batch x heads dim of 3-d scores reaches a program input or a
+    parameter (then dim 0 was never heads merged into the batch). A branch back into tensors made
+    from ``weights`` alone is pinned where it can be and left to the greedy where it cannot (the
+    split reader slices what it needs)."""
+    out: dict[str, str] = {}
+    dims0 = op.bound.outputs[0]
+    start = _heads_of(dims0[1], False) if len(dims0) == 4 else _heads_of(dims0[0], True)
+    todo: list[tuple[IROp, str | None, bool, bool]] = [(op, *start, False)]
+    while todo:
+        p, ident, merged, optional = todo.pop()
+        if p.name in out:
+            continue
+        if (ident is None or ident not in splittable(p.bound) or p.bound.sizes[ident] % degree
+                or pins.get(p.name, ident) != ident):
+            if optional:
+                continue
+            return None
+        out[p.name] = ident
+        for x, dims in zip(p.inputs, p.bound.inputs):  # back to the producers (parameters: stored split)
+            if isinstance(x, IRTensor) and dims is not None:
+                for k, ids in enumerate(dims):
+                    held = _carries(ids, ident, merged)
+                    if held is None:
+                        continue
+                    if x.producer is None:
+                        if held:
+                            return None
+                        continue
+                    todo.append((*_from_output(x.producer, x, k, held), optional or x in weights))
+        for t, dims in zip(p.outputs, p.bound.outputs):  # on to the readers
+            if t is not None and dims is not None:
+                for k, ids in enumerate(dims):
+                    held = _carries(ids, ident, merged)
+                    if held is not None:
+                        todo += [(*_from_input(c, t, k, held), optional) for c in t.consumers]
+    return out
+
+
+def _from_output(p: IROp, t: IRTensor, d: int, merged: bool) -> tuple[IROp, str | None, bool]:
     if not p.known:
-        return p, None
+        return p, None, merged
     j = next(k for k, o in enumerate(p.outputs) if o is t)
     dims = p.bound.outputs[j]
-    return p, (_lead(dims[d]) if dims is not None and d < len(dims) else None)
+    return (p, *_heads_of(dims[d], merged)) if dims is not None and d < len(dims) else (p, None, merged)
 
 
-def _from_input(c: IROp, t: IRTensor, d: int) -> tuple[IROp, str | None]:
+def _from_input(c: IROp, t: IRTensor, d: int, merged: bool) -> tuple[IROp, str | None, bool]:
     if not c.known:
-        return c, None
+        return c, None, merged
     for x, dims in zip(c.inputs, c.bound.inputs):
         if x is t and dims is not None and d < len(dims):
-            return c, _lead(dims[d])
-    return c, None
+            return (c, *_heads_of(dims[d], merged))
+    return c, None, merged
 
 
 def pin_heads(graph: IRGraph, degree: int, whole: list[IROp]) -> dict[str, str]:
     """Operator name -> the heads identifier it must split on, for the attentions in ``whole``."""
     pins: dict[str, str] = {}
+    weights = weights_only(graph)
     for op in whole:
-        got = _walk(op, degree, pins)
+        got = _walk(op, degree, pins, weights)
         if got:
             pins.update(got)
     return pins
 
 
 def heads_split(op: IROp, plan) -> bool:
-    """Whether ``plan`` splits the attention-score operator ``op`` on its heads (dim 1)."""
+    """Whether ``plan`` splits the attention-score operator ``op`` on its heads: a dim between the
+    batch and the (queries, keys) pair (dim 1 of 4-d scores; 2 of 5-d ones, ProphetNet's n-gram
+    streams x heads), or dim 0 of 3-d ones in blocks (the heads inside each batch row of ``(b h)``)."""
     from ..dimops.layout import Shard
     lay = op.layout(plan.partition(op)).outputs[0] or ()
-    return any(isinstance(q, Shard) and q.dim == 1 for q in lay)
+    n = len(op.outputs[0].shape)
+    return any(isinstance(q, Shard) and (0 < q.dim < n - 2 or (n == 3 and q.dim == 0 and q.blocks > 1)) for q in lay)

@@ -4,8 +4,9 @@
 projection and unpacks them through a new leading dim of 3 (``unflatten(-1, (3, e))``, ``unsqueeze``,
 ``transpose``, ``squeeze``, ``contiguous``, ``select``), then merges the heads into the batch:
 ``view(s, b*h, d)``, ``transpose(0, 1)``, ``view(b, h, s, d)``. In ``(b h)`` the heads are the inner
-factor, which a layout cannot split (only the first factor of a merged dim may be split), so every
-rank would gather q, k and v whole and run all the heads itself.
+factor: a layout splits it only in blocks (:mod:`nnscaler.policies.heads` plans that for ``bmm``
+attention), and the packed unpacking before it keeps the heads whole, so every rank would gather q,
+k and v whole and run all the heads itself.
 
 Two rewrites give each value the same elements by another route:
 

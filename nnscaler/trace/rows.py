@@ -3,9 +3,9 @@
 ``nn.MultiheadAttention`` works on ``(seq, batch, ...)`` tensors: its attention output, ``(batch,
 heads, seq, d)``, is permuted to ``(seq, batch, heads, d)``, merged into rows ``(seq*batch, e)`` for
 the output projection, and split back into ``(seq, batch, e)``. In the merged dim the batch is the
-second factor, which a layout cannot split (only the first factor of ``(a b)`` may be split), so every
-rank would gather the whole batch there. The rows are only used row by row in between (a linear, a
-dropout), so their order is free: :func:`batch_major_rows` merges them in the permute's input order
+second factor, which a layout splits only in blocks (``seq`` blocks, each rank its share of the
+batch in each), which every reader of the rows (a partition-aware kernel cannot) must follow. The
+rows are only used row by row in between (a linear, a dropout), so their order is free: :func:`batch_major_rows` merges them in the permute's input order
 instead (``(batch*seq, e)``: a transpose before the merge) and restores the ``(seq, batch, e)``
 layout after the split back (a transpose after it). Each row's values are the same; only where the
 two merged dims were swapped by the permute (or transpose) just before is the graph rewritten, so a
