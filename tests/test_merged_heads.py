@@ -3,7 +3,8 @@ TrOCR, WavLM and the BART generation of models), and ``F.multi_head_attention_fo
 merges the batch into rows (``(s*b, e)``). The inner factor of such a merge is split in blocks
 (:mod:`nnscaler.dimops.partition`): ``tp`` splits the 3-d scores by heads (the greedy follows the
 blocks its inputs hold; :mod:`nnscaler.policies.heads` pins them where the greedy does not), ``dp``
-follows the batch through the rows in blocks, and both train like one device on real ranks."""
+follows the batch through the rows in blocks (a reduced loss reads them in any order), and both
+train like one device on real ranks."""
 from __future__ import annotations
 
 import warnings
@@ -53,7 +54,19 @@ def test_dp_follows_the_batch_through_rows_merged_sequence_major():
     assert rows and all(op.layout(plan.partition(op)).outputs[0][0].blocks > 1 for op in rows)
 
 
-@pytest.mark.parametrize("arch, policy, world", [("trocr", "tp", 2), ("wavlm", "tp", 4), ("wavlm", "dp", 2)])
+def test_a_reduced_loss_reads_rows_split_in_blocks():
+    """ProphetNet's loss reads rows (n-gram streams x batch x tokens): the batch is their inner
+    factor. The loss kernel sums the rows and counts them, in any order (``OpSpec.unordered``), so
+    it follows the blocks instead of converting them: one forward collective, the loss."""
+    graph = _graph("prophetnet")
+    plan = dp(graph, ComputeConfig(2))
+    assert sum(collectives(graph, plan, params=False)[0].values()) == 1
+    (loss,) = [op for op in graph.ops if op.overload == "aten.nll_loss_nd.default"]
+    assert loss.spec.unordered and plan.partition(loss).blocks
+
+
+@pytest.mark.parametrize("arch, policy, world", [("trocr", "tp", 2), ("wavlm", "tp", 4), ("wavlm", "dp", 2),
+                                                 ("prophetnet", "dp", 2)])
 def test_merged_heads_and_rows_train_like_one_device(verify_model, arch, policy, world):
     rows = verify_model(f"zoo:{arch}", policies=[policy], world_sizes=(world,), steps=2)
     assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]

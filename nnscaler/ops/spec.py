@@ -142,6 +142,10 @@ class OpSpec:
     # identifiers whose split makes ``local`` issue one collective of its own per call (forward, and
     # one in the backward): statistics over a split batch (batch norm); counted apart in plan reports
     coupled: tuple[str, ...] = ()
+    # identifiers ``local`` reads in any order (the rows of a reduced loss: a sum and a count): a
+    # split of one may follow blocks its input holds (:func:`nnscaler.policies.greedy.held_blocks`);
+    # ``local`` indexes contiguous chunks of every other split identifier
+    unordered: tuple[str, ...] = ()
     doc: str = ""
 
     @classmethod

@@ -69,7 +69,9 @@ def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layout
     partition-aware kernel, which indexes contiguous chunks)."""
     ok = set(splittable(op.bound))
     blocks = {} if op.spec.local is not None else (blocks or {})
-    held = {} if op.spec.local is not None else held_blocks(op, layouts)
+    held = held_blocks(op, layouts)
+    if op.spec.local is not None:  # a partition-aware kernel indexes contiguous chunks, bar these
+        held = {i: k for i, k in held.items() if i in op.spec.unordered}
     per_axis = []
     for axis, f in enumerate(mesh_shape):
         if f == 1:  # a degenerate axis splits nothing

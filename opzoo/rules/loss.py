@@ -47,7 +47,8 @@ def class_loss_rule(call: OpCall):
     local = partial(loss_local, kernel=kernel, row=n, cls=v)
     dtype = str(target.dtype).removeprefix("torch.")
     return build(call, FAMILY, {0: [row, mark(v, "+")], 1: [row]}, [["1"] if reduced else [n]], local=local,
-                 inputs={1: Index(x.shape[1] if v == "1" else v, dtype)})
+                 inputs={1: Index(x.shape[1] if v == "1" else v, dtype)},
+                 unordered=(n,) if reduced else ())  # a sum and a count over the rows: any order
 
 
 def scaled_squared_error(x, y, reduction=None, *, scale):
