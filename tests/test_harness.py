@@ -56,6 +56,18 @@ def test_correct_annotation_passes(gang, registry, name, seed, dtype, base):
     assert [r for r in rows if r.status != MATCH] == []
 
 
+def test_a_float64_sum_that_cancels_is_judged_by_its_conditioning(gang, registry):
+    """Under float64 the one-device run is the reference itself; its rounding comes from the float32
+    run scaled to float64's unit. A correct split sum of 4096 cancelling values passes on every
+    seed (7 of these 100 seeds false-alarmed with the bare floor), a spatially split sum still fails."""
+    cfg = RunConfig(world_sizes=(2,), dtype="float64", seeds=tuple(range(100)), base_override=4)
+    rows = list(run_op(gang, registry.get("sensitive_sum_4096"), cfg))
+    assert len(rows) == 200 and all(r.status == MATCH for r in rows), [r.detail for r in rows if not r.ok][:3]
+    wrong = list(run_op(gang, registry.get("wrong_sum_spatial"), RunConfig(world_sizes=(2,), dtype="float64", seeds=(0, 1))))
+    assert all(r.status == (MISMATCH if "b" in split_ids(r.partition) else MATCH) for r in wrong)
+    assert any(r.status == MISMATCH for r in wrong)
+
+
 @pytest.mark.parametrize("name,status,reason", [
     ("faulty_raise", ERROR, "boom on a shard"),
     ("faulty_base_exception", ERROR, "ShardFailure: a BaseException on a shard"),
