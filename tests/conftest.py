@@ -39,6 +39,17 @@ def assert_caught_where_split(rows, *idents: str) -> None:
     assert any(row.status == MISMATCH for row in rows)
 
 
+def zoo_graph(arch: str):
+    """The traced graph of ``zoo:<arch>`` (``verify.models.zoo``, seed 0), the library's warnings quiet."""
+    import warnings
+    from nnscaler.compile.plan import trace_model
+    from verify.models.zoo import build
+    case = build(arch, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace_model(case.model, case.batch(0), None, registry=None, strict=False)
+
+
 def first_mismatch(cases, run):
     """``(case, row)`` of the first of ``cases`` whose row (``run(case)``) mismatches. Every row must
     fail: a wrong split may make a later view fail outright (an error row, also a failure), and then

@@ -7,7 +7,6 @@ follows the batch through the rows in blocks (a reduced loss reads them in any o
 train like one device on real ranks."""
 from __future__ import annotations
 
-import warnings
 
 import pytest
 
@@ -17,23 +16,15 @@ from nnscaler.policies.builtin import dp, tp
 from nnscaler.policies.coverage import replicated_operators
 from nnscaler.policies.heads import heads_split, scores
 from nnscaler.policies.tp_check import collectives
+from tests.conftest import zoo_graph
 from verify.judge.verdict import MATCH
 
 pytest.importorskip("transformers")
 
 
-def _graph(arch):
-    from nnscaler.compile.plan import trace_model
-    from verify.models.zoo import build
-    case = build(arch, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trace_model(case.model, case.batch(0), None, registry=None, strict=False)
-
-
 @pytest.mark.parametrize("arch", ["trocr", "wavlm"])
 def test_tp_splits_bmm_attention_by_heads_in_blocks(arch):
-    graph = _graph(arch)
+    graph = zoo_graph(arch)
     attn = [op for op in scores(graph) if len(op.outputs[0].shape) == 3]
     assert attn, "the model's attention is no longer written with bmm: pick another"
     plan = tp(graph, ComputeConfig(2))
@@ -46,7 +37,7 @@ def test_tp_splits_bmm_attention_by_heads_in_blocks(arch):
 
 
 def test_dp_follows_the_batch_through_rows_merged_sequence_major():
-    graph = _graph("wavlm")  # (seq, batch*heads, d) -> rows (seq*batch, e) for the output projection
+    graph = zoo_graph("wavlm")  # (seq, batch*heads, d) -> rows (seq*batch, e) for the output projection
     plan = dp(graph, ComputeConfig(2))
     assert sum(collectives(graph, plan, params=False)[0].values()) == 1  # the loss
     assert not replicated_operators(graph, plan)
@@ -58,7 +49,7 @@ def test_a_reduced_loss_reads_rows_split_in_blocks():
     """ProphetNet's loss reads rows (n-gram streams x batch x tokens): the batch is their inner
     factor. The loss kernel sums the rows and counts them, in any order (``OpSpec.unordered``), so
     it follows the blocks instead of converting them: one forward collective, the loss."""
-    graph = _graph("prophetnet")
+    graph = zoo_graph("prophetnet")
     plan = dp(graph, ComputeConfig(2))
     assert sum(collectives(graph, plan, params=False)[0].values()) == 1
     (loss,) = [op for op in graph.ops if op.overload == "aten.nll_loss_nd.default"]

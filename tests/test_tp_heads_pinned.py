@@ -6,7 +6,6 @@ is then a partial mean (one small all-reduce). The plan is Megatron's (all-reduc
 than before), matches on real ranks, and the norm's statistic divided by the local count is caught."""
 from __future__ import annotations
 
-import warnings
 
 import pytest
 
@@ -19,7 +18,7 @@ from nnscaler.policies.heads import heads_split, scores
 from nnscaler.policies.refine import refine
 from nnscaler.policies.tp_check import collectives
 from opzoo.rules import EXAMPLES
-from tests.conftest import FIXTURES, assert_caught_where_split
+from tests.conftest import FIXTURES, assert_caught_where_split, zoo_graph
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH
 from verify.runner.gang import Gang
@@ -28,18 +27,9 @@ from verify.sweep import run_op
 pytest.importorskip("transformers")
 
 
-def _graph(arch):
-    from nnscaler.compile.plan import trace_model
-    from verify.models.zoo import build
-    case = build(arch, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trace_model(case.model, case.batch(0), None, registry=None, strict=False)
-
-
 @pytest.mark.parametrize("arch", ["olmo3", "flex_olmo"])
 def test_tp_pins_the_heads_split_the_greedy_missed(arch):
-    graph = _graph(arch)
+    graph = zoo_graph(arch)
     options = _tp_options(graph)
     before = refine(graph, plan_greedy(graph, (2,), ("tp",), options, "tp"), options)
     attn = scores(graph)
