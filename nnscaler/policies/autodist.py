@@ -99,7 +99,6 @@ def solve(prog: Program, budget: float | None, time_limit: float, minimize_memor
     cannot beat it, or finds one that does; status ``Objective bound`` when it cannot)."""
     classes = prog.classes
     unary = [s.copy() * _MS for s in prog.seconds]
-    fixed = prog.fixed_seconds * _MS
     pairs = []
     for (u, v), mat in prog.pairs.items():
         mat = mat * _MS
