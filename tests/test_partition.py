@@ -204,8 +204,10 @@ def test_layouts_follow_the_annotation(case, world, data):
             return None
         out = []
         for ident in p.axis_ids:
-            hits = [(d, math.prod(int(y) for y in ids[:j])) for d, ids in enumerate(dims) for j, x in enumerate(ids)
-                    if x == ident and all(y.isdigit() for y in ids[:j])]
+            # in blocks of what precedes it in its merged dim ((3 d): 3; (b d): b's length)
+            hits = [(d, math.prod(int(y) if y.isdigit() else sizes[y] for y in ids[:j]))
+                    for d, ids in enumerate(dims) for j, x in enumerate(ids)
+                    if x == ident and all(y.isdigit() or y in sizes for y in ids[:j])]
             if hits:
                 out.append(Shard(*hits[0]))
             elif ident is not None and anno.markers.get(ident) == "+" and partial_ok:
