@@ -263,10 +263,20 @@ def saved_bytes(graph: IRGraph, plan, recompute: str = "none", modules=None, det
         whole = nbytes(t)
         return (local_nbytes(t, layout, mesh) if layout is not None else whole) * sizes.get(t.name, whole) // max(1, whole)
 
-    def read_layout(op, t: IRTensor):
+    def read_of(op, t: IRTensor):
+        """``(x, layout)``: the input of ``op`` that is ``t``, or else a view of it (``t`` its alias
+        root: the logits a loss reads through a reshape), and the layout ``op`` reads it at."""
         lo = lay[id(op)]
         i = next((i for i, x in enumerate(op.inputs) if x is t), None)
-        return lo.inputs[i] if lo is not None and i is not None and i < len(lo.inputs) else None
+        if i is None:
+            i = next((i for i, x in enumerate(op.inputs) if isinstance(x, IRTensor) and alias.get(x.name) is t), None)
+        if lo is None or i is None or i >= len(lo.inputs):
+            return t, None
+        return op.inputs[i], lo.inputs[i]
+
+    def read_layout(op, t: IRTensor):
+        x, want = read_of(op, t)
+        return want if x is t else None
 
     found = regions([(op, k, k + 1) for k, op in enumerate(graph.ops)], recompute, modules)
     region_of = {k: r for r, (_, a, b) in enumerate(found) for k in range(a, b)}
@@ -278,17 +288,21 @@ def saved_bytes(graph: IRGraph, plan, recompute: str = "none", modules=None, det
             t = s.tensor
             if t is None:
                 like = s.like
-                frac = at(like, home.get(like)) / max(1, nbytes(like)) if like is not None else 1.0
+                frac = 1.0
+                if like is not None:  # made from ``like`` as this operator reads it (a vocabulary-split piece)
+                    x, want = read_of(op, like)
+                    frac = at(x, want or home.get(x)) / max(1, nbytes(x))
                 kept[("made", op.name, len(kept))] = int(s.nbytes * frac)
             elif s.cast is not None:
                 b = at(t, read_layout(op, t) or home.get(t)) * s.cast.itemsize // t.dtype.itemsize
                 kept[("cast", t.name if t.kind == PARAM else op.name, t.name)] = b
             elif t.kind != PARAM:
-                want, have = read_layout(op, t), home.get(t)
+                x, want = read_of(op, t)  # x: t, or the view of it this operator reads
+                have = home.get(x)
                 if want is None or have is None or want == have:
-                    kept[("storage", t.name)] = at(t, have)
+                    kept[("storage", t.name)] = at(t, home.get(t))
                 else:  # re-laid for this consumer: a storage of its own
-                    kept[("laid", t.name, str(want))] = at(t, want)
+                    kept[("laid", t.name, str(want))] = at(x, want)
     for _, a, b in found:  # a region keeps its inputs (torch.utils.checkpoint's arguments)
         inside = {id(t) for op in graph.ops[a:b] for t in op.outputs if t is not None}
         for op in graph.ops[a:b]:
