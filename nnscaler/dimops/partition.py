@@ -128,6 +128,15 @@ def prefix_size(ids: tuple[str, ...], j: int, bound: BoundAnno) -> int | None:
     return n
 
 
+def split_factor(ids: tuple[str, ...], blocks: int, bound: BoundAnno) -> str | None:
+    """The factor of a dim written ``ids`` that a split in ``blocks`` blocks cuts: the one the factors
+    before it make ``blocks`` long (``(b h)`` in b blocks: h); for plain chunks, the first factor that
+    is not a number. ``None`` when no factor gives those blocks."""
+    if blocks > 1 and len(ids) > 1:
+        return next((i for j, i in enumerate(ids) if j and not i.isdigit() and prefix_size(ids, j, bound) == blocks), None)
+    return next((i for i in ids if not i.isdigit()), None)
+
+
 def splittable(bound: BoundAnno) -> list[str]:
     """Identifiers that may be split: not frozen, not a number, never one naming several dims of a
     tensor (``l l``: see :mod:`nnscaler.dimops.grammar`). A non-first factor of a merged dim stays

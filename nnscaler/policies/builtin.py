@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random as _random
 
-from ..dimops.partition import prefix_size, splittable
+from ..dimops.partition import prefix_size, split_factor, splittable
 from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
 from .heads import heads_split, pin_heads, scores
 from .greedy import held_blocks, parameter_identifiers, plan_greedy, sharded_identifiers
@@ -26,7 +26,7 @@ def batch_identifiers(graph: IRGraph, dim: int = 0) -> dict[str, str | None]:
             for x, dims in zip(op.inputs, op.bound.inputs):
                 if isinstance(x, IRTensor) and x in where and dims is not None:
                     d, blocks = where[x]
-                    ident = _factor(dims[d], blocks, op)
+                    ident = split_factor(dims[d], blocks, op.bound)
                     blocks = blocks if len(dims[d]) == 1 else 1
                     break
             if ident is not None:
@@ -38,14 +38,6 @@ def batch_identifiers(graph: IRGraph, dim: int = 0) -> dict[str, str | None]:
                             break
         out[op.name] = ident
     return out
-
-
-def _factor(ids: tuple[str, ...], blocks: int, op: IROp) -> str | None:
-    """The factor of a dim written ``ids`` that holds the batch, ``blocks`` the length before it in
-    the dim (1: the batch leads it)."""
-    if blocks == 1 or len(ids) == 1:
-        return ids[0]
-    return next((i for j, i in enumerate(ids) if j and prefix_size(ids, j, op.bound) == blocks), None)
 
 
 def check_batch_divisible(graph: IRGraph, ranks: int, policy: str) -> None:

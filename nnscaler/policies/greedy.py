@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from ..comm.conversion import conversion, local_fraction
 from ..dimops.layout import Layout, Partial, Replicate, Shard
-from ..dimops.partition import Partition, nested_splits, prefix_size, splittable
+from ..dimops.partition import Partition, nested_splits, split_factor, splittable
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from ..ir.plan import Plan
 
@@ -197,12 +197,8 @@ def sharded_identifiers(op: IROp, axis: int, layouts: dict) -> list[str]:
     for x, dims in zip(op.inputs, op.bound.inputs):
         lay = layouts.get(x) if isinstance(x, IRTensor) else None
         if lay is not None and dims is not None and isinstance(lay[axis], Shard) and lay[axis].dim < len(dims):
-            ids = dims[lay[axis].dim]
-            # the factor whose split gives those blocks ((b h) held in b blocks: h), else the first
-            # that is not a number ((3 d): d)
-            out.append(next((i for j, i in enumerate(ids) if j and not i.isdigit() and lay[axis].blocks > 1
-                             and prefix_size(ids, j, op.bound) == lay[axis].blocks),
-                            next(i for i in ids if not i.isdigit())))
+            ids = dims[lay[axis].dim]  # (b h) held in b blocks: h; (3 d): d
+            out.append(split_factor(ids, lay[axis].blocks, op.bound) or split_factor(ids, 1, op.bound))
     return out
 
 
