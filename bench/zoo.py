@@ -4,7 +4,7 @@ defaults shrunk (``verify.models.zoo``, named ``zoo:<model_type>``), traced, pla
 ``tp`` at W=2, and trained two AdamW steps under each on real ranks against one device by the
 harness's model cases (``verify.sweep.run_model``).
 
-    python bench/zoo.py [--sample 48] [--kinds causal image ...] [--archs albert vit ...] [--no-match]
+    python bench/zoo.py [--sample 48 | --all] [--kinds causal image ...] [--archs albert vit ...] [--no-match]
                         [--resume] [--wide N] [--timeout S] [--md reports/zoo.md] [--json reports/zoo.json]
 
 One row per architecture: kind, builds, traces (or the first line of the refusal), matches (dp and
@@ -197,6 +197,7 @@ def report(rows: dict, command: str, seconds: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sample", type=int, default=48, help="how many model types, over the kinds")
+    ap.add_argument("--all", action="store_true", help="every model type of --kinds (the full sweep)")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     ap.add_argument("--archs", nargs="+", help="these model types instead of a sample")
     ap.add_argument("--no-match", action="store_true", help="static figures only (no rank cases)")
@@ -215,7 +216,7 @@ def main() -> None:
     bad = [a for a in args.archs or () if kind_of(a) is None]
     if bad:
         sys.exit(f"bench/zoo.py: error: {bad[0]!r} is no model type of the swept kinds ({', '.join(KINDS)})")
-    archs = args.archs or sample(args.sample, args.kinds)
+    archs = args.archs or ([a for k in args.kinds for a in archs_of(k)] if args.all else sample(args.sample, args.kinds))
     t0 = time.perf_counter()
     jpath = Path(args.json)
     rows: dict = json.loads(jpath.read_text()) if args.resume and jpath.is_file() else {}
