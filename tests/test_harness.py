@@ -68,6 +68,18 @@ def test_a_float64_sum_that_cancels_is_judged_by_its_conditioning(gang, registry
     assert any(r.status == MISMATCH for r in wrong)
 
 
+def test_a_bf16_split_sum_is_judged_by_its_partials(gang, registry):
+    """A bf16 sum split by value rounds each rank's partial: where they cancel, the error is set by
+    the partials, not by the result (seed 688 failed by 0.0386 > 0.03 under the floor alone). A
+    correct split passes over 40 seeds; a spatially split sum still fails under bf16."""
+    cfg = RunConfig(world_sizes=(2,), dtype="bfloat16", seeds=(688, *range(39)), base_override=4)
+    rows = list(run_op(gang, registry.get("sensitive_sum_4096"), cfg))
+    assert len(rows) == 80 and all(r.status == MATCH for r in rows), [r.detail for r in rows if not r.ok][:3]
+    wrong = list(run_op(gang, registry.get("wrong_sum_spatial"), RunConfig(world_sizes=(2,), dtype="bfloat16", seeds=(0, 1))))
+    assert all(r.status == (MISMATCH if "b" in split_ids(r.partition) else MATCH) for r in wrong)
+    assert any(r.status == MISMATCH for r in wrong)
+
+
 @pytest.mark.parametrize("name,status,reason", [
     ("faulty_raise", ERROR, "boom on a shard"),
     ("faulty_base_exception", ERROR, "ShardFailure: a BaseException on a shard"),

@@ -93,17 +93,31 @@ def collect(local: torch.Tensor, layout: Layout, mesh: RankMesh) -> torch.Tensor
     return x
 
 
+def partial_magnitude(local: torch.Tensor, layout: Layout, mesh: RankMesh) -> float | None:
+    """``sum over the summed ranks of max|partial|`` of ``local`` before its value-split sum (``None``
+    where ``layout`` holds no partial): a correct reduction rounds each partial and each addition in
+    the output's dtype, so its error is bounded by eps times this, which may be far larger than the
+    sum the partials cancel to."""
+    if not any(isinstance(p, Partial) for p in layout) or not local.is_floating_point():
+        return None
+    m = local.detach().abs().amax().to(torch.float64) if local.numel() else torch.zeros((), dtype=torch.float64)
+    for axis, placement in enumerate(layout):
+        if isinstance(placement, Partial) and mesh.groups[axis] is not None:
+            torch.distributed.all_reduce(m, group=mesh.groups[axis])
+    return float(m)
+
+
 def as_tuple(out: Any) -> tuple:
     """An operator's result as a tuple of outputs."""
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def run_partitioned(spec: OpSpec, bound: BoundAnno, partition: Partition, mesh: RankMesh,
-                    inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+                    inputs: Sequence[Any], scales: list | None = None) -> tuple[torch.Tensor, ...]:
     """Run ``spec`` under ``partition`` on this rank; return its whole outputs.
 
     ``inputs`` are the whole inputs (``?`` positions are taken from ``spec.args``, resolved to the
-    rank's local lengths).
+    rank's local lengths). ``scales``, when given, receives each output's :func:`partial_magnitude`.
     """
     sizes = local_sizes(bound, partition)
     floating = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in inputs]
@@ -123,6 +137,8 @@ def run_partitioned(spec: OpSpec, bound: BoundAnno, partition: Partition, mesh: 
         raise LayoutError(f"{spec.name} returned {len(outs)} outputs; its annotation names {len(layout.outputs)}")
     full = []
     for pos, (y, lay, dims) in enumerate(zip(outs, layout.outputs, bound.outputs)):
+        if scales is not None:
+            scales.append(None if lay is None or not isinstance(y, torch.Tensor) else partial_magnitude(y, lay, mesh))
         if lay is None:
             full.append(y)
             continue

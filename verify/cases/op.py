@@ -159,13 +159,14 @@ def run_case(sample: Sample, ref: Reference, partition: Partition, mesh: RankMes
     tol = spec.tolerance
     opts = {k: v for k, v in (("factor", tol and tol.factor), ("floor_eps", tol and tol.floor_eps)) if v is not None}
     leaves = _leaves(sample, device)
+    scales: list = []  # per output: the partials' magnitude before a value-split sum (its rounding scales with it)
     with same_draws(0, 0):
-        outs = run_partitioned(spec, sample.bound, partition, mesh, leaves)
+        outs = run_partitioned(spec, sample.bound, partition, mesh, leaves, scales)
     cots = [None if c is None else c.to(device) for c in sample.cotangents]
     grads = _backward(outs, cots, leaves)
     checks = []
-    for i, (y, d, r) in enumerate(zip(outs, ref.outs, ref.outs64)):
-        checks.append(_check_output(f"output {i}", _detach(y), d, r, opts))
+    for i, (y, d, r, s) in enumerate(zip(outs, ref.outs, ref.outs64, scales)):
+        checks.append(_check_output(f"output {i}", _detach(y), d, r, opts if s is None else {**opts, "partials": s}))
     for i, (g, d, r) in enumerate(zip(grads, ref.grads, ref.grads64)):
         if g is not None or d is not None:
             checks.append(check_tensor(f"grad of input {i}", g, d, r, **opts))

@@ -12,6 +12,11 @@ finite elements of ``ref``:
 * ``FLOOR_EPS = 16``: where one device happens to be exact (``err(dev) == 0``), a reordered sum still
   may round; sixteen units in the last place of the largest value allow for that. eps is 2.2e-16
   (float64), 1.2e-7 (float32), 9.8e-4 (float16), 7.8e-3 (bfloat16).
+* ``PARTIAL_EPS = 2``: an operator output summed from partial values (a split by value, ``+``) is
+  rounded per partial and per addition in its dtype; where the partials cancel (a bf16 sum of 4096
+  values near zero) that error is set by the partials, not by ``max|ref|``. Such an output's bound
+  gains ``PARTIAL_EPS * eps(dtype) * sum over ranks of max|partial|`` (op cases; each rank's
+  partial magnitude is summed over the value-split group). A wrong split is off by whole partials.
 * Positions where ``ref`` is NaN or infinite must be the same NaN/inf in ``par``; a NaN or inf in
   ``par`` where ``ref`` is finite fails, whatever the numbers.
 * Integer and boolean tensors must be equal; shapes and dtypes must match. ``None`` (no gradient)
@@ -122,6 +127,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 FACTOR = 4.0
 FLOOR_EPS = 16.0
+PARTIAL_EPS = 2.0
 UPDATE_EPS = 4.0  # an optimizer step: a few ulps of the parameter and of the update
 FALLBACK_WIDEN = 2.0  # both bounds, where the float64 reference fell back for some operator
 LOWPREC_FACTOR = 4.0  # bf16 recipes: times the single-device run's own Frobenius error
@@ -195,11 +201,13 @@ def _shape_dtype(name: str, par: torch.Tensor, dev: torch.Tensor) -> Check | Non
 
 
 def check_tensor(name: str, par, dev, ref, factor: float = FACTOR, floor_eps: float = FLOOR_EPS,
-                 scale: float | None = None, lowprec: bool = False, history: SpreadHistory | None = None) -> Check:
+                 scale: float | None = None, lowprec: bool = False, history: SpreadHistory | None = None,
+                 partials: float = 0.0) -> Check:
     """Judge ``par`` against the float64 ``ref``, calibrated by the single-device ``dev``; ``scale``
     replaces ``max|ref|`` in the floor (whole models pass the largest gradient of the step, since a
     gradient that is zero in exact arithmetic is pure rounding noise of larger terms); ``history``: the
-    case's record of single-device spreads, for the low-precision rule."""
+    case's record of single-device spreads, for the low-precision rule; ``partials``: the magnitude of
+    the partial values a value-split sum added up into ``par`` (sum over ranks of ``max|partial|``)."""
     if par is None or dev is None or ref is None:
         return _none_check(name, par, dev, ref)
     if not isinstance(par, torch.Tensor):
@@ -222,7 +230,7 @@ def check_tensor(name: str, par, dev, ref, factor: float = FACTOR, floor_eps: fl
     err = _max_abs((par64 - ref)[finite])
     err_dev = _max_abs((dev64 - ref)[finite])
     eps = torch.finfo(par.dtype).eps
-    tol = factor * err_dev + floor_eps * eps * (_max_abs(ref[finite]) if scale is None else scale)
+    tol = factor * err_dev + floor_eps * eps * (_max_abs(ref[finite]) if scale is None else scale) + PARTIAL_EPS * eps * partials
     return Check(name, err, tol, err <= tol, "" if err <= tol else f"error {err:.3g} > tolerance {tol:.3g}")
 
 
