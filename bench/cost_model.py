@@ -11,22 +11,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import io
-import json
-import os
-import statistics
 import tempfile
 import time
-import warnings
 from dataclasses import replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from verify.runner.gang import free_port
+from verify.runner.spawn import run_ranks
 
 
 def spearman(a, b) -> float:
@@ -49,12 +43,7 @@ def _plans(world: int, seeds: int) -> list[tuple[str, int]]:
     return out
 
 
-def _rank(rank: int, world: int, port: int, args, out_path: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+def _rank(rank: int, world: int, args) -> list:
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize
     from nnscaler.cost.estimate import analyze
@@ -91,10 +80,7 @@ def _rank(rank: int, world: int, port: int, args, out_path: str) -> None:
     rows = [{"world": world, "policy": policy, "seed": seed, "mesh": list(pm.plan.mesh_shape),
              "estimated_s": pm.plan.stats.step_seconds, "measured_s": min(times)}
             for policy, seed, pm, opt, times in runs]
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
-    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -107,12 +93,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in (2, 4):
-            path = os.path.join(tmp, f"w{world}.json")
-            mp.spawn(_rank, args=(world, free_port(), args, path), nprocs=world)
-            with open(path) as f:
-                rows += json.load(f)
+    for world in (2, 4):
+        rows += run_ranks(_rank, world, args, timeout_s=3600)[0]
     print(f"{'W':>2} {'policy':<15} {'seed':>4} {'mesh':<8} {'estimated':>10} {'measured':>10}")
     for r in rows:
         print(f"{r['world']:>2} {r['policy']:<15} {r['seed']:>4} {str(tuple(r['mesh'])):<8} "

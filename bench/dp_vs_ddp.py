@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import os
 import statistics
 import tempfile
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def _step(module, opt, batch) -> tuple[float, float]:
@@ -37,12 +33,7 @@ def _step(module, opt, batch) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _rank(rank: int, world: int, port: int, args, out) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+def _rank(rank: int, world: int, args) -> list:
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize
     from verify.models.nanogpt import GPT, GPTConfig
@@ -77,9 +68,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                  for k in ("dp", "replicas")}
         step = {k: tuple(statistics.median(t[j] for t in v) for j in (0, 1)) for k, v in times.items()}
         repeats.append((ratio, step))
-    if rank == 0:
-        out.put(repeats)
-    dist.destroy_process_group()
+    return repeats
 
 
 def main() -> None:
@@ -91,11 +80,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="steps of each run per repeat")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from verify.runner.gang import free_port
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    mp.start_processes(_rank, args=(2, free_port(), args, out), nprocs=2, start_method="spawn")
-    repeats = out.get()
+    from verify.runner.spawn import run_ranks
+    repeats = run_ranks(_rank, 2, args, timeout_s=3600)[0]
     print(f"GPT {args.layers}x{args.width}, batch {args.batch}x{args.seq}, world size 2 (gloo, CPU), "
           f"{args.steps} interleaved steps per repeat; ratio to DDP (median of per-step ratios), wall | CPU:")
     for i, (ratio, step) in enumerate(repeats):

@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import os
 import statistics
 import tempfile
 import time
-import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 SCHEDULES = ("GPipe", "1F1B")
 MICRO = (4, 8, 16)
@@ -117,12 +113,7 @@ def _one_micro_batch(module, args, params) -> int:
     return saved.peak
 
 
-def _rank(rank: int, world: int, port: int, args, out) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+def _rank(rank: int, world: int, args) -> dict:
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize
     from verify.models.nanogpt import GPT, GPTConfig
@@ -181,8 +172,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                 dist.barrier()
                 times[k].append(time.perf_counter() - t0)
         res["throughput"] = {k: args.batch / statistics.median(v) for k, v in times.items()}
-    out.put((rank, res))
-    dist.destroy_process_group()
+    return res
 
 
 def main() -> None:
@@ -194,16 +184,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     world = 2
-    from verify.runner.gang import free_port
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = dict(out.get() for _ in procs)
-    for p in procs:
-        p.join()
+    from verify.runner.spawn import run_ranks
+    res = run_ranks(_rank, world, args, timeout_s=3600)
     p_ = world
     print(f"nanoGPT {args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}; p={p_} stages")
     print("bubble fraction (mean over ranks) against (p-1)/(m+p-1):")

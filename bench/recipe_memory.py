@@ -15,14 +15,10 @@ included), each the max over ranks. Each cell: estimate / measured. Goal: every 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import tempfile
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 KEYS = ("params", "grads", "optimizer", "activations")
 EST = {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optim_bytes", "activations": "activation_bytes"}
@@ -38,12 +34,7 @@ def configs():
                 yield "hybrid", z, rc, prec
 
 
-def _rank(rank: int, world: int, port: int, args, out) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+def _rank(rank: int, world: int, args) -> list:
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize, plan_model
     from nnscaler.runtime.recompute import SavedActivations
@@ -72,10 +63,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                 dist.all_gather_object(got, mem)
                 rows.append((name, policy, z, rc, prec, est, {key: max(g[key] for g in got) for key in KEYS}))
                 del pm, opt, loss
-    if rank == 0:
-        out.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -85,14 +73,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--models", nargs="*", default=["nanogpt", "llama"], choices=["nanogpt", "llama"])
     args = ap.parse_args()
-    from verify.runner.gang import free_port
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = mp.start_processes(_rank, args=(args.world, free_port(), args, out), nprocs=args.world,
-                               start_method="spawn", join=False)
-    rows = out.get(timeout=3600)
-    while not procs.join():
-        pass
+    from verify.runner.spawn import run_ranks
+    rows = run_ranks(_rank, args.world, args, timeout_s=3600)[0]
     print(f"Planner estimate vs measured, bytes per rank (max over the {args.world} ranks), one AdamW step; "
           f"cells: estimate / measured = ratio")
     print("| model | policy | zero | recompute | precision | params | grads | optimizer | saved activations | worst |")

@@ -17,16 +17,12 @@ zero 1/2 optimizer bytes ~1/W; zero 2 gradient bytes ~1/W; full recompute cuts s
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import tempfile
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "full")
@@ -34,12 +30,7 @@ CONFIGS = tuple((z, rc) for z in STAGES for rc in RECOMPUTE)
 KEYS = ("params", "grads", "optimizer", "activations")
 
 
-def _rank(rank: int, world: int, port: int, args, out) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+def _rank(rank: int, world: int, args) -> dict:
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize
     from nnscaler.runtime.recompute import SavedActivations
@@ -75,8 +66,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                     mem[c] = measure(pm, opt, saved.bytes, grads)
                     opt.zero_grad()
         results[name] = {c: dict(mem[c], step_s=statistics.median(times[c])) for c in CONFIGS}
-    out.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -86,11 +76,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    from verify.runner.gang import free_port
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    mp.start_processes(_rank, args=(args.world, free_port(), args, out), nprocs=args.world, start_method="spawn")
-    by_rank = dict(out.get(timeout=30) for _ in range(args.world))
+    from verify.runner.spawn import run_ranks
+    by_rank = run_ranks(_rank, args.world, args, timeout_s=3600)
     print(f"ZeRO stages x recompute under dp at W={args.world}: bytes per rank measured from live tensors (rank 0; "
           f"max over ranks in brackets where it differs), ratios (max over ranks) against zero 0 with no recompute "
           f"of the same run; step time median of {args.steps}")

@@ -14,16 +14,12 @@ embedding whole. Goal: ratio (nnscaler / PyTorch) <= 1.0.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import tempfile
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -96,12 +92,7 @@ def _steps(module, opt, batch, n: int) -> tuple[float, float]:
     return statistics.median(times), float(loss)
 
 
-def _rank(rank: int, world: int, port: int, args, out) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+def _rank(rank: int, world: int, args) -> dict:
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize
 
@@ -123,9 +114,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     for _ in range(args.rounds):
         for k in models:
             results[k].append(_steps(models[k], opts[k], batch, args.steps)[0])
-    if rank == 0:
-        out.put({"losses": losses, **{k: statistics.median(v) for k, v in results.items()}})
-    dist.destroy_process_group()
+    return {"losses": losses, **{k: statistics.median(v) for k, v in results.items()}}
 
 
 def main() -> None:
@@ -138,11 +127,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from verify.runner.gang import free_port
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    mp.start_processes(_rank, args=(2, free_port(), args, out), nprocs=2, start_method="spawn")
-    r = out.get()
+    from verify.runner.spawn import run_ranks
+    r = run_ranks(_rank, 2, args, timeout_s=3600)[0]
     la, lb = r["losses"]["nnscaler"], r["losses"]["torch"]
     print(f"GPT {args.layers}x{args.width}, vocab {args.vocab}, batch {args.batch}x{args.seq}, world size 2 (gloo, CPU): "
           f"PyTorch TP {r['torch'] * 1e3:.1f} ms/step, nnscaler tp {r['nnscaler'] * 1e3:.1f} ms/step, "

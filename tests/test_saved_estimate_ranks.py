@@ -4,24 +4,14 @@ keeps the piece it reads (``nnscaler.cost.saved``: the layout an operator reads 
 not the whole rows (8% over on nanoGPT's hybrid + full recompute before)."""
 from __future__ import annotations
 
-import datetime
-import os
 import tempfile
-import warnings
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from verify.runner.gang import free_port
+from verify.runner.spawn import run_ranks
 
 
-def _rank(rank: int, world: int, port: int, out) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+def _rank(rank: int, world: int) -> dict:
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize, plan_model
     from nnscaler.runtime.recompute import SavedActivations
@@ -38,18 +28,10 @@ def _rank(rank: int, world: int, port: int, out) -> None:
             measured = [None] * world
             dist.all_gather_object(measured, saved.bytes)
             got[rc] = (est, max(measured))
-    if rank == 0:
-        out.put(got)
-    dist.barrier()
-    dist.destroy_process_group()
+    return got
 
 
 def test_hybrid_saved_activations_estimate_matches_the_ranks():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = mp.start_processes(_rank, args=(4, free_port(), out), nprocs=4, start_method="spawn", join=False)
-    got = out.get(timeout=600)
-    while not procs.join():
-        pass
+    got = run_ranks(_rank, 4)[0]
     for rc, (est, measured) in got.items():
         assert abs(est / measured - 1) < 0.005, (rc, est, measured)  # was 1.2% (none), 8.3% (full) over
