@@ -220,6 +220,26 @@ def experts_rewrite(module: torch.nn.Module):
 DEFAULT_REGISTRY.add_module_rewrite(experts_rewrite)
 
 
+def batched_rewrite(module: torch.nn.Module):
+    """The tracer's rewrite of the transformers experts modules :func:`experts_rewrite` leaves alone
+    (biases, interleaved or custom gates, post-expert norms, transposed weights) whose config runs them
+    grouped (or eagerly): they trace through the library's own ``batched_mm`` implementation, which
+    gathers each (token, slot) row's expert weights and computes row by row, so a split of the batch
+    splits its rows with no gather; the grouped one sorts every row of the batch by expert (a global
+    permutation no batch split keeps), and the eager one loops over the experts the batch hit. The
+    library computes the same layer either way (its ``_apply_gate``, biases and norms included); the
+    model itself still runs its own code (the single-device reference)."""
+    config = getattr(module, "config", None)
+    if not hasattr(module, "_is_expert_parallel") or getattr(module, "_is_expert_parallel") or \
+            getattr(config, "_experts_implementation", None) not in ("grouped_mm", "eager"):
+        return None
+    from transformers.integrations.moe import batched_mm_experts_forward  # (the module is transformers')
+    return functools.partial(batched_mm_experts_forward, module)
+
+
+DEFAULT_REGISTRY.add_module_rewrite(batched_rewrite)
+
+
 def register_transformers() -> None:
     """Make ``experts_implementation="nnscaler_ep"`` available to transformers' MoE models."""
     from transformers.integrations.moe import ExpertsInterface

@@ -30,7 +30,9 @@ NEW = ["aten.cat.default", "aten.concatenate.default", "aten.roll.default", "ate
        "aten.triu.default", "aten.scatter.value", "aten.scatter.src", "aten.repeat.default",
        "aten.reshape_as.default", "aten.view_as.default", "aten.view_as_complex.default",
        "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.max_pool1d.default", "aten.max_pool2d.default",
-       "aten.adaptive_avg_pool1d.default", "aten.adaptive_avg_pool2d.default", "aten.einsum.default"]
+       "aten.adaptive_avg_pool1d.default", "aten.adaptive_avg_pool2d.default", "aten.einsum.default",
+       "aten.view_as_real.default", "aten.gather.default", "aten.index_select.default", "aten.index.Tensor",
+       "aten.index_put.default"]
 
 
 @pytest.mark.parametrize("overload, args, annotation", [
@@ -44,7 +46,7 @@ NEW = ["aten.cat.default", "aten.concatenate.default", "aten.roll.default", "ate
                         True, False), "d^ b e^, a^ b c^, f^ g^, h^ i^, j^ k^, l^ m^, ?, ?, ?, ?, ?, ? -> n^ b o^, p^ b q^"),
     ("aten.max.dim", (T(4, 4, 8, 8), -1, True), "a b c d^, ?, ? -> a b c 1, a b c 1"),
     ("aten.tril.default", (T(4, 2, 6, 6), -1), "a b c^ d^, ? -> a b c^ d^"),
-    ("aten.repeat.default", (T(4, 6), [2, 1, 3]), "a b^, ? -> 2 a c^"),
+    ("aten.repeat.default", (T(4, 6), [2, 1, 3]), "a b, ? -> 2 a (3 b)"),
     ("aten.adaptive_avg_pool2d.default", (T(4, 6, 8, 8), [1, 1]), "n c a^ b^, ? -> n c 1 1"),
     ("aten.conv2d.default", (T(4, 1, 8, 8), T(6, 1, 3, 3), T(6)), "n 1 a^ b^, o 1 c^ d^, o -> n o e^ f^"),
     # einsum: a letter per identifier, contracted ones split by value; ``...`` and implicit outputs spelled out

@@ -198,7 +198,7 @@ class Emitter:
         if op.source:
             self.lines.append(f"    # {comment(op.source)}")
         outs = [self.var.setdefault(t, t.name) if t is not None else "_" for t in op.outputs]
-        target = ", ".join(outs) + ("," if len(outs) == 1 and len(op.outputs) > 1 else "")
+        target = ", ".join(outs) + ("," if len(outs) == 1 and (len(op.outputs) > 1 or op.sequence) else "")
         new = (lambda x: op.literals.get(x, x) if isinstance(x, float) else x) if op.literals else (lambda x: x)  # noqa: E731
         inputs, op_kwargs = [new(x) for x in op.inputs], {k: new(v) for k, v in op.kwargs.items()}  # bf16's extremes
         if not op.known:
@@ -322,7 +322,11 @@ def render_program(e: Emitter, header: str = "") -> str:
             "DEVICE = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')", "# state this rank holds: name -> (full shape, layout per mesh axis, slice per dim,",
             "#                                mesh axis its gradient is summed over after backward)",
             "STATE = {"]
-    head += [f"    {s.name!r}: ({s.full_shape}, {s.layout}, {s.slices}, {s.sync_axis})," for s in shards] + ["}", "", ""]
+    head += [f"    {s.name!r}: ({s.full_shape}, {s.layout}, {s.slices}, {s.sync_axis})," for s in shards] + ["}"]
+    reach = graph.reach_outputs()
+    dropped = sorted(t.target or t.name for t in graph.params if t not in reach)
+    head += ["# parameters no output is computed from: backward gives them no gradient, so none is synced",
+             f"NO_GRAD = frozenset({dropped!r})" if dropped else "NO_GRAD = frozenset()", "", ""]
     body = [f"def forward(p, g, {params}{', probe' if probe else ''}):",
             '    """p: the state this rank holds, by model name; g: its process group on each mesh axis."""']
     lines = e.lines

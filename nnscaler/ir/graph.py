@@ -56,6 +56,7 @@ class IROp:
     cast: Any = None  # bf16-mixed: the dtype its floating inputs are cast to, "drop" for a dtype assert (runtime/precision.py)
     checkpoint: int | None = None  # the model's torch.utils.checkpoint call it ran in (trace/checkpoints.py)
     literals: dict | None = None  # bf16-mixed: {traced constant: the one it computes with} (trace/amp.py)
+    sequence: bool = False  # the call returns a list or tuple (``unbind`` of a length-1 dim: a list of one)
     _layouts: dict = field(default_factory=dict, repr=False, compare=False)  # layout()'s answers, see there
 
     @property
@@ -188,6 +189,25 @@ class IRGraph:
         for op in self.ops:
             if (op.spec is None or op.spec.differentiable) and any(x in out for x in op.tensor_inputs()):
                 out.update(t for t in op.outputs if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex))
+        return out
+
+    def reach_outputs(self) -> set[IRTensor]:
+        """Tensors an output is computed from through operators that may be differentiated, by way of
+        floating results (an index or a mask carries no gradient): the only ones backward from the
+        outputs can give a gradient. A parameter read only by work the
+        outputs drop (a compressor a short sequence skips) gets none, on one device as on ranks."""
+        out: set[IRTensor] = set()
+        todo = list(self.outputs)
+        while todo:  # outputs may be lists or tuples of tensors
+            x = todo.pop()
+            if isinstance(x, IRTensor):
+                out.add(x)
+            elif isinstance(x, (list, tuple)):
+                todo += list(x)
+        for op in reversed(self.ops):
+            if (op.spec is None or op.spec.differentiable) and any(
+                    t in out and (t.dtype.is_floating_point or t.dtype.is_complex) for t in op.outputs if t is not None):
+                out.update(op.tensor_inputs())
         return out
 
     def unknown(self) -> list[IROp]:

@@ -104,7 +104,13 @@ class Mask:
     p: float = 0.5
 
 
-Constraint = Positive | Uniform | Index | Mask
+@dataclass(frozen=True)
+class Complex:
+    """Complex numbers of the case's precision (complex64 for float32 and bfloat16, which has no
+    complex type; complex128 for float64), real and imaginary parts standard normal."""
+
+
+Constraint = Positive | Uniform | Index | Mask | Complex
 
 
 @dataclass(frozen=True)

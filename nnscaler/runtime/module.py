@@ -80,8 +80,8 @@ class ParallelModule(torch.nn.Module):
                 local = local.to(torch.bfloat16)
             key = name.replace(".", "__")
             self._names[key] = name
-            if name in trainable:
-                param = torch.nn.Parameter(local, requires_grad=full.requires_grad)
+            if name in trainable:  # (a parameter no output reads gets no gradient: nothing to sync or step)
+                param = torch.nn.Parameter(local, requires_grad=full.requires_grad and name not in getattr(program, "NO_GRAD", ()))
                 self.register_parameter(key, param)
                 if param.requires_grad:
                     trainables.append(param)

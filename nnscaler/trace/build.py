@@ -14,6 +14,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from ..ir.graph import ACTIVATION, BUFFER, CONSTANT, INPUT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY, OpRegistry
+from ..ops.rules import OpCall, TensorMeta
 from .calls import call_of, flatten_tensor_lists, meta_of
 from .checkpoints import checkpoint_of
 from .export import TraceError, export_model
@@ -107,12 +108,30 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
             elif node.op == "call_function" and node.target is _SET_GRAD_ENABLED:
                 sub = env[node.args[1]]
                 sub_env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], value(node.args[2:])))
-                env[node] = visit(sub.graph, sub_env, f"{prefix}{node.name}_")
+                outs = visit(sub.graph, sub_env, f"{prefix}{node.name}_")
+                if not node.args[0]:  # a torch.no_grad() region: its results carry no gradient, as on one device
+                    outs = [detached(t, f"{prefix}{node.name}_{i}") if isinstance(t, IRTensor) else t
+                            for i, t in enumerate(outs)]
+                env[node] = outs
             elif node.op == "call_function":
                 env[node] = add_op(node, value, prefix)
             elif node.op == "output":
                 return list(value(node.args[0]))
         return []
+
+    def detached(t: IRTensor, name: str) -> IRTensor:
+        """``t.detach()`` as an operator of the graph: the end of a region run without gradients,
+        which the graph inlines (its values do not depend on the mode, its gradients do)."""
+        meta = TensorMeta(t.shape, t.dtype)
+        call = OpCall("aten.detach.default", (meta,), {}, (meta,))
+        found = derive(call, registry)
+        out = IRTensor(f"{name}_detached", t.shape, t.dtype, ACTIVATION)
+        op = IROp(out.name, call.overload, [t], [out], spec=found[0] if found else None,
+                  bound=found[1] if found else None, source="the end of a torch.no_grad() region")
+        t.consumers.append(op)
+        out.producer = op
+        ops.append(op)
+        return out
 
     def add_op(node: torch.fx.Node, value, prefix: str):
         call = call_of(node)
@@ -129,6 +148,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
                   spec=found[0] if found else None, bound=found[1] if found else None, source=_source(node))
         op.scope, op.scope_types = _scope(node)
         op.checkpoint = checkpoint_of(node)  # a torch.utils.checkpoint call of the model: recomputed alike
+        op.sequence = isinstance(val, (list, tuple))
         for t in op.tensor_inputs():
             t.consumers.append(op)
         for t in outs:

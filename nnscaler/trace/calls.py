@@ -41,12 +41,26 @@ def call_of(node: torch.fx.Node) -> OpCall:
 
 def flatten_tensor_lists(args) -> list:
     """Positional arguments with every list of tensors spread into its elements: the convention by
-    which an annotation names each tensor of ``cat([x, y], dim)`` as its own input (``x, y, ?``)."""
+    which an annotation names each tensor of ``cat([x, y], dim)`` as its own input (``x, y, ?``).
+    Leading ``None`` entries of such a list (``x[:, :, i]``'s index list) are dropped: the rule's
+    function puts them back."""
     out = []
     for a in args:
-        if isinstance(a, (list, tuple)) and a and all(isinstance(v, (TensorMeta, torch.Tensor)) or
-                                                     type(v).__name__ == "IRTensor" for v in a):
-            out.extend(a)
+        tensors = _after_nones(a)
+        if tensors:
+            out.extend(tensors)
         else:
             out.append(a)
     return out
+
+
+def _after_nones(a) -> list:
+    """The elements of a list or tuple of tensors after its leading ``None`` entries (``[]`` for
+    anything else)."""
+    if not isinstance(a, (list, tuple)):
+        return []
+    rest = list(a)
+    while rest and rest[0] is None:
+        rest.pop(0)
+    ok = rest and all(isinstance(v, (TensorMeta, torch.Tensor)) or type(v).__name__ == "IRTensor" for v in rest)
+    return rest if ok else []

@@ -256,6 +256,15 @@ def _leaf(cls: type, call: list, name: str) -> str:
 PROBE_ELEMENTS = 2**20  # the largest tensor an operator is probed on (a meta-device trace for a cluster plan is not)
 
 
+def _differentiable(op, sample: list, kwargs: dict) -> bool:
+    """Whether autograd connects any output of ``op`` to its tensor inputs (``new_zeros`` reads only
+    its input's dtype: its output carries no gradient, and a parameter read only through it gets none)."""
+    args = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) else a for a in sample]
+    with torch.enable_grad():
+        out = op(*args, **kwargs)
+    return any(isinstance(o, torch.Tensor) and o.requires_grad for o in (out if isinstance(out, (tuple, list)) else [out]))
+
+
 def infer_rule(call):
     """The spec of an ATen call no rule or entry annotates, its annotation inferred by probing it on
     random inputs of the call's shapes (:func:`infer_annotation`; family ``inferred``); None where a
@@ -284,6 +293,7 @@ def infer_rule(call):
         anno = infer_annotation(lambda *a: op(*a, **kwargs), sample)
         return OpSpec.create(f"inferred.{call.overload.removeprefix('aten.')}", anno, op,
                              args={i: a for i, a in enumerate(call.args) if not isinstance(a, TensorMeta)},
-                             kwargs=kwargs, family=FAMILY, aten=(call.overload,))
+                             kwargs=kwargs, family=FAMILY, aten=(call.overload,),
+                             differentiable=_differentiable(op, sample, kwargs))
     except Exception:  # noqa: BLE001  (no annotation: the operator stays unknown, replicated and named)
         return None

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from nnscaler.ops import Index, Mask, OpCall, OpSpec, Size, TensorMeta, aten_overload
+from nnscaler.ops import Complex, Index, Mask, OpCall, OpSpec, Size, TensorMeta, aten_overload
 
 INT_MAX = 2 ** 63 - 1
 
@@ -103,9 +103,12 @@ def usable(call: OpCall, empty_ok: bool = False) -> bool:
 
 
 def constraint(meta: TensorMeta) -> Any:
-    """Sample values matching a tensor's dtype: masks for bool, small indices for integers."""
+    """Sample values matching a tensor's dtype: masks for bool, small indices for integers, complex
+    numbers for complex tensors."""
     if meta.dtype == torch.bool:
         return Mask()
+    if meta.dtype.is_complex:
+        return Complex()
     if not (meta.dtype.is_floating_point or meta.dtype.is_complex):
         return Index(5, str(meta.dtype).removeprefix("torch."))
     return None
@@ -148,6 +151,7 @@ def build(call: OpCall, family: str, ins: Mapping[int, Sequence[str] | Sequence[
     lists = []
     for pos, a in enumerate(call.args):
         if pos in ins and isinstance(a, (list, tuple)):
+            a = [m for m in a if m is not None]  # leading Nones (x[:, i]): the compiler drops them too
             lists.append((len(texts), len(a)))
             given = (inputs or {}).get(pos)
             for k, (meta, dims) in enumerate(zip(a, ins[pos])):

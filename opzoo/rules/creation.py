@@ -66,7 +66,8 @@ def new_filled(ignored, size, fill_value=None, *, fill, dtype, **options):
     options.pop("memory_format", None)
     options.pop("layout", None)
     value = fill_value if fill is None else fill
-    return torch.full(list(size), value, dtype=dtype, **{k: v for k, v in options.items() if k != "dtype"})
+    size = [size] if isinstance(size, int) else list(size)  # a one-dim Size resolves to its length
+    return torch.full(size, value, dtype=dtype, **{k: v for k, v in options.items() if k != "dtype"})
 
 
 @annotation_rule(*_NEW)
@@ -75,7 +76,7 @@ def new_rule(call: OpCall):
     (``labels.new_zeros(labels.shape)``), ``a b, ? -> a b`` like ``zeros_like``, the size following
     the local lengths, so the result is split as ``self`` is and writes into it stay split."""
     out = call.outputs[0] if len(call.outputs) == 1 else None
-    if not isinstance(out, TensorMeta) or not usable(call):
+    if not isinstance(out, TensorMeta) or not usable(call, empty_ok=True):  # (an empty self: only its dtype is read)
         return None
     x = call.args[0]
     if isinstance(x, TensorMeta) and x.ndim and tuple(x.shape) == tuple(out.shape):

@@ -90,8 +90,8 @@ def pointwise_rule(call: OpCall):
     """Any element-wise op (``aten.to``'s ``device`` keyword dropped)."""
     kwargs = {k: v for k, v in call.kwargs.items() if k != "device"}
     spec = pointwise(call, kwargs)
-    if spec is not None and call.overload.startswith("aten.floor_divide"):
-        spec = replace(spec, differentiable=False)  # no derivative in torch
+    if spec is not None and call.overload.startswith(("aten.floor_divide", "aten.detach")):
+        spec = replace(spec, differentiable=False)  # no derivative in torch; detach's output carries none
     return spec
 
 

@@ -164,9 +164,14 @@ register_examples("aten._assert_tensor_metadata.default", [
 
 # --- indexing and mixture-of-experts bookkeeping ------------------------------------------------------
 register_examples("aten.index.Tensor", [(T(64, 48), [I(64)]), (T(3, 12, 8), [I(16)]),
-                                        (I(4, 8), [I(4, 1, 1, 1), I(1, 1, 8, 1)]), (T(10,), [I(4, 6)])])
+                                        (I(4, 8), [I(4, 1, 1, 1), I(1, 1, 8, 1)]), (T(10,), [I(4, 6)]),
+                                        (T(4, 8, 6, 16), [None, None, I(2)])])
+register_examples("aten.gather.default", [(T(4, 4, 8, 24), -1, I(4, 4, 8, 8)), (T(12, 6), 0, I(4, 6)),
+                                          (T(8, 16), 1, I(8, 16))])
+register_examples("aten.index_select.default", [(T(4, 8, 15), 2, I(8)), (T(12, 6), 0, I(5)), (T(6, 12), -1, I(12))])
 register_examples("aten.index_put.default", [(I(16), [I(16)], I(16)), (T(8, 4), [I(6)], T(6, 4), True),
-                                            (I(4, 8), [B(4, 8)], I()), (T(4, 8, 6), [B(4, 8)], T(1), True)])
+                                            (I(4, 8), [B(4, 8)], I()), (T(4, 8, 6), [B(4, 8)], T(1), True),
+                                            (T(4, 8, 6), [B(4, 8)], T(6))])
 register_examples("aten.index_put_.default", [(I(16), [I(16)], I(16))])
 register_examples("aten.diff.default", [(I(4, 8), 1, -1, I(4, 1)), (T(6, 5),), (T(4, 7), 1, 0, None, T(1, 7))])
 register_examples("aten.repeat_interleave.self_int", [(T(8, 6), 2, 0), (T(4, 3, 6), 3, 1), (I(8), 2, 0)])
@@ -259,3 +264,4 @@ register_examples("aten.repeat.default", [(T(32, 6), [4, 1]), (T(4, 6), [2, 1, 3
 register_examples("aten.reshape_as.default", [(T(4, 4, 8, 8, 2), T(4, 4, 8, 16)), (T(4, 6), T(24))])
 register_examples("aten.view_as.default", [(T(4, 2, 3), T(4, 6))])
 register_examples("aten.view_as_complex.default", [(T(4, 8, 4, 8, 2),)])
+register_examples("aten.view_as_real.default", [(T(4, 8, 4, 8, dtype=torch.complex64),)])

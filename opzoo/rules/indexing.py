@@ -20,6 +20,7 @@ import torch
 
 from nnscaler.ops import Index, OpCall, TensorMeta, annotation_rule
 
+from .. import _parallel_kernels as K
 from ._common import Names, arg, broadcast, build, frozen_dim, norm_dim, usable
 
 FAMILY = "indexing"
@@ -27,24 +28,83 @@ FAMILY = "indexing"
 
 @annotation_rule("aten.index.Tensor")
 def index_rule(call: OpCall):
-    """``v^ h, k -> k h`` (several indices broadcast together: ``v^ w^, a 1, 1 b -> a b``)."""
+    """``v^ h, k -> k h`` (several indices broadcast together: ``v^ w^, a 1, 1 b -> a b``); leading
+    ``None`` entries (``x[:, :, i]``) keep their dims spatial in front: ``a v^ h, k -> a k h``."""
     if not usable(call):
         return None
-    x, idx = call.tensor(0), list(call.args[1])
-    if not idx or len(idx) > x.ndim or any(not isinstance(i, TensorMeta) or i.dtype == torch.bool
-                                           or i.dtype.is_floating_point for i in idx):
+    x, entries = call.tensor(0), list(call.args[1])
+    lead = next((p for p, i in enumerate(entries) if i is not None), len(entries))
+    idx = entries[lead:]
+    if not idx or lead + len(idx) > x.ndim or any(not isinstance(i, TensorMeta) or i.dtype == torch.bool
+                                                  or i.dtype.is_floating_point for i in idx):
         return None
     names, sizes = Names(), {}
-    dx = [frozen_dim(names, n, sizes) for n in x.shape[:len(idx)]]
-    rest = [names.dim(n) for n in x.shape[len(idx):]]
+    front = [names.dim(n) for n in x.shape[:lead]]
+    dx = [frozen_dim(names, n, sizes) for n in x.shape[lead:lead + len(idx)]]
+    rest = [names.dim(n) for n in x.shape[lead + len(idx):]]
     b = broadcast(names, [i.shape for i in idx])
     if b is None:
         return None
     per, dout = b
-    if tuple(call.outputs[0].shape) != (*torch.broadcast_shapes(*[i.shape for i in idx]), *x.shape[len(idx):]):
+    if tuple(call.outputs[0].shape) != (*x.shape[:lead], *torch.broadcast_shapes(*[i.shape for i in idx]),
+                                        *x.shape[lead + len(idx):]):
         return None
     cons = [Index(d.rstrip("^") if d != "1" else 1, str(i.dtype).removeprefix("torch.")) for d, i in zip(dx, idx)]
-    return build(call, FAMILY, {0: dx + rest, 1: per}, [dout + rest], sizes=sizes, inputs={1: cons})
+    fn = None if not lead else partial(index_after, lead=lead)
+    return build(call, FAMILY, {0: front + dx + rest, 1: per}, [front + dout + rest], sizes=sizes,
+                 inputs={1: cons}, fn=fn)
+
+
+def index_after(x, *idx, lead: int):
+    """``x[(slice(None),) * lead + idx]``: the index tensors (flattened in place, as the compiler
+    passes them) after ``lead`` whole dims."""
+    return torch.ops.aten.index.Tensor(x, [None] * lead + list(idx))
+
+
+@annotation_rule("aten.gather.default")
+def gather_rule(call: OpCall):
+    """``a b n+, ?, a b k -> a b k``: the dims the index shares with the input (same lengths)
+    spatial, the gathered dim ``n`` split by value by the masked local lookup of
+    :func:`opzoo._parallel_kernels.gather` (an index outside a rank's range gives zero there; the
+    ranks' partial values sum to the result); relative-position biases gather this way."""
+    if not usable(call) or len(call.args) != 3 or call.kwargs.get("sparse_grad"):
+        return None
+    x, index = call.tensor(0), call.tensor(2)
+    if x.ndim == 0 or index.ndim != x.ndim:
+        return None
+    d = norm_dim(call.args[1], x.ndim)
+    if any(index.shape[i] != x.shape[i] for i in range(x.ndim) if i != d):
+        return None
+    names = Names()
+    n = names.dim(x.shape[d], "n")
+    shared = [names.dim(m) for m in x.shape]
+    k = names.dim(index.shape[d], "k")
+    dx, di = list(shared), list(shared)
+    dx[d], di[d] = (n + "+" if n != "1" else n), k
+    local = partial(K.gather, ident=n) if n != "1" else None
+    return build(call, FAMILY, {0: dx, 2: di}, [di], kwargs={}, local=local,
+                 inputs={2: Index(n if n != "1" else 1, str(index.dtype).removeprefix("torch."))})
+
+
+@annotation_rule("aten.index_select.default")
+def index_select_rule(call: OpCall):
+    """``a v+ b, ?, k -> a k b``: the selected dim split by value (the masked local lookup of
+    :func:`opzoo._parallel_kernels.index_select`), the others spatial."""
+    if not usable(call) or len(call.args) != 3:
+        return None
+    x, index = call.tensor(0), call.tensor(2)
+    if x.ndim == 0 or index.ndim != 1:
+        return None
+    d = norm_dim(call.args[1], x.ndim)
+    names = Names()
+    v = names.dim(x.shape[d], "v")
+    dx = [names.dim(m) for m in x.shape]
+    k = names.dim(index.shape[0], "k")
+    dout = list(dx)
+    dx[d], dout[d] = (v + "+" if v != "1" else v), k
+    local = partial(K.index_select, ident=v) if v != "1" else None
+    return build(call, FAMILY, {0: dx, 2: [k]}, [dout], local=local,
+                 inputs={2: Index(v if v != "1" else 1, str(index.dtype).removeprefix("torch."))})
 
 
 def index_put(x, *rest, n: int):
@@ -63,12 +123,14 @@ def index_put_rule(call: OpCall):
     if any(not isinstance(i, TensorMeta) for i in idx):
         return None
     names, sizes = Names(), {}
-    if len(idx) == 1 and idx[0].dtype == torch.bool and tuple(idx[0].shape) == tuple(x.shape[:len(idx[0].shape)]) \
-            and math.prod(values.shape) == 1 and len(values.shape) <= 1:
-        # x[mask] = v (or += v) with one value: element-wise, each element written only by its own mask bit
+    m = len(idx[0].shape) if idx else 0
+    if len(idx) == 1 and idx[0].dtype == torch.bool and tuple(idx[0].shape) == tuple(x.shape[:m]) and (
+            math.prod(values.shape) == 1 and len(values.shape) <= 1 or tuple(values.shape) == tuple(x.shape[m:])):
+        # x[mask] = v (or += v) with one value, or one row v of x's trailing dims (T5Gemma's end-of-image
+        # embedding): element-wise, each element written only by its own mask bit (and v's element)
         dx = [names.dim(n) for n in x.shape]
-        return build(call, FAMILY, {0: dx, 1: [dx[:len(idx[0].shape)]], 2: [str(n) for n in values.shape]}, [dx],
-                     fn=partial(index_put, n=1))
+        dv = [str(n) for n in values.shape] if math.prod(values.shape) == 1 and len(values.shape) <= 1 else dx[m:]
+        return build(call, FAMILY, {0: dx, 1: [dx[:m]], 2: dv}, [dx], fn=partial(index_put, n=1))
     ins = {0: [frozen_dim(names, n, sizes) for n in x.shape],
            1: [[frozen_dim(names, n, sizes) for n in i.shape] for i in idx],
            2: [frozen_dim(names, n, sizes) for n in values.shape]}

@@ -92,8 +92,9 @@ def scatter_rule(call: OpCall):
 
 @annotation_rule("aten.repeat.default")
 def repeat_rule(call: OpCall):
-    """``a n^, ? -> a m^`` with ``repeats`` ``Size("1 3")``-like: repeated dims frozen, new leading
-    dims fixed numbers, the others spatial."""
+    """``a n, ? -> a (3 n)`` for ``repeats`` ``[1, 3]``: a dim repeated ``r`` times is ``r`` blocks of
+    itself, so splitting it splits each block (merged-dim blocks: a rank's slice, repeated, is its
+    share of every block); new leading dims fixed numbers, the others spatial."""
     if not usable(call):
         return None
     x, reps = call.tensor(0), list(call.args[1])
@@ -109,8 +110,8 @@ def repeat_rule(call: OpCall):
             din.append(names.dim(n))
             dout.append(din[-1])
         else:
-            din.append(frozen_dim(names, n, sizes))
-            dout.append(frozen_dim(names, out[lead + d], sizes))
+            din.append(names.dim(n))
+            dout.append(f"({r} {din[-1]})")
         items.append(str(r))
     return build(call, FAMILY, {0: din}, [dout], sizes=sizes, args={1: [int(i) for i in items]})
 

@@ -135,7 +135,7 @@ def expand_rule(call: OpCall):
 @annotation_rule("aten.view_as_complex.default")
 def view_as_complex_rule(call: OpCall):
     """``a b 2 -> a b``: pairs of reals as one complex number (complex rotary embeddings), every
-    other dim spatial. (``view_as_real`` has no rule: the harness samples no complex inputs.)"""
+    other dim spatial."""
     if not usable(call):
         return None
     x = call.tensor(0)
@@ -144,3 +144,14 @@ def view_as_complex_rule(call: OpCall):
     names = Names()
     lead = [names.dim(n) for n in x.shape[:-1]]
     return build(call, FAMILY, {0: lead + ["2"]}, [lead])
+
+
+@annotation_rule("aten.view_as_real.default")
+def view_as_real_rule(call: OpCall):
+    """``a b -> a b 2``: each complex number as its (real, imaginary) pair (the way back of
+    :func:`view_as_complex_rule`), every dim spatial."""
+    if not usable(call):
+        return None
+    names = Names()
+    dims = [names.dim(n) for n in call.tensor(0).shape]
+    return build(call, FAMILY, {0: dims}, [dims + ["2"]])

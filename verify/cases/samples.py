@@ -10,7 +10,7 @@ import torch
 
 from nnscaler.dimops.binding import BoundAnno, bind
 from nnscaler.dimops.grammar import FROZEN
-from nnscaler.ops.spec import Index, Mask, OpSpec, Positive, Uniform, outputs_of, resolve, size_names
+from nnscaler.ops.spec import Complex, Index, Mask, OpSpec, Positive, Uniform, outputs_of, resolve, size_names
 
 from verify.names import DTYPE_NAMES
 
@@ -71,6 +71,9 @@ def _shape(spec: OpSpec, pos: int, sizes: dict[str, int]) -> tuple[int, ...]:
     return tuple(shape)
 
 
+COMPLEX = {torch.float64: torch.complex128, torch.float16: torch.complex32}  # others: complex64
+
+
 def _values(constraint: Any, shape: tuple[int, ...], dtype: torch.dtype, sizes: dict[str, int],
             g: torch.Generator) -> torch.Tensor:
     if isinstance(constraint, Index):
@@ -78,6 +81,9 @@ def _values(constraint: Any, shape: tuple[int, ...], dtype: torch.dtype, sizes: 
         return torch.randint(0, high, shape, generator=g, dtype=getattr(torch, constraint.dtype))
     if isinstance(constraint, Mask):
         return torch.rand(shape, generator=g, dtype=torch.float64) < constraint.p
+    if isinstance(constraint, Complex):
+        z = torch.randn((*shape, 2), generator=g, dtype=torch.float64)
+        return torch.view_as_complex(z).to(COMPLEX.get(dtype, torch.complex64))
     if isinstance(constraint, (Positive, Uniform)):
         x = constraint.low + (constraint.high - constraint.low) * torch.rand(shape, generator=g, dtype=torch.float64)
     elif constraint is None:

@@ -27,7 +27,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             summary_first_dropout=0.0, classifier_dropout=0.0, ffn_dropout=0.0, embedding_dropout=0.0,
             # mixture of experts, state spaces, latent attention: small where a config has them
             num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+            shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
             kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
             state_size=8, ssm_state_size=8, conv_kernel=4, expand=1, mamba_expand=1, mamba_d_state=8, mamba_n_heads=4,
             mamba_d_head=16, n_groups=1, time_step_rank=8)
@@ -52,7 +52,7 @@ SUFFIXES = (("num_key_value_heads", None), ("num_kv_heads", None), ("num_heads",
             ("head_dim", 16), ("headdim", 16), ("dim_head", 16), ("_d_head", 16), ("kv_channels", 16),
             ("intermediate_size", 128), ("ffn_hidden_size", 128), ("_ffn_dim", 128), ("d_inner", 128),
             ("dim_ff", 128), ("feed_forward_size", 128), ("hidden_size", 64), ("embedding_dim", 64), ("d_ssm", 64),
-            ("lora_rank", 16), ("dt_rank", 8), ("chunk_size", SEQ), ("vocab_size", 128), ("_heads", 4))
+            ("lora_rank", 16), ("dt_rank", 8), ("rotary_dim", 8), ("chunk_size", SEQ), ("vocab_size", 128), ("_heads", 4))
 
 
 def kinds():
@@ -175,11 +175,13 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
     over = shrunk(defaults.to_dict(), kind, kv_heads)
     if kind == "causal":
         over.update({**TINY, "num_key_value_heads": kv_heads or TINY["num_key_value_heads"]})
+    if "kv_lora_rank" in over and "num_key_value_heads" in over:  # latent attention expands its keys and
+        over["num_key_value_heads"] = over.get("num_attention_heads", 4)  # values per query head: kv heads = heads
     # a field the config class derives (a property it refuses to set: xLSTM's v_head_dim, prophetnet's
     # num_hidden_layers) is left to it; a property it takes (num_labels) is set
     over = {k: v for k, v in over.items() if not isinstance(getattr(type(defaults), k, None), property)
             or _settable(defaults, k, v)}
-    cfg = AutoConfig.for_model(arch, **over)
+    cfg = AutoConfig.for_model(arch, **_underived(arch, defaults, over))
     with torch.device("meta"):  # its size first: a config that ignores the shrinking is refused, not built
         n = sum(p.numel() for p in _construct(auto, cfg).parameters())
     if n > MAX_PARAMS:
@@ -205,6 +207,21 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
         g = torch.Generator().manual_seed(100 * seed + step)
         return torch.randn(shape, generator=g), torch.randint(0, LABELS, (BATCH,), generator=g)
     return ModelCase(NamedLoss(model.train(), (name, "labels")), batch)
+
+
+def _underived(arch: str, defaults, over: dict) -> dict:
+    """``over`` less the fields the config class computes from others in its ``__init__`` (DeepSeek's
+    ``head_dim = qk_rope_head_dim`` and ``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``): a
+    field that is no parameter of ``__init__`` and moves when only the others are shrunk follows
+    them (shrunk on its own, it contradicted them: 10 latent-attention models failed to trace)."""
+    import inspect
+
+    from transformers import AutoConfig
+    params = inspect.signature(type(defaults).__init__).parameters
+    if all(k in params for k in over):
+        return over
+    probe = AutoConfig.for_model(arch, **{k: v for k, v in over.items() if k in params})
+    return {k: v for k, v in over.items() if k in params or getattr(probe, k, None) == getattr(defaults, k, None)}
 
 
 def _settable(cfg, key: str, value) -> bool:
