@@ -48,7 +48,7 @@ HEADS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_atten
 # names is still shrunk (an unshrunk 32 x 128 linear-attention width made kimi_linear 4.4 M parameters
 # and ~1 GiB of activations per rank). (ending, its tiny value); the first ending that matches wins.
 # State-space mixers keep heads x head width = expand x hidden: expand 1, 4 heads of 16 over width 64.
-SUFFIXES = (("num_key_value_heads", None), ("num_kv_heads", None), ("num_heads", 4), ("_n_heads", 4),
+SUFFIXES = (("bottleneck_size", 32), ("num_key_value_heads", None), ("num_kv_heads", None), ("num_heads", 4), ("_n_heads", 4),
             ("head_dim", 16), ("headdim", 16), ("dim_head", 16), ("_d_head", 16), ("kv_channels", 16),
             ("intermediate_size", 128), ("ffn_hidden_size", 128), ("_ffn_dim", 128), ("d_inner", 128),
             ("dim_ff", 128), ("feed_forward_size", 128), ("hidden_size", 64), ("embedding_dim", 64), ("d_ssm", 64),
