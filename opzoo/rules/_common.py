@@ -46,6 +46,15 @@ class Names:
         return str(length) if length in (0, 1) else self.new(hint)
 
 
+def along(x: TensorMeta, index: TensorMeta, dim: int) -> int | None:
+    """The dim ``gather``/``scatter`` index ``x`` along (as a position), where ``index`` has ``x``'s
+    rank and its lengths on every other dim (those dims are then shared, spatial); else None."""
+    if x.ndim == 0 or index.ndim != x.ndim:
+        return None
+    d = norm_dim(dim, x.ndim)
+    return None if any(index.shape[i] != x.shape[i] for i in range(x.ndim) if i != d) else d
+
+
 def norm_dim(dim: int, ndim: int) -> int:
     """A possibly negative dim index as a position (a 0-d tensor has one dim position, 0)."""
     n = max(ndim, 1)

@@ -21,7 +21,7 @@ import torch
 from nnscaler.ops import Index, OpCall, TensorMeta, annotation_rule
 
 from .. import _parallel_kernels as K
-from ._common import Names, arg, broadcast, build, frozen_dim, norm_dim, usable
+from ._common import Names, along, arg, broadcast, build, frozen_dim, norm_dim, usable
 
 FAMILY = "indexing"
 
@@ -70,10 +70,8 @@ def gather_rule(call: OpCall):
     if not usable(call) or len(call.args) != 3 or call.kwargs.get("sparse_grad"):
         return None
     x, index = call.tensor(0), call.tensor(2)
-    if x.ndim == 0 or index.ndim != x.ndim:
-        return None
-    d = norm_dim(call.args[1], x.ndim)
-    if any(index.shape[i] != x.shape[i] for i in range(x.ndim) if i != d):
+    d = along(x, index, call.args[1])
+    if d is None:
         return None
     names = Names()
     n = names.dim(x.shape[d], "n")

@@ -18,7 +18,7 @@ import torch
 
 from nnscaler.ops import Index, OpCall, annotation_rule
 
-from ._common import Names, arg, build, frozen_dim, mark, norm_dim, reshape_dims, usable
+from ._common import Names, along, arg, build, frozen_dim, mark, norm_dim, reshape_dims, usable
 
 FAMILY = "indexing"
 
@@ -71,10 +71,8 @@ def scatter_rule(call: OpCall):
     if not usable(call):
         return None
     x, idx = call.tensor(0), call.tensor(2)
-    if x.ndim == 0 or idx.ndim != x.ndim:
-        return None
-    dim = norm_dim(call.args[1], x.ndim)
-    if any(idx.shape[d] != x.shape[d] for d in range(x.ndim) if d != dim):
+    dim = along(x, idx, call.args[1])
+    if dim is None:
         return None
     ins_src = call.overload == "aten.scatter.src"
     if ins_src and tuple(call.tensor(3).shape) != tuple(idx.shape):
