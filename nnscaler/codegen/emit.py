@@ -173,7 +173,7 @@ class Emitter:
     def cast(self, name: str, t: IRTensor, dtype) -> str:
         """``name`` (holding ``t``) cast to ``dtype`` for an operator autocast casts (bf16-mixed, see
         :mod:`nnscaler.runtime.precision`); a parameter's cast is made once, as autocast caches it."""
-        if dtype is None or not t.dtype.is_floating_point or t.dtype == torch.float64:
+        if dtype is None or dtype == "autocast" or not t.dtype.is_floating_point or t.dtype == torch.float64:
             return name
         key = ("cast", name, str(dtype))
         if t.kind == PARAM and key in self.cache:
@@ -208,7 +208,7 @@ class Emitter:
             args = [self._arg(x, get) for x in inputs]
             kwargs = [f"{k}={self._arg(v, get)}" for k, v in op_kwargs.items()]
             fn = f"torch.ops.{op.overload}" if not op.overload.startswith("_operator") else op.overload
-            self.lines.append(f"    {target} = {fn}({', '.join(args + kwargs)})  # replicated: no annotation")
+            self.lines.append(f"    {target} = {self._autocast(op, fn, args + kwargs)}  # replicated: no annotation")
             for t in op.outputs:
                 if t is not None:
                     self.layouts[t] = whole
@@ -232,13 +232,21 @@ class Emitter:
                 kw[k] = Raw(self.name_of(v, spec)[0])
         if spec.local is not None:
             args.insert(0, self._shard(op, p))
-        call = f"{expr}({', '.join(args + [f'{k}={literal(v)}' for k, v in kw.items()])})"
+        call = self._autocast(op, expr, args + [f"{k}={literal(v)}" for k, v in kw.items()])
         layouts = ", ".join(layout_str(q) for q in lay.outputs)
         self.lines.append(f"    {target} = {call}  # {p.label} -> {layouts}")
         for t, q in zip(op.outputs, lay.outputs):
             if t is not None:
                 self.layouts[t] = q
         self._probe(op)
+
+    def _autocast(self, op: IROp, fn: str, args: list[str]) -> str:
+        """The call of ``fn``; for an operator bf16-mixed runs under autocast (a custom operator,
+        :func:`nnscaler.runtime.precision.autocast_run`), through that."""
+        if op.cast != "autocast":
+            return f"{fn}({', '.join(args)})"
+        self.imports.add("from nnscaler.runtime.precision import autocast_run")
+        return f"autocast_run({', '.join([fn, *args])})"
 
     def _probe(self, op: IROp) -> None:
         """In instrumented mode, hand every output to ``probe`` (which records it and returns it)."""

@@ -20,6 +20,9 @@ def prepare_model(model: torch.nn.Module, args, kwargs, precision: str):
     return tuple(down(a) for a in args), None if kwargs is None else {k: down(v) for k, v in kwargs.items()}
 
 
+ATEN = ("aten.", "prims.", "_operator.", "operator.")  # operators autocast handles itself (or plain Python)
+
+
 def _dtype_assert(op) -> bool:
     dtype = op.kwargs.get("dtype")
     return op.overload.startswith("aten._assert_tensor_metadata") and isinstance(dtype, torch.dtype) \
@@ -52,4 +55,6 @@ def apply_precision(graph, precision: str) -> None:
     casts, literals = found
     for op in graph.ops:
         op.cast = casts.get(op.name, op.cast)
+        if op.cast is None and not op.overload.startswith(ATEN):  # its body computes under autocast
+            op.cast = "autocast"  # (nnscaler.runtime.precision.autocast_run)
         op.literals = literals.get(op.name)

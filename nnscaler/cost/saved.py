@@ -16,6 +16,7 @@ non-reentrant), as :class:`nnscaler.runtime.recompute.SavedActivations` measures
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from dataclasses import dataclass
@@ -78,6 +79,12 @@ def saved_per_op(graph: IRGraph) -> tuple[dict[str, list[Saved]], dict[str, IRTe
     here = lambda t: cur.get(t.name, t) if t is not None else None  # noqa: E731
     return ({n: [Saved(here(x.tensor), x.read, x.nbytes, here(x.like), x.cast) for x in xs] for n, xs in per_op.items()},
             {n: here(t) for n, t in alias.items()}, sizes)
+
+
+def _device(args) -> str:
+    """The device type autocast names for ``args`` (a meta trace plans for a GPU: ``cuda``)."""
+    kind = next((x.device.type for x in tree_leaves(args) if isinstance(x, torch.Tensor)), "cpu")
+    return kind if kind in ("cpu", "cuda") else "cuda"
 
 
 def _run(graph: IRGraph, casts: dict[str, Any]) -> tuple[dict[str, list[Saved]], dict[str, IRTensor], dict[str, int]]:
@@ -144,6 +151,8 @@ def _run(graph: IRGraph, casts: dict[str, Any]) -> tuple[dict[str, list[Saved]],
         cast = casts.get(name)
         if cast == "drop" or "_assert" in str(node.target):
             return None
+        inside = torch.autocast(_device(args), dtype=torch.bfloat16) if cast == "autocast" else contextlib.nullcontext()
+        cast = None if cast == "autocast" else cast  # a custom operator: run under autocast, inputs as they are
         none = lambda x: x is None  # noqa: E731 (pytree drops None: keep both sides aligned)
         leaves, irleaves = tree_leaves((args, kwargs), is_leaf=none), tree_leaves((irargs, irkwargs), is_leaf=none)
         made: dict[int, tuple[IRTensor | None, Any]] = {}  # storage of a cast input -> (its IR tensor, dtype)
@@ -175,7 +184,7 @@ def _run(graph: IRGraph, casts: dict[str, Any]) -> tuple[dict[str, list[Saved]],
         res = None
         for fn in calls:
             found.clear()
-            with torch.set_grad_enabled(grad), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.set_grad_enabled(grad), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), inside:
                 try:
                     res = fn()
                     break

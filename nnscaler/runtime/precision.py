@@ -39,6 +39,17 @@ def tensors_device_type(tensors) -> str:
     return "cpu"
 
 
+def autocast_run(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under ``torch.autocast(bf16)`` on its tensors' device: a bf16-mixed
+    program runs a custom operator (``torch.library``'s, the catalogue's, a user's) this way, since on
+    one device autocast has no rule for the operator itself but stays on inside its implementation,
+    whose linears then compute in bf16 (with autocast off the program computed them in fp32: MoE
+    experts' router gradients 3-13% off)."""
+    kind = tensors_device_type(a for a in args if isinstance(a, torch.Tensor))
+    with torch.autocast(kind, dtype=torch.bfloat16):
+        return fn(*args, **kwargs)
+
+
 def bf16_supported(kind: str | None = None) -> bool:
     """Whether the device this process runs on has bf16 kernels (every CPU build has them)."""
     kind = kind or device_type()
