@@ -175,7 +175,7 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
     over = shrunk(defaults.to_dict(), kind, kv_heads)
     if kind == "causal":
         over.update({**TINY, "num_key_value_heads": kv_heads or TINY["num_key_value_heads"]})
-    if "kv_lora_rank" in over and "num_key_value_heads" in over:  # latent attention expands its keys and
+    if "kv_lora_rank" in defaults.to_dict() and "num_key_value_heads" in over:  # latent attention expands its keys and
         over["num_key_value_heads"] = over.get("num_attention_heads", 4)  # values per query head: kv heads = heads
     # a field the config class derives (a property it refuses to set: xLSTM's v_head_dim, prophetnet's
     # num_hidden_layers) is left to it; a property it takes (num_labels) is set
