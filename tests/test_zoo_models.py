@@ -56,3 +56,17 @@ def test_verify_all_runs_the_zoo_sample_under_full_and_one_cheap_one_by_default(
 def test_a_vision_transformer_of_the_zoo_trains_like_one_device_under_dp_and_tp(verify_model):
     rows = verify_model("zoo:vit", policies=["dp", "tp"], world_sizes=(2,), steps=2)
     assert [r.status for r in rows] == [MATCH, MATCH]
+
+
+@pytest.mark.parametrize("arch, kv_heads", [("llama", 2), ("mistral", 2), ("deepseek_v3", 4), ("minicpm3", 4)])
+def test_shrunk_configs_keep_grouped_kv_heads_and_latent_attention_its_own(arch, kv_heads):
+    """Causal LMs keep 2 kv heads of 4 (grouped-query attention is what the sweep measures); latent
+    attention expands its keys and values per query head (kv heads = heads), and its head widths the
+    config derives (``head_dim = qk_rope_head_dim``) follow their shrunk sources, so it runs."""
+    case = build_model(f"zoo:{arch}", 0)
+    cfg = case.model.model.config
+    assert cfg.num_key_value_heads == kv_heads
+    if hasattr(cfg, "qk_rope_head_dim") and hasattr(cfg, "qk_head_dim"):
+        assert cfg.qk_head_dim == cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    with torch.no_grad():
+        assert torch.isfinite(case.model(*case.batch(0)))
