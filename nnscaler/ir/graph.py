@@ -207,7 +207,9 @@ class IRGraph:
         for op in reversed(self.ops):
             if (op.spec is None or op.spec.differentiable) and any(
                     t in out and (t.dtype.is_floating_point or t.dtype.is_complex) for t in op.outputs if t is not None):
-                out.update(op.tensor_inputs())
+                # every tensor nested anywhere in its arguments (not only the annotated ones): one
+                # missed here would lose its gradient outright, so this errs on the side of keeping it
+                out.update(tensors_in(op.inputs) + tensors_in(op.kwargs))
         return out
 
     def unknown(self) -> list[IROp]:
