@@ -84,6 +84,7 @@ def test_a_bf16_split_sum_is_judged_by_its_partials(gang, registry):
     ("faulty_raise", ERROR, "boom on a shard"),
     ("faulty_base_exception", ERROR, "ShardFailure: a BaseException on a shard"),
     ("faulty_exit", CRASH, "exit code 7"),
+    ("faulty_segfault", CRASH, "exit code -11) (on a fresh gang too: the case was run twice)"),
     ("faulty_hang", TIMEOUT, "no answer"),
     ("faulty_nan", MISMATCH, "NaN"),
 ])
