@@ -14,6 +14,7 @@ from ..dimops.partition import axis_groups, coords, local_sizes
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
 from ..ops.spec import resolve
+from ..trace.amp import asserted_dtype
 from ..ir.plan import Plan
 from .probe import conversion_info, held_grad_layout, use_grad_layout
 from .recompute import wrap
@@ -107,6 +108,7 @@ class Emitter:
         self.shards: list[StateShard] = []
         self.chain_of: dict[str, str] = {}  # instrumented mode: a converted variable -> its conversion chain
         self.uses = 0  # instrumented mode: tensors read so far by the operator being emitted
+        self.converted: dict[IRTensor, torch.dtype] = {}  # bf16-mixed: tensors a dropped dtype assert converts
 
     def fetch(self, t: IRTensor, want: Layout, axis_ids) -> str:
         """The variable holding ``t`` in layout ``want`` for a consumer splitting ``axis_ids``."""
@@ -172,7 +174,14 @@ class Emitter:
 
     def cast(self, name: str, t: IRTensor, dtype) -> str:
         """``name`` (holding ``t``) cast to ``dtype`` for an operator autocast casts (bf16-mixed, see
-        :mod:`nnscaler.runtime.precision`); a parameter's cast is made once, as autocast caches it."""
+        :mod:`nnscaler.runtime.precision`); a parameter's cast is made once, as autocast caches it.
+        An operator autocast leaves alone reads a tensor the model converted earlier (``x.float()``,
+        a no-op in the fp32 trace, which kept only a dtype assert) converted as the model has it."""
+        if dtype in (None, "autocast") and t in self.converted:
+            self.fresh += 1
+            new = f"{t.name}__{self.fresh}"
+            self.lines.append(f"    {new} = {name}.to({self.converted[t]})  # as the model converts it")
+            return new
         if dtype is None or dtype == "autocast" or not t.dtype.is_floating_point or t.dtype == torch.float64:
             return name
         key = ("cast", name, str(dtype))
@@ -193,6 +202,10 @@ class Emitter:
     def _op(self, op: IROp) -> None:
         self.uses = 0
         if op.cast == "drop":
+            # the model's .to(dtype) there: under bf16-mixed a real conversion for the operators after it
+            x, dtype = op.inputs[0], asserted_dtype(op.overload, op.inputs, op.kwargs)
+            if isinstance(x, IRTensor) and dtype in (torch.float32, torch.float64):
+                self.converted[x] = dtype
             self.lines.append(f"    # {op.name}: an assert of the fp32 trace's dtype, dropped under bf16-mixed")
             return
         if op.source:

@@ -6,7 +6,7 @@ import torch
 
 from ..config import PlanError
 from ..runtime.precision import tensors_device_type
-from ..trace.amp import autocast_casts
+from ..trace.amp import asserted_dtype, autocast_casts
 
 
 def prepare_model(model: torch.nn.Module, args, kwargs, precision: str):
@@ -24,9 +24,7 @@ ATEN = ("aten.", "prims.", "_operator.", "operator.")  # operators autocast hand
 
 
 def _dtype_assert(op) -> bool:
-    dtype = op.kwargs.get("dtype")
-    return op.overload.startswith("aten._assert_tensor_metadata") and isinstance(dtype, torch.dtype) \
-        and dtype.is_floating_point
+    return asserted_dtype(op.overload, op.inputs, op.kwargs) is not None
 
 
 def apply_precision(graph, precision: str) -> None:

@@ -28,6 +28,7 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..ir.graph import PARAM, IRGraph, IRTensor
+from ..trace.amp import asserted_dtype
 from .steps import local_nbytes, nbytes
 
 _SET_GRAD_ENABLED = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
@@ -143,6 +144,14 @@ def _run(graph: IRGraph, casts: dict[str, Any]) -> tuple[dict[str, list[Saved]],
                 ts = [ir.get(f"{name}_{i}") for i in range(len(metas))] if many else [ir.get(name)]
                 v = call(node, name, value(node.args), value(node.kwargs), irv(node.args), irv(node.kwargs), grad, ts)
                 env[node] = (v, ts) if many else (v, ts[0])
+                dtype = asserted_dtype(node.target, node.args, node.kwargs) if casts.get(name) == "drop" else None
+                x = env.get(node.args[0]) if dtype in (torch.float32, torch.float64) else None
+                if x is not None and isinstance(x[0], torch.Tensor) and x[0].dtype in (torch.bfloat16, torch.float16):
+                    with torch.set_grad_enabled(grad):  # the model's conversion, as the emitter makes it
+                        y = x[0].to(dtype)
+                    if x[1] is not None:
+                        roots.setdefault(_storage(y), x[1])
+                    env[node.args[0]] = (y, x[1])
             elif node.op == "output":
                 return [env[a] if isinstance(a, torch.fx.Node) else (a, None) for a in node.args[0]]
         return []

@@ -16,7 +16,16 @@ The fp32 trace also baked the Python values a model computes from a tensor's dty
 mask, torch.finfo(s.dtype).min)`` holds float32's lowest, -3.4028e38, where under autocast ``s`` is bf16
 and the model asks for bf16's, -3.3895e38 (float32's does not even convert to bf16: the program would
 stop with an overflow). So an operator computing in bf16 that holds float32's ``+-finfo.max`` gets
-bf16's instead (:func:`autocast_casts`'s second result); other constants are left as traced."""
+bf16's instead (:func:`autocast_casts`'s second result); other constants are left as traced.
+
+It also lost the model's conversions to float32 (``softmax(router_logits.float())``): on an fp32
+tensor ``.float()`` is a no-op, which ``torch.export`` keeps only as a dtype assert while the users of
+its result read the tensor itself. Under autocast that tensor may be bf16 and the conversion real, so
+the program converts it where the assert stands, for every operator after it (the emitter's
+``converted``), and the fake run here does the same. An operator after it that the model meant to
+read the unconverted tensor then computes in the wider dtype: more precise than the model, never
+less (Mixtral's router softmax and top-k ran in bf16 without it: routing flipped for tokens near a
+tie, and the router's gradient was 13% off the single-device run's)."""
 from __future__ import annotations
 
 import logging
@@ -34,6 +43,15 @@ CASTABLE = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves flo
 
 def _floating(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype in CASTABLE
+
+
+def asserted_dtype(target, args, kwargs) -> torch.dtype | None:
+    """The floating dtype an ``aten._assert_tensor_metadata`` call asserts (its fourth argument, or
+    ``dtype=``), else None."""
+    if "assert_tensor_metadata" not in str(target):
+        return None
+    dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def _first_float_dtype(out: Any) -> torch.dtype | None:
@@ -72,13 +90,17 @@ def autocast_casts(ep, device_type: str = "cpu", dtype: torch.dtype = torch.bflo
                 env[node] = visit(sub.graph, sub_env, f"{prefix}{node.name}_")
             elif node.op == "call_function":
                 env[node] = _run(node, value(node.args), value(node.kwargs), f"{prefix}{node.name}")
+                dtype = asserted_dtype(node.target, node.args, node.kwargs)
+                if dtype in (torch.float32, torch.float64) and isinstance(node.args[0], torch.fx.Node) \
+                        and _floating(env.get(node.args[0])):
+                    env[node.args[0]] = env[node.args[0]].to(dtype)  # as the emitter converts it
             elif node.op == "output":
                 return list(value(node.args[0]))
         return []
 
     def _run(node, args, kwargs, name):
         if "_assert" in str(node.target):  # metadata asserts of the fp32 trace: nothing to compute
-            if "assert_tensor_metadata" in str(node.target) and getattr(kwargs.get("dtype"), "is_floating_point", False):
+            if asserted_dtype(node.target, args, kwargs) is not None:
                 casts[name] = "drop"  # asserts the fp32 trace's dtype, which the recipe changes
             return None
         with torch.autocast(device_type, dtype=dtype):
