@@ -178,3 +178,16 @@ def test_the_bf16_bound_takes_a_moved_points_spread_where_the_first_is_lucky():
     assert _lowprec_step(history, 1, 0.013, 0.056).ok
     wrong = _lowprec_step(history, 2, 0.013, 0.6)
     assert not wrong.ok and wrong.err > 2 * wrong.tol, wrong
+
+
+def test_tie_flips_pick_the_next_choice_only_where_scores_tie_within_a_rounding():
+    import torch
+
+    from verify.cases.spread import TieFlips
+    x = torch.tensor([[0.5, 0.3, 0.2995, 0.1], [0.5, 0.3, 0.1, 0.05]], requires_grad=True)
+    with TieFlips() as flips:
+        values, idx = torch.topk(x, 2)
+    assert flips.flips == 1 and idx.tolist() == [[0, 2], [0, 1]]
+    assert torch.equal(values, x.gather(1, idx))
+    values.sum().backward()  # the backward follows the flipped choice
+    assert x.grad.tolist() == [[1, 0, 1, 0], [1, 1, 0, 0]]

@@ -9,19 +9,62 @@ gradient at once while the (correct) parallel program landed at the usual one. O
 programs give more samples: the same recipe at a point moved by a random half ulp of bf16 in every
 parameter (float64 reference at exactly the same point), so each bf16 rounding is redrawn. The bound
 takes the largest sample of the tensor's record, so a step where the first is lucky is not judged by
-luck (measured: :mod:`verify.judge.compare`)."""
+luck (measured: :mod:`verify.judge.compare`).
+
+A discrete selection (``topk``: a mixture of experts' routing) is not continuous in its scores: where
+a row's k-th and (k+1)-th scores lie within a rounding of each other, a correct program that rounds
+elsewhere (a tensor-parallel partial sum, another batch split) may pick the other one, and that
+token's contribution moves to another expert: an O(1) change no half-ulp move of the parameters need
+reproduce (``mixtral_ep`` under dp at W=2, seed 1: the resumed step's expert gradient 2.2x over its
+bound, every step-0 tensor matching). So where the single-device run has such near-ties, one more
+sample runs it with each of them broken the other way (:class:`TieFlips`): the spread of correct
+programs includes the routings its rounding can flip. Steps without near-ties take no such sample."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable
 
 import torch
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from verify.cases.draws import same_draws
 from verify.judge.compare import Float64Fallback
 
 PERTURB = 2.0 ** -9  # relative shift of every parameter: half an ulp of bf16
 SAMPLES = 2  # moved points per step (one gave a worst correct err/tol of 0.97, two 0.57)
+TIE_EPS = 1.0  # a near-tie: k-th and (k+1)-th scores within TIE_EPS * eps(bf16) * the row's largest
+
+
+class TieFlips(TorchDispatchMode):
+    """Within: every ``topk`` of floating scores picks, in each row whose k-th and (k+1)-th largest
+    scores are within :data:`TIE_EPS` bf16 epsilons of the row's largest magnitude, the (k+1)-th in
+    place of the k-th (values gathered from the scores, so the backward follows the flipped choice);
+    ``flips`` counts the rows changed."""
+
+    def __init__(self):
+        super().__init__()
+        self.flips = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten.topk.default or not args[0].is_floating_point():
+            return func(*args, **kwargs)
+        x, k = args[0], args[1]
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
+        if k >= x.shape[dim] or k == 0:
+            return func(*args, **kwargs)
+        values, idx = func(x, k + 1, dim, largest, *args[4:], **kwargs)
+        gap = (values.narrow(dim, k - 1, 1) - values.narrow(dim, k, 1)).abs()
+        scale = values.abs().amax(dim=dim, keepdim=True)
+        near = gap <= TIE_EPS * torch.finfo(torch.bfloat16).eps * scale
+        self.flips += int(near.sum())
+        keep = idx.narrow(dim, 0, k).clone()
+        last = keep.narrow(dim, k - 1, 1)
+        last.copy_(torch.where(near, idx.narrow(dim, k, 1), last))
+        return x.gather(dim, keep), keep
 
 
 def _rel(x: torch.Tensor | None, ref: torch.Tensor | None) -> float | None:
@@ -38,27 +81,32 @@ def moved_samples(single: torch.nn.Module, single64: torch.nn.Module, run: Calla
     of the recipe's single-device model ``single`` at :data:`SAMPLES` points, each parameter moved by
     :data:`PERTURB` at random, against ``single64`` (the float64 reference) at each point; ``run(model, args)`` computes the step's loss
     as the case does. Copies both models: the case's own are left as they are."""
-    for k in range(SAMPLES):
+    for k in [*range(SAMPLES), None]:  # None: the near-ties flipped (module docstring)
         for key, rel in _sample(single, single64, run, args, args64, seed, step, k, fallback).items():
             if rel is not None:
                 fallback.spreads.add(key, rel)
 
 
-def _sample(single, single64, run, args, args64, seed: int, step: int, k: int,
+def _sample(single, single64, run, args, args64, seed: int, step: int, k: int | None,
             fallback: Float64Fallback) -> dict[str, float | None]:
-    """The relative errors of sample ``k`` (``"loss"``, ``"grad <name>"``)."""
+    """The relative errors of sample ``k`` (``"loss"``, ``"grad <name>"``); ``k=None``: at the point
+    itself with its near-ties flipped ({} where it has none)."""
     a, a64 = copy.deepcopy(single), copy.deepcopy(single64)
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 101 + k) % 2 ** 63)
     params, params64 = dict(a.named_parameters()), dict(a64.named_parameters())
-    with torch.no_grad():
-        for n, p in params.items():
-            moved = p.double() * (1 + PERTURB * torch.randn(p.shape, generator=gen, dtype=torch.float64))
-            p.copy_(moved)
-            params64[n].copy_(p.double())  # both at exactly the same point
+    if k is not None:
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 101 + k) % 2 ** 63)
+        with torch.no_grad():
+            for n, p in params.items():
+                moved = p.double() * (1 + PERTURB * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+                p.copy_(moved)
+                params64[n].copy_(p.double())  # both at exactly the same point
     a.zero_grad(set_to_none=True)
     a64.zero_grad(set_to_none=True)
-    with same_draws(seed, step):
+    flips = TieFlips()
+    with same_draws(seed, step), (flips if k is None else contextlib.nullcontext()):
         loss = run(a, args)
+    if k is None and not flips.flips:
+        return {}
     loss.backward()
     with fallback, same_draws(seed, step):
         loss64 = run(a64, args64)
