@@ -181,11 +181,16 @@ def test_the_bf16_bound_takes_a_moved_points_spread_where_the_first_is_lucky():
 
 
 def test_tie_flips_pick_the_next_choice_only_where_scores_tie_within_a_rounding():
+    """Row 0's 2nd and 3rd scores differ by 5e-4 with a rounding error of 2e-4 (against the float64
+    scores): flipped. Row 1's differ by 2e-4, its rounding error 1e-5: kept."""
     import torch
 
     from verify.cases.spread import TieFlips
-    x = torch.tensor([[0.5, 0.3, 0.2995, 0.1], [0.5, 0.3, 0.1, 0.05]], requires_grad=True)
-    with TieFlips() as flips:
+    ref = torch.tensor([[0.5, 0.3, 0.2995, 0.1], [0.5, 0.3, 0.2998, 0.05]], dtype=torch.float64)
+    with TieFlips() as record:
+        torch.topk(ref, 2)
+    x = (ref + torch.tensor([[0, 2e-4, 0, 0], [0, 1e-5, 0, 0]], dtype=torch.float64)).float().requires_grad_(True)
+    with TieFlips(record.recorded) as flips:
         values, idx = torch.topk(x, 2)
     assert flips.flips == 1 and idx.tolist() == [[0, 2], [0, 1]]
     assert torch.equal(values, x.gather(1, idx))

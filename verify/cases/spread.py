@@ -16,9 +16,11 @@ a row's k-th and (k+1)-th scores lie within a rounding of each other, a correct 
 elsewhere (a tensor-parallel partial sum, another batch split) may pick the other one, and that
 token's contribution moves to another expert: an O(1) change no half-ulp move of the parameters need
 reproduce (``mixtral_ep`` under dp at W=2, seed 1: the resumed step's expert gradient 2.2x over its
-bound, every step-0 tensor matching). So where the single-device run has such near-ties, one more
-sample runs it with each of them broken the other way (:class:`TieFlips`): the spread of correct
-programs includes the routings its rounding can flip. Steps without near-ties take no such sample."""
+bound, every step-0 tensor matching). So where the single-device run has such near-ties (a gap
+within a few times the row's own rounding error, measured against the float64 run's scores), one
+more sample runs it with each of them broken the other way (:class:`TieFlips`): the spread of
+correct programs includes the routings its rounding can flip. Steps without near-ties take no such
+sample."""
 from __future__ import annotations
 
 import contextlib
@@ -34,17 +36,21 @@ from verify.judge.compare import Float64Fallback
 
 PERTURB = 2.0 ** -9  # relative shift of every parameter: half an ulp of bf16
 SAMPLES = 2  # moved points per step (one gave a worst correct err/tol of 0.97, two 0.57)
-TIE_EPS = 1.0  # a near-tie: k-th and (k+1)-th scores within TIE_EPS * eps(bf16) * the row's largest
+TIE_FACTOR = 4  # a near-tie: k-th and (k+1)-th scores closer than this many times the row's rounding error
 
 
 class TieFlips(TorchDispatchMode):
-    """Within: every ``topk`` of floating scores picks, in each row whose k-th and (k+1)-th largest
-    scores are within :data:`TIE_EPS` bf16 epsilons of the row's largest magnitude, the (k+1)-th in
+    """Within, with ``scores=None``: records the floating input of every ``topk`` (the float64 run's),
+    in call order, in ``recorded``. With ``scores`` (those records): every ``topk`` of floating scores
+    picks, in each row whose k-th and (k+1)-th largest differ by at most :data:`TIE_FACTOR` times the
+    row's rounding error (its largest distance from the recorded float64 scores), the (k+1)-th in
     place of the k-th (values gathered from the scores, so the backward follows the flipped choice);
-    ``flips`` counts the rows changed."""
+    ``flips`` counts the rows changed. A call whose record is missing or of another shape is left as it is."""
 
-    def __init__(self):
+    def __init__(self, scores: list[torch.Tensor] | None = None):
         super().__init__()
+        self.scores = None if scores is None else list(scores)
+        self.recorded: list[torch.Tensor] = []
         self.flips = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -52,14 +58,18 @@ class TieFlips(TorchDispatchMode):
         if func is not torch.ops.aten.topk.default or not args[0].is_floating_point():
             return func(*args, **kwargs)
         x, k = args[0], args[1]
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-        largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
-        if k >= x.shape[dim] or k == 0:
+        if self.scores is None:
+            self.recorded.append(x.detach().clone())
             return func(*args, **kwargs)
-        values, idx = func(x, k + 1, dim, largest, *args[4:], **kwargs)
-        gap = (values.narrow(dim, k - 1, 1) - values.narrow(dim, k, 1)).abs()
-        scale = values.abs().amax(dim=dim, keepdim=True)
-        near = gap <= TIE_EPS * torch.finfo(torch.bfloat16).eps * scale
+        ref = self.scores.pop(0) if self.scores else None
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        if ref is None or ref.shape != x.shape or k == 0 or k >= x.shape[dim]:
+            return func(*args, **kwargs)
+        largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
+        values, idx = func(x, k + 1, dim, largest, *args[4:], **{n: v for n, v in kwargs.items() if n not in ("dim", "largest")})
+        gap = (values.narrow(dim, k - 1, 1) - values.narrow(dim, k, 1)).abs().double()
+        noise = (x.double() - ref.double()).abs().amax(dim=dim, keepdim=True)
+        near = gap <= TIE_FACTOR * noise
         self.flips += int(near.sum())
         keep = idx.narrow(dim, 0, k).clone()
         last = keep.narrow(dim, k - 1, 1)
@@ -102,14 +112,18 @@ def _sample(single, single64, run, args, args64, seed: int, step: int, k: int | 
                 params64[n].copy_(p.double())  # both at exactly the same point
     a.zero_grad(set_to_none=True)
     a64.zero_grad(set_to_none=True)
-    flips = TieFlips()
-    with same_draws(seed, step), (flips if k is None else contextlib.nullcontext()):
+    record = TieFlips() if k is None else contextlib.nullcontext()
+    with fallback, same_draws(seed, step), record:
+        loss64 = run(a64, args64)
+    if k is None and not record.recorded:
+        return {}  # no top-k: nothing to flip
+    flips = TieFlips(record.recorded) if k is None else contextlib.nullcontext()
+    with same_draws(seed, step), flips:
         loss = run(a, args)
     if k is None and not flips.flips:
         return {}
     loss.backward()
-    with fallback, same_draws(seed, step):
-        loss64 = run(a64, args64)
+    with fallback:
         loss64.backward()
     return {"loss": _rel(loss.detach(), loss64.detach())} | \
         {f"grad {n}": _rel(p.grad, params64[n].grad) for n, p in params.items()}
