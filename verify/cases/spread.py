@@ -101,6 +101,8 @@ def _sample(single, single64, run, args, args64, seed: int, step: int, k: int | 
             fallback: Float64Fallback) -> dict[str, float | None]:
     """The relative errors of sample ``k`` (``"loss"``, ``"grad <name>"``); ``k=None``: at the point
     itself with its near-ties flipped ({} where it has none)."""
+    if k is None and fallback.spreads.selects is False:
+        return {}  # no top-k in this model (found on its first step): nothing to flip
     a, a64 = copy.deepcopy(single), copy.deepcopy(single64)
     params, params64 = dict(a.named_parameters()), dict(a64.named_parameters())
     if k is not None:
@@ -115,8 +117,10 @@ def _sample(single, single64, run, args, args64, seed: int, step: int, k: int | 
     record = TieFlips() if k is None else contextlib.nullcontext()
     with fallback, same_draws(seed, step), record:
         loss64 = run(a64, args64)
-    if k is None and not record.recorded:
-        return {}  # no top-k: nothing to flip
+    if k is None:
+        fallback.spreads.selects = bool(record.recorded)
+        if not record.recorded:
+            return {}
     flips = TieFlips(record.recorded) if k is None else contextlib.nullcontext()
     with same_draws(seed, step), flips:
         loss = run(a, args)
