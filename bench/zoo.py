@@ -18,7 +18,8 @@ why (no rule / indivisible / whole). The static figures come from ``bench/zoo_sw
 harness's time limit (``--timeout`` x the model factor). The JSON is written after every
 architecture: ``--resume`` keeps its finished rows, so a cut-off sweep goes on where it stopped.
 ``--wide N`` also trains N of the architectures that match, evenly over them, at W=4 under ``dp``,
-``tp`` and ``random`` (seed 0). ``--sample N`` spreads N over the kinds by the square root of their share of the zoo (at least 4 each), evenly over
+``tp`` and ``random`` (seed 0); ``--bf16 N`` N of them at W=2 under ``dp`` and ``tp`` with
+``precision="bf16-mixed"``, against the single-device run of the recipe. ``--sample N`` spreads N over the kinds by the square root of their share of the zoo (at least 4 each), evenly over
 each kind's sorted model types (deterministic).
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ from verify.models.zoo import KINDS, archs_of, build, kind_of  # noqa: E402
 
 WORLD, STEPS = 2, 2
 WIDE, WIDE_POLICIES = 4, ("dp", "tp", "random")  # --wide N: a sample of N also at W=4, random plans included
+BF16 = "bf16-mixed"  # --bf16 N: a sample of N also under this recipe
 ATTENTION = ("softmax", "scaled_dot_product_attention")
 
 
@@ -93,13 +95,13 @@ def static_row(arch: str, kv_heads: int) -> dict:
 
 
 def match(archs: list[str], rows: dict, timeout_s: float, save, world: int = WORLD,
-          policies: tuple[str, ...] = ("dp", "tp"), key: str = "match") -> None:
-    """Train each traced architecture under ``policies`` (seed 0) at W=``world`` on one gang;
-    ``rows[arch][key]``: ``{policy: status or 'status: detail'}``; ``save()`` after each."""
+          policies: tuple[str, ...] = ("dp", "tp"), key: str = "match", precision: str = "32-true") -> None:
+    """Train each traced architecture under ``policies`` (seed 0) at W=``world`` on one gang, under
+    the ``precision`` recipe; ``rows[arch][key]``: ``{policy: status or 'status: detail'}``; ``save()`` after each."""
     from verify.cases.config import RunConfig
     from verify.runner.gang import Gang
     from verify.sweep import run_model
-    cfg = RunConfig(world_sizes=(world,), seeds=(0,), timeout_s=timeout_s)
+    cfg = RunConfig(world_sizes=(world,), seeds=(0,), timeout_s=timeout_s, precision=precision)
     with tempfile.TemporaryDirectory() as tmp, Gang(world, (), (world,), pg_timeout_s=max(300.0, 2 * cfg.limit_s("model", STEPS))) as gang:
         for arch in archs:
             t0 = time.perf_counter()
@@ -188,6 +190,12 @@ def report(rows: dict, command: str, seconds: float) -> str:
         out += ["", f"At W={WIDE} under {', '.join(WIDE_POLICIES)} (seed 0; `--wide {len(wide)}`, evenly over the "
                 f"architectures that match at W={WORLD}): {good}/{len(wide)} match under all three", ""]
         out += [f"- {a}: " + ", ".join(f"{p} {v}" for p, v in w.items()).replace("|", "/") for a, w in wide.items()]
+    bf16 = {a: r[BF16] for a, r in rows.items() if r.get(BF16)}
+    if bf16:
+        good = sum(all(v.endswith("match") for v in w.values()) for w in bf16.values())
+        out += ["", f"Under {BF16} at W={WORLD}, dp and tp (seed 0; `--bf16 {len(bf16)}`, evenly over the architectures "
+                f"that match at W={WORLD}), against the single-device run of the recipe: {good}/{len(bf16)} match", ""]
+        out += [f"- {a}: " + ", ".join(f"{p} {v}" for p, v in w.items()).replace("|", "/") for a, w in bf16.items()]
     out += ["", table(rows), "", "Operators kept whole under dp (architectures that have them):", ""]
     c = Counter(w.split(" x")[0] for r in rows.values() if _ok(r) for w in r["whole_why"])
     out += [f"- {op}: {n}" for op, n in c.most_common(20)]
@@ -205,6 +213,8 @@ def main() -> None:
     ap.add_argument("--redo", nargs="+", default=[], help="with --resume: these architectures afresh")
     ap.add_argument("--wide", type=int, default=0, metavar="N",
                     help=f"also train N of the matching architectures at W={WIDE} under {', '.join(WIDE_POLICIES)}")
+    ap.add_argument("--bf16", type=int, default=0, metavar="N",
+                    help=f"also train N of the matching architectures at W={WORLD} under dp and tp with precision {BF16}")
     ap.add_argument("--timeout", type=float, default=30.0, help="the harness's case timeout (a model case gets 8x)")
     ap.add_argument("--md", default=str(ROOT / "reports" / "zoo.md"))
     ap.add_argument("--json", default=str(ROOT / "reports" / "zoo.json"))
@@ -240,6 +250,10 @@ def main() -> None:
         if wide:
             print(f"rank cases of {len(wide)} architectures at W={WIDE}", flush=True)
             match(wide, rows, args.timeout, save, WIDE, WIDE_POLICIES, "wide")
+        bf16 = [a for a in wide_sample(rows, archs, args.bf16) if not rows[a].get(BF16)]
+        if bf16:
+            print(f"rank cases of {len(bf16)} architectures under {BF16}", flush=True)
+            match(bf16, rows, args.timeout, save, precision=BF16, key=BF16)
     command = "python bench/zoo.py " + " ".join(sys.argv[1:])
     text = report({a: rows[a] for a in archs}, command, time.perf_counter() - t0)
     Path(args.md).write_text(text)
