@@ -196,3 +196,22 @@ def test_tie_flips_pick_the_next_choice_only_where_scores_tie_within_a_rounding(
     assert torch.equal(values, x.gather(1, idx))
     values.sum().backward()  # the backward follows the flipped choice
     assert x.grad.tolist() == [[1, 0, 1, 0], [1, 1, 0, 0]]
+
+
+def test_tie_flips_cover_max_and_argmax_over_a_dim():
+    """The k=1 selections (a top-1 router's argmax, max over a dim): row 0's best two differ by 2e-4
+    with a rounding error of 2e-4: the second is picked; row 1 is far from a tie."""
+    import torch
+
+    from verify.cases.spread import TieFlips
+    ref = torch.tensor([[0.5, 0.4998, 0.1], [0.5, 0.3, 0.1]], dtype=torch.float64)
+    with TieFlips() as record:
+        torch.max(ref, 1), torch.argmax(ref, 1), torch.argmax(ref)  # the last: over no dim, not a selection here
+    assert len(record.recorded) == 2
+    x = (ref + torch.tensor([[2e-4, 0, 0], [1e-5, 0, 0]], dtype=torch.float64)).float().requires_grad_(True)
+    with TieFlips(record.recorded) as flips:
+        values, idx = torch.max(x, 1)
+        arg = torch.argmax(x, 1)
+    assert flips.flips == 2 and idx.tolist() == [1, 0] and arg.tolist() == [1, 0]
+    values.sum().backward()
+    assert x.grad.tolist() == [[0, 1, 0], [1, 0, 0]]

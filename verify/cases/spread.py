@@ -11,7 +11,7 @@ parameter (float64 reference at exactly the same point), so each bf16 rounding i
 takes the largest sample of the tensor's record, so a step where the first is lucky is not judged by
 luck (measured: :mod:`verify.judge.compare`).
 
-A discrete selection (``topk``: a mixture of experts' routing) is not continuous in its scores: where
+A discrete selection (``topk``, ``max``/``argmax`` over a dim: a mixture of experts' routing) is not continuous in its scores: where
 a row's k-th and (k+1)-th scores lie within a rounding of each other, a correct program that rounds
 elsewhere (a tensor-parallel partial sum, another batch split) may pick the other one, and that
 token's contribution moves to another expert: an O(1) change no half-ulp move of the parameters need
@@ -39,11 +39,26 @@ SAMPLES = 2  # moved points per step (one gave a worst correct err/tol of 0.97, 
 TIE_FACTOR = 4  # a near-tie: k-th and (k+1)-th scores closer than this many times the row's rounding error
 
 
+def _selection(func, args, kwargs) -> tuple[int, int, bool, bool, str] | None:
+    """``(k, dim, largest, keepdim, returns)`` of a discrete selection over a dim (``topk``; ``max``/
+    ``min`` over a dim; ``argmax``/``argmin`` over a dim), ``returns`` one of ``"both"`` (values and
+    indices) or ``"indices"``; None for any other call."""
+    a = lambda i, name, default: args[i] if len(args) > i else kwargs.get(name, default)  # noqa: E731
+    if func is torch.ops.aten.topk.default:
+        return a(1, "k", 1), a(2, "dim", -1), a(3, "largest", True), True, "both"
+    if func in (torch.ops.aten.max.dim, torch.ops.aten.min.dim):
+        return 1, a(1, "dim", -1), func is torch.ops.aten.max.dim, a(2, "keepdim", False), "both"
+    if func in (torch.ops.aten.argmax.default, torch.ops.aten.argmin.default) and a(1, "dim", None) is not None:
+        return 1, a(1, "dim", None), func is torch.ops.aten.argmax.default, a(2, "keepdim", False), "indices"
+    return None
+
+
 class TieFlips(TorchDispatchMode):
-    """Within, with ``scores=None``: records the floating input of every ``topk`` (the float64 run's),
-    in call order, in ``recorded``. With ``scores`` (those records): every ``topk`` of floating scores
-    picks, in each row whose k-th and (k+1)-th largest differ by at most :data:`TIE_FACTOR` times the
-    row's rounding error (its largest distance from the recorded float64 scores), the (k+1)-th in
+    """Within, with ``scores=None``: records the floating input of every discrete selection over a dim
+    (``topk``, ``max``/``min``/``argmax``/``argmin`` over a dim: :func:`_selection`; the float64 run's),
+    in call order, in ``recorded``. With ``scores`` (those records): every such selection of floating
+    scores picks, in each row whose k-th and (k+1)-th best differ by at most :data:`TIE_FACTOR` times
+    the row's rounding error (its largest distance from the recorded float64 scores), the (k+1)-th in
     place of the k-th (values gathered from the scores, so the backward follows the flipped choice);
     ``flips`` counts the rows changed. A call whose record is missing or of another shape is left as it is."""
 
@@ -55,18 +70,19 @@ class TieFlips(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not torch.ops.aten.topk.default or not args[0].is_floating_point():
+        sel = _selection(func, args, kwargs) if args and isinstance(args[0], torch.Tensor) \
+            and args[0].is_floating_point() else None
+        if sel is None:
             return func(*args, **kwargs)
-        x, k = args[0], args[1]
+        x = args[0]
         if self.scores is None:
             self.recorded.append(x.detach().clone())
             return func(*args, **kwargs)
         ref = self.scores.pop(0) if self.scores else None
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-        if ref is None or ref.shape != x.shape or k == 0 or k >= x.shape[dim]:
+        k, dim, largest, keepdim, returns = sel
+        if ref is None or ref.shape != x.shape or x.dim() == 0 or k == 0 or k >= x.shape[dim]:
             return func(*args, **kwargs)
-        largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
-        values, idx = func(x, k + 1, dim, largest, *args[4:], **{n: v for n, v in kwargs.items() if n not in ("dim", "largest")})
+        values, idx = torch.ops.aten.topk.default(x, k + 1, dim, largest)
         gap = (values.narrow(dim, k - 1, 1) - values.narrow(dim, k, 1)).abs().double()
         noise = (x.double() - ref.double()).abs().amax(dim=dim, keepdim=True)
         near = gap <= TIE_FACTOR * noise
@@ -74,7 +90,10 @@ class TieFlips(TorchDispatchMode):
         keep = idx.narrow(dim, 0, k).clone()
         last = keep.narrow(dim, k - 1, 1)
         last.copy_(torch.where(near, idx.narrow(dim, k, 1), last))
-        return x.gather(dim, keep), keep
+        picked = x.gather(dim, keep)
+        if not keepdim:  # max/min/argmax/argmin over a dim without keepdim (k = 1)
+            picked, keep = picked.squeeze(dim), keep.squeeze(dim)
+        return keep if returns == "indices" else (picked, keep)
 
 
 def _rel(x: torch.Tensor | None, ref: torch.Tensor | None) -> float | None:
@@ -102,7 +121,7 @@ def _sample(single, single64, run, args, args64, seed: int, step: int, k: int | 
     """The relative errors of sample ``k`` (``"loss"``, ``"grad <name>"``); ``k=None``: at the point
     itself with its near-ties flipped ({} where it has none)."""
     if k is None and fallback.spreads.selects is False:
-        return {}  # no top-k in this model (found on its first step): nothing to flip
+        return {}  # no selection in this model (found on its first step): nothing to flip
     a, a64 = copy.deepcopy(single), copy.deepcopy(single64)
     params, params64 = dict(a.named_parameters()), dict(a64.named_parameters())
     if k is not None:

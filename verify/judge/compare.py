@@ -142,7 +142,7 @@ class SpreadHistory:
 
     def __init__(self):
         self.rel: dict[str, list[float]] = {}
-        self.selects: bool | None = None  # whether the model computes a top-k (found by the first tie-flip sample)
+        self.selects: bool | None = None  # whether the model makes a discrete selection (top-k, argmax; found by the first tie-flip sample)
 
     @staticmethod
     def key(name: str) -> str:
