@@ -73,8 +73,9 @@ cancels (a per-channel weight summed over every position) has relative errors sp
 from one step or point to the next (``conv1d_net``'s depthwise weight: 0.3% to 15.5%). So each
 training and resumed step of a whole-model case takes two more samples of the spread from other
 correct programs, the recipe at a point moved by a random half ulp of bf16 in every parameter against
-float64 at that very point (:mod:`verify.cases.spread`: every rounding redrawn; where a ``topk`` has
-scores tied within a rounding, a third with those choices flipped), and the spread used is
+float64 at that very point (:mod:`verify.cases.spread`: every rounding redrawn; where a discrete
+selection, ``topk`` or ``argmax``, has scores tied within a rounding, a third with those choices
+flipped), and the spread used is
 the largest relative spread any sample showed on this tensor in the case so far (this step's three
 included, the resumed phase continuing the training phase's record), times its norm now
 (:class:`SpreadHistory`): the tensor's own range, not one draw of it. Measured with the samples dumped
