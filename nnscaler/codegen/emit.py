@@ -14,7 +14,7 @@ from ..dimops.partition import axis_groups, coords, local_sizes
 from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
 from ..ops.spec import resolve
-from ..trace.amp import asserted_dtype
+from ..trace.amp import converts_to
 from ..ir.plan import Plan
 from .probe import conversion_info, held_grad_layout, use_grad_layout
 from .recompute import wrap
@@ -203,8 +203,8 @@ class Emitter:
         self.uses = 0
         if op.cast == "drop":
             # the model's .to(dtype) there: under bf16-mixed a real conversion for the operators after it
-            x, dtype = op.inputs[0], asserted_dtype(op.overload, op.inputs, op.kwargs)
-            if isinstance(x, IRTensor) and dtype in (torch.float32, torch.float64):
+            x, dtype = op.inputs[0], converts_to(op.overload, op.inputs, op.kwargs)
+            if isinstance(x, IRTensor) and dtype is not None:
                 self.converted[x] = dtype
             self.lines.append(f"    # {op.name}: an assert of the fp32 trace's dtype, dropped under bf16-mixed")
             return

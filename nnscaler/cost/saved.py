@@ -28,7 +28,8 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..ir.graph import PARAM, IRGraph, IRTensor
-from ..trace.amp import asserted_dtype
+from ..runtime.precision import tensors_device_type
+from ..trace.amp import converts_to
 from .steps import local_nbytes, nbytes
 
 _SET_GRAD_ENABLED = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
@@ -84,7 +85,7 @@ def saved_per_op(graph: IRGraph) -> tuple[dict[str, list[Saved]], dict[str, IRTe
 
 def _device(args) -> str:
     """The device type autocast names for ``args`` (a meta trace plans for a GPU: ``cuda``)."""
-    kind = next((x.device.type for x in tree_leaves(args) if isinstance(x, torch.Tensor)), "cpu")
+    kind = tensors_device_type(tree_leaves(args))
     return kind if kind in ("cpu", "cuda") else "cuda"
 
 
@@ -144,8 +145,8 @@ def _run(graph: IRGraph, casts: dict[str, Any]) -> tuple[dict[str, list[Saved]],
                 ts = [ir.get(f"{name}_{i}") for i in range(len(metas))] if many else [ir.get(name)]
                 v = call(node, name, value(node.args), value(node.kwargs), irv(node.args), irv(node.kwargs), grad, ts)
                 env[node] = (v, ts) if many else (v, ts[0])
-                dtype = asserted_dtype(node.target, node.args, node.kwargs) if casts.get(name) == "drop" else None
-                x = env.get(node.args[0]) if dtype in (torch.float32, torch.float64) else None
+                dtype = converts_to(node.target, node.args, node.kwargs) if casts.get(name) == "drop" else None
+                x = env.get(node.args[0]) if dtype is not None else None
                 if x is not None and isinstance(x[0], torch.Tensor) and x[0].dtype in (torch.bfloat16, torch.float16):
                     with torch.set_grad_enabled(grad):  # the model's conversion, as the emitter makes it
                         y = x[0].to(dtype)

@@ -54,6 +54,13 @@ def asserted_dtype(target, args, kwargs) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
+def converts_to(target, args, kwargs) -> torch.dtype | None:
+    """The wider dtype (float32 or float64) a dtype assert of the fp32 trace stands for a conversion
+    to under bf16-mixed (module docstring), else None."""
+    dtype = asserted_dtype(target, args, kwargs)
+    return dtype if dtype in (torch.float32, torch.float64) else None
+
+
 def _first_float_dtype(out: Any) -> torch.dtype | None:
     return next((t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
@@ -90,9 +97,8 @@ def autocast_casts(ep, device_type: str = "cpu", dtype: torch.dtype = torch.bflo
                 env[node] = visit(sub.graph, sub_env, f"{prefix}{node.name}_")
             elif node.op == "call_function":
                 env[node] = _run(node, value(node.args), value(node.kwargs), f"{prefix}{node.name}")
-                dtype = asserted_dtype(node.target, node.args, node.kwargs)
-                if dtype in (torch.float32, torch.float64) and isinstance(node.args[0], torch.fx.Node) \
-                        and _floating(env.get(node.args[0])):
+                dtype = converts_to(node.target, node.args, node.kwargs)
+                if dtype is not None and isinstance(node.args[0], torch.fx.Node) and _floating(env.get(node.args[0])):
                     env[node.args[0]] = env[node.args[0]].to(dtype)  # as the emitter converts it
             elif node.op == "output":
                 return list(value(node.args[0]))

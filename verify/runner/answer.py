@@ -12,3 +12,4 @@ class RankAnswer:
     result: dict | None = None
     failure: str | None = None
     kind: str | None = None  # "timeout" | "crash" | "memory" | "peer" (stopped after a peer's error)
+    exit_code: int | None = None  # a crashed rank's (negative: the signal that killed it)

@@ -203,7 +203,7 @@ class Gang:
             raise ValueError(f"case limit {timeout_s} s must be positive and below the process group's "
                              f"timeout ({self.pg_timeout_s:.0f} s)")
         answers = self._run_once(job, ranks, timeout_s)
-        if not any(a.kind == "crash" and "exit code -" in (a.failure or "") for a in answers):
+        if not any(a.kind == "crash" and (a.exit_code or 0) < 0 for a in answers):
             return answers
         answers = self._run_once(job, ranks, timeout_s)
         for a in answers:
@@ -258,7 +258,8 @@ class Gang:
                 continue
             p = self._procs[r]
             if not p.is_alive():
-                answers[r] = RankAnswer(r, failure=f"rank {r} died (exit code {p.exitcode})", kind="crash")
+                answers[r] = RankAnswer(r, failure=f"rank {r} died (exit code {p.exitcode})", kind="crash",
+                                        exit_code=p.exitcode)
                 continue
             mb = rss_tree_mb(p.pid)
             if mb > self.memory_mb:
