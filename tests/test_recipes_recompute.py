@@ -67,7 +67,7 @@ def test_a_recompute_module_that_runs_nothing_is_refused_and_no_block_warns():
 
 
 def test_full_recompute_cuts_saved_activations_3x_with_identical_gradients():
-    out = subprocess.run([sys.executable, "bench/recompute.py", "--json"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "bench/perf/recompute.py", "--json"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])

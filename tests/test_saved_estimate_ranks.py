@@ -19,7 +19,7 @@ def _rank(rank: int, world: int) -> dict:
     got = {}
     with tempfile.TemporaryDirectory() as d:
         for rc in ("none", "full"):
-            case = megatron.nanogpt(layers=4, width=256, heads=4, seed=0)  # bench/recipe_memory.py's
+            case = megatron.nanogpt(layers=4, width=256, heads=4, seed=0)  # bench/calibration/recipe_memory.py's
             cfg = ComputeConfig(world, recompute=rc)
             pm = parallelize(case.model, case.batch(0), "hybrid", cfg, verify=False, gen_savedir=f"{d}/{rc}")
             with SavedActivations(pm.param_tensors()) as saved:

@@ -1,4 +1,4 @@
-"""The plans ``bench/autodist.py`` prints, saved under ``verify/plans``, verified as ``verify all`` runs them:
+"""The plans ``bench/calibration/autodist.py`` prints, saved under ``verify/plans``, verified as ``verify all`` runs them:
 a ``plan`` unit reduced as ``python -m verify plan`` reduces it, trained on real ranks against one device
 (the default sample's plan and one tp x pp x dp plan on 8 ranks here; every saved plan in the slow test),
 and a plan file that cannot be read is a failed row of the sweep, not its end."""

@@ -97,7 +97,7 @@ def test_a_piece_split_in_blocks_is_resumed_on_a_2x2_mesh_under_each_2d_resume(m
 def test_every_saved_plan_runs_under_full_and_one_cheap_one_by_default(matrix):
     full, default = matrix
     plans = saved_plans()
-    assert plans, "verify/plans holds the plans bench/autodist.py prints (--save verify/plans)"
+    assert plans, "verify/plans holds the plans bench/calibration/autodist.py prints (--save verify/plans)"
     units = [u for u in full if u.kind == "plan"]
     from verify.plan.cli import load
     from verify.plan.reduced import reduce_parallel
@@ -119,8 +119,8 @@ def test_every_saved_plan_runs_under_full_and_one_cheap_one_by_default(matrix):
 
 
 def test_every_plan_bench_autodist_prints_is_saved():
-    from bench.autodist import CLUSTER_RUNS
-    from bench.calibrate import load_rows
+    from bench.calibration.autodist import CLUSTER_RUNS
+    from bench.calibration.calibrate import load_rows
     names = {p.stem for p in saved_plans()}
     assert {f"{m}-{w}" for m, ws in CLUSTER_RUNS for w in ws} <= names
     assert {f"search-{r['name']}" for r in load_rows()} <= names

@@ -72,7 +72,7 @@ def test_hybrid_is_megatrons_plan_on_its_tp_axis(name, sp):
     the weight-gradient sums of sequence-parallel norms over both axes are left out (see tp_check)."""
     _needs(name)
     if sp and name == "gpt2":
-        pytest.skip("GPT-2's Conv1D keeps an all-reduce under sequence parallelism (bench/tp_collectives.py)")
+        pytest.skip("GPT-2's Conv1D keeps an all-reduce under sequence parallelism (bench/studies/tp_collectives.py)")
     per_layer, (split, held) = _per_layer(name, 4, "hybrid", params=not sp, tp_size=2, sequence_parallel=sp)
     assert per_layer == (MEGATRON_SP if sp else MEGATRON)
     assert split >= 0.5 and held <= 0.5 + 0.02

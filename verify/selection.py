@@ -35,10 +35,10 @@ BLOCKED_MODELS = ("nanogpt", "clip_tiny", "gpt2", "gpt2_v96")
 """Models with a fused projection (one weight holding q, k and v) that tp splits in blocks: their
 checkpoints take the blocked-piece path (gathered whole on its axis when saved, cut when loaded)."""
 ZOO = ("vit", "albert", "distilbert", "t5", "bart", "wav2vec2", "hubert", "swin", "resnet", "gpt_bigcode",
-       "olmo2", "olmoe")  # --full's zoo:<model_type> units (verify.models.zoo), over the kinds bench/zoo.py sweeps
+       "olmo2", "olmoe")  # --full's zoo:<model_type> units (verify.models.zoo), over the kinds bench/studies/zoo.py sweeps
 ZOO_DEFAULT = ("vit",)  # the default's: one cheap non-language model
 ROOT = Path(__file__).resolve().parents[1]
-PLANS = Path(__file__).with_name("plans")  # the plans bench/autodist.py prints (`--save verify/plans`)
+PLANS = Path(__file__).with_name("plans")  # the plans bench/calibration/autodist.py prints (`--save verify/plans`)
 DEFAULT_PLANS = ("llama3-8b-8",)  # the default sample's: one cheap plan (dp x ZeRO-3 reduced to W=2)
 TWO_D_POLICIES = ("hybrid", "random2d")  # their mesh is 2-D at W=4 (1-D at W=2)
 NO_RESUME_STEPS = 2
@@ -117,7 +117,7 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
 
 def zoo_units(archs: Sequence[str], world_sizes: Sequence[int], seeds: Sequence[int]) -> list[Unit]:
     """``zoo:<model_type>`` of each of ``archs`` under dp and tp at the smallest world size and the first
-    seed, training without the checkpoint phase: as ``bench/zoo.py`` runs them."""
+    seed, training without the checkpoint phase: as ``bench/studies/zoo.py`` runs them."""
     return [_model(f"zoo:{a}", p, min(world_sizes), seeds[0], checkpoint=False) for a in archs for p in ("dp", "tp")]
 
 
@@ -128,7 +128,7 @@ def default_zoo(full: Sequence[Unit]) -> list[Unit]:
 
 
 def saved_plans(directory: Path = PLANS) -> list[Path]:
-    """The committed plan files (``bench/autodist.py --save verify/plans``)."""
+    """The committed plan files (``bench/calibration/autodist.py --save verify/plans``)."""
     return sorted(directory.glob("*.json"))
 
 

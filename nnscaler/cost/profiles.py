@@ -20,7 +20,7 @@ class ProfileError(ValueError):
 @dataclass(frozen=True)
 class ClusterConstants:
     """What the cluster cost model (:mod:`nnscaler.cost.cluster`) needs beyond the datasheet: peak
-    dense throughput and the constants fitted against published runs (``bench/calibrate.py --fit``).
+    dense throughput and the constants fitted against published runs (``bench/calibration/calibrate.py --fit``).
 
     A GEMM of ``m x k`` by ``k x n`` runs at ``matmul_max * I / (I + matmul_half)`` of ``peak``, where
     ``I = 1 / (1/m + 1/n + 1/k)`` is its arithmetic intensity in FLOP per byte of bf16 operands (a
@@ -94,12 +94,12 @@ _GIB = 2**30
 MFU = 0.5  # fraction of peak matmul throughput large training runs achieve (Megatron-LM reports 40-55%)
 BUS = 0.8  # fraction of link bandwidth NCCL's ring collectives reach (nccl-tests busbw)
 
-# Fitted by ``python bench/calibrate.py --fit`` against the 10 rows of bench/published_runs.csv (Llama 3 405B on
+# Fitted by ``python bench/calibration/calibrate.py --fit`` against the 10 rows of bench/published_runs.csv (Llama 3 405B on
 # 8k/16k H100; torchtitan Llama 2/3 on 64 A100 and 8/128 H100): a grid search over matmul_max, attention, fusion
 # and dp_overlap (shared by both devices; peak from the datasheet, matmul_half, tp_exposed, pp_exposed fixed as
 # written) minimising the worst, then the median |log(estimate / published step time)|, then fusion_fused alone
 # on the two rows that ran fused kernels. Result: every row within 15%, median 7.8%.
-_FIT = ("fitted by bench/calibrate.py --fit against bench/published_runs.csv (grid search on matmul_max, "
+_FIT = ("fitted by bench/calibration/calibrate.py --fit against bench/published_runs.csv (grid search on matmul_max, "
         "attention, fusion, dp_overlap, then fusion_fused; minimising the worst |log(estimate / published)|)")
 CALIBRATED = {
     "a100": ClusterConstants(peak=312e12, matmul_max=0.90, matmul_half=60.0, attention=0.40, fusion=5.0,
@@ -108,7 +108,7 @@ CALIBRATED = {
                              tp_exposed=1.0, dp_overlap=0.3, fusion_fused=0.25, fitted=_FIT),
 }
 
-# This machine (one fp32 thread per rank, gloo over 127.0.0.1), fitted by a grid search on bench/calibrate.py's
+# This machine (one fp32 thread per rank, gloo over 127.0.0.1), fitted by a grid search on bench/calibration/calibrate.py's
 # cpu-gloo table (estimated vs measured step time of 14 configurations on real gloo ranks, maximising the Spearman
 # rank correlation; latency and launch overhead held at the profile's measured alpha and op_overhead; results in
 # bench/results/calibrate.md): GEMMs reach 40 GFLOP/s when large (matmul_half 30), gloo collectives block the rank
@@ -117,7 +117,7 @@ CALIBRATED = {
 # norms it splits). Ranks beyond the cores share them (``DeviceProfile.share``).
 CPU_GLOO = ClusterConstants(peak=40e9, matmul_max=1.0, matmul_half=30.0, attention=0.3, fusion=2.0, tp_exposed=1.0,
                             dp_overlap=0.0, pp_exposed=1.0, sp_comm=6.0,
-                            fitted="grid search against bench/calibrate.py's cpu-gloo table (Spearman, in-sample)")
+                            fitted="grid search against bench/calibration/calibrate.py's cpu-gloo table (Spearman, in-sample)")
 
 PROFILES: dict[str, DeviceProfile] = {
     "cpu-gloo": DeviceProfile(

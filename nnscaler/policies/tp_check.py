@@ -1,6 +1,6 @@
 """What a tensor-parallel plan costs, counted from the program the compiler emits: collectives per
 training step (forward and backward, by kind) and how much of a set of parameters is stored split.
-The ``tp`` tests and ``bench/tp_collectives.py`` judge plans against Megatron-LM with these."""
+The ``tp`` tests and ``bench/studies/tp_collectives.py`` judge plans against Megatron-LM with these."""
 from __future__ import annotations
 
 import math

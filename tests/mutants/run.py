@@ -10,7 +10,7 @@ whole matrix (``verify all --full``, which runs the default sample's units first
 ``--model``/``--op`` narrow either for a quick look; ``--precision bf16-mixed`` runs every model row under
 that recipe (the bf16 verdict must kill what the float32 one does). The verdict cache is off (``--no-cache``): a mutant
 changes what a cached verdict was computed from. Runs stop at the first failing row
-(``--no-fail-fast`` runs all). ``bench/mutant_kills.py`` prints both sweeps' kill counts.
+(``--no-fail-fast`` runs all). ``bench/verdicts/mutant_kills.py`` prints both sweeps' kill counts.
 """
 from __future__ import annotations
 

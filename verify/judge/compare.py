@@ -44,7 +44,7 @@ learning rate. Instead each step is judged in two separate parts, so that errors
 A wrong partition, collective or shard offset gives errors of the order of the values themselves; a
 single-rank perturbation of 1e-4 relative in an activation, a gradient bucket or a parameter shard is
 still three or more orders above rounding in float32 (``tests/test_model_verdict.py`` proves both).
-Measured (``bench/verdict_calibration.py``, ``bench/results/verdict_calibration.md``): over ten
+Measured (``bench/verdicts/verdict_calibration.py``, ``bench/results/verdict_calibration.md``): over ten
 architectures (GPT, Llama, Gemma, Qwen3, Phi-3, T5, ViT, a GroupNorm ResNet, batched Mixtral, the
 TransformerEncoder), widths 32 to 256, 10 seeds, 3 steps, ``dp`` and ``tp`` at W=2, the worst check of
 a correct program stays below 40% of its bound (806 cases, worst err/tol 0.378); the 1e-4

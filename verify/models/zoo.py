@@ -1,6 +1,6 @@
 """Any architecture of the pinned ``transformers`` as a model case, built from its config class's
 defaults shrunk (few layers, small width, 4 heads, small images and clips; no download): the zoo
-the sweep ``bench/zoo.py`` measures, named ``zoo:<model_type>`` wherever a model name is taken::
+the sweep ``bench/studies/zoo.py`` measures, named ``zoo:<model_type>`` wherever a model name is taken::
 
     python -m verify model zoo:albert --policy dp tp --world-size 2
 
@@ -31,7 +31,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
             state_size=8, ssm_state_size=8, conv_kernel=4, expand=1, mamba_expand=1, mamba_d_state=8, mamba_n_heads=4,
             mamba_d_head=16, n_groups=1, time_step_rank=8)
-"""The causal-LM overrides (``bench/zoo_sweep.py``'s, kept so its tables stay comparable)."""
+"""The causal-LM overrides (``bench/studies/zoo_sweep.py``'s, kept so its tables stay comparable)."""
 
 # config fields shrunk by name, whatever the kind (a field the config class lacks is not added)
 LAYERS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",

@@ -1,5 +1,5 @@
 """Causal LMs of transformers' zoo with fewer key/value heads than ranks, each built from the generic
-tiny config ``bench/zoo_sweep.py`` uses (no per-model tuning): 4 query heads of 16 sharing 1
+tiny config ``bench/studies/zoo_sweep.py`` uses (no per-model tuning): 4 query heads of 16 sharing 1
 key/value head (multi-query) or 8 sharing 2 (grouped-query, fewer than 4 ranks). Not registered
 (the built-in sweep stays as it is); the harness names them by file::
 

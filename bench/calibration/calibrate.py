@@ -1,0 +1,192 @@
+"""The cluster cost model against measured kernels and published measured runs: first the H100 kernel
+table (``bench/results/h100_kernels.csv``: the GEMM curve and flash attention, fitted by
+``bench/calibration/kernel_fit.py``), then estimated vs published step time per row of ``bench/published_runs.csv``.
+With ``--fit``, the grid search that fitted the other constants in ``nnscaler/cost/profiles.py``
+(``CALIBRATED``): the H100 kernel constants (matmul_max, matmul_half, attention) held at their fit to the
+measured kernels, the A100's matmul_max and attention (no kernels measured there), fusion and dp_overlap
+jointly on every row (minimising the worst, then the median, absolute log error), then fusion_fused on the
+rows that ran fused kernels.
+
+    python bench/calibration/calibrate.py [--fit] [--skip-cpu | --cpu-only] [--steps N] [--repeats R]
+
+Published step time: ``global_batch * seq / (gpus * tokens_per_gpu)``, or for rows published as model
+TFLOP/s per GPU ``model FLOPs per step / (gpus * TFLOP/s)`` with the model FLOPs counted on our trace
+(3 x forward, attention in full). Estimated: the cost model on the published configuration; fields the
+source did not publish are completed by the search (the best completion that fits the run's memory).
+Goal: every row within +-20%, median within 10%.
+
+Last, the cost model on this machine (:mod:`bench.calibration.cpu_gloo`): estimated vs measured step time on the
+``cpu-gloo`` profile of 14 configurations trained on real gloo ranks here, and their Spearman rank
+correlation (goal >= 0.8); ``--cpu-only`` prints that table alone, ``--skip-cpu`` leaves it out.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import itertools
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.calibration import cpu_gloo, kernel_fit  # noqa: E402
+from bench.calibration.llama_models import llama_shape  # noqa: E402
+from nnscaler import ComputeConfig  # noqa: E402
+from nnscaler.cost.cluster import BACKWARD  # noqa: E402
+from nnscaler.cost.profiles import CALIBRATED, PROFILES  # noqa: E402
+from nnscaler.policies.cluster import search  # noqa: E402
+
+CSV = Path(__file__).resolve().parents[1] / "published_runs.csv"
+INT_KEYS = ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "zero")
+
+
+def load_rows(path: Path = CSV) -> list[dict]:
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    return list(csv.DictReader(lines))
+
+
+def constraints(row: dict) -> dict:
+    out: dict = {}
+    for k in INT_KEYS:
+        if row[k]:
+            out[k] = int(row[k])
+    if row["recompute"]:
+        out["recompute"] = row["recompute"]
+    if row["sequence_parallel"]:
+        out["sequence_parallel"] = row["sequence_parallel"] == "True"
+    return out
+
+
+def published_seconds(row: dict, shape) -> float:
+    gpus, gb = int(row["gpus"]), int(row["global_batch"])
+    value = float(row["value"])
+    if row["metric"] == "tokens_per_gpu":
+        return gb * shape.seq / (gpus * value)
+    flops = (1 + BACKWARD) * shape.fwd_flops / shape.batch * gb
+    return flops / (gpus * value * 1e12)
+
+
+def row_profile(row: dict, profiles: dict | None = None):
+    """The row's device profile; a stack with fused kernels gets its own memory-bound traffic."""
+    prof = (profiles or PROFILES)[row["device"]]
+    if row["kernels"] == "fused":
+        prof = dataclasses.replace(prof, cluster=dataclasses.replace(prof.cluster, fusion=prof.cluster.fusion_fused))
+    return prof
+
+
+def config(row: dict, cons: dict | None = None, fit_memory: bool = False, profiles: dict | None = None,
+           budget: int | None = None) -> ComputeConfig:
+    """The row as a config. The published run ran, so a fully published configuration is estimated whatever
+    our memory estimate says; ``fit_memory`` (rows with unpublished fields) holds the search's completion to
+    the run's device memory (or ``budget``)."""
+    if budget is None:
+        budget = int(0.9 * float(row["memory_gib"]) * 2**30) if fit_memory else 2**60
+    cfg = ComputeConfig(int(row["gpus"]), precision="bf16-mixed", global_batch=int(row["global_batch"]),
+                        constraints=constraints(row) if cons is None else cons, mem_budget=budget)
+    object.__setattr__(cfg, "profile", row_profile(row, profiles))  # a profile object, not a name: it is fitted
+    return cfg
+
+
+def partly_published(row: dict) -> bool:
+    return any(not row[k] for k in INT_KEYS + ("recompute",))
+
+
+def shapes_for(rows: list[dict]) -> dict:
+    cache: dict = {}
+    for r in rows:
+        key = (r["model"], int(r["seq"]))
+        if key not in cache:
+            cache[key] = llama_shape(*key)
+    return cache
+
+
+def errors(rows, shapes, profiles=None) -> list[tuple[dict, float, float, object]]:
+    out = []
+    for r in rows:
+        shape = shapes[(r["model"], int(r["seq"]))]
+        plan = search(shape, config(r, fit_memory=partly_published(r), profiles=profiles), r["model"])
+        out.append((r, plan.best.step_seconds, published_seconds(r, shape), plan))
+    return out
+
+
+def fit(rows, shapes) -> None:
+    h100 = kernel_fit.fit(CALIBRATED["h100"], kernel_fit.load())  # the kernel constants, held
+    print(f"h100 kernel constants held: matmul_max={h100.matmul_max} matmul_half={h100.matmul_half} "
+          f"attention={h100.attention}")
+    # grids run so far, the h100 kernel constants held: a100 matmul_max 0.85-0.95, attention 0.3-0.5, fusion 3-6,
+    # dp_overlap 0.3-0.7 ended on its upper edges (median |log err| 0.129, worst 0.194); extended (0.9-1.0,
+    # 0.5-0.7, 5-8, 0.7-0.9): 0.95, 0.5, 6, 0.9 (0.127, 0.187). This one frees tp_exposed (Megatron-LM and
+    # Llama 3 overlap tensor-parallel collectives with compute): 0.95, 0.5, 6, dp_overlap 1.0, tp_exposed 1.0 (0.127,
+    # 0.184). The H100 GEMM curve measured is slower than the one the published runs imply (mm 0.766 vs 0.9), and
+    # the other constants cannot make it up: CALIBRATED keeps the published-run fit (median 0.075, worst 0.135)
+    grid = itertools.product((0.95, 1.0), (0.5, 0.6), (5.0, 6.0), (0.9, 1.0), (0.25, 0.5, 1.0))
+    best = None
+
+    def profiles(mm, att, fus, ov, tpx, **more):
+        return {"a100": dataclasses.replace(PROFILES["a100"], cluster=dataclasses.replace(
+                    CALIBRATED["a100"], matmul_max=mm, attention=att, fusion=fus, dp_overlap=ov, tp_exposed=tpx,
+                    **more)),
+                "h100": dataclasses.replace(PROFILES["h100"], cluster=dataclasses.replace(
+                    h100, fusion=fus, dp_overlap=ov, tp_exposed=tpx, **more))}
+    for mm, att, fus, ov, tpx in grid:
+        errs = [abs(math.log(e / p)) for _, e, p, _ in errors(rows, shapes, profiles(mm, att, fus, ov, tpx))]
+        score = (max(errs), statistics.median(errs))
+        if best is None or score < best[0]:
+            best = (score, mm, att, fus, ov, tpx)
+    (worst, med), mm, att, fus, ov, tpx = best
+    print(f"best fit: a100 matmul_max={mm} attention={att}, fusion={fus} dp_overlap={ov} tp_exposed={tpx}: "
+          f"median |log err| {med:.3f}, worst {worst:.3f}")
+    fused = [r for r in rows if r["kernels"] == "fused"]
+    if fused:  # then fusion_fused alone, on the rows that ran fused kernels, the rest held at the fit
+        scores = []
+        for ff in (0.25, 0.5, 1.0, 1.5, 2.0, 3.0):
+            errs = [abs(math.log(e / p)) for _, e, p, _ in errors(fused, shapes, profiles(mm, att, fus, ov, tpx,
+                                                                                           fusion_fused=ff))]
+            scores.append((max(errs), ff))
+        print(f"best fusion_fused={min(scores)[1]} (worst |log err| on fused rows {min(scores)[0]:.3f})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fit", action="store_true", help="grid-search matmul_max, attention, fusion, dp_overlap")
+    ap.add_argument("--cpu-only", action="store_true", help="only the cpu-gloo table (measured here)")
+    ap.add_argument("--skip-cpu", action="store_true", help="leave out the cpu-gloo table")
+    ap.add_argument("--steps", type=int, default=6, help="cpu-gloo: measured steps per configuration")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="cpu-gloo: sets of processes measured, each plan's median over them")
+    args = ap.parse_args()
+    if args.cpu_only:
+        cpu_gloo.table(args.steps, repeats=args.repeats)
+        return
+    kernels = kernel_fit.load()
+    print(kernel_fit.table(dataclasses.replace(CALIBRATED["h100"], fitted=""), kernel_fit.fit(CALIBRATED["h100"],
+                                                                                                kernels), kernels))
+    print()
+    rows = load_rows()
+    shapes = shapes_for(rows)
+    if args.fit:
+        fit(rows, shapes)
+    print(f"{'row':<26} {'dev':<5} {'GPUs':>5} {'published':>10} {'estimate':>10} {'err':>7} {'est. mem':>8}  "
+          f"configuration used")
+    errs = []
+    for r, est, pub, plan in errors(rows, shapes):
+        err = est / pub - 1
+        errs.append(err)
+        p = plan.parallel
+        print(f"{r['name']:<26} {r['device']:<5} {r['gpus']:>5} {pub:>9.3f}s {est:>9.3f}s {100 * err:>+6.1f}% "
+              f"{plan.best.memory['peak'] / 2**30:>5.0f}GiB  "
+              f"tp{p.tp} pp{p.pp} v{p.virtual_stages} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} {p.recompute}"
+              f"{' sp' if p.sequence_parallel else ''}  [{r['source']}]")
+    abs_err = [abs(e) for e in errs]
+    print(f"\n{len(errs)} rows: median |error| {100 * statistics.median(abs_err):.1f}% (goal <= 10%), worst "
+          f"{100 * max(abs_err):.1f}% (goal <= 20%), {sum(a <= 0.2 for a in abs_err)}/{len(errs)} within 20%")
+    if not args.skip_cpu:
+        print()
+        cpu_gloo.table(args.steps, repeats=args.repeats)
+
+
+if __name__ == "__main__":
+    main()
