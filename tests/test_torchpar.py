@@ -1,6 +1,6 @@
 """Users' own torch parallelizations (``verify model --parallelize``): torchtitan's Llama plan, FSDP2,
 FSDP2 x TP and transformers' ``tp_plan="auto"`` match one device; known-wrong plans are caught and
-named by module; bad input is one line, exit 2, before any rank starts; the README example runs."""
+named by module; bad input is one line, exit 2, before any rank starts; the documented example runs."""
 from __future__ import annotations
 
 import re
@@ -78,9 +78,9 @@ def test_bad_input_is_one_line_exit_2_before_ranks_start(capsys, argv, message):
 
 @pytest.mark.slow  # ~30 s: a fresh interpreter and gang; the CLI's checks are fast tests above, its rows the API's
 def test_readme_example_runs_from_the_cli(tmp_path):
-    """The README's example, written out as given, verified by the command the README prints."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Verify your own torch parallelization")[1]
+    """The documented example (``docs/torch-parallel.md``), written out as given, verified by the command it prints."""
+    text = (ROOT / "docs" / "torch-parallel.md").read_text()
+    section = text.split("# Verify your own torch parallelization")[1]
     code = section.split("```python\n")[1].split("```")[0]
     (tmp_path / "my_tp.py").write_text(code)
     cmd = section.split("```bash\n")[1].splitlines()[0].split("#")[0].split()

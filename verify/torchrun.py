@@ -14,7 +14,7 @@ nodes of a cluster do::
     python -m verify.torchrun --nnodes 2 --node-rank 0 --port 29517 --nproc-per-node 2 SCRIPT ...
     python -m verify.torchrun --nnodes 2 --node-rank 1 --port 29517 --nproc-per-node 2 SCRIPT ...
 
-On a real cluster use plain ``torchrun`` (README, "On a cluster: torchrun and Slurm").
+On a real cluster use plain ``torchrun`` (``docs/cluster.md``).
 """
 from __future__ import annotations
 
