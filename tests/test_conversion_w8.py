@@ -1,7 +1,7 @@
 """Layout conversions and the 2-D random policy on 8 real ranks (a gang of its own): 3-D meshes
 (2, 2, 2), where one dim may be split on all three axes, and the (2, 4) / (4, 2) meshes random2d
 draws at W=8. Each conversion runs on the ranks and is compared with the whole tensor, forward and
-backward (see ``verify/conversion_case.py``)."""
+backward (see ``verify/cases/conversion.py``)."""
 from __future__ import annotations
 
 import tempfile

@@ -1,4 +1,4 @@
-"""The rank's trace cache (``verify/traces.py``): a model traced once is compiled under many plans,
+"""The rank's trace cache (``verify/cases/traces.py``): a model traced once is compiled under many plans,
 each on its own copy; anything the trace depends on (arguments, structure, registry) misses."""
 from __future__ import annotations
 

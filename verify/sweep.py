@@ -108,7 +108,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
               checkpoint: bool = True, used=None) -> Iterator[Row]:
     """Train model ``name`` under each policy (a built-in name or ``FILE.py:fn``), world size and seed
     of ``cfg`` in ``cfg.dtype``; one row per case, judged on the loss and every gradient at the
-    single-device parameters, every optimizer update, and the reloaded checkpoint (``verify/compare.py``).
+    single-device parameters, every optimizer update, and the reloaded checkpoint (``verify/judge/compare.py``).
     ``bucket_bytes`` sets the gradient-sync bucket size of the compiled modules. With
     ``cfg.microbatches`` M above 1, each step trains M stacked batches by ``train_step`` in M
     micro-batches (against one device on the whole batch); the row's partition reads ``POLICY mbM``.

@@ -120,7 +120,7 @@ def handle(state: RankState, job: dict) -> dict:
     try:
         if job["kind"] == "conversion":
             return dict(run_conversion(job, state.rank, state.groups), seconds=time.perf_counter() - start)
-        if job["kind"] == "accumulation":  # several backward passes per step (verify/microbatch_case.py)
+        if job["kind"] == "accumulation":  # several backward passes per step (verify/cases/microbatch.py)
             checks = run_accumulation_job(job, state.groups)
             return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
         log = MemoryLog()  # what a whole-model case measured on this rank (verify/cases/memory.py)

@@ -2,7 +2,7 @@
 
 A whole-model case compiles its model three times (the plan, the checkpoint under another plan, the
 resume under plan B), and ``verify all`` runs each model under every policy; with the cache
-(``verify/traces.py``) each rank exports a model once per (seed, dtype, argument shapes). Both modes
+(``verify/cases/traces.py``) each rank exports a model once per (seed, dtype, argument shapes). Both modes
 run the same cases in the same 2-rank process group, alternating, so the ratio stands on a noisy
 machine. Every case must match in both modes.
 

@@ -39,7 +39,7 @@ class RunConfig:
     precision: str = "32-true"  # whole-model cases: the recipe (nnscaler.runtime.precision), judged by verify/judge/lowprec.py
     grad_reduce_dtype: str | None = None  # whole-model cases under bf16-mixed: "fp32" or "bf16"
     # whole-model cases: more ComputeConfig fields as (name, value) pairs (a cluster plan's lowering: tp_size,
-    # pp_size, schedule, virtual_stages, sequence_parallel; see verify/plan/cluster_cli.py)
+    # pp_size, schedule, virtual_stages, sequence_parallel; see verify/plan/cli.py)
     layout: tuple[tuple[str, object], ...] = ()
 
     def recipe_job(self) -> dict:

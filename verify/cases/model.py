@@ -1,5 +1,5 @@
 """One rank's part of a whole-model case: compile with ``nnscaler.parallelize``, train a few AdamW
-steps, and judge each step in two parts (see ``verify/compare.py``): the loss and every gradient of
+steps, and judge each step in two parts (see ``verify/judge/compare.py``): the loss and every gradient of
 the single-device model at the single-device run's parameters, and the parallel optimizer's update
 against AdamW on one device from the same point; then the merged checkpoint, reloaded strictly on one
 device and under another plan."""

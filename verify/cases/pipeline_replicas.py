@@ -4,10 +4,10 @@ Each replica trains its share of the batch (``microbatches``, at least ``PIPELIN
 the model's batches per replica) by ``train_step``; the replicas' gradients are averaged once, after
 the last micro-batch, with the exact whole-batch weighting ``(loss_sum, count)`` over replicas. So the
 reference is one device on the WHOLE batch (every replica's share), as for micro-batches
-(``verify/microbatch_case.py``), not the mean of the shares' losses. Judged as every whole-model case:
+(``verify/cases/microbatch.py``), not the mean of the shares' losses. Judged as every whole-model case:
 loss, every gradient and every parameter after AdamW steps; then the sharded checkpoint (replicas
 write their pieces once) resumed on one device, under another pipeline and under another plan
-(``verify/checkpoint_case.py``)."""
+(``verify/cases/resume.py``)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -42,7 +42,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                  used=None) -> Iterator[Row]:
     """Model ``name`` planned by each policy on ``W / replicas`` ranks and run as ``replicas``
     data-parallel replicas on W ranks, for each world size W of ``cfg`` (a multiple of ``replicas``),
-    seed and ``cfg.dtype``: one row per case, judged against one device (``verify/replicas_case.py``),
+    seed and ``cfg.dtype``: one row per case, judged against one device (``verify/cases/replicas.py``),
     with ``cfg.microbatches`` micro-batches per step and gradient-sync buckets of ``bucket_bytes``
     (default :data:`REPLICA_BUCKET_BYTES`: many small buckets, where a race between a bucket's
     averaging over replicas and the next backward shows; one large bucket hides it)."""

@@ -120,7 +120,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         grads, grads64 = reference_grads(params, ref64)
         return {"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads, "grads64": grads64}
 
-    for step in range(steps):  # judged as every whole-model case is (verify/compare.py)
+    for step in range(steps):  # judged as every whole-model case is (verify/judge/compare.py)
         args = cast(batch(step), dt)
         shares = [share(args, r, replicas) for r in range(replicas)]
         point = {n: t.clone() for n, t in start.items()} if step == 0 else \

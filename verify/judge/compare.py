@@ -23,7 +23,7 @@ finite elements of ``ref``:
   passes only where all three versions are ``None``: a missing gradient where the float64 reference
   has one fails, even if the single-device run in the test dtype lost it too.
 
-Whole models (``verify/model_case.py``) train with AdamW, whose update ``lr * m / (sqrt(v) + eps)`` is
+Whole models (``verify/cases/model.py``) train with AdamW, whose update ``lr * m / (sqrt(v) + eps)`` is
 scale-invariant (a gradient off by a constant factor moves no parameter) and divides rounding noise of
 near-zero gradients by their own tiny ``sqrt(v)`` (noise of 1e-9 becomes an update of a whole ``lr``).
 Comparing parameters after several steps therefore proves little and needs a bound as large as the

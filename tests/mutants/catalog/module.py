@@ -1,5 +1,5 @@
 """Mutants of the compiled module and its checkpoints: shards, merges, loads (``nnscaler/runtime/module.py``,
-``nnscaler/codegen/emit.py``, ``nnscaler/pipeline/checkpoint.py``)."""
+``nnscaler/codegen/emit.py``, ``nnscaler/checkpoint/pipeline.py``)."""
 from __future__ import annotations
 
 from ._base import mutant, patch
