@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases.resume import plan_b
+from verify.cases.resume import zero_plan_b
 import torch
 
 from nnscaler import ComputeConfig, PlanError, parallelize
@@ -67,19 +67,24 @@ def test_zero_trains_like_one_device_and_resumes_under_another_plan(gang, policy
     assert status == MATCH, detail
     names = [c["name"] for c in checks]
     assert any(n.startswith("param") for n in names)
-    # saved under zero at W, loaded under plan B (zero 0) and on one device, moments bit for bit, trained on
-    other, w_b = plan_b(policy, world_size)
+    # saved under zero at W, loaded on one device and under plan B (sharding its optimizer state too), moments
+    # bit for bit, trained on
+    other, w_b, zero_b = zero_plan_b(policy, world_size, zero)
     assert any(n.startswith("resumed on one device: optimizer exp_avg") for n in names)
-    assert any(n.startswith(f"resumed under {other} at W={w_b}: param") and "after step" in n for n in names)
+    assert any(n.startswith(f"resumed under {other} zero{zero_b} at W={w_b}: optimizer exp_avg") for n in names)
+    assert any(n.startswith(f"resumed under {other} zero{zero_b} at W={w_b}: param") and "after step" in n
+               for n in names)
 
 
 def test_a_zero_checkpoint_of_a_model_with_a_frozen_parameter_resumes_under_a_plain_optimizer(gang):
     """speech_encdec keeps a frozen sinusoidal table (``requires_grad=False``): the zero optimizer, built
-    over the trainable parameters, saved no entry for it, and the plain AdamW of plan B (over every
-    parameter) refused the checkpoint ("holds no optimizer state for it")."""
+    over the trainable parameters, saved no entry for it, and a plain AdamW (over every parameter) refused
+    the checkpoint ("holds no optimizer state for it"). The plain AdamW here is the one-device resume's;
+    plan B shards its state (zero 3 at W=2)."""
     status, detail, checks, _ = _model(gang, "speech_encdec", "dp", 2, 1)
     assert status == MATCH, detail
-    assert any(c["name"].startswith("resumed under tp at W=2: param") for c in checks)
+    assert any(c["name"].startswith("resumed on one device: param") for c in checks)
+    assert any(c["name"].startswith("resumed under dp zero3 at W=2: param") for c in checks)
 
 
 def test_zero_2_with_micro_batches_accumulates_the_gradient_shards_exactly(gang):
@@ -93,10 +98,11 @@ def test_zero_2_with_micro_batches_accumulates_the_gradient_shards_exactly(gang)
 def test_zero_2_over_tp_replicas_trains_like_one_device(gang):
     status, detail, checks, _ = _model(gang, "nanogpt", "tp", 4, 2, plan_ngpus=2)
     assert status == MATCH, detail
-    names = [c["name"] for c in checks]  # the replicas' checkpoint resumes too (under plan B of tp at W=4)
-    other, w_b = plan_b("tp", 4)
+    names = [c["name"] for c in checks]  # the replicas' checkpoint resumes too (into a zero plan B at W=4)
+    other, w_b, zero_b = zero_plan_b("tp", 4, 2)
     assert any(n.startswith("resumed on one device: optimizer exp_avg_sq") for n in names)
-    assert any(n.startswith(f"resumed under {other} at W={w_b}: param") and "after step" in n for n in names)
+    assert any(n.startswith(f"resumed under {other} zero{zero_b} at W={w_b}: param") and "after step" in n
+               for n in names)
 
 
 def test_a_zero_optimizer_holds_half_the_state_at_w2_and_loads_a_zero_0_checkpoint(tmp_path):
@@ -191,3 +197,31 @@ def test_a_zero_optimizer_is_a_torch_optimizer_a_scheduler_drives():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     with pytest.raises(ZeroError, match=r"^zero=1: LBFGS is not elementwise"):
         ZeroOptimizer(shards, torch.optim.LBFGS, lr=0.1)
+
+
+@pytest.mark.parametrize("policy, world, zero, want", [("dp", 4, 1, ("hybrid", 4, 1)), ("dp", 2, 1, ("dp", 2, 3)),
+                                                        ("dp", 2, 3, ("dp", 2, 1)), ("hybrid", 4, 2, ("dp", 2, 2)),
+                                                        ("tp", 4, 2, ("hybrid", 4, 2))])
+def test_a_zero_checkpoint_resumes_into_a_plan_that_shards_its_optimizer_state(policy, world, zero, want):
+    from verify.cases.resume import zero_plan_b
+    from verify.cases.zero import zero_applies
+    got = zero_plan_b(policy, world, zero)
+    assert got == want and zero_applies(got[0], got[1], zero=got[2])
+
+
+def test_a_zero_resume_that_cuts_the_moments_at_wrong_offsets_fails():
+    """The command a user runs for ZeRO (``--zero 1 --world-size 4``): the checkpoint resumes under hybrid
+    with zero 1, so a sharded load that cuts the moments wrong is a MISMATCH naming the moment; the same
+    case without the bug matches (the resume's own checks included)."""
+    from verify.cases.config import RunConfig
+    from verify.judge.verdict import MISMATCH
+    from verify.runner.gang import Gang
+    from verify.sweep import run_model
+    cfg = RunConfig(world_sizes=(4,), zero=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        with Gang(4, (str(FIXTURES / "zero_load_offset.py"),), (4,)) as bad:
+            (row,) = run_model(bad, "nanogpt", ("dp",), cfg, tmp, steps=1)
+        with Gang(4, (), (4,)) as good:
+            (ok,) = run_model(good, "nanogpt", ("dp",), cfg, tmp, steps=1)
+    assert row.status == MISMATCH and "resumed under hybrid zero1 at W=4: optimizer exp_avg" in row.detail, row.detail
+    assert ok.status == MATCH, ok.detail

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verify.cases.resume import plan_b
+from verify.cases.resume import zero_plan_b
 from verify.judge.verdict import MATCH, MISMATCH, judge
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -83,9 +83,11 @@ def test_zero_3_trains_like_one_device_and_resumes_under_another_plan(gang, poli
     status, detail, checks, _ = _model(gang, policy, world_size)
     assert status == MATCH, detail
     names = [c["name"] for c in checks]
-    other, w_b = plan_b(policy, world_size)
+    other, w_b, zero_b = zero_plan_b(policy, world_size, 3)  # plan B shards its optimizer state too
     assert any(n.startswith("resumed on one device: optimizer exp_avg") for n in names)
-    assert any(n.startswith(f"resumed under {other} at W={w_b}: param") and "after step" in n for n in names)
+    assert any(n.startswith(f"resumed under {other} zero{zero_b} at W={w_b}: optimizer exp_avg") for n in names)
+    assert any(n.startswith(f"resumed under {other} zero{zero_b} at W={w_b}: param") and "after step" in n
+               for n in names)
 
 
 def test_zero_3_over_tp_replicas_with_clipping_and_recompute_trains_like_one_device(gang):

@@ -245,7 +245,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
                                  seed, dt, fallback, config.bucket_bytes, traces, precision, reference)
         checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces,
-                                precision, fallback.spreads)
+                                precision, fallback.spreads, zero=zero)
     checks += fallback.notes(dtype)
     return checks
 

@@ -104,6 +104,6 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
             ref_opt.step()
             ref_opt.zero_grad()
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
-                            traces, precision, fallback.spreads)
+                            traces, precision, fallback.spreads, zero=zero)
     checks += fallback.notes(dtype)
     return checks

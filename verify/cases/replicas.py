@@ -155,6 +155,6 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device
     # and under another plan at W=2, as every whole-model case's does
     checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces, precision,
-                            fallback.spreads)
+                            fallback.spreads, zero=zero)
     checks += fallback.notes(dtype)
     return checks

@@ -46,6 +46,24 @@ def plan_b(policy: str, world_size: int) -> tuple[str, int]:
     return ("tp" if policy != "tp" else "random"), (2 if world_size >= 4 and world_size % 2 == 0 else world_size)
 
 
+def zero_plan_b(policy: str, world_size: int, zero: int) -> tuple[str, int, int]:
+    """Where a checkpoint of a ZeRO ``zero`` run is resumed: into a plan that shards its optimizer
+    state too, so the sharded load itself is checked (a plan without ZeRO would load every moment whole
+    and never cut one): :func:`plan_b`'s plan where ZeRO applies to it; else ``hybrid`` on 4 ranks (a dp
+    axis of 2 cuts the moments elsewhere than 4 ranks do); else ``dp`` on half the ranks; else ``dp`` on
+    the same ranks at another stage (3 for 1 and 2, 1 for 3: the state cut by another code path).
+    Returns ``(policy, world size, zero stage)``."""
+    from verify.cases.zero import zero_applies
+    other, w_b = plan_b(policy, world_size)
+    if zero_applies(other, w_b, zero=zero):
+        return other, w_b, zero
+    if world_size >= 4 and policy != "hybrid" and zero_applies("hybrid", 4, zero=zero):
+        return "hybrid", 4, zero
+    if world_size >= 4 and world_size % 2 == 0:
+        return "dp", world_size // 2, zero
+    return "dp", world_size, (1 if zero >= 3 else 3)
+
+
 def _moments(model, opt, parallel: bool) -> dict[str, dict[str, torch.Tensor]]:
     if parallel and hasattr(model, "stages"):  # a pipeline: merged across its stages
         from nnscaler.checkpoint.pipeline import whole_moments
@@ -117,14 +135,16 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
 
 def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int, pm, opt, groups, gen_dir: str,
                   dtype: torch.dtype, traces: TraceCache | None = None, precision: Precision = Precision(),
-                  spreads: SpreadHistory | None = None) -> list[Check]:
+                  spreads: SpreadHistory | None = None, zero: int = 0) -> list[Check]:
     """Checkpoint ``pm`` and its AdamW ``opt`` after ``steps`` steps; load the merged export on one
     device and the sharded checkpoint under plan B; every parameter and optimizer moment must equal
     what was saved, bit for bit. Then train ``MORE_STEPS`` more steps: the run resumed on one device
     is the reference, and plan B is judged against it exactly as a whole-model case judges a plan
     (loss and gradients at the same parameters, against float64; each update against AdamW on one
     device fed plan B's gradients from the same state). ``spreads``: the training phase's record of
-    single-device spreads (bf16 recipes, :class:`~verify.judge.compare.SpreadHistory`), continued here."""
+    single-device spreads (bf16 recipes, :class:`~verify.judge.compare.SpreadHistory`), continued here.
+    ``zero``: the run's ZeRO stage; plan B then shards its optimizer state too (:func:`zero_plan_b`), and its
+    moments and step after the load are compared, per parameter, bit for bit with what was saved."""
     rank = dist.get_rank()
     path = Path(gen_dir) / f"ckpt-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{seed}"
     group = pm.process_group
@@ -147,18 +167,19 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     if hasattr(pm, "stages"):  # a pipeline's checkpoint also loads into another pipeline
         checks += _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtype, lr, saved,
                                    saved_moments, traces, precision)
-    other, w_b = plan_b(policy, world_size)
+    other, w_b, zero_b = zero_plan_b(policy, world_size, zero) if zero else (*plan_b(policy, world_size), 0)
     if rank >= w_b:
         return checks
     batch = build_model(name, seed).batch
     resumed = compile_case(build_model(name, seed).model.to(dtype), cast(batch(0), dtype), other,
-                           ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1,
+                           ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1, zero=zero_b,
                                          **precision.config_kwargs()), groups,
-                           Path(gen_dir) / f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}",
-                           tracer_of(traces, name), announce=False)
-    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=lr)
+                           Path(gen_dir) / (f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}"
+                                            + (f"-zero{zero_b}" if zero_b else "")), tracer_of(traces, name),
+                           announce=False)
+    resumed_opt = resumed.build_optimizer(torch.optim.AdamW, lr=lr)  # sharded under zero_b
     checkpoint.load(path, resumed, resumed_opt)
-    where = f"under {other} at W={w_b}"
+    where = f"under {other}" + (f" zero{zero_b}" if zero_b else "") + f" at W={w_b}"
     checks += _loaded_checks(where, resumed.state_dict(), _moments(resumed, resumed_opt, True), saved,
                              saved_moments)
     shadow = built_like(name, seed, single, dtype)  # AdamW on one device, from the checkpoint, fed plan B's gradients
