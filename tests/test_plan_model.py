@@ -186,3 +186,22 @@ def test_saved_activations_are_estimated_alike_on_a_copy_of_the_graph():
     copy = graph.copy()
     assert saved_bytes(copy, POLICIES["tp"](copy, ComputeConfig(2))) == first
     assert saved_bytes(graph, plan, "full") < first  # a recomputed block keeps its inputs only
+
+
+def test_the_plan_report_counts_the_collectives_zero_adds():
+    """ZeRO changes what a step sends: stage 1 all-reduces gradients and all-gathers the updated shards,
+    stage 2 reduce-scatters instead, stage 3 all-gathers each bucket's parameters in forward and backward
+    too and keeps them sharded; the report says which stage shards what over how many ranks."""
+    case = MODELS["nanogpt"](0)
+    stats = {z: plan_model(case.model, case.batch(0), "dp", ComputeConfig(4, zero=z)).summary() for z in (0, 1, 2, 3)}
+    sync = {z: stats[z]["collectives"]["grad sync"] for z in stats}
+    assert set(sync[0]) == {"all_reduce"} and set(sync[1]) == {"all_reduce", "all_gather"}
+    assert set(sync[2]) == {"reduce_scatter", "all_gather"} and set(sync[3]) == {"reduce_scatter"}
+    assert sync[1]["all_gather"]["bytes"] == sync[0]["all_reduce"]["bytes"] == sync[3]["reduce_scatter"]["bytes"]
+    for phase in ("forward", "backward"):
+        assert stats[3]["collectives"][phase]["all_gather"]["bytes"] == sync[0]["all_reduce"]["bytes"]
+        assert "all_gather" not in stats[2]["collectives"].get(phase, {})
+    assert stats[0]["zero"] == {"stage": 0, "ranks": 1} and stats[3]["zero"] == {"stage": 3, "ranks": 4}
+    plan = plan_model(case.model, case.batch(0), "dp", ComputeConfig(4, zero=3))
+    assert "zero 3 over 4 ranks" in plan.one_line()
+    assert "ZeRO 3 shards the AdamW state, gradients and parameters over 4 data-parallel ranks" in plan.report()

@@ -36,6 +36,8 @@ class PlanStats:
     comm_seconds: float
     replicated_ops: list[tuple[str, str, str]] = field(default_factory=list)
     inferred: list[tuple[str, str]] = field(default_factory=list)  # (operator, annotation) found by probing
+    zero: int = 0  # the ZeRO stage costed
+    zero_ranks: int = 1  # the ranks each parameter's ZeRO state is sharded over (the dp axis x the replicas)
 
     @property
     def step_seconds(self) -> float:
@@ -84,12 +86,20 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, ste
     for t, before, step in steps:
         colls += step_collectives(t, before, step, mesh, names, profile)
     colls += coupled_collectives(graph, plan, profile)
+    dp = names.index("dp") if "dp" in names else None
+    zero_ranks = (mesh[dp] if dp is not None else 1) * replicas if zero else 1
     by_axis: dict[int, list[int]] = defaultdict(list)
     for t, axis in synced.items():
         by_axis[axis].append(local_nbytes(t, stored[t], mesh))
     for axis, sizes in sorted(by_axis.items()):
+        if zero_ranks > 1 and axis == dp:
+            continue  # the zero group's collectives below sync these
         colls += _buckets(sizes, mesh[axis], names[axis], profile, spans_nodes(mesh, axis, profile))
-    if replicas > 1:
+    if zero_ranks > 1:
+        synced_dp = [local_nbytes(t, stored[t], mesh) for t in graph.params if replicas > 1 or synced.get(t) == dp]
+        colls += zero_collectives(synced_dp, zero_ranks, "dp" if replicas == 1 else "dp x replicas" if dp is not None
+                                  else "replicas", profile, world * replicas > profile.ranks_per_node, zero)
+    elif replicas > 1:
         colls += _buckets([local_nbytes(t, stored[t], mesh) for t in graph.params], replicas, "replicas", profile,
                           world * replicas > profile.ranks_per_node)
     compute = sum(op_time(op, plan.partition(op) if op.known else None, profile, ranks_here) for op in graph.ops)
@@ -102,7 +112,7 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, ste
     return PlanStats(profile.name, params_kept, grads, optim,
                      per_rank["buffer"], [act] * world, single, sharded,
                      sum(1 for t in graph.params if not any(isinstance(q, Shard) for q in stored[t])),
-                     colls, compute, sum(c.seconds for c in colls))
+                     colls, compute, sum(c.seconds for c in colls), zero=zero, zero_ranks=zero_ranks)
 
 
 def zero_shards(graph: IRGraph, plan, stored: dict, replicas: int, zero: int) -> tuple[list[int], list[int], list[int]]:
@@ -142,3 +152,23 @@ def _buckets(sizes: list[int], f: int, axis: str, profile: DeviceProfile, across
     """Gradient all-reduces of parameters of ``sizes`` bytes, in buckets as the runtime sends them."""
     return [Collective("grad sync", "all_reduce", axis, f, n, collective_time("all_reduce", n, f, profile, across))
             for n in bucket_bytes(sizes)]
+
+
+def zero_collectives(sizes: list[int], f: int, axis: str, profile: DeviceProfile, across: bool,
+                     zero: int) -> list[Collective]:
+    """The collectives :mod:`nnscaler.runtime.zero` issues per step over a zero group of ``f`` ranks, in
+    buckets of parameters of ``sizes`` bytes: stage 1 all-reduces each bucket's gradient, stage 2
+    reduce-scatters it, and both all-gather the updated parameter shards after the step; stage 3
+    reduce-scatters too, and all-gathers each bucket's parameters before its use in forward and again
+    in backward (kept sharded after the step)."""
+    out = []
+    for n in bucket_bytes(sizes):
+        gather = collective_time("all_gather", n, f, profile, across)
+        if zero >= 3:
+            out += [Collective("forward", "all_gather", axis, f, n, gather),
+                    Collective("backward", "all_gather", axis, f, n, gather)]
+        sync = "reduce_scatter" if zero >= 2 else "all_reduce"
+        out.append(Collective("grad sync", sync, axis, f, n, collective_time(sync, n, f, profile, across)))
+        if zero < 3:
+            out.append(Collective("grad sync", "all_gather", axis, f, n, gather))
+    return out

@@ -53,6 +53,7 @@ def summary(plan, s) -> dict:
         "param_fraction_per_rank": param_fraction(s),
         "sharded": [{"name": n, "shape": list(shape), "layout": lay} for n, shape, lay in s.sharded],
         "replicated_params": s.replicated_params,
+        "zero": {"stage": s.zero, "ranks": s.zero_ranks},
         "collectives": collective_table(s),
         "step_time": {"compute_s": s.compute_seconds, "comm_s": s.comm_seconds, "total_s": s.step_seconds},
         "replicated_operators": {"count": len(s.replicated_ops),
@@ -73,6 +74,12 @@ def replicated_listing(replicated_ops) -> str:
     return listing + (f", {len(kinds) - LISTED} more kinds" if len(kinds) > LISTED else "")
 
 
+def zero_sharded(s) -> str:
+    """What ZeRO stage ``s.zero`` shards: the optimizer state, the gradients too, the parameters too."""
+    return ("the AdamW state", "the AdamW state and gradients", "the AdamW state, gradients and parameters")[
+        min(s.zero, 3) - 1]
+
+
 def one_line(plan, s) -> str:
     table = collective_table(s)
     count = {p: sum(k["count"] for k in table.get(p, {}).values()) for p in ("forward", "backward", "grad sync")}
@@ -84,7 +91,8 @@ def one_line(plan, s) -> str:
             f"{human(s.single_device['param'])}), peak {human(max(s.peak_bytes))}/rank, collectives "
             f"{count['forward']} fwd + {count['backward']} bwd + {count['grad sync']} grad sync "
             f"({human(moved)}), est. step {seconds(s.step_seconds)} on {s.profile}, "
-            f"{len(s.replicated_ops)} ops replicated"
+            + (f"zero {s.zero} over {s.zero_ranks} ranks, " if s.zero and s.zero_ranks > 1 else "")
+            + f"{len(s.replicated_ops)} ops replicated"
             + (f": {replicated_listing(s.replicated_ops)}" if s.replicated_ops else ""))
 
 
@@ -108,7 +116,10 @@ def report(plan, s) -> str:
               tabulate(coll_rows, ["phase", "kind", "count", "bytes", "est. time"]) if coll_rows else "  none", "",
               f"estimated step time: {seconds(s.step_seconds)} = compute {seconds(s.compute_seconds)} + "
               f"communication {seconds(s.comm_seconds)} (no overlap assumed)", "",
-              f"sharded state ({len(s.sharded)} tensors; {s.replicated_params} parameters whole on every rank):"]
+              f"sharded state ({len(s.sharded)} tensors; {s.replicated_params} parameters whole on every rank):"
+              if not (s.zero and s.zero_ranks > 1) else
+              f"sharded state ({len(s.sharded)} tensors split by the layout; {s.replicated_params} parameters whole "
+              f"in it, of which ZeRO {s.zero} shards {zero_sharded(s)} over {s.zero_ranks} data-parallel ranks):"]
     parts += [tabulate([[n, "x".join(map(str, shape)), lay] for n, shape, lay in s.sharded],
                        ["tensor", "shape", "layout per mesh axis"]) if s.sharded else "  none", ""]
     by_kind: dict = defaultdict(list)
