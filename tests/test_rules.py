@@ -14,8 +14,7 @@ import torch.nn.functional as F
 import opzoo  # noqa: F401  (registers the zoo and the rules)
 from nnscaler import DEFAULT_REGISTRY, bind
 from nnscaler.trace.calls import call_of, overload_name
-from opzoo.rules import EXAMPLES, derive
-from opzoo.rules._examples import T, make_call, shapes_of
+from opzoo.rulekit import EXAMPLES, T, derive, make_call, shapes_of
 
 REQUIRED = """view.default reshape.default _unsafe_view.default transpose.int permute.default t.default
 unsqueeze.default squeeze.dim flatten.using_ints unflatten.int expand.default contiguous.default clone.default
