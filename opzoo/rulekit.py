@@ -20,9 +20,8 @@ would record them.
 """
 from __future__ import annotations
 
-import dataclasses
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -294,7 +293,7 @@ def B(*shape: int) -> TensorMeta:
     return T(*shape, dtype=torch.bool)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class ex:  # noqa: N801  (reads as a call in example lists)
     """One example call: positional and keyword arguments, tensors as :func:`T`."""
 
@@ -357,6 +356,6 @@ def register_examples(overload: str, calls: Iterable[ex | tuple]) -> list[str]:
             raise ValueError(f"no rule annotates the example {call}")
         bind(spec.anno, *shapes_of(call), known=dict(spec.sizes) or None)
         name = f"rule.{short_name(overload)}.{len(names)}"
-        DEFAULT_REGISTRY.add(dataclasses.replace(spec, name=name, family=EXAMPLES_FAMILY))
+        DEFAULT_REGISTRY.add(replace(spec, name=name, family=EXAMPLES_FAMILY))
         names.append(name)
     return names
