@@ -1,5 +1,5 @@
 """Batch norm under data parallelism: the batch split is SyncBatchNorm's program
-(``opzoo.rules.batch_norm``: one gather of per-rank (mean, squared deviations) per layer, combined
+(``opzoo.batch_norm.rules``: one gather of per-rank (mean, squared deviations) per layer, combined
 exactly), the one that equals one device. Its examples match on real ranks under every partition;
 the same annotation with each rank's own statistics (DDP without SyncBatchNorm) is caught; a
 convolutional network of transformers' zoo plans with one layout collective (the loss) plus one
@@ -16,8 +16,8 @@ from nnscaler.compile.plan import plan_graph, trace_model
 from nnscaler.config import ComputeConfig
 from nnscaler.policies.coverage import replicated_operators
 from nnscaler.policies.tp_check import collectives, coupled_collectives
-from opzoo.rules import EXAMPLES
-from opzoo.rules.batch_norm import OVERLOAD
+from opzoo.batch_norm.rules import OVERLOAD
+from opzoo.rulekit import EXAMPLES
 from tests.conftest import FIXTURES, assert_caught_where_split, split_ids
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH

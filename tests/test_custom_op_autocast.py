@@ -30,7 +30,7 @@ def _program(precision: str) -> str:
 
 def test_a_custom_operator_runs_under_autocast_in_a_bf16_mixed_program():
     experts = [line for line in _program("bf16-mixed").splitlines() if "expert_parallel" in line and "=" in line]
-    assert experts and all("autocast_run(opzoo.experts.expert_parallel" in line for line in experts)
+    assert experts and all("autocast_run(opzoo.moe.experts.expert_parallel" in line for line in experts)
     plain = [line for line in _program("32-true").splitlines() if "expert_parallel" in line and "=" in line]
     assert plain and not any("autocast_run" in line for line in plain)
 

@@ -1,7 +1,7 @@
 """Attention masks built per row stay data parallel: ``x[arange(B)[:, None, None, None], j]`` (how
 transformers builds masks from the padding mask) is rewritten to a per-row lookup whose batch dim
 splits (:mod:`nnscaler.trace.arange_index`), and ``x[mask] = v`` with one value is element-wise
-(``opzoo.rules.indexing``). An index that is not the identity on the rows is left alone (rewriting
+(``opzoo.indexing.rules``). An index that is not the identity on the rows is left alone (rewriting
 it would compute another program); the encoder-decoder and speech models of transformers' zoo that
 gathered their masks under ``dp`` now have one forward collective, and train like one device."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from nnscaler.config import ComputeConfig
 from nnscaler.policies.coverage import replicated_operators
 from nnscaler.policies.tp_check import collectives
 from nnscaler.trace.build import trace
-from opzoo.rules import EXAMPLES
+from opzoo.rulekit import EXAMPLES
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH
 from verify.runner.gang import Gang

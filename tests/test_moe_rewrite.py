@@ -1,5 +1,5 @@
 """transformers' grouped/batched mixture-of-experts layers trace as one expert-parallel operator
-(``opzoo.experts.experts_rewrite``, a module rewrite of the registry): dp splits the batch with no
+(``opzoo.moe.experts.experts_rewrite``, a module rewrite of the registry): dp splits the batch with no
 gather on MoE architectures the rewrite was not written for, the rewritten layer computes what the
 module computes, and a layer it would compute wrongly (interleaved gate and up) is left alone."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from nnscaler.config import ComputeConfig  # noqa: E402
 from nnscaler.policies.coverage import replicated_operators  # noqa: E402
 from nnscaler.policies.tp_check import collectives  # noqa: E402
 from nnscaler.trace.build import trace  # noqa: E402
-from opzoo.experts import OVERLOAD, experts_rewrite, transformers_forward  # noqa: E402
+from opzoo.moe.experts import OVERLOAD, experts_rewrite, transformers_forward  # noqa: E402
 from verify.models.zoo import build  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def test_a_rank_whose_experts_get_no_rows_still_joins_the_backward():
     """Expert parallelism's all-to-all backward runs on every rank: a rank that received no rows must
     still have a result that depends on its inputs and experts (else it skips the collective and the
     other ranks hang; afmoe did at W=2)."""
-    from opzoo.experts import run_experts
+    from opzoo.moe.experts import run_experts
     x = torch.zeros(0, 8, requires_grad=True)
     gate_up, down = torch.randn(2, 12, 8, requires_grad=True), torch.randn(2, 8, 6, requires_grad=True)
     out = run_experts(x, torch.zeros(0, dtype=torch.long), gate_up, down, "silu")

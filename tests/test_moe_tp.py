@@ -1,4 +1,4 @@
-"""Tensor parallelism inside mixture-of-experts layers: the experts operator (``opzoo.experts``)
+"""Tensor parallelism inside mixture-of-experts layers: the experts operator (``opzoo.moe.experts``)
 splits each expert's FFN width ``i`` Megatron's way (gate and up by columns, in blocks of the fused
 gate|up rows; down by rows; the output a partial sum), so ``tp`` splits the experts whatever their
 count (the built-in Mixtral has 3, which no split of 2 ranks divides) instead of keeping them whole
@@ -15,8 +15,8 @@ from nnscaler import DEFAULT_REGISTRY
 from nnscaler.compile.plan import plan_graph, trace_model
 from nnscaler.config import ComputeConfig
 from nnscaler.policies.tp_check import sharded_fraction
-from opzoo.experts import OVERLOAD
-from opzoo.rules import EXAMPLES
+from opzoo.moe.experts import OVERLOAD
+from opzoo.rulekit import EXAMPLES
 from tests.conftest import FIXTURES, assert_caught_where_split, split_ids
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH

@@ -31,7 +31,7 @@ FORWARD = re.compile(r"= C\.(all_gather|all_reduce|reduce_scatter|all_to_all)\("
 # model -> (batch operators left whole, forward collectives under dp at W=2), the most allowed. None now:
 # transformers' grouped experts (mixtral: a sort of the whole batch by expert, gathers and an index_put by
 # its permutation, 8 operators whole and 13 collectives before) trace as one nnscaler::moe_experts operator
-# (opzoo.experts' module rewrite), which splits by tokens and experts.
+# (opzoo.moe.experts' module rewrite), which splits by tokens and experts.
 LIMITS: dict[str, tuple[int, int]] = {}
 
 

@@ -14,8 +14,7 @@ import torch.nn as nn
 
 import opzoo  # noqa: F401
 from nnscaler import DEFAULT_REGISTRY
-from opzoo.rules import EXAMPLES, derive
-from opzoo.rules._examples import T, make_call
+from opzoo.rulekit import EXAMPLES, T, derive, make_call
 from tests.conftest import FIXTURES, split_ids
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH, MISMATCH

@@ -4,7 +4,10 @@ nanoGPT-style GPT, ``nn.TransformerEncoder`` and tiny Llama, GPT-2 and BERT from
 with an annotation that binds to the node's shapes."""
 from __future__ import annotations
 
+import ast
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +17,7 @@ import torch.nn.functional as F
 import opzoo  # noqa: F401  (registers the zoo and the rules)
 from nnscaler import DEFAULT_REGISTRY, bind
 from nnscaler.trace.calls import call_of, overload_name
-from opzoo.rules import EXAMPLES, derive
-from opzoo.rules._examples import T, make_call, shapes_of
+from opzoo.rulekit import EXAMPLES, T, derive, make_call, shapes_of
 
 REQUIRED = """view.default reshape.default _unsafe_view.default transpose.int permute.default t.default
 unsqueeze.default squeeze.dim flatten.using_ints unflatten.int expand.default contiguous.default clone.default
@@ -50,6 +52,21 @@ def test_every_rule_has_an_example():
             rules.setdefault(rule, []).append(overload)
     for rule, overloads in rules.items():
         assert any(EXAMPLES.get(o) for o in overloads), f"rule {rule.__name__} has no example"
+
+
+def test_a_family_has_one_home():
+    """``import opzoo`` loads every module of every family folder ``opzoo/<family>/``, and the examples
+    of an overload are written beside its rules (``examples.py`` in the rules' folder)."""
+    root = Path(opzoo.__file__).parent
+    for path in root.glob("*/*.py"):
+        if not path.name.startswith("_"):
+            assert f"opzoo.{path.parent.name}.{path.stem}" in sys.modules, f"{path} is never imported by opzoo"
+    for path in root.glob("*/examples.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register_examples"
+                    and isinstance(node.args[0], ast.Constant)):
+                homes = {getattr(r, "func", r).__module__ for r in DEFAULT_REGISTRY.rules(node.args[0].value)}
+                assert homes == {f"opzoo.{path.parent.name}.rules"}, f"{path}: {node.args[0].value} has rules in {homes}"
 
 
 # --- annotations one expects ----------------------------------------------------------------------

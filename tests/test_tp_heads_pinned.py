@@ -17,7 +17,7 @@ from nnscaler.policies.greedy import plan_greedy
 from nnscaler.policies.heads import heads_split, scores
 from nnscaler.policies.refine import refine
 from nnscaler.policies.tp_check import collectives
-from opzoo.rules import EXAMPLES
+from opzoo.rulekit import EXAMPLES
 from tests.conftest import FIXTURES, assert_caught_where_split, zoo_graph
 from verify.cases.config import RunConfig
 from verify.judge.verdict import MATCH

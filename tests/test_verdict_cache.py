@@ -41,10 +41,10 @@ def test_an_operator_unit_reruns_after_its_family_file_changes_and_only_then(tmp
     _cache(tmp_path, tree).put(relu, [_row()], Used())
     got = _cache(tmp_path, tree).get(relu)
     assert got is not None and all(r.cached for r in got) and got[0].seconds == 1.5
-    _touch(tree / "opzoo" / "linalg.py")  # another family
-    _touch(tree / "opzoo" / "rules" / "nn.py")  # a rule file: model units' business
+    _touch(tree / "opzoo" / "linalg" / "entries.py")  # another family
+    _touch(tree / "opzoo" / "nn" / "rules.py")  # a rule file: model units' business
     assert _cache(tmp_path, tree).get(relu) is not None
-    _touch(tree / "opzoo" / "activation.py")
+    _touch(tree / "opzoo" / "activation" / "entries.py")
     assert _cache(tmp_path, tree).get(relu) is None
 
 
@@ -80,12 +80,12 @@ def test_a_model_unit_depends_on_the_rules_for_its_operators(tmp_path, tree):
     unit = Unit("model", "nanogpt", "tp", (2,), (0,))
     _cache(tmp_path, tree).put(unit, [_row("model:nanogpt", family="model")], _model_used())
     entry = json.loads(next((tmp_path / "cache").rglob("*.json")).read_text())
-    assert "opzoo/rules/linalg.py" in entry["deps"] and "opzoo/rules/elementwise.py" in entry["deps"]
-    assert "opzoo/rules/conv.py" not in entry["deps"] and "opzoo/linalg.py" not in entry["deps"]
-    _touch(tree / "opzoo" / "activation.py")  # an operator family's file: no rule of it ran
-    _touch(tree / "opzoo" / "rules" / "conv.py")
+    assert "opzoo/linalg/rules.py" in entry["deps"] and "opzoo/elementwise/rules.py" in entry["deps"]
+    assert "opzoo/conv/rules.py" not in entry["deps"] and "opzoo/linalg/entries.py" not in entry["deps"]
+    _touch(tree / "opzoo" / "activation" / "entries.py")  # an operator family's file: no rule of it ran
+    _touch(tree / "opzoo" / "conv" / "rules.py")
     assert _cache(tmp_path, tree).get(unit) is not None
-    _touch(tree / "opzoo" / "rules" / "linalg.py")
+    _touch(tree / "opzoo" / "linalg" / "rules.py")
     assert _cache(tmp_path, tree).get(unit) is None
 
 
@@ -102,9 +102,9 @@ def test_a_new_claim_on_an_operator_of_the_graph_makes_the_verdict_stale(tmp_pat
             registry.add_rule(overload, rule)
     assert _cache(tmp_path, tree, registry).get(unit) is not None
 
-    def conv_rule_for_linear(call):  # as if opzoo/rules/conv.py now claimed aten.linear
+    def conv_rule_for_linear(call):  # as if opzoo/conv/rules.py now claimed aten.linear
         return None
-    conv_rule_for_linear.__module__ = "opzoo.rules.conv"
+    conv_rule_for_linear.__module__ = "opzoo.conv.rules"
     registry.add_rule("aten.linear.default", conv_rule_for_linear)
     assert _cache(tmp_path, tree, registry).get(unit) is None
 
@@ -117,7 +117,7 @@ def test_failures_are_never_kept_and_a_unit_that_says_nothing_depends_on_every_l
     used = Used()
     used.every = True
     _cache(tmp_path, tree).put(unit, [_row("torchpar:fsdp", family="model")], used)
-    _touch(tree / "opzoo" / "reduction.py")
+    _touch(tree / "opzoo" / "reduction" / "entries.py")
     assert _cache(tmp_path, tree).get(unit) is None
 
 

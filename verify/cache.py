@@ -4,11 +4,12 @@ rerun after an edit reruns only the units the edit can affect (``verify all``; `
 The key of a unit (:meth:`VerdictCache.key`) holds the unit (operator, model or saved plan, policy, world
 sizes, seeds, micro-batches, replicas, recipe, resume; a saved plan's file content), the run's settings (dtype, precision, recipe, base,
 ``--module`` files' contents), the torch and Python versions and the *core*: every source file of
-``nnscaler/``, ``verify/`` and ``opzoo/`` except the catalogue's *leaf* files, the modules of
-``opzoo/`` that register operators or rules (``opzoo/<family>.py``, ``opzoo/rules/<family>.py``,
-``opzoo/experts.py``; not the shared ``_*.py`` helpers). A leaf is a dependency of just the units
-that can run what it registers: an operator unit depends on its family's file (a rule's example,
-``rule.<name>.<k>``, on the modules with rules for that operator and ``opzoo/rules/examples.py``); a
+``nnscaler/``, ``verify/`` and ``opzoo/`` except the catalogue's *leaf* files, the modules of the
+family folders that register operators or rules (``opzoo/<family>/entries.py``, ``rules.py``,
+``examples.py``, ``opzoo/moe/experts.py``; not the shared ``opzoo/rulekit.py`` and ``opzoo/kernels.py``).
+A leaf is a dependency of just the units that can run what it registers: an operator unit depends
+on its family's ``entries.py`` (a rule's example, ``rule.<name>.<k>``, on the modules with rules for
+that operator and the families' ``examples.py``); a
 torch-parallelization unit on none (torch's own modules run, no catalogue entry); a model unit on the
 leaves that claim (register a spec or a rule for) an aten operator of its traced graphs, as its
 ranks report them, and on the leaves those import. The entry keeps the graphs' operators, and the
@@ -37,7 +38,7 @@ from verify.selection import Unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("nnscaler", "verify", "opzoo")
-FORMAT = 3  # bump when the entry layout or the dependency rule changes
+FORMAT = 4  # bump when the entry layout or the dependency rule changes
 
 
 def _digest(data: bytes) -> str:
@@ -52,12 +53,18 @@ def file_hash(path: Path) -> str:
 
 
 def leaves(root: Path = ROOT) -> list[Path]:
-    """The catalogue's modules that register operators or rules (not ``__init__`` or ``_*`` helpers)."""
-    return sorted(p for p in (root / "opzoo").rglob("*.py") if not p.name.startswith("_"))
+    """The catalogue's modules that register operators or rules: the modules of its family folders
+    ``opzoo/<family>/`` (not their ``__init__``, nor the shared modules at the top of ``opzoo/``)."""
+    return sorted(p for p in (root / "opzoo").glob("*/*.py") if not p.name.startswith("_"))
+
+
+def entries_file(family: str, root: Path = ROOT) -> Path:
+    """The file of a family's fixed-annotation entries: ``root/opzoo/<family>/entries.py``."""
+    return root / "opzoo" / family / "entries.py"
 
 
 def _module_file(obj, root: Path) -> Path:
-    """``root/opzoo/rules/nn.py`` for a function of module ``opzoo.rules.nn`` (a partial: its function's)."""
+    """``root/opzoo/nn/rules.py`` for a function of module ``opzoo.nn.rules`` (a partial: its function's)."""
     fn = getattr(obj, "func", obj)
     return root.joinpath(*(getattr(fn, "__module__", "") or "?").split(".")).with_suffix(".py")
 
@@ -70,7 +77,7 @@ def claims(registry, root: Path = ROOT) -> tuple[dict[Path, set[str]], dict[Path
     rules: dict[Path, set[str]] = {}
     fixed: dict[Path, set[str]] = {}
     for spec in registry:
-        fixed.setdefault(root / "opzoo" / f"{spec.family}.py", set()).update(spec.aten)
+        fixed.setdefault(entries_file(spec.family, root), set()).update(spec.aten)
     for overload in registry.rule_overloads():
         for rule in registry.rules(overload):
             rules.setdefault(_module_file(rule, root), set()).add(overload)
@@ -78,7 +85,7 @@ def claims(registry, root: Path = ROOT) -> tuple[dict[Path, set[str]], dict[Path
 
 
 def _imports(path: Path, known: dict[str, Path], root: Path) -> set[Path]:
-    """The leaves module ``path`` imports (``from .x import``, ``from opzoo.rules.y import``, ...)."""
+    """The leaves module ``path`` imports (``from ..x import``, ``from opzoo.x.rules import``, ...)."""
     try:
         tree = ast.parse(path.read_text())
     except (OSError, SyntaxError):
@@ -169,14 +176,14 @@ class VerdictCache:
         return out
 
     def depends(self, unit: Unit, ops: Iterable[str] = (), fixed: Iterable[str] = (), every: bool = False) -> set[Path]:
-        """The leaves ``unit`` depends on: an operator unit, its family's file; a model unit, the
+        """The leaves ``unit`` depends on: an operator unit, its family's entries; a model unit, the
         modules with rules for its graphs' ``ops`` and the files whose entries claim its ``fixed``
         ones (with what those import); every leaf with ``every``."""
         if every:
             return set(self.leaves)
         if unit.kind == "op":
             spec = self.registry.get(unit.name)
-            own = self.root / "opzoo" / f"{spec.family}.py"
+            own = entries_file(spec.family, self.root)
             if own in set(self.leaves):
                 return self._closure([own])
             overloads = [o for o in self.registry.rule_overloads()  # a rule's example: rule.<short name>.<k>

@@ -7,14 +7,14 @@ included (the target is under 60 s on a 2-core machine).
 
 With ``--sweep`` it times ``python -m verify all`` as the README runs it, in a clone of this
 checkout's last commit: cold (an empty verdict cache), warm (every verdict cached), after touching
-one operator family's file (``--touch opzoo/reduction.py``: only that family's units may run again),
+one operator family's file (``--touch opzoo/reduction/entries.py``: only that family's units may run again),
 and ``--resume`` of the finished run; then where a run's time goes, per phase, against ``--before
 DIR`` (the reports of an earlier run, e.g. of ``--full``) when given. With ``--shards N`` it runs the
 default sample as N shards one after another, each as a CI machine would (its own clone, cache and
 reports), prints each shard's wall time against its share of the recorded unit times, and merges them.
 
     python bench/perf/verify_throughput.py [--ops linear bmm softmax] [--fresh 4] [--zoo]
-    python bench/perf/verify_throughput.py --sweep [--touch opzoo/reduction.py] [--before reports_full/]
+    python bench/perf/verify_throughput.py --sweep [--touch opzoo/reduction/entries.py] [--before reports_full/]
     python bench/perf/verify_throughput.py --shards 2
 """
 from __future__ import annotations
@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--fresh", type=int, default=4, help="cases to run with a fresh process group each")
     ap.add_argument("--zoo", action="store_true", help="also time the whole zoo at world sizes 2 and 4")
     ap.add_argument("--sweep", action="store_true", help="time verify all: cold, warm, touched, resumed; per phase")
-    ap.add_argument("--touch", default="opzoo/reduction.py", help="the operator family file --sweep touches")
+    ap.add_argument("--touch", default="opzoo/reduction/entries.py", help="the operator family file --sweep touches")
     ap.add_argument("--before", default=None, metavar="DIR", help="--sweep: reports of an earlier run to compare with")
     ap.add_argument("--shards", type=int, default=0, metavar="N", help="run the default sample as N shards, timed")
     args = ap.parse_args()

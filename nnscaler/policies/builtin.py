@@ -82,7 +82,7 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
         params = set(parameter_identifiers(op))
         allowed = params | set(sharded_identifiers(op, axis, layouts))
         # the sequence splits no weight matrix's work; an identifier that also splits a parameter
-        # (experts, which opzoo.experts ties to the tokens) is model parallelism, not the batch; nor
+        # (experts, which opzoo.moe.experts ties to the tokens) is model parallelism, not the batch; nor
         # is a batch dim its inputs hold split in blocks (heads merged into the batch, ``(b h)``)
         never = {batch[op.name], seq.get(op.name)} - params - set(held_blocks(op, layouts))
         return [None, *(i for i in splittable(op.bound) if i in allowed and i not in never)]

@@ -74,7 +74,7 @@ def draws_random(sample: Sample, device) -> str:
     under different seeds differ) and it has no partition-aware kernel: a plain op draws other
     numbers on a shard than on the whole input, so no split can be compared with one device (it is
     reported as not verifiable, never a match). A kernel that draws the whole tensor's numbers and
-    keeps its slice (``opzoo._parallel_kernels.dropout``) is verified like any other: both runs draw
+    keeps its slice (``opzoo.kernels.dropout``) is verified like any other: both runs draw
     from one generator state (:func:`verify.cases.draws.same_draws`)."""
     spec = sample.spec
     if spec.local is not None:

@@ -8,7 +8,7 @@ Mixtral's experts run through ``config._experts_implementation``, which transfor
 projection) or ``"batched_mm"`` (each token-expert pair gathers its expert's weights and runs a
 ``bmm``); ``"eager"`` loops over the experts hit, which ``torch.export`` cannot trace (a
 data-dependent loop). Both traceable variants are registered: ``mixtral`` and ``mixtral_batched``.
-``mixtral_ep`` runs its experts as :mod:`opzoo.experts`' one annotated operator (``"nnscaler_ep"``),
+``mixtral_ep`` runs its experts as :mod:`opzoo.moe.experts`' one annotated operator (``"nnscaler_ep"``),
 4 experts, which the planners split by expert with an all-to-all token dispatch (expert parallelism).
 """
 from __future__ import annotations
@@ -40,10 +40,10 @@ def _mixtral(seed: int, experts: str, num_experts: int = 3, width: int = WIDTH) 
     import transformers.integrations.moe  # noqa: F401  (defines transformers::grouped_mm_fallback)
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from opzoo.rules.moe import register_transformers_grouped_mm
+    from opzoo.moe.rules import register_transformers_grouped_mm
     register_transformers_grouped_mm()
     if experts == "nnscaler_ep":
-        from opzoo.experts import register_transformers
+        from opzoo.moe.experts import register_transformers
         register_transformers()
     return _decoder(MixtralConfig, MixtralForCausalLM, 97, seed, width, num_local_experts=num_experts,
                     num_experts_per_tok=2, experts_implementation=experts, router_jitter_noise=0.0)
@@ -63,7 +63,7 @@ def mixtral_batched(seed: int, width: int = WIDTH) -> ModelCase:
 
 @register_model("mixtral_ep", widenable=True)
 def mixtral_ep(seed: int, width: int = WIDTH) -> ModelCase:
-    """Mixtral with 4 experts as one expert-parallel operator (``opzoo.experts``)."""
+    """Mixtral with 4 experts as one expert-parallel operator (``opzoo.moe.experts``)."""
     return _mixtral(seed, "nnscaler_ep", num_experts=4, width=width)
 
 

@@ -21,7 +21,7 @@ from ._base import MUTANTS, apply, mutant, patch  # noqa: F401
 # -- applying a mutant for one case only (tests on a shared rank gang) --------------------------------
 PATCHED_MODULES = ("nnscaler.runtime.collectives", "nnscaler.runtime.grad_sync", "nnscaler.runtime.microbatch",
                    "nnscaler.runtime.module", "nnscaler.runtime.mesh", "nnscaler.codegen.emit",
-                   "nnscaler.dimops.partition", "opzoo._parallel_kernels", "nnscaler.checkpoint.pipeline",
+                   "nnscaler.dimops.partition", "opzoo.kernels", "nnscaler.checkpoint.pipeline",
                    "nnscaler.checkpoint.layout", "nnscaler.checkpoint.format", "nnscaler.checkpoint.sharded")
 
 

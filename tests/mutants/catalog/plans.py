@@ -34,7 +34,7 @@ def value_split_treated_as_spatial():
 
 @mutant
 def loss_mean_over_local_count():
-    import opzoo._parallel_kernels as K
+    import opzoo.kernels as K
     C = _C()
 
     def reduce_rows(shard, loss, valid, reduction, row):
@@ -48,7 +48,7 @@ def loss_mean_over_local_count():
 
 @mutant
 def vocab_parallel_lookup_off_by_one():
-    import opzoo._parallel_kernels as K
+    import opzoo.kernels as K
     orig = K.lookup
 
     def lookup(shard, cls, target, n):
@@ -71,6 +71,6 @@ def sum_reduction_forgets_partial():
 def rules_lose_frozen_dims():
     """Wrong annotations: the layer rules (layer_norm, rms_norm, attention) leave the dims they must
     keep whole (``h^``, the key length, the head dim) splittable."""
-    import opzoo.rules.nn as nn
+    import opzoo.nn.rules as nn
     mark = nn.mark
     patch(nn, "mark", lambda dim, marker: dim if marker == "^" else mark(dim, marker))

@@ -1,0 +1,4 @@
+"""Selections along a dim (max/min, argmax), triangles, scatters, repeats, ``*_as`` views: ``rules.py``
+(annotation rules derived per call), ``examples.py`` (the rules' verified example calls).
+
+Importing this package registers nothing; ``import opzoo`` loads its modules in the catalogue's order."""

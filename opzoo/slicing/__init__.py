@@ -1,0 +1,4 @@
+"""Ops that cut, pick or join along a dim: split, slice, pad, select, cat: ``rules.py`` (annotation rules
+derived per call), ``examples.py`` (the rules' verified example calls).
+
+Importing this package registers nothing; ``import opzoo`` loads its modules in the catalogue's order."""
