@@ -220,14 +220,14 @@ class ZeroShards:
         for b in self.buckets:
             if (self.stage >= 3 and b.scatter) or b.n == 1:
                 continue
-            dist.all_gather_into_tensor(b.flat, b.shard.detach().clone(), group=b.group)
+            dist.all_gather_single(b.flat, b.shard.detach().clone(), group=b.group)
 
     def gather(self, b: ZeroBucket, slice_: torch.Tensor) -> torch.Tensor:
         """The whole bucket-shaped tensor from every rank's ``slice_`` of it."""
         if b.n == 1:
             return slice_.clone()
         out = torch.empty(b.chunk * b.n, dtype=slice_.dtype, device=slice_.device)
-        dist.all_gather_into_tensor(out, slice_.contiguous(), group=b.group)
+        dist.all_gather_single(out, slice_.contiguous(), group=b.group)
         return out
 
     # -- zero 3: whole buckets on demand --------------------------------------------------------------------
