@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost.profiles import ProfileError, get_profile
+from .profiles import ProfileError, get_profile
 from .runtime.precision import GRAD_REDUCE_DTYPES, PRECISIONS, bf16_supported, device_type
 from .runtime.schedules import SCHEDULES, canonical_schedule, stages_per_rank
 
@@ -63,7 +63,7 @@ class ComputeConfig:
     # ZeRO over the plan's data-parallel ranks (its ``dp`` mesh axis and replicas, nnscaler.runtime.zero):
     # 0 off, 1 optimizer state sharded, 2 gradients too (reduce-scattered), 3 parameters too (gathered per block)
     zero: int = 0
-    # cluster planning (nnscaler.policies.cluster.plan_cluster): ``constraints`` fixes any subset of tp, pp, dp,
+    # cluster planning (nnscaler.cluster.plan_cluster): ``constraints`` fixes any subset of tp, pp, dp,
     # micro_batch_size, num_microbatches, virtual_stages, recompute, zero, sequence_parallel (all of them:
     # evaluate exactly that configuration); ``global_batch``: sequences per optimizer step (default: the
     # sample's batch on every rank)
@@ -111,7 +111,7 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
 def check_constraints(constraints: dict | None) -> None:
-    """``ComputeConfig.constraints`` (``nnscaler.policies.cluster``): known keys with values of the right
+    """``ComputeConfig.constraints`` (``nnscaler.cluster``): known keys with values of the right
     type. Raises :class:`PlanError`."""
     if constraints is None:
         return

@@ -15,7 +15,7 @@ from nnscaler.policies.autodist import MIP_GAP, axis_options, solve
 from nnscaler.policies.autodist_program import build_program, op_classes
 from nnscaler.policies.builtin import batch_identifiers
 from nnscaler.policies.greedy import fused_blocks
-from nnscaler.cost.profiles import get_profile
+from nnscaler.profiles import get_profile
 from nnscaler.trace.build import trace
 from verify.models.registry import MODELS
 from verify.models.nanogpt import GPT, GPTConfig

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nnscaler import ComputeConfig, PlanError
-from nnscaler.cost.cluster import Parallel, bubble_fraction, estimate, in_flight, layer_split
-from nnscaler.cost.profiles import get_profile
-from nnscaler.policies.cluster import plan_cluster, search, trace_shape
+from nnscaler.cluster.cost import Parallel, bubble_fraction, estimate, in_flight, layer_split
+from nnscaler.profiles import get_profile
+from nnscaler.cluster.search import plan_cluster, search, trace_shape
 
 from tests.fixtures.llama_meta import meta_llama
 
@@ -135,7 +135,7 @@ def test_layer_split_finds_the_slowest_stage_the_full_scan_finds():
 
 
 def test_a_search_memo_changes_no_estimate(shape):
-    from nnscaler.policies.cluster import candidates
+    from nnscaler.cluster.search import candidates
     memo: dict = {}
     for par in list(candidates(shape, 16, 32, {}, 8))[::7]:
         a = estimate(shape, par, H100, "bf16-mixed", 32, None, 4, memo)
@@ -232,7 +232,7 @@ def test_saved_activations_per_block_are_what_autograd_saves():
     pytest.importorskip("transformers")
     import opzoo  # noqa: F401
     from transformers import LlamaConfig, LlamaForCausalLM
-    from nnscaler.cost.cluster import section_saved
+    from nnscaler.cluster.cost import section_saved
     from verify.cases.memory import SavedActivations
     from verify.models.common import LossOf
     torch.manual_seed(0)

@@ -10,11 +10,11 @@ import torch
 
 from nnscaler import ComputeConfig
 from nnscaler.compile.plan import trace_model
-from nnscaler.cost.blocks import model_shape
-from nnscaler.cost.cluster import Parallel, estimate
-from nnscaler.cost.profiles import get_profile
-from nnscaler.policies.cluster import search
-from nnscaler.policies.cluster_trace import TRACED_BLOCKS, block_stack, fewer_blocks, trace_shape
+from nnscaler.cluster.blocks import model_shape
+from nnscaler.cluster.cost import Parallel, estimate
+from nnscaler.profiles import get_profile
+from nnscaler.cluster.search import search
+from nnscaler.cluster.trace import TRACED_BLOCKS, block_stack, fewer_blocks, trace_shape
 
 from tests.fixtures.llama_meta import meta_llama
 

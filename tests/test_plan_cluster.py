@@ -1,4 +1,4 @@
-"""Cluster plans as files and as programs: ``plan.save`` / ``cluster_plan.load``, the one lowering to what the
+"""Cluster plans as files and as programs: ``plan.save`` / ``nnscaler.cluster.plan.load``, the one lowering to what the
 compiler runs (checked against the splits the cost model costed), the reduction ``verify plan`` makes, bad
 plan files refused in one line, and on real ranks a reduced plan that trains like one device while a
 known-wrong runtime under the same plan is caught."""
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nnscaler.cost.cluster import Parallel
-from nnscaler.policies.cluster_plan import check_lowering, load, lower
+from nnscaler.cluster.cost import Parallel
+from nnscaler.cluster.plan import check_lowering, load, lower
 from verify.cli import main
 
 from tests.fixtures.llama_meta import saved_plan

@@ -136,7 +136,7 @@ def plan_units(plans: Sequence[str | Path], world_sizes: Sequence[int], seeds: S
     """One unit per saved plan file, at the world size ``verify plan`` reduces it to (2 per parallel axis),
     under the first seed; a plan whose reduced world size is not among ``world_sizes`` is left out (the
     gang has no group for it). ``name``: the file relative to the checkout where it lies inside it."""
-    from nnscaler.policies.cluster_plan import load  # noqa: PLC0415 (only a sweep with plans reads them)
+    from nnscaler.cluster.plan import load  # noqa: PLC0415 (only a sweep with plans reads them)
     from verify.plan.reduced import reduce_parallel  # noqa: PLC0415
     out = []
     for p in map(Path, plans):

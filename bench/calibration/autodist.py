@@ -1,6 +1,6 @@
 """Cluster plans (default) and the per-operator ``autodist`` search (``--operators``).
 
-Cluster (``nnscaler.policies.cluster``, H100 profile, bf16-mixed): Llama-3 8B on 8 and 64 GPUs and 70B on
+Cluster (``nnscaler.cluster.search``, H100 profile, bf16-mixed): Llama-3 8B on 8 and 64 GPUs and 70B on
 64, 256 and 1024 GPUs at seq 4096 and 8k tokens per GPU per step, planning time including the meta trace,
 the chosen configuration and estimated MFU (goal >= 0.40, planning < 60 s each); then for every row of
 ``bench/published_runs.csv`` the unconstrained search against the published configuration on the same cost
@@ -53,7 +53,7 @@ def _save(plan, model: str, seq: int, path: Path) -> None:
 
 def cluster_table(save: str | None = None) -> None:
     from bench.calibration.llama_models import llama_shape
-    from nnscaler.policies.cluster import search
+    from nnscaler.cluster.search import search
     print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s; "
           "the first plan of each model includes its meta trace, the others reuse it)")
     print(f"{'model':<11} {'GPUs':>5} {'plan s':>7} {'MFU':>6} {'step':>8} {'peak/rank':>10}  configuration")
@@ -76,7 +76,7 @@ def cluster_table(save: str | None = None) -> None:
 
 def published_table(save: str | None = None) -> None:
     from bench.calibration.calibrate import config, load_rows, partly_published, shapes_for
-    from nnscaler.policies.cluster import search
+    from nnscaler.cluster.search import search
     rows = load_rows()
     shapes = shapes_for(rows)
     print("\nunconstrained search vs published configuration (same cost model and memory; goal ratio <= 1.00)")

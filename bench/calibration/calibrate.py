@@ -1,7 +1,7 @@
 """The cluster cost model against measured kernels and published measured runs: first the H100 kernel
 table (``bench/results/h100_kernels.csv``: the GEMM curve and flash attention, fitted by
 ``bench/calibration/kernel_fit.py``), then estimated vs published step time per row of ``bench/published_runs.csv``.
-With ``--fit``, the grid search that fitted the other constants in ``nnscaler/cost/profiles.py``
+With ``--fit``, the grid search that fitted the other constants in ``nnscaler/profiles.py``
 (``CALIBRATED``): the H100 kernel constants (matmul_max, matmul_half, attention) held at their fit to the
 measured kernels, the A100's matmul_max and attention (no kernels measured there), fusion and dp_overlap
 jointly on every row (minimising the worst, then the median, absolute log error), then fusion_fused on the
@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.calibration import cpu_gloo, kernel_fit  # noqa: E402
 from bench.calibration.llama_models import llama_shape  # noqa: E402
 from nnscaler import ComputeConfig  # noqa: E402
-from nnscaler.cost.cluster import BACKWARD  # noqa: E402
-from nnscaler.cost.profiles import CALIBRATED, PROFILES  # noqa: E402
-from nnscaler.policies.cluster import search  # noqa: E402
+from nnscaler.cluster.cost import BACKWARD  # noqa: E402
+from nnscaler.profiles import CALIBRATED, PROFILES  # noqa: E402
+from nnscaler.cluster.search import search  # noqa: E402
 
 CSV = Path(__file__).resolve().parents[1] / "published_runs.csv"
 INT_KEYS = ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "zero")

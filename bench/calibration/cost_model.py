@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, args) -> list:
     import opzoo  # noqa: F401
     from nnscaler import ComputeConfig, parallelize
     from nnscaler.cost.estimate import analyze
-    from nnscaler.cost.profiles import get_profile
+    from nnscaler.profiles import get_profile
     from nnscaler.policies import POLICIES, autodist
     from verify.models.nanogpt import GPT, GPTConfig
 

@@ -1,9 +1,9 @@
-"""The cluster cost model on this machine: estimated (:func:`nnscaler.cost.cluster.estimate`, profile
+"""The cluster cost model on this machine: estimated (:func:`nnscaler.cluster.cost.estimate`, profile
 ``cpu-gloo``) vs measured step time of one small Llama (``transformers``, 4 layers, width 128, 4 heads,
 sequences of 64 tokens, a global batch of 8) under 14 outer configurations (dp, ZeRO 1 and 3, recompute,
 tp with and without sequence parallelism, hybrid tp x dp, 1F1B and interleaved pipelines, pp x dp,
 pp x tp) at world sizes 2 and 4, each lowered as ``verify plan`` lowers a saved plan
-(:func:`nnscaler.policies.cluster_plan.lower`) and trained on real gloo ranks here (forward, backward,
+(:func:`nnscaler.cluster.plan.lower`) and trained on real gloo ranks here (forward, backward,
 AdamW step). The plans of one world size train in the same processes, their steps interleaved round by
 round so machine noise hits each alike; each plan's time in one set of processes is its fastest step.
 The whole measurement is repeated (``repeats``, fresh processes each time, the world sizes taking turns)
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nnscaler.cost.cluster import Parallel
+from nnscaler.cluster.cost import Parallel
 
 GLOBAL_BATCH, SEQ, VOCAB = 8, 64, 1024
 ARCH = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
@@ -80,7 +80,7 @@ def _model(device: str | None = None):
 
 def shape():
     """The model read as repeated blocks by the cluster planner (traced on meta, one sequence)."""
-    from nnscaler.policies.cluster import trace_shape
+    from nnscaler.cluster.search import trace_shape
     ids = torch.zeros(1, SEQ, dtype=torch.long)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, port: int, steps: int, out_path: str) -> None:
                             timeout=datetime.timedelta(seconds=600))
     import opzoo  # noqa: F401  (registers the operator annotations)
     from nnscaler import parallelize
-    from nnscaler.policies.cluster_plan import lower
+    from nnscaler.cluster.plan import lower
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
     batch = (ids, ids.clone())
@@ -149,8 +149,8 @@ def measure(steps: int = 6, repeats: int = 3) -> list[tuple[Parallel, float, flo
 
 def table(steps: int = 6, profile=None, repeats: int = 3) -> float:
     """Print estimated vs measured per plan and the Spearman rank correlation; return it."""
-    from nnscaler.cost.cluster import estimate
-    from nnscaler.cost.profiles import get_profile
+    from nnscaler.cluster.cost import estimate
+    from nnscaler.profiles import get_profile
     prof = profile or get_profile("cpu-gloo")
     sh = shape()
     load0 = os.getloadavg()

@@ -1,6 +1,6 @@
 """The cluster cost model's kernel constants fitted to kernels measured on the device
 (``bench/results/h100_kernels.csv``, written by ``bench/calibration/gpu_kernels.py``): the GEMM curve
-(``matmul_max``, ``matmul_half`` of :class:`nnscaler.cost.profiles.ClusterConstants`) by least squares on
+(``matmul_max``, ``matmul_half`` of :class:`nnscaler.profiles.ClusterConstants`) by least squares on
 log efficiency over every measured GEMM, and ``attention`` from causal flash attention forward + backward.
 
 Attention: the cost model charges a causal attention forward ``F / 2 / (peak * attention)`` (``F`` its
@@ -26,7 +26,7 @@ from scipy.optimize import least_squares
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nnscaler.cost.compute import BACKWARD  # noqa: E402
-from nnscaler.cost.profiles import ClusterConstants  # noqa: E402
+from nnscaler.profiles import ClusterConstants  # noqa: E402
 
 KERNELS = Path(__file__).resolve().parents[1] / "results" / "h100_kernels.csv"
 FLASH_FWD_BWD = 3.5  # gpu_kernels.py's FLOPs of flash attention forward + backward, in forwards
@@ -86,6 +86,6 @@ def table(before: ClusterConstants, after: ClusterConstants, rows) -> str:
 
 
 if __name__ == "__main__":
-    from nnscaler.cost.profiles import CALIBRATED
+    from nnscaler.profiles import CALIBRATED
     rows = load()
     print(table(CALIBRATED["h100"], fit(CALIBRATED["h100"], rows), rows))

@@ -31,16 +31,16 @@ def llama_model(name: str, seq: int):
 
 
 def llama_architecture(name: str, seq: int) -> dict:
-    """What a saved cluster plan of model ``name`` records to rebuild it (``cluster_plan.architecture_of``)."""
-    from nnscaler.policies.cluster_plan import architecture_of
+    """What a saved cluster plan of model ``name`` records to rebuild it (``nnscaler.cluster.plan.architecture_of``)."""
+    from nnscaler.cluster.plan import architecture_of
     return architecture_of(llama_model(name, seq)[0])
 
 
 def llama_shape(name: str, seq: int):
-    """The :class:`~nnscaler.cost.blocks.ModelShape` of model ``name`` traced once on meta at ``seq``."""
+    """The :class:`~nnscaler.cluster.blocks.ModelShape` of model ``name`` traced once on meta at ``seq``."""
     import opzoo  # noqa: F401  (registers the operator annotations)
 
-    from nnscaler.policies.cluster import trace_shape
+    from nnscaler.cluster.search import trace_shape
     model, ids = llama_model(name, seq)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -151,7 +151,7 @@ def _rank(rank: int, world: int, args) -> dict:
                     stage_mod = next(iter(pm.stages.values()))
                     ins = mb if rank == 0 else tuple(
                         torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.dtype.is_floating_point)
-                        for t in pm._graphs[rank].inputs)
+                        for t in pm.graphs[rank].inputs)
                     res["unit"][m] = _one_micro_batch(stage_mod, ins, list(pm.parameters()))
         # throughput: pp=2 (1F1B, m=8) against dp=2, same model and batch, alternating rounds
         pc = ComputeConfig(world, pp_size=world, num_microbatches=8)

@@ -3,8 +3,8 @@ the meta device, H100 profile, bf16-mixed, seq 4096 (405B: 8192), 8k tokens per 
 
 * before: the whole model traced (every block through ``torch.export``) and every candidate costed from
   its sections (``estimate`` with no memo);
-* after: :func:`nnscaler.policies.cluster_trace.trace_shape` (two blocks traced, extended to the real
-  count) and :func:`nnscaler.policies.cluster.search` (each (tp, sp, micro-batch size, recompute) costs
+* after: :func:`nnscaler.cluster.trace.trace_shape` (two blocks traced, extended to the real
+  count) and :func:`nnscaler.cluster.search.search` (each (tp, sp, micro-batch size, recompute) costs
   its sections once, the stage split found by bisection per form).
 
 Both must choose the same configuration with the same estimate (checked). The "before" search already
@@ -26,16 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def _whole_shape(model, ids):
     from nnscaler.compile.plan import trace_model
-    from nnscaler.cost.blocks import model_shape
+    from nnscaler.cluster.blocks import model_shape
     graph = trace_model(model, (ids, ids), None, registry=None, strict=False)
     return model_shape(graph, int(ids.shape[0]), int(ids.shape[1]))
 
 
 def _plain_search(shape, cfg):
     """The search loop as it was: every candidate costed from scratch."""
-    from nnscaler.cost.cluster import estimate
-    from nnscaler.cost.profiles import get_profile
-    from nnscaler.policies.cluster import candidates
+    from nnscaler.cluster.cost import estimate
+    from nnscaler.profiles import get_profile
+    from nnscaler.cluster.search import candidates
     prof = get_profile(cfg.profile)
     best = None
     for par in candidates(shape, cfg.plan_ngpus, cfg.global_batch, {}, prof.ranks_per_node):
@@ -49,8 +49,8 @@ def row(name: str, seq: int, worlds) -> None:
     import opzoo  # noqa: F401
     from bench.calibration.llama_models import llama_model
     from nnscaler import ComputeConfig
-    from nnscaler.policies.cluster import search
-    from nnscaler.policies.cluster_trace import trace_shape
+    from nnscaler.cluster.search import search
+    from nnscaler.cluster.trace import trace_shape
     model, ids = llama_model(name, seq)
     t0 = time.perf_counter()  # the short trace first: it pays the process's first-export warm-up
     short = trace_shape(model, (ids, ids))

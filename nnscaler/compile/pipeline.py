@@ -14,11 +14,13 @@ import torch
 from .precision import apply_precision
 from ..codegen.emit import emit_program
 from ..config import ComputeConfig, PlanError, n_stages, per_rank
+from ..ir.graph import IRGraph, IRTensor
+from ..ops.rules import TensorMeta
 from ..policies.cut import balanced_cuts, check_model, split_at_modules, stage_graphs
 from ..policies.pipeline import pipeline_config, stage_config
 from ..runtime.mesh import GroupCache, RankMesh
 from ..runtime.microbatch import split_batch
-from ..runtime.pipeline import PipelineModule
+from ..runtime.pipeline import PipelineModule, StageMeta
 from ..runtime.schedules import canonical_schedule
 from ..trace.build import Tracer
 from .artifacts import build_rank_module
@@ -26,6 +28,16 @@ from .gate import Verifier, check_mode, verify_on_ranks
 from .groups import ensure_process_group, module_group
 from .plan import attach_stats, choose_plan, trace_model
 from .zero import check_pipeline_zero, stage_zero_specs
+
+
+def stage_meta(graph: IRGraph) -> StageMeta:
+    """What the runtime needs of stage ``graph``: its inputs' and outputs' shapes and dtypes, and the
+    shapes of the parameters and buffers it holds."""
+    def meta(t):
+        return TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, IRTensor) else None
+    return StageMeta(tuple(meta(t) for t in graph.inputs), tuple(meta(t) for t in graph.outputs),
+                     {t.target: tuple(t.shape) for t in graph.params}, {t.target: tuple(t.shape) for t in graph.buffers})
+
 
 def pipeline_groups(pp: int, k: int, mesh_shapes, cache: GroupCache, create: bool, replicas: int = 1) -> None:
     """Create (collectively, same order everywhere) each stage's mesh groups (``mesh_shapes[s]``: stage
@@ -105,7 +117,9 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
               f"{canonical_schedule(config.schedule)}, {m} micro-batches"
               + (f", {replicas} replicas" if replicas > 1 else "")
               + f"; stages begin at operators {[0] + cuts} of {len(graph.ops)}", flush=True)
-    pm = PipelineModule(modules, graphs, config, m, pp_group, prank, local, k, replica_group, replicas)
+    pm = PipelineModule(modules, [stage_meta(g) for g in graphs], config, m, pp_group, prank, local, k, replica_group,
+                        replicas)
     pm.process_group = module_group(cache, runtime, world)
     pm.plans, pm.graph = plans, graph
+    pm.graphs = graphs  # every stage's graph, in stage order (this rank runs pm.stages)
     return pm

@@ -14,7 +14,7 @@ import torch
 
 from ..config import ComputeConfig, PlanError
 from ..cost.estimate import analyze
-from ..cost.profiles import get_profile
+from ..profiles import get_profile
 from ..cost.summary import human, param_fraction
 from ..dimops.partition import Partition
 from ..ir.graph import IRGraph

@@ -4,6 +4,6 @@ activations). ``nnscaler.cost.estimate.analyze`` costs a whole plan."""
 from .comm import collective_time, spans_nodes
 from .compute import op_flops, op_time
 from .steps import Collective, step_collectives
-from .profiles import PROFILES, DeviceProfile, ProfileError, get_profile
+from ..profiles import PROFILES, DeviceProfile, ProfileError, get_profile
 
 __all__ = ["collective_time", "spans_nodes", "op_flops", "op_time", "Collective", "step_collectives", "PROFILES", "DeviceProfile", "ProfileError", "get_profile"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .profiles import DeviceProfile
+from ..profiles import DeviceProfile
 
 # kind -> (ring steps as a multiple of (f - 1), bytes sent per rank as a multiple of (f - 1) / f * nbytes)
 _RING = {"all_reduce": (2, 2.0), "all_gather": (1, 1.0), "reduce_scatter": (1, 1.0), "all_to_all": (1, 1.0)}

@@ -12,7 +12,7 @@ import math
 
 from ..dimops.partition import Partition, local_sizes
 from ..ir.graph import IROp, IRTensor
-from .profiles import DeviceProfile
+from ..profiles import DeviceProfile
 
 BACKWARD = 2.0  # backward FLOPs as a multiple of forward (two matmuls per matmul)
 _SDPA = "aten.scaled_dot_product_attention.default"

@@ -12,7 +12,7 @@ from ..ir.graph import ACTIVATION, PARAM, IRGraph, IRTensor
 from ..runtime.grad_sync import BUCKET_BYTES
 from .comm import collective_time, spans_nodes
 from .compute import op_time, optimizer_time
-from .profiles import DeviceProfile
+from ..profiles import DeviceProfile
 from .saved import saved_bytes
 from . import summary as printing
 from .steps import (OPTIMIZER_STATES, Collective, carries_grad, coupled_collectives, local_nbytes, nbytes,

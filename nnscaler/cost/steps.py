@@ -8,7 +8,7 @@ from ..dimops.layout import Layout, Shard
 from ..ir.graph import ACTIVATION, PARAM, IRTensor
 from ..runtime.grad_sync import BUCKET_BYTES
 from .comm import runtime_time, spans_nodes
-from .profiles import DeviceProfile
+from ..profiles import DeviceProfile
 
 OPTIMIZER_STATES = 2  # AdamW keeps exp_avg and exp_avg_sq, each the size of the parameter
 # a step's forward collective, and the one its backward issues (for tensors that carry gradients)

@@ -20,7 +20,7 @@ import highspy
 import numpy as np
 
 from ..cost.compute import op_flops
-from ..cost.profiles import get_profile
+from ..profiles import get_profile
 from ..dimops.partition import splittable
 from ..ir.graph import IRGraph, IROp
 from .autodist_program import Program, Shared, build_program, op_classes

@@ -20,7 +20,7 @@ from ..cost.comm import collective_time
 from ..cost.compute import op_time, optimizer_time
 from ..cost.saved import saved_by_op
 from ..cost.steps import OPTIMIZER_STATES, step_collectives
-from ..cost.profiles import DeviceProfile
+from ..profiles import DeviceProfile
 from ..dimops.layout import Layout, Partial, Replicate, Shard
 from ..dimops.partition import Partition
 from ..runtime.grad_sync import BUCKET_BYTES

@@ -22,7 +22,7 @@ import torch
 
 from ..config import PlanError, n_stages
 from ..cost.compute import op_time
-from ..cost.profiles import get_profile
+from ..profiles import get_profile
 from ..ir.graph import ACTIVATION, INPUT, PARAM, IRGraph, IROp, IRTensor, remap, tensors_in
 from ..runtime.microbatch import MicroBatchError, check_divisible
 

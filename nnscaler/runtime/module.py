@@ -12,9 +12,8 @@ import torch.distributed as dist
 
 from ..dimops.layout import Shard, take_piece
 from . import clip
-from ..config import PlanError
 from .grad_sync import GradSync
-from .precision import GRAD_REDUCE_DTYPES, autocast_message, autocast_on
+from .precision import GRAD_REDUCE_DTYPES, PrecisionError, autocast_message, autocast_on
 from .mesh import RankMesh
 from .merge import gather_joined
 from .microbatch import accumulate
@@ -186,7 +185,7 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *inputs: Any) -> Any:
         refused = autocast_message(self.precision)
         if refused:
-            raise PlanError(refused)
+            raise PrecisionError(refused)
         if self.precision == "bf16-true":
             inputs = tuple(x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                            for x in inputs)

@@ -22,13 +22,14 @@ embeddings) then gets the sum of its stages' gradients.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from ..ir.graph import IRGraph
+from ..ops.rules import TensorMeta
 from . import clip
 from .mesh import backend_device
 from .microbatch import Accumulation, MicroBatchError, batch_rows, check_divisible, loss_terms
@@ -37,8 +38,20 @@ from .schedules import SCHEDULES, canonical_schedule
 from .shard_grad import real
 
 
-def _example(t) -> torch.Tensor:
-    """A tensor like IR tensor ``t`` for the stage's static metadata (floating ones carry gradients)."""
+@dataclass(frozen=True)
+class StageMeta:
+    """What the runtime knows of one pipeline stage (the compiler reads it off the stage's traced graph):
+    the shape and dtype of each input and output (``None`` for an output that is no tensor), and the
+    shapes of the parameters and buffers it holds, by their names in the model."""
+
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta | None, ...]
+    params: Mapping[str, tuple[int, ...]]
+    buffers: Mapping[str, tuple[int, ...]]
+
+
+def _example(t: TensorMeta) -> torch.Tensor:
+    """A tensor like ``t`` for the stage's static metadata (floating ones carry gradients)."""
     return torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.dtype.is_floating_point)
 
 
@@ -91,34 +104,34 @@ class _GradOutputs(torch.nn.Module):
 class PipelineModule(torch.nn.Module):
     """This rank's pipeline stages; :meth:`train_step` runs one training step over micro-batches."""
 
-    def __init__(self, stages: dict[int, ParallelModule], graphs: list[IRGraph], config, num_microbatches: int,
+    def __init__(self, stages: dict[int, ParallelModule], metas: list[StageMeta], config, num_microbatches: int,
                  pp_group, prank: int, local: int, stage_ranks: int, replica_group=None, replicas: int = 1):
         super().__init__()
         self._replica_group, self._replicas = replica_group, replicas  # data-parallel copies of the pipeline
         self.stages = torch.nn.ModuleDict({str(s): m for s, m in stages.items()})
         self.num_microbatches = num_microbatches
         self.schedule_name = canonical_schedule(config.schedule)
-        self._graphs, self._pp_group, self._prank, self._local, self._k = graphs, pp_group, prank, local, stage_ranks
+        self._metas, self._pp_group, self._prank, self._local, self._k = metas, pp_group, prank, local, stage_ranks
         self._pp = config.pp_size
-        self._dtype = next((t.dtype for t in graphs[-1].outputs if hasattr(t, "dtype")), torch.float32)
-        self._n = len(graphs)
+        self._dtype = next((t.dtype for t in metas[-1].outputs if t is not None), torch.float32)
+        self._n = len(metas)
         self.process_group = None
         held: dict[str, list[int]] = {}
-        for s, g in enumerate(graphs):
-            for t in g.params:
-                held.setdefault(t.target, []).append(s)
+        for s, meta in enumerate(metas):
+            for name in meta.params:
+                held.setdefault(name, []).append(s)
         self.tied = sorted(n for n, ss in held.items() if len(ss) > 1)  # gradients summed across stages
         self._owner = {n: ss[0] for n, ss in held.items()}  # the stage whose copy state_dict reports
-        for s, g in enumerate(graphs):
-            for t in g.buffers:
-                self._owner.setdefault(t.target, s)
-        self._shapes = {t.target: tuple(t.shape) for g in graphs for t in g.params + g.buffers}
+        for s, meta in enumerate(metas):
+            for name in meta.buffers:
+                self._owner.setdefault(name, s)
+        self._shapes = {n: tuple(shape) for meta in metas for n, shape in (*meta.params.items(), *meta.buffers.items())}
         zero_bubble = "ZeroBubble" in self.schedule_name
         self._pipe_stages = [
-            PipelineStage(_GradOutputs(mod, zero_bubble, tuple(getattr(t, "dtype", None) for t in _outs(graphs[s]))),
+            PipelineStage(_GradOutputs(mod, zero_bubble, tuple(getattr(t, "dtype", None) for t in metas[s].outputs)),
                           s, self._n, backend_device(pp_group),
-                          input_args=tuple(_example(t) for t in graphs[s].inputs),
-                          output_args=tuple(_example(t) for t in _outs(graphs[s])), group=pp_group)
+                          input_args=tuple(_example(t) for t in metas[s].inputs),
+                          output_args=tuple(_example(t) for t in metas[s].outputs), group=pp_group)
             for s, mod in sorted(stages.items())]
         self._loss_fn: Callable | None = None
         cls = SCHEDULES[self.schedule_name]
@@ -140,11 +153,6 @@ class PipelineModule(torch.nn.Module):
         if self._acc is not None:
             self._acc.add(total, count)
         return total.clone() if total._base is not None else total  # zero-bubble detaches it in place: no view
-
-    @property
-    def graphs(self) -> list:
-        """Every stage's graph, in stage order (the stages this rank runs are :attr:`stages`)."""
-        return list(self._graphs)
 
     @property
     def _has_first(self) -> bool:
@@ -251,7 +259,7 @@ class PipelineModule(torch.nn.Module):
         """Each micro-batch through the stages in order, activations sent point to point over the
         pipeline group. Our own loop: the library's ``eval()`` runs its schedule's fixed number of
         micro-batches, and re-sizing a stage for another count breaks the training schedule's buffers."""
-        micro = self._graphs[0].inputs[0].shape[0]
+        micro = self._metas[0].inputs[0].shape[0]
         if batch_rows(batch) % micro:
             raise MicroBatchError(f"forward: the batch's {batch_rows(batch)} rows are not a multiple of the compiled "
                                   f"micro-batch ({micro} rows)")
@@ -263,13 +271,13 @@ class PipelineModule(torch.nn.Module):
                 if s not in held:
                     continue
                 if s > 0 and s - 1 not in held:
-                    x = tuple(_example(t).detach() for t in self._graphs[s].inputs)
+                    x = tuple(_example(t).detach() for t in self._metas[s].inputs)
                     for t in x:
                         dist.recv(t, src=peer(s - 1), group=self._pp_group)
                 out = held[s](*x)
                 x = out if isinstance(out, tuple) else (out,)
                 x = tuple(t.to(o.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and hasattr(o, "dtype")
-                          else t for t, o in zip(x, _outs(self._graphs[s])))  # bf16-mixed: in the traced dtype
+                          else t for t, o in zip(x, self._metas[s].outputs))  # bf16-mixed: in the traced dtype
                 if s == self._n - 1:
                     self._micro_loss(x[0], torch.arange(i * micro, (i + 1) * micro))
                 elif s + 1 not in held:
@@ -325,7 +333,3 @@ class PipelineModule(torch.nn.Module):
         for mod in self.stages.values():
             mod.load_state_dict({n: v for n, v in state_dict.items() if n in set(mod._names.values())}, strict=False)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-
-def _outs(g: IRGraph) -> list:
-    return [o for o in g.outputs]

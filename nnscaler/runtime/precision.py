@@ -13,14 +13,19 @@
   converts the model to bf16 in place (as Lightning does) before tracing; its reference is
   ``model.to(torch.bfloat16)`` on one device.
 
-An ``autocast`` put by hand around a module compiled as ``32-true`` is refused (:func:`autocast_message`):
-the traced program does not see it, and would run autocast's fp32 operators in bf16."""
+An ``autocast`` put by hand around a module compiled as ``32-true`` is refused (:func:`autocast_message`,
+:class:`PrecisionError`): the traced program does not see it, and would run autocast's fp32 operators in bf16."""
 from __future__ import annotations
 
 import torch
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 GRAD_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class PrecisionError(ValueError):
+    """A call the compiled module refuses for its precision: a hand-made ``torch.autocast`` around a
+    module compiled without ``bf16-mixed`` (:func:`autocast_message` says why)."""
 
 
 def device_type() -> str:

@@ -2,7 +2,7 @@
 
 The plan (``plan_cluster(...).save(PATH)``) is reduced (:mod:`verify.plan.reduced`: the same axes in the
 same order, schedule, virtual stages, recipes, precision, and the same architecture, at degrees of 2
-and a small width), lowered to what the compiler runs (:func:`nnscaler.policies.cluster_plan.lower`,
+and a small width), lowered to what the compiler runs (:func:`nnscaler.cluster.plan.lower`,
 the one lowering the cost model assumed), checked to give every block's linears Megatron's
 column/row split as the cost model costed them, then trained for a few AdamW steps on real ranks and
 compared with one device like any whole-model case (loss, every gradient and update, checkpoint).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nnscaler.config import ComputeConfig, PlanError
-from nnscaler.policies.cluster_plan import SavedPlan, check_lowering, load
+from nnscaler.cluster.plan import SavedPlan, check_lowering, load
 
 from verify.cases.config import BadInput, Row, RunConfig
 from verify.judge.verdict import MISMATCH

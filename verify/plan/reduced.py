@@ -1,4 +1,4 @@
-"""A saved cluster plan (:mod:`nnscaler.policies.cluster_plan`) at a size this machine runs.
+"""A saved cluster plan (:mod:`nnscaler.cluster.plan`) at a size this machine runs.
 
 :func:`reduce` keeps the plan's structure and shrinks its sizes:
 
@@ -13,7 +13,7 @@
   key/value heads = tp, a vocabulary 4x the width, sequences of 8 tokens. At these sizes the compiler's
   per-operator policy still splits every block's linears as the cost model costed them (Megatron's
   column/row pairs, vocabulary-parallel embedding and head): ``verify plan`` checks that before any
-  rank starts (:func:`nnscaler.policies.cluster_plan.check_lowering`); at head dim 4 it would not.
+  rank starts (:func:`nnscaler.cluster.plan.check_lowering`); at head dim 4 it would not.
 
 The reduced plan is written in the same file format (``reduced_from`` names the original), and a
 plan file is a model reference of the harness (:func:`build_case`): ``verify model PLAN.json``
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from nnscaler.config import PlanError
-from nnscaler.cost.cluster import Parallel
-from nnscaler.policies.cluster_plan import FORMAT, SavedPlan, load, lowered_dict
+from nnscaler.cluster.cost import Parallel
+from nnscaler.cluster.plan import FORMAT, SavedPlan, load, lowered_dict
 
 from verify.models.common import LossOf, causal_lm
 from verify.models.registry import ModelCase, tokens

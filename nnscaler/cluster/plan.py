@@ -1,13 +1,13 @@
 """A cluster plan as the compiler runs it and as a file.
 
-:func:`lower` is the one place an outer configuration (:class:`~nnscaler.cost.cluster.Parallel`) becomes
+:func:`lower` is the one place an outer configuration (:class:`~nnscaler.cluster.cost.Parallel`) becomes
 what the compiler runs: a policy name and a :class:`~nnscaler.config.ComputeConfig` (``tp`` inside a
 stage by Megatron-LM's rule, ``hybrid`` = dp x tp, ``dp``; pipeline stages, schedule, micro-batches,
 ZeRO, recompute, sequence parallelism, precision). The cost model's block facts assume exactly that
 per-operator plan, so the per-operator :class:`~nnscaler.ir.plan.Plan` is derived from the cluster
 plan, never chosen apart from it: ``plan_graph(graph, *lower(parallel, ...))``.
 
-The file (:meth:`ClusterPlan.save <nnscaler.policies.cluster.ClusterPlan.save>`, read back by
+The file (:meth:`ClusterPlan.save <nnscaler.cluster.search.ClusterPlan.save>`, read back by
 :func:`load`) is JSON, no pickle: the summary (``parallel``, estimates), :data:`FORMAT`, the
 ``architecture`` (a ``transformers`` model's class and config, enough to rebuild the model at another
 size) and ``lowered`` (the policy and config fields :func:`lower` gives).
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import CONSTRAINT_KEYS, RECOMPUTE_CHOICES, ComputeConfig, PlanError
-from ..cost.cluster import Parallel
+from .cost import Parallel
 from ..runtime.precision import PRECISIONS
 
 FORMAT = "nnscaler-cluster-plan/1"
@@ -174,7 +174,7 @@ def _weight_split(op, plan, axis: int) -> str:
 def check_lowering(model, sample_args, par: Parallel, precision: str = "32-true", policy=None) -> list[str]:
     """Where the per-operator plan the compiler makes for ``par`` (:func:`lower`, one stage's ranks)
     splits a parameter of a linear or an embedding on the tp axis otherwise than the cost model costed
-    it (:mod:`nnscaler.cost.blocks`: column-parallel weights split along their output dim (``D0``),
+    it (:mod:`nnscaler.cluster.blocks`: column-parallel weights split along their output dim (``D0``),
     row-parallel along their input (``D1``), embeddings by vocabulary (``D0``)); one line per operator,
     none when the compiler runs the plan that was costed. ``sample_args``: one micro-batch of every dp
     rank, a ``(batch, seq)`` tensor of token ids first. ``policy``: check another per-operator policy
@@ -182,8 +182,8 @@ def check_lowering(model, sample_args, par: Parallel, precision: str = "32-true"
     if par.tp == 1:
         return []
     from ..compile.plan import choose_plan, trace_model
-    from ..cost.blocks import model_shape
-    from .pipeline import stage_config
+    from ..policies.pipeline import stage_config
+    from .blocks import model_shape
     lowered, config = lower(par, precision)
     policy = lowered if policy is None else policy
     graph = trace_model(model, sample_args, None, registry=None, strict=False)

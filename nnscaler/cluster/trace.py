@@ -1,11 +1,11 @@
-"""The cluster planner's trace: a model read as repeated blocks (:mod:`nnscaler.cost.blocks`), tracing
+"""The cluster planner's trace: a model read as repeated blocks (:mod:`nnscaler.cluster.blocks`), tracing
 only :data:`TRACED_BLOCKS` of them.
 
 The cost model needs one block, what comes before the blocks and what comes after; tracing all 80
 blocks of a 70B model costs ~30 s of ``torch.export`` here for facts that 2 blocks give. So
 :func:`trace_shape` swaps the model's stack of blocks (its longest ``nn.ModuleList`` of modules of
 one class) for its first :data:`TRACED_BLOCKS` while it traces (restored after, even on error),
-then extends the shape to the real block count (:func:`~nnscaler.cost.blocks.with_layers`). The result
+then extends the shape to the real block count (:func:`~nnscaler.cluster.blocks.with_layers`). The result
 must account for every parameter of the real model; where it does not (blocks sharing parameters, a
 forward that depends on how many blocks there are) or the short trace fails, the whole model is
 traced instead.
@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..config import PlanError
-from ..cost.blocks import ModelShape, model_shape, with_layers
+from .blocks import ModelShape, model_shape, with_layers
 
 TRACED_BLOCKS = 2  # two blocks: model_shape checks that the repeated block repeats
 

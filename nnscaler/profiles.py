@@ -19,7 +19,7 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class ClusterConstants:
-    """What the cluster cost model (:mod:`nnscaler.cost.cluster`) needs beyond the datasheet: peak
+    """What the cluster cost model (:mod:`nnscaler.cluster.cost`) needs beyond the datasheet: peak
     dense throughput and the constants fitted against published runs (``bench/calibration/calibrate.py --fit``).
 
     A GEMM of ``m x k`` by ``k x n`` runs at ``matmul_max * I / (I + matmul_half)`` of ``peak``, where

@@ -1,5 +1,5 @@
 """The cost of one training step on a cluster, for a model read as repeated blocks
-(:mod:`nnscaler.cost.blocks`) under a full outer configuration (:class:`Parallel`): the recipes the
+(:mod:`nnscaler.cluster.blocks`) under a full outer configuration (:class:`Parallel`): the recipes the
 compiler has (precision, ZeRO over dp, recompute none / selective / full, tensor parallelism with or
 without sequence parallelism, pipeline stages under 1F1B or interleaved 1F1B) with closed forms.
 
@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass
 
 from ..runtime.grad_sync import BUCKET_BYTES
 from .blocks import ModelShape, Section
-from .comm import collective_time
-from .compute import BACKWARD, OPTIMIZER_TRAFFIC
-from .profiles import ClusterConstants, DeviceProfile
+from ..cost.comm import collective_time
+from ..cost.compute import BACKWARD, OPTIMIZER_TRAFFIC
+from ..profiles import ClusterConstants, DeviceProfile
 
 # bytes per parameter (params, grads, optimizer state) and per activation element, by precision; bf16-mixed
 # keeps fp32 master weights, gradients and AdamW state and computes in bf16 (nnscaler.runtime.precision)

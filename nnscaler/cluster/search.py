@@ -1,10 +1,10 @@
 """``plan_cluster``: the outer configuration of a real training run, searched jointly on the cluster cost
-model (:mod:`nnscaler.cost.cluster`): tensor parallelism (with or without sequence parallelism),
+model (:mod:`nnscaler.cluster.cost`): tensor parallelism (with or without sequence parallelism),
 pipeline stages (1F1B, or interleaved with virtual stages), micro-batch size and count, data
 parallelism with a ZeRO stage, and recompute.
 
-The model is traced once on the meta device, two of its blocks (:mod:`.cluster_trace`), and read as
-repeated blocks (:mod:`nnscaler.cost.blocks`);
+The model is traced once on the meta device, two of its blocks (:mod:`.trace`), and read as
+repeated blocks (:mod:`nnscaler.cluster.blocks`);
 one block is costed per (tp, sequence parallelism, micro-batch size, recompute) and the rest of the
 space is enumerated analytically, so a 126-layer model plans in about the time of its trace.
 
@@ -33,12 +33,12 @@ from typing import Any, Sequence
 import torch
 
 from ..config import CONSTRAINT_KEYS as KEYS, RECOMPUTE_CHOICES as RECOMPUTES, ComputeConfig, PlanError
-from ..cost.blocks import ModelShape
-from ..cost.cluster import Estimate, Parallel, estimate
-from ..cost.profiles import get_profile
 from ..cost.summary import human, seconds
-from .cluster_plan import FORMAT, architecture_of, lower, lowered_dict
-from .cluster_trace import trace_shape
+from ..profiles import get_profile
+from .blocks import ModelShape
+from .cost import Estimate, Parallel, estimate
+from .plan import FORMAT, architecture_of, lower, lowered_dict
+from .trace import trace_shape
 
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL = 8
@@ -71,7 +71,7 @@ class ClusterPlan:
     feasible: int
     seconds: float
     constraints: dict
-    architecture: dict | None = None  # the transformers model's class and config (cluster_plan.architecture_of)
+    architecture: dict | None = None  # the transformers model's class and config (plan.architecture_of)
 
     @property
     def parallel(self) -> Parallel:
@@ -92,12 +92,12 @@ class ClusterPlan:
         }
 
     def lower(self, **extra) -> tuple[str, ComputeConfig]:
-        """The policy and config the compiler runs for this plan (:func:`~.cluster_plan.lower`)."""
+        """The policy and config the compiler runs for this plan (:func:`~.plan.lower`)."""
         return lower(self.best.parallel, self.precision, **extra)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write :meth:`summary` as JSON (no pickle) with the file format, the model's ``architecture``
-        and what the compiler runs (``lowered``); read back by :func:`.cluster_plan.load`. Returns the path."""
+        and what the compiler runs (``lowered``); read back by :func:`.plan.load`. Returns the path."""
         p = Path(path)
         data = {"format": FORMAT, **self.summary(), "architecture": self.architecture,
                 "lowered": lowered_dict(self.best.parallel, self.precision)}
@@ -249,7 +249,7 @@ def _more_ranks(world: int, need: float, budget: float) -> int:
 
 
 def _profiles():
-    from ..cost.profiles import PROFILES
+    from ..profiles import PROFILES
     return PROFILES
 
 

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..ir.graph import PARAM, IRGraph, IROp, IRTensor
-from .compute import op_flops
+from ..cost.compute import op_flops
 
 # operators that move no data (views, metadata, dtype asserts): no time, nothing saved
 ALIASES = ("view", "_unsafe_view", "reshape", "transpose", "unsqueeze", "squeeze", "expand", "slice", "alias",
