@@ -176,6 +176,10 @@ class DrawRecord:
         kwargs2 = dict(kwargs2)
         if rec is not None and ("dtype" in kwargs2 or rec.dtype_kwarg is not None):
             kwargs2["dtype"] = rec.dtype_kwarg
+        elif rec is not None and _is_factory(func) and rec.out_dtypes and rec.out_dtypes[0] is not None:
+            kwargs2["dtype"] = rec.out_dtypes[0]  # a factory that took the default dtype (float64 in the reference)
+        elif rec is None and kwargs2.get("dtype", torch.get_default_dtype()) == torch.float64 and _is_factory(func):
+            kwargs2["dtype"] = self.low
         elif rec is None and kwargs2.get("dtype") == torch.float64:
             kwargs2["dtype"] = self.low
         if back or kwargs2.get("dtype") != kwargs.get("dtype"):
@@ -196,6 +200,11 @@ class DrawRecord:
                     return t.to(torch.float64)
             return t
         return tree_map(widen, out)
+
+
+def _is_factory(func) -> bool:
+    """Whether ``func`` takes no tensor (its dtype is ``dtype=`` or the default dtype)."""
+    return not any(str(a.type).startswith("Tensor") for a in func._schema.arguments)  # (no public accessor)
 
 
 def _writes(func, x, args, kwargs) -> bool:
