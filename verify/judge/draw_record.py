@@ -25,6 +25,7 @@ generator, a ``torch.Generator`` of the model's own, whose state no run resets) 
 from __future__ import annotations
 
 import contextlib
+import functools
 import traceback
 from dataclasses import dataclass
 
@@ -35,11 +36,13 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 _HARNESS = ("/torch/", "/verify/", "/nnscaler/", "contextlib.py", "/site-packages/", "<frozen")
 
 
+@functools.lru_cache(maxsize=None)
 def draws(func) -> bool:
     """Whether ``func`` is known to draw random numbers (an ATen overload tagged ``nondeterministic_seeded``)."""
     return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
 
 
+@functools.lru_cache(maxsize=None)
 def may_draw(func) -> bool:
     """Whether a call of ``func`` must be watched: a tagged ATen operator, or any operator outside
     ATen and prims (a custom operator may draw inside)."""
