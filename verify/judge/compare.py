@@ -300,7 +300,7 @@ class Float64Fallback(TorchDispatchMode):
         self.low = low if low != torch.float64 else torch.float32
         self.used: set[str] = set()
         self.promoted: set[str] = set()
-        self.draws = DrawRecord(low)  # the run's draws: record them around it with ``draws.recording()``
+        self.draws = DrawRecord()  # the run's draws: record them around it with ``draws.recording()``
         self._default: list[torch.dtype] = []
 
     def __enter__(self):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sysconfig
 import traceback
 from dataclasses import dataclass
 
@@ -33,7 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-_HARNESS = ("/torch/", "/verify/", "/nnscaler/", "contextlib.py", "/site-packages/", "<frozen")
+_HARNESS = ("/torch/", "/nnscaler/", "<")
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,7 +55,8 @@ def user_line() -> str:
     """``file:line: code`` of the innermost frame of the user's code on the stack (not torch's, nnscaler's
     or the harness's), or ``?``."""
     for frame in reversed(traceback.extract_stack()[:-1]):
-        if not any(part in frame.filename for part in _HARNESS):
+        harness = "/verify/" in frame.filename and "/verify/models/" not in frame.filename
+        if not (harness or frame.filename.startswith(_STDLIB) or any(p in frame.filename for p in _HARNESS)):
             return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return "?"
 
@@ -122,8 +125,7 @@ class DrawRecord:
     """The draws of a case's runs in the dtype under test, by generator state and operator, and the
     calls of its float64 reference that could not draw alike (module docstring)."""
 
-    def __init__(self, low: torch.dtype = torch.float32):
-        self.low = low  # the dtype a call of the float64 reference draws in where no run recorded it
+    def __init__(self):
         self.draws: dict[tuple[bytes, str], Draw] = {}
         self.problems: list[str] = []
         self.redrawn: set[str] = set()  # operators the float64 reference drew in a narrower dtype
@@ -143,32 +145,29 @@ class DrawRecord:
         device = _device(args, kwargs)
         before = generator_state(device)
         rec = self.draws.get((before, str(func)))
-        if rec is None and not draws(func):
+        if rec is None:  # no run drew here: it must draw nothing here either (a dropout with p=0)
             out = plain()
             if generator_state(device) != before:
                 self.problem(f"{func} at {user_line()} draws random numbers where no run in the dtype under "
                              f"test drew from that generator state")
             return out
-        if rec is None:
-            self.problem(f"{func} at {user_line()} draws random numbers where no run in the dtype under test "
-                         f"drew from that generator state")
-        elif _own_generator(args, kwargs):
+        if _own_generator(args, kwargs):
             self.problem(f"{func} at {user_line()} draws from a torch.Generator of the model's own")
         out = self._run(func, args, kwargs, rec)
-        if rec is not None and generator_state(device) != rec.after:
+        if generator_state(device) != rec.after:
             self.problem(f"{func} at {user_line()} drew another amount of random numbers in the float64 "
                          f"reference than in the run")
         return out
 
-    def _run(self, func, args, kwargs, rec: Draw | None):
-        """``func`` with its float64 tensors (and ``dtype=``) narrowed to the recorded dtypes (no record:
-        :attr:`low`), written-to arguments copied back, floating results widened to float64."""
+    def _run(self, func, args, kwargs, rec: Draw):
+        """``func`` with its float64 tensors (and ``dtype=``) narrowed to the recorded dtypes, written-to
+        arguments copied back, floating results widened to float64."""
         leaves, spec = tree_flatten((args, kwargs))
-        want = rec.arg_dtypes if rec is not None and len(rec.arg_dtypes) == len(leaves) else None
+        want = rec.arg_dtypes if len(rec.arg_dtypes) == len(leaves) else None
         narrowed, back = [], []
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
-                dt = self.low if rec is None else (want[i] if want is not None else None)
+                dt = want[i] if want is not None else None
                 if dt is not None and dt != torch.float64:
                     y = x.detach().to(dt)
                     narrowed.append(y)
@@ -177,14 +176,10 @@ class DrawRecord:
             narrowed.append(x)
         args2, kwargs2 = tree_unflatten(narrowed, spec)
         kwargs2 = dict(kwargs2)
-        if rec is not None and ("dtype" in kwargs2 or rec.dtype_kwarg is not None):
+        if "dtype" in kwargs2 or rec.dtype_kwarg is not None:
             kwargs2["dtype"] = rec.dtype_kwarg
-        elif rec is not None and _is_factory(func) and rec.out_dtypes and rec.out_dtypes[0] is not None:
+        elif _is_factory(func) and rec.out_dtypes and rec.out_dtypes[0] is not None:
             kwargs2["dtype"] = rec.out_dtypes[0]  # a factory that took the default dtype (float64 in the reference)
-        elif rec is None and kwargs2.get("dtype", torch.get_default_dtype()) == torch.float64 and _is_factory(func):
-            kwargs2["dtype"] = self.low
-        elif rec is None and kwargs2.get("dtype") == torch.float64:
-            kwargs2["dtype"] = self.low
         if back or kwargs2.get("dtype") != kwargs.get("dtype"):
             self.redrawn.add(str(func))
         out = func(*args2, **kwargs2)
