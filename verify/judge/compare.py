@@ -117,6 +117,13 @@ is float64 inside the reference). The single-device and parallel runs keep their
 ``FACTOR * err(dev)`` is the islands' own rounding, and in a float64 run the floor counts float32 ulps
 (the narrowest precision the program ran in: :meth:`Float64Fallback.bounds`); the row names the
 promoted operators. A logic error still gives errors of the order of the values.
+
+**Random draws.** The float64 reference draws exactly the numbers the run in the dtype under test drew
+(every call that draws runs in the run's dtype from the same generator state, its results converted:
+:mod:`verify.judge.draw_record`), so ``err(dev)`` is rounding alone and no bound widens because of a
+draw (before: a model adding ``0.1 * randn_like(h)`` drew other numbers in float64, up to 4.9 apart, and
+its bounds grew ~300x, to ~1e-1, absorbing a wrong partition). A draw that cannot be made equal makes
+the row ``unverifiable`` (:func:`verify.cases.draws.check_draws`).
 """
 from __future__ import annotations
 
