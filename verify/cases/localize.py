@@ -114,7 +114,8 @@ def references(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: torch
     :func:`verify.judge.compare.check_tensor` for what that reference did, per tensor dtype
     (:meth:`verify.judge.compare.Float64Fallback.bounds`)."""
     fallback = Float64Fallback(dtype)
-    dev = single_device(graph, model, args, None)
+    with fallback.draws.recording():  # the float64 reference draws as this run does
+        dev = single_device(graph, model, args, None)
     ref = single_device(graph, model, args, torch.float64, fallback)
     return dev, ref, fallback.bounds
 

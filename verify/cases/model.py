@@ -21,7 +21,7 @@ from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
 from verify.judge.verdict import check_deterministic
-from verify.cases.draws import same_draws
+from verify.cases.draws import check_draws, same_draws
 from verify.cases.compiled import compile_case
 from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
@@ -246,6 +246,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
                                  seed, dt, fallback, config.bucket_bytes, traces, precision, reference)
         checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces,
                                 precision, fallback.spreads, zero=zero)
+    check_draws(fallback)  # a draw the float64 reference could not make the run's: unverifiable
     checks += fallback.notes(dtype)
     return checks
 
@@ -257,7 +258,7 @@ def _clone(state: dict) -> dict:
 def _losses(ref, ref64, args: tuple, seed: int, step: int, fallback: Float64Fallback, run) -> tuple:
     """The loss of ``ref`` and of ``ref64`` (under ``fallback``) on ``args`` by ``run(model, args)``,
     each from the step's draws, backward run."""
-    with same_draws(seed, step):  # micro-batched: one device runs the same micro-batches
+    with same_draws(seed, step), fallback.draws.recording():  # micro-batched: one device runs the same micro-batches
         loss_ref = run(ref, args)
     loss_ref.backward()
     with fallback, same_draws(seed, step):
@@ -315,7 +316,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
         single64 = built_like(name, seed, single, torch.float64)
         precision.reference(single)
         with torch.no_grad():
-            with same_draws(seed, step):
+            with same_draws(seed, step), fallback.draws.recording():
                 want = single(*args)
             with fallback, same_draws(seed, step):
                 want64 = single64(*cast(args, torch.float64))

@@ -9,8 +9,8 @@ recipe's dtype and float64): on W ranks of one machine that work ran W times ove
 
 What travels is tensors, numbers and names (``torch.distributed.broadcast_object_list``), never a
 model object; with it the state of the case's :class:`~verify.judge.compare.Float64Fallback` (the
-operators it fell back on or promoted, the record of single-device spreads of bf16 recipes), which
-the bounds of the checks read."""
+operators it fell back on or promoted, the record of single-device spreads of bf16 recipes, the
+random draws it could not draw as the run did), which the bounds and verdicts of the checks read."""
 from __future__ import annotations
 
 from typing import Callable, TypeVar
@@ -81,15 +81,17 @@ class SharedReference:
 def _state(fallback: Float64Fallback | None):
     if fallback is None:
         return None
-    return sorted(fallback.used), sorted(fallback.promoted), fallback.spreads.rel
+    return sorted(fallback.used), sorted(fallback.promoted), fallback.spreads.rel, \
+        list(fallback.draws.problems), sorted(fallback.draws.redrawn)
 
 
 def _adopt(fallback: Float64Fallback | None, state) -> None:
     """``fallback`` takes the computing rank's state (its spread record in place: a resumed phase shares it)."""
     if fallback is None or state is None:
         return
-    used, promoted, rel = state
+    used, promoted, rel, problems, redrawn = state
     fallback.used, fallback.promoted = set(used), set(promoted)
+    fallback.draws.problems[:], fallback.draws.redrawn = list(problems), set(redrawn)
     fallback.spreads.rel.clear()
     fallback.spreads.rel.update(rel)
 

@@ -18,7 +18,7 @@ from nnscaler.checkpoint.format import plain
 from nnscaler.policies import ComputeConfig
 
 from verify.cases.compiled import compile_case
-from verify.cases.draws import same_draws
+from verify.cases.draws import check_draws, same_draws
 from verify.cases.batch import cast
 from verify.models.loader import file_tag
 from verify.judge.lowprec import Precision
@@ -193,7 +193,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     def one_device_step(args: tuple, step: int) -> dict:
         """The resumed step on one device (the computing rank), from where ``single`` is."""
         load_like(single64, single)
-        with same_draws(seed, step):
+        with same_draws(seed, step), fallback.draws.recording():
             loss_ref = single(*args)
         loss_ref.backward()
         with fallback, same_draws(seed, step):
@@ -230,4 +230,5 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
         after = resumed.state_dict()
         checks += [check_update(f"resumed {where}: param {n} after step {step}", after.get(n), t.detach(), lr, widen)
                    for n, t in hp.items()]
+    check_draws(fallback)  # a draw the float64 reference could not make the run's: unverifiable
     return checks

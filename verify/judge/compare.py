@@ -117,6 +117,13 @@ is float64 inside the reference). The single-device and parallel runs keep their
 ``FACTOR * err(dev)`` is the islands' own rounding, and in a float64 run the floor counts float32 ulps
 (the narrowest precision the program ran in: :meth:`Float64Fallback.bounds`); the row names the
 promoted operators. A logic error still gives errors of the order of the values.
+
+**Random draws.** The float64 reference draws exactly the numbers the run in the dtype under test drew
+(every call that draws runs in the run's dtype from the same generator state, its results converted:
+:mod:`verify.judge.draw_record`), so ``err(dev)`` is rounding alone and no bound widens because of a
+draw (before: a model adding ``0.1 * randn_like(h)`` drew other numbers in float64, up to 4.9 apart, and
+its bounds grew ~300x, to ~1e-1, absorbing a wrong partition). A draw that cannot be made equal makes
+the row ``unverifiable`` (:func:`verify.cases.draws.check_draws`).
 """
 from __future__ import annotations
 
@@ -126,6 +133,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from verify.judge.draw_record import DrawRecord, may_draw
 
 FACTOR = 4.0
 FLOOR_EPS = 16.0
@@ -286,7 +295,9 @@ class Float64Fallback(TorchDispatchMode):
     """The float64 reference's mode (see the module docstring). Every operator asked for a narrower
     floating dtype computes in float64 (its name is collected in ``promoted``) and the default dtype is
     float64 inside; one that fails on float64 inputs (no float64 kernel) runs again with its float64
-    tensors cast to ``low`` and its floating results cast back to float64 (collected in ``used``)."""
+    tensors cast to ``low`` and its floating results cast back to float64 (collected in ``used``). A call
+    that draws random numbers draws them as the run in the dtype under test did (``draws``, recorded
+    around that run: :mod:`verify.judge.draw_record`)."""
 
     def __init__(self, low: torch.dtype = torch.float32, lowprec: bool = False, spreads: SpreadHistory | None = None):
         super().__init__()
@@ -296,6 +307,7 @@ class Float64Fallback(TorchDispatchMode):
         self.low = low if low != torch.float64 else torch.float32
         self.used: set[str] = set()
         self.promoted: set[str] = set()
+        self.draws = DrawRecord()  # the run's draws: record them around it with ``draws.recording()``
         self._default: list[torch.dtype] = []
 
     def __enter__(self):
@@ -311,6 +323,11 @@ class Float64Fallback(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if may_draw(func):  # drawn as the run drew (verify/judge/draw_record.py)
+            return self.draws.redraw(func, args, kwargs, lambda: self._call(func, args, kwargs))
+        return self._call(func, args, kwargs)
+
+    def _call(self, func, args, kwargs):
         if kwargs.get("dtype") in LOW_PRECISION:
             kwargs = {**kwargs, "dtype": torch.float64}
             self.promoted.add(str(func))
@@ -355,4 +372,7 @@ class Float64Fallback(TorchDispatchMode):
         if self.promoted:
             out.append(Check(f"note: float64 reference promoted float32 islands to float64 "
                              f"({', '.join(sorted(self.promoted))})", 0.0, 0.0, True))
+        if self.draws.redrawn:
+            out.append(Check(f"note: float64 reference drew random numbers in the run's dtype "
+                             f"({', '.join(sorted(self.draws.redrawn))})", 0.0, 0.0, True))
         return out
