@@ -3,7 +3,7 @@ that drives a :class:`~verify.runner.gang.Gang` (its ``run(job, ranks, timeout_s
 serves what rank 0 broadcasts until told to stop.
 
 Each job is broadcast from rank 0 (``broadcast_object_list``), answered on every rank by
-:func:`verify.worker.isolated` (the gang's own answer, from the same :class:`~verify.worker.RankState`)
+:func:`verify.runner.worker.isolated` (the gang's own answer, from the same :class:`~verify.runner.worker.RankState`)
 and gathered on rank 0 (``gather_object``), which judges the answers as it judges a gang's. Unlike a
 gang, a torchrun job cannot restart its ranks: a case past its limit ends the job (exit 1), since a
 rank may be stuck in a collective that nothing can cancel.
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from nnscaler.runtime.mesh import GroupCache, mesh_shapes
 
-from verify import worker
-from verify.runner.answer import RankAnswer
+from verify.runner import worker
+from verify.judge.answer import RankAnswer
 from verify.runner.gang import PG_TIMEOUT_S, GangError
 
 def join(timeout_s: float = PG_TIMEOUT_S) -> torch.device:

@@ -10,7 +10,9 @@ from typing import Iterator
 
 from nnscaler.ops.spec import OpSpec
 
-from verify.cases.config import BadInput, Row, RunConfig, model_label, rerun_modules
+from verify.config import BadInput, RunConfig, model_label, rerun_modules
+
+from verify.judge.row import Row
 from verify.cases.model import expected_checks
 from verify.cases.pipeline import pipeline_applies, pipeline_microbatches
 from verify.cases.zero import rank_memory, zero_applies
@@ -113,7 +115,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
     ``cfg.microbatches`` M above 1, each step trains M stacked batches by ``train_step`` in M
     micro-batches (against one device on the whole batch); the row's partition reads ``POLICY mbM``.
     ``checkpoint=False`` judges the training steps alone (no checkpoint reloads, no resume).
-    ``used`` (a :class:`verify.cache.Used`) collects what the ranks ran, for the verdict cache."""
+    ``used`` (a :class:`verify.sweep.cache.Used`) collects what the ranks ran, for the verdict cache."""
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:

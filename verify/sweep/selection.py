@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from verify.cases.config import model_label
+from verify.config import model_label
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
-from verify.cases.replica_rows import ALL_REPLICAS, replica_world_sizes
+from verify.rows.replicas import ALL_REPLICAS, replica_world_sizes
 from verify.cases.replicas import replica_label
 from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, TWO_D_RESUME
 
@@ -37,8 +37,8 @@ checkpoints take the blocked-piece path (gathered whole on its axis when saved, 
 ZOO = ("vit", "albert", "distilbert", "t5", "bart", "wav2vec2", "hubert", "swin", "resnet", "gpt_bigcode",
        "olmo2", "olmoe")  # --full's zoo:<model_type> units (verify.models.zoo), over the kinds bench/zoo.py sweeps
 ZOO_DEFAULT = ("vit",)  # the default's: one cheap non-language model
-ROOT = Path(__file__).resolve().parents[1]
-PLANS = Path(__file__).with_name("plans")  # the plans bench/autodist.py prints (`--save verify/plans`)
+ROOT = Path(__file__).resolve().parents[2]
+PLANS = Path(__file__).resolve().parents[1] / "plans"  # the plans bench/autodist.py prints (`--save verify/plans`)
 DEFAULT_PLANS = ("llama3-8b-8",)  # the default sample's: one cheap plan (dp x ZeRO-3 reduced to W=2)
 TWO_D_POLICIES = ("hybrid", "random2d")  # their mesh is 2-D at W=4 (1-D at W=2)
 NO_RESUME_STEPS = 2
@@ -137,7 +137,7 @@ def plan_units(plans: Sequence[str | Path], world_sizes: Sequence[int], seeds: S
     under the first seed; a plan whose reduced world size is not among ``world_sizes`` is left out (the
     gang has no group for it). ``name``: the file relative to the checkout where it lies inside it."""
     from nnscaler.policies.cluster_plan import load  # noqa: PLC0415 (only a sweep with plans reads them)
-    from verify.plan.reduced import reduce_parallel  # noqa: PLC0415
+    from verify.models.saved_plan import reduce_parallel  # noqa: PLC0415
     out = []
     for p in map(Path, plans):
         w = reduce_parallel(load(p).parallel).world
@@ -153,7 +153,7 @@ def wide_plan_units(plans: Sequence[str | Path], world_sizes: Sequence[int], see
     """The saved plans that reduce to more ranks than the sweep's largest world size and at most ``most``
     (default: what this machine runs, :func:`~verify.runner.limits.max_ranks`): a plan with tp, pp and dp
     all above 1 keeps its three axes only at 8 ranks. Each runs on a gang of its own
-    (:func:`verify.drive.run_plan_unit`), so ``--full`` verifies every printed plan."""
+    (:func:`verify.sweep.drive.run_plan_unit`), so ``--full`` verifies every printed plan."""
     from verify.runner.limits import max_ranks  # noqa: PLC0415
     most = max_ranks() if most is None else most
     bigger = tuple(range(max(world_sizes) + 1, most + 1))

@@ -24,15 +24,15 @@ from verify.runner import isolation
 
 from verify.cases import op as rank_case
 from verify.cases.conversion import run_conversion
-from verify.cases.localize_row import localize_row
+from verify.localize.row import localize_row
 from verify.cases.microbatch import run_accumulation_job
 from verify.cases.node import node_sample
 from verify.cases.memory import MemoryLog
 from verify.cases.model import run_model_job
 from verify.cases.replicas import run_replicas_case
 from verify.cases.samples import DTYPES, Sample, make_sample
-from verify.cases.torchpar import run_torchpar_job
-from verify.cases.torchpar_modules import localize_torchpar
+from verify.cases.torchpar.case import run_torchpar_job
+from verify.cases.torchpar.localize import localize_torchpar
 from verify.cases.traces import TraceCache, graph_ops
 
 
@@ -99,7 +99,7 @@ def _localized(job: dict, checks: list, state: RankState) -> dict:
     if first is None and not job.get("localize"):  # ``localize``: say where anyway (tests of localisers)
         return result
     try:
-        if job["kind"] == "torchpar":  # a torch parallelization: by module hooks (verify/cases/torchpar_modules.py)
+        if job["kind"] == "torchpar":  # a torch parallelization: by module hooks (verify/cases/torchpar/localize.py)
             found = localize_torchpar(job, state.groups)
         else:
             found = localize_row(job, first or "", state.groups)
@@ -133,7 +133,7 @@ def handle(state: RankState, job: dict) -> dict:
                                        zero=job.get("zero", 0), precision=Precision.of(job), memory=log)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last,
                         used=graph_ops(state.traces, job["model"]))
-        if job["kind"] == "torchpar":  # the user's own torch parallelization (verify/cases/torchpar.py)
+        if job["kind"] == "torchpar":  # the user's own torch parallelization (verify/cases/torchpar/case.py)
             checks = run_torchpar_job(job, state.groups)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
         if job["kind"] == "model":

@@ -1,25 +1,26 @@
-"""Running the units of a sweep (:mod:`verify.selection`) on a gang: each unit from the verdict cache
-when it holds it (:mod:`verify.cache`), else on the ranks; rows go to the report writer as they come."""
+"""Running the units of a sweep (:mod:`verify.sweep.selection`) on a gang: each unit from the verdict cache
+when it holds it (:mod:`verify.sweep.cache`), else on the ranks; rows go to the report writer as they come."""
 from __future__ import annotations
 
 import tempfile
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
-from verify.cache import Used, VerdictCache
-from verify.cases.config import Row, RunConfig
-from verify.cases.replica_rows import run_replicas
-from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
+from verify.sweep.cache import Used, VerdictCache
+from verify.config import RunConfig
+from verify.judge.row import Row
+from verify.rows.replicas import run_replicas
+from verify.rows.torchpar_builtin import CASES as TORCH_CASES, run_builtin
 from verify.plan.arguments import DEFAULT_TIMEOUT_S  # a plan unit is never held to less
 from verify.runner.gang import Gang
-from verify.selection import RECIPE, ROOT, Unit
-from verify.sweep import run_model, run_op
+from verify.sweep.selection import RECIPE, ROOT, Unit
+from verify.rows.run import run_model, run_op
 
 
 def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used,
              planned: dict | None = None) -> Iterator[Row]:
     """The rows of ``unit`` (leaving out the cases whose keys are in ``skip``, already done);
-    ``planned``: the preflight's partitions of operators (``verify.sweep.preflight``)."""
+    ``planned``: the preflight's partitions of operators (``verify.rows.run.preflight``)."""
     if unit.kind == "op":
         yield from run_op(gang, specs[unit.name], cfg, skip=skip, planned=planned)
         return
@@ -43,9 +44,9 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
 def run_plan_unit(gang, unit: Unit, cfg: RunConfig, gen_dir: str, skip, used: Used) -> Iterator[Row]:
     """A saved cluster plan as ``python -m verify plan FILE`` runs it (reduced, its own recipe), on the
     sweep's gang, or on a gang of its own when its world size is none of the sweep's (the 8 ranks of a
-    tp x pp x dp plan, :func:`verify.selection.wide_plan_units`); a plan file that cannot be read or
+    tp x pp x dp plan, :func:`verify.sweep.selection.wide_plan_units`); a plan file that cannot be read or
     reduced is a failed row, not the end of the sweep."""
-    from verify.cases.config import BadInput  # noqa: PLC0415
+    from verify.config import BadInput  # noqa: PLC0415
     from verify.judge.verdict import ERROR  # noqa: PLC0415
     from verify.plan.cli import plan_rows, prepare  # noqa: PLC0415 (transformers: only a sweep with plans)
     path = ROOT / unit.name
