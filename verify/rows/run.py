@@ -22,7 +22,7 @@ from verify.runner.gang import Gang
 
 def plan_op(gang: Gang, spec: OpSpec, cfg: RunConfig, seed: int) -> tuple[dict[int, list[str]] | None, Row | None]:
     """The partitions to run per world size (computed on rank 0), or an error row for the op."""
-    job = {"kind": "plan", **cfg.job(spec), "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
+    job = {"kind": "op_partitions", **cfg.job(spec), "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
            "world_sizes": list(cfg.world_sizes), "partition": cfg.partition}
     (answer,) = gang.run(job, 1, cfg.timeout_s)
     call_error = answer.result and answer.result.get("error_type") == "TypeError" and \
@@ -93,7 +93,7 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
                 if (name, w, label, cfg.dtype, seed) in skip:
                     continue
                 start = time.perf_counter()
-                job = {"kind": "case", **cfg.job(spec), "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
+                job = {"kind": "op", **cfg.job(spec), "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
                        "world_size": w, "partition": label}
                 status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("op")))
                 out, grad = worst(checks, "output"), worst(checks, "grad")

@@ -148,7 +148,7 @@ class TorchrunRanks:
 
 def _expire(job: dict, timeout_s: float) -> None:
     """A case past its limit: one line, and the job ends (the other ranks are ended by torchrun)."""
-    kind = {"case": "op", "plan": "sampling of op"}.get(job.get("kind"), job.get("kind"))
+    kind = {"op_partitions": "sampling of op"}.get(job.get("kind"), job.get("kind"))
     what = f"{kind} {job.get('model') or job.get('op', '')} {job.get('policy') or job.get('partition') or ''}"
     print(f"verify.cluster: {' '.join(what.split())} at W={job.get('world_size', 1)} gave no answer within its limit of {timeout_s:.0f} s; "
           f"ending the job (a rank may be stuck in a collective)", file=sys.stderr, flush=True)

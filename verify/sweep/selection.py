@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from verify.config import model_label
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
@@ -67,19 +67,27 @@ class Unit:
 
     @property
     def label(self) -> str:
-        """What the progress line and the cache call it: ``model:nanogpt tp mb4 W=2 seed 1 resume``."""
-        if self.kind == "op":
-            return self.name
-        if self.kind == "torchpar":
-            return f"torchpar:{self.name} W={self.world_sizes[0]}"
-        if self.kind == "plan":
-            return f"plan:{Path(self.name).stem} W={self.world_sizes[0]} seed {self.seeds[0]}"
-        policy = model_label(self.policy, self.microbatches)
-        if self.replicas > 1:
-            policy = replica_label(policy, self.replicas)
-        return (f"model:{self.name} {policy}{RECIPE_TAG if self.recipe else ''} "
-                f"W={','.join(map(str, self.world_sizes))} seed {','.join(map(str, self.seeds))}"
-                + ("" if self.checkpoint else " no-resume"))
+        """What the progress line and the cache call it (``model:nanogpt tp mb4 W=2 seed 1 resume``):
+        its kind's (:data:`UNIT_LABELS`)."""
+        return UNIT_LABELS[self.kind](self)
+
+
+def _model_label(u: Unit) -> str:
+    policy = model_label(u.policy, u.microbatches)
+    if u.replicas > 1:
+        policy = replica_label(policy, u.replicas)
+    return (f"model:{u.name} {policy}{RECIPE_TAG if u.recipe else ''} "
+            f"W={','.join(map(str, u.world_sizes))} seed {','.join(map(str, u.seeds))}"
+            + ("" if u.checkpoint else " no-resume"))
+
+
+UNIT_LABELS: dict[str, Callable[[Unit], str]] = {
+    "op": lambda u: u.name,
+    "model": _model_label,
+    "torchpar": lambda u: f"torchpar:{u.name} W={u.world_sizes[0]}",
+    "plan": lambda u: f"plan:{Path(u.name).stem} W={u.world_sizes[0]} seed {u.seeds[0]}",
+}
+"""Each unit kind's label; the same kind names key :data:`verify.sweep.drive.UNIT_ROWS` (how it runs)."""
 
 
 def _model(name, policy, w, seed, microbatches=1, replicas=1, checkpoint=True, recipe=False) -> Unit:
