@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.worker import load_modules
+from verify.runner.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent

@@ -19,10 +19,10 @@ from nnscaler.policies.tp_check import collectives, coupled_collectives
 from opzoo.batch_norm.rules import OVERLOAD
 from opzoo.rulekit import EXAMPLES
 from tests.conftest import FIXTURES, assert_caught_where_split, split_ids
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.judge.verdict import MATCH
 from verify.runner.gang import Gang
-from verify.sweep import run_op
+from verify.rows.run import run_op
 
 
 

@@ -14,7 +14,7 @@ import torch
 
 from nnscaler import checkpoint
 from verify.judge.verdict import MATCH, judge
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.models.registry import MODELS
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))

@@ -12,7 +12,9 @@ import pytest
 
 from verify.judge.verdict import MATCH
 
-from verify.cases.config import Row, RunConfig
+from verify.config import RunConfig
+
+from verify.judge.row import Row
 from verify.cli import main
 from verify.report.writer import ReportWriter, load_rows
 

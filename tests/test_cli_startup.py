@@ -60,7 +60,7 @@ def test_names_mirror_their_registries():
     from nnscaler.policies import POLICIES
     from nnscaler.policies.pipeline import PIPELINE_POLICIES
     from verify.cases.samples import DTYPES
-    from verify.cases.torchpar_builtin import CASES
+    from verify.rows.torchpar_builtin import CASES
     assert POLICY_NAMES == tuple(n for n, fn in POLICIES.items() if fn.__module__.startswith("nnscaler."))  # not a test's own
     assert PIPELINE_NAMES == tuple(PIPELINE_POLICIES)
     assert DTYPE_NAMES == tuple(DTYPES)

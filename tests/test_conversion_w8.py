@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from tests.conftest import MODULES
 from tests.test_conversion import cases, run_on_ranks
 from verify.judge.verdict import MATCH
-from verify.cases.config import RunConfig
-from verify.sweep import run_model
+from verify.config import RunConfig
+from verify.rows.run import run_model
 from verify.runner.gang import Gang, max_ranks
 
 MESHES_8 = [(2, 2, 2), (2, 4), (4, 2)]

@@ -16,8 +16,8 @@ import pytest
 
 from verify.runner import isolation
 from verify.judge.verdict import CRASH, ERROR, MATCH, MISMATCH, TIMEOUT, UNVERIFIABLE
-from verify.cases.config import RunConfig
-from verify.sweep import run_op
+from verify.config import RunConfig
+from verify.rows.run import run_op
 from verify.runner.gang import Gang, WorldSizeError, max_ranks
 
 from conftest import FIXTURES, MODULES
@@ -29,7 +29,7 @@ W2 = RunConfig(world_sizes=(2,), base_override=4)
 @pytest.fixture(scope="module")
 def hreg(registry):
     """The registry with the hostile operators too."""
-    from verify.worker import load_modules
+    from verify.runner.worker import load_modules
     return load_modules(HOSTILE)
 
 

@@ -16,7 +16,9 @@ import pytest
 
 from verify.judge.verdict import ERROR, MATCH, MISMATCH
 
-from verify.cases.config import Row, RunConfig
+from verify.config import RunConfig
+
+from verify.judge.row import Row
 from verify.cli import main
 from verify.runner.gang import max_ranks
 from verify.report.writer import CASES_FILE, ReportError, ReportWriter, load_rows

@@ -15,8 +15,8 @@ from nnscaler.dimops import AnnotationError, Partition, bind, enumerate_partitio
 from nnscaler.dimops.layout import Partial, Replicate, Shard
 from nnscaler.ops.rules import TensorMeta
 from nnscaler.trace.build import UnknownOperatorWarning, trace
-from verify.cases.config import RunConfig
-from verify.sweep import run_op
+from verify.config import RunConfig
+from verify.rows.run import run_op
 
 
 # --- parse, bind, partition ---------------------------------------------------------------------

@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from verify.judge.verdict import CRASH, ERROR, MATCH, MISMATCH, TIMEOUT
 
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 
-from verify.sweep import run_op
+from verify.rows.run import run_op
 from conftest import split_ids
 
 WRONG = {  # op -> the identifier whose split makes it wrong

@@ -10,7 +10,9 @@ import pytest
 
 from verify.judge.verdict import MATCH, MISMATCH
 
-from verify.cases.config import Row, RunConfig
+from verify.config import RunConfig
+
+from verify.judge.row import Row
 from verify.report.html import FAIL_COLOR
 from verify.report.writer import ReportWriter
 

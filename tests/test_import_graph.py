@@ -1,6 +1,8 @@
 """The house's import rules, read from the source (every import, at module level or inside a function):
 the compiler (``nnscaler/``) never imports the harness (``verify/``) or the catalogue (``opzoo/``); no
-import circle anywhere in the three packages; no private name imported across modules."""
+import circle anywhere in the three packages; no private name imported across modules; the process
+runner (``verify/runner/``) knows no case kind: it reaches the cases only through the kind registry
+(``verify/kinds/``)."""
 from __future__ import annotations
 
 import ast
@@ -121,12 +123,22 @@ def test_no_private_name_crosses_a_module_line():
     assert not bad, f"private names imported across modules (make them public where they land): {bad}"
 
 
-@pytest.mark.parametrize("kind", ["circle", "compiler->harness", "private"])
+CASE_ROOMS = ("verify.cases", "verify.localize", "verify.rows")  # what a case kind runs, localises, judges into rows
+
+
+def test_the_runner_reaches_the_cases_only_through_the_registry():
+    bad = [(m, t) for m in MODULES if m.startswith("verify.runner")
+           for t, _ in imports(m) if t.startswith(CASE_ROOMS) or (t.startswith("verify.kinds.") and t != "verify.kinds.registry")]
+    assert not bad, f"runner -> case modules (ask the registry, verify.kinds): {bad}"
+
+
+@pytest.mark.parametrize("kind", ["circle", "compiler->harness", "private", "runner->case"])
 def test_the_checks_catch_what_they_guard(kind, tmp_path):
     """Each rule fails on a house that breaks it (the checks are not vacuous)."""
     files = {"circle": {"nnscaler/a.py": "from . import b\n", "nnscaler/b.py": "def f():\n    from .a import x\n"},
              "compiler->harness": {"nnscaler/a.py": "def f():\n    from verify.plan.check import verify_plan\n"},
-             "private": {"verify/a.py": "from verify.b import _hidden\n", "verify/b.py": "_hidden = 1\n"}}[kind]
+             "private": {"verify/a.py": "from verify.b import _hidden\n", "verify/b.py": "_hidden = 1\n"},
+             "runner->case": {"verify/runner/worker.py": "from verify.cases.model import run_model_job\n"}}[kind]
     fake = {}
     for rel, text in files.items():
         p = tmp_path / rel
@@ -136,7 +148,8 @@ def test_the_checks_catch_what_they_guard(kind, tmp_path):
     globals()["MODULES"], saved = fake, MODULES
     try:
         check = {"circle": test_no_import_circle, "compiler->harness": test_the_compiler_never_imports_the_harness_or_the_catalogue,
-                 "private": test_no_private_name_crosses_a_module_line}[kind]
+                 "private": test_no_private_name_crosses_a_module_line,
+                 "runner->case": test_the_runner_reaches_the_cases_only_through_the_registry}[kind]
         with pytest.raises(AssertionError):
             check()
     finally:

@@ -19,8 +19,8 @@ from nnscaler.policies import POLICIES, ComputeConfig
 from nnscaler.trace.build import trace
 from tests.conftest import first_mismatch
 from verify.judge.verdict import MISMATCH
-from verify.cases.config import RunConfig
-from verify.sweep import run_model
+from verify.config import RunConfig
+from verify.rows.run import run_model
 from verify.runner.gang import Gang
 from verify.models.registry import MODELS
 

@@ -1,5 +1,5 @@
 """Localisation of a composition fault (every operator alone right, a conversion between them wrong),
-by every intermediate tensor of the program (:mod:`verify.cases.tensor_trace`).
+by every intermediate tensor of the program (:mod:`verify.localize.tensor_trace`).
 
 The fault is the one issue 21 found and ``nnscaler.ir.graph.tensors_in`` fixed, put back by the
 ranks' ``--module`` fixture ``tests/fixtures/tensors_in_top_level.py``: ``IROp.tensor_inputs`` reads
@@ -25,14 +25,14 @@ from nnscaler.ir.graph import IROp, IRTensor
 from nnscaler.policies import ComputeConfig
 from nnscaler.ops import DEFAULT_REGISTRY
 from tests.fixtures.cat_as_before import OVERLOADS, cat_as_before
-from verify.cases.config import RunConfig
-from verify.cases.localize import IN_STEP_ZERO
-from verify.cases.localize_stages import BETWEEN_STAGES
-from verify.cases.replica_rows import run_replicas
+from verify.config import RunConfig
+from verify.localize.model import IN_STEP_ZERO
+from verify.localize.stages import BETWEEN_STAGES
+from verify.rows.replicas import run_replicas
 from verify.judge.verdict import MISMATCH
 from verify.models.registry import MODELS
 from verify.runner.gang import Gang
-from verify.sweep import run_model
+from verify.rows.run import run_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAULT = str(FIXTURES / "tensors_in_top_level.py")

@@ -19,13 +19,13 @@ from nnscaler.trace.build import trace
 from tests.conftest import first_mismatch
 from verify import cli
 from verify.judge.verdict import MATCH, MISMATCH
-from verify.cases.config import RunConfig
-from verify.sweep import run_model
+from verify.config import RunConfig
+from verify.rows.run import run_model
 from verify.runner.gang import Gang
-from verify.runner.answer import RankAnswer
-from verify.cases.localize_stages import BETWEEN_STAGES
+from verify.judge.answer import RankAnswer
+from verify.localize.stages import BETWEEN_STAGES
 from verify.models.registry import MODELS
-from verify.cases.replica_rows import run_replicas
+from verify.rows.replicas import run_replicas
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WRONG_RULES = str(FIXTURES / "wrong_norm_rules.py")

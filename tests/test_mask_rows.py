@@ -20,10 +20,10 @@ from nnscaler.policies.coverage import replicated_operators
 from nnscaler.policies.tp_check import collectives
 from nnscaler.trace.build import trace
 from opzoo.rulekit import EXAMPLES
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.judge.verdict import MATCH
 from verify.runner.gang import Gang
-from verify.sweep import run_op
+from verify.rows.run import run_op
 
 
 class MaskRows(nn.Module):

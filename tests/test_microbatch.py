@@ -156,8 +156,8 @@ def test_accumulation_bugs_are_caught(gang, mutant, name, policy, world_size, pl
 
 # -- the harness: whole-model rows with micro-batches ------------------------------------------------
 def test_a_padded_gpt_row_with_four_micro_batches_matches_one_device(gang):
-    from verify.cases.config import RunConfig
-    from verify.sweep import run_model
+    from verify.config import RunConfig
+    from verify.rows.run import run_model
     cfg = RunConfig(world_sizes=(2,), microbatches=4)
     with tempfile.TemporaryDirectory() as tmp:
         (row,) = run_model(gang, "padded_gpt", ("dp",), cfg, tmp, steps=2)
@@ -192,10 +192,10 @@ def test_every_model_trains_with_four_micro_batches_like_one_device(verify_model
 def test_a_loss_that_couples_the_batch_is_judged_against_the_same_micro_batches_on_one_device(gang):
     # clip_tiny's contrastive loss couples every pair of a batch: 4 micro-batches of it are 4 losses,
     # not the loss of the whole batch; the reference runs the same 4 micro-batches on one device
-    from verify.cases.config import RunConfig
+    from verify.config import RunConfig
     from verify.cases.microbatch import one_device_loss, whole_batch
     from verify.models.registry import MODELS
-    from verify.sweep import run_model
+    from verify.rows.run import run_model
     case = MODELS["clip_tiny"](0)
     args = whole_batch(case.batch, 0, 4)
     with torch.no_grad():

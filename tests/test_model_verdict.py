@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 from nnscaler.runtime.grad_sync import GradSync
 from verify.judge.verdict import MATCH, MISMATCH, judge
-from verify.cases.config import RunConfig
-from verify.sweep import run_model
+from verify.config import RunConfig
+from verify.rows.run import run_model
 from verify.judge.compare import Float64Fallback, check_tensor, check_update
 from verify.runner.gang import Gang
-from verify.runner.answer import RankAnswer
+from verify.judge.answer import RankAnswer
 from verify.cases.model import LR, _with_aliases, own_state
 from verify.models.loader import build_model
-from verify.worker import load_modules
+from verify.runner.worker import load_modules
 
 PERTURBED = str(Path(__file__).parent / "fixtures" / "perturbed.py")
 

@@ -18,10 +18,10 @@ from nnscaler.policies.tp_check import sharded_fraction
 from opzoo.moe.experts import OVERLOAD
 from opzoo.rulekit import EXAMPLES
 from tests.conftest import FIXTURES, assert_caught_where_split, split_ids
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.judge.verdict import MATCH
 from verify.runner.gang import Gang
-from verify.sweep import run_op
+from verify.rows.run import run_op
 
 
 def _mixtral_graph():

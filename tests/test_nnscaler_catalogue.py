@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases.config import BadInput, RunConfig
+from verify.config import BadInput, RunConfig
 
 from verify.judge.verdict import MATCH
 
-from verify.sweep import run_op
-from verify.worker import load_modules
+from verify.rows.run import run_op
+from verify.runner.worker import load_modules
 
 CATALOGUE = str(Path(__file__).parent / "fixtures" / "nnscaler_catalogue.py")
 REGISTRY = load_modules((CATALOGUE,))  # the session gang imports the same file under the same name

@@ -11,8 +11,8 @@ from nnscaler.codegen.emit import generate
 from nnscaler.policies import POLICIES, ComputeConfig, Plan, PlanError, validate
 from nnscaler.trace.build import UnknownOperatorWarning, trace
 from verify.judge.verdict import MISMATCH
-from verify.cases.config import RunConfig
-from verify.sweep import run_model
+from verify.config import RunConfig
+from verify.rows.run import run_model
 from verify.models.registry import MODELS
 
 CFG = RunConfig(world_sizes=(2, 4))

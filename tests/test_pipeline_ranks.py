@@ -12,14 +12,14 @@ import pytest
 
 from verify.judge.verdict import ERROR, MATCH, MISMATCH, TIMEOUT
 
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 
-from verify.sweep import run_model
+from verify.rows.run import run_model
 from tests.conftest import MODULES
 from verify.runner.gang import Gang, max_ranks
 from verify.cases.pipeline import SWEPT, pipeline_applies
-from verify.cases.replica_rows import run_replicas
-from verify.worker import load_modules
+from verify.rows.replicas import run_replicas
+from verify.runner.worker import load_modules
 
 MUTANTS = str(Path(__file__).parent / "fixtures" / "pipeline_mutants.py")
 MODELS = ("nanogpt", "llama", "gpt2", "bert", "transformer_encoder")

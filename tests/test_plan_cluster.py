@@ -31,7 +31,7 @@ def test_lowering_is_megatrons_order_and_the_plans_recipes():
 
 
 def test_saved_plan_reads_back_and_reduces(tmp_path):
-    from verify.plan.reduced import reduce
+    from verify.models.saved_plan import reduce
     plan, path = saved_plan(tmp_path, 32, {"tp": 4, "pp": 4, "dp": 2, "virtual_stages": 2, "sequence_parallel": True,
                                       "recompute": "selective", "zero": 1, "micro_batch_size": 1})
     saved = load(path)
@@ -53,7 +53,7 @@ def test_saved_plan_reads_back_and_reduces(tmp_path):
 def test_the_compiler_splits_what_the_cost_model_costed(tmp_path):
     import opzoo  # noqa: F401
     from verify.models.hf import llama
-    from verify.plan.reduced import build_case, write_reduced
+    from verify.models.saved_plan import build_case, write_reduced
     _, path = saved_plan(tmp_path, 8, {"tp": 2, "pp": 2, "dp": 2})
     case = build_case(str(write_reduced(load(path), tmp_path)), 0)
     assert check_lowering(case.model, case.batch(0), Parallel(tp=2, dp=2)) == []

@@ -19,8 +19,8 @@ from nnscaler.compile.plan import REPORT_NAME, attach_stats, plan_graph
 from nnscaler.policies import PlanError
 from nnscaler.trace.build import UnknownOperatorWarning, trace
 from verify.judge.verdict import MATCH
-from verify.cases.config import RunConfig
-from verify.sweep import run_model
+from verify.config import RunConfig
+from verify.rows.run import run_model
 from verify.models.registry import MODELS
 from verify.models.nanogpt import GPT, GPTConfig
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.judge.verdict import MATCH, MISMATCH
 from verify.runner.gang import Gang
-from verify.sweep import run_model
-from verify.worker import load_modules
+from verify.rows.run import run_model
+from verify.runner.worker import load_modules
 
 from conftest import MODULES
 

@@ -5,7 +5,7 @@ import io
 
 from verify.judge.verdict import MATCH, MISMATCH
 
-from verify.cases.config import Row
+from verify.judge.row import Row
 from verify.report.progress import RunProgress
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.cases.draws import check_draws, same_draws
 from verify.judge.compare import Float64Fallback, check_tensor
 from verify.judge.verdict import MATCH, MISMATCH, UNVERIFIABLE, Unverifiable
 from verify.runner.gang import Gang
-from verify.sweep import run_model
-from verify.worker import load_modules
+from verify.rows.run import run_model
+from verify.runner.worker import load_modules
 
 STOCH = str(Path(__file__).parent / "fixtures" / "stochastic_models.py")
 

@@ -20,8 +20,8 @@ from nnscaler.policies.builtin import batch_identifiers
 from nnscaler.policies.coverage import replicated_line, replicated_operators
 from nnscaler.trace.build import UnknownOperatorWarning, trace
 from verify.judge.verdict import MATCH
-from verify.cases.config import RunConfig
-from verify.sweep import run_model
+from verify.config import RunConfig
+from verify.rows.run import run_model
 from verify.models.registry import MODELS
 
 BUILT_IN = ["nanogpt", "transformer_encoder", "llama", "gpt2", "bert"]

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from nnscaler.config import ComputeConfig, PlanError
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.cli import main
 from verify.judge.verdict import MATCH, MISMATCH
 from verify.runner.gang import Gang
-from verify.sweep import run_model
-from verify.worker import load_modules
+from verify.rows.run import run_model
+from verify.runner.worker import load_modules
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

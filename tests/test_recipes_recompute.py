@@ -22,11 +22,11 @@ from nnscaler.compile.plan import choose_plan
 from nnscaler.config import ComputeConfig
 from nnscaler.trace.build import trace
 from nnscaler.trace.export import TraceError
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.judge.verdict import MATCH
 from verify.models.nanogpt import GPT, GPTConfig
 from verify.runner.gang import Gang
-from verify.sweep import run_model
+from verify.rows.run import run_model
 
 ROOT = Path(__file__).parents[1]
 
@@ -128,7 +128,7 @@ def test_a_model_that_checkpoints_itself_matches_one_device_and_saves_what_it_sa
     """Checked against one device under dp and tp (W=2); the measured saved activations of the
     checkpointing model are a fraction of the same model's without (as on one device)."""
     fixture = str(ROOT / "tests" / "fixtures" / "hand_checkpoint_models.py")
-    from verify.worker import load_modules
+    from verify.runner.worker import load_modules
     load_modules([fixture])
     names = ("hand_checkpoint_none", "hand_checkpoint_non_reentrant")
     with Gang(2, (fixture,), (2,)) as g, tempfile.TemporaryDirectory() as tmp:

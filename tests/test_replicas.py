@@ -12,9 +12,9 @@ import pytest
 
 from verify.judge.verdict import MATCH, MISMATCH, judge
 
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.cli import main
-from verify.cases.replica_rows import replica_items, run_replicas
+from verify.rows.replicas import replica_items, run_replicas
 from verify.runner.gang import Gang
 
 UNSYNCED = str(Path(__file__).parent / "fixtures" / "replicas_unsynced.py")

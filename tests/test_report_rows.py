@@ -7,7 +7,8 @@ import xml.etree.ElementTree as ET
 
 from verify.report import html as html_report
 from verify.judge.verdict import ERROR
-from verify.cases.config import RunConfig, Row
+from verify.config import RunConfig
+from verify.judge.row import Row
 from verify.report.writer import junit, table
 
 

@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from verify.cases.config import Row, RunConfig
+from verify.config import RunConfig
+
+from verify.judge.row import Row
 from verify.cli import main
 from verify.judge.verdict import MATCH
 from verify.names import OVERWRITE

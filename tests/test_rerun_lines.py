@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.judge.verdict import MISMATCH
 from verify.runner.gang import Gang
-from verify.sweep import run_model, run_op
+from verify.rows.run import run_model, run_op
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent

@@ -16,10 +16,10 @@ import opzoo  # noqa: F401
 from nnscaler import DEFAULT_REGISTRY
 from opzoo.rulekit import EXAMPLES, T, derive, make_call
 from tests.conftest import FIXTURES, split_ids
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.judge.verdict import MATCH, MISMATCH
 from verify.runner.gang import Gang
-from verify.sweep import run_op
+from verify.rows.run import run_op
 
 WRONG_FILE = str(FIXTURES / "wrong_rule_families.py")
 NEW = ["aten.cat.default", "aten.concatenate.default", "aten.roll.default", "aten.conv_transpose1d.default",

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from verify.cache import Used
-from verify.cases.config import RunConfig
-from verify.drive import run_unit
-from verify.drive import LazyGang
+from verify.sweep.cache import Used
+from verify.config import RunConfig
+from verify.sweep.drive import run_unit
+from verify.sweep.drive import LazyGang
 from verify.runner.gang import Gang
 from verify.runner.limits import max_ranks
-from verify.selection import DEFAULT_PLANS, PLANS, Unit, plan_units, saved_plans, wide_plan_units
+from verify.sweep.selection import DEFAULT_PLANS, PLANS, Unit, plan_units, saved_plans, wide_plan_units
 
 pytest.importorskip("transformers")
 

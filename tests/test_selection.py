@@ -11,13 +11,13 @@ from hypothesis import given, settings, strategies as st
 
 from nnscaler.policies import POLICIES
 from verify.cases.pipeline import PIPELINE_MODELS, SWEPT
-from verify.cases.torchpar_builtin import CASES as TORCH_CASES
+from verify.rows.torchpar_builtin import CASES as TORCH_CASES
 from verify.models.registry import MODELS
 from verify.names import TWO_D_RESUME
 from verify.runner.limits import max_ranks
-from verify.selection import (BLOCKED_MODELS, DEFAULT_PLANS, NO_RESUME_STEPS, PLANS, RECIPE_MODELS, SEEDED_POLICIES,
+from verify.sweep.selection import (BLOCKED_MODELS, DEFAULT_PLANS, NO_RESUME_STEPS, PLANS, RECIPE_MODELS, SEEDED_POLICIES,
                               Unit, _same, default_units, full_order, full_units, plan_units, saved_plans, wide_plan_units)
-from verify.shard import ShardError, assign, check_shards, estimate, fingerprint, parse_shard, recorded_times, shard
+from verify.sweep.shard import ShardError, assign, check_shards, estimate, fingerprint, parse_shard, recorded_times, shard
 
 # the built-in models and policies (the test fixtures register more: tp_* models, tp_sp policies)
 MODEL_NAMES = sorted(m for m, build in MODELS.items() if build.__module__.startswith("verify.models")
@@ -100,7 +100,7 @@ def test_every_saved_plan_runs_under_full_and_one_cheap_one_by_default(matrix):
     assert plans, "verify/plans holds the plans bench/calibration/autodist.py prints (--save verify/plans)"
     units = [u for u in full if u.kind == "plan"]
     from verify.plan.cli import load
-    from verify.plan.reduced import reduce_parallel
+    from verify.models.saved_plan import reduce_parallel
     world = {p: reduce_parallel(load(p).parallel).world for p in plans}
     small = {p for p in plans if world[p] <= 4}
     wide = {p for p in plans if world[p] == 8}  # tp x pp x dp all > 1: on a gang of 8 of their own

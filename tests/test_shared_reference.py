@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.cases.model import expected_checks
 from verify.judge.verdict import ERROR, MATCH, MISMATCH, judge
 from verify.runner.gang import Gang
-from verify.sweep import run_model
-from verify.worker import load_modules
+from verify.rows.run import run_model
+from verify.runner.worker import load_modules
 
 FIXTURE = str(Path(__file__).parent / "fixtures" / "reference_ranks.py")
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from verify.cases.config import RunConfig
-from verify.cases.torchpar_builtin import CASES, TITAN, plan, run_builtin
-from verify.cases.torchpar_mesh import parse_mesh
-from verify.cases.torchpar_rows import run_torchpar
+from verify.config import RunConfig
+from verify.rows.torchpar_builtin import CASES, TITAN, plan, run_builtin
+from verify.cases.torchpar.mesh import parse_mesh
+from verify.rows.torchpar import run_torchpar
 from verify.cli import main
 from verify.judge.verdict import MATCH, MISMATCH
 

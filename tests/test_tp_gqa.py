@@ -17,10 +17,10 @@ from nnscaler.policies.builtin import _tp_options, tp
 from nnscaler.policies.greedy import plan_greedy
 from nnscaler.policies.tp_check import collectives, sharded_fraction
 from tests.conftest import FIXTURES, assert_caught_where_split
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.judge.verdict import MATCH
 from verify.runner.gang import Gang
-from verify.sweep import run_op
+from verify.rows.run import run_op
 
 pytest.importorskip("transformers")
 from verify.models import zoo_gqa  # noqa: E402

@@ -19,10 +19,10 @@ from nnscaler.policies.refine import refine
 from nnscaler.policies.tp_check import collectives
 from opzoo.rulekit import EXAMPLES
 from tests.conftest import FIXTURES, assert_caught_where_split, zoo_graph
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.judge.verdict import MATCH
 from verify.runner.gang import Gang
-from verify.sweep import run_op
+from verify.rows.run import run_op
 
 pytest.importorskip("transformers")
 

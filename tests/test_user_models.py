@@ -40,7 +40,7 @@ def test_a_user_model_verifies_and_writes_reports(tmp_path, capsys):
 
 
 def test_the_rerun_line_of_a_model_row_reproduces_it(tmp_path):
-    from verify.cases.config import RunConfig
+    from verify.config import RunConfig
     cfg = RunConfig(world_sizes=(2,), dtype="float64", modules=(str(ROOT / "tests" / "fixtures" / "wrong_model.py"),))
     line = cfg.rerun_model("wrong_softmax_head", "tp", 2, 3, 1)
     argv = shlex.split(line)

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from verify.cache import ROOT, Used, VerdictCache
-from verify.cases.config import Row, RunConfig
+from verify.sweep.cache import ROOT, Used, VerdictCache
+from verify.config import RunConfig
+from verify.judge.row import Row
 from verify.cli import main
-from verify.selection import Unit
-from verify.worker import load_modules
+from verify.sweep.selection import Unit
+from verify.runner.worker import load_modules
 
 
 @pytest.fixture

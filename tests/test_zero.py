@@ -139,8 +139,8 @@ def test_zero_redundancy_optimizer_by_hand_over_dp_copies_is_right(tmp_path):
 
 
 def test_rows_carry_memory_measured_per_rank_and_each_stage_shards_its_share_at_w4(gang):
-    from verify.cases.config import RunConfig
-    from verify.sweep import run_model
+    from verify.config import RunConfig
+    from verify.rows.run import run_model
     mem = {}
     with tempfile.TemporaryDirectory() as tmp:
         for zero in (0, 1, 2, 3):
@@ -161,11 +161,11 @@ def test_rows_carry_memory_measured_per_rank_and_each_stage_shards_its_share_at_
 @pytest.mark.parametrize("bug, policy, replicas, says", [("zero_ungathered", "dp", 1, "param"),
                                                          ("zero_unscaled", "tp", 2, "grad")])
 def test_a_wrong_zero_fails_its_case(bug, policy, replicas, says):
-    from verify.cases.config import RunConfig
-    from verify.cases.replica_rows import run_replicas
+    from verify.config import RunConfig
+    from verify.rows.replicas import run_replicas
     from verify.judge.verdict import MISMATCH
     from verify.runner.gang import Gang
-    from verify.sweep import run_model
+    from verify.rows.run import run_model
     with Gang(4, (str(FIXTURES / f"{bug}.py"),), (4,)) as bad, tempfile.TemporaryDirectory() as tmp:
         cfg = RunConfig(world_sizes=(4,), zero=2)
         rows = list(run_replicas(bad, "nanogpt", (policy,), cfg, tmp, replicas, steps=1) if replicas > 1
@@ -213,10 +213,10 @@ def test_a_zero_resume_that_cuts_the_moments_at_wrong_offsets_fails():
     """The command a user runs for ZeRO (``--zero 1 --world-size 4``): the checkpoint resumes under hybrid
     with zero 1, so a sharded load that cuts the moments wrong is a MISMATCH naming the moment; the same
     case without the bug matches (the resume's own checks included)."""
-    from verify.cases.config import RunConfig
+    from verify.config import RunConfig
     from verify.judge.verdict import MISMATCH
     from verify.runner.gang import Gang
-    from verify.sweep import run_model
+    from verify.rows.run import run_model
     cfg = RunConfig(world_sizes=(4,), zero=1)
     with tempfile.TemporaryDirectory() as tmp:
         with Gang(4, (str(FIXTURES / "zero_load_offset.py"),), (4,)) as bad:

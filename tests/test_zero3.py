@@ -115,9 +115,9 @@ def test_zero_3_recipe_combination_on_llama_matches(gang):
 
 
 def test_a_wrong_zero_3_regather_fails_its_case():
-    from verify.cases.config import RunConfig
+    from verify.config import RunConfig
     from verify.runner.gang import Gang
-    from verify.sweep import run_model
+    from verify.rows.run import run_model
     with Gang(2, (str(FIXTURES / "zero3_wrong_regather.py"),), (2,)) as bad, tempfile.TemporaryDirectory() as tmp:
         (row,) = run_model(bad, "nanogpt", ("dp",), RunConfig(world_sizes=(2,), zero=3), tmp, steps=1, checkpoint=False)
     assert row.status == MISMATCH and row.detail.startswith("grad"), row.detail  # the loss is right: forward gathers right
@@ -135,7 +135,7 @@ def test_zero_3_at_w4_resumes_under_zero_1_at_w2_then_on_one_device(tmp_path):
 
 
 def test_verify_all_samples_the_combined_recipe_on_nanogpt_and_llama_only_when_it_runs_none_itself():
-    from verify.selection import RECIPE, default_units, full_units
+    from verify.sweep.selection import RECIPE, default_units, full_units
     units = [u for u in full_units([], ("bert", "llama", "nanogpt"), ["dp"], (2, 4), (0,), (0,), [], [], True)
              if u.recipe]
     assert {(u.name, u.policy, u.replicas, u.world_sizes) for u in units} == {

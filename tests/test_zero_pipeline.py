@@ -56,8 +56,8 @@ def test_zero_over_stage_dp_ranks_with_a_tied_embedding_and_clipping_trains_like
 
 
 def test_a_pipeline_s_rows_carry_memory_and_zero_1_halves_each_stage_s_optimizer_state(gang):
-    from verify.cases.config import RunConfig
-    from verify.sweep import run_model
+    from verify.config import RunConfig
+    from verify.rows.run import run_model
     mem = {}
     with tempfile.TemporaryDirectory() as tmp:
         for zero in (0, 1):

@@ -13,7 +13,7 @@ from verify.cli import main  # noqa: E402
 from verify.judge.verdict import MATCH  # noqa: E402
 from verify.models.loader import build_model, known_model  # noqa: E402
 from verify.models.zoo import KINDS, kind_of  # noqa: E402
-from verify.selection import ZOO, ZOO_DEFAULT, default_units, full_units  # noqa: E402
+from verify.sweep.selection import ZOO, ZOO_DEFAULT, default_units, full_units  # noqa: E402
 
 ONE_PER_KIND = {"causal": "llama", "masked": "albert", "seq2seq": "t5", "image": "vit", "speech": "wav2vec2"}
 

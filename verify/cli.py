@@ -1,5 +1,5 @@
 """``python -m verify``: ``op NAME``, ``model NAME``, ``list``, ``lint``, ``merge``, ``all``
-(:mod:`verify.all_command`) and ``plan PATH`` (:mod:`verify.plan.cli`).
+(:mod:`verify.sweep.command`) and ``plan PATH`` (:mod:`verify.plan.cli`).
 
 Exit codes: 0 every row matched, 1 some row failed (mismatch, error, timeout, crash), 2 bad input
 (unknown operator, bad flag, malformed annotation), with one line on stderr.
@@ -22,11 +22,13 @@ from nnscaler.ops.registry import UnknownOpError
 
 from nnscaler.policies import POLICIES, PlanError
 
-from verify.cases.config import BadInput, Row, RunConfig
+from verify.config import BadInput, RunConfig
+
+from verify.judge.row import Row
 from verify.judge.lowprec import precheck
 from verify.judge.verdict import MISMATCH
 
-from verify.sweep import preflight, run_model, run_op
+from verify.rows.run import preflight, run_model, run_op
 from verify.lint import lint
 from verify.catalogue import current_key, render, store_rows
 from verify.cases.model import PolicyFileError, resolve_policy
@@ -39,16 +41,16 @@ from verify.models.registry import ModelCase
 from verify.models.loader import ModelNotFound, check_builder, is_file_reference
 from verify.runner.gang import GangError, MemoryCapError, WorldSizeError
 from verify.report.progress import RunProgress
-from verify.cases.replica_rows import run_replicas
-from verify.shard import ShardError
+from verify.rows.replicas import run_replicas
+from verify.sweep.shard import ShardError
 from verify.cases.zero import zero_refusal
-from verify.cases.torchpar_mesh import parse_mesh
-from verify.cases.torchpar_rows import BAD_INPUT as TORCHPAR_BAD_INPUT, check_parallelize, run_torchpar
+from verify.cases.torchpar.mesh import parse_mesh
+from verify.rows.torchpar import BAD_INPUT as TORCHPAR_BAD_INPUT, check_parallelize, run_torchpar
 from verify.report.writer import ReportError, ReportWriter, summary, table
 from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, build_parser
 from verify.names import POLICY_NAMES
 from verify.plan.cli import cmd_plan
-from verify.all_command import cmd_all
+from verify.sweep.command import cmd_all
 from verify.options import gang_for, imported, load_registry, run_config, say
 
 
@@ -254,7 +256,7 @@ TORCHPAR_REFUSED = {"replicas": 1, "microbatches": 1, "zero": 0, "precision": "3
 
 def cmd_torchpar(args) -> int:
     """``verify model NAME --parallelize FILE.py:fn [--mesh SPEC]``: the user's own torch
-    parallelization (:mod:`verify.cases.torchpar`) against one device."""
+    parallelization (:mod:`verify.cases.torchpar.case`) against one device."""
     if args.parallelize is None:
         raise UsageError("--mesh needs --parallelize FILE.py:fn (the compiler's policies build their own meshes)")
     if args.policy is not None:
@@ -298,7 +300,7 @@ def _torchpar_dims(mesh: str, model: str | None = None, fn: str | None = None, w
 
 
 def cmd_merge(args) -> int:
-    from verify.merge import merge  # noqa: PLC0415
+    from verify.sweep.merge import merge  # noqa: PLC0415
     try:
         shards, cases = merge(args.dirs, args.reports)
     except ShardError as exc:

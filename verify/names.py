@@ -15,20 +15,20 @@ DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 TORCHPAR_NAMES = ("fsdp", "fsdp_tp", "hf_llama_tp_auto", "hf_qwen3_tp_auto", "titan_tp", "titan_tp_replicated_logits",
                   "titan_tp_wo_colwise", "vocab_offsets_v96", "wrong_missing_sp_gather", "wrong_rowwise_as_colwise",
                   "wrong_vocab_offsets")
-"""The names of ``verify.cases.torchpar_builtin.CASES``, sorted."""
+"""The names of ``verify.rows.torchpar_builtin.CASES``, sorted."""
 
 OVERWRITE = "overwrite"
 """``args.resume`` under ``--overwrite``, and ``ReportWriter(resume=OVERWRITE)``: the rows already in
 the reports directory are replaced."""
 
 MICROBATCH_POLICIES = ("dp", "tp")
-"""The policies ``verify all`` trains with micro-batches (:mod:`verify.selection`)."""
+"""The policies ``verify all`` trains with micro-batches (:mod:`verify.sweep.selection`)."""
 
 SEEDED_POLICIES = ("random", "random2d", "pp2_random")
 """Policies whose plan is drawn from the seed: ``verify all --full`` runs each under every ``--random-seeds``."""
 
 CACHE_DIR = ".verify-cache"
-"""Where ``verify all`` keeps verdicts unless told (``--cache-dir``; :mod:`verify.cache`)."""
+"""Where ``verify all`` keeps verdicts unless told (``--cache-dir``; :mod:`verify.sweep.cache`)."""
 
 TWO_D_RESUME = {"dp": "hybrid", "tp": "random2d"}
 """At W=4 a checkpoint of these policies resumes under a 2-D plan (a 2 x 2 mesh; :mod:`verify.cases.resume`),

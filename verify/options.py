@@ -15,9 +15,9 @@ from nnscaler.ops.registry import OpRegistry
 from nnscaler.policies import PlanError
 
 from verify.arguments import DEFAULT_WORLD_SIZES, UsageError
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 from verify.runner.gang import PG_TIMEOUT_S, Gang
-from verify.worker import load_modules
+from verify.runner.worker import load_modules
 
 
 def run_config(args) -> RunConfig:

@@ -12,7 +12,7 @@ Fixtures:
   or the builder function itself) under each policy: one subtest per (world size, policy, seed).
   With ``parallelize=fn`` (``"file.py:fn"`` or the function) and ``mesh="tp"`` (or ``"dp"``,
   ``"dp=2,tp=2"``) it verifies your own torch parallelization instead (``verify model
-  --parallelize``; :mod:`verify.cases.torchpar_api`): one subtest per (world size, seed).
+  --parallelize``; :mod:`verify.api`): one subtest per (world size, seed).
 
 A failing subtest carries the tolerance message and the command that reruns the row alone. The
 file that defines the operator or builder is imported by the ranks too (the gang restarts once to
@@ -27,11 +27,13 @@ from typing import Callable, Sequence
 
 import pytest
 
-from verify.cases.config import RunConfig, Row
+from verify.config import RunConfig
 
-from verify.sweep import run_model, run_op
+from verify.judge.row import Row
+
+from verify.rows.run import run_model, run_op
 from verify.runner.gang import Gang
-from verify.worker import load_modules
+from verify.runner.worker import load_modules
 
 
 
@@ -141,7 +143,7 @@ def verify_model(verify_gang: GangSession, subtests) -> Callable[..., list[Row]]
             parallelize=None, mesh: str = "tp") -> list[Row]:
         if parallelize is not None:  # the user's own torch parallelization
             from verify.torch_parallel import verify_parallelization
-            from verify.cases.torchpar_mesh import parse_mesh
+            from verify.cases.torchpar.mesh import parse_mesh
             fixed = all(n for _, n in parse_mesh(mesh))  # a mesh of fixed sizes sets its world size
             sizes = world_sizes or (None if fixed else list(verify_gang.world_sizes))
             rows = verify_parallelization(model, parallelize, mesh=mesh, world_sizes=sizes, seeds=seeds,

@@ -1,6 +1,6 @@
 """Verify your own torch parallelization from Python: ``verify_parallelization(build, fn)`` is
 ``python -m verify model FILE.py:build --parallelize FILE.py:fn`` (the contract:
-:mod:`verify.cases.torchpar_api`). ``Parallelized`` is what ``fn`` returns when each step must run in
+:mod:`verify.api`). ``Parallelized`` is what ``fn`` returns when each step must run in
 a context (``loss_parallel``)."""
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import math
 import tempfile
 from typing import Callable, Sequence
 
-from verify.cases.config import Row, RunConfig
-from verify.cases.torchpar_api import Parallelized, ParallelizeError
-from verify.cases.torchpar_mesh import parse_mesh
-from verify.cases.torchpar_rows import check_parallelize, run_torchpar
+from verify.config import RunConfig
+
+from verify.judge.row import Row
+from verify.api import Parallelized, ParallelizeError
+from verify.cases.torchpar.mesh import parse_mesh
+from verify.rows.torchpar import check_parallelize, run_torchpar
 from verify.runner.gang import Gang
 
 __all__ = ["Parallelized", "ParallelizeError", "reference", "verify_parallelization"]

@@ -9,7 +9,7 @@ model (goal: never slower).
     python bench/calibration/autodist.py [--skip-published] [--save DIR] [--operators]
 
 ``--save verify/plans`` writes every plan printed (``MODEL-GPUS.json``, ``search-ROW.json``) where
-``verify all`` runs each reduced (a ``plan`` unit, :mod:`verify.selection`).
+``verify all`` runs each reduced (a ``plan`` unit, :mod:`verify.sweep.selection`).
 
 Per-operator (``--operators``): plan search time and estimated step time of ``autodist`` for a 24-layer GPT at hidden 2048
 (~1.4 B parameters, built on the meta device: no weights allocated) at 8, 16 and 32 ranks on the

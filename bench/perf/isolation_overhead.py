@@ -11,10 +11,10 @@ import os
 import time
 
 from verify.runner import isolation
-from verify.cases.config import RunConfig
-from verify.sweep import run_op
+from verify.config import RunConfig
+from verify.rows.run import run_op
 from verify.runner.gang import Gang, rss_tree_mb
-from verify.worker import load_modules
+from verify.runner.worker import load_modules
 
 
 def per_job_isolation(repeat: int) -> float:

@@ -28,12 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from verify.cases.config import RunConfig
+from verify.config import RunConfig
 
-from verify.sweep import plan_op, run_op
+from verify.rows.run import plan_op, run_op
 from verify.runner.gang import Gang
 from verify.report.writer import ReportWriter
-from verify.worker import load_modules
+from verify.runner.worker import load_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,7 +159,7 @@ def shards(n: int) -> None:
     """The default sample as ``n`` shards, each in a fresh clone of the last commit with an empty cache,
     one after another (the machine otherwise idle): wall seconds per shard against its predicted share,
     then ``verify merge`` of their reports."""
-    from verify.shard import recorded_times
+    from verify.sweep.shard import recorded_times
     with tempfile.TemporaryDirectory() as d:
         walls, cases = [], []
         for i in range(1, n + 1):

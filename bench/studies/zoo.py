@@ -2,7 +2,7 @@
 audio classification architectures of the pinned version, each built from its config class's
 defaults shrunk (``verify.models.zoo``, named ``zoo:<model_type>``), traced, planned by ``dp`` and
 ``tp`` at W=2, and trained two AdamW steps under each on real ranks against one device by the
-harness's model cases (``verify.sweep.run_model``).
+harness's model cases (``verify.rows.run.run_model``).
 
     python bench/studies/zoo.py [--sample 48 | --all] [--kinds causal image ...] [--archs albert vit ...] [--no-match]
                         [--resume] [--wide N] [--timeout S] [--md reports/zoo.md] [--json reports/zoo.json]
@@ -98,9 +98,9 @@ def match(archs: list[str], rows: dict, timeout_s: float, save, world: int = WOR
           policies: tuple[str, ...] = ("dp", "tp"), key: str = "match", precision: str = "32-true") -> None:
     """Train each traced architecture under ``policies`` (seed 0) at W=``world`` on one gang, under
     the ``precision`` recipe; ``rows[arch][key]``: ``{policy: status or 'status: detail'}``; ``save()`` after each."""
-    from verify.cases.config import RunConfig
+    from verify.config import RunConfig
     from verify.runner.gang import Gang
-    from verify.sweep import run_model
+    from verify.rows.run import run_model
     cfg = RunConfig(world_sizes=(world,), seeds=(0,), timeout_s=timeout_s, precision=precision)
     with tempfile.TemporaryDirectory() as tmp, Gang(world, (), (world,), pg_timeout_s=max(300.0, 2 * cfg.limit_s("model", STEPS))) as gang:
         for arch in archs:

@@ -1,6 +1,6 @@
 """How close correct torch parallelizations come to the bounds: the worst ratio err / tol (1.0 = at
 the bound) of each row's reported checks (loss, gradients, updates, DCP resume) for every built-in
-correct case of ``verify all``'s torchpar section (``verify/cases/torchpar_builtin.py``), over seeds.
+correct case of ``verify all``'s torchpar section (``verify/rows/torchpar_builtin.py``), over seeds.
 One rank gang serves every case.
 
     python bench/verdicts/torchpar_calibration.py [--seeds 1 2 3] [--steps 3]
@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's packages, not an installed copy
 
-from verify.cases.config import RunConfig  # noqa: E402
-from verify.cases.torchpar_builtin import CASES  # noqa: E402
-from verify.cases.torchpar_mesh import parse_mesh  # noqa: E402
-from verify.cases.torchpar_rows import run_torchpar  # noqa: E402
+from verify.config import RunConfig  # noqa: E402
+from verify.rows.torchpar_builtin import CASES  # noqa: E402
+from verify.cases.torchpar.mesh import parse_mesh  # noqa: E402
+from verify.rows.torchpar import run_torchpar  # noqa: E402
 from verify.judge.verdict import MATCH  # noqa: E402
 from verify.runner.gang import Gang  # noqa: E402
 

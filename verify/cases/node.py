@@ -2,8 +2,8 @@
 
 The model (a built-in name, ``NAME@WIDTH`` or ``FILE.py:BUILDER``) is built with the case's seed,
 cast to the case's dtype and traced on its step-0 batch, exactly as the localiser
-(:mod:`verify.cases.localize`) traces it; the node's annotation (registered or derived by a rule) and its
-traced lengths and arguments give the sample (:func:`verify.plan.check.op_sample`, the code that
+(:mod:`verify.localize.model`) traces it; the node's annotation (registered or derived by a rule) and its
+traced lengths and arguments give the sample (:func:`verify.cases.samples.op_sample`, the code that
 verifies a plan's pairs), which then runs like any ``verify op`` case.
 """
 from __future__ import annotations
@@ -17,8 +17,7 @@ from nnscaler.ir.graph import IRGraph, IROp
 from nnscaler.trace.build import trace
 
 from verify.models.loader import build_model
-from verify.plan.check import op_sample
-from verify.cases.samples import DTYPES, Sample
+from verify.cases.samples import DTYPES, Sample, op_sample
 
 
 class UnknownNode(ValueError):

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from nnscaler.dimops.partition import Partition, check_partition, enumerate_partitions
+from nnscaler.ir.graph import IROp
+from nnscaler.ir.plan import Plan
 from nnscaler.ops.spec import outputs_of, resolve
 from nnscaler.runtime.mesh import RankMesh
 from nnscaler.runtime.partitioned import run_partitioned
@@ -196,3 +198,8 @@ def _kind(x) -> str:
 
 def _detach(y):
     return y.detach() if isinstance(y, torch.Tensor) else y
+
+
+def op_partition(plan: Plan, op: IROp) -> Partition:
+    p = plan.partition(op)  # the replication axis carries no split, its place does not change a verdict
+    return Partition(tuple((i, f) for i, f in p.splits if i is not None), p.world_size, p.blocks)

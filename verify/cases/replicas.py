@@ -61,6 +61,19 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", 
     return names
 
 
+def run_replicas_job(job: dict, groups: GroupCache, traces: TraceCache | None = None,
+                     memory: MemoryLog | None = None) -> list[Check]:
+    """The checks of a ``model`` job planned on fewer ranks than it runs on (keys: model, policy,
+    world_size, plan_ngpus, steps, seed, gen_dir, and optionally dtype, bucket_bytes, microbatches and
+    the recipe's); ``traces``: the rank's trace cache."""
+    return run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
+                             job["steps"], job["seed"], groups, job["gen_dir"],
+                             dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
+                             microbatches=job.get("microbatches", 1), traces=traces,
+                             clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
+                             zero=job.get("zero", 0), precision=Precision.of(job), memory=memory)
+
+
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
                       groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
                       microbatches: int = 1, traces: TraceCache | None = None, clip: float | None = None,

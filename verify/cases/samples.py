@@ -2,14 +2,14 @@
 values non-constant, sign-varying and seeded (reproducible from the printed seed)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from nnscaler.dimops.binding import BoundAnno, bind
 from nnscaler.dimops.grammar import FROZEN
+from nnscaler.ir.graph import IROp, IRTensor
 from nnscaler.ops.spec import Complex, Index, Mask, OpSpec, Positive, Uniform, outputs_of, resolve, size_names
 
 from verify.names import DTYPE_NAMES
@@ -18,11 +18,6 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 SPLIT_MULTIPLES = (2, 1, 3)  # splittable lengths are base x these, cycling over identifiers
 FROZEN_LENGTHS = (3, 5, 6, 7)  # lengths of identifiers that are never split
 HIDDEN_LENGTHS = (2, 3)  # lengths of non-first factors of a group
-
-
-def split_base(world_sizes: Sequence[int]) -> int:
-    """Every splittable length is a multiple of this, so each split degree tested divides it."""
-    return math.lcm(*world_sizes) if world_sizes else 1
 
 
 def sample_lengths(spec: OpSpec, base: int) -> dict[str, int]:
@@ -140,3 +135,21 @@ def make_sample(spec: OpSpec, dtype: torch.dtype, seed: int, base: int) -> Sampl
         else:
             cots.append(None)
     return Sample(spec, bound, inputs, cots, dtype, seed)
+
+
+def op_sample(op: IROp, bound: BoundAnno, seed: int) -> tuple[Sample, tuple]:
+    """Inputs at ``bound``'s lengths in the op's traced dtypes (constraints of the spec honoured),
+    and the op's outputs on them."""
+    spec = op.spec
+    inputs = []
+    g = torch.Generator().manual_seed(seed)
+    for pos, t in enumerate(spec.anno.inputs):
+        x = op.inputs[pos] if pos < len(op.inputs) else None
+        dtype = x.dtype if isinstance(x, IRTensor) else torch.float32
+        inputs.append(input_values(spec, pos, bound, dtype, g))
+    with torch.no_grad():
+        outs = outputs_of(spec.anno, spec.fn(*inputs, **resolve(dict(spec.kwargs), bound.sizes)))
+    cots = [torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
+            if isinstance(y, torch.Tensor) and y.is_floating_point() and spec.differentiable else None for y in outs]
+    dtype = next((x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()), torch.float32)
+    return Sample(spec, bound, inputs, cots, dtype, seed), outs

@@ -96,7 +96,7 @@ class TraceCache:
 
 
 def graph_ops(traces: "TraceCache | None", key: Hashable) -> dict | None:
-    """What the verdict cache keys a model case on (:mod:`verify.cache`): the aten operators of the
+    """What the verdict cache keys a model case on (:mod:`verify.sweep.cache`): the aten operators of the
     graphs ``traces`` holds for ``key`` (``ops``), and those of them no rule annotated (``fixed``: a
     catalogue entry matched, or nothing did); None when it holds no graph for ``key``."""
     graphs = [g for full, g in (traces.graphs.items() if traces is not None else ()) if full[0] == key]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from verify.runner.answer import RankAnswer
+from verify.judge.answer import RankAnswer
 
 MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
 UNVERIFIABLE = "unverifiable"  # a random operator: never a match, never a mismatch
@@ -68,7 +68,7 @@ class Divergence:
     def describe(self, modules=()) -> str:
         """One line for the report; ``modules`` are the ``--module`` files the op's rerun needs."""
         at = f"[{self.partition}]" + (f" in {self.where}" if self.where else "")
-        if self.what == "module":  # verify/cases/torchpar_modules.py: a module of the user's own program
+        if self.what == "module":  # verify/cases/torchpar/localize.py: a module of the user's own program
             what = self.tensor or ("output" if self.direction == "forward" else "gradient of its output")
             return (f"first divergent module: {self.op} ({self.overload}) {at}, {what} error {self.err:.3g} > "
                     f"tolerance {self.tol:.3g}")

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from verify.models.registry import MODELS, WIDENABLE, ModelCase
-from verify.plan.reduced import build_case, is_plan_reference
+from verify.models.saved_plan import build_case, is_plan_reference
 from verify.models.zoo import is_zoo, zoo_builder
 
 
@@ -29,7 +29,7 @@ HOW_TO_ADD = ("pass FILE.py:BUILDER[@WIDTH], where BUILDER(seed[, WIDTH]) return
 
 
 def import_file(path: Path):
-    name = f"verify_user_{abs(hash(str(path)))}"  # as verify.worker.load_modules names it: imported once
+    name = f"verify_user_{abs(hash(str(path)))}"  # as verify.runner.worker.load_modules names it: imported once
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -61,7 +61,7 @@ def is_file_reference(ref: str) -> bool:
 
 def find_builder(ref: str) -> Callable[[int], ModelCase]:
     """The builder ``ref`` names; :class:`ModelNotFound` with how to fix it otherwise."""
-    if is_plan_reference(ref):  # a saved cluster plan: the model it describes (verify.plan.reduced)
+    if is_plan_reference(ref):  # a saved cluster plan: the model it describes (verify.models.saved_plan)
         if not Path(ref).is_file():
             raise ModelNotFound(f"model {ref!r}: no such plan file")
         return _checked(lambda seed: build_case(ref, seed), ref)

@@ -1,6 +1,6 @@
 """Parallelizations written with PyTorch's own tools, as users write them, for the torchtitan-style
 Llama of :mod:`verify.models.titan_llama`: each is ``fn(model, mesh)`` (the contract of
-``verify model --parallelize``, :mod:`verify.cases.torchpar`). The correct ones follow torchtitan's
+``verify model --parallelize``, :mod:`verify.cases.torchpar.case`). The correct ones follow torchtitan's
 plan (``torchtitan/models/llama3/infra/parallelize.py``); the ``wrong_*`` ones are known mistakes that
 the harness must catch and localise."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from verify.torch_parallel import Parallelized
+from verify.api import Parallelized
 
 
 def _tp(mesh: DeviceMesh) -> DeviceMesh:
@@ -169,7 +169,7 @@ def wrong_vocab_offsets(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 PLANS = {"titan_tp": titan_tp, "titan_tp_replicated_logits": titan_tp_replicated_logits, "fsdp": fsdp,
          "fsdp_tp": fsdp_tp, "titan_tp_wo_colwise": titan_tp_wo_colwise, "wrong_rowwise_as_colwise": wrong_rowwise_as_colwise,
          "wrong_missing_sp_gather": wrong_missing_sp_gather, "wrong_vocab_offsets": wrong_vocab_offsets}
-"""The plans by name (``verify.cases.torchpar_builtin`` lists which model and mesh each runs on)."""
+"""The plans by name (``verify.rows.torchpar_builtin`` lists which model and mesh each runs on)."""
 
 
 # -- transformers' own tensor-parallel plans ---------------------------------------------------------

@@ -32,11 +32,11 @@ from nnscaler.ir.graph import IRGraph, IROp, IRTensor
 from nnscaler.io import atomic_write
 from nnscaler.ir.plan import Plan
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
-from nnscaler.ops.spec import outputs_of, resolve
 
 from verify.cases import op as rank_case
 from verify.plan.shrink import fits, reduced_bound
-from verify.cases.samples import Sample, input_values
+from verify.cases.op import op_partition
+from verify.cases.samples import op_sample
 
 HARNESS_VERSION = "2"  # bump when what a verdict means changes (2: reduced lengths, see verify.plan.shrink)
 DEFAULT_CACHE = Path(os.path.expanduser("~")) / ".cache" / "nnscaler-verify" / "verdicts.json"
@@ -68,11 +68,6 @@ class Pair:
     small: BoundAnno | None
     key: str  # of the reduced problem when there is one, else of the traced one
     full_key: str
-
-
-def op_partition(plan: Plan, op: IROp) -> Partition:
-    p = plan.partition(op)  # the replication axis carries no split, its place does not change a verdict
-    return Partition(tuple((i, f) for i, f in p.splits if i is not None), p.world_size, p.blocks)
 
 
 def _source(fn) -> str:
@@ -118,24 +113,6 @@ def _save_cache(path: Path, cache: dict) -> None:
         raise OSError(f"{path} is not a file")
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(cache, indent=0))
-
-
-def op_sample(op: IROp, bound: BoundAnno, seed: int) -> tuple[Sample, tuple]:
-    """Inputs at ``bound``'s lengths in the op's traced dtypes (constraints of the spec honoured),
-    and the op's outputs on them."""
-    spec = op.spec
-    inputs = []
-    g = torch.Generator().manual_seed(seed)
-    for pos, t in enumerate(spec.anno.inputs):
-        x = op.inputs[pos] if pos < len(op.inputs) else None
-        dtype = x.dtype if isinstance(x, IRTensor) else torch.float32
-        inputs.append(input_values(spec, pos, bound, dtype, g))
-    with torch.no_grad():
-        outs = outputs_of(spec.anno, spec.fn(*inputs, **resolve(dict(spec.kwargs), bound.sizes)))
-    cots = [torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
-            if isinstance(y, torch.Tensor) and y.is_floating_point() and spec.differentiable else None for y in outs]
-    dtype = next((x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()), torch.float32)
-    return Sample(spec, bound, inputs, cots, dtype, seed), outs
 
 
 def plan_pairs(graph: IRGraph, plan: Plan, dtype: str, reduce: bool = True) -> dict[str, Pair]:

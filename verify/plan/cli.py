@@ -1,6 +1,6 @@
 """``python -m verify plan PATH``: a saved cluster plan, judged equal to one device on this machine.
 
-The plan (``plan_cluster(...).save(PATH)``) is reduced (:mod:`verify.plan.reduced`: the same axes in the
+The plan (``plan_cluster(...).save(PATH)``) is reduced (:mod:`verify.models.saved_plan`: the same axes in the
 same order, schedule, virtual stages, recipes, precision, and the same architecture, at degrees of 2
 and a small width), lowered to what the compiler runs (:func:`nnscaler.cluster.plan.lower`,
 the one lowering the cost model assumed), checked to give every block's linears Megatron's
@@ -21,9 +21,11 @@ from pathlib import Path
 from nnscaler.config import ComputeConfig, PlanError
 from nnscaler.cluster.plan import SavedPlan, check_lowering, load
 
-from verify.cases.config import BadInput, Row, RunConfig
+from verify.config import BadInput, RunConfig
+
+from verify.judge.row import Row
 from verify.judge.verdict import MISMATCH
-from verify.plan.reduced import build_case, write_reduced
+from verify.models.saved_plan import build_case, write_reduced
 
 LAYOUT_FIELDS = ("tp_size", "pp_size", "schedule", "virtual_stages", "sequence_parallel")
 
@@ -83,8 +85,8 @@ def plan_rows(gang, case: PlanCase, out_dir: str | os.PathLike, steps: int = 3, 
               timeout_s: float = 60.0, rerun: str = "", used=None) -> list[Row]:
     """The rows of one prepared plan on ``gang`` (``case.reduced.world`` of its ranks): a failed row
     naming the first operator split otherwise than costed, or the whole-model case against one device
-    (``used``: a :class:`verify.cache.Used` collecting what the ranks ran, for ``verify all``'s cache)."""
-    from verify.sweep import run_model
+    (``used``: a :class:`verify.sweep.cache.Used` collecting what the ranks ran, for ``verify all``'s cache)."""
+    from verify.rows.run import run_model
     name = f"plan:{case.saved.path.name}"
     if case.problems:
         return [Row(name, "model", "the compiler's per-operator plan vs the costed one", case.reduced.world,
@@ -104,7 +106,7 @@ def plan_rows(gang, case: PlanCase, out_dir: str | os.PathLike, steps: int = 3, 
 def cmd_plan(args) -> int:
     from verify.runner.gang import Gang
     from verify.report.writer import summary, table
-    from verify.worker import load_modules
+    from verify.runner.worker import load_modules
     for m in args.module:
         if not Path(m).is_file():
             raise BadInput(f"--module {m}: no such file")

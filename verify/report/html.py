@@ -17,8 +17,8 @@ from typing import Sequence
 
 from verify.judge.verdict import MATCH
 
-from verify.cases.config import Row
-from verify.cases.tensor_trace import PROFILE_POINTS
+from verify.judge.row import Row
+from verify.localize.tensor_trace import PROFILE_POINTS
 
 FAIL_COLOR = "#d62728"
 OK_COLOR = "#1f77b4"

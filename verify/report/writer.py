@@ -20,7 +20,8 @@ from nnscaler.io import atomic_write
 
 from verify.report import html as html_report
 from verify.judge.verdict import MATCH
-from verify.cases.config import Row, RunConfig
+from verify.config import RunConfig
+from verify.judge.row import Row
 from verify.names import OVERWRITE
 
 CASES_FILE = "cases.jsonl"
@@ -116,7 +117,7 @@ class ReportWriter:
             raise ReportError(f"reports directory {self.dir} is not a directory")
         self._lock = self._acquire()
         self._flushed = 0.0
-        self.sweep: dict = {}  # verify all: the selection, shard and finished units (verify/shard.py)
+        self.sweep: dict = {}  # verify all: the selection, shard and finished units (verify/sweep/shard.py)
         try:
             if resume is not True and resume != OVERWRITE:
                 self._check_replace()
@@ -324,7 +325,7 @@ def junit(rows: Sequence[Row]) -> str:
         name = (f"W{r.world_size}[{r.partition}] {r.dtype} seed{r.seed}" if r.world_size else
                 f"sampling {r.dtype} seed{r.seed}")  # a row for an op whose sample could not be made
         case = ET.SubElement(suite, "testcase", classname=f"verify.{r.op}", name=name, time=f"{r.seconds:.4f}")
-        if r.cached:  # the verdict of an earlier run, reused (verify/cache.py)
+        if r.cached:  # the verdict of an earlier run, reused (verify/sweep/cache.py)
             ET.SubElement(ET.SubElement(case, "properties"), "property", name="cached", value="true")
         if not r.ok:
             tag = "failure" if r.status == "MISMATCH" else "error"

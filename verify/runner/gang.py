@@ -30,9 +30,9 @@ from typing import Sequence
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verify import worker
+from verify.runner import worker
 from verify.runner import isolation
-from verify.runner.answer import RankAnswer
+from verify.judge.answer import RankAnswer
 from verify.runner.limits import DEFAULT_MEMORY_MB, max_ranks  # noqa: F401  (the gang's own checks; re-exported)
 
 PG_TIMEOUT_S = 3600.0  # gloo's own timeout: only a backstop, case limits are far shorter
@@ -112,7 +112,7 @@ class Gang:
     def start(self) -> None:
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":  # ranks fork from a server that imported torch once
-            ctx.set_forkserver_preload(["verify.runner.forkserver_guard", "torch", "torch.distributed", "verify.worker", "opzoo"])
+            ctx.set_forkserver_preload(["verify.runner.forkserver_guard", "torch", "torch.distributed", "verify.runner.worker", "opzoo"])
         self._store, self._sock = host_store(self.host, self.start_timeout_s)
         port = self._sock.getsockname()[1]
         self._outbox = ctx.Queue()

@@ -3,7 +3,7 @@ that drives a :class:`~verify.runner.gang.Gang` (its ``run(job, ranks, timeout_s
 serves what rank 0 broadcasts until told to stop.
 
 Each job is broadcast from rank 0 (``broadcast_object_list``), answered on every rank by
-:func:`verify.worker.isolated` (the gang's own answer, from the same :class:`~verify.worker.RankState`)
+:func:`verify.runner.worker.isolated` (the gang's own answer, from the same :class:`~verify.runner.worker.RankState`)
 and gathered on rank 0 (``gather_object``), which judges the answers as it judges a gang's. Unlike a
 gang, a torchrun job cannot restart its ranks: a case past its limit ends the job (exit 1), since a
 rank may be stuck in a collective that nothing can cancel.
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from nnscaler.runtime.mesh import GroupCache, mesh_shapes
 
-from verify import worker
-from verify.runner.answer import RankAnswer
+from verify.runner import worker
+from verify.judge.answer import RankAnswer
 from verify.runner.gang import PG_TIMEOUT_S, GangError
 
 def join(timeout_s: float = PG_TIMEOUT_S) -> torch.device:
@@ -148,7 +148,7 @@ class TorchrunRanks:
 
 def _expire(job: dict, timeout_s: float) -> None:
     """A case past its limit: one line, and the job ends (the other ranks are ended by torchrun)."""
-    kind = {"case": "op", "plan": "sampling of op"}.get(job.get("kind"), job.get("kind"))
+    kind = {"op_partitions": "sampling of op"}.get(job.get("kind"), job.get("kind"))
     what = f"{kind} {job.get('model') or job.get('op', '')} {job.get('policy') or job.get('partition') or ''}"
     print(f"verify.cluster: {' '.join(what.split())} at W={job.get('world_size', 1)} gave no answer within its limit of {timeout_s:.0f} s; "
           f"ending the job (a rank may be stuck in a collective)", file=sys.stderr, flush=True)

@@ -33,10 +33,12 @@ from typing import Iterable, Sequence
 
 from nnscaler.io import atomic_write
 
-from verify.cases.config import Row, RunConfig
-from verify.selection import Unit
+from verify.config import RunConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+from verify.judge.row import Row
+from verify.sweep.selection import Unit
+
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("nnscaler", "verify", "opzoo")
 FORMAT = 4  # bump when the entry layout or the dependency rule changes
 

@@ -6,7 +6,7 @@
 * :func:`localize_torchpar`: one forward and backward of the first step's batch at the initial
   parameters, with hooks on every module of the parallel model and of the single-device model (in
   the dtype under test and in float64). Each module's inputs and outputs (forward), and its output
-  and input gradients (backward), are materialised whole (:func:`~verify.cases.torchpar_mesh.whole`:
+  and input gradients (backward), are materialised whole (:func:`~verify.cases.torchpar.mesh.whole`:
   ``full_tensor()`` of a DTensor, a style's local piece gathered) and judged by
   :func:`~verify.judge.compare.check_tensor`. The culprit is the first module (in the order calls
   finish) whose inputs match and whose output does not; when every output matches, the first module
@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 from verify.cases.batch import cast
 from verify.cases.fresh import load_like
 from verify.cases.samples import DTYPES
-from verify.cases.torchpar_build import parallel_model
-from verify.cases.torchpar_mesh import build_mesh, describe, dp_slice, whole
+from verify.cases.torchpar.build import parallel_model
+from verify.cases.torchpar.mesh import build_mesh, describe, dp_slice, whole
 from verify.judge.compare import Float64Fallback, check_tensor
 from verify.judge.verdict import Divergence
 from verify.models.loader import build_model

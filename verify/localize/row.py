@@ -8,8 +8,8 @@ import re
 
 import torch.distributed as dist
 
-from verify.cases.localize import Localized, localize_model_case
-from verify.cases.localize_stages import localize_pipeline_case, localize_replicas_case
+from verify.localize.model import Localized, localize_model_case
+from verify.localize.stages import localize_pipeline_case, localize_replicas_case
 from verify.cases.pipeline import is_pipeline_policy
 
 _RESUMED = re.compile(r"^resumed under (\S+)(?: zero\d)? at W=(\d+): (loss|grad) ")  # ZeRO: localised without it

@@ -10,9 +10,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
-from verify.cases.config import Row, RunConfig
-from verify.cases.torchpar_mesh import parse_mesh
-from verify.cases.torchpar_rows import run_torchpar
+from verify.config import RunConfig
+
+from verify.judge.row import Row
+from verify.cases.torchpar.mesh import parse_mesh
+from verify.rows.torchpar import run_torchpar
 from verify.judge.verdict import ERROR, MATCH, MISMATCH
 from verify.runner.gang import Gang
 

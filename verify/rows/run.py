@@ -10,7 +10,9 @@ from typing import Iterator
 
 from nnscaler.ops.spec import OpSpec
 
-from verify.cases.config import BadInput, Row, RunConfig, model_label, rerun_modules
+from verify.config import BadInput, RunConfig, model_label, rerun_modules
+
+from verify.judge.row import Row
 from verify.cases.model import expected_checks
 from verify.cases.pipeline import pipeline_applies, pipeline_microbatches
 from verify.cases.zero import rank_memory, zero_applies
@@ -20,7 +22,7 @@ from verify.runner.gang import Gang
 
 def plan_op(gang: Gang, spec: OpSpec, cfg: RunConfig, seed: int) -> tuple[dict[int, list[str]] | None, Row | None]:
     """The partitions to run per world size (computed on rank 0), or an error row for the op."""
-    job = {"kind": "plan", **cfg.job(spec), "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
+    job = {"kind": "op_partitions", **cfg.job(spec), "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
            "world_sizes": list(cfg.world_sizes), "partition": cfg.partition}
     (answer,) = gang.run(job, 1, cfg.timeout_s)
     call_error = answer.result and answer.result.get("error_type") == "TypeError" and \
@@ -91,7 +93,7 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
                 if (name, w, label, cfg.dtype, seed) in skip:
                     continue
                 start = time.perf_counter()
-                job = {"kind": "case", **cfg.job(spec), "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
+                job = {"kind": "op", **cfg.job(spec), "dtype": cfg.dtype, "seed": seed, "base": cfg.base,
                        "world_size": w, "partition": label}
                 status, detail, checks, tb = judge(gang.run(job, w, cfg.limit_s("op")))
                 out, grad = worst(checks, "output"), worst(checks, "grad")
@@ -113,7 +115,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
     ``cfg.microbatches`` M above 1, each step trains M stacked batches by ``train_step`` in M
     micro-batches (against one device on the whole batch); the row's partition reads ``POLICY mbM``.
     ``checkpoint=False`` judges the training steps alone (no checkpoint reloads, no resume).
-    ``used`` (a :class:`verify.cache.Used`) collects what the ranks ran, for the verdict cache."""
+    ``used`` (a :class:`verify.sweep.cache.Used`) collects what the ranks ran, for the verdict cache."""
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:

@@ -12,10 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from verify.cases.config import Row, RunConfig
-from verify.cases.torchpar_build import ParallelizeNotFound, find_fn
-from verify.cases.torchpar_api import ParallelizeError, unpack
-from verify.cases.torchpar_mesh import DP, MeshSpecError, mesh_shape, parse_mesh
+from verify.config import RunConfig
+
+from verify.judge.row import Row
+from verify.cases.torchpar.build import ParallelizeNotFound, find_fn
+from verify.api import ParallelizeError, unpack
+from verify.cases.torchpar.mesh import DP, MeshSpecError, mesh_shape, parse_mesh
 from verify.judge.verdict import MATCH, judge, worst
 from verify.models.loader import build_model
 from verify.runner.gang import Gang

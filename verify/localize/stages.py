@@ -4,7 +4,7 @@ A pipeline is localised stage by stage: the pipelined module is compiled as the 
 and each stage's graph and plan run instrumented on that stage's ranks, fed at the stage's inputs
 (the cut activations, and the user inputs it reads) with the single-device run's values on the first
 micro-batch, and, at its outputs, with the single-device run's gradients; every operator is then
-compared as :func:`verify.cases.localize.localize_program` compares a whole program. The earliest stage holding a
+compared as :func:`verify.localize.model.localize_program` compares a whole program. The earliest stage holding a
 divergence names it; when every stage matches alone, the fault lies between stages. A replicas case
 is localised as a plain case of its plan on its ``W / R`` plan ranks (on the whole step-0 batch);
 when that plan matches, the fault lies in the sync between replicas.
@@ -20,8 +20,8 @@ from nnscaler.policies import ComputeConfig
 
 from verify.cases.compiled import compile_case
 from verify.cases.batch import cast
-from verify.cases.localize import Localized, divergence, localize_model_case, probed_program, references, single_program
-from verify.cases.tensor_trace import Recorder, compare
+from verify.localize.model import Localized, divergence, localize_model_case, probed_program, references, single_program
+from verify.localize.tensor_trace import Recorder, compare
 from verify.cases.microbatch import whole_batch
 from verify.cases.fresh import built_like
 from verify.models.loader import build_model

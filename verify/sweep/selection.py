@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from verify.cases.config import model_label
+from verify.config import model_label
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
-from verify.cases.replica_rows import ALL_REPLICAS, replica_world_sizes
+from verify.rows.replicas import ALL_REPLICAS, replica_world_sizes
 from verify.cases.replicas import replica_label
 from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, TWO_D_RESUME
 
@@ -37,8 +37,8 @@ checkpoints take the blocked-piece path (gathered whole on its axis when saved, 
 ZOO = ("vit", "albert", "distilbert", "t5", "bart", "wav2vec2", "hubert", "swin", "resnet", "gpt_bigcode",
        "olmo2", "olmoe")  # --full's zoo:<model_type> units (verify.models.zoo), over the kinds bench/studies/zoo.py sweeps
 ZOO_DEFAULT = ("vit",)  # the default's: one cheap non-language model
-ROOT = Path(__file__).resolve().parents[1]
-PLANS = Path(__file__).with_name("plans")  # the plans bench/calibration/autodist.py prints (`--save verify/plans`)
+ROOT = Path(__file__).resolve().parents[2]
+PLANS = Path(__file__).resolve().parents[1] / "plans"  # the plans bench/calibration/autodist.py prints (`--save verify/plans`)
 DEFAULT_PLANS = ("llama3-8b-8",)  # the default sample's: one cheap plan (dp x ZeRO-3 reduced to W=2)
 TWO_D_POLICIES = ("hybrid", "random2d")  # their mesh is 2-D at W=4 (1-D at W=2)
 NO_RESUME_STEPS = 2
@@ -67,19 +67,27 @@ class Unit:
 
     @property
     def label(self) -> str:
-        """What the progress line and the cache call it: ``model:nanogpt tp mb4 W=2 seed 1 resume``."""
-        if self.kind == "op":
-            return self.name
-        if self.kind == "torchpar":
-            return f"torchpar:{self.name} W={self.world_sizes[0]}"
-        if self.kind == "plan":
-            return f"plan:{Path(self.name).stem} W={self.world_sizes[0]} seed {self.seeds[0]}"
-        policy = model_label(self.policy, self.microbatches)
-        if self.replicas > 1:
-            policy = replica_label(policy, self.replicas)
-        return (f"model:{self.name} {policy}{RECIPE_TAG if self.recipe else ''} "
-                f"W={','.join(map(str, self.world_sizes))} seed {','.join(map(str, self.seeds))}"
-                + ("" if self.checkpoint else " no-resume"))
+        """What the progress line and the cache call it (``model:nanogpt tp mb4 W=2 seed 1 resume``):
+        its kind's (:data:`UNIT_LABELS`)."""
+        return UNIT_LABELS[self.kind](self)
+
+
+def _model_label(u: Unit) -> str:
+    policy = model_label(u.policy, u.microbatches)
+    if u.replicas > 1:
+        policy = replica_label(policy, u.replicas)
+    return (f"model:{u.name} {policy}{RECIPE_TAG if u.recipe else ''} "
+            f"W={','.join(map(str, u.world_sizes))} seed {','.join(map(str, u.seeds))}"
+            + ("" if u.checkpoint else " no-resume"))
+
+
+UNIT_LABELS: dict[str, Callable[[Unit], str]] = {
+    "op": lambda u: u.name,
+    "model": _model_label,
+    "torchpar": lambda u: f"torchpar:{u.name} W={u.world_sizes[0]}",
+    "plan": lambda u: f"plan:{Path(u.name).stem} W={u.world_sizes[0]} seed {u.seeds[0]}",
+}
+"""Each unit kind's label; the same kind names key :data:`verify.sweep.drive.UNIT_ROWS` (how it runs)."""
 
 
 def _model(name, policy, w, seed, microbatches=1, replicas=1, checkpoint=True, recipe=False) -> Unit:
@@ -137,7 +145,7 @@ def plan_units(plans: Sequence[str | Path], world_sizes: Sequence[int], seeds: S
     under the first seed; a plan whose reduced world size is not among ``world_sizes`` is left out (the
     gang has no group for it). ``name``: the file relative to the checkout where it lies inside it."""
     from nnscaler.cluster.plan import load  # noqa: PLC0415 (only a sweep with plans reads them)
-    from verify.plan.reduced import reduce_parallel  # noqa: PLC0415
+    from verify.models.saved_plan import reduce_parallel  # noqa: PLC0415
     out = []
     for p in map(Path, plans):
         w = reduce_parallel(load(p).parallel).world
@@ -153,7 +161,7 @@ def wide_plan_units(plans: Sequence[str | Path], world_sizes: Sequence[int], see
     """The saved plans that reduce to more ranks than the sweep's largest world size and at most ``most``
     (default: what this machine runs, :func:`~verify.runner.limits.max_ranks`): a plan with tp, pp and dp
     all above 1 keeps its three axes only at 8 ranks. Each runs on a gang of its own
-    (:func:`verify.drive.run_plan_unit`), so ``--full`` verifies every printed plan."""
+    (:func:`verify.sweep.drive.run_plan_unit`), so ``--full`` verifies every printed plan."""
     from verify.runner.limits import max_ranks  # noqa: PLC0415
     most = max_ranks() if most is None else most
     bigger = tuple(range(max(world_sizes) + 1, most + 1))

@@ -9,9 +9,9 @@ from typing import Sequence
 
 from nnscaler.io import atomic_write
 
-from verify.cases.config import Row
+from verify.judge.row import Row
 from verify.report.writer import CASES_FILE, ReportError, summary, write_reports
-from verify.shard import ShardError, check_shards
+from verify.sweep.shard import ShardError, check_shards
 
 
 def _load(directory: Path) -> tuple[dict, list[Row]]:

@@ -1,36 +1,47 @@
-"""Running the units of a sweep (:mod:`verify.selection`) on a gang: each unit from the verdict cache
-when it holds it (:mod:`verify.cache`), else on the ranks; rows go to the report writer as they come."""
+"""Running the units of a sweep (:mod:`verify.sweep.selection`) on a gang: each unit from the verdict cache
+when it holds it (:mod:`verify.sweep.cache`), else on the ranks; rows go to the report writer as they come."""
 from __future__ import annotations
 
 import tempfile
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
-from verify.cache import Used, VerdictCache
-from verify.cases.config import Row, RunConfig
-from verify.cases.replica_rows import run_replicas
-from verify.cases.torchpar_builtin import CASES as TORCH_CASES, run_builtin
+from verify.sweep.cache import Used, VerdictCache
+from verify.config import RunConfig
+from verify.judge.row import Row
+from verify.rows.replicas import run_replicas
+from verify.rows.torchpar_builtin import CASES as TORCH_CASES, run_builtin
 from verify.plan.arguments import DEFAULT_TIMEOUT_S  # a plan unit is never held to less
 from verify.runner.gang import Gang
-from verify.selection import RECIPE, ROOT, Unit
-from verify.sweep import run_model, run_op
+from verify.sweep.selection import RECIPE, ROOT, Unit
+from verify.rows.run import run_model, run_op
 
 
 def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used,
              planned: dict | None = None) -> Iterator[Row]:
-    """The rows of ``unit`` (leaving out the cases whose keys are in ``skip``, already done);
-    ``planned``: the preflight's partitions of operators (``verify.sweep.preflight``)."""
-    if unit.kind == "op":
-        yield from run_op(gang, specs[unit.name], cfg, skip=skip, planned=planned)
-        return
-    if unit.kind == "torchpar":
-        # torch's own modules (DTensor, FSDP2): no operator or rule of the catalogue runs, no leaf to key on
-        case = next(c for c in TORCH_CASES if c.name == unit.name and (c.world_size,) == unit.world_sizes)
-        yield from run_builtin(gang, case, replace(cfg, seeds=unit.seeds), gen_dir, skip=skip)
-        return
-    if unit.kind == "plan":
-        yield from run_plan_unit(gang, unit, cfg, gen_dir, skip, used)
-        return
+    """The rows of ``unit`` (leaving out the cases whose keys are in ``skip``, already done), as its
+    kind runs them (:data:`UNIT_ROWS`); ``planned``: the preflight's partitions of operators
+    (``verify.rows.run.preflight``)."""
+    yield from UNIT_ROWS[unit.kind](gang, unit, cfg, specs, gen_dir, skip, used, planned)
+
+
+def op_unit_rows(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used,
+                 planned: dict | None) -> Iterator[Row]:
+    """A registered operator under every partition, world size and seed."""
+    yield from run_op(gang, specs[unit.name], cfg, skip=skip, planned=planned)
+
+
+def torchpar_unit_rows(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used,
+                       planned: dict | None) -> Iterator[Row]:
+    """One of torch's own parallelizations (DTensor, FSDP2): no operator or rule of the catalogue runs,
+    no leaf to key on."""
+    case = next(c for c in TORCH_CASES if c.name == unit.name and (c.world_size,) == unit.world_sizes)
+    yield from run_builtin(gang, case, replace(cfg, seeds=unit.seeds), gen_dir, skip=skip)
+
+
+def model_unit_rows(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used,
+                    planned: dict | None) -> Iterator[Row]:
+    """A whole-model case (its micro-batches, recipe and resume), or its replicas."""
     run_cfg = replace(cfg, world_sizes=unit.world_sizes, seeds=unit.seeds, microbatches=unit.microbatches,
                       **(RECIPE if unit.recipe else {}))
     if unit.replicas > 1:
@@ -40,12 +51,13 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
                              checkpoint=unit.checkpoint, used=used)
 
 
-def run_plan_unit(gang, unit: Unit, cfg: RunConfig, gen_dir: str, skip, used: Used) -> Iterator[Row]:
+def run_plan_unit(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used,
+                  planned: dict | None = None) -> Iterator[Row]:
     """A saved cluster plan as ``python -m verify plan FILE`` runs it (reduced, its own recipe), on the
     sweep's gang, or on a gang of its own when its world size is none of the sweep's (the 8 ranks of a
-    tp x pp x dp plan, :func:`verify.selection.wide_plan_units`); a plan file that cannot be read or
+    tp x pp x dp plan, :func:`verify.sweep.selection.wide_plan_units`); a plan file that cannot be read or
     reduced is a failed row, not the end of the sweep."""
-    from verify.cases.config import BadInput  # noqa: PLC0415
+    from verify.config import BadInput  # noqa: PLC0415
     from verify.judge.verdict import ERROR  # noqa: PLC0415
     from verify.plan.cli import plan_rows, prepare  # noqa: PLC0415 (transformers: only a sweep with plans)
     path = ROOT / unit.name
@@ -66,6 +78,11 @@ def run_plan_unit(gang, unit: Unit, cfg: RunConfig, gen_dir: str, skip, used: Us
             with Gang(w, cfg.modules, (w,), pg_timeout_s=max(120.0, 2 * limit)) as own:
                 rows = plan_rows(own, case, out, seed=unit.seeds[0], timeout_s=timeout_s, rerun=rerun, used=used)
     yield from (r for r in rows if r.key not in skip)
+
+
+UNIT_ROWS: dict[str, Callable[..., Iterator[Row]]] = {
+    "op": op_unit_rows, "model": model_unit_rows, "torchpar": torchpar_unit_rows, "plan": run_plan_unit}
+"""How each unit kind runs (the kind names of :data:`verify.sweep.selection.UNIT_LABELS`)."""
 
 
 class LazyGang:

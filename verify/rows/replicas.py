@@ -10,7 +10,9 @@ from typing import Iterator, Sequence
 
 from verify.judge.verdict import MATCH, localization, worst as _worst, judge
 
-from verify.cases.config import Row, RunConfig, model_label, rerun_modules
+from verify.config import RunConfig, model_label, rerun_modules
+
+from verify.judge.row import Row
 from verify.runner.gang import Gang
 from verify.cases.zero import rank_memory, zero_applies
 from verify.cases.pipeline import PIPELINE_MODELS, pipeline_applies, pipeline_microbatches
@@ -64,7 +66,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                 limit = replace(cfg, microbatches=m).limit_s("model", steps)
                 expected = expected_replica_checks(name, steps, seed, policy, m)
                 answers = gang.run(job, w, limit)
-                if used is not None:  # what the ranks ran, for the verdict cache (verify/cache.py)
+                if used is not None:  # what the ranks ran, for the verdict cache (verify/sweep/cache.py)
                     used.add(answers)
                 status, detail, checks, tb = judge(answers, expected, rerun_modules(name, cfg))
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")

@@ -5,7 +5,7 @@ operator's output, every chain of conversion steps and every tensor an operator 
 probe), run on the case's ranks on one batch, and each record is made whole from its pieces by its
 layout and compared with the same record of the same traced graph run on one device, in the dtype
 under test and in float64 (under :class:`~verify.judge.compare.Float64Fallback`, bounded as the case
-is): values in program order, then gradients latest first (:mod:`verify.cases.tensor_trace`). The
+is): values in program order, then gradients latest first (:mod:`verify.localize.tensor_trace`). The
 first one beyond its bound names an operator (its inputs match, its output does not; or its output's
 gradient matches and its input's does not) or a conversion between operators (a composition fault:
 every operator alone is right), with its layouts and steps.
@@ -32,12 +32,12 @@ from nnscaler.runtime.mesh import RankMesh
 from verify.cases.compiled import compile_case
 from verify.models.loader import file_tag
 from verify.judge.compare import Float64Fallback
-from verify.plan.check import op_partition
+from verify.cases.op import op_partition
 from verify.cases.draws import same_draws
 from verify.cases.fresh import built_like
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
-from verify.cases.tensor_trace import Recorder, Trace, chain_of, compare, reads_by, reads_of
+from verify.localize.tensor_trace import Recorder, Trace, chain_of, compare, reads_by, reads_of
 from verify.judge.verdict import Divergence
 
 IN_STEP_ZERO = ("every tensor of the program on step 0 (values forward, gradients backward) matches the "

@@ -1,5 +1,5 @@
 """One rank's part of a torch-parallelization case (``verify model FILE.py:build --parallelize
-FILE.py:fn``; the contract is :mod:`verify.cases.torchpar_api`'s): the model built afresh, ``fn``
+FILE.py:fn``; the contract is :mod:`verify.api`'s): the model built afresh, ``fn``
 applied on the case's ``DeviceMesh``, a few AdamW steps judged as compiled plans are
 (:func:`verify.cases.model.step_checks`: the loss and every gradient at the single-device run's
 parameters, each update against AdamW on one device fed the parallel gradients), then a
@@ -27,11 +27,11 @@ from verify.cases.fresh import load_like
 from verify.cases.model import LR, step_checks
 from verify.cases.reference import reference_grads
 from verify.cases.resume import exact
-from verify.cases.torchpar_build import parallel_model
+from verify.cases.torchpar.build import parallel_model
 from verify.cases.samples import DTYPES
-from verify.cases.torchpar_api import Parallelized
-from verify.cases.torchpar_mesh import DP, build_mesh, dp_slice
-from verify.cases.torchpar_modules import ModuleStack
+from verify.api import Parallelized
+from verify.cases.torchpar.mesh import DP, build_mesh, dp_slice
+from verify.cases.torchpar.localize import ModuleStack
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.models.loader import build_model, file_tag
 

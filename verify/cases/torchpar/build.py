@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from verify.cases.fresh import load_like
-from verify.cases.torchpar_api import Parallelized, unpack
+from verify.api import Parallelized, unpack
 from verify.models.loader import ModelNotFound, build_model, import_file
 
 

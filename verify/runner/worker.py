@@ -16,24 +16,12 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
-from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
+from nnscaler.runtime.mesh import GroupCache, mesh_shapes
 
-from verify.judge.lowprec import Precision
 from verify.judge.verdict import Divergence, Unverifiable
+from verify.kinds import kind_of
+from verify.kinds.registry import CaseKind
 from verify.runner import isolation
-
-from verify.cases import op as rank_case
-from verify.cases.conversion import run_conversion
-from verify.cases.localize_row import localize_row
-from verify.cases.microbatch import run_accumulation_job
-from verify.cases.node import node_sample
-from verify.cases.memory import MemoryLog
-from verify.cases.model import run_model_job
-from verify.cases.replicas import run_replicas_case
-from verify.cases.samples import DTYPES, Sample, make_sample
-from verify.cases.torchpar import run_torchpar_job
-from verify.cases.torchpar_modules import localize_torchpar
-from verify.cases.traces import TraceCache, graph_ops
 
 
 def load_modules(paths: Sequence[str]) -> OpRegistry:
@@ -61,20 +49,7 @@ class RankState:
     registry: OpRegistry
     groups: GroupCache
     device: torch.device
-    cache: dict = field(default_factory=dict)
-    traces: TraceCache = field(default_factory=TraceCache)  # whole models traced once, compiled under many plans
-
-    def sample(self, job: dict) -> tuple[Sample, rank_case.Reference]:
-        """The sample and reference of a job, reused across its partitions."""
-        key = (job["op"], job.get("model"), job["dtype"], job["seed"], job["base"])
-        if key not in self.cache:
-            self.cache.clear()
-            if job.get("model"):  # an operator of a traced model, at its traced lengths
-                sample = node_sample(job["model"], job["op"], job["dtype"], job["seed"])
-            else:
-                sample = make_sample(self.registry.get(job["op"]), DTYPES[job["dtype"]], job["seed"], job["base"])
-            self.cache[key] = (sample, rank_case.reference(sample, self.device))
-        return self.cache[key]
+    kept: dict = field(default_factory=dict)  # what the case kinds keep between jobs, by their own keys
 
 
 def _short(exc: BaseException) -> str:
@@ -85,12 +60,12 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg}{loc}"
 
 
-def _localized(job: dict, checks: list, state: RankState) -> dict:
-    """A model job's result: its checks and, when one fails, where the programs part ways (the
+def _localized(case: CaseKind, result: dict, state: RankState) -> dict:
+    """A localising kind's result: its checks and, when one fails, where the programs part ways (the
     first divergent operator, or a line saying where else the fault lies)."""
-    result = {"checks": [c.__dict__ for c in checks]}
+    job = case.job
     w = job["world_size"]
-    mine = next((c.name for c in checks if not c.ok), None)
+    mine = next((c["name"] for c in result["checks"] if not c["ok"]), None)
     everyone = [mine]
     if w > 1:  # every rank of the case takes the same decision, or the localiser's collectives would hang
         everyone = [None] * w
@@ -99,10 +74,7 @@ def _localized(job: dict, checks: list, state: RankState) -> dict:
     if first is None and not job.get("localize"):  # ``localize``: say where anyway (tests of localisers)
         return result
     try:
-        if job["kind"] == "torchpar":  # a torch parallelization: by module hooks (verify/cases/torchpar_modules.py)
-            found = localize_torchpar(job, state.groups)
-        else:
-            found = localize_row(job, first or "", state.groups)
+        found = case.localize(state, first or "")
     except Exception as exc:  # the verdict stands; say why no operator could be named
         return dict(result, divergence_error=_short(exc))
     if isinstance(found, str):
@@ -113,45 +85,15 @@ def _localized(job: dict, checks: list, state: RankState) -> dict:
 
 
 def handle(state: RankState, job: dict) -> dict:
-    """Answer one job: ``plan`` (partitions of an op), ``case`` (one partition on these ranks) or
-    ``model`` (train a whole model under a policy) or ``conversion`` (one layout conversion, see
-    :mod:`verify.cases.conversion`)."""
+    """Answer one job: its kind's case (:mod:`verify.kinds`) run on this rank, localised when one of
+    its checks fails, and the seconds it took."""
     start = time.perf_counter()
     try:
-        if job["kind"] == "conversion":
-            return dict(run_conversion(job, state.rank, state.groups), seconds=time.perf_counter() - start)
-        if job["kind"] == "accumulation":  # several backward passes per step (verify/cases/microbatch.py)
-            checks = run_accumulation_job(job, state.groups)
-            return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
-        log = MemoryLog()  # what a whole-model case measured on this rank (verify/cases/memory.py)
-        if job["kind"] == "model" and job.get("plan_ngpus", job["world_size"]) < job["world_size"]:  # replicas
-            checks = run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
-                                       job["steps"], job["seed"], state.groups, job["gen_dir"],
-                                       dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
-                                       microbatches=job.get("microbatches", 1), traces=state.traces,
-                                       clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
-                                       zero=job.get("zero", 0), precision=Precision.of(job), memory=log)
-            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last,
-                        used=graph_ops(state.traces, job["model"]))
-        if job["kind"] == "torchpar":  # the user's own torch parallelization (verify/cases/torchpar.py)
-            checks = run_torchpar_job(job, state.groups)
-            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start)
-        if job["kind"] == "model":
-            checks = run_model_job(job, state.groups, state.traces, log)
-            return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last,
-                        used=graph_ops(state.traces, job["model"]))
-        sample, ref = state.sample(job)
-        if job["kind"] == "plan":
-            plans = {w: [p.label for p in rank_case.partitions_of(sample, w, job.get("partition"))]
-                     for w in job["world_sizes"]}
-            return {"plans": plans, "annotation": sample.spec.annotation,
-                    "sizes": dict(sample.bound.sizes), "seconds": time.perf_counter() - start}
-        partition = rank_case.partitions_of(sample, job["world_size"], job["partition"])[0]
-        if ref.random:
-            return {"unverifiable": ref.random, "seconds": time.perf_counter() - start}
-        mesh = RankMesh.build(partition.mesh_shape, state.rank, state.groups)
-        checks = rank_case.run_case(sample, ref, partition, mesh, state.device)
-        return {"checks": [c.__dict__ for c in checks], "seconds": time.perf_counter() - start}
+        case = kind_of(job)
+        result = case.run(state)
+        if case.localizes and "checks" in result:
+            result = _localized(case, result, state)
+        return dict(result, seconds=time.perf_counter() - start)
     except Unverifiable as exc:  # a program that draws random numbers: never a match, never a mismatch
         return {"unverifiable": str(exc), "seconds": time.perf_counter() - start}
     except BaseException as exc:  # a failing case is a result, never a dead rank

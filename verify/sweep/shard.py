@@ -15,9 +15,9 @@ from pathlib import Path
 from statistics import median
 from typing import Sequence
 
-from verify.selection import Unit
+from verify.sweep.selection import Unit
 
-TIMES = Path(__file__).with_name("unit_seconds.json")  # label -> seconds, from a recorded run
+TIMES = Path(__file__).resolve().parents[1] / "unit_seconds.json"  # label -> seconds, from a recorded run
 DEFAULT_SECONDS = {"op": 1.0, "model": 3.0, "torchpar": 5.0}  # a unit the record does not hold
 
 

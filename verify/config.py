@@ -1,19 +1,23 @@
-"""What a run is asked for (:class:`RunConfig`, passed explicitly to every stage), one case's verdict
-(:class:`Row`), and bad input (:class:`BadInput`, exit 2)."""
+"""What a run is asked for (:class:`RunConfig`, passed explicitly to every stage) and bad input
+(:class:`BadInput`, exit 2); one case's verdict is :class:`verify.judge.row.Row`."""
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from nnscaler.ops.spec import OpSpec
 
-from verify.cases.samples import split_base
 from verify.models.loader import is_file_reference
-from verify.judge.verdict import MATCH
 
 MODEL_LIMIT_FACTOR = 8  # a model case traces, compiles, trains and reloads: far more than one operator
+
+
+def split_base(world_sizes: Sequence[int]) -> int:
+    """Every splittable length is a multiple of this, so each split degree tested divides it."""
+    return math.lcm(*world_sizes) if world_sizes else 1
 
 
 class BadInput(ValueError):
@@ -113,48 +117,6 @@ class RunConfig:
             ("--clip-grad-norm", self.clip_grad_norm), ("--recompute", None if self.recompute == "none" else self.recompute),
             ("--precision", None if self.precision == "32-true" else self.precision),
             ("--grad-reduce-dtype", self.grad_reduce_dtype), ("--zero", self.zero or None)])
-
-
-@dataclass
-class Row:
-    """The verdict of one case."""
-
-    op: str
-    family: str
-    annotation: str
-    world_size: int
-    partition: str
-    dtype: str
-    seed: int
-    status: str
-    out_err: float | None = None
-    out_tol: float | None = None
-    grad_err: float | None = None
-    grad_tol: float | None = None
-    detail: str = ""
-    rerun: str = ""
-    seconds: float = 0.0
-    traceback: str = field(default="", repr=False)
-    microbatches: int = 1  # whole-model rows: micro-batches per step (the partition label says so too)
-    memory: list | None = None  # whole-model rows: bytes per rank measured after the last step (verify/cases/memory.py)
-    localization: dict | None = None  # mismatching model rows: divergence, note, profile (verify.judge.verdict.localization)
-    cached: bool = False  # the verdict was reused from the verdict cache (verify/cache.py), not run again
-
-    @property
-    def ok(self) -> bool:
-        return self.status == MATCH
-
-    @property
-    def case_label(self) -> str:
-        """``W=2 [m=2]``; ``sampling`` for the row of an op whose sample could not be made (no world size)."""
-        return f"W={self.world_size} [{self.partition}]" if self.world_size else "sampling"
-
-    @property
-    def key(self) -> tuple:
-        return (self.op, self.world_size, self.partition, self.dtype, self.seed)
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def model_label(policy: str, microbatches: int = 1, precision: str = "32-true", zero: int = 0) -> str:

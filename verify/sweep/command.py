@@ -1,6 +1,6 @@
 """``python -m verify all``: the default sample of units or ``--full``'s whole matrix
-(:mod:`verify.selection`), a ``--shard``'s share of it (:mod:`verify.shard`), verdicts from the cache
-(:mod:`verify.cache`), the rest run on one lazily started gang (:mod:`verify.drive`), every row written
+(:mod:`verify.sweep.selection`), a ``--shard``'s share of it (:mod:`verify.sweep.shard`), verdicts from the cache
+(:mod:`verify.sweep.cache`), the rest run on one lazily started gang (:mod:`verify.sweep.drive`), every row written
 to the reports as it comes, with progress and an ETA from recorded unit times."""
 from __future__ import annotations
 
@@ -8,26 +8,26 @@ import importlib.util
 import tempfile
 import time
 
-from verify.cache import VerdictCache
-from verify.cases.torchpar_builtin import CASES as TORCH_CASES
+from verify.sweep.cache import VerdictCache
+from verify.rows.torchpar_builtin import CASES as TORCH_CASES
 from verify.cases.zero import zero_applies
 from verify.options import gang_for, load_registry, run_config
 from verify.arguments import UsageError
-from verify.drive import LazyGang, run_units
+from verify.sweep.drive import LazyGang, run_units
 from verify.models.loader import known_model
 from verify.models.registry import MODELS
 from verify.report.progress import RunProgress
 from verify.report.writer import ReportWriter, summary, table
-from verify.selection import ZOO, default_units, full_order, full_units, saved_plans
-from verify.shard import ShardError, estimate, fingerprint, parse_shard, recorded_times, shard
-from verify.sweep import check_spec, preflight
-from verify.worker import load_modules
+from verify.sweep.selection import ZOO, default_units, full_order, full_units, saved_plans
+from verify.sweep.shard import ShardError, estimate, fingerprint, parse_shard, recorded_times, shard
+from verify.rows.run import check_spec, preflight
+from verify.runner.worker import load_modules
 from nnscaler.policies import POLICIES
 
 
 def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
     """(the units this run runs, the whole selection they are cut from): the default sample or
-    ``--full``'s matrix (:mod:`verify.selection`), then ``--shard``'s share."""
+    ``--full``'s matrix (:mod:`verify.sweep.selection`), then ``--shard``'s share."""
     recipes = not (cfg.zero or cfg.precision != "32-true" or cfg.clip_grad_norm is not None or cfg.recompute != "none")
     policies = list(POLICIES)
     full = full_units([s.name for s in specs], models, policies, cfg.world_sizes, cfg.seeds,
@@ -48,7 +48,7 @@ def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
 
 
 def _zoo(args) -> tuple[str, ...]:
-    """The zoo architectures ``verify all`` runs: :data:`verify.selection.ZOO` unless ``--op`` or
+    """The zoo architectures ``verify all`` runs: :data:`verify.sweep.selection.ZOO` unless ``--op`` or
     ``--model`` chose what runs, or ``transformers`` is not installed."""
     if args.op or args.model is not None or importlib.util.find_spec("transformers") is None:
         return ()
