@@ -5,8 +5,6 @@ against AdamW on one device from the same point; then the merged checkpoint, rel
 device and under another plan."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +18,7 @@ from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_by
 from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
+from verify.user_files import import_once
 from verify.judge.verdict import check_deterministic
 from verify.cases.draws import same_draws
 from verify.cases.compiled import compile_case
@@ -54,13 +53,7 @@ def resolve_policy(spec: str) -> str | Callable:
     p = Path(path).resolve()
     if not p.is_file() or p.suffix != ".py":
         raise PolicyFileError(f"policy {spec!r}: {path} is not a Python file (give FILE.py:function)")
-    name = f"verify_policy_{abs(hash(str(p)))}"
-    if name not in sys.modules:
-        mod_spec = importlib.util.spec_from_file_location(name, p)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-        sys.modules[name] = module
-    func = getattr(sys.modules[name], fn, None)
+    func = getattr(import_once(p, f"verify_policy_{abs(hash(str(p)))}"), fn, None)  # once (verify/user_files.py)
     if not callable(func):
         raise PolicyFileError(f"policy {spec!r}: {path} has no function {fn!r} (it must be (graph, config) -> Plan)")
     return func
