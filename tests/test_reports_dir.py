@@ -110,3 +110,46 @@ def test_a_model_report_is_titled_and_counted_by_what_ran(tmp_path):
     _run(tmp_path / "mixed", "all", [_row(), Row("linear", "linalg", "m k+, n k+ -> m n", 2, "m=2", "float32", 0, MATCH)])
     md = (tmp_path / "mixed" / "report.md").read_text()
     assert md.startswith("# Operator and model verification report") and "1 operator, 1 model, 2 cases" in md
+
+
+def test_a_finished_model_run_with_another_policy_or_steps_is_refused_before_any_rank(tmp_path, capsys):
+    """``verify model`` records its policies, steps and recipe: a second run that differs in any is
+    refused in one line naming the setting (exit 2), and the first run's rows stay."""
+    base = ["model", "tests/fixtures/user_model.py:build", "--world-size", "2", "--reports", str(tmp_path)]
+    assert main(base + ["--policy", "dp", "--steps", "1"]) == 0
+    before = (tmp_path / "cases.jsonl").read_text()
+    capsys.readouterr()
+    for more, needle in ((["--policy", "tp", "--steps", "1"], "policies ['dp'] there, ['tp'] now"),
+                         (["--policy", "dp", "--steps", "2"], "steps 1 there, 2 now"),
+                         (["--policy", "dp", "--steps", "1", "--zero", "1"], "zero 0 there, 1 now")):
+        assert main(base + more) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0] and "pass --overwrite to replace it, or another --reports" in err[0], err
+        assert (tmp_path / "cases.jsonl").read_text() == before
+    assert not (tmp_path / ".lock").exists()
+
+
+@pytest.mark.parametrize("name, text", [("report.json", '{"mine": 1}\n'), ("report.json", "not json"),
+                                        ("report.md", "# my notes\n"), ("cases.jsonl", "my own lines\n")])
+@pytest.mark.parametrize("resume", [False, True, OVERWRITE])
+def test_files_verify_did_not_write_are_never_overwritten(tmp_path, name, text, resume):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ReportError, match=f"holds .*{name}.* that verify did not write; move"):
+        ReportWriter(tmp_path, CFG, resume=resume)
+    assert (tmp_path / name).read_text() == text and {p.name for p in tmp_path.iterdir()} == {name}
+
+
+def test_the_lock_file_does_not_outlive_the_run(tmp_path):
+    w = ReportWriter(tmp_path, CFG)
+    assert (tmp_path / ".lock").read_text() == str(__import__("os").getpid())
+    with pytest.raises(ReportError, match="in use by another run"):
+        ReportWriter(tmp_path, CFG)
+    assert (tmp_path / ".lock").exists()  # the refused run leaves the holder's lock alone
+    w.add(_row())
+    w.close()
+    assert not (tmp_path / ".lock").exists()
+    with pytest.raises(ReportError, match="other settings"):  # refused after locking: unlocked again
+        ReportWriter(tmp_path, RunConfig(world_sizes=(4,)))
+    assert not (tmp_path / ".lock").exists()
+    _run(tmp_path, "all", [_row()])  # and the next run takes the directory
+    assert not (tmp_path / ".lock").exists()

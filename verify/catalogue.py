@@ -55,6 +55,13 @@ def current_key() -> str | None:
     return None if dirs is None else catalogue_key(dirs)
 
 
+def source_key() -> str | None:
+    """A digest of the code a run ran (:func:`current_key`'s sources and ``verify/`` itself): ``verify
+    merge`` merges only shards that share it; ``None`` where a package cannot be found."""
+    dirs = source_dirs()
+    return None if dirs is None else catalogue_key([*dirs, Path(__file__).parent])
+
+
 def cached_rows(key: str | None) -> list[list[str]] | None:
     """The rows stored under ``key``, or None (no cache, another key, unreadable)."""
     if key is None:

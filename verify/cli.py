@@ -220,8 +220,10 @@ def cmd_model(args) -> int:
         reason = zero_refusal(cfg.zero, policy, cfg.world_sizes, args.replicas)
         if reason:
             raise UsageError(reason)
+    settings = {"policies": list(policies), "steps": args.steps, "replicas": args.replicas,
+                "bucket_bytes": args.bucket_bytes, "microbatches": cfg.microbatches, **cfg.recipe_job()}
     writer = None if args.reports is None else ReportWriter(args.reports, cfg, resume=args.resume,
-                                                            command=f"model {args.name}")
+                                                            command=f"model {args.name}", settings=settings)
     mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
     print(f"training {args.name} for {args.steps} steps{mb} under {', '.join(policies)} at world sizes "
           f"{list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
@@ -274,7 +276,8 @@ def cmd_torchpar(args) -> int:
     dims = _torchpar_dims(mesh, args.name, args.parallelize, cfg.world_sizes)
     _json_target(args.json)
     writer = None if args.reports is None else ReportWriter(
-        args.reports, cfg, resume=args.resume, command=f"model {args.name} --parallelize {args.parallelize}")
+        args.reports, cfg, resume=args.resume, command=f"model {args.name} --parallelize {args.parallelize}",
+        settings={"mesh": mesh, "steps": args.steps})
     print(f"training {args.name} for {args.steps} steps parallelized by {args.parallelize} on a {mesh} mesh at world "
           f"sizes {list(cfg.world_sizes)}, dtype {cfg.dtype}, seeds {list(cfg.seeds)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp, gang_for(cfg, args) as gang, RunProgress(1) as progress:
@@ -302,11 +305,15 @@ def _torchpar_dims(mesh: str, model: str | None = None, fn: str | None = None, w
 def cmd_merge(args) -> int:
     from verify.sweep.merge import merge  # noqa: PLC0415
     try:
-        shards, cases = merge(args.dirs, args.reports)
+        shards, rows = merge(args.dirs, args.reports)
     except ShardError as exc:
         raise UsageError(str(exc)) from None
-    print(f"merged {shards} shards, {cases} cases, into {args.reports}/")
-    return 0
+    failed = [r for r in rows if not r.ok]  # exit as `verify all` would on these rows
+    if failed:
+        print(table(failed, with_op=True))
+    print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
+    print(f"merged {shards} shards, {len(rows)} cases, into {args.reports}/")
+    return 1 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None, prepare=None) -> int:

@@ -5,8 +5,6 @@ against AdamW on one device from the same point; then the merged checkpoint, rel
 device and under another plan."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -20,11 +18,13 @@ from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_by
 from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
 from verify.models.loader import file_tag
+from verify.user_files import import_once
 from verify.judge.verdict import check_deterministic
 from verify.cases.draws import check_draws, same_draws
 from verify.cases.compiled import compile_case
 from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
+from verify.judge.finite import require_finite
 from verify.cases.microbatch import loss_fn_of, one_device_loss, whole_batch
 from verify.cases.fresh import built_like
 from verify.cases.spread import moved_samples
@@ -53,13 +53,7 @@ def resolve_policy(spec: str) -> str | Callable:
     p = Path(path).resolve()
     if not p.is_file() or p.suffix != ".py":
         raise PolicyFileError(f"policy {spec!r}: {path} is not a Python file (give FILE.py:function)")
-    name = f"verify_policy_{abs(hash(str(p)))}"
-    if name not in sys.modules:
-        mod_spec = importlib.util.spec_from_file_location(name, p)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-        sys.modules[name] = module
-    func = getattr(sys.modules[name], fn, None)
+    func = getattr(import_once(p, f"verify_policy_{abs(hash(str(p)))}"), fn, None)  # once (verify/user_files.py)
     if not callable(func):
         raise PolicyFileError(f"policy {spec!r}: {path} has no function {fn!r} (it must be (graph, config) -> Plan)")
     return func
@@ -197,6 +191,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
                                                     for k, v in point.items()}), strict=True)
         loss_ref, loss64 = _losses(ref, ref64, args, seed, step, fallback,
                                    lambda m, a: one_device_loss(m, a, microbatches, case))
+        require_finite({"loss": loss_ref, "loss64": loss64}, step)  # the model's own fault: an error row
         if precision.active:  # more samples of the recipe's own rounding error (verify/cases/spread.py)
             moved_samples(ref, ref64, lambda m, a: one_device_loss(m, a, microbatches, case), args,
                           cast(args, torch.float64), seed, step, fallback)
@@ -204,7 +199,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         if clip is not None:  # the single-device recipe: torch's own clipping of the whole model
             out["norm"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).detach()
             out["norm64"] = torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip).detach()
-        return dict(out, **_grads(ref, ref64))
+        return require_finite(dict(out, **_grads(ref, ref64)), step)
 
     for step in range(steps):
         args = cast(batch(step), dt)
@@ -320,6 +315,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
                 want = single(*args)
             with fallback, same_draws(seed, step):
                 want64 = single64(*cast(args, torch.float64))
+        require_finite({"loss": want, "loss64": want64}, step, " (the checkpoint's reload on the next batch)")
         return {"want": want, "want64": want64, "state": _clone({k: state[k] for k in own_state(single)})}
 
     one = reference.share(one_device, fallback)

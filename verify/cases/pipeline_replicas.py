@@ -22,6 +22,7 @@ from verify.cases.compiled import compile_case
 from verify.cases.batch import cast, share
 from verify.cases.resume import resume_checks
 from verify.judge.verdict import check_deterministic
+from verify.judge.finite import require_finite
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
 from verify.cases.fresh import load_like
@@ -87,7 +88,8 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
             for model in (ref, ref64):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         grads, grads64 = reference_grads(params, ref64)
-        return {"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads, "grads64": grads64}
+        return require_finite({"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads,
+                               "grads64": grads64}, step)
 
     for step in range(steps):
         args = batch(step)

@@ -21,6 +21,7 @@ from verify.cases.compiled import compile_case
 from verify.cases.batch import cast, share
 from verify.models.loader import file_tag
 from verify.judge.verdict import check_deterministic
+from verify.judge.finite import require_finite
 from verify.judge.lowprec import Precision
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.cases.microbatch import loss_fn_of, whole_batch
@@ -131,7 +132,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip)
         grads, grads64 = reference_grads(params, ref64)
-        return {"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads, "grads64": grads64}
+        return require_finite({"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads,
+                               "grads64": grads64}, step)
 
     for step in range(steps):  # judged as every whole-model case is (verify/judge/compare.py)
         args = cast(batch(step), dt)

@@ -22,6 +22,7 @@ from verify.cases.draws import check_draws, same_draws
 from verify.cases.batch import cast
 from verify.models.loader import file_tag
 from verify.judge.lowprec import Precision
+from verify.judge.finite import require_finite
 from verify.judge.compare import Check, Float64Fallback, SpreadHistory, check_tensor, check_update
 from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
@@ -202,7 +203,8 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
         if precision.active:  # more samples of the recipe's own rounding error (verify/cases/spread.py)
             moved_samples(single, single64, lambda m, a: m(*a), args, cast(args, torch.float64), seed, step, fallback)
         grads, grads64 = reference_grads(sp, single64)
-        return {"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads, "grads64": grads64}
+        return require_finite({"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads,
+                               "grads64": grads64}, step, f" of the run resumed {where}")
 
     for step in range(steps, steps + MORE_STEPS):
         args = cast(batch(step), dtype)

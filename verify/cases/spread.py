@@ -24,7 +24,6 @@ sample."""
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Callable
 
 import torch
@@ -109,11 +108,32 @@ def moved_samples(single: torch.nn.Module, single64: torch.nn.Module, run: Calla
     """Record in ``fallback.spreads`` the relative error of the loss and of every parameter's gradient
     of the recipe's single-device model ``single`` at :data:`SAMPLES` points, each parameter moved by
     :data:`PERTURB` at random, against ``single64`` (the float64 reference) at each point; ``run(model, args)`` computes the step's loss
-    as the case does. Copies both models: the case's own are left as they are."""
+    as the case does. Each sample runs the models themselves (never a copy: a user's model may hold what
+    ``copy.deepcopy`` cannot take, a ``torch.library`` op handle, a lock), whose parameters, gradients and
+    buffers are put back as they were after it."""
     for k in [*range(SAMPLES), None]:  # None: the near-ties flipped (module docstring)
-        for key, rel in _sample(single, single64, run, args, args64, seed, step, k, fallback).items():
+        with _put_back(single), _put_back(single64):
+            sample = _sample(single, single64, run, args, args64, seed, step, k, fallback)
+        for key, rel in sample.items():
             if rel is not None:
                 fallback.spreads.add(key, rel)
+
+
+@contextlib.contextmanager
+def _put_back(model: torch.nn.Module):
+    """Within: ``model`` may be moved, run and differentiated; on exit its parameters, their gradients
+    and its buffers (non-persistent ones too) hold what they held on entry."""
+    params = [(p, p.detach().clone(), p.grad) for p in model.parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value, grad in params:
+                p.copy_(value)
+                p.grad = grad
+            for b, value in buffers:
+                b.copy_(value)
 
 
 def _sample(single, single64, run, args, args64, seed: int, step: int, k: int | None,
@@ -122,7 +142,7 @@ def _sample(single, single64, run, args, args64, seed: int, step: int, k: int | 
     itself with its near-ties flipped ({} where it has none)."""
     if k is None and fallback.spreads.selects is False:
         return {}  # no selection in this model (found on its first step): nothing to flip
-    a, a64 = copy.deepcopy(single), copy.deepcopy(single64)
+    a, a64 = single, single64  # put back by the caller (_put_back)
     params, params64 = dict(a.named_parameters()), dict(a64.named_parameters())
     if k is not None:
         gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 101 + k) % 2 ** 63)

@@ -35,6 +35,7 @@ from verify.judge.compare import Float64Fallback
 from verify.cases.op import op_partition
 from verify.cases.draws import same_draws
 from verify.cases.fresh import built_like
+from verify.localize.eager import eager_step, graph_differs, program_writes, step_zero_check, unlocalised
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
 from verify.localize.tensor_trace import Recorder, Trace, chain_of, compare, reads_by, reads_of
@@ -217,24 +218,44 @@ def localized(graph: IRGraph, plan: Plan, trace: Trace, par: Recorder, world_siz
 
 
 def localize_program(pm: ParallelModule, model: torch.nn.Module, args: tuple, world_size: int, model_ref: str = "",
-                     seed: int = 0, dtype: str = "float32") -> Localized:
+                     seed: int = 0, dtype: str = "float32", failing: str = "", fresh=None) -> Localized:
     """Run ``pm``'s plan instrumented on ``args`` (every rank of the plan calls this) and compare every
     record with the single-device runs of the same graph. ``model_ref``, ``seed`` and ``dtype`` name
-    the traced model for the culprit's rerun command."""
+    the traced model for the culprit's rerun command. Where nothing diverges and ``fresh()`` builds
+    the model afresh, the note is true to ``failing`` (the row's first failing check): the model
+    itself against its traced graph, the buffers it writes that the program does not
+    (:mod:`verify.localize.eager`)."""
     graph, plan, mesh = pm.graph, pm.plan, pm.mesh
     program, local = probed_program(graph, plan, mesh, model)
     par = _run(program, local, mesh.groups, args)
     dev, ref, bounds = references(graph, model, args, DTYPES[dtype])
     trace = compare(par, dev, ref, mesh.groups, bounds)
+    if trace.first is None and fresh is not None:
+        return Localized(None, _unlocalised(pm, model, fresh(), args, failing), trace.profile())
     return localized(graph, plan, trace, par, world_size, model_ref, seed, dtype)
 
 
+def _unlocalised(pm: ParallelModule, model: torch.nn.Module, eager: torch.nn.Module, args: tuple, failing: str) -> str:
+    """The note of a program none of whose tensors diverges (every rank of the plan calls this)."""
+    loss, grads, written = eager_step(eager, args)
+    unwritten = [n for n in written if n not in program_writes(pm, args, written)] if written else []
+    differs = None
+    if step_zero_check(failing):  # the check judged the model itself on step 0: does its traced graph?
+        program, state = single_program(pm.graph, model)
+        with same_draws(0, 0):
+            graph_loss = program.forward(state, (None,), *args, probe=Recorder())
+        graph_loss.backward()
+        graph_grads = {n: state[n].grad for n, _ in model.named_parameters() if n in state}
+        differs = graph_differs(loss, grads, graph_loss.detach(), graph_grads, loss.dtype)
+    return unlocalised(failing, differs, unwritten, IN_STEP_ZERO)
+
+
 def localize_model_case(name: str, policy: str, world_size: int, seed: int, groups, gen_dir: str,
-                        dtype: str = "float32", plan_seed: int | None = None) -> Localized:
+                        dtype: str = "float32", plan_seed: int | None = None, failing: str = "") -> Localized:
     """Where model ``name`` under ``policy`` (a built-in name or ``FILE.py:fn``) first diverges, on its
     step-0 batch and initial parameters, in ``dtype`` (every rank of the case calls this, after the
     case mismatched). ``plan_seed``: the seed the plan was made with, where not the model's (the plan
-    a checkpoint resumed under)."""
+    a checkpoint resumed under); ``failing``: the row's first failing check (the note is true to it)."""
     from verify.cases.model import resolve_policy  # model_case imports the gang's worker, which imports this
     dt = DTYPES[dtype]
     case = build_model(name, seed)
@@ -245,4 +266,5 @@ def localize_model_case(name: str, policy: str, world_size: int, seed: int, grou
     pm = compile_case(built_like(name, seed, model, dt), args, resolve_policy(policy), config, groups,
                       Path(gen_dir) / f"localize-{file_tag(name)}-{file_tag(policy)}-w{world_size}-s{plan_seed}",
                       announce=False)
-    return localize_program(pm, model, args, world_size, name, seed, dtype)
+    return localize_program(pm, model, args, world_size, name, seed, dtype, failing,
+                            fresh=lambda: built_like(name, seed, model, dt))

@@ -36,7 +36,8 @@ def localize_row(job: dict, first_failure: str, groups) -> Localized | None:
         plan, w_b = other
         if dist.get_rank() >= w_b:
             return None
-        found = localize_model_case(name, plan, w_b, seed, groups, gen, dtype=dtype, plan_seed=seed + 1)
+        found = localize_model_case(name, plan, w_b, seed, groups, gen, dtype=dtype, plan_seed=seed + 1,
+                                    failing=first_failure)
         if found.found is not None:
             found.found.where = f"plan {plan} at W={w_b}, where the checkpoint was resumed"
         else:
@@ -44,7 +45,7 @@ def localize_row(job: dict, first_failure: str, groups) -> Localized | None:
         return found
     if job.get("plan_ngpus", w) < w:
         return localize_replicas_case(name, policy, w, job["plan_ngpus"], seed, groups, gen, dtype,
-                                      job.get("microbatches", 1))
+                                      job.get("microbatches", 1), failing=first_failure)
     if is_pipeline_policy(policy):
         return localize_pipeline_case(name, policy, w, seed, groups, gen, dtype, job.get("microbatches", 1))
-    return localize_model_case(name, policy, w, seed, groups, gen, dtype=dtype)
+    return localize_model_case(name, policy, w, seed, groups, gen, dtype=dtype, failing=first_failure)

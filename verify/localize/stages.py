@@ -20,6 +20,7 @@ from nnscaler.policies import ComputeConfig
 
 from verify.cases.compiled import compile_case
 from verify.cases.batch import cast
+from verify.localize.eager import NOT_THE_MODEL
 from verify.localize.model import Localized, divergence, localize_model_case, probed_program, references, single_program
 from verify.localize.tensor_trace import Recorder, compare
 from verify.cases.microbatch import whole_batch
@@ -121,10 +122,12 @@ def localize_pipeline_case(name: str, policy: str, world_size: int, seed: int, g
 
 
 def localize_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, seed: int, groups,
-                           gen_dir: str, dtype: str = "float32", microbatches: int = 1) -> Localized | None:
+                           gen_dir: str, dtype: str = "float32", microbatches: int = 1,
+                           failing: str = "") -> Localized | None:
     """Where ``policy``'s plan alone on ranks ``0 .. plan_ngpus - 1`` first diverges (the others
     return ``None`` at once; a pipeline is localised stage by stage there), or where the plan
-    matches, that the fault is in replica sync."""
+    matches, that the fault is in replica sync, unless the model itself is not its traced graph
+    (``failing``: the row's first failing check, :mod:`verify.localize.eager`)."""
     if dist.get_rank() >= plan_ngpus:
         return None
     if is_pipeline_policy(policy):
@@ -133,7 +136,9 @@ def localize_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: 
             found.note = f"one pipeline alone on {plan_ngpus} ranks: {found.note}; or in replica sync"
             return found
     else:
-        found = localize_model_case(name, policy, plan_ngpus, seed, groups, gen_dir, dtype)
+        found = localize_model_case(name, policy, plan_ngpus, seed, groups, gen_dir, dtype, failing=failing)
+        if found.found is None and NOT_THE_MODEL in found.note:  # the trace, not the replicas
+            return found
     if found.found is None:
         found.note = (f"the plan matches alone on {plan_ngpus} ranks: the divergence lies in replica sync "
                       f"(gradients averaged across the {world_size // plan_ngpus} replicas)")

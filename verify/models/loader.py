@@ -5,7 +5,6 @@ A builder is ``builder(seed)`` returning a :class:`~verify.models.registry.Model
 file's folder goes first on ``sys.path``, as under ``python file.py``."""
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import re
 import sys
@@ -16,6 +15,7 @@ from typing import Callable
 import torch
 
 from verify.models.registry import MODELS, WIDENABLE, ModelCase
+from verify.user_files import import_once
 from verify.models.saved_plan import build_case, is_plan_reference
 from verify.models.zoo import is_zoo, zoo_builder
 
@@ -30,21 +30,16 @@ HOW_TO_ADD = ("pass FILE.py:BUILDER[@WIDTH], where BUILDER(seed[, WIDTH]) return
 
 def import_file(path: Path):
     name = f"verify_user_{abs(hash(str(path)))}"  # as verify.runner.worker.load_modules names it: imported once
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ModelNotFound(f"{path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     if str(path.parent) not in sys.path:  # its sibling modules import, as under ``python FILE.py`` (first)
         sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
+    try:  # once, whatever else imports the file (a --module, its own `import`): verify/user_files.py
+        return import_once(path, name)
+    except ImportError as exc:
+        if str(exc).endswith("not a Python file"):
+            raise ModelNotFound(f"{path}: not a Python file") from None
         raise ModelNotFound(f"importing {path} failed: {type(exc).__name__}: {exc}{_where(path, exc)}") from None
-    return module
+    except Exception as exc:
+        raise ModelNotFound(f"importing {path} failed: {type(exc).__name__}: {exc}{_where(path, exc)}") from None
 
 
 def file_tag(ref: str) -> str:

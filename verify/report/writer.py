@@ -25,7 +25,8 @@ from verify.judge.row import Row
 from verify.names import OVERWRITE
 
 CASES_FILE = "cases.jsonl"
-LOCK_FILE = ".lock"  # flock'ed by the one run writing the directory
+LOCK_FILE = ".lock"  # flock'ed by the one run writing the directory, removed when it ends
+REPORT_FILES = (CASES_FILE, "report.json", "report.md", "junit.xml", "report.html")  # what a run writes
 
 
 def _err(err: float | None, tol: float | None) -> str:
@@ -52,10 +53,34 @@ def summary(rows: Sequence[Row]) -> dict[str, int]:
     return out
 
 
-def _config_of(cfg: RunConfig) -> dict:
-    """Everything that decides what a row means: resumed rows must come from the same configuration."""
+def _config_of(cfg: RunConfig, settings: dict | None = None) -> dict:
+    """Everything that decides what a row means: resumed rows must come from the same configuration;
+    ``settings``: what else the command ran with (``verify model``'s policies, steps and recipe)."""
     return {"world_sizes": list(cfg.world_sizes), "dtype": cfg.dtype, "seeds": list(cfg.seeds),
-            "modules": [str(Path(m).resolve()) for m in cfg.modules], "base": cfg.base, "partition": cfg.partition}
+            "modules": [str(Path(m).resolve()) for m in cfg.modules], "base": cfg.base, "partition": cfg.partition,
+            **json.loads(json.dumps(settings or {}))}  # as report.json reads back (lists, not tuples)
+
+
+def foreign_files(directory: Path) -> list[str]:
+    """The files of ``directory`` named as a run's reports (:data:`REPORT_FILES`) that no ``verify``
+    run wrote there: a ``report.json`` that is not a verify report (a dict with ``config`` and
+    ``cases``) makes every one of them foreign; without one, a ``cases.jsonl`` of valid rows is a
+    run's (cut short before its first report), anything else is foreign."""
+    present = [n for n in REPORT_FILES if (directory / n).exists()]
+    if not present:
+        return []
+    try:
+        meta = json.loads((directory / "report.json").read_text())
+    except FileNotFoundError:
+        meta = None
+    except (OSError, ValueError):
+        return present
+    if meta is not None:
+        ours = isinstance(meta, dict) and isinstance(meta.get("config"), dict) and isinstance(meta.get("cases"), list)
+        return [] if ours else present
+    cases = directory / CASES_FILE
+    valid = cases.exists() and cases.is_file() and _valid_lines(cases)[1] == cases.read_bytes()
+    return [n for n in present if n != CASES_FILE or not valid]
 
 
 class ReportError(RuntimeError):
@@ -96,17 +121,19 @@ class ReportWriter:
     again; :data:`OVERWRITE` replaces whatever is there. Without either, rows already there are
     replaced only when a finished run of the same ``command`` at the same configuration wrote them
     (one line says so, on stderr); rows of an unfinished run, of another command or configuration
-    are refused, in one line naming the way out. ``report.json`` records ``command`` and whether the
-    run finished (``complete``: it closed with no exception on its way).
+    are refused, in one line naming the way out. Files named as reports that ``verify`` did not write
+    (:func:`foreign_files`) are never replaced, whatever the options. ``report.json`` records
+    ``command`` and whether the run finished (``complete``: it closed with no exception on its way).
     """
 
     RERUN = ("error", "timeout", "crash")
 
     def __init__(self, directory: str | os.PathLike, cfg: RunConfig, resume: bool | str = False,
-                 command: str = "all"):
+                 command: str = "all", settings: dict | None = None):
         self.dir = Path(directory)
         self.cfg = cfg
         self.command = command
+        self.settings = settings or {}  # more of what the rows mean (:func:`_config_of`)
         self.complete = False
         self.seconds = 0.0
         try:
@@ -119,39 +146,62 @@ class ReportWriter:
         self._flushed = 0.0
         self.sweep: dict = {}  # verify all: the selection, shard and finished units (verify/sweep/shard.py)
         try:
+            foreign = foreign_files(self.dir)
+            if foreign:  # whatever the options: verify replaces only what verify wrote
+                raise ReportError(f"{self.dir} holds {', '.join(foreign)} that verify did not write; move "
+                                  f"{'it' if len(foreign) == 1 else 'them'} away or pass another --reports")
             if resume is not True and resume != OVERWRITE:
                 self._check_replace()
+            self.rows: list[Row] = self._resume() if resume is True else []
         except (ReportError, OSError) as exc:
-            self._lock.close()
+            self._release()
             raise exc if isinstance(exc, ReportError) else _oserror(f"cannot read {self.dir}", exc) from None
-        self.rows: list[Row] = self._resume() if resume is True else []
         try:
             kept = b"".join((json.dumps(r.to_json()) + "\n").encode() for r in self.rows)
             atomic_write(self.dir / CASES_FILE, kept)
             self._fd = os.open(self.dir / CASES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self.flush()
         except OSError as exc:
-            self._lock.close()
+            self._release()
             raise _oserror(f"cannot write reports into {self.dir}", exc) from None
 
     def _acquire(self):
-        try:
-            fh = open(self.dir / LOCK_FILE, "a+")
-        except OSError as exc:
-            raise _oserror(f"cannot write reports into {self.dir}", exc) from None
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "?"
+        """The directory's lock file, created and ``flock``'ed (holding this pid); a lock file that
+        its holder removed between our open and our lock is opened again."""
+        path = self.dir / LOCK_FILE
+        while True:
+            try:
+                fh = open(path, "a+")
+            except OSError as exc:
+                raise _oserror(f"cannot write reports into {self.dir}", exc) from None
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "?"
+                fh.close()
+                raise ReportError(f"reports directory {self.dir} is in use by another run (pid {holder}); wait "
+                                  f"for it to finish or pass another --reports") from None
+            try:
+                same = os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             fh.close()
-            raise ReportError(f"reports directory {self.dir} is in use by another run (pid {holder}); wait for "
-                              f"it to finish or pass another --reports") from None
         fh.seek(0)
         fh.truncate()
         fh.write(str(os.getpid()))
         fh.flush()
         return fh
+
+    def _release(self) -> None:
+        """Remove the lock file, then let go of the lock (a run never leaves it behind)."""
+        try:
+            (self.dir / LOCK_FILE).unlink()
+        except OSError:
+            pass
+        self._lock.close()
 
     def _check_replace(self) -> None:
         """Rows already in the directory: replaced (and said) when a finished run of this command at
@@ -166,7 +216,7 @@ class ReportWriter:
             meta = {}
         command = meta.get("command", "all")  # reports written before the field: by `verify all`
         finished = meta.get("complete", "config" in meta)  # ... and closed, when report.json is whole
-        now = _config_of(self.cfg)
+        now = _config_of(self.cfg, self.settings)
         config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
         diff = [k for k in now if config.get(k) != now[k]]
         replace = "pass --overwrite to replace it, or another --reports"
@@ -192,7 +242,7 @@ class ReportWriter:
                 before = json.loads(meta.read_text()).get("config", {})
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
                 before = None
-            now = _config_of(self.cfg)
+            now = _config_of(self.cfg, self.settings)
             if before is None:
                 raise ReportError(f"--resume: {meta} is damaged; run without --resume to start over")
             diff = [k for k in now if before.get(k) != now[k]]
@@ -235,7 +285,7 @@ class ReportWriter:
 
     def flush(self) -> None:
         self._flushed = time.monotonic()
-        meta = {"config": _config_of(self.cfg), "command": self.command, "complete": self.complete,
+        meta = {"config": _config_of(self.cfg, self.settings), "command": self.command, "complete": self.complete,
                 "summary": summary(self.rows), "seconds": round(self.seconds, 2), "host": socket.gethostname(),
                 "finished": _now()}
         if self.sweep:
@@ -250,7 +300,7 @@ class ReportWriter:
             self.flush()
         finally:
             os.close(self._fd)
-            self._lock.close()
+            self._release()
 
 
 def write_reports(directory: Path, rows: Sequence[Row], meta: dict) -> None:

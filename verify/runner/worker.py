@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
-import sys
 import time
 import traceback
 import warnings
@@ -22,22 +20,15 @@ from verify.judge.verdict import Divergence, Unverifiable
 from verify.kinds import kind_of
 from verify.kinds.registry import CaseKind
 from verify.runner import isolation
+from verify.user_files import import_once
 
 
 def load_modules(paths: Sequence[str]) -> OpRegistry:
     """Import ``opzoo`` and each user file (their ``register_op`` calls fill the default registry)."""
     import opzoo  # noqa: F401  (registers the built-in operators)
-    for path in paths:
+    for path in paths:  # each file once, whatever else imports it (verify/user_files.py)
         p = Path(path).resolve()
-        name = f"verify_user_{abs(hash(str(p)))}"
-        if name in sys.modules:
-            continue
-        spec = importlib.util.spec_from_file_location(name, p)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot import {path}: not a Python file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        import_once(p, f"verify_user_{abs(hash(str(p)))}")
     return DEFAULT_REGISTRY
 
 

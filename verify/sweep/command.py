@@ -20,6 +20,7 @@ from verify.report.progress import RunProgress
 from verify.report.writer import ReportWriter, summary, table
 from verify.sweep.selection import ZOO, default_units, full_order, full_units, saved_plans
 from verify.sweep.shard import ShardError, estimate, fingerprint, parse_shard, recorded_times, shard
+from verify.catalogue import source_key
 from verify.rows.run import check_spec, preflight
 from verify.runner.worker import load_modules
 from nnscaler.policies import POLICIES
@@ -84,6 +85,7 @@ def cmd_all(args) -> int:
     writer = ReportWriter(args.reports, cfg, resume=args.resume)  # refuses a busy or unwritable directory
     shard_of = parse_shard(args.shard) if args.shard else (1, 1)
     writer.sweep = {"mode": "full" if args.full else "default", "selection": fingerprint(selection),
+                    "source": source_key(),  # verify merge: shards of one run ran the same code
                     "shard": shard_of[0], "shards": shard_of[1], "total": len(selection),
                     **_finished_units(writer.sweep if args.resume else {})}
     done = writer.done()

@@ -1,6 +1,7 @@
 """``python -m verify merge DIR... [--reports OUT]``: the reports of the N shards of one ``verify all
 --shard i/N`` sweep combined into one (``cases.jsonl``, JSON, Markdown, JUnit, HTML), after checking
-that they are the N shares of one selection, each once, and that no unit or case is missing or twice."""
+that they are the N shares of one selection run by the same source, each once, and that no unit or case
+is missing or twice (every row of every shard is kept, or the merge is refused)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from typing import Sequence
 from nnscaler.io import atomic_write
 
 from verify.judge.row import Row
-from verify.report.writer import CASES_FILE, ReportError, summary, write_reports
+from verify.report.writer import CASES_FILE, ReportError, foreign_files, summary, write_reports
 from verify.sweep.shard import ShardError, check_shards
 
 
@@ -28,11 +29,15 @@ def _load(directory: Path) -> tuple[dict, list[Row]]:
     return meta, rows
 
 
-def merge(directories: Sequence[str], out: str) -> tuple[int, int]:
-    """Write the merged reports into ``out``; returns (shards, cases). Raises :class:`ShardError`."""
+def merge(directories: Sequence[str], out: str) -> tuple[int, list[Row]]:
+    """Write the merged reports into ``out``; returns (shards, the merged rows). Raises :class:`ShardError`
+    (shards that do not fit) or :class:`ReportError` (``out`` holds files verify did not write)."""
     loaded = [_load(Path(d)) for d in directories]
     metas = [m for m, _ in loaded]
     check_shards([m["sweep"] for m in metas])
+    sources = {m["sweep"].get("source") for m in metas}
+    if len(sources) != 1:
+        raise ShardError("the shards ran other code or versions (their sources differ); merge shards of one run")
     configs = {json.dumps(m.get("config"), sort_keys=True) for m in metas}
     if len(configs) != 1:
         raise ShardError("the shards ran with other settings (world sizes, dtype, seeds or modules); merge shards "
@@ -52,10 +57,14 @@ def merge(directories: Sequence[str], out: str) -> tuple[int, int]:
             "host": ", ".join(sorted({m.get("host", "?") for m in metas})), "finished": first.get("finished"),
             "sweep": sweep}
     target = Path(out)
+    foreign = foreign_files(target) if target.is_dir() else []
+    if foreign:
+        raise ReportError(f"{target} holds {', '.join(foreign)} that verify did not write; move "
+                          f"{'it' if len(foreign) == 1 else 'them'} away or pass another --reports")
     try:
         target.mkdir(parents=True, exist_ok=True)
         atomic_write(target / CASES_FILE, "".join(json.dumps(r.to_json()) + "\n" for r in rows))
     except OSError as exc:
         raise ReportError(f"cannot write the merged reports into {target}: {exc.strerror or exc}") from None
     write_reports(target, rows, meta)
-    return len(loaded), len(rows)
+    return len(loaded), rows

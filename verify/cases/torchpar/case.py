@@ -32,6 +32,7 @@ from verify.cases.samples import DTYPES
 from verify.api import Parallelized
 from verify.cases.torchpar.mesh import DP, build_mesh, dp_slice
 from verify.cases.torchpar.localize import ModuleStack
+from verify.judge.finite import require_finite
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.models.loader import build_model, file_tag
 
@@ -125,8 +126,10 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
             loss64 = ref64(*cast(args, torch.float64))
             loss64.backward()
         kw = fallback.bounds()
+        grads, grads64 = reference_grads(params, ref64)
+        require_finite({"loss": loss_ref, "loss64": loss64, "grads": grads, "grads64": grads64}, step)
         checks.append(check_tensor(f"loss step {step}", loss, loss_ref.detach(), loss64.detach(), **kw))
-        checks += step_checks(whole, *reference_grads(params, ref64), shadow, point, opts, step, fallback.widen, kw)
+        checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw)
     if job.get("checkpoint", True):
         checks += resume_checks(job, par, opts[0], mesh, dt, case, groups)
     return checks + fallback.notes(dtype)
