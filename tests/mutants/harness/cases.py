@@ -16,12 +16,6 @@ def every_selection_a_tie():
     patch(_spread(), "TIE_FACTOR", 1e12)
 
 
-@mutant("verify/cases/spread.py:PERTURB", [f"{RULES}::test_the_moved_points_move_by_half_an_ulp_of_bf16"])
-def spread_points_moved_far():
-    """The spread samples move every parameter by 1/8 relative, not half a bf16 ulp."""
-    patch(_spread(), "PERTURB", 2.0 ** -3)
-
-
 @mutant("verify/cases/torchpar_mesh.py:dp_slice", ["tests/test_torchpar.py::test_a_plan_that_forgets_to_average_over_dp_is_caught"])
 def torchpar_batch_not_sliced():
     """Every dp rank of a torch parallelization gets the whole batch: a plan that never syncs gradients matches."""

@@ -42,8 +42,8 @@ def clipped_norm_unchecked():
 
 @mutant(f"{COMPARE}:check_tensor", [f"{RULES}::test_a_wrong_output_fails"])
 def outputs_unchecked():
-    """Op outputs (``out...``) pass whatever their values."""
-    wrap(_compare(), "check_tensor", _passing(lambda n: n.startswith("out")))
+    """Op outputs (``output i``) pass whatever their values."""
+    wrap(_compare(), "check_tensor", _passing(lambda n: n.startswith("output")))
 
 
 @mutant(f"{COMPARE}:check_tensor", [f"{RULES}::test_an_error_far_above_the_single_device_error_fails"])
@@ -104,8 +104,8 @@ def missing_gradient_passes():
     patch(_compare(), "_none_check", lambda name, par, dev, ref: _compare().Check(name, 0.0, 0.0, True))
 
 
-@mutant(f"{COMPARE}:_shape_dtype", [f"{RULES}::test_a_wrong_shape_fails_even_where_it_broadcasts"])
-def shape_unchecked():
+@mutant(f"{COMPARE}:_shape_dtype", [f"{RULES}::test_a_wrong_dtype_fails_though_its_values_are_close"])
+def shape_dtype_unchecked():
     """Shapes and dtypes are not compared (a broadcastable wrong shape passes)."""
     patch(_compare(), "_shape_dtype", lambda name, par, dev: None)
 
