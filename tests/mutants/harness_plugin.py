@@ -27,18 +27,37 @@ def pytest_addoption(parser):
                      help="apply this harness mutant (tests/mutants/harness) here and in every rank gang")
 
 
-def pytest_configure(config):
-    name = config.getoption("--harness-mutant")
-    if not name:
-        return
-    from tests.mutants.harness import apply
-    from verify.runner.gang import Gang
-    path = str(shim(Path(tempfile.mkdtemp(prefix="harness_mutant_")), name))
-    start = Gang.start
+class Applied:
+    """Applies harness mutant ``name`` when pytest configures and puts everything back when it ends (so
+    one process can run several mutants in turn: ``tests/mutants/harness_run.py --fast``)."""
 
-    def start_with_mutant(self):
-        if path not in self.modules:
-            self.modules.append(path)
-        return start(self)
-    Gang.start = start_with_mutant
-    apply(name)
+    def __init__(self, name: str):
+        self.name = name
+
+    def pytest_configure(self, config):
+        from tests.mutants.harness import apply, undo
+        from verify.runner.gang import Gang
+        undo()
+        path = str(shim(Path(tempfile.mkdtemp(prefix="harness_mutant_")), self.name))
+        self.start = start = Gang.start
+
+        def start_with_mutant(gang):
+            if path not in gang.modules:
+                gang.modules.append(path)
+            return start(gang)
+        Gang.start = start_with_mutant
+        apply(self.name)
+
+    def pytest_unconfigure(self, config):
+        from tests.mutants.harness import undo
+        from verify.runner.gang import Gang
+        undo()
+        Gang.start = self.start
+
+
+def pytest_configure(config):
+    name = config.getoption("--harness-mutant", None)
+    if name:
+        plugin = Applied(name)
+        config.pluginmanager.register(plugin, "harness-mutant-applied")
+        plugin.pytest_configure(config)

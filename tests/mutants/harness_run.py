@@ -2,7 +2,11 @@
 (``python -m pytest -p tests.mutants.harness_plugin --harness-mutant NAME NODEID...``); a mutant is killed
 when those tests fail. Prints one line per mutant (killing test, killed/survived, seconds) and the kill rate.
 
-    python -m tests.mutants.harness_run [--mutants NAME ...] [--results PATH.md] [--timeout S]
+    python -m tests.mutants.harness_run [--mutants NAME ...] [--results PATH.md] [--timeout S] [--fast]
+
+Each mutant runs in a pytest process of its own; ``--fast`` runs them all in this one process instead, one
+``pytest.main`` after another (the mutant applied at configure, undone at unconfigure; rank gangs and forked
+ranks still get it), saving pytest's and torch's start per mutant.
 
 ``bench/verdicts/mutant_kills.py --harness`` runs it and writes ``bench/results/harness_mutant_kills.md``."""
 from __future__ import annotations
@@ -44,6 +48,18 @@ def run_one(name: str, timeout: float = 900.0) -> tuple[str, float, str]:
     return status, time.perf_counter() - start, (last[-1] if last else f"exit {proc.returncode}")
 
 
+def run_here(name: str) -> tuple[str, float, str]:
+    """:func:`run_one` in this process (``--fast``)."""
+    import pytest  # noqa: PLC0415
+
+    from .harness_plugin import Applied  # noqa: PLC0415
+    start = time.perf_counter()
+    rc = pytest.main(["-q", "-x", "-p", "no:xdist", "-p", "no:cacheprovider", *HARNESS[name].kills],
+                     plugins=[Applied(name)])
+    status = {0: "survived", 1: "killed"}.get(int(rc), "broken")
+    return status, time.perf_counter() - start, f"exit {int(rc)}"
+
+
 def write_results(path: str | Path, results: dict[str, tuple[str, float, str]], argv: list[str]) -> None:
     """A markdown table: mutant, target, killing test(s), verdict, seconds; then the kill rate."""
     killed = sum(s == "killed" for s, _, _ in results.values())
@@ -64,6 +80,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mutants", nargs="+", default=list(HARNESS), choices=list(HARNESS), metavar="NAME")
     ap.add_argument("--results", default=None, metavar="PATH.md", help="write the results table here")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant's run")
+    ap.add_argument("--fast", action="store_true", help="run every mutant in this process (see above)")
     return ap
 
 
@@ -71,7 +88,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     results: dict[str, tuple[str, float, str]] = {}
     for name in args.mutants:
-        status, secs, tail = run_one(name, args.timeout)
+        status, secs, tail = run_here(name) if args.fast else run_one(name, args.timeout)
         results[name] = (status, secs, tail)
         print(f"{name:<42} {status:<9} {secs:6.1f} s  {' '.join(HARNESS[name].kills)}", flush=True)
         if status == "broken":

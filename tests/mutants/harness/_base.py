@@ -4,6 +4,7 @@ imports of every ``verify/`` module a mutant patches: when a file moves, only it
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -25,7 +26,8 @@ class Mutant:
 
 
 HARNESS: dict[str, Mutant] = {}
-_JOURNAL: list[tuple[object, str, object]] = []  # (owner, attribute, value before) of every patch, in order
+_ROOT = str(Path(__file__).resolve().parents[3])  # modules of this checkout (tests too) are rebound as well
+_JOURNAL: list[tuple[object, str, object, object]] = []  # (owner, attribute, value before, value set) per patch
 
 
 def mutant(target: str, kills: list[str] | str, owner: str = "", why: str = ""):
@@ -45,17 +47,23 @@ def apply(name: str) -> None:
 
 
 def _set(owner, attr: str, value) -> None:
-    _JOURNAL.append((owner, attr, vars(owner).get(attr, _MISSING)))
+    _JOURNAL.append((owner, attr, vars(owner).get(attr, _MISSING), value))
     setattr(owner, attr, value)
 
 
 _MISSING = object()
 
 
+def _ours(name: str, mod) -> bool:
+    """Whether ``mod`` is a module of this checkout (``verify``, ``nnscaler``, the tests)."""
+    return mod is not None and (name.startswith(("verify", "nnscaler"))
+                                or str(getattr(mod, "__file__", "") or "").startswith(_ROOT))
+
+
 def patch(owner, attr: str, value) -> None:
     """``owner.attr = value``, refusing an attribute ``owner`` lacks (a renamed target fails to apply instead
-    of surviving); where ``owner`` is a module and the value a function or class, every loaded ``verify``/
-    ``nnscaler`` module that imported the same object by name (``from verify.judge.compare import
+    of surviving); where ``owner`` is a module and the value a function or class, every loaded module of this
+    checkout (``verify``, ``nnscaler``, the tests) that imported the same object by name (``from verify.judge.compare import
     check_tensor``) is rebound too (a constant is read through its module at call time)."""
     if not hasattr(owner, attr):
         raise AttributeError(f"mutant target {getattr(owner, '__name__', owner)}.{attr} does not exist")
@@ -64,7 +72,7 @@ def patch(owner, attr: str, value) -> None:
     if isinstance(owner, type) or not callable(before):
         return
     for name, mod in list(sys.modules.items()):
-        if mod is owner or mod is None or not name.startswith(("verify", "nnscaler")):
+        if mod is owner or not _ours(name, mod):
             continue
         if vars(mod).get(attr) is before:
             _set(mod, attr, value)
@@ -76,13 +84,22 @@ def wrap(owner, attr: str, make: Callable[[Callable], Callable]) -> None:
 
 
 def undo() -> None:
-    """Put back every patch made so far, latest first."""
+    """Put back every patch made so far, latest first; a module imported while a mutant was applied (a test
+    file that imported the mutated function by name) gets the original back too."""
+    put_back = {}
     while _JOURNAL:
-        owner, attr, before = _JOURNAL.pop()
+        owner, attr, before, value = _JOURNAL.pop()
         if before is _MISSING:
             delattr(owner, attr)
         else:
             setattr(owner, attr, before)
+            put_back[(attr, id(value))] = (value, before)
+    for name, mod in list(sys.modules.items()):
+        if not _ours(name, mod):
+            continue
+        for (attr, _), (value, before) in put_back.items():
+            if vars(mod).get(attr) is value:
+                setattr(mod, attr, before)
 
 
 @contextmanager
