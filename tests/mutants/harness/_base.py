@@ -177,3 +177,8 @@ def _torchpar():
 def _collectives():
     from nnscaler.runtime import collectives
     return collectives
+
+
+def _draws():
+    from verify.cases import draws
+    return draws

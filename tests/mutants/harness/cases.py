@@ -1,11 +1,14 @@
 """Harness mutants of what a case measures: the tie-flip samples of the bf16 spread
-(``verify/cases/spread.py``), the torch-parallelization path's batch slicing (``verify/cases/torchpar_mesh.py``)
-and the blocked layouts' backward (``nnscaler/runtime/collectives.py``)."""
+(``verify/cases/spread.py``), the equal random draws of a step and the rows that must stay unverifiable
+(``verify/cases/draws.py``, ``verify/judge/verdict.py``), the torch-parallelization path's batch slicing
+(``verify/cases/torchpar_mesh.py``) and the blocked layouts' backward (``nnscaler/runtime/collectives.py``)."""
 from __future__ import annotations
 
 import torch
 
-from ._base import _collectives, _spread, _torchpar_mesh, mutant, patch
+import contextlib
+
+from ._base import _collectives, _draws, _spread, _torchpar_mesh, _verdict, mutant, patch
 
 RULES = "tests/test_harness_rules.py"
 
@@ -45,3 +48,19 @@ def blocked_split_backward_unblocked():
     """A blocked split's backward gathers the gradient as plain chunks."""
     C = _collectives()
     patch(C._Split, "backward", staticmethod(lambda ctx, g: (C._gather(g, ctx.dim, ctx.group, 1), None, None, None)))
+
+
+# -- random draws: equal in the run and its references, or the row unverifiable (the draws branch's tests too)
+@mutant("verify/cases/draws.py:same_draws",
+        ["tests/test_random_ops.py::test_a_model_with_dropout_matches_and_dp_keeps_it_data_parallel"], owner="draws")
+def draws_not_replayed():
+    """Each forward of a step draws on from the running generator: the run and its references draw other numbers."""
+    patch(_draws(), "same_draws", lambda seed, step: contextlib.nullcontext())
+
+
+@mutant("verify/judge/verdict.py:check_deterministic",
+        ["tests/test_random_ops.py::test_micro_batches_make_a_model_with_dropout_unverifiable_not_a_mismatch"],
+        owner="draws")
+def drawing_model_judged_in_pieces():
+    """A model that draws is judged under micro-batches, where each piece draws its own mask."""
+    patch(_verdict(), "check_deterministic", lambda graph, why: None)
