@@ -282,8 +282,11 @@ def test_every_setting_that_changes_a_program_is_in_the_cache_key(field, tree, r
     assert other != base
 
 
-@pytest.mark.parametrize("field, value", [("world_sizes", (4,)), ("seeds", (1,)), ("policy", "dp"), ("steps", 2),
-                                          ("microbatches", 4), ("replicas", 2), ("checkpoint", False), ("recipe", True)])
+UNIT_CHANGES = {"world_sizes": (4,), "seeds": (1,), "policy": "dp", "steps": 2, "microbatches": 4, "replicas": 2,
+                "checkpoint": False, "recipe": True}
+
+
+@pytest.mark.parametrize("field, value", [pytest.param(f, v, id=f) for f, v in UNIT_CHANGES.items()])
 def test_every_field_of_a_unit_is_in_the_cache_key(field, value, tree, registry, tmp_path):
     cache = VerdictCache(tmp_path, RunConfig(world_sizes=(2,)), registry, root=tree)
     assert cache.key(dataclasses.replace(UNIT, **{field: value})) != cache.key(UNIT)
@@ -293,15 +296,15 @@ def test_every_field_of_a_unit_is_in_the_cache_key(field, value, tree, registry,
 @pytest.fixture(scope="module")
 def default():
     from tests.test_selection import MODEL_NAMES, POLICIES, RANDOM_SEEDS, TORCH_CASES  # the matrix as tested there
-    from verify.selection import default_units, full_units, saved_plans
+    from verify.selection import ZOO, default_units, full_units, saved_plans
     full = full_units(["relu"], MODEL_NAMES, list(POLICIES), (2, 4), (0,), RANDOM_SEEDS, [4], TORCH_CASES, True,
-                      plans=saved_plans())
+                      zoo=ZOO, plans=saved_plans())
     return default_units(full, MODEL_NAMES, list(POLICIES), (2, 4), RANDOM_SEEDS)
 
 
 def test_the_default_sample_runs_a_zoo_architecture(default):
     from verify.selection import ZOO_DEFAULT
-    assert {u.name for u in default} & {f"zoo:{a}" for a in ZOO_DEFAULT} | set(ZOO_DEFAULT)
+    assert {u.name for u in default} & {f"zoo:{a}" for a in ZOO_DEFAULT}
 
 
 def test_the_default_sample_resumes_some_checkpoints(default):

@@ -4,6 +4,8 @@ applies (its target exists) and is undone cleanly, and each names killing tests 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,11 @@ def test_the_runner_applies_the_mutant_in_pytest_and_in_every_rank(tmp_path):
     assert cmd[cmd.index("--harness-mutant") + 1] == "loss_unchecked"
     text = shim(tmp_path, "loss_unchecked").read_text()
     assert "apply('loss_unchecked')" in text
+
+
+def test_every_killing_test_is_collected():
+    """Every named node id (parametrised ids included) is one pytest collects."""
+    nodes = sorted({k for m in HARNESS.values() for k in m.kills})
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-p",
+                          "no:cacheprovider", *nodes], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
