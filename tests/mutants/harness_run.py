@@ -12,6 +12,7 @@ ranks still get it), saving pytest's and torch's start per mutant.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -63,6 +64,7 @@ def run_here(name: str) -> tuple[str, float, str]:
 def write_results(path: str | Path, results: dict[str, tuple[str, float, str]], argv: list[str]) -> None:
     """A markdown table: mutant, target, killing test(s), verdict, seconds; then the kill rate."""
     killed = sum(s == "killed" for s, _, _ in results.values())
+    missing = [n for n in HARNESS if n not in results]
     lines = ["# Harness mutant kills", "", f"`python bench/verdicts/mutant_kills.py --harness {' '.join(argv)}`".replace(" `", "`"), "",
              "Each harness mutant (`tests/mutants/harness`) applied alone, in the pytest process and in every rank, "
              "then its killing tests run (`tests/mutants/harness_run.py`); `owner` names the branch whose own tests "
@@ -71,7 +73,8 @@ def write_results(path: str | Path, results: dict[str, tuple[str, float, str]], 
     for name, (status, secs, _) in results.items():
         m = HARNESS[name]
         lines.append(f"| {name} | `{m.target}` | {'<br>'.join(f'`{k}`' for k in m.kills)} | {m.owner} | {status} | {secs:.0f} |")
-    lines += ["", f"Kill rate: {killed}/{len(results)} = {killed / max(len(results), 1):.0%}.", ""]
+    lines += ["", f"Kill rate: {killed}/{len(results)} = {killed / max(len(results), 1):.0%}."
+              + (f" Not run yet: {', '.join(missing)}." if missing else ""), ""]
     Path(path).write_text("\n".join(lines))
 
 
@@ -87,18 +90,26 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     results: dict[str, tuple[str, float, str]] = {}
+    record = Path(args.results).with_suffix(".json") if args.results else None
+    if record and record.exists():  # the verdicts of earlier runs; this run replaces those it reruns
+        results = {n: tuple(v) for n, v in json.loads(record.read_text()).items() if n in HARNESS}
+    ran: list[str] = []
     for name in args.mutants:
         status, secs, tail = run_here(name) if args.fast else run_one(name, args.timeout)
         results[name] = (status, secs, tail)
+        ran.append(name)
         print(f"{name:<42} {status:<9} {secs:6.1f} s  {' '.join(HARNESS[name].kills)}", flush=True)
         if status == "broken":
             print("   ", tail, flush=True)
         if args.results:
-            write_results(args.results, results, list(argv if argv is not None else sys.argv[1:]))
-    killed = sum(s == "killed" for s, _, _ in results.values())
-    print(f"kill rate: {killed}/{len(results)} = {killed / max(len(results), 1):.0%}; not killed: "
-          f"{', '.join(n for n, (s, _, _) in results.items() if s != 'killed') or 'none'}")
-    return 0 if killed == len(results) else 1
+            record.write_text(json.dumps(results, indent=1))
+            write_results(args.results, {n: results[n] for n in HARNESS if n in results},
+                          ["--fast"] if args.fast else [])
+    this = {n: results[n] for n in ran}
+    killed = sum(s == "killed" for s, _, _ in this.values())
+    print(f"kill rate: {killed}/{len(this)} = {killed / max(len(this), 1):.0%}; not killed: "
+          f"{', '.join(n for n, (s, _, _) in this.items() if s != 'killed') or 'none'}")
+    return 0 if killed == len(this) else 1
 
 
 if __name__ == "__main__":
