@@ -52,14 +52,14 @@ def blocked_split_backward_unblocked():
 
 # -- random draws: equal in the run and its references, or the row unverifiable (the draws branch's tests too)
 @mutant("verify/cases/draws.py:same_draws",
-        ["tests/test_random_ops.py::test_a_model_with_dropout_matches_and_dp_keeps_it_data_parallel"], owner="draws")
+        ["tests/test_draws_in_process.py::test_a_correct_plan_of_a_model_that_draws_matches"], owner="draws")
 def draws_not_replayed():
     """Each forward of a step draws on from the running generator: the run and its references draw other numbers."""
     patch(_draws(), "same_draws", lambda seed, step: contextlib.nullcontext())
 
 
 @mutant("verify/judge/verdict.py:check_deterministic",
-        ["tests/test_random_ops.py::test_micro_batches_make_a_model_with_dropout_unverifiable_not_a_mismatch"],
+        ["tests/test_draws_in_process.py::test_micro_batches_leave_a_model_that_draws_unverifiable"],
         owner="draws")
 def drawing_model_judged_in_pieces():
     """A model that draws is judged under micro-batches, where each piece draws its own mask."""
