@@ -3,6 +3,12 @@ under its whole matrix (``--full``): the default sample must kill every mutant t
 
     python bench/verdicts/mutant_kills.py [--mutants NAME ...] [--out bench/results/mutant_kills.md]
     python bench/verdicts/mutant_kills.py --precision bf16-mixed --sweeps default [--model M ...] [--mutants NAME ...]
+    python bench/verdicts/mutant_kills.py --harness [--mutants NAME ...]
+
+``--harness`` runs the harness mutant catalogue (``tests/mutants/harness``) instead: each mutant applied alone
+(in pytest and in every rank) with the tests it names as its killers (``tests/mutants/harness_run.py``),
+printing each with its killing test, killed/survived and seconds, into
+``bench/results/harness_mutant_kills.md``.
 
 Each mutant runs alone through ``tests/mutants/run.py`` (fail-fast: a run stops at its first failing
 row) once per sweep; the table gives each sweep's verdict, first failing row and wall seconds.
@@ -30,7 +36,15 @@ from tests.mutants.run import parser as run_parser, run_one  # noqa: E402
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--harness" in argv:
+        from tests.mutants import harness_run  # noqa: PLC0415
+        rest = [a for a in argv if a != "--harness"]
+        if "--results" not in rest:
+            rest += ["--results", str(ROOT / "bench" / "results" / "harness_mutant_kills.md")]
+        return harness_run.main(rest)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--harness", action="store_true", help="the harness mutant catalogue instead (see above)")
     ap.add_argument("--mutants", nargs="+", default=list(MUTANTS), choices=list(MUTANTS), metavar="NAME")
     ap.add_argument("--sweeps", nargs="+", default=["default", "full"], choices=["default", "full"])
     ap.add_argument("--out", default=None, help="default: bench/results/mutant_kills[_PRECISION].md")
