@@ -13,20 +13,21 @@ import pytest
 import torch
 
 from nnscaler.cost.cluster import Parallel
-from verify.cache import VerdictCache
-from verify.cases.config import Row, RunConfig
+from verify.sweep.cache import VerdictCache
+from verify.config import RunConfig
+from verify.judge.row import Row
 from verify.cases.resume import exact
 from verify.cases.spread import TieFlips
-from verify.cases.tensor_trace import Entry, Record, Trace
+from verify.localize.tensor_trace import Entry, Record, Trace
 from verify.judge.compare import (FACTOR, FLOOR_EPS, Check, Float64Fallback, SpreadHistory, check_lowprec, check_tensor,
                                   check_update)
 from verify.judge.verdict import MATCH, MISMATCH, UNVERIFIABLE, judge
-from verify.merge import merge
-from verify.plan.reduced import reduce_parallel
-from verify.runner.answer import RankAnswer
-from verify.selection import Unit
-from verify.shard import ShardError, check_shards
-from verify.worker import load_modules
+from verify.sweep.merge import merge
+from verify.models.saved_plan import reduce_parallel
+from verify.judge.answer import RankAnswer
+from verify.sweep.selection import Unit
+from verify.sweep.shard import ShardError, check_shards
+from verify.runner.worker import load_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 F32, F64 = torch.float32, torch.float64
@@ -296,14 +297,14 @@ def test_every_field_of_a_unit_is_in_the_cache_key(field, value, tree, registry,
 @pytest.fixture(scope="module")
 def default():
     from tests.test_selection import MODEL_NAMES, POLICIES, RANDOM_SEEDS, TORCH_CASES  # the matrix as tested there
-    from verify.selection import ZOO, default_units, full_units, saved_plans
+    from verify.sweep.selection import ZOO, default_units, full_units, saved_plans
     full = full_units(["relu"], MODEL_NAMES, list(POLICIES), (2, 4), (0,), RANDOM_SEEDS, [4], TORCH_CASES, True,
                       zoo=ZOO, plans=saved_plans())
     return default_units(full, MODEL_NAMES, list(POLICIES), (2, 4), RANDOM_SEEDS)
 
 
 def test_the_default_sample_runs_a_zoo_architecture(default):
-    from verify.selection import ZOO_DEFAULT
+    from verify.sweep.selection import ZOO_DEFAULT
     assert {u.name for u in default} & {f"zoo:{a}" for a in ZOO_DEFAULT}
 
 
@@ -371,6 +372,6 @@ def test_the_reduced_plan_keeps_the_precision_and_a_batch_every_rank_divides(tmp
     pytest.importorskip("transformers")
     from nnscaler.policies.cluster_plan import load
     from tests.fixtures.llama_meta import saved_plan
-    from verify.plan.reduced import reduce
+    from verify.models.saved_plan import reduce
     _, path = saved_plan(tmp_path, 8, {"tp": 2, "dp": 4, "zero": 1})
     assert reduce(load(path))["precision"] == "bf16-mixed"

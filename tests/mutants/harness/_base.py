@@ -125,27 +125,27 @@ def _verdict():
 
 
 def _selection():
-    from verify import selection
+    from verify.sweep import selection
     return selection
 
 
 def _cache():
-    from verify import cache
+    from verify.sweep import cache
     return cache
 
 
 def _shard():
-    from verify import shard
+    from verify.sweep import shard
     return shard
 
 
 def _merge():
-    from verify import merge
+    from verify.sweep import merge
     return merge
 
 
 def _reduced():
-    from verify.plan import reduced
+    from verify.models import saved_plan as reduced
     return reduced
 
 
@@ -160,17 +160,17 @@ def _resume():
 
 
 def _tensor_trace():
-    from verify.cases import tensor_trace
+    from verify.localize import tensor_trace
     return tensor_trace
 
 
 def _torchpar_mesh():
-    from verify.cases import torchpar_mesh
+    from verify.cases.torchpar import mesh as torchpar_mesh
     return torchpar_mesh
 
 
 def _torchpar():
-    from verify.cases import torchpar
+    from verify.cases.torchpar import case as torchpar
     return torchpar
 
 

@@ -1,7 +1,7 @@
 """Harness mutants of what a case measures: the tie-flip samples of the bf16 spread
 (``verify/cases/spread.py``), the equal random draws of a step and the rows that must stay unverifiable
 (``verify/cases/draws.py``, ``verify/judge/verdict.py``), the torch-parallelization path's batch slicing
-(``verify/cases/torchpar_mesh.py``) and the blocked layouts' backward (``nnscaler/runtime/collectives.py``)."""
+(``verify/cases/torchpar/mesh.py``) and the blocked layouts' backward (``nnscaler/runtime/collectives.py``)."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +19,7 @@ def every_selection_a_tie():
     patch(_spread(), "TIE_FACTOR", 1e12)
 
 
-@mutant("verify/cases/torchpar_mesh.py:dp_slice", ["tests/test_torchpar.py::test_a_plan_that_forgets_to_average_over_dp_is_caught"])
+@mutant("verify/cases/torchpar/mesh.py:dp_slice", ["tests/test_torchpar.py::test_a_plan_that_forgets_to_average_over_dp_is_caught"])
 def torchpar_batch_not_sliced():
     """Every dp rank of a torch parallelization gets the whole batch: a plan that never syncs gradients matches."""
     patch(_torchpar_mesh(), "dp_slice", lambda args, mesh: args)

@@ -1,6 +1,6 @@
 """Harness mutants of the judge: the comparison rules and bounds (``verify/judge/compare.py``), the verdict
 on a row (``verify/judge/verdict.py``), the bit-for-bit load check of a resume (``verify/cases/resume.py``)
-and the choice of the tensor localisation names (``verify/cases/tensor_trace.py``)."""
+and the choice of the tensor localisation names (``verify/localize/tensor_trace.py``)."""
 from __future__ import annotations
 
 import torch
@@ -288,7 +288,7 @@ def resume_not_bit_exact():
 
 
 # -- localisation: the first failing tensor, forward before backward ------------------------------------
-TRACE = "verify/cases/tensor_trace.py"
+TRACE = "verify/localize/tensor_trace.py"
 
 
 def _ratio(e):

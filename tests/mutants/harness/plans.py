@@ -1,4 +1,4 @@
-"""Harness mutants of the reduced plan ``verify plan`` checks (``verify/plan/reduced.py``): each field of a
+"""Harness mutants of the reduced plan ``verify plan`` checks (``verify/models/saved_plan.py``): each field of a
 saved plan must survive the reduction (axes, degrees, schedule, virtual stages, ZeRO stage, recompute,
 sequence parallelism, precision), or the reduced run verifies another program than the one planned."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 from ._base import _reduced, mutant, wrap
 
 RULES = "tests/test_harness_rules.py"
-REDUCED = "verify/plan/reduced.py"
+REDUCED = "verify/models/saved_plan.py"
 KEPT = f"{RULES}::test_the_reduced_plan_keeps_every_field_of_the_saved_one"
 
 

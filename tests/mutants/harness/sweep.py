@@ -1,5 +1,5 @@
-"""Harness mutants of the sweep: the selection of units (``verify/selection.py``), the verdict cache key
-(``verify/cache.py``), the shares of a sharded run and their merge (``verify/shard.py``, ``verify/merge.py``)."""
+"""Harness mutants of the sweep: the selection of units (``verify/sweep/selection.py``), the verdict cache key
+(``verify/sweep/cache.py``), the shares of a sharded run and their merge (``verify/sweep/shard.py``, ``verify/sweep/merge.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,7 @@ import dataclasses
 from ._base import _cache, _merge, _selection, _shard, mutant, patch, wrap
 
 RULES = "tests/test_harness_rules.py"
-CACHE = "verify/cache.py"
+CACHE = "verify/sweep/cache.py"
 SEL = "tests/test_selection.py"
 
 # -- the verdict cache key: every setting that changes a program ----------------------------------------
@@ -73,32 +73,32 @@ def cache_keeps_failures():
 
 
 # -- the selection of units --------------------------------------------------------------------------------
-@mutant("verify/selection.py:recipe_units",
+@mutant("verify/sweep/selection.py:recipe_units",
         [f"{SEL}::test_full_runs_the_combined_recipe_on_every_model_and_the_default_one_unit_per_kind_cheaply"])
 def no_recipe_units():
     """Neither sweep runs the combined recipe (bf16-mixed, ZeRO 3, clipping, recompute)."""
     patch(_selection(), "recipe_units", lambda models, seeds, world_sizes: [])
 
 
-@mutant("verify/selection.py:default_plans", [f"{SEL}::test_every_saved_plan_runs_under_full_and_one_cheap_one_by_default"])
+@mutant("verify/sweep/selection.py:default_plans", [f"{SEL}::test_every_saved_plan_runs_under_full_and_one_cheap_one_by_default"])
 def default_runs_no_saved_plan():
     """The default sample verifies no saved cluster plan."""
     patch(_selection(), "default_plans", lambda full, names=(): [])
 
 
-@mutant("verify/selection.py:default_zoo", [f"{RULES}::test_the_default_sample_runs_a_zoo_architecture"])
+@mutant("verify/sweep/selection.py:default_zoo", [f"{RULES}::test_the_default_sample_runs_a_zoo_architecture"])
 def default_runs_no_zoo():
     """The default sample runs no zoo architecture."""
     patch(_selection(), "default_zoo", lambda full: [])
 
 
-@mutant("verify/selection.py:full_order", [f"{SEL}::test_full_runs_the_default_units_first_then_the_rest_each_once"])
+@mutant("verify/sweep/selection.py:full_order", [f"{SEL}::test_full_runs_the_default_units_first_then_the_rest_each_once"])
 def full_drops_its_last_unit():
     """``verify all --full`` silently leaves out its last unit."""
     wrap(_selection(), "full_order", lambda orig: lambda full, default: orig(full, default)[:-1])
 
 
-@mutant("verify/selection.py:default_units", [f"{SEL}::test_no_resume_units_train_two_steps_and_are_the_first_steps_of_the_full_units",
+@mutant("verify/sweep/selection.py:default_units", [f"{SEL}::test_no_resume_units_train_two_steps_and_are_the_first_steps_of_the_full_units",
                                                f"{RULES}::test_the_default_sample_resumes_some_checkpoints"])
 def default_never_resumes():
     """No unit of the default sample checks a checkpoint resume."""
@@ -107,7 +107,7 @@ def default_never_resumes():
 
 
 # -- shards and their merge --------------------------------------------------------------------------------
-@mutant("verify/shard.py:shard", [f"{SEL}::test_shards_are_disjoint_cover_everything_and_are_the_same_on_every_call"])
+@mutant("verify/sweep/shard.py:shard", [f"{SEL}::test_shards_are_disjoint_cover_everything_and_are_the_same_on_every_call"])
 def shard_drops_a_unit():
     """Each share leaves out its last unit (some units run in no shard)."""
     wrap(_shard(), "shard", lambda orig: lambda units, i, n, times=None: orig(units, i, n, times)[:-1])
@@ -125,7 +125,7 @@ def _ignoring(words: str):
     return make
 
 
-@mutant("verify/shard.py:check_shards", [f"{SEL}::test_shards_that_do_not_fit_together_are_refused",
+@mutant("verify/sweep/shard.py:check_shards", [f"{SEL}::test_shards_that_do_not_fit_together_are_refused",
                                           "tests/test_verdict_cache.py::test_shards_merge_into_the_whole_run_and_a_missing_one_is_refused"],
         owner="merge")
 def missing_shard_accepted():
@@ -133,25 +133,25 @@ def missing_shard_accepted():
     wrap(_shard(), "check_shards", _ignoring("missing"))
 
 
-@mutant("verify/shard.py:check_shards", [f"{SEL}::test_shards_that_do_not_fit_together_are_refused"], owner="merge")
+@mutant("verify/sweep/shard.py:check_shards", [f"{SEL}::test_shards_that_do_not_fit_together_are_refused"], owner="merge")
 def shard_of_another_run_accepted():
     """``verify merge`` merges shards of another selection (other options or code)."""
     wrap(_shard(), "check_shards", _ignoring("different selections"))
 
 
-@mutant("verify/shard.py:check_shards", [f"{SEL}::test_shards_that_do_not_fit_together_are_refused"], owner="merge")
+@mutant("verify/sweep/shard.py:check_shards", [f"{SEL}::test_shards_that_do_not_fit_together_are_refused"], owner="merge")
 def shard_given_twice_accepted():
     """``verify merge`` takes the same shard twice."""
     wrap(_shard(), "check_shards", _ignoring("given twice"))
 
 
-@mutant("verify/shard.py:check_shards", [f"{RULES}::test_shards_with_a_unit_unfinished_are_refused"], owner="merge")
+@mutant("verify/sweep/shard.py:check_shards", [f"{RULES}::test_shards_with_a_unit_unfinished_are_refused"], owner="merge")
 def unfinished_shard_accepted():
     """``verify merge`` merges shards that together hold fewer units than the selection."""
     wrap(_shard(), "check_shards", _ignoring("some did not finish"))
 
 
-@mutant("verify/merge.py:_load", [f"{RULES}::test_a_case_in_two_shards_is_never_silently_dropped"], owner="merge")
+@mutant("verify/sweep/merge.py:_load", [f"{RULES}::test_a_case_in_two_shards_is_never_silently_dropped"], owner="merge")
 def merge_drops_duplicate_rows():
     """``verify merge`` keeps one of two rows of the same case found in two shards (a rerun's MISMATCH can vanish)."""
     seen: set = set()
@@ -173,7 +173,7 @@ def merge_drops_duplicate_rows():
     wrap(_merge(), "_load", make_load)
 
 
-@mutant("verify/merge.py:merge", [f"{RULES}::test_shards_run_with_other_settings_are_refused"], owner="merge")
+@mutant("verify/sweep/merge.py:merge", [f"{RULES}::test_shards_run_with_other_settings_are_refused"], owner="merge")
 def merge_ignores_settings():
     """``verify merge`` merges shards run with other settings (dtype, world sizes, seeds)."""
     def make(orig):
