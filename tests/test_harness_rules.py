@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nnscaler.cost.cluster import Parallel
+from nnscaler.cluster.cost import Parallel
 from verify.sweep.cache import VerdictCache
 from verify.config import RunConfig
 from verify.judge.row import Row
@@ -370,7 +370,7 @@ def test_the_reduced_plan_keeps_the_precision_and_a_batch_every_rank_divides(tmp
         got = reduce_parallel(par)
         assert (got.dp * got.micro_batch_size) % got.world == 0, got
     pytest.importorskip("transformers")
-    from nnscaler.policies.cluster_plan import load
+    from nnscaler.cluster.plan import load
     from tests.fixtures.llama_meta import saved_plan
     from verify.models.saved_plan import reduce
     _, path = saved_plan(tmp_path, 8, {"tp": 2, "dp": 4, "zero": 1})
