@@ -5,10 +5,11 @@ The bottom of the compiler: it imports only leaf data (the pipeline schedules' n
 profiles), so every stage above may import it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cost.profiles import ProfileError, get_profile
 from .runtime.precision import GRAD_REDUCE_DTYPES, PRECISIONS, bf16_supported, device_type
+from .recipe import Recipe, with_recipe
 from .runtime.schedules import SCHEDULES, canonical_schedule, stages_per_rank
 
 
@@ -16,35 +17,30 @@ class PlanError(ValueError):
     """A plan that cannot run: wrong mesh, an operator without a partition, an invalid split."""
 
 
+@with_recipe
 @dataclass(frozen=True)
 class ComputeConfig:
     """How many ranks one copy of the plan uses (``plan_ngpus``) and how many run in all
     (``runtime_ngpus``, a multiple: the extra copies are data-parallel replicas). ``tp_size`` is
-    the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy;
-    ``bucket_bytes`` sets the size of gradient-sync buckets. ``mem_budget`` (bytes per rank) bounds
-    ``autodist``'s plans; ``profile`` names the device the cost model assumes (``cpu-gloo``,
+    the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy.
+    ``mem_budget`` (bytes per rank) bounds ``autodist``'s plans; ``profile`` names the device the cost model assumes (``cpu-gloo``,
     ``a100``, ``h100``; default ``cpu-gloo``). ``sequence_parallel``: under ``tp``/``hybrid``, norms,
     dropout and residual adds between the tensor-parallel regions are split along the sequence
     (Megatron-LM's sequence parallelism: each all-reduce becomes a reduce-scatter and an all-gather).
-    ``num_microbatches``: ``ParallelModule.train_step`` splits each batch into this many micro-batches
-    along dim 0 and accumulates their gradients (one gradient sync, after the last); ``parallelize``
-    then takes a sample of the whole batch and compiles for one micro-batch.
 
     ``pp_size``/``schedule``/``pp_split``: pipeline stages (see :mod:`nnscaler.compile.pipeline`).
 
-    ``precision``: ``"32-true"`` (default), ``"bf16-mixed"`` (bf16 compute as under ``torch.autocast``,
-    fp32 master weights, gradients and optimizer state; gradients reduced in ``grad_reduce_dtype``,
-    ``"fp32"`` unless ``"bf16"``) or ``"bf16-true"`` (see :mod:`nnscaler.runtime.precision`)."""
+    ``recipe``: the training recipe (:class:`~nnscaler.recipe.Recipe`: micro-batches, precision, ZeRO,
+    clipping, recompute, buckets), handed whole to the runtime module. Its fields are also taken as flat
+    keywords and read back as properties (``ComputeConfig(8, precision="bf16-mixed", zero=1).zero``)."""
 
     plan_ngpus: int
     runtime_ngpus: int | None = None
     tp_size: int | None = None
     seed: int = 0
-    bucket_bytes: int | None = None  # gradient-sync bucket size (None: nnscaler.runtime.grad_sync.BUCKET_BYTES)
     mem_budget: int | None = None
     profile: str | None = None
     sequence_parallel: bool = False
-    num_microbatches: int = 1
     # pipeline parallelism (``nnscaler.compile.pipeline``): ``pp_size`` stages of ``plan_ngpus // pp_size`` ranks each,
     # run by ``schedule``; ``pp_split`` names the modules where stages 1.. begin (default: balance the cost model)
     pp_size: int = 1
@@ -52,40 +48,21 @@ class ComputeConfig:
     pp_split: tuple[str, ...] | None = None
     # stages per rank of an interleaved schedule (None: the schedule's default, nnscaler.runtime.schedules)
     virtual_stages: int | None = None
-    # training recipes (``nnscaler.runtime.clip``, ``nnscaler.codegen.recompute``): ``clip_grad_norm``, a max norm
-    # ``train_step`` clips the whole model's gradient norm to; ``recompute`` ("none", "full": each block, "selective":
-    # the attention core) on torch.utils.checkpoint; ``recompute_modules`` names the blocks "full" recomputes
-    clip_grad_norm: float | None = None
-    recompute: str = "none"
-    recompute_modules: tuple[str, ...] | None = None
-    precision: str = "32-true"
-    grad_reduce_dtype: str | None = None  # bf16-mixed: "fp32" (default) or "bf16"
-    # ZeRO over the plan's data-parallel ranks (its ``dp`` mesh axis and replicas, nnscaler.runtime.zero):
-    # 0 off, 1 optimizer state sharded, 2 gradients too (reduce-scattered), 3 parameters too (gathered per block)
-    zero: int = 0
     # cluster planning (nnscaler.policies.cluster.plan_cluster): ``constraints`` fixes any subset of tp, pp, dp,
     # micro_batch_size, num_microbatches, virtual_stages, recompute, zero, sequence_parallel (all of them:
     # evaluate exactly that configuration); ``global_batch``: sequences per optimizer step (default: the
     # sample's batch on every rank)
     constraints: dict | None = None
     global_batch: int | None = None
+    recipe: Recipe = field(default_factory=Recipe)  # the training recipe (checked when made: check_recipe)
 
     def __post_init__(self):
-        check_recipes(self)
-        check_precision(self)
         if self.plan_ngpus < 1:
             raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
         if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):
             raise PlanError(f"runtime_ngpus ({self.runtime_ngpus}) must be a multiple of plan_ngpus ({self.plan_ngpus})")
-        if isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int) \
-                or self.num_microbatches < 1:
-            raise PlanError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
-        if self.bucket_bytes is not None and self.bucket_bytes < 1:
-            raise PlanError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.mem_budget is not None and self.mem_budget <= 0:
             raise PlanError(f"mem_budget must be a positive number of bytes per rank, got {self.mem_budget}")
-        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
-            raise PlanError(f"zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero!r}")
         if self.pp_size != 1 or self.pp_split is not None or self.schedule != "1F1B" or self.virtual_stages is not None:
             check_config(self)
         if self.global_batch is not None and (isinstance(self.global_batch, bool) or not isinstance(
@@ -132,6 +109,21 @@ def check_constraints(constraints: dict | None) -> None:
         elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlanError(f"constraint {k}={v!r}: must be a positive integer")
 
+
+
+def check_recipe(recipe: Recipe) -> None:
+    """The training recipe's checks (:class:`~nnscaler.recipe.Recipe` runs them when made): clipping and
+    recompute (:func:`check_recipes`), precision (:func:`check_precision`), micro-batches, buckets and
+    the ZeRO stage. Raises :class:`PlanError`."""
+    check_recipes(recipe)
+    check_precision(recipe)
+    if isinstance(recipe.num_microbatches, bool) or not isinstance(recipe.num_microbatches, int) \
+            or recipe.num_microbatches < 1:
+        raise PlanError(f"num_microbatches must be a positive integer, got {recipe.num_microbatches!r}")
+    if recipe.bucket_bytes is not None and recipe.bucket_bytes < 1:
+        raise PlanError(f"bucket_bytes must be positive, got {recipe.bucket_bytes}")
+    if isinstance(recipe.zero, bool) or recipe.zero not in (0, 1, 2, 3):
+        raise PlanError(f"zero must be 0, 1, 2 or 3 (the ZeRO stage), got {recipe.zero!r}")
 
 
 def check_recipes(config) -> None:
