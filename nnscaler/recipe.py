@@ -4,9 +4,10 @@ the compiler to the runtime module and carried whole by the harness (its run con
 rerun lines, verdict-cache key and ``verify model`` / ``verify all`` flags are all read off the fields).
 
 A field's metadata is what the harness needs to speak of it: ``help`` and ``flag`` (the command-line
-option; ``commands`` the ``verify`` commands offering it, ``help_all`` its help under ``verify all``),
-``label`` (its word in a whole-model row's partition column when not the default) and ``parse``
-(the flag's value check). Importing this module imports no torch (``python -m verify --help`` reads
+option, its value of the field's type; ``commands`` the ``verify`` commands offering it, ``help_all``
+its help under ``verify all``, ``metavar``, ``choices``, ``positive``: refused unless above 0),
+``label`` (its word in a whole-model row's partition column when not the default; ``after_replicas``:
+after a replicas row's ``xR replicas``, where clipping and recompute have always stood). Importing this module imports no torch (``python -m verify --help`` reads
 the fields); making a :class:`Recipe` checks it, with the compiler's error and the runtime's names.
 
 A new recipe option is a field here, its implementation, and the single-device reference's mimicry
@@ -43,7 +44,7 @@ class Recipe:
     num_microbatches: int = _option(
         1, "train each step by train_step in M micro-batches (M of the model's batches stacked), against one "
            "device on the whole batch (default 1: plain forward and backward)",
-        flag="--microbatches", metavar="M", parse="positive", label="mb{}")
+        flag="--microbatches", metavar="M", positive=True, label="mb{}")
     precision: str = _option(
         "32-true", "whole models: 32-true (default), bf16-mixed (bf16 compute as under torch.autocast, fp32 master "
                    "weights) or bf16-true, each against the single-device run of the same recipe (bound: "
@@ -52,22 +53,24 @@ class Recipe:
     zero: int = _option(
         0, "ZeRO stage over the data-parallel ranks (dp, hybrid's dp axis, --replicas): 1 shards optimizer state, "
            "2 also gradients (default 0)",
-        flag="--zero", commands=("model", "all"), metavar="Z", parse="int", label="zero{}",
+        flag="--zero", commands=("model", "all"), metavar="Z", label="zero{}",
         help_all="train the models under ZeRO stage Z where a plan has data-parallel ranks (dp, hybrid at W>=4, "
                  "the tp replicas rows); the other model rows are left out (default 0)")
     clip_grad_norm: float | None = _option(
         None, "clip the whole model's gradient norm to MAX each step (ComputeConfig.clip_grad_norm; the reference "
               "uses torch.nn.utils.clip_grad_norm_)",
-        flag="--clip-grad-norm", commands=("model", "all"), metavar="MAX", parse="float", label="clip{:g}")
+        flag="--clip-grad-norm", commands=("model", "all"), metavar="MAX", label="clip{:g}",
+        after_replicas=True)
     recompute: str = _option(
         "none", "activation recompute: none (default), full (each block), selective (attention core)",
-        flag="--recompute", commands=("model", "all"), metavar="MODE", label="recompute={}")
+        flag="--recompute", commands=("model", "all"), metavar="MODE", label="recompute={}",
+        after_replicas=True)
     grad_reduce_dtype: str | None = _option(
         None, "with --precision bf16-mixed: the dtype gradients are reduced in (default fp32)",
         flag="--grad-reduce-dtype", choices=("fp32", "bf16"))
     bucket_bytes: int | None = _option(
         None, "gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)",
-        flag="--bucket-bytes", metavar="N", parse="positive")
+        flag="--bucket-bytes", metavar="N", positive=True)
     recompute_modules: tuple[str, ...] | None = _option(None, "the blocks recompute='full' recomputes (module names)")
 
     def __post_init__(self):

@@ -31,8 +31,8 @@ def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, 
     if unit.kind == "plan":
         yield from run_plan_unit(gang, unit, cfg, gen_dir, skip, used)
         return
-    run_cfg = replace(cfg, world_sizes=unit.world_sizes, seeds=unit.seeds, microbatches=unit.microbatches,
-                      **(RECIPE if unit.recipe else {}))
+    run_cfg = replace(cfg, world_sizes=unit.world_sizes, seeds=unit.seeds,
+                      recipe=replace(RECIPE if unit.recipe else cfg.recipe, num_microbatches=unit.microbatches))
     if unit.replicas > 1:
         yield from run_replicas(gang, unit.name, (unit.policy,), run_cfg, gen_dir, unit.replicas, skip=skip, used=used)
     else:

@@ -19,15 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from nnscaler.recipe import Recipe
+
 from verify.cases.config import model_label
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
 from verify.cases.replica_rows import ALL_REPLICAS, replica_world_sizes
-from verify.cases.replicas import replica_label
 from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, TWO_D_RESUME
 
 
-RECIPE = {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}  # verify all's sample
-RECIPE_TAG = " bf16-mixed zero3 clip1 recompute=full"
+RECIPE = Recipe(precision="bf16-mixed", zero=3, recompute="full", clip_grad_norm=1.0)  # verify all's sample
+RECIPE_TAG = RECIPE.label  # " bf16-mixed zero3 clip1 recompute=full"
 RECIPE_MODELS = ("nanogpt", "llama")  # the default sample's recipe units (--full: every model)
 FIRST = ("weightnorm_mlp", "bucketed_mlp", "padded_gpt")  # the fastest models: their units run first
 REPLICA_MODELS = FIRST + ("llama",)  # the default's tp replicas units (bucketed_mlp: many small buckets)
@@ -74,9 +75,7 @@ class Unit:
             return f"torchpar:{self.name} W={self.world_sizes[0]}"
         if self.kind == "plan":
             return f"plan:{Path(self.name).stem} W={self.world_sizes[0]} seed {self.seeds[0]}"
-        policy = model_label(self.policy, self.microbatches)
-        if self.replicas > 1:
-            policy = replica_label(policy, self.replicas)
+        policy = model_label(self.policy, Recipe(num_microbatches=self.microbatches), self.replicas)
         return (f"model:{self.name} {policy}{RECIPE_TAG if self.recipe else ''} "
                 f"W={','.join(map(str, self.world_sizes))} seed {','.join(map(str, self.seeds))}"
                 + ("" if self.checkpoint else " no-resume"))

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
+from nnscaler.recipe import Recipe
 from nnscaler.runtime.mesh import GroupCache, RankMesh, mesh_shapes
 
-from verify.judge.lowprec import Precision
 from verify.judge.verdict import Divergence, Unverifiable
 from verify.runner import isolation
 
@@ -127,10 +127,8 @@ def handle(state: RankState, job: dict) -> dict:
         if job["kind"] == "model" and job.get("plan_ngpus", job["world_size"]) < job["world_size"]:  # replicas
             checks = run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
                                        job["steps"], job["seed"], state.groups, job["gen_dir"],
-                                       dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
-                                       microbatches=job.get("microbatches", 1), traces=state.traces,
-                                       clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
-                                       zero=job.get("zero", 0), precision=Precision.of(job), memory=log)
+                                       dtype=job.get("dtype", "float32"), recipe=Recipe.from_dict(job.get("recipe")),
+                                       traces=state.traces, memory=log)
             return dict(_localized(job, checks, state), seconds=time.perf_counter() - start, memory=log.last,
                         used=graph_ops(state.traces, job["model"]))
         if job["kind"] == "torchpar":  # the user's own torch parallelization (verify/cases/torchpar.py)
