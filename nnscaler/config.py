@@ -5,7 +5,7 @@ The bottom of the compiler: it imports only leaf data (the pipeline schedules' n
 profiles), so every stage above may import it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .cost.profiles import ProfileError, get_profile
 from .runtime.precision import GRAD_REDUCE_DTYPES, PRECISIONS, bf16_supported, device_type
@@ -54,9 +54,10 @@ class ComputeConfig:
     # sample's batch on every rank)
     constraints: dict | None = None
     global_batch: int | None = None
-    recipe: Recipe = field(default_factory=Recipe)  # the training recipe (checked when made: check_recipe)
+    recipe: Recipe = Recipe()  # the training recipe (frozen: one default serves every config)
 
     def __post_init__(self):
+        check_recipe(self.recipe)
         if self.plan_ngpus < 1:
             raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
         if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):
@@ -112,7 +113,7 @@ def check_constraints(constraints: dict | None) -> None:
 
 
 def check_recipe(recipe: Recipe) -> None:
-    """The training recipe's checks (:class:`~nnscaler.recipe.Recipe` runs them when made): clipping and
+    """The training recipe's checks (every :class:`ComputeConfig` runs them): clipping and
     recompute (:func:`check_recipes`), precision (:func:`check_precision`), micro-batches, buckets and
     the ZeRO stage. Raises :class:`PlanError`."""
     check_recipes(recipe)

@@ -7,8 +7,9 @@ A field's metadata is what the harness needs to speak of it: ``help`` and ``flag
 option, its value of the field's type; ``commands`` the ``verify`` commands offering it, ``help_all``
 its help under ``verify all``, ``metavar``, ``choices``, ``positive``: refused unless above 0),
 ``label`` (its word in a whole-model row's partition column when not the default; ``after_replicas``:
-after a replicas row's ``xR replicas``, where clipping and recompute have always stood). Importing this module imports no torch (``python -m verify --help`` reads
-the fields); making a :class:`Recipe` checks it, with the compiler's error and the runtime's names.
+after a replicas row's ``xR replicas``, where clipping and recompute have always stood). This module
+imports nothing of the compiler, so no torch (``python -m verify --help`` reads the fields); a recipe
+is checked where a :class:`~nnscaler.config.ComputeConfig` is made (:func:`nnscaler.config.check_recipe`).
 
 A new recipe option is a field here, its implementation, and the single-device reference's mimicry
 of it in the harness."""
@@ -72,10 +73,6 @@ class Recipe:
         None, "gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)",
         flag="--bucket-bytes", metavar="N", positive=True)
     recompute_modules: tuple[str, ...] | None = _option(None, "the blocks recompute='full' recomputes (module names)")
-
-    def __post_init__(self):
-        from .config import check_recipe  # the compiler's checks and error (this module stays torch-free to import)
-        check_recipe(self)
 
     @property
     def label(self) -> str:

@@ -11,8 +11,8 @@ from typing import Sequence
 
 from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry
+from nnscaler.config import ComputeConfig
 from nnscaler.policies import PlanError
-from nnscaler.recipe import Recipe
 
 from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, recipe_dest, recipe_fields
 from verify.cases.config import RunConfig
@@ -29,7 +29,7 @@ def run_config(args) -> RunConfig:
               if hasattr(args, recipe_dest(f))}  # the recipe flags this command offers (verify/arguments.py)
     precision = values.get("precision", "32-true")
     try:  # the compiler's own check: an unknown name, or bf16 on a device without it, in one line
-        Recipe(precision=precision)
+        ComputeConfig(1, precision=precision)
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     if precision != "32-true" and args.dtype != "float32":
@@ -38,11 +38,11 @@ def run_config(args) -> RunConfig:
         raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
     zero = values.get("zero", 0)
     try:
-        Recipe(zero=zero)  # the one check of the option: 0..3
+        ComputeConfig(1, zero=zero)  # the one check of the option: 0..3
     except PlanError as exc:
         raise UsageError(f"--zero {zero}: {exc}") from None
     try:  # bad recipe values are one line naming the option, before any rank starts
-        recipe = Recipe(**values)
+        recipe = ComputeConfig(1, **values).recipe
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     return RunConfig(recipe=recipe, world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype,

@@ -40,7 +40,7 @@ class RunConfig:
     # whole-model cases: more ComputeConfig fields as (name, value) pairs (a cluster plan's lowering: tp_size,
     # pp_size, schedule, virtual_stages, sequence_parallel; see verify/plan/cluster_cli.py)
     layout: tuple[tuple[str, object], ...] = ()
-    recipe: Recipe = field(default_factory=Recipe)
+    recipe: Recipe = Recipe()
 
     def recipe_job(self, microbatches: int, bucket_bytes: int | None = None) -> dict:
         """The recipe's entry of a whole-model rank job, with this case's micro-batches and buckets
