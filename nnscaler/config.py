@@ -1,15 +1,15 @@
-"""What a plan is asked for, as data: :class:`ComputeConfig` (ranks, mesh, pipeline, cost profile) and
-:class:`PlanError`, the one error every stage of the compiler raises for input it cannot plan.
+"""What a plan is asked for, as data: :class:`ComputeConfig` (ranks, mesh, pipeline, cost profile, and
+the training recipe as one section, :class:`nnscaler.recipe.Recipe`) and :class:`PlanError`, the one
+error every stage of the compiler raises for input it cannot plan.
 
 The bottom of the compiler: it imports only leaf data (the pipeline schedules' names, the device
-profiles), so every stage above may import it."""
+profiles, the recipe), so every stage above may import it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .cost.profiles import ProfileError, get_profile
-from .runtime.precision import GRAD_REDUCE_DTYPES, PRECISIONS, bf16_supported, device_type
-from .recipe import Recipe, with_recipe
+from .recipe import Recipe, RecipeError, with_recipe
 from .runtime.schedules import SCHEDULES, canonical_schedule, stages_per_rank
 
 
@@ -57,7 +57,10 @@ class ComputeConfig:
     recipe: Recipe = Recipe()  # the training recipe (frozen: one default serves every config)
 
     def __post_init__(self):
-        check_recipe(self.recipe)
+        try:
+            self.recipe.check()
+        except RecipeError as exc:
+            raise PlanError(str(exc)) from None
         if self.plan_ngpus < 1:
             raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
         if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):
@@ -82,7 +85,6 @@ class ComputeConfig:
         return (self.runtime_ngpus or self.plan_ngpus) // self.plan_ngpus
 
 
-RECOMPUTE = ("none", "full", "selective")
 CONSTRAINT_KEYS = ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "recompute", "zero",
         "sequence_parallel")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -110,57 +112,6 @@ def check_constraints(constraints: dict | None) -> None:
         elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlanError(f"constraint {k}={v!r}: must be a positive integer")
 
-
-
-def check_recipe(recipe: Recipe) -> None:
-    """The training recipe's checks (every :class:`ComputeConfig` runs them): clipping and
-    recompute (:func:`check_recipes`), precision (:func:`check_precision`), micro-batches, buckets and
-    the ZeRO stage. Raises :class:`PlanError`."""
-    check_recipes(recipe)
-    check_precision(recipe)
-    if isinstance(recipe.num_microbatches, bool) or not isinstance(recipe.num_microbatches, int) \
-            or recipe.num_microbatches < 1:
-        raise PlanError(f"num_microbatches must be a positive integer, got {recipe.num_microbatches!r}")
-    if recipe.bucket_bytes is not None and recipe.bucket_bytes < 1:
-        raise PlanError(f"bucket_bytes must be positive, got {recipe.bucket_bytes}")
-    if isinstance(recipe.zero, bool) or recipe.zero not in (0, 1, 2, 3):
-        raise PlanError(f"zero must be 0, 1, 2 or 3 (the ZeRO stage), got {recipe.zero!r}")
-
-
-def check_recipes(config) -> None:
-    """``clip_grad_norm`` a positive finite number (or None); ``recompute`` one of :data:`RECOMPUTE`;
-    ``recompute_modules`` a tuple of module names, with ``recompute="full"``. Raises :class:`PlanError`."""
-    clip = config.clip_grad_norm
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
-                             or clip == float("inf")):
-        raise PlanError(f"clip_grad_norm must be a positive finite max norm (or None for no clipping), got {clip!r}")
-    if config.recompute not in RECOMPUTE:
-        raise PlanError(f"unknown recompute {config.recompute!r}; valid: {', '.join(map(repr, RECOMPUTE))}")
-    mods = config.recompute_modules
-    if mods is not None:
-        if isinstance(mods, str) or not all(isinstance(m, str) and m for m in mods):
-            raise PlanError(f"recompute_modules must be a tuple of module names (e.g. ('layers.0',)), got {mods!r}")
-        if config.recompute != "full":
-            raise PlanError(f"recompute_modules names the blocks recompute='full' recomputes, but recompute is "
-                            f"{config.recompute!r}")
-
-
-def check_precision(config) -> None:
-    """``precision`` is one of Lightning's names the runtime has; ``grad_reduce_dtype`` only with
-    ``bf16-mixed``; bf16 only where the device has it. Raises :class:`PlanError`."""
-    if config.precision not in PRECISIONS:
-        raise PlanError(f"unknown precision {config.precision!r}; valid: {', '.join(map(repr, PRECISIONS))} "
-                        f"(PyTorch Lightning's names)")
-    if config.grad_reduce_dtype is not None:
-        if config.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-            raise PlanError(f"unknown grad_reduce_dtype {config.grad_reduce_dtype!r}; valid: "
-                            f"{', '.join(map(repr, GRAD_REDUCE_DTYPES))}")
-        if config.precision != "bf16-mixed" and config.grad_reduce_dtype != "fp32":
-            raise PlanError(f"grad_reduce_dtype={config.grad_reduce_dtype!r} needs precision='bf16-mixed' "
-                            f"(got precision={config.precision!r})")
-    if config.precision.startswith("bf16") and not bf16_supported():
-        raise PlanError(f"precision={config.precision!r}: this {device_type()} device has no bf16 support; "
-                        f"use precision='32-true'")
 
 
 def check_config(config) -> None:

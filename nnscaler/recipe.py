@@ -9,14 +9,21 @@ its help under ``verify all``, ``metavar``, ``choices``, ``positive``: refused u
 ``label`` (its word in a whole-model row's partition column when not the default; ``after_replicas``:
 after a replicas row's ``xR replicas``, where clipping and recompute have always stood). This module
 imports nothing of the compiler, so no torch (``python -m verify --help`` reads the fields); a recipe
-is checked where a :class:`~nnscaler.config.ComputeConfig` is made (:func:`nnscaler.config.check_recipe`).
+is checked (:meth:`Recipe.check`) where a :class:`~nnscaler.config.ComputeConfig` is made.
 
-A new recipe option is a field here, its implementation, and the single-device reference's mimicry
-of it in the harness."""
+A new recipe option is a field here (with its check in :meth:`Recipe.check`), its implementation, and
+the single-device reference's mimicry of it in the harness."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
+
+
+RECOMPUTE = ("none", "full", "selective")
+
+
+class RecipeError(ValueError):
+    """A recipe the compiler cannot run (:class:`~nnscaler.config.ComputeConfig` raises it as ``PlanError``)."""
 
 
 def _option(default, help: str, flag: str | None = None, commands: tuple[str, ...] = ("model",), **meta):
@@ -73,6 +80,49 @@ class Recipe:
         None, "gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)",
         flag="--bucket-bytes", metavar="N", positive=True)
     recompute_modules: tuple[str, ...] | None = _option(None, "the blocks recompute='full' recomputes (module names)")
+
+    def check(self) -> None:
+        """Each field's check: ``clip_grad_norm`` a positive finite number (or None); ``recompute`` one of
+        :data:`RECOMPUTE`; ``recompute_modules`` a tuple of module names, with ``recompute="full"``;
+        ``precision`` one of Lightning's names the runtime has, bf16 only where the device has it;
+        ``grad_reduce_dtype`` only with ``bf16-mixed``; micro-batches, buckets, the ZeRO stage. Raises
+        :class:`RecipeError`."""
+        from .runtime.precision import GRAD_REDUCE_DTYPES, PRECISIONS, bf16_supported, device_type  # torch
+        clip = self.clip_grad_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
+                                 or clip == float("inf")):
+            raise RecipeError(f"clip_grad_norm must be a positive finite max norm (or None for no clipping), "
+                              f"got {clip!r}")
+        if self.recompute not in RECOMPUTE:
+            raise RecipeError(f"unknown recompute {self.recompute!r}; valid: {', '.join(map(repr, RECOMPUTE))}")
+        mods = self.recompute_modules
+        if mods is not None:
+            if isinstance(mods, str) or not all(isinstance(m, str) and m for m in mods):
+                raise RecipeError(f"recompute_modules must be a tuple of module names (e.g. ('layers.0',)), "
+                                  f"got {mods!r}")
+            if self.recompute != "full":
+                raise RecipeError(f"recompute_modules names the blocks recompute='full' recomputes, but recompute "
+                                  f"is {self.recompute!r}")
+        if self.precision not in PRECISIONS:
+            raise RecipeError(f"unknown precision {self.precision!r}; valid: {', '.join(map(repr, PRECISIONS))} "
+                              f"(PyTorch Lightning's names)")
+        if self.grad_reduce_dtype is not None:
+            if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+                raise RecipeError(f"unknown grad_reduce_dtype {self.grad_reduce_dtype!r}; valid: "
+                                  f"{', '.join(map(repr, GRAD_REDUCE_DTYPES))}")
+            if self.precision != "bf16-mixed" and self.grad_reduce_dtype != "fp32":
+                raise RecipeError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} needs precision='bf16-mixed' "
+                                  f"(got precision={self.precision!r})")
+        if self.precision.startswith("bf16") and not bf16_supported():
+            raise RecipeError(f"precision={self.precision!r}: this {device_type()} device has no bf16 support; "
+                              f"use precision='32-true'")
+        m = self.num_microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise RecipeError(f"num_microbatches must be a positive integer, got {m!r}")
+        if self.bucket_bytes is not None and self.bucket_bytes < 1:
+            raise RecipeError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise RecipeError(f"zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero!r}")
 
     @property
     def label(self) -> str:
