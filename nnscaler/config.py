@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .cost.profiles import ProfileError, get_profile
 from .recipe import Recipe, RecipeError, with_recipe
+from .runtime.precision import bf16_supported, device_type
 from .runtime.schedules import SCHEDULES, canonical_schedule, stages_per_rank
 
 
@@ -61,6 +62,9 @@ class ComputeConfig:
             self.recipe.check()
         except RecipeError as exc:
             raise PlanError(str(exc)) from None
+        if self.precision.startswith("bf16") and not bf16_supported():
+            raise PlanError(f"precision={self.precision!r}: this {device_type()} device has no bf16 support; "
+                            f"use precision='32-true'")
         if self.plan_ngpus < 1:
             raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
         if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):

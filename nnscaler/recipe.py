@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 
 
 RECOMPUTE = ("none", "full", "selective")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # PyTorch Lightning's names (nnscaler.runtime.precision)
 
 
 class RecipeError(ValueError):
@@ -84,10 +85,10 @@ class Recipe:
     def check(self) -> None:
         """Each field's check: ``clip_grad_norm`` a positive finite number (or None); ``recompute`` one of
         :data:`RECOMPUTE`; ``recompute_modules`` a tuple of module names, with ``recompute="full"``;
-        ``precision`` one of Lightning's names the runtime has, bf16 only where the device has it;
-        ``grad_reduce_dtype`` only with ``bf16-mixed``; micro-batches, buckets, the ZeRO stage. Raises
-        :class:`RecipeError`."""
-        from .runtime.precision import GRAD_REDUCE_DTYPES, PRECISIONS, bf16_supported, device_type  # torch
+        ``precision`` one of :data:`PRECISIONS`; ``grad_reduce_dtype`` one of its flag's choices, only with
+        ``bf16-mixed``; micro-batches, buckets, the ZeRO stage. Raises :class:`RecipeError`. (Whether
+        this device has bf16 is :class:`~nnscaler.config.ComputeConfig`'s check.)"""
+        reduce_dtypes = _field("grad_reduce_dtype").metadata["choices"]
         clip = self.clip_grad_norm
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
                                  or clip == float("inf")):
@@ -107,15 +108,12 @@ class Recipe:
             raise RecipeError(f"unknown precision {self.precision!r}; valid: {', '.join(map(repr, PRECISIONS))} "
                               f"(PyTorch Lightning's names)")
         if self.grad_reduce_dtype is not None:
-            if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            if self.grad_reduce_dtype not in reduce_dtypes:
                 raise RecipeError(f"unknown grad_reduce_dtype {self.grad_reduce_dtype!r}; valid: "
-                                  f"{', '.join(map(repr, GRAD_REDUCE_DTYPES))}")
+                                  f"{', '.join(map(repr, reduce_dtypes))}")
             if self.precision != "bf16-mixed" and self.grad_reduce_dtype != "fp32":
                 raise RecipeError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} needs precision='bf16-mixed' "
                                   f"(got precision={self.precision!r})")
-        if self.precision.startswith("bf16") and not bf16_supported():
-            raise RecipeError(f"precision={self.precision!r}: this {device_type()} device has no bf16 support; "
-                              f"use precision='32-true'")
         m = self.num_microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise RecipeError(f"num_microbatches must be a positive integer, got {m!r}")
@@ -148,6 +146,10 @@ class Recipe:
 
 
 RECIPE_FIELDS = tuple(f.name for f in fields(Recipe))
+
+
+def _field(name: str):
+    return next(f for f in fields(Recipe) if f.name == name)
 
 
 def with_recipe(cls=None, *, aliases: dict[str, str] | None = None):

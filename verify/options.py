@@ -9,9 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
+from nnscaler.config import ComputeConfig
 from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry
-from nnscaler.config import ComputeConfig
 from nnscaler.policies import PlanError
 
 from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, recipe_dest, recipe_fields
