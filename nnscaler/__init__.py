@@ -29,7 +29,13 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name not in _HOME:
+    if name not in _HOME:  # a subpackage (nnscaler.compile, ...): bound once the whole face is imported
+        if name.startswith("__"):
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        for module in _HOMES:
+            importlib.import_module(module, __name__)
+        if name in globals():
+            return globals()[name]
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(_HOME[name], __name__), name)
     globals()[name] = value  # once: later reads find it directly
