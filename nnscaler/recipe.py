@@ -122,12 +122,17 @@ class Recipe:
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise RecipeError(f"zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero!r}")
 
+    def label_words(self) -> list[tuple[str, bool]]:
+        """Each labelled field off its default, in field order: its word in a whole-model row's partition
+        column (``mb4``, ``bf16-mixed``, ``zero3``, ``clip1``, ``recompute=full``) and whether it stands
+        after a replicas row's ``xR replicas``."""
+        return [(f.metadata["label"].format(getattr(self, f.name)), bool(f.metadata.get("after_replicas")))
+                for f in fields(self) if "label" in f.metadata and getattr(self, f.name) != f.default]
+
     @property
     def label(self) -> str:
-        """What a whole-model row's partition column adds for the fields off their defaults
-        (``mb4 bf16-mixed zero3 clip1 recompute=full``), each with a space before it."""
-        return "".join(f" {f.metadata['label'].format(getattr(self, f.name))}" for f in fields(self)
-                       if "label" in f.metadata and getattr(self, f.name) != f.default)
+        """The words of :meth:`label_words`, each with a space before it (`` bf16-mixed zero3 clip1 ...``)."""
+        return "".join(" " + word for word, _ in self.label_words())
 
     def flags(self) -> list[tuple[str, object]]:
         """The rerun line's ``(flag, value)`` pairs: each flagged field off its default (else ``None``,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
 from nnscaler.ops.spec import OpSpec
@@ -153,13 +153,10 @@ def model_label(policy: str, recipe: Recipe = Recipe(), replicas: int = 1) -> st
     default in field order (``mbM`` for M micro-batches, the precision, ``zeroZ``, ...), ``xR replicas``
     before the first field labelled after the replicas (clipping, recompute)."""
     label, tagged = policy, replicas == 1
-    for f in fields(recipe):
-        value = getattr(recipe, f.name)
-        if "label" not in f.metadata or value == f.default:
-            continue
-        if f.metadata.get("after_replicas") and not tagged:
+    for word, after_replicas in recipe.label_words():
+        if after_replicas and not tagged:
             label, tagged = label + f" x{replicas} replicas", True
-        label += " " + f.metadata["label"].format(value)
+        label += " " + word
     return label if tagged else label + f" x{replicas} replicas"
 
 
