@@ -1,14 +1,16 @@
-"""What a plan is asked for, as data: :class:`ComputeConfig` (ranks, mesh, pipeline, cost profile) and
-:class:`PlanError`, the one error every stage of the compiler raises for input it cannot plan.
+"""What a plan is asked for, as data: :class:`ComputeConfig` (ranks, mesh, pipeline, cost profile, and
+the training recipe as one section, :class:`nnscaler.recipe.Recipe`) and :class:`PlanError`, the one
+error every stage of the compiler raises for input it cannot plan.
 
 The bottom of the compiler: it imports only leaf data (the pipeline schedules' names, the device
-profiles), so every stage above may import it."""
+profiles, the recipe), so every stage above may import it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .profiles import ProfileError, get_profile
-from .runtime.precision import GRAD_REDUCE_DTYPES, PRECISIONS, bf16_supported, device_type
+from .recipe import Recipe, RecipeError, with_recipe
+from .runtime.precision import bf16_supported, device_type
 from .runtime.schedules import SCHEDULES, canonical_schedule, stages_per_rank
 
 
@@ -16,35 +18,30 @@ class PlanError(ValueError):
     """A plan that cannot run: wrong mesh, an operator without a partition, an invalid split."""
 
 
+@with_recipe
 @dataclass(frozen=True)
 class ComputeConfig:
     """How many ranks one copy of the plan uses (``plan_ngpus``) and how many run in all
     (``runtime_ngpus``, a multiple: the extra copies are data-parallel replicas). ``tp_size`` is
-    the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy;
-    ``bucket_bytes`` sets the size of gradient-sync buckets. ``mem_budget`` (bytes per rank) bounds
-    ``autodist``'s plans; ``profile`` names the device the cost model assumes (``cpu-gloo``,
+    the tensor-parallel degree of the ``hybrid`` policy; ``seed`` feeds the ``random`` policy.
+    ``mem_budget`` (bytes per rank) bounds ``autodist``'s plans; ``profile`` names the device the cost model assumes (``cpu-gloo``,
     ``a100``, ``h100``; default ``cpu-gloo``). ``sequence_parallel``: under ``tp``/``hybrid``, norms,
     dropout and residual adds between the tensor-parallel regions are split along the sequence
     (Megatron-LM's sequence parallelism: each all-reduce becomes a reduce-scatter and an all-gather).
-    ``num_microbatches``: ``ParallelModule.train_step`` splits each batch into this many micro-batches
-    along dim 0 and accumulates their gradients (one gradient sync, after the last); ``parallelize``
-    then takes a sample of the whole batch and compiles for one micro-batch.
 
     ``pp_size``/``schedule``/``pp_split``: pipeline stages (see :mod:`nnscaler.compile.pipeline`).
 
-    ``precision``: ``"32-true"`` (default), ``"bf16-mixed"`` (bf16 compute as under ``torch.autocast``,
-    fp32 master weights, gradients and optimizer state; gradients reduced in ``grad_reduce_dtype``,
-    ``"fp32"`` unless ``"bf16"``) or ``"bf16-true"`` (see :mod:`nnscaler.runtime.precision`)."""
+    ``recipe``: the training recipe (:class:`~nnscaler.recipe.Recipe`: micro-batches, precision, ZeRO,
+    clipping, recompute, buckets), handed whole to the runtime module. Its fields are also taken as flat
+    keywords and read back as properties (``ComputeConfig(8, precision="bf16-mixed", zero=1).zero``)."""
 
     plan_ngpus: int
     runtime_ngpus: int | None = None
     tp_size: int | None = None
     seed: int = 0
-    bucket_bytes: int | None = None  # gradient-sync bucket size (None: nnscaler.runtime.grad_sync.BUCKET_BYTES)
     mem_budget: int | None = None
     profile: str | None = None
     sequence_parallel: bool = False
-    num_microbatches: int = 1
     # pipeline parallelism (``nnscaler.compile.pipeline``): ``pp_size`` stages of ``plan_ngpus // pp_size`` ranks each,
     # run by ``schedule``; ``pp_split`` names the modules where stages 1.. begin (default: balance the cost model)
     pp_size: int = 1
@@ -52,40 +49,28 @@ class ComputeConfig:
     pp_split: tuple[str, ...] | None = None
     # stages per rank of an interleaved schedule (None: the schedule's default, nnscaler.runtime.schedules)
     virtual_stages: int | None = None
-    # training recipes (``nnscaler.runtime.clip``, ``nnscaler.codegen.recompute``): ``clip_grad_norm``, a max norm
-    # ``train_step`` clips the whole model's gradient norm to; ``recompute`` ("none", "full": each block, "selective":
-    # the attention core) on torch.utils.checkpoint; ``recompute_modules`` names the blocks "full" recomputes
-    clip_grad_norm: float | None = None
-    recompute: str = "none"
-    recompute_modules: tuple[str, ...] | None = None
-    precision: str = "32-true"
-    grad_reduce_dtype: str | None = None  # bf16-mixed: "fp32" (default) or "bf16"
-    # ZeRO over the plan's data-parallel ranks (its ``dp`` mesh axis and replicas, nnscaler.runtime.zero):
-    # 0 off, 1 optimizer state sharded, 2 gradients too (reduce-scattered), 3 parameters too (gathered per block)
-    zero: int = 0
     # cluster planning (nnscaler.cluster.plan_cluster): ``constraints`` fixes any subset of tp, pp, dp,
     # micro_batch_size, num_microbatches, virtual_stages, recompute, zero, sequence_parallel (all of them:
     # evaluate exactly that configuration); ``global_batch``: sequences per optimizer step (default: the
     # sample's batch on every rank)
     constraints: dict | None = None
     global_batch: int | None = None
+    recipe: Recipe = Recipe()  # the training recipe (frozen: one default serves every config)
 
     def __post_init__(self):
-        check_recipes(self)
-        check_precision(self)
+        try:
+            self.recipe.check()
+        except RecipeError as exc:
+            raise PlanError(str(exc)) from None
+        if self.precision.startswith("bf16") and not bf16_supported():
+            raise PlanError(f"precision={self.precision!r}: this {device_type()} device has no bf16 support; "
+                            f"use precision='32-true'")
         if self.plan_ngpus < 1:
             raise PlanError(f"plan_ngpus must be at least 1, got {self.plan_ngpus}")
         if self.runtime_ngpus is not None and (self.runtime_ngpus < self.plan_ngpus or self.runtime_ngpus % self.plan_ngpus):
             raise PlanError(f"runtime_ngpus ({self.runtime_ngpus}) must be a multiple of plan_ngpus ({self.plan_ngpus})")
-        if isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int) \
-                or self.num_microbatches < 1:
-            raise PlanError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
-        if self.bucket_bytes is not None and self.bucket_bytes < 1:
-            raise PlanError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.mem_budget is not None and self.mem_budget <= 0:
             raise PlanError(f"mem_budget must be a positive number of bytes per rank, got {self.mem_budget}")
-        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
-            raise PlanError(f"zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero!r}")
         if self.pp_size != 1 or self.pp_split is not None or self.schedule != "1F1B" or self.virtual_stages is not None:
             check_config(self)
         if self.global_batch is not None and (isinstance(self.global_batch, bool) or not isinstance(
@@ -104,7 +89,6 @@ class ComputeConfig:
         return (self.runtime_ngpus or self.plan_ngpus) // self.plan_ngpus
 
 
-RECOMPUTE = ("none", "full", "selective")
 CONSTRAINT_KEYS = ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "recompute", "zero",
         "sequence_parallel")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -132,42 +116,6 @@ def check_constraints(constraints: dict | None) -> None:
         elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlanError(f"constraint {k}={v!r}: must be a positive integer")
 
-
-
-def check_recipes(config) -> None:
-    """``clip_grad_norm`` a positive finite number (or None); ``recompute`` one of :data:`RECOMPUTE`;
-    ``recompute_modules`` a tuple of module names, with ``recompute="full"``. Raises :class:`PlanError`."""
-    clip = config.clip_grad_norm
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
-                             or clip == float("inf")):
-        raise PlanError(f"clip_grad_norm must be a positive finite max norm (or None for no clipping), got {clip!r}")
-    if config.recompute not in RECOMPUTE:
-        raise PlanError(f"unknown recompute {config.recompute!r}; valid: {', '.join(map(repr, RECOMPUTE))}")
-    mods = config.recompute_modules
-    if mods is not None:
-        if isinstance(mods, str) or not all(isinstance(m, str) and m for m in mods):
-            raise PlanError(f"recompute_modules must be a tuple of module names (e.g. ('layers.0',)), got {mods!r}")
-        if config.recompute != "full":
-            raise PlanError(f"recompute_modules names the blocks recompute='full' recomputes, but recompute is "
-                            f"{config.recompute!r}")
-
-
-def check_precision(config) -> None:
-    """``precision`` is one of Lightning's names the runtime has; ``grad_reduce_dtype`` only with
-    ``bf16-mixed``; bf16 only where the device has it. Raises :class:`PlanError`."""
-    if config.precision not in PRECISIONS:
-        raise PlanError(f"unknown precision {config.precision!r}; valid: {', '.join(map(repr, PRECISIONS))} "
-                        f"(PyTorch Lightning's names)")
-    if config.grad_reduce_dtype is not None:
-        if config.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-            raise PlanError(f"unknown grad_reduce_dtype {config.grad_reduce_dtype!r}; valid: "
-                            f"{', '.join(map(repr, GRAD_REDUCE_DTYPES))}")
-        if config.precision != "bf16-mixed" and config.grad_reduce_dtype != "fp32":
-            raise PlanError(f"grad_reduce_dtype={config.grad_reduce_dtype!r} needs precision='bf16-mixed' "
-                            f"(got precision={config.precision!r})")
-    if config.precision.startswith("bf16") and not bf16_supported():
-        raise PlanError(f"precision={config.precision!r}: this {device_type()} device has no bf16 support; "
-                        f"use precision='32-true'")
 
 
 def check_config(config) -> None:

@@ -160,4 +160,4 @@ def test_verify_model_replicas_passes_microbatches_and_bucket_bytes_to_the_ranks
                      "--microbatches", "4", "--bucket-bytes", "256", "--steps", "1"])
     assert code == 1 and seen == {"microbatches": 4, "bucket_bytes": 256, "replicas": 2}
     (job,) = fake_gang.jobs
-    assert (job["microbatches"], job["bucket_bytes"], job["plan_ngpus"]) == (4, 256, 1), job
+    assert (job["recipe"]["num_microbatches"], job["recipe"]["bucket_bytes"], job["plan_ngpus"]) == (4, 256, 1), job

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
+
+from nnscaler.recipe import Recipe
 
 from verify.sweep.cache import ROOT, Used, VerdictCache
 from verify.config import RunConfig
@@ -57,6 +60,19 @@ def test_any_core_file_and_the_run_settings_are_in_the_key(tmp_path, tree):
     assert _cache(tmp_path, tree).get(Unit("op", "relu", world_sizes=(2,), seeds=(1,))) is None
     _touch(tree / "nnscaler" / "runtime" / "collectives.py")
     assert _cache(tmp_path, tree).get(relu) is None
+
+
+def test_every_field_of_the_recipe_is_in_the_key(tmp_path):
+    """A recipe option left out of the key would reuse verdicts of another recipe: each field, off its
+    default, gives another key (a new field is covered without touching verify/sweep/cache.py)."""
+    other = {"int": 2, "float": 0.5, "str": "other", "tuple[str, ...]": ("x",)}
+    unit = Unit("model", "nanogpt", "dp", (2,), (0,))
+    registry = load_modules(())
+    key = VerdictCache(tmp_path, RunConfig(world_sizes=(2,)), registry).key(unit)
+    for f in fields(Recipe):
+        changed = replace(Recipe(), **{f.name: other[f.type.split("|")[0].strip()]})
+        cfg = RunConfig(world_sizes=(2,), recipe=changed)
+        assert VerdictCache(tmp_path, cfg, registry).key(unit) != key, f"recipe field {f.name} is not in the key"
 
 
 def test_a_saved_plan_unit_reruns_when_its_plan_file_changes(tmp_path, tree):

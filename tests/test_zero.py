@@ -55,7 +55,7 @@ def test_verify_model_refuses_zero_without_data_parallel_ranks_with_exit_2(capsy
 def _model(gang, name, policy, world_size, zero, plan_ngpus=None, steps=2):
     with tempfile.TemporaryDirectory() as tmp:
         job = {"kind": "model", "model": name, "policy": policy, "world_size": world_size, "steps": steps,
-               "seed": 0, "gen_dir": tmp, "zero": zero}
+               "seed": 0, "gen_dir": tmp, "recipe": {"zero": zero}}
         if plan_ngpus:
             job["plan_ngpus"] = plan_ngpus
         return judge(gang.run(job, world_size, 400))
@@ -90,7 +90,7 @@ def test_a_zero_checkpoint_of_a_model_with_a_frozen_parameter_resumes_under_a_pl
 def test_zero_2_with_micro_batches_accumulates_the_gradient_shards_exactly(gang):
     with tempfile.TemporaryDirectory() as tmp:  # train_step: no_sync, then one reduce-scatter of the sum, scaled
         job = {"kind": "model", "model": "nanogpt", "policy": "dp", "world_size": 2, "steps": 2, "seed": 0,
-               "gen_dir": tmp, "zero": 2, "microbatches": 4, "checkpoint": False}
+               "gen_dir": tmp, "recipe": {"zero": 2, "num_microbatches": 4}, "checkpoint": False}
         status, detail, _, _ = judge(gang.run(job, 2, 400))
     assert status == MATCH, detail
 

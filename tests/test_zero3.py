@@ -24,7 +24,7 @@ import zero3_ranks  # noqa: E402
 def _model(gang, policy, world_size, zero=3, name="nanogpt", plan_ngpus=None, **recipe):
     with tempfile.TemporaryDirectory() as tmp:
         job = {"kind": "model", "model": name, "policy": policy, "world_size": world_size, "steps": 2, "seed": 0,
-               "gen_dir": tmp, "zero": zero, **recipe}
+               "gen_dir": tmp, "recipe": {"zero": zero, **recipe}}
         if plan_ngpus:
             job["plan_ngpus"] = plan_ngpus
         return judge(gang.run(job, world_size, 600))
@@ -135,6 +135,7 @@ def test_zero_3_at_w4_resumes_under_zero_1_at_w2_then_on_one_device(tmp_path):
 
 
 def test_verify_all_samples_the_combined_recipe_on_nanogpt_and_llama_only_when_it_runs_none_itself():
+    from nnscaler.recipe import Recipe
     from verify.sweep.selection import RECIPE, default_units, full_units
     units = [u for u in full_units([], ("bert", "llama", "nanogpt"), ["dp"], (2, 4), (0,), (0,), [], [], True)
              if u.recipe]
@@ -143,7 +144,7 @@ def test_verify_all_samples_the_combined_recipe_on_nanogpt_and_llama_only_when_i
         (("dp", 1, (2,)), ("dp", 1, (4,)), ("hybrid", 1, (4,)), ("tp", 2, (4,)), ("pp2_dp", 1, (4,)))}  # 3 pipeline models
     assert all(u.label.endswith("bf16-mixed zero3 clip1 recompute=full W=" + str(u.world_sizes[0]) + " seed 0"
                                 + ("" if u.checkpoint else " no-resume")) for u in units)
-    assert RECIPE == {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}
+    assert RECIPE == Recipe(precision="bf16-mixed", zero=3, recompute="full", clip_grad_norm=1.0)
     assert not [u for u in full_units([], ("nanogpt",), ["dp"], (2, 4), (0,), (0,), [], [], False) if u.recipe]
     sample = default_units(units, ("llama", "nanogpt"), ["dp"], (2, 4), (0,))
     assert {(u.policy, u.replicas, u.world_sizes) for u in sample} == {  # each kind of recipe unit once

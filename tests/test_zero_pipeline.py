@@ -17,7 +17,7 @@ from verify.models.registry import MODELS
 def _model(gang, name, policy, world_size, zero, plan_ngpus=None, **recipe):
     with tempfile.TemporaryDirectory() as tmp:
         job = {"kind": "model", "model": name, "policy": policy, "world_size": world_size, "steps": 2, "seed": 0,
-               "gen_dir": tmp, "zero": zero, **recipe}
+               "gen_dir": tmp, "recipe": {"zero": zero, **recipe}}
         if plan_ngpus:
             job["plan_ngpus"] = plan_ngpus
         return judge(gang.run(job, world_size, 600))

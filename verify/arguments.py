@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from dataclasses import fields
+
+from nnscaler.recipe import Recipe
 
 from verify.names import (CACHE_DIR, DTYPE_NAMES, MICROBATCH_POLICIES, OVERWRITE, PIPELINE_NAMES, POLICY_NAMES,
                           SEEDED_POLICIES, TORCHPAR_NAMES)
@@ -115,13 +118,6 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def _precision(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", default="32-true", metavar="RECIPE",
-                   help="whole models: 32-true (default), bf16-mixed (bf16 compute as under torch.autocast, fp32 "
-                        "master weights) or bf16-true, each against the single-device run of the same recipe "
-                        "(bound: verify/judge/compare.py)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m verify", description="Verify partitioned operators on real ranks.")
     parser.add_argument("--version", action=_Version, help="print the version and exit")
@@ -152,22 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                               "pp = one stage per rank, pp2_tp / pp2_dp = 2 stages each tp / dp over world/2 ranks, "
                               "1F1B unless _gpipe; pp_interleaved / pp_zb = 2 stages per rank; 4 micro-batches) "
                               "or FILE.py:function, your own (graph, config) -> Plan (default: every built-in)")
-    p_model.add_argument("--bucket-bytes", type=_positive(int, "--bucket-bytes"), default=None, metavar="N",
-                         help="gradient-sync bucket size of the compiled module (default: the model's, else 4 MiB)")
     p_model.add_argument("--replicas", type=_positive(int, "--replicas"), default=1, metavar="R",
                          help="plan each policy on W/R ranks and run it as R data-parallel replicas on W ranks, "
                               "each fed its share of the batch (default 1: no replicas)")
     p_model.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW steps (default 3)")
-    p_model.add_argument("--microbatches", type=_positive(int, "--microbatches"), default=1, metavar="M",
-                         help="train each step by train_step in M micro-batches (M of the model's batches stacked), "
-                              "against one device on the whole batch (default 1: plain forward and backward)")
-    _recipes(p_model)
-    _precision(p_model)
-    p_model.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default=None,
-                         help="with --precision bf16-mixed: the dtype gradients are reduced in (default fp32)")
-    p_model.add_argument("--zero", type=int, default=0, metavar="Z",
-                         help="ZeRO stage over the data-parallel ranks (dp, hybrid's dp axis, --replicas): 1 shards "
-                              "optimizer state, 2 also gradients (default 0)")
+    _recipes(p_model, "model")
     p_model.add_argument("--parallelize", default=None, metavar="FILE.py:FN",
                          help="verify your own torch parallelization instead of the compiler's policies: "
                               "fn(model, mesh) applies parallelize_module plans, fully_shard, a transformers tp_plan "
@@ -200,14 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_all.add_argument("--microbatches", type=_positive(int, "--microbatches"), nargs="*", default=[4], metavar="M",
                        help=f"also train every model under {' and '.join(MICROBATCH_POLICIES)} with M micro-batches per "
                             "step, for each M (default: 4; none with an empty list)")
-    _precision(p_all)
-    p_all.add_argument("--zero", type=int, default=0, metavar="Z",
-                       help="train the models under ZeRO stage Z where a plan has data-parallel ranks (dp, hybrid at "
-                            "W>=4, the tp replicas rows); the other model rows are left out (default 0)")
     p_all.add_argument("--random-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="S",
                        help=f"seeds of the seeded policies ({', '.join(SEEDED_POLICIES)}) for whole models, each a "
                             "different plan (default: 0 1 2)")
-    _recipes(p_all)
+    _recipes(p_all, "all")
     p_all.add_argument("--torchpar", nargs="*", default=None, metavar="NAME",
                        help="built-in torch parallelizations to verify, a section of their own (torchtitan's Llama "
                             "plan, FSDP2, FSDP2 x TP, transformers' tp_plan, known-wrong plans): "
@@ -242,13 +223,28 @@ def _overwrite(p) -> None:
                         "refused)")
 
 
-def _recipes(p: argparse.ArgumentParser) -> None:
-    """The training-recipe flags of whole-model runs (carried into ``ComputeConfig``; the single-device
-    reference runs the same recipe)."""
-    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
-                   help="clip the whole model's gradient norm to MAX each step (ComputeConfig.clip_grad_norm; "
-                        "the reference uses torch.nn.utils.clip_grad_norm_)")
-    p.add_argument("--recompute", default="none", metavar="MODE",
-                   help="activation recompute: none (default), full (each block), selective (attention core)")
+RECIPE_TYPES = {"int": int, "float": float, "str": None}
+"""A recipe field's type (the first name of its annotation) -> the flag's value type (``None``: the text)."""
 
 
+def recipe_fields(command: str) -> list:
+    """The fields of :class:`nnscaler.recipe.Recipe` that ``verify COMMAND`` offers as flags."""
+    return [f for f in fields(Recipe) if command in f.metadata["commands"]]
+
+
+def recipe_dest(f) -> str:
+    """The ``args`` attribute of a recipe field's flag (``--clip-grad-norm``: ``clip_grad_norm``)."""
+    return f.metadata["flag"][2:].replace("-", "_")
+
+
+def _recipes(p: argparse.ArgumentParser, command: str) -> None:
+    """The training-recipe flags of whole-model runs, generated from the fields of
+    :class:`nnscaler.recipe.Recipe` (flag, type, default, help from each field; carried into
+    ``ComputeConfig``; the single-device reference runs the same recipe)."""
+    for f in recipe_fields(command):
+        meta, flag = f.metadata, f.metadata["flag"]
+        kind = RECIPE_TYPES[f.type.split("|")[0].strip()]
+        kwargs = {"type": _positive(kind, flag) if meta.get("positive") else kind, "choices": meta.get("choices"),
+                  "metavar": meta.get("metavar")}
+        p.add_argument(flag, default=f.default, help=meta.get(f"help_{command}", meta["help"]),
+                       **{k: v for k, v in kwargs.items() if v is not None})

@@ -47,7 +47,7 @@ from verify.cases.zero import zero_refusal
 from verify.cases.torchpar.mesh import parse_mesh
 from verify.rows.torchpar import BAD_INPUT as TORCHPAR_BAD_INPUT, check_parallelize, run_torchpar
 from verify.report.writer import ReportError, ReportWriter, summary, table
-from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, build_parser
+from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, build_parser, recipe_dest, recipe_fields
 from verify.names import POLICY_NAMES
 from verify.plan.cli import cmd_plan
 from verify.sweep.command import cmd_all
@@ -251,8 +251,7 @@ def cmd_model(args) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
-TORCHPAR_REFUSED = {"replicas": 1, "microbatches": 1, "zero": 0, "precision": "32-true", "clip_grad_norm": None,
-                    "recompute": "none", "bucket_bytes": None, "grad_reduce_dtype": None}
+TORCHPAR_REFUSED = {"replicas": 1, **{recipe_dest(f): f.default for f in recipe_fields("model")}}
 """Options of compiled plans that a user's own parallelization does not take (their defaults)."""
 
 

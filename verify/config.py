@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 import shlex
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from nnscaler.ops.spec import OpSpec
+from nnscaler.recipe import Recipe, with_recipe
 
 from verify.models.loader import is_file_reference
 
@@ -24,9 +25,13 @@ class BadInput(ValueError):
     """The user asked for something that does not exist (an unknown partition, say): exit code 2."""
 
 
+@with_recipe(aliases={"microbatches": "num_microbatches"})
 @dataclass(frozen=True)
 class RunConfig:
-    """Settings of one verification run, passed explicitly to every stage."""
+    """Settings of one verification run, passed explicitly to every stage. ``recipe``: the training
+    recipe of its whole-model cases (:class:`nnscaler.recipe.Recipe`, the compiler's own, run alike
+    by the single-device reference); its fields are also taken as flat keywords and read back as
+    properties (``microbatches`` for ``num_microbatches``)."""
 
     world_sizes: tuple[int, ...] = (2, 4)
     dtype: str = "float32"
@@ -35,30 +40,18 @@ class RunConfig:
     timeout_s: float = 30.0
     partition: str | None = None
     base_override: int | None = None
-    microbatches: int = 1  # whole-model cases: micro-batches per training step (1: plain forward/backward)
-    zero: int = 0  # whole-model cases: ZeRO stage over the data-parallel ranks (ComputeConfig(zero=))
     node: tuple[str, str] | None = None  # (model, operator): verify that traced operator (verify op --model --node)
-    clip_grad_norm: float | None = None  # whole-model cases: ComputeConfig.clip_grad_norm (the reference clips too)
-    recompute: str = "none"  # whole-model cases: ComputeConfig.recompute
-    precision: str = "32-true"  # whole-model cases: the recipe (nnscaler.runtime.precision), judged by verify/judge/lowprec.py
-    grad_reduce_dtype: str | None = None  # whole-model cases under bf16-mixed: "fp32" or "bf16"
     # whole-model cases: more ComputeConfig fields as (name, value) pairs (a cluster plan's lowering: tp_size,
     # pp_size, schedule, virtual_stages, sequence_parallel; see verify/plan/cli.py)
     layout: tuple[tuple[str, object], ...] = ()
+    recipe: Recipe = Recipe()
 
-    def recipe_job(self) -> dict:
-        """The training recipe's keys of a whole-model rank job (carried into ``ComputeConfig``)."""
-        return {"clip_grad_norm": self.clip_grad_norm, "recompute": self.recompute, "precision": self.precision,
-                "grad_reduce_dtype": self.grad_reduce_dtype, "zero": self.zero,
-                **({"layout": dict(self.layout)} if self.layout else {})}
-
-    @property
-    def recipe_label(self) -> str:
-        """What a whole-model row's partition column adds for clipping and recompute (``clip1.0 recompute=full``;
-        the precision is :func:`model_label`'s)."""
-        parts = ([f"clip{self.clip_grad_norm:g}"] if self.clip_grad_norm is not None else []) + \
-            ([f"recompute={self.recompute}"] if self.recompute != "none" else [])
-        return "".join(" " + p for p in parts)
+    def recipe_job(self, microbatches: int, bucket_bytes: int | None = None) -> dict:
+        """The recipe's entry of a whole-model rank job, with this case's micro-batches and buckets
+        (``bucket_bytes`` None: the recipe's), and the lowered plan's ``layout`` if any."""
+        recipe = replace(self.recipe, num_microbatches=microbatches,
+                         bucket_bytes=self.recipe.bucket_bytes if bucket_bytes is None else bucket_bytes)
+        return {"recipe": recipe.to_dict(), **({"layout": dict(self.layout)} if self.layout else {})}
 
     def limit_s(self, kind: str = "op", steps: int = 1) -> float:
         """The time limit of one case: ``timeout_s`` for an operator case; a model case traces,
@@ -109,21 +102,29 @@ class RunConfig:
 
     def rerun_model(self, model: str, policy: str, world_size: int, seed: int, steps: int,
                     bucket_bytes: int | None = None) -> str:
-        """The command that reruns one whole-model row alone (same modules, dtype, steps, buckets, micro-batches)."""
+        """The command that reruns one whole-model row alone (same modules, dtype, steps, recipe; buckets
+        of ``bucket_bytes``, else the recipe's)."""
+        recipe = self.recipe if bucket_bytes is None else replace(self.recipe, bucket_bytes=bucket_bytes)
         return self.command("model", model, [
             ("--policy", policy), ("--world-size", world_size), ("--seed", seed), ("--steps", steps),
-            ("--dtype", self.dtype), ("--bucket-bytes", bucket_bytes),
-            ("--microbatches", self.microbatches if self.microbatches > 1 else None),
-            ("--clip-grad-norm", self.clip_grad_norm), ("--recompute", None if self.recompute == "none" else self.recompute),
-            ("--precision", None if self.precision == "32-true" else self.precision),
-            ("--grad-reduce-dtype", self.grad_reduce_dtype), ("--zero", self.zero or None)])
+            ("--dtype", self.dtype), *recipe.flags()])
 
 
-def model_label(policy: str, microbatches: int = 1, precision: str = "32-true", zero: int = 0) -> str:
-    """The partition column of a whole-model row: the policy, then ``mbM`` for M micro-batches, then
-    the precision recipe unless ``32-true``, then ``zeroZ`` for a ZeRO stage."""
-    label = policy if microbatches == 1 else f"{policy} mb{microbatches}"
-    return label + (f" {precision}" if precision != "32-true" else "") + (f" zero{zero}" if zero else "")
+def model_label(policy: str, recipe: Recipe = Recipe(), replicas: int = 1) -> str:
+    """The partition column of a whole-model row: the policy, then each labelled recipe field off its
+    default in field order (``mbM`` for M micro-batches, the precision, ``zeroZ``, ...), ``xR replicas``
+    before the first field labelled after the replicas (clipping, recompute)."""
+    label, tagged = policy, replicas == 1
+    for word, after_replicas in recipe.label_words():
+        if after_replicas and not tagged:
+            label, tagged = label + f" x{replicas} replicas", True
+        label += " " + word
+    return label if tagged else label + f" x{replicas} replicas"
+
+
+def recipe_tag(recipe: Recipe) -> str:
+    """The recipe's part of a generated-program directory's name (``-mb4-bf16-mixed-zero3-clip1-recomputefull``)."""
+    return model_label("", recipe).replace(" ", "-").replace("=", "")
 
 
 def rerun_modules(name: str, cfg: RunConfig) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ def child(args) -> None:
             for policy in args.policies:
                 for w in args.world_size:
                     job = {"kind": "model", "model": model, "policy": policy, "world_size": w, "steps": 3, "seed": 0,
-                           "gen_dir": gen, "dtype": "float32", "microbatches": 1, "checkpoint": True}
+                           "gen_dir": gen, "dtype": "float32", "checkpoint": True}
                     before, t = [_cpu(p) for p in gang.pids], time.perf_counter()
                     answers = gang.run(job, w, 900)
                     wall, cpu = time.perf_counter() - t, sum(_cpu(p) for p in gang.pids) - sum(before)

@@ -13,6 +13,7 @@ from ..codegen.emit import Emitter, render_program
 from ..io import atomic_write, locked
 from ..ir.graph import IRGraph
 from ..ir.plan import Plan
+from ..recipe import Recipe
 from ..runtime.mesh import RankMesh
 from ..runtime.module import ParallelModule
 
@@ -69,19 +70,17 @@ def save_program(directory: Path, plan_rank: int, source: str, reuse: bool) -> P
 
 def build_rank_module(model: torch.nn.Module, graph: IRGraph, plan: Plan, emitted: Emitter, *, plan_rank: int,
                       key: list[str], label: str, directory: Path, reuse: bool, mesh: RankMesh, replica_group,
-                      replicas: int, bucket_bytes: int | None, num_microbatches: int = 1, precision: str = "32-true",
-                      grad_reduce_dtype: str | None = None, zero=None) -> ParallelModule:
+                      replicas: int, recipe: Recipe, zero=None) -> ParallelModule:
     """Plan rank ``plan_rank``'s program (emitted once, by the caller) written down, saved, imported and
     wrapped with this rank's state: the one path from a plan to a module, for whole models and stages.
-    ``key``: what else shapes the program (config, policy, stage), hashed into its header."""
+    ``key``: what else shapes the program (config, policy, stage), hashed into its header; ``recipe``:
+    the training recipe, handed to the module whole; ``zero``: this rank's ZeRO layout."""
     digest = program_digest(str(graph), plan.describe(), repr(plan.mesh_shape), *key)
     source = render_program(emitted, header=f"[{digest}] {label}: ")
     path = save_program(directory, plan_rank, source, reuse)  # a gen_savedir that cannot be used fails here
     program = import_program(source, path, plan_rank)
     state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
     trainable = {n for n, _ in model.named_parameters()}
-    module = ParallelModule(program, state, mesh, trainable, replica_group, replicas, bucket_bytes=bucket_bytes,
-                            num_microbatches=num_microbatches, precision=precision, grad_reduce_dtype=grad_reduce_dtype,
-                            zero=zero)
+    module = ParallelModule(program, state, mesh, trainable, replica_group, replicas, recipe=recipe, zero=zero)
     module.plan, module.graph = plan, graph
     return module

@@ -101,12 +101,9 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     zero = zero_spec(plan, config, rank, cache, groups is None)
     module = build_rank_module(model, graph, plan, emitted, plan_rank=plan_rank, key=[repr(config), name],
                                label=type(model).__name__, directory=Path(gen_savedir), reuse=reuse, mesh=mesh,
-                               replica_group=mine, replicas=config.replicas, bucket_bytes=config.bucket_bytes,
-                               num_microbatches=config.num_microbatches, precision=config.precision,
-                               grad_reduce_dtype=config.grad_reduce_dtype, zero=zero)
+                               replica_group=mine, replicas=config.replicas, recipe=config.recipe, zero=zero)
     if rank == 0:  # the one-line summary, and the report next to the generated code
         print(plan.one_line(), flush=True)
         write_report(plan, gen_savedir)
     module.process_group = module_group(cache, runtime, world)
-    module.max_grad_norm = config.clip_grad_norm  # train_step clips to it (nnscaler.runtime.clip)
     return module

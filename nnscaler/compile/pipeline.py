@@ -98,6 +98,8 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
     tied = frozenset(n for n, c in Counter(t for g in graphs for t in {p.target for p in g.params}).items() if c > 1)
     zeros = stage_zero_specs(plans, config, rank, pp, k, cache, groups is None, tied) if config.zero else {}
     modules = {}
+    # the pipeline (PipelineModule) runs the micro-batches and clips; each stage runs one micro-batch at a time
+    stage_recipe = dataclasses.replace(config.recipe, num_microbatches=1, clip_grad_norm=None)
     for s in range(total):
         g, plan = graphs[s], plans[s]
         emitted = emit_program(g, plan, local, recompute=config.recompute, recompute_modules=config.recompute_modules
@@ -110,14 +112,13 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
                                        label=f"{type(model).__name__} stage {s} of {total}",
                                        directory=Path(gen_savedir) / f"stage_{s}", reuse=reuse, mesh=mesh,
                                        replica_group=replica_group, replicas=replicas,
-                                       bucket_bytes=config.bucket_bytes, precision=config.precision,
-                                       grad_reduce_dtype=config.grad_reduce_dtype, zero=zeros.get(s))
+                                       recipe=stage_recipe, zero=zeros.get(s))
     if rank == 0:
         print(f"pipeline: {total} stages ({pp} ranks x {v}), {k} rank(s) each, schedule "
               f"{canonical_schedule(config.schedule)}, {m} micro-batches"
               + (f", {replicas} replicas" if replicas > 1 else "")
               + f"; stages begin at operators {[0] + cuts} of {len(graph.ops)}", flush=True)
-    pm = PipelineModule(modules, [stage_meta(g) for g in graphs], config, m, pp_group, prank, local, k, replica_group,
+    pm = PipelineModule(modules, [stage_meta(g) for g in graphs], config, pp_group, prank, local, k, replica_group,
                         replicas)
     pm.process_group = module_group(cache, runtime, world)
     pm.plans, pm.graph = plans, graph

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..dimops.layout import Shard, take_piece
 from . import clip
+from ..recipe import Recipe
 from .grad_sync import GradSync
 from .precision import GRAD_REDUCE_DTYPES, PrecisionError, autocast_message, autocast_on
 from .mesh import RankMesh
@@ -52,16 +53,19 @@ class ParallelModule(torch.nn.Module):
     registered under their model names with dots replaced by ``__`` (``named_parameters`` and
     optimizers see the local shards); ``state_dict``/``load_state_dict`` speak whole tensors under
     the original names. ``forward`` runs one micro-batch; :meth:`train_step` a whole batch of
-    ``num_microbatches`` of them with gradient accumulation.
+    ``num_microbatches`` of them with gradient accumulation. ``recipe``: the training recipe
+    (:class:`~nnscaler.recipe.Recipe`: precision, micro-batches, buckets, clipping); ``zero``: this rank's
+    ZeRO layout (:class:`~nnscaler.compile.zero.ZeroSpec`), made from ``recipe.zero`` and the plan.
     """
 
     def __init__(self, program: types.ModuleType, full_state: Mapping[str, torch.Tensor], mesh: RankMesh,
-                 trainable: set[str], replica_group=None, replicas: int = 1, bucket_bytes: int | None = None,
-                 num_microbatches: int = 1, precision: str = "32-true", grad_reduce_dtype: str | None = None,
+                 trainable: set[str], replica_group=None, replicas: int = 1, recipe: Recipe | None = None,
                  zero=None):
         super().__init__()
+        self.recipe = recipe = recipe or Recipe()
+        precision, bucket_bytes = recipe.precision, recipe.bucket_bytes
         self.precision = precision  # nnscaler.runtime.precision: bf16-true holds its state in bf16
-        self.num_microbatches = num_microbatches
+        self.num_microbatches = recipe.num_microbatches
         self._program = program
         self._mesh = mesh
         self._replica_group, self._replicas = replica_group, replicas
@@ -93,10 +97,10 @@ class ParallelModule(torch.nn.Module):
         if zero is not None:
             synced, trainables = self._zero_setup(zero, synced, trainables, program, bucket_bytes)
         self._grad_sync = GradSync.build(synced, bucket_bytes, replicas=trainables, replica_group=replica_group,
-                                         n_replicas=replicas, reduce_dtype=GRAD_REDUCE_DTYPES.get(grad_reduce_dtype or "fp32")
-                                         if precision == "bf16-mixed" else None)
+                                         n_replicas=replicas, reduce_dtype=GRAD_REDUCE_DTYPES.get(
+                                             recipe.grad_reduce_dtype or "fp32") if precision == "bf16-mixed" else None)
         self._grad_sync.attach()
-        self.max_grad_norm: float | None = None  # ComputeConfig.clip_grad_norm: train_step clips to it
+        self.max_grad_norm: float | None = recipe.clip_grad_norm  # train_step clips to it (nnscaler.runtime.clip)
         self.last_grad_norm: torch.Tensor | None = None  # the total norm the last clip_grad_norm_ found
         clip.register(self)  # while alive, torch.nn.utils.clip_grad_norm_(self.parameters()) gets the whole model's norm
 

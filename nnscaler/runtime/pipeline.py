@@ -104,9 +104,11 @@ class _GradOutputs(torch.nn.Module):
 class PipelineModule(torch.nn.Module):
     """This rank's pipeline stages; :meth:`train_step` runs one training step over micro-batches."""
 
-    def __init__(self, stages: dict[int, ParallelModule], metas: list[StageMeta], config, num_microbatches: int,
-                 pp_group, prank: int, local: int, stage_ranks: int, replica_group=None, replicas: int = 1):
+    def __init__(self, stages: dict[int, ParallelModule], metas: list[StageMeta], config, pp_group, prank: int,
+                 local: int, stage_ranks: int, replica_group=None, replicas: int = 1):
         super().__init__()
+        self.recipe = config.recipe  # the training recipe (nnscaler.recipe.Recipe): micro-batches, clipping
+        num_microbatches = self.recipe.num_microbatches
         self._replica_group, self._replicas = replica_group, replicas  # data-parallel copies of the pipeline
         self.stages = torch.nn.ModuleDict({str(s): m for s, m in stages.items()})
         self.num_microbatches = num_microbatches
@@ -140,7 +142,7 @@ class PipelineModule(torch.nn.Module):
         self._schedule = cls(stage_arg, num_microbatches, loss_fn=self._micro_loss, scale_grads=False)
         self._batch: tuple = ()
         self._acc: Accumulation | None = None
-        self.max_grad_norm: float | None = config.clip_grad_norm  # train_step clips the whole model's norm to it
+        self.max_grad_norm: float | None = self.recipe.clip_grad_norm  # train_step clips the whole model's norm to it
         self.last_grad_norm: torch.Tensor | None = None
         clip.register(self)
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-GRAD_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from ..recipe import PRECISIONS  # noqa: F401 (the names, with the recipe's fields; importers find them here too)
+
+GRAD_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the names of Recipe.grad_reduce_dtype's flag
 
 
 class PrecisionError(ValueError):

@@ -5,12 +5,14 @@ against AdamW on one device from the same point; then the merged checkpoint, rel
 device and under another plan."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from nnscaler.policies import POLICIES, ComputeConfig
+from nnscaler.recipe import Recipe
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast
@@ -23,6 +25,7 @@ from verify.judge.verdict import check_deterministic
 from verify.cases.draws import check_draws, same_draws
 from verify.cases.compiled import compile_case
 from verify.judge.lowprec import Precision
+from verify.config import recipe_tag
 from verify.judge.compare import Check, Float64Fallback, check_tensor, check_update
 from verify.judge.finite import require_finite
 from verify.cases.microbatch import loss_fn_of, one_device_loss, whole_batch
@@ -127,35 +130,33 @@ def _parallelize(model, args, policy, config, groups, gen_dir: Path, tracer=None
 def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = None,
                   memory: MemoryLog | None = None) -> list[Check]:
     """The checks of a ``model`` job (keys: model, policy, world_size, steps, seed, gen_dir, and
-    optionally dtype, bucket_bytes, microbatches, checkpoint and precision, the recipe: see
-    :mod:`verify.judge.lowprec`); ``traces``: the rank's trace cache."""
-    precision = Precision.of(job)
+    optionally dtype, checkpoint, layout and recipe, :meth:`nnscaler.recipe.Recipe.to_dict`'s form);
+    ``traces``: the rank's trace cache."""
+    recipe = Recipe.from_dict(job.get("recipe"))
     return run_model_case(job["model"], job["policy"], job["world_size"], job["steps"], job["seed"], groups,
-                          job["gen_dir"], dtype="bfloat16" if precision.precision == "bf16-true" else job.get("dtype", "float32"),
-                          bucket_bytes=job.get("bucket_bytes"),
-                          microbatches=job.get("microbatches", 1), checkpoint=job.get("checkpoint", True),
-                          traces=traces, clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
-                          precision=precision, zero=job.get("zero", 0), memory=memory, layout=job.get("layout"))
+                          job["gen_dir"], dtype="bfloat16" if recipe.precision == "bf16-true" else job.get("dtype", "float32"),
+                          recipe=recipe, checkpoint=job.get("checkpoint", True), traces=traces, memory=memory,
+                          layout=job.get("layout"))
 
 
 def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: int, groups: GroupCache,
-                   gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
-                   microbatches: int = 1, checkpoint: bool = True, traces: TraceCache | None = None,
-                   clip: float | None = None, recompute: str = "none", precision: Precision = Precision(),
-                   zero: int = 0, memory: MemoryLog | None = None, layout: dict | None = None) -> list[Check]:
-    """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks.
-    With ``microbatches`` M above 1 each step's batch is M of the model's batches stacked
+                   gen_dir: str, dtype: str = "float32", recipe: Recipe = Recipe(), checkpoint: bool = True,
+                   traces: TraceCache | None = None, memory: MemoryLog | None = None,
+                   layout: dict | None = None) -> list[Check]:
+    """Checks for ``steps`` training steps of model ``name`` under ``policy`` on ``world_size`` ranks,
+    under the training ``recipe`` (gradient-sync buckets default the model's). With
+    ``recipe.num_microbatches`` M above 1 each step's batch is M of the model's batches stacked
     (:func:`~verify.cases.microbatch.whole_batch`), trained by ``train_step`` in M micro-batches and
     judged against one device on that whole batch. ``checkpoint=False`` leaves out the checkpoint
     reloads and the resume (the training checks alone, for benchmarks that sweep many cases).
     ``traces`` (a rank's :class:`~verify.cases.traces.TraceCache`) lets every compile of the case reuse one trace.
-    ``clip``/``recompute``: the training recipe (``ComputeConfig.clip_grad_norm``/``recompute``); the
-    single-device runs clip with ``torch.nn.utils.clip_grad_norm_``, and each step's total norm is checked.
-    ``precision``: the precision recipe (:class:`~verify.judge.lowprec.Precision`), run alike by the references.
+    The single-device runs mimic the recipe: they clip with ``torch.nn.utils.clip_grad_norm_`` (each
+    step's total norm is checked) and run its precision (:class:`~verify.judge.lowprec.Precision`).
     ``memory``: where the last step's measured memory on this rank is left (:mod:`verify.cases.memory`).
     ``layout``: more :class:`ComputeConfig` fields (a lowered cluster plan's tp_size, pp_size, schedule, ...)."""
+    clip, precision = recipe.clip_grad_norm, Precision.of(recipe)
     dt = DTYPES[dtype]
-    microbatches = pipeline_microbatches(policy, microbatches)
+    microbatches = pipeline_microbatches(policy, recipe.num_microbatches)
     case = build_model(name, seed)
     case.model.to(dt)
     reference = SharedReference.of(groups, world_size)  # computed on the case's rank 0 (verify/cases/reference.py)
@@ -163,13 +164,11 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         ref = precision.reference(built_like(name, seed, case.model, dt))
         ref64 = built_like(name, seed, case.model, torch.float64)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    recipe = replace(recipe, num_microbatches=microbatches,
+                     bucket_bytes=case.bucket_bytes if recipe.bucket_bytes is None else recipe.bucket_bytes)
     config = ComputeConfig(world_size, **{"tp_size": 2 if world_size % 2 == 0 else 1, **(layout or {})}, seed=seed,
-                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
-                           num_microbatches=microbatches, clip_grad_norm=clip, recompute=recompute, zero=zero,
-                           **precision.config_kwargs())
-    tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + (f"-mb{microbatches}" if microbatches > 1 else "") \
-        + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "") \
-        + (f"-{precision.precision}" if precision.active else "") + (f"-zero{zero}" if zero else "")
+                           recipe=recipe)
+    tag = policy.replace("/", "_").replace(":", "-").replace("@", "_") + recipe_tag(recipe)
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
     pm = _parallelize(case.model, cast(batch(0), dt), policy, config, groups,
@@ -240,7 +239,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
                                  seed, dt, fallback, config.bucket_bytes, traces, precision, reference)
         checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces,
-                                precision, fallback.spreads, zero=zero)
+                                precision, fallback.spreads, zero=recipe.zero)
     check_draws(fallback)  # a draw the float64 reference could not make the run's: unverifiable
     checks += fallback.notes(dtype)
     return checks

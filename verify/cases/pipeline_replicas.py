@@ -10,15 +10,18 @@ write their pieces once) resumed on one device, under another pipeline and under
 (``verify/cases/resume.py``)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from nnscaler.policies import ComputeConfig
+from nnscaler.recipe import Recipe
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.compiled import compile_case
+from verify.config import recipe_tag
 from verify.cases.batch import cast, share
 from verify.cases.resume import resume_checks
 from verify.judge.verdict import check_deterministic
@@ -39,16 +42,15 @@ LOSS = "loss step {} (whole batch over replicas)"
 
 
 def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
-                               groups: GroupCache, gen_dir: str, dtype: str = "float32",
-                               microbatches: int = PIPELINE_MICROBATCHES, bucket_bytes: int | None = None,
-                               traces: TraceCache | None = None, zero: int = 0, clip: float | None = None,
-                               recompute: str = "none", precision: Precision = Precision()) -> list[Check]:
+                               groups: GroupCache, gen_dir: str, dtype: str = "float32", recipe: Recipe = Recipe(),
+                               traces: TraceCache | None = None) -> list[Check]:
     """Checks for ``steps`` AdamW steps of pipeline ``policy`` planned on ``plan_ngpus`` ranks and run as
-    replicas on ``world_size`` (each stage's gradient-sync buckets of ``bucket_bytes``, default the model's;
-    ``zero``: ZeRO over the replicas, and each stage's dp axis; ``clip``/``recompute``: the training
-    recipe, ``train_step`` clipping as ``ComputeConfig(clip_grad_norm=...)`` asks, the reference with
-    ``torch.nn.utils.clip_grad_norm_``); ``precision``: the precision recipe, run alike by the reference
-    and judged by the low-precision rule, as in :mod:`verify.cases.replicas`)."""
+    replicas on ``world_size`` under the training ``recipe`` (at least :data:`PIPELINE_MICROBATCHES`
+    micro-batches; each stage's gradient-sync buckets default the model's; ZeRO over the replicas and
+    each stage's dp axis; ``train_step`` clipping as ``ComputeConfig(clip_grad_norm=...)`` asks, the
+    reference with ``torch.nn.utils.clip_grad_norm_``; the precision run alike by the reference and
+    judged by the low-precision rule, as in :mod:`verify.cases.replicas`)."""
+    clip, precision = recipe.clip_grad_norm, Precision.of(recipe)
     dt = DTYPES["bfloat16" if precision.precision == "bf16-true" else dtype]
     case = build_model(name, seed)
     case.model.to(dt)
@@ -56,15 +58,13 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     if reference.computes:
         ref, ref64, params, ref_opt = reference_models(name, seed, case.model, dt, precision, LR)
     replicas, replica = world_size // plan_ngpus, dist.get_rank() // plan_ngpus
-    m = max(microbatches, PIPELINE_MICROBATCHES)
+    m = max(recipe.num_microbatches, PIPELINE_MICROBATCHES)
     batch = lambda step: cast(whole_batch(case.batch, step, m * replicas), dt)  # noqa: E731 (every replica's share)
-    config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=m,
-                           tp_size=2 if plan_ngpus % 2 == 0 else 1,
-                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes, zero=zero,
-                           clip_grad_norm=clip, recompute=recompute, **precision.config_kwargs())
-    tag = f"{file_tag(name)}-{file_tag(policy)}-mb{m}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}" + (f"-zero{zero}" if zero else "") \
-        + (f"-clip{clip:g}" if clip is not None else "") + (f"-rc{recompute}" if recompute != "none" else "") \
-        + (f"-{precision.precision}" if precision.active else "")
+    recipe = replace(recipe, num_microbatches=m,
+                     bucket_bytes=case.bucket_bytes if recipe.bucket_bytes is None else recipe.bucket_bytes)
+    config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, tp_size=2 if plan_ngpus % 2 == 0 else 1,
+                           recipe=recipe)
+    tag = f"{file_tag(name)}-{file_tag(policy)}{recipe_tag(recipe)}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}"
     pm = compile_case(case.model, share(batch(0), replica, replicas), policy, config, groups, Path(gen_dir) / tag,
                       tracer_of(traces, name))
     check_deterministic(pm.graph, f"{replicas} replicas of a pipeline")
@@ -106,6 +106,6 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
             ref_opt.step()
             ref_opt.zero_grad()
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
-                            traces, precision, fallback.spreads, zero=zero)
+                            traces, precision, fallback.spreads, zero=recipe.zero)
     checks += fallback.notes(dtype)
     return checks

@@ -9,15 +9,18 @@ averages over as many elements; a loss over targets padded unevenly (``ignore_in
 the harness judges the replicas against what they are meant to compute."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from nnscaler.policies import ComputeConfig
+from nnscaler.recipe import Recipe
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.compiled import compile_case
+from verify.config import recipe_tag
 from verify.cases.batch import cast, share
 from verify.models.loader import file_tag
 from verify.judge.verdict import check_deterministic
@@ -65,33 +68,28 @@ def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", 
 def run_replicas_job(job: dict, groups: GroupCache, traces: TraceCache | None = None,
                      memory: MemoryLog | None = None) -> list[Check]:
     """The checks of a ``model`` job planned on fewer ranks than it runs on (keys: model, policy,
-    world_size, plan_ngpus, steps, seed, gen_dir, and optionally dtype, bucket_bytes, microbatches and
-    the recipe's); ``traces``: the rank's trace cache."""
+    world_size, plan_ngpus, steps, seed, gen_dir, and optionally dtype and the recipe); ``traces``: the rank's trace cache."""
     return run_replicas_case(job["model"], job["policy"], job["world_size"], job["plan_ngpus"],
                              job["steps"], job["seed"], groups, job["gen_dir"],
-                             dtype=job.get("dtype", "float32"), bucket_bytes=job.get("bucket_bytes"),
-                             microbatches=job.get("microbatches", 1), traces=traces,
-                             clip=job.get("clip_grad_norm"), recompute=job.get("recompute", "none"),
-                             zero=job.get("zero", 0), precision=Precision.of(job), memory=memory)
+                             dtype=job.get("dtype", "float32"), recipe=Recipe.from_dict(job.get("recipe")),
+                             traces=traces, memory=memory)
 
 
 def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
-                      groups: GroupCache, gen_dir: str, dtype: str = "float32", bucket_bytes: int | None = None,
-                      microbatches: int = 1, traces: TraceCache | None = None, clip: float | None = None,
-                      recompute: str = "none", zero: int = 0, precision: Precision = Precision(),
-                      memory: MemoryLog | None = None) -> list[Check]:
+                      groups: GroupCache, gen_dir: str, dtype: str = "float32", recipe: Recipe = Recipe(),
+                      traces: TraceCache | None = None, memory: MemoryLog | None = None) -> list[Check]:
     """Checks for ``steps`` AdamW steps of ``name`` planned on ``plan_ngpus`` ranks, replicated to
-    ``world_size`` (gradient-sync buckets of ``bucket_bytes``, default the model's). With
-    ``microbatches`` M above 1 each step's batch is M of the model's batches stacked, each replica
-    trains its share by ``train_step`` in M micro-batches (the loss exact over all replicas), and the
-    reference is one device on the whole batch. A pipeline policy: :mod:`verify.cases.pipeline_replicas`.
-    ``clip``/``recompute``: the training recipe (the reference clips with torch); ``precision``: the
-    precision recipe (:class:`~verify.judge.lowprec.Precision`), run alike by the
-    references and judged by the low-precision rule. ``memory``: where the last step's measured memory
-    on this rank is left."""
+    ``world_size``, under the training ``recipe`` (gradient-sync buckets default the model's). With
+    ``recipe.num_microbatches`` M above 1 each step's batch is M of the model's batches stacked, each
+    replica trains its share by ``train_step`` in M micro-batches (the loss exact over all replicas),
+    and the reference is one device on the whole batch. A pipeline policy:
+    :mod:`verify.cases.pipeline_replicas`. The references mimic the recipe (they clip with torch and
+    run its precision, :class:`~verify.judge.lowprec.Precision`), judged by the low-precision rule
+    under bf16. ``memory``: where the last step's measured memory on this rank is left."""
     if is_pipeline_policy(policy):
         return run_pipeline_replicas_case(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype,
-                                          microbatches, bucket_bytes, traces, zero, clip, recompute, precision)
+                                          recipe, traces)
+    clip, microbatches, precision = recipe.clip_grad_norm, recipe.num_microbatches, Precision.of(recipe)
     dt = DTYPES["bfloat16" if precision.precision == "bf16-true" else dtype]
     case = build_model(name, seed)
     case.model.to(dt)
@@ -100,16 +98,13 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         ref, ref64, params, ref_opt = reference_models(name, seed, case.model, dt, precision, LR)
     replicas, rank = world_size // plan_ngpus, dist.get_rank()
     replica = rank // plan_ngpus
-    config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, num_microbatches=microbatches,
-                           bucket_bytes=case.bucket_bytes if bucket_bytes is None else bucket_bytes,
-                           clip_grad_norm=clip, recompute=recompute, zero=zero, **precision.config_kwargs())
+    recipe = replace(recipe, bucket_bytes=case.bucket_bytes if recipe.bucket_bytes is None else recipe.bucket_bytes)
+    config = ComputeConfig(plan_ngpus, runtime_ngpus=world_size, seed=seed, recipe=recipe)
     batch = (lambda step: whole_batch(case.batch, step, microbatches)) if microbatches > 1 else case.batch
     loss_fn = loss_fn_of(case)
-    mb = (f"-mb{microbatches}" if microbatches > 1 else "") + (f"-zero{zero}" if zero else "") \
-        + (f"-{precision.precision}" if precision.active else "")
     pm = compile_case(case.model, share(cast(batch(0), dt), replica, replicas), resolve_policy(policy), config, groups,
-                      Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{mb}{'-clip' if clip else ''}"
-                                      f"{'-rc' + recompute if recompute != 'none' else ''}-p{plan_ngpus}-w{world_size}-{dtype}-s{seed}",
+                      Path(gen_dir) / f"{file_tag(name)}-{file_tag(policy)}{recipe_tag(recipe)}-p{plan_ngpus}"
+                                      f"-w{world_size}-{dtype}-s{seed}",
                       tracer_of(traces, name))
     check_deterministic(pm.graph, f"{replicas} data-parallel replicas")
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
@@ -170,6 +165,6 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device
     # and under another plan at W=2, as every whole-model case's does
     checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces, precision,
-                            fallback.spreads, zero=zero)
+                            fallback.spreads, zero=recipe.zero)
     checks += fallback.notes(dtype)
     return checks

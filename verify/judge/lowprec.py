@@ -28,8 +28,9 @@ class Precision:
             raise ValueError(f"unknown precision {self.precision!r}; valid: {', '.join(PRECISIONS)}")
 
     @classmethod
-    def of(cls, job: dict) -> "Precision":
-        return cls(job.get("precision") or "32-true", job.get("grad_reduce_dtype"))
+    def of(cls, recipe) -> "Precision":
+        """The precision part of a training recipe (:class:`nnscaler.recipe.Recipe`)."""
+        return cls(recipe.precision, recipe.grad_reduce_dtype)
 
     @property
     def active(self) -> bool:

@@ -8,6 +8,8 @@ import re
 
 import torch.distributed as dist
 
+from nnscaler.recipe import Recipe
+
 from verify.localize.model import Localized, localize_model_case
 from verify.localize.stages import localize_pipeline_case, localize_replicas_case
 from verify.cases.pipeline import is_pipeline_policy
@@ -43,9 +45,10 @@ def localize_row(job: dict, first_failure: str, groups) -> Localized | None:
         else:
             found.note = f"plan {plan} at W={w_b} (where the checkpoint was resumed): {found.note}"
         return found
+    microbatches = Recipe.from_dict(job.get("recipe")).num_microbatches
     if job.get("plan_ngpus", w) < w:
-        return localize_replicas_case(name, policy, w, job["plan_ngpus"], seed, groups, gen, dtype,
-                                      job.get("microbatches", 1), failing=first_failure)
+        return localize_replicas_case(name, policy, w, job["plan_ngpus"], seed, groups, gen, dtype, microbatches,
+                                      failing=first_failure)
     if is_pipeline_policy(policy):
-        return localize_pipeline_case(name, policy, w, seed, groups, gen, dtype, job.get("microbatches", 1))
+        return localize_pipeline_case(name, policy, w, seed, groups, gen, dtype, microbatches)
     return localize_model_case(name, policy, w, seed, groups, gen, dtype=dtype, failing=first_failure)

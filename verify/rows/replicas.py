@@ -52,8 +52,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
     for seed in cfg.seeds:
         for w in cfg.world_sizes:
             for policy in policies:
-                label = replica_label(model_label(policy, cfg.microbatches, cfg.precision, cfg.zero), replicas) \
-                    + cfg.recipe_label
+                label = model_label(policy, cfg.recipe, replicas)
                 if ((f"model:{name}", w, label, cfg.dtype, seed) in skip
                         or not pipeline_applies(policy, w // replicas, name, seed)
                         or (cfg.zero and not zero_applies(policy, w // replicas, replicas, cfg.zero))):
@@ -62,7 +61,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "plan_ngpus": w // replicas,
                        "steps": steps, "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype,
-                       "bucket_bytes": bucket_bytes, "microbatches": m, **cfg.recipe_job()}
+                       **cfg.recipe_job(m, bucket_bytes)}
                 limit = replace(cfg, microbatches=m).limit_s("model", steps)
                 expected = expected_replica_checks(name, steps, seed, policy, m)
                 answers = gang.run(job, w, limit)

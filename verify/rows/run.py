@@ -120,14 +120,14 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
         for w in cfg.world_sizes:
             for policy in policies:
                 m = pipeline_microbatches(policy, cfg.microbatches)  # a pipeline runs 4 unless told more
-                label = model_label(policy, m, cfg.precision, cfg.zero) + cfg.recipe_label
+                label = model_label(policy, replace(cfg.recipe, num_microbatches=m))
                 if (f"model:{name}", w, label, cfg.dtype, seed) in skip or not pipeline_applies(policy, w, name, seed) \
                         or (cfg.zero and not zero_applies(policy, w, zero=cfg.zero)):
                     continue
                 start = time.perf_counter()
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
-                       "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "bucket_bytes": bucket_bytes,
-                       "microbatches": m, "checkpoint": checkpoint, **cfg.recipe_job()}
+                       "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "checkpoint": checkpoint,
+                       **cfg.recipe_job(m, bucket_bytes)}
                 expected = expected_checks(name, policy, steps, seed, checkpoint, clip=cfg.clip_grad_norm)
                 answers = gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps))
                 if used is not None:

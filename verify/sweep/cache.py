@@ -2,7 +2,7 @@
 rerun after an edit reruns only the units the edit can affect (``verify all``; ``--no-cache`` ignores it).
 
 The key of a unit (:meth:`VerdictCache.key`) holds the unit (operator, model or saved plan, policy, world
-sizes, seeds, micro-batches, replicas, recipe, resume; a saved plan's file content), the run's settings (dtype, precision, recipe, base,
+sizes, seeds, micro-batches, replicas, recipe, resume; a saved plan's file content), the run's settings (dtype, every field of the training recipe, base,
 ``--module`` files' contents), the torch and Python versions and the *core*: every source file of
 ``nnscaler/``, ``verify/`` and ``opzoo/`` except the catalogue's *leaf* files, the modules of the
 family folders that register operators or rules (``opzoo/<family>/entries.py``, ``rules.py``,
@@ -146,9 +146,9 @@ class VerdictCache:
             h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
         import torch  # noqa: PLC0415 (the version is part of every key)
         self.context = {"format": FORMAT, "core": h.hexdigest(), "torch": torch.__version__,
-                        "python": platform.python_version(), "dtype": cfg.dtype, "precision": cfg.precision,
-                        "zero": cfg.zero, "clip": cfg.clip_grad_norm, "recompute": cfg.recompute,
-                        "grad_reduce_dtype": cfg.grad_reduce_dtype, "base": cfg.base_override,
+                        "python": platform.python_version(), "dtype": cfg.dtype,
+                        "recipe": asdict(cfg.recipe),  # every field: a new recipe option keys the verdicts too
+                        "base": cfg.base_override,
                         "partition": cfg.partition, "modules": [file_hash(Path(m)) for m in cfg.modules]}
         self.hits = self.misses = 0
         self._hashes: dict[Path, str] = {}  # each file read once per run

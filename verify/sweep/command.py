@@ -24,12 +24,13 @@ from verify.catalogue import source_key
 from verify.rows.run import check_spec, preflight
 from verify.runner.worker import load_modules
 from nnscaler.policies import POLICIES
+from nnscaler.recipe import Recipe
 
 
 def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
     """(the units this run runs, the whole selection they are cut from): the default sample or
     ``--full``'s matrix (:mod:`verify.sweep.selection`), then ``--shard``'s share."""
-    recipes = not (cfg.zero or cfg.precision != "32-true" or cfg.clip_grad_norm is not None or cfg.recompute != "none")
+    recipes = cfg.recipe == Recipe()  # the recipe units run only where the run sets no recipe of its own
     policies = list(POLICIES)
     full = full_units([s.name for s in specs], models, policies, cfg.world_sizes, cfg.seeds,
                       list(dict.fromkeys(args.random_seeds)), args.microbatches,

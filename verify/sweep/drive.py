@@ -42,8 +42,8 @@ def torchpar_unit_rows(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: s
 def model_unit_rows(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used,
                     planned: dict | None) -> Iterator[Row]:
     """A whole-model case (its micro-batches, recipe and resume), or its replicas."""
-    run_cfg = replace(cfg, world_sizes=unit.world_sizes, seeds=unit.seeds, microbatches=unit.microbatches,
-                      **(RECIPE if unit.recipe else {}))
+    run_cfg = replace(cfg, world_sizes=unit.world_sizes, seeds=unit.seeds,
+                      recipe=replace(RECIPE if unit.recipe else cfg.recipe, num_microbatches=unit.microbatches))
     if unit.replicas > 1:
         yield from run_replicas(gang, unit.name, (unit.policy,), run_cfg, gen_dir, unit.replicas, skip=skip, used=used)
     else:

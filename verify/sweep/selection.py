@@ -19,15 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from nnscaler.recipe import Recipe
+
 from verify.config import model_label
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
 from verify.rows.replicas import ALL_REPLICAS, replica_world_sizes
-from verify.cases.replicas import replica_label
 from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, TWO_D_RESUME
 
 
-RECIPE = {"precision": "bf16-mixed", "zero": 3, "recompute": "full", "clip_grad_norm": 1.0}  # verify all's sample
-RECIPE_TAG = " bf16-mixed zero3 clip1 recompute=full"
+RECIPE = Recipe(precision="bf16-mixed", zero=3, recompute="full", clip_grad_norm=1.0)  # verify all's sample
+RECIPE_TAG = RECIPE.label  # " bf16-mixed zero3 clip1 recompute=full"
 RECIPE_MODELS = ("nanogpt", "llama")  # the default sample's recipe units (--full: every model)
 FIRST = ("weightnorm_mlp", "bucketed_mlp", "padded_gpt")  # the fastest models: their units run first
 REPLICA_MODELS = FIRST + ("llama",)  # the default's tp replicas units (bucketed_mlp: many small buckets)
@@ -73,9 +74,7 @@ class Unit:
 
 
 def _model_label(u: Unit) -> str:
-    policy = model_label(u.policy, u.microbatches)
-    if u.replicas > 1:
-        policy = replica_label(policy, u.replicas)
+    policy = model_label(u.policy, Recipe(num_microbatches=u.microbatches), u.replicas)
     return (f"model:{u.name} {policy}{RECIPE_TAG if u.recipe else ''} "
             f"W={','.join(map(str, u.world_sizes))} seed {','.join(map(str, u.seeds))}"
             + ("" if u.checkpoint else " no-resume"))
