@@ -1,6 +1,6 @@
 """The names the command line offers (policies, pipelines, dtypes, torch parallelization cases),
 free of torch so ``python -m verify --help`` answers at once. Each mirrors a registry that imports
-torch; ``tests/test_cli_startup.py`` checks that they agree."""
+torch; ``tests/harness/test_cli_startup.py`` checks that they agree."""
 
 POLICY_NAMES = ("dp", "tp", "hybrid", "random", "random2d", "autodist")
 """``nnscaler.policies.POLICIES``, in its order."""

@@ -9,7 +9,7 @@ the meta device, H100 profile, bf16-mixed, seq 4096 (405B: 8192), 8k tokens per 
 
 Both must choose the same configuration with the same estimate (checked). The "before" search already
 has the new stage split (``layer_split``), so the search ratio understates the change; the old one is kept
-as a reference in ``tests/test_cluster.py``.
+as a reference in ``tests/compiler/test_cluster.py``.
 
     python bench/perf/plan_time.py [--worlds 64 1024] [--with-405b]
 """

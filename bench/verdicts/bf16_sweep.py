@@ -3,7 +3,7 @@
 ``dp`` and ``tp`` at W=2 and ``dp``, ``tp`` and ``hybrid`` at W=4 (``pp`` too on the pipeline models),
 each row checking its checkpoint resume as ``verify model`` does. A correct compiler must give zero
 MISMATCH; the wrong programs that must still be caught under the same bound are
-``tests/test_precision_harness.py`` and ``bench/verdicts/mutant_kills.py --precision bf16-mixed``.
+``tests/harness/test_precision_harness.py`` and ``bench/verdicts/mutant_kills.py --precision bf16-mixed``.
 
     python bench/verdicts/bf16_sweep.py --out DIR [--models M ...] [--seeds 0 1 2 3 4] [--passes w2 w4]
     python bench/verdicts/bf16_sweep.py --out DIR --table      # tabulate what DIR holds (a run may be resumed)

@@ -15,7 +15,7 @@ row) once per sweep; the table gives each sweep's verdict, first failing row and
 
 ``--full`` runs the default sample's units first, in the same order and each with its checkpoint
 resume (the same training, more checks; ``verify.sweep.selection.full_order``, pinned by
-``tests/test_selection.py``), so a mutant the default kills at a unit dies at that unit under
+``tests/harness/test_selection.py``), so a mutant the default kills at a unit dies at that unit under
 ``--full`` too. Its full verdict is therefore derived (``killed*``, no run) unless
 ``--measure-full`` asks for the run; a mutant the default misses always gets its full run, the one
 case where the two sweeps can differ.

@@ -1,7 +1,7 @@
 """How close correct programs come to the whole-model bounds: the worst ratio err / tol (1.0 = at the
 bound) over every check of a case (loss, gradients, parameter updates, checkpoint reloads, resume),
 per architecture, width and policy, over seeds. A ratio near 1 is a false alarm waiting to happen;
-the perturbation tests in ``tests/test_model_verdict.py`` show that 1e-4 relative errors land far
+the perturbation tests in ``tests/harness/test_model_verdict.py`` show that 1e-4 relative errors land far
 above 1. One rank gang serves every case.
 
     python bench/verdicts/verdict_calibration.py [--models nanogpt llama ...] [--widths 32 64 128 256]

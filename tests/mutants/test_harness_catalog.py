@@ -48,7 +48,7 @@ def test_every_mutant_names_killing_tests_that_exist(name):
 
 
 def test_the_runner_applies_the_mutant_in_pytest_and_in_every_rank(tmp_path):
-    cmd = command("loss_unchecked", ("tests/test_harness_rules.py::test_a_wrong_loss_fails",))
+    cmd = command("loss_unchecked", ("tests/harness/test_harness_rules.py::test_a_wrong_loss_fails",))
     assert cmd[1:3] == ["-m", "pytest"] and "tests.mutants.harness_plugin" in cmd
     assert cmd[cmd.index("--harness-mutant") + 1] == "loss_unchecked"
     text = shim(tmp_path, "loss_unchecked").read_text()

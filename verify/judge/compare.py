@@ -43,7 +43,7 @@ learning rate. Instead each step is judged in two separate parts, so that errors
 
 A wrong partition, collective or shard offset gives errors of the order of the values themselves; a
 single-rank perturbation of 1e-4 relative in an activation, a gradient bucket or a parameter shard is
-still three or more orders above rounding in float32 (``tests/test_model_verdict.py`` proves both).
+still three or more orders above rounding in float32 (``tests/harness/test_model_verdict.py`` proves both).
 Measured (``bench/verdicts/verdict_calibration.py``, ``bench/results/verdict_calibration.md``): over ten
 architectures (GPT, Llama, Gemma, Qwen3, Phi-3, T5, ViT, a GroupNorm ResNet, batched Mixtral, the
 TransformerEncoder), widths 32 to 256, 10 seeds, 3 steps, ``dp`` and ``tp`` at W=2, the worst check of
@@ -95,7 +95,7 @@ allows about 0.02 (its spread, ~1e-3 relative, times 4, plus 0.016). Wrong parti
 the order of the tensor itself (relative ~0.1-1), one to two orders above. Measured (bench/results/
 lowprec_calibration.md): nanogpt and llama under dp, tp, hybrid and pp at W=2, 5 seeds, 3 steps with
 checkpoint resume (40 cases), worst err/tol 0.41; the wrong annotations of
-tests/fixtures/wrong_ops_models.py and wrong_model.py all MISMATCH (``tests/test_precision_harness.py``).
+tests/fixtures/wrong_ops_models.py and wrong_model.py all MISMATCH (``tests/harness/test_precision_harness.py``).
 Optimizer updates are judged as in float32 (``check_update``, in the parameters' own dtype:
 bf16-mixed keeps fp32 master weights and AdamW state, so the update is the same fp32 arithmetic).
 

@@ -10,7 +10,7 @@ import contextlib
 
 from ._base import _collectives, _draws, _spread, _torchpar_mesh, _verdict, mutant, patch
 
-RULES = "tests/test_harness_rules.py"
+RULES = "tests/harness/test_harness_rules.py"
 
 
 @mutant("verify/cases/spread.py:TIE_FACTOR", [f"{RULES}::test_a_clear_winner_is_never_flipped_as_a_tie"])
@@ -19,14 +19,14 @@ def every_selection_a_tie():
     patch(_spread(), "TIE_FACTOR", 1e12)
 
 
-@mutant("verify/cases/torchpar/mesh.py:dp_slice", ["tests/test_torchpar.py::test_a_plan_that_forgets_to_average_over_dp_is_caught"])
+@mutant("verify/cases/torchpar/mesh.py:dp_slice", ["tests/harness/test_torchpar.py::test_a_plan_that_forgets_to_average_over_dp_is_caught"])
 def torchpar_batch_not_sliced():
     """Every dp rank of a torch parallelization gets the whole batch: a plan that never syncs gradients matches."""
     patch(_torchpar_mesh(), "dp_slice", lambda args, mesh: args)
 
 
 @mutant("nnscaler/runtime/collectives.py:_AllGatherSumGrad.backward",
-        ["tests/test_blocked_backward.py::test_a_blocked_gather_whose_gradient_is_summed_scatters_by_blocks"])
+        ["tests/compiler/test_blocked_backward.py::test_a_blocked_gather_whose_gradient_is_summed_scatters_by_blocks"])
 def blocked_sum_grad_backward_unblocked():
     """An all-gather whose gradient is summed reduce-scatters its gradient without the layout's blocks."""
     C = _collectives()
@@ -35,7 +35,7 @@ def blocked_sum_grad_backward_unblocked():
 
 
 @mutant("nnscaler/runtime/collectives.py:_AllGather.backward",
-        ["tests/test_blocked_backward.py::test_a_blocked_gather_and_split_pass_gradients_back_by_blocks"])
+        ["tests/compiler/test_blocked_backward.py::test_a_blocked_gather_and_split_pass_gradients_back_by_blocks"])
 def blocked_gather_backward_unblocked():
     """A blocked all-gather's backward keeps the rank's plain chunk of the gradient, not its blocks."""
     C = _collectives()
@@ -43,7 +43,7 @@ def blocked_gather_backward_unblocked():
 
 
 @mutant("nnscaler/runtime/collectives.py:_Split.backward",
-        ["tests/test_blocked_backward.py::test_a_blocked_gather_and_split_pass_gradients_back_by_blocks"])
+        ["tests/compiler/test_blocked_backward.py::test_a_blocked_gather_and_split_pass_gradients_back_by_blocks"])
 def blocked_split_backward_unblocked():
     """A blocked split's backward gathers the gradient as plain chunks."""
     C = _collectives()
@@ -52,14 +52,14 @@ def blocked_split_backward_unblocked():
 
 # -- random draws: equal in the run and its references, or the row unverifiable (the draws branch's tests too)
 @mutant("verify/cases/draws.py:same_draws",
-        ["tests/test_draws_in_process.py::test_a_correct_plan_of_a_model_that_draws_matches"], owner="draws")
+        ["tests/harness/test_draws_in_process.py::test_a_correct_plan_of_a_model_that_draws_matches"], owner="draws")
 def draws_not_replayed():
     """Each forward of a step draws on from the running generator: the run and its references draw other numbers."""
     patch(_draws(), "same_draws", lambda seed, step: contextlib.nullcontext())
 
 
 @mutant("verify/judge/verdict.py:check_deterministic",
-        ["tests/test_draws_in_process.py::test_micro_batches_leave_a_model_that_draws_unverifiable"],
+        ["tests/harness/test_draws_in_process.py::test_micro_batches_leave_a_model_that_draws_unverifiable"],
         owner="draws")
 def drawing_model_judged_in_pieces():
     """A model that draws is judged under micro-batches, where each piece draws its own mask."""

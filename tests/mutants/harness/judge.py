@@ -7,7 +7,7 @@ import torch
 
 from ._base import _compare, _resume, _tensor_trace, _verdict, mutant, patch, wrap
 
-RULES = "tests/test_harness_rules.py"
+RULES = "tests/harness/test_harness_rules.py"
 COMPARE = "verify/judge/compare.py"
 
 
@@ -28,7 +28,7 @@ def loss_unchecked():
 
 
 @mutant(f"{COMPARE}:check_tensor", [f"{RULES}::test_a_wrong_gradient_fails",
-                                     "tests/test_model_verdict.py::test_a_gradient_off_by_a_constant_factor_fails_though_adam_would_hide_it"])
+                                     "tests/harness/test_model_verdict.py::test_a_gradient_off_by_a_constant_factor_fails_though_adam_would_hide_it"])
 def gradients_unchecked():
     """Gradients pass whatever their values."""
     wrap(_compare(), "check_tensor", _passing(lambda n: n.startswith("grad ") and not n.startswith("grad norm")))
@@ -98,7 +98,7 @@ def integers_within_one():
 
 
 @mutant(f"{COMPARE}:_none_check",
-        ["tests/test_model_verdict.py::test_none_passes_only_where_the_float64_reference_has_none_too"])
+        ["tests/harness/test_model_verdict.py::test_none_passes_only_where_the_float64_reference_has_none_too"])
 def missing_gradient_passes():
     """A gradient missing on either side (None) passes."""
     patch(_compare(), "_none_check", lambda name, par, dev, ref: _compare().Check(name, 0.0, 0.0, True))
@@ -145,7 +145,7 @@ def update_99_percent():
 
 
 @mutant(f"{COMPARE}:UPDATE_EPS", [f"{RULES}::test_one_wrong_element_of_an_update_fails",
-                                   "tests/test_model_verdict.py::test_adamw_on_shards_meets_the_update_bound_and_a_nudge_does_not"])
+                                   "tests/harness/test_model_verdict.py::test_adamw_on_shards_meets_the_update_bound_and_a_nudge_does_not"])
 def update_bound_loose():
     """An update may differ by 40000 ulps, not 4."""
     patch(_compare(), "UPDATE_EPS", 4e4)
@@ -224,7 +224,7 @@ def fallback_unnamed():
 VERDICT = "verify/judge/verdict.py"
 
 
-@mutant(f"{VERDICT}:judge", ["tests/test_model_verdict.py::test_an_empty_or_short_list_of_checks_fails"])
+@mutant(f"{VERDICT}:judge", ["tests/harness/test_model_verdict.py::test_an_empty_or_short_list_of_checks_fails"])
 def rank_without_checks_matches():
     """A rank that returned no checks does not fail the row."""
     def make(orig):
@@ -237,7 +237,7 @@ def rank_without_checks_matches():
     wrap(_verdict(), "judge", make)
 
 
-@mutant(f"{VERDICT}:judge", ["tests/test_model_verdict.py::test_an_empty_or_short_list_of_checks_fails"])
+@mutant(f"{VERDICT}:judge", ["tests/harness/test_model_verdict.py::test_an_empty_or_short_list_of_checks_fails"])
 def expected_checks_ignored():
     """A rank lacking some expected check (a step never judged) does not fail the row."""
     wrap(_verdict(), "judge", lambda orig: lambda answers, expected=None, modules=(): orig(answers, None, modules))

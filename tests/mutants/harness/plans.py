@@ -7,7 +7,7 @@ import dataclasses
 
 from ._base import _reduced, mutant, wrap
 
-RULES = "tests/test_harness_rules.py"
+RULES = "tests/harness/test_harness_rules.py"
 REDUCED = "verify/models/saved_plan.py"
 KEPT = f"{RULES}::test_the_reduced_plan_keeps_every_field_of_the_saved_one"
 

@@ -6,9 +6,9 @@ import dataclasses
 
 from ._base import _cache, _merge, _selection, _shard, mutant, patch, wrap
 
-RULES = "tests/test_harness_rules.py"
+RULES = "tests/harness/test_harness_rules.py"
 CACHE = "verify/sweep/cache.py"
-SEL = "tests/test_selection.py"
+SEL = "tests/harness/test_selection.py"
 
 # -- the verdict cache key: every setting that changes a program ----------------------------------------
 # (run setting, owner branch): the recipe fields move into one Recipe object on the recipe branch, whose
@@ -54,7 +54,7 @@ for _field, _value in UNIT_FIELDS.items():
 
 
 @mutant(f"{CACHE}:VerdictCache.key",
-        ["tests/test_verdict_cache.py::test_a_saved_plan_unit_reruns_when_its_plan_file_changes"])
+        ["tests/harness/test_verdict_cache.py::test_a_saved_plan_unit_reruns_when_its_plan_file_changes"])
 def cache_key_omits_plan_file():
     """A saved plan unit's key leaves out the plan file's content (an edited plan keeps its old verdict)."""
     wrap(_cache().VerdictCache, "key", lambda orig: lambda self, unit: orig(
@@ -62,7 +62,7 @@ def cache_key_omits_plan_file():
 
 
 @mutant(f"{CACHE}:VerdictCache.put",
-        ["tests/test_verdict_cache.py::test_failures_are_never_kept_and_a_unit_that_says_nothing_depends_on_every_leaf"])
+        ["tests/harness/test_verdict_cache.py::test_failures_are_never_kept_and_a_unit_that_says_nothing_depends_on_every_leaf"])
 def cache_keeps_failures():
     """A failing row is kept in the cache (and a rerun reports it as it was, never rerunning the fix)."""
     def make(orig):
@@ -126,7 +126,7 @@ def _ignoring(words: str):
 
 
 @mutant("verify/sweep/shard.py:check_shards", [f"{SEL}::test_shards_that_do_not_fit_together_are_refused",
-                                          "tests/test_verdict_cache.py::test_shards_merge_into_the_whole_run_and_a_missing_one_is_refused"],
+                                          "tests/harness/test_verdict_cache.py::test_shards_merge_into_the_whole_run_and_a_missing_one_is_refused"],
         owner="merge")
 def missing_shard_accepted():
     """``verify merge`` merges N-1 shares of N without a word."""
