@@ -243,6 +243,15 @@ def expected_checks_ignored():
     wrap(_verdict(), "judge", lambda orig: lambda answers, expected=None, modules=(): orig(answers, None, modules))
 
 
+@mutant(f"{VERDICT}:judge", ["tests/harness/test_model_verdict.py::"
+                             "test_the_reload_check_is_the_first_plan_that_fits_or_a_note_saying_why_none_does"])
+def reload_under_another_plan_not_required():
+    """A rank that returns no reload of the checkpoint under another plan (none of the alternatives
+    of the first plan that fits, nor the note that none does) does not fail the row."""
+    wrap(_verdict(), "judge", lambda orig: lambda answers, expected=None, modules=(): orig(
+        answers, None if expected is None else [n for n in expected if isinstance(n, str)], modules))
+
+
 @mutant(f"{VERDICT}:judge", [f"{RULES}::test_a_check_failing_on_one_rank_fails_the_row"])
 def only_rank_zero_judged():
     """Only rank 0's checks are judged."""
