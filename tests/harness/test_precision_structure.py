@@ -137,8 +137,8 @@ def _row(gang, model, policy, **cfg):
     ("precision_stage_bf16", "pp", {}, "precision: pipeline stage transfer (send) in bfloat16, the recipe promises "
                                        "the traced float32"),
     ("precision_optimizer_bf16", "dp", {}, "precision: optimizer math: aten."),
-    ("precision_autocast_bf16", "dp", {}, "precision: aten.nll_loss_forward.default (autocast's float32 operator) "
-                                          "in bfloat16, the recipe promises float32"),
+    ("precision_autocast_bf16", "dp", {}, "precision: cross_entropy_loss (aten.cross_entropy_loss.default, autocast's "
+                                          "float32 operator) cast to nothing, the recipe promises float32"),
 ])
 def test_a_planted_downgrade_fails_its_row_by_name(plant, policy, cfg, says):
     from verify.judge.verdict import MISMATCH

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from nnscaler.recipe import Recipe
+from nnscaler.trace import amp
 
 from verify.judge.compare import Check
 
@@ -245,6 +246,7 @@ class PrecisionRecord:
                 bad.append((f"{place} in {_name(dtype)}",
                             f"the traced {' / '.join(sorted(_name(d) for d in traced))}"))
         bad += [(f"{op} (autocast's float32 operator) in {_name(d)}", "float32") for op, d in self.autocast.items()]
+        bad += uncast_fp32_operators(pm, self.device_type)
         bad += [(f"optimizer math: {op} in {_name(d)}", "float32") for op, d in list(self.optimizer_math.items())[:1]]
         if opt is not None:
             bad += _optimizer_dtypes(opt)
@@ -256,6 +258,25 @@ class PrecisionRecord:
                           f"{seen} collective places and transfers, autocast's float32 operators, the optimizer")]
         return [Check(f"precision: {what}, the recipe promises {want}", float("inf"), 0.0, False,
                       f"{what} where the {self.recipe.precision} recipe promises {want}") for what, want in bad]
+
+
+def uncast_fp32_operators(pm, device_type: str = "cpu") -> list[tuple[str, str]]:
+    """The operators of ``pm``'s program that autocast computes in float32 on one device (learnt afresh
+    from the traced program by :func:`nnscaler.trace.amp.autocast_casts`, not from the compiled plan's
+    marks) but that the program does not cast to float32: a partition-aware kernel (a vocabulary-parallel
+    cross-entropy) computes in elementwise operators no aten-level record can tell from bf16 arithmetic."""
+    graph = getattr(pm, "graph", None)
+    exported = getattr(graph, "exported", None)
+    if exported is None:
+        return []
+    truth, _ = amp.autocast_casts(exported, device_type, torch.bfloat16)
+    bad = []
+    for op in graph.ops:
+        cast = getattr(op, "cast", None)
+        if truth.get(op.name) == torch.float32 and cast not in (torch.float32, "autocast"):
+            bad.append((f"{op.name} ({op.overload}, autocast's float32 operator) cast to "
+                        f"{_name(cast) if isinstance(cast, torch.dtype) else 'nothing'}", "float32"))
+    return bad
 
 
 def stage_dtypes(pm) -> set[torch.dtype]:
