@@ -156,3 +156,29 @@ def test_the_correct_recipe_keeps_its_promises(gang, model, policy, cfg):
     from verify.judge.verdict import MATCH
     row = _row(gang, model, policy, **cfg)
     assert row.status == MATCH, (row.status, row.detail)
+
+
+def test_an_autocast_fp32_operator_the_program_does_not_cast_is_named():
+    """The program's own operators against autocast learnt afresh from the trace: cross-entropy left uncast
+    (a vocabulary-parallel kernel then computes it in bf16 elementwise operators) is named."""
+    from types import SimpleNamespace
+    from nnscaler.compile.plan import trace_model
+    from nnscaler.compile.precision import apply_precision
+    from verify.cases.precision_record import uncast_fp32_operators
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 5)
+
+        def forward(self, x, t):
+            return F.cross_entropy(self.lin(x), t)
+
+    graph = trace_model(Head(), (torch.randn(4, 8), torch.arange(4)), None, registry=None, strict=False)
+    apply_precision(graph, "bf16-mixed")
+    pm = SimpleNamespace(graph=graph)
+    assert uncast_fp32_operators(pm) == []
+    (ce,) = [op for op in graph.ops if op.overload == "aten.cross_entropy_loss.default"]
+    ce.cast = None
+    assert uncast_fp32_operators(pm) == [(f"{ce.name} (aten.cross_entropy_loss.default, autocast's float32 "
+                                          f"operator) cast to nothing", "float32")]

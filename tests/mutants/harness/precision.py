@@ -51,3 +51,11 @@ def precision_optimizer_state_unjudged():
 def precision_never_recorded():
     """No recipe is recorded: every precision downgrade passes (the rows carry no precision check)."""
     patch(_precision_record().PrecisionRecord, "active", property(lambda self: False))
+
+
+@mutant("verify/cases/precision_record.py:uncast_fp32_operators",
+        [f"{TESTS}::test_an_autocast_fp32_operator_the_program_does_not_cast_is_named"])
+def precision_program_casts_unjudged():
+    """The program's operators are not compared with autocast: a cross-entropy computed in bf16 by the
+    vocabulary-parallel kernel passes."""
+    patch(_precision_record(), "uncast_fp32_operators", lambda pm, device_type="cpu": [])
