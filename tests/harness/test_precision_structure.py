@@ -182,3 +182,17 @@ def test_an_autocast_fp32_operator_the_program_does_not_cast_is_named():
     ce.cast = None
     assert uncast_fp32_operators(pm) == [(f"{ce.name} (aten.cross_entropy_loss.default, autocast's float32 "
                                           f"operator) cast to nothing", "float32")]
+
+
+def test_a_replicas_row_is_judged_too():
+    """``--replicas``: the replicas' averaging buckets reduced in bf16 fail the row by name."""
+    from verify.config import RunConfig
+    from verify.judge.verdict import MISMATCH
+    from verify.rows.replicas import run_replicas
+    from verify.runner.gang import Gang
+    mods = (*MODULES, str(FIXTURES / "precision_grad_bf16.py"))
+    with Gang(2, mods, (2,)) as bad, tempfile.TemporaryDirectory() as tmp:
+        cfg = RunConfig(world_sizes=(2,), modules=mods, precision="bf16-mixed")
+        (row,) = run_replicas(bad, "nanogpt", ("tp",), cfg, tmp, 2, steps=1)
+    assert row.status == MISMATCH and row.detail.startswith(
+        "precision: gradient all-reduce of bucket 0 in bfloat16, the recipe promises float32"), row.detail
