@@ -224,6 +224,11 @@ class PipelineModule(torch.nn.Module):
         from .zero import ZeroOptimizer
         return ZeroOptimizer(zeros, optimizer_class, **kwargs)
 
+    def boundary_dtypes(self) -> set[torch.dtype]:
+        """The traced floating dtypes of the tensors crossing between stages (what a transfer carries)."""
+        return {t.dtype for meta in self._metas for t in (*meta.inputs, *meta.outputs)
+                if t is not None and t.dtype.is_floating_point}
+
     def param_tensors(self) -> list[torch.Tensor]:
         """The parameter tensors this rank holds (every stage it runs)."""
         return list(self.parameters())

@@ -19,6 +19,7 @@ from verify.cases.batch import cast
 from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
+from verify.cases.precision_record import PrecisionRecord
 from verify.models.loader import file_tag
 from verify.user_files import import_once
 from verify.judge.verdict import check_deterministic
@@ -197,7 +198,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     start, names = reference.share(lambda: (_clone(own_state(ref)), [n for n, _ in ref.named_parameters()]))
     checks = [_equal(f"initial {k}", initial.get(k), v) for k, v in start.items()]
     shadow = {n: start[n].clone() for n in names}  # AdamW on one device, fed the parallel grads
-    opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the data-parallel ranks under zero
+    record = PrecisionRecord.of(recipe)  # the recipe's precision, checked structurally
+    opts = [record.watch(pm.build_optimizer(torch.optim.AdamW, lr=LR))]  # sharded over the data-parallel ranks under zero
     opts += [torch.optim.AdamW(shadow.values(), lr=LR)]
     fallback = Float64Fallback(dt, lowprec=precision.active)
 
@@ -228,16 +230,17 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             return checks + [Check(f"load step {step}", float("inf"), 0.0, False, f"{type(exc).__name__}: {exc}")]
         checks.append(installed(pm, point, step))
         saved = SavedActivations(pm.parameters())  # measured memory per rank (verify/cases/memory.py)
-        with saved:
-            if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
-                loss = pm.train_step(*args, loss_fn=loss_fn)
-            else:
-                with same_draws(seed, step):
-                    loss = pm(*args)
-        if not (microbatches > 1 or is_pipeline_policy(policy)):
-            loss.backward()
-            if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
-                pm.clip_grad_norm_(clip)
+        with record:  # the dtypes the program's step reduces, sends and computes in (bf16-mixed only)
+            with saved:
+                if microbatches > 1 or is_pipeline_policy(policy):  # whole-batch loss and gradients of M micro-batches
+                    loss = pm.train_step(*args, loss_fn=loss_fn)
+                else:
+                    with same_draws(seed, step):
+                        loss = pm(*args)
+            if not (microbatches > 1 or is_pipeline_policy(policy)):
+                loss.backward()
+                if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
+                    pm.clip_grad_norm_(clip)
         grad_bytes = storage_bytes(pm.grad_tensors()) if hasattr(pm, "grad_tensors") else None
         one = reference.share(lambda: one_device_step(args, step, point), fallback)
         widen, kw = fallback.widen, fallback.bounds()
@@ -253,6 +256,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         if grad_bytes is not None and memory is not None:
             # train_step runs backward inside: its micro-batches' saved bytes add up, no peak to report
             memory.last = measure(pm, opts[0], None if microbatches > 1 else saved.bytes, grad_bytes)
+    checks = record.checks(pm, opts[0], loss, one["loss"]) + checks  # a narrower dtype named first
     if checkpoint:
         checks += _reload_checks(name, policy, pm, cast(case.batch(steps), dt), groups, gen_dir, world_size,
                                  seed, dt, fallback, config.bucket_bytes, traces, precision, reference)

@@ -21,6 +21,7 @@ from nnscaler.recipe import Recipe
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.compiled import compile_case
+from verify.cases.precision_record import PrecisionRecord
 from verify.config import recipe_tag
 from verify.cases.batch import cast, share
 from verify.cases.resume import resume_checks
@@ -71,7 +72,8 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     loss_fn = loss_fn_of(case)
     start = reference.share(lambda: {n: p.detach().clone() for n, p in params.items()})
     shadow = {n: t.clone() for n, t in start.items()}  # AdamW on one device, fed the replicas' grads
-    opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the replicas under zero
+    record = PrecisionRecord.of(recipe)  # the recipe's precision, checked structurally
+    opts = [record.watch(pm.build_optimizer(torch.optim.AdamW, lr=LR))]  # sharded over the replicas under zero
     opts += [torch.optim.AdamW(shadow.values(), lr=LR)]
     checks: list[Check] = []
     fallback = Float64Fallback(dt, lowprec=precision.active)
@@ -97,7 +99,8 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
             reference.share(lambda: {n: p.detach().clone() for n, p in params.items()})
         pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
         checks.append(installed(pm, point, step))
-        loss = pm.train_step(*share(args, replica, replicas), loss_fn=loss_fn)
+        with record:  # the dtypes the program's step reduces, sends and computes in (bf16-mixed only)
+            loss = pm.train_step(*share(args, replica, replicas), loss_fn=loss_fn)
         one = reference.share(lambda: one_device_step(args), fallback)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(LOSS.format(step), loss.detach(), one["loss"], one["loss64"], **kw))
@@ -105,6 +108,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
         if reference.computes:  # AdamW on one device: the next step's point
             ref_opt.step()
             ref_opt.zero_grad()
+    checks = record.checks(pm, opts[0], loss, one["loss"]) + checks  # a narrower dtype named first
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
                             traces, precision, fallback.spreads, zero=recipe.zero)
     checks += fallback.notes(dtype)

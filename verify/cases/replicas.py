@@ -36,6 +36,7 @@ from verify.cases.model import LR, installed, resolve_policy, step_checks
 from verify.cases.reference import SharedReference, reference_grads, reference_models
 from verify.cases.pipeline import is_pipeline_policy
 from verify.cases.pipeline_replicas import LOSS, run_pipeline_replicas_case
+from verify.cases.precision_record import PrecisionRecord
 from verify.cases.samples import DTYPES
 from verify.cases.traces import TraceCache, tracer_of
 
@@ -110,7 +111,8 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     replica_ranks = [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]
     start = reference.share(lambda: {n: p.detach().clone() for n, p in params.items()})
     shadow = {n: t.clone() for n, t in start.items()}  # AdamW on one device, fed the replicas' grads
-    opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the replicas under zero
+    record = PrecisionRecord.of(recipe)  # the recipe's precision, checked structurally
+    opts = [record.watch(pm.build_optimizer(torch.optim.AdamW, lr=LR))]  # sharded over the replicas under zero
     opts += [torch.optim.AdamW(shadow.values(), lr=LR)]
     checks: list[Check] = []
     fallback = Float64Fallback(dt, lowprec=precision.active)
@@ -137,21 +139,22 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
             reference.share(lambda: {n: p.detach().clone() for n, p in params.items()})
         pm.load_state_dict({k: point.get(k, v) for k, v in pm.state_dict().items()})
         checks.append(installed(pm, point, step))
-        if microbatches > 1:  # the whole batch's loss over every replica, exactly (train_step's weighting)
-            mean = pm.train_step(*shares[replica], loss_fn=loss_fn)
-            refs = [args]
-        else:
-            saved = SavedActivations(pm.parameters())  # measured memory per rank (verify/cases/memory.py)
-            with saved:
-                loss = pm(*shares[replica])
-            loss.backward()
-            if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
-                pm.clip_grad_norm_(clip)
-            grad_bytes = storage_bytes(pm.grad_tensors())
-            mean = loss.detach().clone()
-            dist.all_reduce(mean, group=groups.get(replica_ranks))
-            mean = mean / replicas
-            refs = shares  # the data-parallel objective (see above)
+        with record:  # the dtypes the program's step reduces, sends and computes in (bf16-mixed only)
+            if microbatches > 1:  # the whole batch's loss over every replica, exactly (train_step's weighting)
+                mean = pm.train_step(*shares[replica], loss_fn=loss_fn)
+                refs = [args]
+            else:
+                saved = SavedActivations(pm.parameters())  # measured memory per rank (verify/cases/memory.py)
+                with saved:
+                    loss = pm(*shares[replica])
+                loss.backward()
+                if clip is not None:  # what train_step does with ComputeConfig(clip_grad_norm=...)
+                    pm.clip_grad_norm_(clip)
+                grad_bytes = storage_bytes(pm.grad_tensors())
+                mean = loss.detach().clone()
+                dist.all_reduce(mean, group=groups.get(replica_ranks))
+                mean = mean / replicas
+                refs = shares  # the data-parallel objective (see above)
         one = reference.share(lambda: one_device_step(refs), fallback)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(_loss_check(policy, microbatches).format(step), mean, one["loss"],
@@ -162,6 +165,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
             ref_opt.zero_grad()
         if microbatches == 1 and memory is not None:
             memory.last = measure(pm, opts[0], saved.bytes, grad_bytes)
+    checks = record.checks(pm, opts[0], mean, one["loss"]) + checks  # a narrower dtype named first
     # the checkpoint of the replicas (optimizer state sharded over them under zero) resumes on one device
     # and under another plan at W=2, as every whole-model case's does
     checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces, precision,
