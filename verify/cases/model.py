@@ -16,6 +16,7 @@ from nnscaler.recipe import Recipe
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast
+from verify.judge.dtypes import convert_state, to_dtype
 from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.resume import resume_checks
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
@@ -177,7 +178,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     dt = DTYPES[dtype]
     microbatches = pipeline_microbatches(policy, recipe.num_microbatches)
     case = build_model(name, seed)
-    case.model.to(dt)
+    to_dtype(case.model, dt)
     reference = SharedReference.of(groups, world_size)  # computed on the case's rank 0 (verify/cases/reference.py)
     if reference.computes:
         ref = precision.reference(built_like(name, seed, case.model, dt))
@@ -206,8 +207,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     def one_device_step(args: tuple, step: int, point: dict) -> dict:
         """The step on one device (the computing rank): the recipe's and float64's loss and gradients
         at ``point`` (where ``ref`` is), the moved points' spreads, the clipped norms."""
-        ref64.load_state_dict(_with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
-                                                    for k, v in point.items()}), strict=True)
+        ref64.load_state_dict(_with_aliases(ref64, convert_state(point, torch.float64)), strict=True)
         loss_ref, loss64 = _losses(ref, ref64, args, seed, step, fallback,
                                    lambda m, a: one_device_loss(m, a, microbatches, case))
         require_finite({"loss": loss_ref, "loss64": loss64}, step)  # the model's own fault: an error row
@@ -324,7 +324,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
     step = -1  # the reloads' own draws
 
     def one_device() -> dict:
-        single = build_model(name, seed).model.to(dt)
+        single = to_dtype(build_model(name, seed).model, dt)
         missing = [k for k in own_state(single) if k not in state]
         if missing:
             return {"missing": missing}
@@ -345,7 +345,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
     other, why = None, []
     for other_policy in reload_policies(policy):  # the first plan that fits this batch and world size
         try:
-            other = _parallelize(build_model(name, seed).model.to(dt), args, other_policy,
+            other = _parallelize(to_dtype(build_model(name, seed).model, dt), args, other_policy,
                                  ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes,
                                                **precision.config_kwargs()),
                                  groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",

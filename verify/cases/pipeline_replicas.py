@@ -24,6 +24,7 @@ from verify.cases.compiled import compile_case
 from verify.cases.precision_record import PrecisionRecord
 from verify.config import recipe_tag
 from verify.cases.batch import cast, share
+from verify.judge.dtypes import to_dtype
 from verify.cases.resume import resume_checks
 from verify.judge.verdict import check_deterministic
 from verify.judge.finite import require_finite
@@ -54,7 +55,7 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     clip, precision = recipe.clip_grad_norm, Precision.of(recipe)
     dt = DTYPES["bfloat16" if precision.precision == "bf16-true" else dtype]
     case = build_model(name, seed)
-    case.model.to(dt)
+    to_dtype(case.model, dt)
     reference = SharedReference.of(groups, world_size)  # computed on rank 0 alone (verify/cases/reference.py)
     if reference.computes:
         ref, ref64, params, ref_opt = reference_models(name, seed, case.model, dt, precision, LR)

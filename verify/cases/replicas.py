@@ -22,6 +22,7 @@ from nnscaler.runtime.mesh import GroupCache
 from verify.cases.compiled import compile_case
 from verify.config import recipe_tag
 from verify.cases.batch import cast, share
+from verify.judge.dtypes import to_dtype
 from verify.models.loader import file_tag
 from verify.judge.verdict import check_deterministic
 from verify.judge.finite import require_finite
@@ -93,7 +94,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     clip, microbatches, precision = recipe.clip_grad_norm, recipe.num_microbatches, Precision.of(recipe)
     dt = DTYPES["bfloat16" if precision.precision == "bf16-true" else dtype]
     case = build_model(name, seed)
-    case.model.to(dt)
+    to_dtype(case.model, dt)
     reference = SharedReference.of(groups, world_size)  # computed on rank 0 alone (verify/cases/reference.py)
     if reference.computes:
         ref, ref64, params, ref_opt = reference_models(name, seed, case.model, dt, precision, LR)

@@ -135,6 +135,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from verify.judge.draw_record import DrawRecord, may_draw
+from verify.judge.dtypes import convert
 
 FACTOR = 4.0
 FLOOR_EPS = 16.0
@@ -275,7 +276,7 @@ def check_update(name: str, par, want, lr: float, widen: float = 1.0) -> Check:
     bad = _shape_dtype(name, par, want)
     if bad:
         return bad
-    par64, want64 = par.double(), want.double()
+    par64, want64 = convert(par, torch.float64), convert(want, torch.float64)  # complex stays complex
     if not torch.isfinite(par64).all():
         return Check(name, float("inf"), 0.0, False, "NaN/inf after the step")
     diff = (par64 - want64).abs()
