@@ -263,7 +263,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces,
                                 precision, fallback.spreads, zero=recipe.zero)
     check_draws(fallback)  # a draw the float64 reference could not make the run's: unverifiable
-    checks += fallback.notes(dtype)
+    checks += fallback.notes(dtype, checks)
     return checks
 
 

@@ -112,5 +112,5 @@ def run_pipeline_replicas_case(name: str, policy: str, world_size: int, plan_ngp
     checks = record.checks(pm, opts[0], loss, one["loss"]) + checks  # a narrower dtype named first
     checks += resume_checks(name, f"{policy}-x{replicas}", world_size, seed, steps, pm, opts[0], groups, gen_dir, dt,
                             traces, precision, fallback.spreads, zero=recipe.zero)
-    checks += fallback.notes(dtype)
+    checks += fallback.notes(dtype, checks)
     return checks

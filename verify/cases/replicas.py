@@ -171,5 +171,5 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     # and under another plan at W=2, as every whole-model case's does
     checks += resume_checks(name, policy, world_size, seed, steps, pm, opts[0], groups, gen_dir, dt, traces, precision,
                             fallback.spreads, zero=recipe.zero)
-    checks += fallback.notes(dtype)
+    checks += fallback.notes(dtype, checks)
     return checks

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from verify.judge.answer import RankAnswer
 
 MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
+WIDENED = "note: widened bound"  # the check that names bounds far over their dtype's rounding (verify/judge/compare.py)
 UNVERIFIABLE = "unverifiable"  # a random operator: never a match, never a mismatch
 
 
@@ -193,4 +194,6 @@ def judge(answers: list[RankAnswer], expected: list[str | tuple[str, ...]] | Non
         return MISMATCH, short, checks, ""
     notes = [f"{c['name'][len('note: '):]}: {c['reason']}" for c in checks  # a note with its reason: said in the row
              if c["ok"] and c["name"].startswith("note: ") and c.get("reason")]
+    wide = next((c["name"] for c in checks if c["name"].startswith(WIDENED)), "")  # a widened check is never silent
+    notes += [wide.removeprefix("note: ")] if wide else []
     return MATCH, "; ".join(notes), checks, ""

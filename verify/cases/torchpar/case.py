@@ -133,7 +133,7 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
         checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw)
     if job.get("checkpoint", True):
         checks += resume_checks(job, par, opts[0], mesh, dt, case, groups)
-    return checks + fallback.notes(dtype)
+    return checks + fallback.notes(dtype, checks)
 
 
 def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case, groups: GroupCache) -> list[Check]:
