@@ -9,42 +9,13 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from nnscaler.recipe import Recipe, RecipeError
-
-from verify.arguments import UsageError, recipe_dest, recipe_fields
+from verify.arguments import UsageError, check_recipe
 from verify.catalogue import cached_rows, current_key
 from verify.names import MODEL_NAMES, PIPELINE_NAMES, POLICY_NAMES, TORCHPAR_NAMES, WIDENABLE_NAMES
 from verify.sweep.shard import ShardError, parse_shard
 
 MODEL_FORMS = "(or NAME@WIDTH, or FILE.py:BUILDER[@WIDTH] where BUILDER(seed[, WIDTH]) returns a ModelCase or (model, batch_fn))"
 """The tail of ``verify model``'s line for an unknown model."""
-
-
-def check_recipe(args) -> Recipe:
-    """The recipe the command's flags ask for (:class:`nnscaler.recipe.Recipe`), each bad value one
-    line naming its flag; whether this device runs bf16 is :func:`verify.options.run_config`'s check."""
-    values = {f.name: getattr(args, recipe_dest(f)) for f in recipe_fields(getattr(args, "command", ""))
-              if hasattr(args, recipe_dest(f))}  # the recipe flags this command offers (verify/arguments.py)
-    precision = values.get("precision", "32-true")
-    try:
-        Recipe(precision=precision).check()
-    except RecipeError as exc:
-        raise UsageError(str(exc)) from None
-    if precision != "32-true" and args.dtype != "float32":
-        raise UsageError(f"--precision {precision} sets the dtypes itself; leave --dtype at float32 (got {args.dtype})")
-    if values.get("grad_reduce_dtype") and precision != "bf16-mixed":
-        raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
-    zero = values.get("zero", 0)
-    try:
-        Recipe(zero=zero).check()
-    except RecipeError as exc:
-        raise UsageError(f"--zero {zero}: {exc}") from None
-    try:
-        recipe = Recipe(**values)
-        recipe.check()
-    except RecipeError as exc:
-        raise UsageError(str(exc)) from None
-    return recipe
 
 
 def check_policies(specs) -> None:

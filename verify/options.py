@@ -14,8 +14,7 @@ from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry
 from nnscaler.policies import PlanError
 
-from verify.argcheck import check_recipe
-from verify.arguments import DEFAULT_WORLD_SIZES, UsageError
+from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, check_recipe
 from verify.config import RunConfig
 from verify.runner.gang import PG_TIMEOUT_S, Gang
 from verify.runner.worker import load_modules
@@ -26,7 +25,7 @@ def run_config(args) -> RunConfig:
         args.world_size = list(DEFAULT_WORLD_SIZES)
     if args.base is not None and any(args.base % w for w in args.world_size):
         raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
-    recipe = check_recipe(args)  # each bad value one line naming its flag (verify/argcheck.py)
+    recipe = check_recipe(args)  # each bad value one line naming its flag (verify/arguments.py)
     try:  # the compiler's own check: bf16 on a device without it, in one line
         ComputeConfig(1, precision=recipe.precision)
     except PlanError as exc:
