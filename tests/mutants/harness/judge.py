@@ -316,3 +316,12 @@ def localize_backward_first():
     """Localisation looks at gradients before forward values."""
     patch(_tensor_trace().Trace, "first", property(lambda self: next(
         (e for e in sorted(self.entries, key=lambda e: e.direction != "backward") if not e.check.ok), None)))
+
+
+@mutant("verify/cases/resume.py:zero_plan_b",
+        ["tests/compiler/test_zero.py::test_a_zero_checkpoint_resumes_into_a_plan_that_shards_its_optimizer_state"])
+def zero_resume_unsharded():
+    """A ZeRO checkpoint resumes into plan B without ZeRO (every moment loaded whole: a sharded load that
+    cuts the state wrong is never exercised)."""
+    R = _resume()
+    patch(R, "zero_plan_b", lambda policy, world_size, zero: (*R.plan_b(policy, world_size), 0))
