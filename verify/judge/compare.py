@@ -317,6 +317,7 @@ class Float64Fallback(TorchDispatchMode):
         self.promoted: set[str] = set()
         self.narrow: dict[str, str] = {}  # operator -> the narrower-than-float64 dtype it was handed in the reference
         self.draws = DrawRecord()  # the run's draws: record them around it with ``draws.recording()``
+        self.kinks_followed = 0  # the most near-kink values of a step the reference put on the run's side (verify/cases/kinks.py)
         self._default: list[torch.dtype] = []
 
     def __enter__(self):
@@ -391,6 +392,10 @@ class Float64Fallback(TorchDispatchMode):
         if self.narrow:
             out.append(Check("note: float64 reference held narrower tensors at " + ", ".join(
                 f"{op} ({dt})" for op, dt in sorted(self.narrow.items())), 0.0, 0.0, True))
+        if self.kinks_followed:
+            out.append(Check("note: kinks followed", 0.0, 0.0, True,
+                             f"the float64 reference took the run's side of a kink at values within rounding of it "
+                             f"({self.kinks_followed} at most in a step)"))
         if self.draws.redrawn:
             out.append(Check(f"note: float64 reference drew random numbers in the run's dtype "
                              f"({', '.join(sorted(self.draws.redrawn))})", 0.0, 0.0, True))
