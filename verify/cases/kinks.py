@@ -11,6 +11,7 @@ tokens, about 3 per layer), each costs one forward and backward of the single-de
 failing step pays."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from verify.cases.batch import cast
 from verify.judge.compare import Check
 from verify.judge.kinks import explain
 
@@ -174,6 +176,26 @@ class KinkFollow(TorchFunctionMode):
         return torch.where(mask, _SIDE[func](d32, 0), out)
 
 
+class KinkSides:
+    """One step's kink sides, from the run to its float64 reference: :meth:`record` around the run in the
+    dtype under test, :meth:`follow` around the float64 run (which then takes the run's side within
+    rounding: :class:`KinkFollow`), counted into ``fallback`` (a :class:`~verify.judge.compare.
+    Float64Fallback`: its row note)."""
+
+    def __init__(self, fallback):
+        self.fallback, self.sides = fallback, KinkRecord()
+
+    def record(self) -> KinkRecord:
+        return self.sides
+
+    @contextlib.contextmanager
+    def follow(self):
+        mode = KinkFollow(self.sides)
+        with mode:
+            yield mode
+        self.fallback.kinks_followed = max(self.fallback.kinks_followed, mode.followed)
+
+
 def near_kinks(single: torch.nn.Module, single64: torch.nn.Module, run: Callable, args: tuple, args64: tuple,
                fallback, draws: Callable) -> list[tuple[int, int]]:
     """``(call number, flat index)`` of the values near a kink in ``run(single, args)`` (forward only,
@@ -232,6 +254,14 @@ def flip_contributions(single: torch.nn.Module, run: Callable, args: tuple, draw
     finally:
         for n, p in params.items():
             p.grad = saved[n]
+
+
+def step_flips(single: torch.nn.Module, single64: torch.nn.Module, run: Callable, args: tuple, fallback,
+               draws: Callable, clip: float | None = None) -> list[dict]:
+    """What each value near a kink of the step would change alone on the kink's other side
+    (:func:`near_kinks`, :func:`flip_contributions`), on the reference's rank, at the step's point."""
+    flips = near_kinks(single, single64, run, args, cast(args, torch.float64), fallback, draws)
+    return flip_contributions(single, run, args, draws, flips, clip) if flips else []
 
 
 def any_rank(flag: bool, group) -> bool:

@@ -34,7 +34,7 @@ from verify.judge.finite import require_finite
 from verify.cases.microbatch import loss_fn_of, one_device_loss, whole_batch
 from verify.cases.fresh import built_like
 from verify.cases.spread import moved_samples
-from verify.cases.kinks import KinkFollow, KinkRecord, flip_contributions, near_kinks, rescue
+from verify.cases.kinks import KinkSides, rescue, step_flips
 from verify.cases.reference import SharedReference, reference_grads
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
@@ -253,8 +253,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
                                        one["norm"], one["norm64"], **kw))
         kinks = None if precision.active else partial(
             rescue, step=step, reference=reference,
-            contributions=lambda: _flips(ref, ref64, args, seed, step, fallback, clip,
-                                         lambda m, a: one_device_loss(m, a, microbatches, case)))
+            contributions=lambda: step_flips(ref, ref64, lambda m, a: one_device_loss(m, a, microbatches, case), args,
+                                             fallback, lambda: same_draws(seed, step), clip))
         checks += step_checks(pm, one["grads"], one["grads64"], shadow, point, opts, step, widen, kw, kinks)
         if reference.computes:  # AdamW on one device: the next step's point
             ref_opt.step()
@@ -280,25 +280,14 @@ def _clone(state: dict) -> dict:
 def _losses(ref, ref64, args: tuple, seed: int, step: int, fallback: Float64Fallback, run) -> tuple:
     """The loss of ``ref`` and of ``ref64`` (under ``fallback``) on ``args`` by ``run(model, args)``,
     each from the step's draws, backward run."""
-    sides = KinkRecord()  # the run's side of every kink, which float64 follows where within rounding (verify/cases/kinks.py)
-    with same_draws(seed, step), fallback.draws.recording(), sides:  # micro-batched: one device runs the same micro-batches
+    sides = KinkSides(fallback)  # float64 takes the run's side of a kink where within rounding (verify/cases/kinks.py)
+    with same_draws(seed, step), fallback.draws.recording(), sides.record():  # micro-batched: the same micro-batches
         loss_ref = run(ref, args)
     loss_ref.backward()
-    follow = KinkFollow(sides)
-    with fallback, same_draws(seed, step), follow:
+    with fallback, same_draws(seed, step), sides.follow():
         loss64 = run(ref64, cast(args, torch.float64))
         loss64.backward()
-    fallback.kinks_followed = max(fallback.kinks_followed, follow.followed)
     return loss_ref, loss64
-
-
-def _flips(ref, ref64, args: tuple, seed: int, step: int, fallback: Float64Fallback, clip: float | None,
-           run) -> list[dict]:
-    """What each value near a kink of the step would change, alone on the kink's other side
-    (:mod:`verify.cases.kinks`), on the reference's rank, at the step's point."""
-    draws = lambda: same_draws(seed, step)  # noqa: E731
-    flips = near_kinks(ref, ref64, run, args, cast(args, torch.float64), fallback, draws)
-    return flip_contributions(ref, run, args, draws, flips, clip) if flips else []
 
 
 def _grads(ref: torch.nn.Module, ref64: torch.nn.Module) -> dict:
