@@ -124,6 +124,16 @@ promoted operators. A logic error still gives errors of the order of the values.
 draw (before: a model adding ``0.1 * randn_like(h)`` drew other numbers in float64, up to 4.9 apart, and
 its bounds grew ~300x, to ~1e-1, absorbing a wrong partition). A draw that cannot be made equal makes
 the row ``unverifiable`` (:func:`verify.cases.draws.check_draws`).
+
+**Kinks.** A value within rounding of a kink (``relu``, ``clamp``, ``abs``, ``maximum``/``minimum``, a
+comparison) may land on either side, moving every gradient downstream by a whole term. The float64
+reference takes the run's side there (:class:`verify.cases.kinks.KinkFollow`, as draws are replayed), so
+one device's own flip never widens a bound (before: the kink fixture models' gradient bounds grew
+5e3-3e5x on 15 seeds of 30 at tp W=2, to ~4e-2). A parallel program that lands elsewhere fails its step
+unless some of the step's near-kink values, each put alone on the other side of one device's run,
+explain its gradients exactly (:mod:`verify.judge.kinks`): their contributions are taken off and every
+gradient must then meet its unchanged bound; the row says how many (before: a correct tp program at W=4
+was a MISMATCH localised to ``relu`` on 3 seeds of 20).
 """
 from __future__ import annotations
 
