@@ -6,6 +6,7 @@ device and under another plan."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +34,7 @@ from verify.judge.finite import require_finite
 from verify.cases.microbatch import loss_fn_of, one_device_loss, whole_batch
 from verify.cases.fresh import built_like
 from verify.cases.spread import moved_samples
+from verify.cases.kinks import KinkSides, rescue, step_flips
 from verify.cases.reference import SharedReference, reference_grads
 from verify.models.loader import build_model
 from verify.cases.samples import DTYPES
@@ -249,7 +251,11 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             got = pm.last_grad_norm
             checks.append(check_tensor(f"grad norm step {step}", None if got is None else got.detach().reshape(()),
                                        one["norm"], one["norm64"], **kw))
-        checks += step_checks(pm, one["grads"], one["grads64"], shadow, point, opts, step, widen, kw)
+        kinks = None if precision.active else partial(
+            rescue, step=step, reference=reference,
+            contributions=lambda: step_flips(ref, ref64, lambda m, a: one_device_loss(m, a, microbatches, case), args,
+                                             fallback, lambda: same_draws(seed, step), clip))
+        checks += step_checks(pm, one["grads"], one["grads64"], shadow, point, opts, step, widen, kw, kinks)
         if reference.computes:  # AdamW on one device: the next step's point
             ref_opt.step()
             ref_opt.zero_grad()
@@ -274,10 +280,11 @@ def _clone(state: dict) -> dict:
 def _losses(ref, ref64, args: tuple, seed: int, step: int, fallback: Float64Fallback, run) -> tuple:
     """The loss of ``ref`` and of ``ref64`` (under ``fallback``) on ``args`` by ``run(model, args)``,
     each from the step's draws, backward run."""
-    with same_draws(seed, step), fallback.draws.recording():  # micro-batched: one device runs the same micro-batches
+    sides = KinkSides(fallback)  # float64 takes the run's side of a kink where within rounding (verify/cases/kinks.py)
+    with same_draws(seed, step), fallback.draws.recording(), sides.record():  # micro-batched: the same micro-batches
         loss_ref = run(ref, args)
     loss_ref.backward()
-    with fallback, same_draws(seed, step):
+    with fallback, same_draws(seed, step), sides.follow():
         loss64 = run(ref64, cast(args, torch.float64))
         loss64.backward()
     return loss_ref, loss64
@@ -290,7 +297,7 @@ def _grads(ref: torch.nn.Module, ref64: torch.nn.Module) -> dict:
 
 
 def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, opts: list, step: int,
-                widen: float, kw: dict) -> list[Check]:
+                widen: float, kw: dict, kinks: Callable | None = None) -> list[Check]:
     """The checks of one training step after its backward: the gradient of every parameter of the
     single-device model (its gradients in the recipe's dtype ``grads_ref`` and in float64 ``grads64``,
     by name), then AdamW on one device applied to the parallel gradients from ``point`` (in
@@ -298,11 +305,18 @@ def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, o
     a clipping recipe the parallel gradients are the clipped ones already (checked against the
     single-device clipped gradients), so the shadow steps them as they are: clipping them again would
     scale them by ``max / (max + 1e-6)`` once more, an update error of ``lr * 1e-6 / max`` where
-    AdamW's ``eps`` is of the gradient's size (a false alarm at ``max = 0.1``)."""
+    AdamW's ``eps`` is of the gradient's size (a false alarm at ``max = 0.1``). ``kinks(checks, grads,
+    judge)``: where the gradient checks failed, their verdict with values near a kink explained
+    (:func:`verify.cases.kinks.rescue`); every rank of the case calls it."""
     grads = pm.whole_grads()
     scale = max((float(g.abs().max()) for g in grads64.values() if g is not None), default=0.0)
-    checks = [check_tensor(f"grad {n} step {step}", grads.get(n), g, grads64[n], scale=scale, **kw)
-              for n, g in grads_ref.items()]
+
+    def judge(n: str, got) -> Check:
+        return check_tensor(f"grad {n} step {step}", got, grads_ref[n], grads64[n], scale=scale, **kw)
+
+    checks = [judge(n, grads.get(n)) for n in grads_ref]
+    if kinks is not None:
+        checks = kinks(checks, {n: grads.get(n) for n in grads_ref}, judge)
     for n, t in shadow.items():
         t.copy_(point[n])
         t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()

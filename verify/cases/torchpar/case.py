@@ -8,8 +8,10 @@ optimizer moment equal to what was saved, and one more step of the resumed singl
 against the parallel run's."""
 from __future__ import annotations
 
+import contextlib
 import shutil
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,7 +28,8 @@ from verify.cases.batch import cast
 from verify.judge.dtypes import convert_state, to_dtype
 from verify.cases.fresh import load_like
 from verify.cases.model import LR, step_checks
-from verify.cases.reference import reference_grads
+from verify.cases.kinks import KinkSides, rescue, step_flips
+from verify.cases.reference import SharedReference, reference_grads
 from verify.cases.resume import exact
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.samples import DTYPES
@@ -121,16 +124,21 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
                             f"{bad[0].name}: {bad[0].reason}" if bad else ""))
         ref64.load_state_dict(convert_state(point, torch.float64), strict=False)
         loss = _step(par, args, mesh)
-        loss_ref = ref(*args)
+        sides = KinkSides(fallback)  # float64 takes the run's side of a kink where within rounding
+        with sides.record():
+            loss_ref = ref(*args)
         loss_ref.backward()
-        with fallback:
+        with fallback, sides.follow():
             loss64 = ref64(*cast(args, torch.float64))
             loss64.backward()
         kw = fallback.bounds()
         grads, grads64 = reference_grads(params, ref64)
         require_finite({"loss": loss_ref, "loss64": loss64, "grads": grads, "grads64": grads64}, step)
         checks.append(check_tensor(f"loss step {step}", loss, loss_ref.detach(), loss64.detach(), **kw))
-        checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw)
+        kinks = partial(rescue, step=step, reference=SharedReference(),  # each rank holds its own reference here
+                        contributions=lambda: step_flips(ref, ref64, lambda m, a: m(*a), args, fallback,
+                                                         contextlib.nullcontext))
+        checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw, kinks)
     if job.get("checkpoint", True):
         checks += resume_checks(job, par, opts[0], mesh, dt, case, groups)
     return checks + fallback.notes(dtype, checks)
