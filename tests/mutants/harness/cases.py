@@ -1,7 +1,8 @@
 """Harness mutants of what a case measures: the tie-flip samples of the bf16 spread
 (``verify/cases/spread.py``), the equal random draws of a step and the rows that must stay unverifiable
 (``verify/cases/draws.py``, ``verify/judge/verdict.py``), the torch-parallelization path's batch slicing
-(``verify/cases/torchpar/mesh.py``) and the blocked layouts' backward (``nnscaler/runtime/collectives.py``)."""
+(``verify/cases/torchpar/mesh.py``, wrapper prefixes in its names ``names.py``), an error that keeps its checks
+(``verify/judge/verdict.py:RaisedAfter``) and the blocked layouts' backward (``nnscaler/runtime/collectives.py``)."""
 from __future__ import annotations
 
 import torch
@@ -64,3 +65,22 @@ def draws_not_replayed():
 def drawing_model_judged_in_pieces():
     """A model that draws is judged under micro-batches, where each piece draws its own mask."""
     patch(_verdict(), "check_deterministic", lambda graph, why: None)
+
+
+@mutant("verify/judge/verdict.py:RaisedAfter", ["tests/harness/test_torchpar.py::test_a_resume_that_raises_keeps_the_training_checks"])
+def raised_after_drops_checks():
+    """A case that raises after its training checks loses them: the row holds only the error."""
+    cls = _verdict().RaisedAfter
+    orig = cls.__init__
+
+    def __init__(self, checks, cause, where):
+        orig(self, [], cause, where)
+    patch(cls, "__init__", __init__)
+
+
+@mutant("verify/cases/torchpar/names.py:model_name",
+        ["tests/harness/test_torchpar.py::test_activation_checkpointing_as_torchtitan_applies_it_verifies"])
+def wrapper_prefixes_kept():
+    """Parameter names keep ``checkpoint_wrapper``'s prefix: activation checkpointing as torchtitan applies it is refused."""
+    from verify.cases.torchpar import names
+    patch(names, "model_name", lambda name: name)
