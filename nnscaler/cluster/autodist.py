@@ -12,9 +12,9 @@ says so: the per-operator search inside a stage is not done yet. The plan is a
 estimate (:class:`ClusterStats`) prints through ``Plan.summary()`` / ``report()`` / ``one_line()``.
 
 Any other request runs the per-operator integer program (:mod:`nnscaler.policies.autodist`) as before;
-when that finds no plan that fits memory, a block-stack model on a cluster profile goes to the cluster
-search (pipeline stages, ZeRO and recompute reach what a per-operator split cannot), and the error of
-one that still fits nowhere names both searches.
+when that finds no plan that fits memory on a cluster profile, the cluster search is tried (pipeline
+stages, ZeRO and recompute reach what a per-operator split cannot) and an error names both searches;
+without a cluster profile the error says how to ask for one.
 """
 from __future__ import annotations
 
@@ -71,8 +71,11 @@ class ClusterStats:
                 "note": plan.note}
 
     def report(self, plan: Plan) -> str:
+        c = self.cluster
         return (f"plan {plan.policy} on mesh {plan.mesh_shape} {plan.axis_names} (outer configuration by the "
-                f"cluster search)\n" + self.cluster.report() + self.inside_stage() + "\n")
+                f"cluster search)\n" + c.report() + f"global batch {c.global_batch} sequences of {c.shape.seq} "
+                f"tokens (default: the sample's batch on every rank; ComputeConfig(global_batch=...) sets it)\n"
+                + self.inside_stage() + "\n")
 
     def one_line(self, plan: Plan) -> str:
         return f"plan {plan.policy}: " + self.cluster.one_line()
@@ -128,16 +131,13 @@ def plan_model(model: torch.nn.Module, sample_args: Sequence[Any], policy: str |
         return plan_operators(model, sample_args, policy, config, sample_kwargs, **options)
     wanted = cluster_scale(model, config)
     if wanted is not False:
-        if options.get("verify"):
-            raise PlanError("plan_model(verify=...) verifies per-operator plans; a cluster plan is verified from "
-                            "its file: plan.stats.save(PATH), then python -m verify plan PATH")
         plan = _search(model, sample_args, sample_kwargs, config, required=bool(wanted))
         if plan is not None:
-            return plan
+            return _unverified(plan, options)
     try:
         return plan_operators(model, sample_args, policy, config, sample_kwargs, **options)
     except PlanError as exc:
-        if "fits mem_budget" not in str(exc) or block_stack(model) is None:
+        if "fits mem_budget" not in str(exc) or wanted is None:  # None: the cluster search could not read it
             raise
         if not _cluster_profile(config):
             raise PlanError(f"{exc}; pipeline stages, ZeRO and recompute are searched for a device: give "
@@ -150,7 +150,15 @@ def plan_model(model: torch.nn.Module, sample_args: Sequence[Any], policy: str |
                             f"{outer}") from None
         if plan is None:
             raise
-        return plan
+        return _unverified(plan, options)
+
+
+def _unverified(plan: Plan, options: dict) -> Plan:
+    """``plan``, unless ``options`` ask ``plan_model`` to verify it (a cluster plan is verified from its file)."""
+    if options.get("verify"):
+        raise PlanError("plan_model(verify=...) verifies per-operator plans; a cluster plan is verified from its "
+                        "file: plan.stats.save(PATH), then python -m verify plan PATH")
+    return plan
 
 
 def lowered(plan: Plan, config: ComputeConfig) -> tuple[str, ComputeConfig]:

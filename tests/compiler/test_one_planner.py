@@ -94,3 +94,17 @@ def test_small_models_keep_the_per_operator_search():
     assert cluster_scale(mlp, ComputeConfig(2, global_batch=4)) is True
     plan = plan_model(mlp, (torch.randn(4, 16),), "autodist", ComputeConfig(2, profile="h100"))
     assert plan.partitions and plan.stats.__class__.__name__ == "PlanStats"
+
+
+def test_a_per_operator_search_that_fits_nowhere_says_how_to_reach_the_cluster_search():
+    """Without a device profile the per-operator search's memory error points at the cluster search."""
+    pytest.importorskip("transformers")
+    import opzoo  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from verify.models.common import LossOf
+    m = LossOf(LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, use_cache=False)))
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    with warnings.catch_warnings(), pytest.raises(PlanError, match="fits mem_budget.*profile='h100'.*plan_cluster"):
+        warnings.simplefilter("ignore")
+        plan_model(m, (ids, ids), "autodist", ComputeConfig(2, mem_budget=1024))
