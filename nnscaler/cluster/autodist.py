@@ -18,6 +18,7 @@ without a cluster profile the error says how to ask for one.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Mapping, Sequence
@@ -161,10 +162,15 @@ def _unverified(plan: Plan, options: dict) -> Plan:
     return plan
 
 
+PLANNED = ("num_microbatches", "precision", "zero", "recompute")  # the recipe fields a cluster plan sets
+
+
 def lowered(plan: Plan, config: ComputeConfig) -> tuple[str, ComputeConfig]:
     """``(policy, config)`` the compiler runs for a cluster-scale autodist ``plan``, keeping ``config``'s
-    profile, seed and memory budget."""
-    return plan.stats.cluster.lower(profile=config.profile, seed=config.seed, mem_budget=config.mem_budget)
+    profile, seed, memory budget and the recipe fields the plan does not set (clipping, buckets, ...)."""
+    policy, cfg = plan.stats.cluster.lower(profile=config.profile, seed=config.seed, mem_budget=config.mem_budget)
+    kept = {f.name: getattr(config.recipe, f.name) for f in dataclasses.fields(config.recipe) if f.name not in PLANNED}
+    return policy, dataclasses.replace(cfg, recipe=dataclasses.replace(cfg.recipe, **kept))
 
 
 def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
@@ -172,10 +178,15 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     """:func:`nnscaler.compile.parallelize.parallelize` (``options``: its keywords), with ``"autodist"``
     planning at every scale: a cluster-scale request is searched as :func:`plan_model` does and the
     program compiled for what its plan lowers to (:func:`lowered`: pipeline stages, micro-batches,
-    ZeRO, recompute, precision; Megatron-LM's template inside a stage)."""
-    if policy == "autodist" and cluster_scale(model, config) is not False:
-        plan = _search(model, sample_args, options.get("sample_kwargs"), config,
-                       required=bool(cluster_scale(model, config)))
+    ZeRO, recompute, precision; Megatron-LM's template inside a stage). ``sample_args`` is the batch the
+    module is called with, across its ranks, so ``global_batch`` defaults to its batch here (not to the
+    sample's batch on every rank, as in :func:`plan_model`)."""
+    wanted = cluster_scale(model, config) if policy == "autodist" else False
+    if wanted is not False:
+        x = sample_args[0] if sample_args else None
+        if config.global_batch is None and isinstance(x, torch.Tensor) and x.dim() >= 2:
+            config = dataclasses.replace(config, global_batch=int(x.shape[0]))
+        plan = _search(model, sample_args, options.get("sample_kwargs"), config, required=bool(wanted))
         if plan is not None:
             policy, config = lowered(plan, config)
     return compile_program(model, sample_args, policy, config, **options)

@@ -73,7 +73,7 @@ def test_an_infeasible_constraint_names_the_nearest_value():
 def test_a_cluster_plan_lowers_to_what_parallelize_compiles():
     pytest.importorskip("transformers")
     model, batch = meta_llama(256, 896, 256, 1024)
-    config = ComputeConfig(8, profile="h100", precision="bf16-mixed", global_batch=32, seed=3,
+    config = ComputeConfig(8, profile="h100", precision="bf16-mixed", global_batch=32, seed=3, clip_grad_norm=1.0,
                            constraints={"tp": 2, "pp": 2, "zero": 1, "recompute": "selective"})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -81,6 +81,7 @@ def test_a_cluster_plan_lowers_to_what_parallelize_compiles():
     policy, cfg = lowered(plan, config)
     assert policy == "hybrid" and (cfg.plan_ngpus, cfg.tp_size, cfg.pp_size) == (8, 2, 2)
     assert (cfg.zero, cfg.recompute, cfg.precision, cfg.profile, cfg.seed) == (1, "selective", "bf16-mixed", "h100", 3)
+    assert cfg.clip_grad_norm == 1.0 and cfg.num_microbatches == plan.stats.cluster.parallel.num_microbatches
 
 
 def test_small_models_keep_the_per_operator_search():
@@ -108,3 +109,34 @@ def test_a_per_operator_search_that_fits_nowhere_says_how_to_reach_the_cluster_s
     with warnings.catch_warnings(), pytest.raises(PlanError, match="fits mem_budget.*profile='h100'.*plan_cluster"):
         warnings.simplefilter("ignore")
         plan_model(m, (ids, ids), "autodist", ComputeConfig(2, mem_budget=1024))
+
+
+def _tiny_llama():
+    import opzoo  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from verify.models.common import LossOf
+    torch.manual_seed(0)
+    return LossOf(LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                               use_cache=False, attn_implementation="sdpa")))
+
+
+def _parallelize_rank(rank, world, directory):
+    from nnscaler import parallelize
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    reference = _tiny_llama()(ids, ids).item()
+    config = ComputeConfig(world, profile="h100", constraints={"tp": 2, "pp": 1, "zero": 0, "recompute": "none"})
+    pm = parallelize(model, (ids, ids), "autodist", config, gen_savedir=directory, verify=False)
+    return reference, pm.train_step(ids, ids).item(), type(pm).__name__, len(list(pm.parameters()))
+
+
+def test_parallelize_autodist_at_cluster_scale_compiles_what_the_plan_lowers_to(tmp_path):
+    """``parallelize(..., "autodist", ...)`` with constraints: the cluster plan's tp 2 program on two
+    gloo ranks, the batch it is called with as the global batch; its loss is the single device's."""
+    pytest.importorskip("transformers")
+    from verify.runner.spawn import run_ranks
+    out = run_ranks(_parallelize_rank, 2, str(tmp_path), timeout_s=240)
+    for reference, loss, kind, _ in out.values():
+        assert kind == "ParallelModule" and loss == pytest.approx(reference, rel=1e-4)
+    assert "plan tp" in (tmp_path / "plan_report.txt").read_text()
