@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 2 ** 30
 LLAMA3_8B = dict(hidden=4096, ffn=14336, heads=32, kv=8, vocab=128256)
 SMOKE = dict(hidden=64, ffn=128, heads=8, kv=4, vocab=256)
-PART_TIMEOUT = 200  # seconds per part: (a) + 2 x (b) + tests stay under 8 minutes
+PART_TIMEOUT = 200  # seconds per part at most
+BUDGET = 470  # seconds for the whole check: every part's limit is cut to what is left (8 minutes in all)
 
 
 def _shape(args) -> dict:
@@ -209,17 +210,20 @@ def gpu_tests() -> list[Path]:
     return sorted(p for p in (ROOT / "tests").rglob("test_*.py") if pattern.search(p.read_text()))
 
 
-def run_part(name: str, args, extra: list[str]) -> dict:
-    """Part ``name`` in its own process; its JSON, or ``{"error": ...}``."""
+def run_part(name: str, args, extra: list[str], left: float) -> dict:
+    """Part ``name`` in its own process, given at most ``left`` seconds; its JSON, or ``{"error": ...}``."""
+    limit = min(PART_TIMEOUT, left)
+    if limit < 20:
+        return {"error": f"not run: {left:.0f} s of the {BUDGET} s budget left"}
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [sys.executable, __file__, "--part", name, "--json", out, "--steps", str(args.steps), "--seq", str(args.seq),
            "--layers", str(args.layers), "--world", str(args.world), *extra, *(["--cpu-smoke"] if args.cpu_smoke else [])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=PART_TIMEOUT)
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {PART_TIMEOUT} s"}
+        return {"error": f"timed out after {limit:.0f} s"}
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
         return {"error": f"exit {done.returncode}: {tail[0][:300]}"}
@@ -259,7 +263,7 @@ def markdown(device: str, a: dict, bs: list[dict], tests: dict, seconds: float) 
         model_s = b["compute_s"] + b["optimizer_s"] + b["recompute_s"]
         peak = b["peak_bytes"]
         lines.append(f"| {label} | {1e3 * b['step_s']:.1f} ms | {1e3 * model_s:.1f} ms | {b['step_s'] / model_s:.2f} | "
-                     f"{_gib(peak)} | {_gib(b['estimate_peak_bytes'])} | "
+                     f"{_gib(peak)} (built: {_gib(b['built_bytes'])}) | {_gib(b['estimate_peak_bytes'])} | "
                      f"{peak / b['estimate_peak_bytes'] if b['estimate_peak_bytes'] else float('nan'):.2f} |")
     lines += ["", "Collectives on the fake group return at once: the measured step is the rank's compute, held "
               "against the cost model's compute term (a pipeline stage that receives from its neighbour gets "
@@ -293,11 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     device = "cpu-smoke" if args.cpu_smoke else torch.cuda.get_device_name(0)
-    a = run_part("a", args, [])
+    a = run_part("a", args, [], BUDGET - (time.perf_counter() - start))
     print("(a)", json.dumps(a), flush=True)
     bs = []
     for pp in (1, 2):
-        b = run_part("b", args, ["--pp", str(pp)])
+        b = run_part("b", args, ["--pp", str(pp)], BUDGET - (time.perf_counter() - start))
         b.setdefault("label", f"tp 4 x pp {pp}")
         print("(b)", json.dumps(b), flush=True)
         bs.append(b)
@@ -306,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         tests = {"line": "No GPU-only tests in tests/ (no test file skips without CUDA)."}
     else:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", *map(str, files)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=max(30, 480 - (time.perf_counter() - start)))
+                              capture_output=True, text=True, timeout=max(30, BUDGET - (time.perf_counter() - start)))
         last = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
         tests = {"line": f"{len(files)} files ({', '.join(str(f.relative_to(ROOT)) for f in files)}): {last}"}
     print("(c)", tests["line"])
