@@ -205,8 +205,8 @@ def part_b(args) -> dict:
 
 
 def gpu_tests() -> list[Path]:
-    """Test files that skip without CUDA (a ``skipif`` on ``torch.cuda.is_available()``)."""
-    pattern = re.compile(r"skip(if)?\(.*cuda\.is_available\(\)|requires_cuda|needs_cuda")
+    """Test files that skip without CUDA (``skipif(not torch.cuda.is_available(), ...)``)."""
+    pattern = re.compile(r"skipif\(\s*not\s+(torch\.)?cuda\.is_available\(\)|requires_cuda|needs_cuda")
     return sorted(p for p in (ROOT / "tests").rglob("test_*.py") if pattern.search(p.read_text()))
 
 
