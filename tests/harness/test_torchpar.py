@@ -69,6 +69,21 @@ def test_a_resume_that_raises_keeps_the_training_checks(gang, tmp_path):
     assert row.grad_err is not None and row.grad_err <= row.grad_tol, (row.grad_err, row.grad_tol)
 
 
+def test_fsdp_as_torchtitan_ships_it_verifies_on_gloo(gang, tmp_path):
+    """Gradient division disabled (a PREMUL_SUM reduce-scatter, which gloo lacks): the reductions run as
+    sums with the scaling apart, each rank's loss is normalised as torchtitan's loop does, and it matches."""
+    (row,) = run_torchpar(gang, TITAN, USER + ":fsdp_undivided", parse_mesh("dp"), RunConfig(world_sizes=(2,)),
+                          str(tmp_path), steps=2)
+    assert row.status == MATCH, row.detail
+    assert "on gloo" in row.detail and "loss scaled by 1/2" in row.detail, row.detail
+
+
+def test_fsdp_gradients_divided_twice_are_caught(gang, tmp_path):
+    (row,) = run_torchpar(gang, TITAN, USER + ":fsdp_divided_twice", parse_mesh("dp"), RunConfig(world_sizes=(2,)),
+                          str(tmp_path), steps=1, checkpoint=False)
+    assert row.status == MISMATCH and "grad" in row.detail, row.detail
+
+
 def test_a_plan_that_forgets_to_average_over_dp_is_caught(gang, tmp_path):
     """A plain replicated module under a ``dp`` mesh gets each rank's slice of the batch and no
     gradient averaging: its gradients are those of half the batch."""

@@ -84,3 +84,29 @@ def wrapper_prefixes_kept():
     """Parameter names keep ``checkpoint_wrapper``'s prefix: activation checkpointing as torchtitan applies it is refused."""
     from verify.cases.torchpar import names
     patch(names, "model_name", lambda name: name)
+
+
+def _fsdp():
+    from verify.cases.torchpar import fsdp
+    return fsdp
+
+
+@mutant("verify/cases/torchpar/fsdp.py:loss_scale",
+        ["tests/harness/test_torchpar.py::test_fsdp_gradients_divided_twice_are_caught"])
+def fsdp_any_divide_factor_compensated():
+    """Whatever FSDP2's gradient divide factor, the loss is scaled to compensate it: a program dividing wrongly matches."""
+    def loss_scale(module):
+        found = {(g.gradient_divide_factor, _fsdp()._dp_size(g)) for g in _fsdp()._groups(module)
+                 if g.gradient_divide_factor is not None}
+        if not found:
+            return 1.0, ""
+        factor, dp = next(iter(found))
+        return factor / dp, ""
+    patch(_fsdp(), "loss_scale", loss_scale)
+
+
+@mutant("verify/cases/torchpar/fsdp.py:loss_scale",
+        ["tests/harness/test_torchpar.py::test_fsdp_as_torchtitan_ships_it_verifies_on_gloo"])
+def fsdp_undivided_loss_unscaled():
+    """A program with FSDP's gradient division disabled is trained with an unscaled loss: a right program fails."""
+    patch(_fsdp(), "loss_scale", lambda module: (1.0, ""))

@@ -37,6 +37,7 @@ from verify.api import Parallelized
 from verify.cases.torchpar.mesh import DP, build_mesh, dp_slice
 from verify.cases.torchpar.localize import ModuleStack
 from verify.cases.torchpar.names import named_parameters
+from verify.cases.torchpar.fsdp import loss_scale, sum_reductions_on_gloo
 from verify.judge.finite import require_finite
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.judge.verdict import RaisedAfter
@@ -83,9 +84,10 @@ def _moments(module, opt) -> dict[str, dict[str, torch.Tensor]]:
 def _step(par: Parallelized, args: tuple, mesh) -> torch.Tensor:
     """Forward and backward of this rank's slice inside the plan's context; the step's loss (the
     mean over the ``dp`` ranks). An exception names the module it was raised in."""
+    scale, _ = loss_scale(par.module)  # a program that sums FSDP's gradients undivided (verify/cases/torchpar/fsdp.py)
     with ModuleStack(par.module) as stack, stack.naming(), par.step_context():
         loss = par.module(*dp_slice(args, mesh))
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
     loss = _whole(loss).detach().clone()
     if DP in (mesh.mesh_dim_names or ()):
         dist.all_reduce(loss, group=mesh[DP].get_group())
@@ -141,6 +143,9 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
                         contributions=lambda: step_flips(ref, ref64, lambda m, a: m(*a), args, fallback,
                                                          contextlib.nullcontext))
         checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw, kinks)
+    checks += [Check(f"note: {what}", 0.0, 0.0, True, text) for what, text in
+               (("fsdp on gloo", sum_reductions_on_gloo(par.module)), ("fsdp loss scale", loss_scale(par.module)[1]))
+               if text]
     if job.get("checkpoint", True):
         try:
             checks += resume_checks(job, par, opts[0], mesh, dt, case, groups)
