@@ -302,10 +302,20 @@ def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False, rec
     whole = tuple(Replicate() for _ in plan.mesh_shape)
     for t in graph.inputs:
         e.layouts[t], e.var[t] = whole, t.name
+    for w in graph.writes:  # read as forward found it: the write at the end would change what backward saved
+        e.var[w.buffer] = f"{w.buffer.name}__in"
+        e.lines.append(f"    {w.buffer.name}__in = p[{w.buffer.target or w.buffer.name!r}].clone()  # written in forward")
     for op in graph.ops:
         e.op(op)
     none = tuple(None for _ in plan.mesh_shape)
     e.uses = 0
+    for w in graph.writes:  # the buffers forward wrote in place, each in the layout it is held in
+        name = e.fetch(w.value, e.layouts[w.buffer], none)
+        e.imports.add("from nnscaler.runtime.program import write_buffer")
+        if w.source:
+            e.lines.append(f"    # {comment(w.source)}")
+        e.lines.append(f"    write_buffer(p[{w.buffer.target or w.buffer.name!r}], {name})  # "
+                       f"buffer written in forward, held {layout_str(e.layouts[w.buffer])}")
     outs = [e._arg(o, lambda t: e.read("output", t, whole, none)) for o in graph.outputs]
     e.lines.append(f"    return {outs[0] if len(outs) == 1 else '(' + ', '.join(outs) + ',)'}")
     return e
