@@ -13,6 +13,7 @@ import torch
 from torch.export.graph_signature import OutputKind
 
 from ..ir.graph import BufferWrite, IRTensor
+from .export import TraceError
 
 _STANDARD = frozenset(vars(torch.nn.Module()))  # what every module holds (_parameters, hooks, training, ...)
 
@@ -22,7 +23,7 @@ class FrozenAttributeWarning(UserWarning):
     when traced."""
 
 
-class StateWriteError(ValueError):
+class StateWriteError(TraceError):
     """A write of forward the compiled program cannot carry out (a parameter written in place)."""
 
 
