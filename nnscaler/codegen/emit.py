@@ -11,7 +11,7 @@ import torch
 from ..comm.conversion import Step, conversion, step_layout
 from ..dimops.layout import Layout, Partial, Replicate, layout_str, piece
 from ..dimops.partition import axis_groups, coords, local_sizes
-from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
+from ..ir.graph import BUFFER, CONSTANT, PARAM, BufferWrite, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
 from ..ops.spec import resolve
 from ..trace.amp import converts_to
@@ -253,6 +253,18 @@ class Emitter:
                 self.layouts[t] = q
         self._probe(op)
 
+    def write(self, w: BufferWrite) -> None:
+        """Write the buffer forward wrote in place (``w``), after every operator: its new value
+        converted to the layout the buffer is held in (a partial value, such as a statistic of a
+        batch split over ranks, reduced first: every rank writes the single-device value)."""
+        none = tuple(None for _ in self.plan.mesh_shape)
+        name = self.fetch(w.value, self.layouts[w.buffer], none)
+        self.imports.add("from nnscaler.runtime.program import write_buffer")
+        if w.source:
+            self.lines.append(f"    # {comment(w.source)}")
+        self.lines.append(f"    write_buffer(p[{w.buffer.target or w.buffer.name!r}], {name})  # "
+                          f"buffer written in forward, held {layout_str(self.layouts[w.buffer])}")
+
     def _autocast(self, op: IROp, fn: str, args: list[str]) -> str:
         """The call of ``fn``; for an operator bf16-mixed runs under autocast (a custom operator,
         :func:`nnscaler.runtime.precision.autocast_run`), through that."""
@@ -310,12 +322,7 @@ def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False, rec
     none = tuple(None for _ in plan.mesh_shape)
     e.uses = 0
     for w in graph.writes:  # the buffers forward wrote in place, each in the layout it is held in
-        name = e.fetch(w.value, e.layouts[w.buffer], none)
-        e.imports.add("from nnscaler.runtime.program import write_buffer")
-        if w.source:
-            e.lines.append(f"    # {comment(w.source)}")
-        e.lines.append(f"    write_buffer(p[{w.buffer.target or w.buffer.name!r}], {name})  # "
-                       f"buffer written in forward, held {layout_str(e.layouts[w.buffer])}")
+        e.write(w)
     outs = [e._arg(o, lambda t: e.read("output", t, whole, none)) for o in graph.outputs]
     e.lines.append(f"    return {outs[0] if len(outs) == 1 else '(' + ', '.join(outs) + ',)'}")
     return e

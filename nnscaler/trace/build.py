@@ -130,8 +130,8 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
                 env[node] = outs
             elif node.op == "call_function":
                 env[node] = add_op(node, value if node.meta.get(NO_GRAD) else read, prefix)
-            elif node.op == "output":
-                return list(read(node.args[0]))
+            elif node.op == "output":  # at the top: (as computed, as read outside a no_grad region) per output
+                return [(value(a), lambda a=a: read(a)) for a in node.args[0]] if not prefix else list(value(node.args[0]))
         return []
 
     def detached(t: IRTensor, name: str) -> IRTensor:
@@ -172,10 +172,11 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
         ops.append(op)
         return outs if isinstance(val, (list, tuple)) else outs[0]
 
-    outputs = visit(ep.graph, {})
-    writes = buffer_writes(model, ep.graph_signature.output_specs, outputs, buffers)
+    pairs = visit(ep.graph, {})
+    # a buffer's new value as computed (written in the layout it is held in: reduced there, if partial)
+    writes = buffer_writes(model, ep.graph_signature.output_specs, [v for v, _ in pairs], buffers)
     user = [i for i, s in enumerate(ep.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
-    outputs = [outputs[i] for i in user]  # a buffer's functionalized update is not a model output
+    outputs = [pairs[i][1]() for i in user]  # a buffer's functionalized update is not a model output
     constants = [t for t in ins if t.kind == CONSTANT]
     ins = [t for t in ins if t.kind != CONSTANT]
     graph = IRGraph(ops, ins, params, buffers + constants, outputs,

@@ -108,16 +108,33 @@ SET_GRAD_ENABLED = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled",
 NO_GRAD = "nnscaler_no_grad"  # node.meta key: the node ran under torch.no_grad() (set by :func:`functional`)
 
 
-def _from_region(node: torch.fx.Node, regions: set) -> bool:
-    """Whether ``node`` was decomposed from one of ``regions`` (``(name, graph id)`` of the nodes it
-    came from, followed through ``node.meta["from_node"]``)."""
+_GENERATED = re.compile(r'File "<eval_with_key>[^"]*", line \d+, in \S+\n\s*(\w+) = ')
+
+
+def _from_region(node: torch.fx.Node, regions: dict) -> str | None:
+    """The one of ``regions`` (by ``(name, graph id)``) ``node`` was decomposed from, followed
+    through ``node.meta["from_node"]``; ``None`` if none."""
     todo = list(node.meta.get("from_node") or ())
     while todo:
         src = todo.pop()
-        if (getattr(src, "name", None), getattr(src, "graph_id", None)) in regions:
-            return True
+        key = (getattr(src, "name", None), getattr(src, "graph_id", None))
+        if key in regions:
+            return key[0]
         todo += list(getattr(src, "from_node", None) or ())
-    return False
+    return None
+
+
+def _region_traces(ep) -> dict:
+    """``(region, node name) -> stack_trace`` of the nodes inside each ``torch.no_grad()`` region of
+    ``ep`` (the model's own lines, which the decomposed nodes lose for the region's generated code)."""
+    out = {}
+    for n in ep.graph.nodes:
+        if SET_GRAD_ENABLED is not None and n.target is SET_GRAD_ENABLED and not n.args[0]:
+            sub = getattr(ep.graph_module, str(n.args[1].target), None)
+            for inner in (sub.graph.nodes if isinstance(sub, torch.fx.GraphModule) else ()):
+                if inner.meta.get("stack_trace"):
+                    out[(n.name, inner.name)] = inner.meta["stack_trace"]
+    return out
 
 
 def functional(ep):
@@ -132,15 +149,20 @@ def functional(ep):
     wherever ``view`` is valid)."""
     if not _mutates(ep):
         return ep
-    regions = {(n.name, id(n.graph)) for n in ep.graph.nodes
+    regions = {(n.name, id(n.graph)): n for n in ep.graph.nodes
                if SET_GRAD_ENABLED is not None and n.target is SET_GRAD_ENABLED and not n.args[0]}
+    traces = _region_traces(ep)
     with warnings.catch_warnings():  # torch's own pytree deprecation notice, nothing of the user's
         warnings.simplefilter("ignore", FutureWarning)
         ep = ep.run_decompositions({})
     if regions:
         for node in ep.graph.nodes:
-            if node.op == "call_function" and _from_region(node, regions):
+            region = _from_region(node, regions) if node.op == "call_function" else None
+            if region is not None:
                 node.meta[NO_GRAD] = True
+                inner = _GENERATED.findall(node.meta.get("stack_trace") or "")
+                if inner and (region, inner[-1]) in traces:  # the model's line, not the region's code
+                    node.meta["stack_trace"] = traces[(region, inner[-1])]
     for node in ep.graph.nodes:
         if node.target is torch.ops.aten.view.default:
             node.target = torch.ops.aten.reshape.default

@@ -28,9 +28,12 @@ class StateWriteError(TraceError):
 
 
 def _line(value: Any) -> str:
+    """The model's line that computed ``value`` (through the ``detach`` ending a no_grad region)."""
     op = getattr(value, "producer", None)
     source = getattr(op, "source", "") or ""
-    return source if source and not source.startswith("the end of") else ""
+    if source.startswith("the end of") and op.inputs:
+        return _line(op.inputs[0])
+    return source
 
 
 def buffer_writes(model: torch.nn.Module, specs: Sequence, outputs: Sequence, buffers: Sequence[IRTensor]
