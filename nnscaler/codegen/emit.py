@@ -321,8 +321,8 @@ def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False, rec
         e.op(op)
     none = tuple(None for _ in plan.mesh_shape)
     e.uses = 0
-    for w in graph.writes:  # the buffers forward wrote in place, each in the layout it is held in
-        e.write(w)
+    for w in graph.writes if not probe else ():  # the buffers forward wrote in place, each in its held layout
+        e.write(w)  # (the instrumented program compares tensors, its state is a copy: it writes none)
     outs = [e._arg(o, lambda t: e.read("output", t, whole, none)) for o in graph.outputs]
     e.lines.append(f"    return {outs[0] if len(outs) == 1 else '(' + ', '.join(outs) + ',)'}")
     return e

@@ -123,15 +123,18 @@ def _rows(gang, name, policies, steps=2, **cfg):
 
 
 def test_the_ema_model_trains_equal_to_one_device_under_dp_tp_pp_and_microbatches():
+    """And the other writes (an integer counter, ``copy_`` through a view, ``fill_``, ``index_put_``)
+    under dp and tp, every buffer compared after every step."""
     from verify.judge.verdict import MATCH
     from verify.runner.gang import Gang
     with Gang(2, (), (2,)) as gang:
         rows = _rows(gang, "build", ("dp", "tp", "pp"), steps=3)
         rows += _rows(gang, "build", ("dp", "tp"), microbatches=2)
         rows += _rows(gang, "stepped", ("dp", "tp"))
+        rows += _rows(gang, "filled", ("dp", "tp"))
     for row in rows:
         assert row.status == MATCH, (row.partition, row.status, row.detail)
-    assert len(rows) == 7
+    assert len(rows) == 9
 
 
 def test_the_ema_model_under_replicas_is_refused_naming_the_buffer():
