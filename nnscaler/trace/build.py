@@ -70,7 +70,9 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     """Export ``model`` on the sample arguments and annotate every operator.
 
     Operators the registry does not know are replicated and named, once each, in an
-    :class:`UnknownOperatorWarning`; with ``strict=True`` they are a :class:`TraceError`.
+    :class:`UnknownOperatorWarning`; with ``strict=True`` they are a :class:`TraceError`. Buffers
+    forward writes in place become ``graph.writes`` (a parameter written is a TraceError); Python
+    attributes it writes are named in a :class:`~.writes.FrozenAttributeWarning`.
     """
     registry = DEFAULT_REGISTRY if registry is None else registry
     with watch_attributes(model):  # Python attributes forward writes: named in a FrozenAttributeWarning
