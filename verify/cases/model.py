@@ -17,6 +17,7 @@ from nnscaler.recipe import Recipe
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast
+from verify.cases.buffers import buffer_checks, buffer_names, held, reference_buffers
 from verify.judge.dtypes import convert_state, to_dtype
 from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.resume import resume_checks
@@ -115,10 +116,12 @@ def expected_checks(name: str, policy: str, steps: int, seed: int, checkpoint: b
     model = build_model(name, seed).model
     names = [f"initial {k}" for k in own_state(model)]
     params = [n for n, _ in model.named_parameters()]
+    buffers = buffer_names(model)
     for s in range(steps):
         names += [f"load step {s}", f"loss step {s}", *([f"grad norm step {s}"] if clip is not None else []),
                   *(f"grad {n} step {s}" for n in params),
-                  *(f"param {n} after step {s}" for n in params)]
+                  *(f"param {n} after step {s}" for n in params),
+                  *(f"buffer {n} after step {s}" for n in buffers)]
     if not checkpoint:
         return names
     return names + ["checkpoint keys", "loss of the checkpoint on one device", reload_check_names(policy)]
@@ -210,6 +213,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         """The step on one device (the computing rank): the recipe's and float64's loss and gradients
         at ``point`` (where ``ref`` is), the moved points' spreads, the clipped norms."""
         ref64.load_state_dict(_with_aliases(ref64, convert_state(point, torch.float64)), strict=True)
+        before = held(ref)  # what its forward writes into them: every buffer is checked after the step
         loss_ref, loss64 = _losses(ref, ref64, args, seed, step, fallback,
                                    lambda m, a: one_device_loss(m, a, microbatches, case))
         require_finite({"loss": loss_ref, "loss64": loss64}, step)  # the model's own fault: an error row
@@ -220,7 +224,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
         if clip is not None:  # the single-device recipe: torch's own clipping of the whole model
             out["norm"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).detach()
             out["norm64"] = torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip).detach()
-        return require_finite(dict(out, **_grads(ref, ref64)), step)
+        return require_finite(dict(out, **_grads(ref, ref64), **reference_buffers(ref, ref64, before)), step)
 
     for step in range(steps):
         args = cast(batch(step), dt)
@@ -255,7 +259,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
             rescue, step=step, reference=reference,
             contributions=lambda: step_flips(ref, ref64, lambda m, a: one_device_loss(m, a, microbatches, case), args,
                                              fallback, lambda: same_draws(seed, step), clip))
-        checks += step_checks(pm, one["grads"], one["grads64"], shadow, point, opts, step, widen, kw, kinks)
+        checks += step_checks(pm, one["grads"], one["grads64"], shadow, point, opts, step, widen, kw, kinks,
+                              buffers=one)
         if reference.computes:  # AdamW on one device: the next step's point
             ref_opt.step()
             ref_opt.zero_grad()
@@ -297,7 +302,7 @@ def _grads(ref: torch.nn.Module, ref64: torch.nn.Module) -> dict:
 
 
 def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, opts: list, step: int,
-                widen: float, kw: dict, kinks: Callable | None = None) -> list[Check]:
+                widen: float, kw: dict, kinks: Callable | None = None, buffers: dict | None = None) -> list[Check]:
     """The checks of one training step after its backward: the gradient of every parameter of the
     single-device model (its gradients in the recipe's dtype ``grads_ref`` and in float64 ``grads64``,
     by name), then AdamW on one device applied to the parallel gradients from ``point`` (in
@@ -307,7 +312,8 @@ def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, o
     scale them by ``max / (max + 1e-6)`` once more, an update error of ``lr * 1e-6 / max`` where
     AdamW's ``eps`` is of the gradient's size (a false alarm at ``max = 0.1``). ``kinks(checks, grads,
     judge)``: where the gradient checks failed, their verdict with values near a kink explained
-    (:func:`verify.cases.kinks.rescue`); every rank of the case calls it."""
+    (:func:`verify.cases.kinks.rescue`); every rank of the case calls it. With ``buffers`` (the
+    single-device step's :func:`~verify.cases.buffers.reference_buffers`), every buffer after the step too."""
     grads = pm.whole_grads()
     scale = max((float(g.abs().max()) for g in grads64.values() if g is not None), default=0.0)
 
@@ -324,7 +330,8 @@ def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, o
         opt.step()
         opt.zero_grad()
     after = pm.state_dict()
-    return checks + [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
+    checks += [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
+    return checks + (buffer_checks(pm, after, buffers, step, kw) if buffers is not None else [])
 
 
 def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt, fallback,

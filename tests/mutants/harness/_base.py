@@ -154,6 +154,11 @@ def _spread():
     return spread
 
 
+def _buffers():
+    from verify.cases import buffers
+    return buffers
+
+
 def _resume():
     from verify.cases import resume
     return resume
