@@ -62,14 +62,14 @@ class Solution:
     @property
     def stopped(self) -> bool:
         """HiGHS stopped without proving this mesh infeasible or beaten, and without a plan."""
-        return self.choice is None and self.status not in PROVEN
+        return self.choice is None and not self.status.startswith(PROVEN)
 
     def size(self) -> str:
         return (f"IP {self.variables} variables, {self.constraints} constraints, {self.solve_seconds:.2f} s"
                 if self.variables else "no IP")
 
 
-PROVEN = ("Optimal", "Infeasible", "infeasible", "Objective bound")  # statuses that are a proof, not a stop
+PROVEN = ("Optimal", "Infeasible", "infeasible", "Objective bound", "no faster plan")  # a proof, not a stop
 
 
 def meshes(world: int) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -391,7 +391,7 @@ def _search(progs: list[Program], budget: float | None, time_limit: float = TIME
             continue
         sol = solve(progs[i], budget, time_limit, cutoff=best.seconds if best is not None else None, nodes=nodes)
         sol.solve_seconds += b.solve_seconds
-        if sol.choice is None and sol.status in PROVEN:
+        if sol.choice is None and sol.status.startswith(PROVEN):
             sol.status = ("infeasible" if best is None or sol.status.lower() == "infeasible"
                           else f"no faster plan (bound {seconds(b.seconds)})")
         sols[i] = sol

@@ -95,3 +95,11 @@ def test_costs_over_highs_infinity_are_capped_not_unknown():
     prog.seconds[0] = prog.seconds[0] + 1e30
     sol = search.solve(prog, None, search.TIME_LIMIT)
     assert sol.status == "Optimal" and sol.choice is not None and not math.isinf(sol.seconds), sol
+
+
+@pytest.mark.parametrize("status, stopped", [("Unknown", True), ("Time limit reached", True),
+                                             ("Solution limit reached", True), ("infeasible", False),
+                                             ("no faster plan (bound 1.2 ms)", False), ("Objective bound", False)])
+def test_only_a_stop_short_of_a_proof_falls_back(status, stopped):
+    """A mesh proven infeasible or beaten by another mesh's plan keeps no plan; only a stop falls back."""
+    assert search.Solution((2,), ("dp",), status).stopped == stopped
