@@ -6,7 +6,7 @@ import random as _random
 
 from ..dimops.partition import prefix_size, split_factor, splittable
 from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
-from .heads import heads_split, pin_heads, scores
+from .heads import pin_heads, scores
 from .greedy import held_blocks, parameter_identifiers, plan_greedy, sharded_identifiers
 from .refine import refine
 from ..config import ComputeConfig, PlanError
@@ -131,17 +131,23 @@ def tp(graph: IRGraph, config: ComputeConfig) -> Plan:
     linear pairs, heads in attention, a fused qkv split by heads); the word embedding and cross
     entropy split their vocabulary; position tables, norms and biases stay whole.
     ``config.sequence_parallel`` adds Megatron's sequence parallelism. Attention the greedy left
-    whole is planned again with its heads split pinned (:mod:`nnscaler.policies.heads`)."""
+    whole, or split with its key/value path split where Megatron keeps it whole (fewer kv heads than
+    ranks), is planned again with its heads split pinned (:mod:`nnscaler.policies.heads`)."""
     options = _tp_options(graph, config.sequence_parallel)
     plan = refine(graph, plan_greedy(graph, (config.plan_ngpus,), ("tp",), options, "tp"), options)
-    pins = pin_heads(graph, config.plan_ngpus, [op for op in scores(graph) if not heads_split(op, plan)])
-    if not pins:
+    pins = pin_heads(graph, config.plan_ngpus, scores(graph))
+    if all(_split_on(plan.partition(op)) == pins[op.name] for op in graph.ops if op.name in pins):
         return plan
 
     def pinned(op: IROp, axis: int, layouts: dict):  # attention by heads, carried to the projections
         return [pins[op.name]] if op.name in pins else options(op, axis, layouts)
 
     return refine(graph, plan_greedy(graph, (config.plan_ngpus,), ("tp",), pinned, "tp"), pinned)
+
+
+def _split_on(partition) -> str | None:
+    """The identifier a one-axis partition splits (``None``: whole)."""
+    return partition.splits[0][0] if partition.splits else None
 
 
 def hybrid(graph: IRGraph, config: ComputeConfig) -> Plan:

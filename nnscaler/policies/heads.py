@@ -14,8 +14,23 @@ whose heads identifier names a parameter's dim (the projections) or a graph inpu
 operator on the way to that identifier. A norm's statistic over the split hidden dim is not on
 the path (its input lacks the heads dim after the reduction): the greedy then takes the
 statistic's ``+`` split (a partial sum, one small all-reduce), Megatron's way for QK-norm over the
-whole projection. An attention whose walk meets an operator that cannot split its heads (not
-splittable, not divisible by the degree, or already pinned otherwise) is left as it was.
+whole projection. An attention whose score operator, or an operator after it, cannot split its
+heads (not splittable, not divisible by the degree, or already pinned otherwise) is left as it was.
+
+Megatron's rule where the heads cannot be carried further back: the path upstream stays whole on
+every rank (computed replicated, its projection not split) and the heads are split where they
+first can be, a local slice of a whole tensor, no collective. Two such places:
+
+- fewer key/value heads than ranks (MQA, GQA with kv < W): ``repeat_kv``'s expand or the reshape
+  merging kv heads x repeats (``(b c)``, ``b`` not divisible by the degree), or a score matmul
+  broadcasting one kv head over the query heads (``a 1 k n``: Falcon), is reached; every operator
+  on the key/value path back to its projection is pinned whole (:func:`_whole`), where the greedy
+  alone would split the head width and gather it again before rotary (two collectives per layer);
+- a fused projection cut in unequal q|k|v slices (Falcon's ``[..., :-2, :]``, Phi-3's
+  ``qkv[..., :q]``): the slice cannot split the heads of its cut dim, so the fused projection stays
+  whole and each slice's heads are split after it. Splitting the fused weight in each slice's own
+  blocks would need a layout of unequal blocks, which :mod:`nnscaler.dimops.layout` does not have
+  (its blocks are equal).
 
 Attention written with ``bmm`` merges the heads into the batch (``view(b*h, s, d)``: 3-d scores).
 The walk then carries the heads as the inner factor of that merged dim: an operator reading it
@@ -76,30 +91,39 @@ def weights_only(graph: IRGraph) -> set[IRTensor]:
     return out
 
 
-def _walk(op: IROp, degree: int, pins: dict[str, str], weights: set[IRTensor] = frozenset()) -> dict[str, str] | None:
+def _walk(op: IROp, degree: int, pins: dict[str, str | None], weights: set[IRTensor] = frozenset()
+          ) -> dict[str, str | None] | None:
     """Pins for one attention: ``op``'s output 0 split on its heads (dim 1 of 4-d scores, the inner
     factor of dim 0 of 3-d ones), carried back to the operators that make its inputs and on to
-    those that use its outputs, wherever a tensor holds the heads dim; ``None`` if an operator on
-    the way cannot take it, or the batch x heads dim of 3-d scores reaches a program input or a
-    parameter (then dim 0 was never heads merged into the batch). A branch back into tensors made
-    from ``weights`` alone is pinned where it can be and left to the greedy where it cannot (the
-    split reader slices what it needs)."""
-    out: dict[str, str] = {}
+    those that use its outputs, wherever a tensor holds the heads dim; ``None`` if ``op`` or an
+    operator after it cannot take it, or the batch x heads dim of 3-d scores reaches a program input
+    or a parameter (then dim 0 was never heads merged into the batch). A producer that cannot take
+    the heads, and the key/value path an operator broadcasts over the heads (``1`` where its output
+    holds them: one kv head, ``repeat_kv``'s expand), are pinned whole back to their projections
+    (``None``: :func:`_whole`). A branch back into tensors made from ``weights`` alone is pinned
+    where it can be and left to the greedy where it cannot (the split reader slices what it needs)."""
+    out: dict[str, str | None] = {}
+    roots: list[IROp] = []
     dims0 = op.bound.outputs[0]
     start = _heads_of(dims0[1], False) if len(dims0) == 4 else _heads_of(dims0[0], True)
-    todo: list[tuple[IROp, str | None, bool, bool]] = [(op, *start, False)]
+    todo: list[tuple[IROp, str | None, bool, bool, bool]] = [(op, *start, False, False)]
     while todo:
-        p, ident, merged, optional = todo.pop()
+        p, ident, merged, optional, back = todo.pop()
         if p.name in out:
             continue
         if (ident is None or ident not in splittable(p.bound) or p.bound.sizes[ident] % degree
                 or pins.get(p.name, ident) != ident):
             if optional:
                 continue
+            if back and p.known and pins.get(p.name) is None:  # heads split after it: it and its inputs stay whole
+                roots += [p] if p.name not in pins else []
+                continue
             return None
         out[p.name] = ident
         for x, dims in zip(p.inputs, p.bound.inputs):  # back to the producers (parameters: stored split)
             if isinstance(x, IRTensor) and dims is not None:
+                if x.producer is not None and x not in weights and _broadcasts(p, dims, ident, merged):
+                    roots.append(x.producer)  # one kv head for all query heads: kept whole
                 for k, ids in enumerate(dims):
                     held = _carries(ids, ident, merged)
                     if held is None:
@@ -108,13 +132,64 @@ def _walk(op: IROp, degree: int, pins: dict[str, str], weights: set[IRTensor] = 
                         if held:
                             return None
                         continue
-                    todo.append((*_from_output(x.producer, x, k, held), optional or x in weights))
+                    todo.append((*_from_output(x.producer, x, k, held), optional or x in weights, True))
         for t, dims in zip(p.outputs, p.bound.outputs):  # on to the readers
             if t is not None and dims is not None:
                 for k, ids in enumerate(dims):
                     held = _carries(ids, ident, merged)
                     if held is not None:
-                        todo += [(*_from_input(c, t, k, held), optional) for c in t.consumers]
+                        todo += [(*_from_input(c, t, k, held), optional, False) for c in t.consumers]
+    whole = _whole(roots, {**pins, **out}, weights)
+    if whole is None:
+        return None
+    return {**out, **whole}
+
+
+def _broadcasts(p: IROp, dims, ident: str, merged: bool) -> bool:
+    """Whether an input of ``p`` written ``dims`` is broadcast over the heads ``p`` splits as
+    ``ident``: a ``1`` where ``p``'s output 0 holds them (right-aligned), as the one kv head of
+    multi-query attention in a score matmul, or ``repeat_kv``'s expand of each kv head."""
+    outs = p.bound.outputs[0] if p.bound.outputs else None
+    if merged or not outs or len(dims) != len(outs):
+        return False
+    return any(_carries(o, ident, False) is not None and i == ("1",) for i, o in zip(dims, outs))
+
+
+WHOLE_LIMIT = 256
+"""The most operators one attention's whole key/value path may hold (a walk past it, not ending at
+projections, leaves the attention as the greedy planned it)."""
+
+
+def _matrix(x: IRTensor, weights: set[IRTensor]) -> bool:
+    """Whether ``x`` is a weight matrix: a parameter of 2 or more dims, or made from one alone (its
+    transpose); not a table made from buffers (rotary cos/sin)."""
+    if len(x.shape) < 2:
+        return False
+    if x.kind == PARAM:
+        return True
+    return x in weights and x.producer is not None and any(_matrix(y, weights) for y in x.producer.tensor_inputs())
+
+
+def _projection(op: IROp, weights: set[IRTensor]) -> bool:
+    """An operator with a weight matrix (a projection, an embedding): a whole path ends there."""
+    return any(isinstance(x, IRTensor) and _matrix(x, weights) for x in op.inputs)
+
+
+def _whole(roots: list[IROp], taken: dict[str, str | None], weights: set[IRTensor]) -> dict[str, None] | None:
+    """``roots`` and the operators that make their inputs, back to the projections (included, with
+    the operators that make their weights: a transpose of the matrix), pinned whole; operators
+    ``taken`` already keep their pins. ``None`` past :data:`WHOLE_LIMIT`."""
+    out: dict[str, None] = {}
+    todo = list(roots)
+    while todo:
+        p = todo.pop()
+        if p.name in out or p.name in taken or not p.known:
+            continue
+        out[p.name] = None
+        if len(out) > WHOLE_LIMIT:
+            return None
+        stop = _projection(p, weights)
+        todo += [x.producer for x in p.tensor_inputs() if x.producer is not None and (x in weights or not stop)]
     return out
 
 
@@ -135,9 +210,10 @@ def _from_input(c: IROp, t: IRTensor, d: int, merged: bool) -> tuple[IROp, str |
     return c, None, merged
 
 
-def pin_heads(graph: IRGraph, degree: int, whole: list[IROp]) -> dict[str, str]:
-    """Operator name -> the heads identifier it must split on, for the attentions in ``whole``."""
-    pins: dict[str, str] = {}
+def pin_heads(graph: IRGraph, degree: int, whole: list[IROp]) -> dict[str, str | None]:
+    """Operator name -> the heads identifier it must split on (``None``: kept whole), for the
+    attentions in ``whole``."""
+    pins: dict[str, str | None] = {}
     weights = weights_only(graph)
     for op in whole:
         got = _walk(op, degree, pins, weights)
