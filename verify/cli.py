@@ -221,7 +221,7 @@ def cmd_model(args) -> int:
         if reason:
             raise UsageError(reason)
     settings = {"policies": list(policies), "steps": args.steps, "replicas": args.replicas,
-                "bucket_bytes": args.bucket_bytes, "microbatches": cfg.microbatches, **cfg.recipe_job()}
+                **cfg.recipe.to_dict()}  # every recipe field, each a setting of its own
     writer = None if args.reports is None else ReportWriter(args.reports, cfg, resume=args.resume,
                                                             command=f"model {args.name}", settings=settings)
     mb = f" of {cfg.microbatches} micro-batches" if cfg.microbatches > 1 else ""
