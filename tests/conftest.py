@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from verify.runner.worker import load_modules
+from verify.user_files import forget
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent
@@ -90,3 +91,4 @@ def wrong_norm_rules():
         tag = "verify_user_" + str(abs(hash(str(Path(path).resolve()))))
         DEFAULT_REGISTRY.remove_rules(lambda r: r.__module__ != tag)
         sys.modules.pop(tag, None)
+        forget(path)  # imported once (verify/user_files.py): the next module that asks imports it afresh

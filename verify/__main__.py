@@ -1,10 +1,12 @@
-"""``python -m verify``: parsed without torch (:mod:`verify.arguments`), so ``--help``, ``--version``,
-a bad flag and a cached ``list`` answer at once; every other command imports :mod:`verify.cli`."""
+"""``python -m verify``: parsed and checked without torch (:mod:`verify.arguments`, :mod:`verify.argcheck`),
+so ``--help``, ``--version``, a bad flag, an unknown policy, model or (cached) operator, a bad recipe value
+or ``--shard`` and a cached ``list`` answer at once; every other command imports :mod:`verify.cli`."""
 from __future__ import annotations
 
 import sys
 from typing import Sequence
 
+from verify.argcheck import check_args
 from verify.arguments import UsageError, build_parser
 from verify.catalogue import cached_rows, current_key, render
 
@@ -12,6 +14,7 @@ from verify.catalogue import cached_rows, current_key, render
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        check_args(args)
     except UsageError as exc:
         print(f"verify: error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import fields
 
-from nnscaler.recipe import Recipe
+from nnscaler.recipe import Recipe, RecipeError
 
 from verify.names import (CACHE_DIR, DTYPE_NAMES, MICROBATCH_POLICIES, OVERWRITE, PIPELINE_NAMES, POLICY_NAMES,
                           SEEDED_POLICIES, TORCHPAR_NAMES)
@@ -248,3 +248,30 @@ def _recipes(p: argparse.ArgumentParser, command: str) -> None:
                   "metavar": meta.get("metavar")}
         p.add_argument(flag, default=f.default, help=meta.get(f"help_{command}", meta["help"]),
                        **{k: v for k, v in kwargs.items() if v is not None})
+
+
+def check_recipe(args) -> Recipe:
+    """The recipe the command's flags ask for (:class:`nnscaler.recipe.Recipe`), each bad value one
+    line naming its flag; whether this device runs bf16 is :func:`verify.options.run_config`'s check."""
+    values = {f.name: getattr(args, recipe_dest(f)) for f in recipe_fields(getattr(args, "command", ""))
+              if hasattr(args, recipe_dest(f))}  # the recipe flags this command offers (verify/arguments.py)
+    precision = values.get("precision", "32-true")
+    try:
+        Recipe(precision=precision).check()
+    except RecipeError as exc:
+        raise UsageError(str(exc)) from None
+    if precision != "32-true" and args.dtype != "float32":
+        raise UsageError(f"--precision {precision} sets the dtypes itself; leave --dtype at float32 (got {args.dtype})")
+    if values.get("grad_reduce_dtype") and precision != "bf16-mixed":
+        raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
+    zero = values.get("zero", 0)
+    try:
+        Recipe(zero=zero).check()
+    except RecipeError as exc:
+        raise UsageError(f"--zero {zero}: {exc}") from None
+    try:
+        recipe = Recipe(**values)
+        recipe.check()
+    except RecipeError as exc:
+        raise UsageError(str(exc)) from None
+    return recipe

@@ -77,12 +77,17 @@ def _write_json(path: str | None, rows) -> None:
         raise ReportError(f"--json {path}: writing failed: {exc.strerror or exc}") from None
 
 
+def _catalogue_rows(reg, key: str | None) -> list[list[str]]:
+    """The catalogue's rows, kept under ``key`` (the source before the import; None: not kept), so the
+    next plain ``list`` and an unknown operator's line answer without torch (verify/__main__.py)."""
+    rows = [[s.name, s.family, s.annotation, ", ".join(s.aten)] for s in reg]
+    store_rows(key, rows)
+    return rows
+
+
 def cmd_list(args) -> int:
     key = None if args.module else current_key()  # read before the import: the rows belong to this source
-    reg = load_registry(args.module)
-    rows = [[s.name, s.family, s.annotation, ", ".join(s.aten)] for s in reg]
-    store_rows(key, rows)  # the next plain ``list`` answers without torch (verify/__main__.py)
-    print(render(rows))
+    print(render(_catalogue_rows(load_registry(args.module), key)))
     return 0
 
 
@@ -136,7 +141,10 @@ def _node_spec(args, cfg: RunConfig):
 
 
 def cmd_op(args) -> int:
+    key = None if args.module else current_key()
     reg, caught = imported(args.module)  # said once the operator's input passed the checks (preflight)
+    if key is not None:
+        _catalogue_rows(reg, key)
     cfg = run_config(args)
     wrong_backward: list[Row] = []
     notes = []

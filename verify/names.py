@@ -17,6 +17,16 @@ TORCHPAR_NAMES = ("fsdp", "fsdp_tp", "hf_llama_tp_auto", "hf_qwen3_tp_auto", "ti
                   "wrong_vocab_offsets")
 """The names of ``verify.rows.torchpar_builtin.CASES``, sorted."""
 
+MODEL_NAMES = ("bert", "bucketed_mlp", "clip_tiny", "conv1d_net", "gemma", "gpt2", "gpt2_v96", "llama", "mixtral",
+               "mixtral_batched", "mixtral_ep", "nanogpt", "padded_gpt", "phi3", "qwen3", "resnet_gn", "speech_encdec",
+               "t5", "transformer_encoder", "vit", "weightnorm_mlp", "xlstm_tiny")
+"""The names of ``verify.models.registry.MODELS`` (built-in, ``transformers`` installed), sorted."""
+
+WIDENABLE_NAMES = ("bucketed_mlp", "clip_tiny", "conv1d_net", "gemma", "gpt2_v96", "llama", "mixtral",
+                   "mixtral_batched", "mixtral_ep", "nanogpt", "padded_gpt", "phi3", "qwen3", "resnet_gn",
+                   "speech_encdec", "t5", "transformer_encoder", "vit", "weightnorm_mlp", "xlstm_tiny")
+"""The names of ``verify.models.registry.WIDENABLE`` (``NAME@WIDTH``), sorted."""
+
 OVERWRITE = "overwrite"
 """``args.resume`` under ``--overwrite``, and ``ReportWriter(resume=OVERWRITE)``: the rows already in
 the reports directory are replaced."""

@@ -14,7 +14,7 @@ from nnscaler.dimops.grammar import AnnotationError
 from nnscaler.ops.registry import OpRegistry
 from nnscaler.policies import PlanError
 
-from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, recipe_dest, recipe_fields
+from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, check_recipe
 from verify.config import RunConfig
 from verify.runner.gang import PG_TIMEOUT_S, Gang
 from verify.runner.worker import load_modules
@@ -25,24 +25,9 @@ def run_config(args) -> RunConfig:
         args.world_size = list(DEFAULT_WORLD_SIZES)
     if args.base is not None and any(args.base % w for w in args.world_size):
         raise UsageError(f"--base {args.base} is not a multiple of every world size {args.world_size}")
-    values = {f.name: getattr(args, recipe_dest(f)) for f in recipe_fields(getattr(args, "command", ""))
-              if hasattr(args, recipe_dest(f))}  # the recipe flags this command offers (verify/arguments.py)
-    precision = values.get("precision", "32-true")
-    try:  # the compiler's own check: an unknown name, or bf16 on a device without it, in one line
-        ComputeConfig(1, precision=precision)
-    except PlanError as exc:
-        raise UsageError(str(exc)) from None
-    if precision != "32-true" and args.dtype != "float32":
-        raise UsageError(f"--precision {precision} sets the dtypes itself; leave --dtype at float32 (got {args.dtype})")
-    if values.get("grad_reduce_dtype") and precision != "bf16-mixed":
-        raise UsageError("--grad-reduce-dtype needs --precision bf16-mixed")
-    zero = values.get("zero", 0)
-    try:
-        ComputeConfig(1, zero=zero)  # the one check of the option: 0..3
-    except PlanError as exc:
-        raise UsageError(f"--zero {zero}: {exc}") from None
-    try:  # bad recipe values are one line naming the option, before any rank starts
-        recipe = ComputeConfig(1, **values).recipe
+    recipe = check_recipe(args)  # each bad value one line naming its flag (verify/arguments.py)
+    try:  # the compiler's own check: bf16 on a device without it, in one line
+        ComputeConfig(1, precision=recipe.precision)
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     return RunConfig(recipe=recipe, world_sizes=tuple(dict.fromkeys(args.world_size)), dtype=args.dtype,

@@ -8,8 +8,12 @@ Fixtures:
   verifies a registered operator (its name, or the function given to ``register_op``) under every
   partition it admits: one subtest per (world size, partition, seed).
 * ``verify_model``: ``verify_model(model, *, policies=("dp", "tp"), world_sizes=None, seeds=(0,),
-  steps=3, dtype="float32", microbatches=1)`` trains a model (a registered name, ``"file.py:builder"``,
-  or the builder function itself) under each policy: one subtest per (world size, policy, seed).
+  steps=3, dtype="float32", microbatches=1, recipe=None, **recipe_fields)`` trains a model (a registered
+  name, ``"file.py:builder"``, or the builder function itself) under each policy: one subtest per
+  (world size, policy, seed). The training recipe is ``recipe`` (an :class:`nnscaler.recipe.Recipe`)
+  and/or its fields as keywords, as ``verify model`` takes them as flags (``precision="bf16-mixed"``,
+  ``zero=1``, ``clip_grad_norm=1.0``, ``recompute="full"``, ``grad_reduce_dtype``, ``bucket_bytes``,
+  ``recompute_modules``); a keyword overrides ``recipe``'s field.
   With ``parallelize=fn`` (``"file.py:fn"`` or the function) and ``mesh="tp"`` (or ``"dp"``,
   ``"dp=2,tp=2"``) it verifies your own torch parallelization instead (``verify model
   --parallelize``; :mod:`verify.api`): one subtest per (world size, seed).
@@ -22,10 +26,13 @@ from __future__ import annotations
 
 import inspect
 import tempfile
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 import pytest
+
+from nnscaler.recipe import Recipe, RecipeError
 
 from verify.config import RunConfig
 
@@ -134,13 +141,46 @@ def verify_op(verify_gang: GangSession, subtests) -> Callable[..., list[Row]]:
     return run
 
 
+RECIPE_KEYWORDS = tuple(f.name for f in fields(Recipe) if f.name != "num_microbatches")  # that one: ``microbatches``
+"""The recipe fields ``verify_model`` takes as keywords."""
+
+
+def model_recipe(recipe: Recipe | None, microbatches: int, options: dict, policies: Sequence[str],
+                 world_sizes: Sequence[int], dtype: str = "float32") -> Recipe:
+    """``recipe`` (default: the defaults) with ``options`` (recipe fields by name) and ``microbatches``
+    over it, checked as ``verify model`` checks its flags: an unknown keyword is a ``TypeError``, a
+    bad value or a ZeRO stage a policy has no data-parallel ranks for a ``ValueError``."""
+    from verify.cases.zero import zero_refusal
+    unknown = sorted(set(options) - set(RECIPE_KEYWORDS))
+    if unknown:
+        raise TypeError(f"verify_model() got an unexpected keyword argument {unknown[0]!r} (recipe fields: "
+                        f"{', '.join(RECIPE_KEYWORDS)})")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be an nnscaler.recipe.Recipe, got {type(recipe).__name__}")
+    flat = dict(options, **({"num_microbatches": microbatches} if microbatches != 1 else {}))
+    out = replace(recipe or Recipe(), **flat)
+    try:
+        out.check()
+    except RecipeError as exc:
+        raise ValueError(str(exc)) from None
+    if out.precision != "32-true" and dtype != "float32":
+        raise ValueError(f"precision={out.precision!r} sets the dtypes itself; leave dtype at float32 (got {dtype})")
+    for policy in policies:
+        reason = zero_refusal(out.zero, policy, world_sizes)
+        if reason:
+            raise ValueError(reason)
+    return out
+
+
 @pytest.fixture
 def verify_model(verify_gang: GangSession, subtests) -> Callable[..., list[Row]]:
     """``verify_model(model, ...)``: train under each policy against one device, one subtest per row."""
 
     def run(model, *, policies: Sequence[str] = ("dp", "tp"), world_sizes: Sequence[int] | None = None,
             seeds: Sequence[int] = (0,), steps: int = 3, dtype: str = "float32", microbatches: int = 1,
-            parallelize=None, mesh: str = "tp") -> list[Row]:
+            parallelize=None, mesh: str = "tp", recipe: Recipe | None = None, **recipe_fields) -> list[Row]:
+        if parallelize is not None and (recipe is not None or recipe_fields or microbatches != 1):
+            raise TypeError("a recipe applies to the compiler's policies, not to parallelize=")
         if parallelize is not None:  # the user's own torch parallelization
             from verify.torch_parallel import verify_parallelization
             from verify.cases.torchpar.mesh import parse_mesh
@@ -154,7 +194,9 @@ def verify_model(verify_gang: GangSession, subtests) -> Callable[..., list[Row]]
             if path is None:
                 raise LookupError(f"cannot find the file that defines {model!r}; pass 'file.py:builder'")
             model = f"{path}:{model.__name__}"  # the ranks import the builder's file themselves
-        cfg = verify_gang.config(world_sizes, seeds=tuple(seeds), dtype=dtype, microbatches=microbatches)
+        sizes = tuple(world_sizes or verify_gang.world_sizes)
+        cfg = verify_gang.config(sizes, seeds=tuple(seeds), dtype=dtype,
+                                 recipe=model_recipe(recipe, microbatches, recipe_fields, policies, sizes, dtype))
         with tempfile.TemporaryDirectory() as tmp:
             rows = list(run_model(verify_gang.gang, model, tuple(policies), cfg, tmp, steps=steps))
         return _report(subtests, rows, model)

@@ -89,3 +89,12 @@ def import_once(path: str | Path, name: str) -> ModuleType:
         del finder.files[p]
         raise
     return module
+
+
+def forget(path: str | Path) -> None:
+    """Take the file ``path`` out again, under every name it was imported as: its next :func:`import_once`
+    imports it afresh (a test that loads a file's rules for one module, then removes them)."""
+    module = _finder().files.pop(Path(path).resolve(), None)
+    if module is not None:
+        for name in [n for n, m in sys.modules.items() if m is module]:
+            sys.modules.pop(name, None)

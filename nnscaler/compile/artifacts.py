@@ -68,6 +68,11 @@ def save_program(directory: Path, plan_rank: int, source: str, reuse: bool) -> P
     return path
 
 
+def persistent_names(model: torch.nn.Module) -> frozenset[str]:
+    """The names ``model.state_dict()`` lists (its parameters and persistent buffers, aliases included)."""
+    return frozenset(model.state_dict(keep_vars=True))
+
+
 def build_rank_module(model: torch.nn.Module, graph: IRGraph, plan: Plan, emitted: Emitter, *, plan_rank: int,
                       key: list[str], label: str, directory: Path, reuse: bool, mesh: RankMesh, replica_group,
                       replicas: int, recipe: Recipe, zero=None) -> ParallelModule:
@@ -81,6 +86,7 @@ def build_rank_module(model: torch.nn.Module, graph: IRGraph, plan: Plan, emitte
     program = import_program(source, path, plan_rank)
     state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
     trainable = {n for n, _ in model.named_parameters()}
-    module = ParallelModule(program, state, mesh, trainable, replica_group, replicas, recipe=recipe, zero=zero)
+    module = ParallelModule(program, state, mesh, trainable, replica_group, replicas, recipe=recipe, zero=zero,
+                            persistent=persistent_names(model))
     module.plan, module.graph = plan, graph
     return module

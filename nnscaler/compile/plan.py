@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..config import ComputeConfig, PlanError
 from ..cost.estimate import analyze
@@ -32,7 +33,14 @@ SLACK = 0.10  # a tensor-parallel plan may keep 1/W + 10% of the parameters per 
 
 
 class PlanWarning(UserWarning):
-    """A plan that does not deliver what its policy promises."""
+    """A plan that does not deliver what its policy promises (said once per job: :func:`_warn`)."""
+
+
+def _warn(message: str, stacklevel: int) -> None:
+    """Warn :class:`PlanWarning` on the job's driving process only (no process group, or its rank 0):
+    every rank plans alike, so a warning per rank would say the same thing W times."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        warnings.warn(message, PlanWarning, stacklevel=stacklevel + 1)
 
 
 def resolve_policy(policy: str | Policy) -> tuple[str, Policy]:
@@ -78,14 +86,14 @@ def attach_stats(plan: Plan, graph: IRGraph, config: ComputeConfig, steps: list 
     t = _promised_tp(plan)
     frac = param_fraction(plan.stats)
     if t > 1 and frac > 1 / t + SLACK and plan.policy == "autodist" and not plan.stats.sharded:
-        warnings.warn(f"autodist ran the whole model on every rank (no tensor split on its tp axis of {t}): on "
-                      f"profile {config.profile} no partition it searched beat that (estimated step "
-                      f"{1e3 * plan.stats.step_seconds:.3g} ms); on tiny models this is expected, use tp or dp "
-                      f"to force a split", PlanWarning, stacklevel=3)
+        _warn(f"autodist ran the whole model on every rank (no tensor split on its tp axis of {t}): on "
+              f"profile {config.profile} no partition it searched beat that (estimated step "
+              f"{1e3 * plan.stats.step_seconds:.3g} ms); on tiny models this is expected, use tp or dp "
+              f"to force a split", stacklevel=3)
     elif t > 1 and frac > 1 / t + SLACK:
-        warnings.warn(f"policy {plan.policy} promises tensor parallelism of degree {t} but a rank keeps "
-                      f"{100 * frac:.0f}% of the parameters (at most {100 * (1 / t + SLACK):.0f}% expected); "
-                      f"see Plan.report() for what stays whole", PlanWarning, stacklevel=3)
+        _warn(f"policy {plan.policy} promises tensor parallelism of degree {t} but a rank keeps "
+              f"{100 * frac:.0f}% of the parameters (at most {100 * (1 / t + SLACK):.0f}% expected); "
+              f"see Plan.report() for what stays whole", stacklevel=3)
     _warn_over_budget(plan, config)
     return plan
 
@@ -98,9 +106,9 @@ def _warn_over_budget(plan: Plan, config: ComputeConfig) -> None:
     limit, what = ((config.mem_budget, "mem_budget") if config.mem_budget is not None
                    else (profile.memory, f"the {profile.name} profile's device memory"))
     if peak > limit:
-        warnings.warn(f"policy {plan.policy}: estimated peak {human(peak)} per rank exceeds {what} of {human(limit)}: "
-                      f"the plan would not fit; use more ranks, tensor parallelism or autodist with "
-                      f"ComputeConfig(mem_budget=...)", PlanWarning, stacklevel=4)
+        _warn(f"policy {plan.policy}: estimated peak {human(peak)} per rank exceeds {what} of {human(limit)}: "
+              f"the plan would not fit; use more ranks, tensor parallelism or autodist with "
+              f"ComputeConfig(mem_budget=...)", stacklevel=4)
 
 
 def write_report(plan: Plan, directory: str | os.PathLike) -> Path:

@@ -60,7 +60,7 @@ class ParallelModule(torch.nn.Module):
 
     def __init__(self, program: types.ModuleType, full_state: Mapping[str, torch.Tensor], mesh: RankMesh,
                  trainable: set[str], replica_group=None, replicas: int = 1, recipe: Recipe | None = None,
-                 zero=None):
+                 zero=None, persistent: frozenset[str] | None = None):
         super().__init__()
         self.recipe = recipe = recipe or Recipe()
         precision, bucket_bytes = recipe.precision, recipe.bucket_bytes
@@ -71,6 +71,9 @@ class ParallelModule(torch.nn.Module):
         self._replica_group, self._replicas = replica_group, replicas
         self.process_group = None  # the group of every rank running this module (None: the default group)
         self._names: dict[str, str] = {}
+        # the names the model's own state_dict lists (None: every tensor held): non-persistent buffers
+        # (RoPE tables) and traced constants stay out of state_dict, as in torch
+        self._persistent = persistent
         synced, trainables = [], []
         for name, (shape, layout, slices, sync_axis) in program.STATE.items():
             if name not in full_state:
@@ -298,7 +301,15 @@ class ParallelModule(torch.nn.Module):
         return out
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D401
-        """Whole tensors under the single-device model's names (gathered from every rank)."""
+        """Whole tensors under the single-device model's names (gathered from every rank), what the
+        model's own ``state_dict`` lists: its non-persistent buffers are left out, as torch does, so a
+        plain model's ``load_state_dict(strict=True)`` takes it (:meth:`whole_state` holds them too)."""
+        state = self.whole_state()
+        return state if self._persistent is None else {n: t for n, t in state.items() if n in self._persistent}
+
+    def whole_state(self) -> dict[str, torch.Tensor]:
+        """Every tensor the program holds, whole, by model name: :meth:`state_dict` and the model's
+        non-persistent buffers and traced constants (every rank of the module must call it)."""
         with self.materialized():
             local = {name: getattr(self, key).detach() for key, name in self._names.items()}
             return {name: x.clone() for name, x in self._whole_many(local).items()}
@@ -315,9 +326,12 @@ class ParallelModule(torch.nn.Module):
         return {n: None if g is None else whole[n].clone() for n, g in grads.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
-        """Load whole tensors (from the single-device model, or from ``state_dict`` under any plan)."""
-        missing = [n for n in self._names.values() if n not in state_dict]
-        unexpected = [n for n in state_dict if n not in set(self._names.values())]
+        """Load whole tensors (from the single-device model, or from ``state_dict`` under any plan);
+        ``strict`` asks for what :meth:`state_dict` lists (a non-persistent buffer may be given too)."""
+        held = set(self._names.values())
+        missing = [n for n in self._names.values() if n not in state_dict
+                   and (self._persistent is None or n in self._persistent)]
+        unexpected = [n for n in state_dict if n not in held]
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_state_dict: missing {missing}, unexpected {unexpected}")
         with torch.no_grad(), self.materialized(writeback=True):

@@ -224,6 +224,11 @@ class PipelineModule(torch.nn.Module):
         from .zero import ZeroOptimizer
         return ZeroOptimizer(zeros, optimizer_class, **kwargs)
 
+    def boundary_dtypes(self) -> set[torch.dtype]:
+        """The traced floating dtypes of the tensors crossing between stages (what a transfer carries)."""
+        return {t.dtype for meta in self._metas for t in (*meta.inputs, *meta.outputs)
+                if t is not None and t.dtype.is_floating_point}
+
     def param_tensors(self) -> list[torch.Tensor]:
         """The parameter tensors this rank holds (every stage it runs)."""
         return list(self.parameters())
@@ -304,6 +309,10 @@ class PipelineModule(torch.nn.Module):
                 p.grad = piece.clone() if p.grad is None else p.grad.copy_(piece)
 
     # -- whole-model state --------------------------------------------------------------------------
+    def _persistent(self) -> frozenset[str] | None:
+        """The names the model's own ``state_dict`` lists (every stage was built from the one model)."""
+        return next(iter(self.stages.values()))._persistent
+
     def _merged(self, per_stage: Callable[[ParallelModule], Mapping[str, Any]]) -> dict[str, Any]:
         mine = {}
         for s, mod in self.stages.items():
@@ -321,14 +330,20 @@ class PipelineModule(torch.nn.Module):
         """Whole tensors under the single-device model's names, merged across stages."""
         return self._merged(lambda mod: mod.state_dict())
 
+    def whole_state(self) -> dict[str, torch.Tensor]:
+        """Every tensor the stages hold (non-persistent buffers included), merged across stages."""
+        return self._merged(lambda mod: mod.whole_state())
+
     def whole_grads(self) -> dict[str, torch.Tensor | None]:
         """Whole gradients of the trainable parameters, merged across stages."""
         return self._merged(lambda mod: mod.whole_grads())
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
-        """Load whole tensors into every stage (each takes the names it holds)."""
+        """Load whole tensors into every stage (each takes the names it holds); ``strict`` asks for
+        what :meth:`state_dict` lists (no non-persistent buffer)."""
         names = set(self._shapes)
-        missing = sorted(n for n in names if n not in state_dict)
+        persistent = self._persistent()
+        missing = sorted(n for n in names if n not in state_dict and (persistent is None or n in persistent))
         unexpected = sorted(n for n in state_dict if n not in names)
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_state_dict: missing {missing}, unexpected {unexpected}")

@@ -72,3 +72,15 @@ def test_the_report_says_why_each_operator_stays_whole():
     reasons = {why for _, _, why in plan.stats.replicated_ops}
     assert "indivisible" in reasons, plan.stats.replicated_ops
     assert "no splittable dim divides the mesh" in plan.report()
+
+
+@pytest.mark.parametrize("rank, said", [(0, 1), (1, 0), (3, 0)])
+def test_a_plan_warning_is_said_by_the_driving_rank_only(monkeypatch, rank, said):
+    """Every rank of a job plans alike: its PlanWarning is said once per job (rank 0), not once per rank."""
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always", PlanWarning)
+        plan_model(MLP(), (torch.randn(4, 8),), "dp", ComputeConfig(2, mem_budget=1024), verify=False)
+    assert len([w for w in got if issubclass(w.category, PlanWarning) and "exceeds" in str(w.message)]) == said

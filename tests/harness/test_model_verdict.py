@@ -47,6 +47,24 @@ def test_an_empty_or_short_list_of_checks_fails():
     assert status == MISMATCH and "rank 1" in detail and "grad w step 0" in detail
 
 
+def test_the_reload_check_is_the_first_plan_that_fits_or_a_note_saying_why_none_does():
+    """A tp checkpoint at W=3 cannot reload under dp (a batch of 4 over 3 ranks): the next plan serves,
+    and where none fits the row matches and says why; a rank that returns no reload check still fails."""
+    from verify.cases.model import NO_RELOAD_PLAN, expected_checks, reload_policies
+    assert reload_policies("tp") == ["dp", "hybrid", "random"] and reload_policies("dp")[0] == "tp"
+    expected = expected_checks("nanogpt", "tp", 1, 0)
+    base = [n for n in expected if isinstance(n, str)]
+    for reload in ("loss of the checkpoint under dp", "loss of the checkpoint under hybrid"):
+        assert judge([_answer(0, base + [reload])], expected)[:2] == (MATCH, "")
+    status, detail, _, _ = judge([_answer(0, base)], expected)
+    assert status == MISMATCH and "lacks 1: loss of the checkpoint under dp" in detail
+    note = RankAnswer(0, {"checks": [*_answer(0, base).result["checks"],
+                                            {"name": NO_RELOAD_PLAN, "err": 0.0, "tol": 0.0, "ok": True,
+                                             "reason": "dp: batch 4 does not divide over 3 ranks"}]})
+    assert judge([note], expected)[:2] == (MATCH, "no other plan reloads the checkpoint: dp: batch 4 does not "
+                                                   "divide over 3 ranks")
+
+
 def test_tied_weights_go_by_their_first_name_and_reload_strictly():
     model = build_model("gpt2_v96", 0).model
     state = own_state(model)

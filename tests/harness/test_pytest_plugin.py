@@ -29,6 +29,11 @@ def test_my_wrong_matmul(verify_op):
 def test_user_model(verify_model):
     verify_model("user_model.py:build", policies=["dp"])
 
+def test_user_model_recipe(verify_model):
+    from nnscaler.recipe import Recipe
+    rows = verify_model("user_model.py:build", policies=["dp"], steps=2, recipe=Recipe(zero=1), clip_grad_norm=1.0)
+    assert [r.partition for r in rows] == ["dp zero1 clip1"], [r.partition for r in rows]
+
 def test_wrong_model(verify_model):
     verify_model("wrong_model.py:wrong_softmax_head", policies=["tp"], steps=1)
 '''
@@ -56,7 +61,26 @@ def test_user_suite_reports_one_subtest_per_row(pytester):
     assert "first divergent operator: row_softmax" in out and "rerun: python -m verify model" in out, out[-3000:]
     # the right matmul and the user's model pass
     assert "test_my_matmul" not in summary and "test_user_model" not in summary, summary
-    assert result.parseoutcomes().get("passed") == 2, summary
+    assert result.parseoutcomes().get("passed") == 3, summary  # test_user_model_recipe too: ZeRO 1 and clipping
+
+
+def test_verify_model_takes_a_recipe_or_its_fields_as_the_cli_takes_flags():
+    import pytest
+    from nnscaler.recipe import Recipe
+    from verify.pytest_plugin import model_recipe
+    assert model_recipe(None, 1, {}, ("dp",), (2,)) == Recipe()
+    got = model_recipe(Recipe(zero=1, precision="bf16-mixed"), 2, {"zero": 2, "recompute": "full"}, ("dp",), (2, 4))
+    assert got == Recipe(num_microbatches=2, zero=2, precision="bf16-mixed", recompute="full")  # keywords win
+    with pytest.raises(TypeError, match="'zeros'.*recipe fields: precision, zero"):
+        model_recipe(None, 1, {"zeros": 1}, ("dp",), (2,))
+    with pytest.raises(ValueError, match="zero must be 0, 1, 2 or 3"):
+        model_recipe(None, 1, {"zero": 5}, ("dp",), (2,))
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        model_recipe(None, 1, {"precision": "fp8"}, ("dp",), (2,))
+    with pytest.raises(ValueError, match="--zero 1"):  # tp has no data-parallel ranks to shard over
+        model_recipe(None, 1, {"zero": 1}, ("tp",), (2,))
+    with pytest.raises(ValueError, match="leave dtype at float32"):
+        model_recipe(None, 1, {"precision": "bf16-mixed"}, ("dp",), (2,), dtype="float64")
 
 
 def test_the_plugin_is_installed_as_an_entry_point():

@@ -67,3 +67,24 @@ def test_all_with_op_trains_no_model_unless_asked(tmp_path, capsys):
     rows = load_rows(tmp_path)
     assert rows and {r.op for r in rows} == {"relu"}, [r.op for r in rows]
     assert "model:" not in capsys.readouterr().out
+
+
+def test_a_long_reason_wraps_in_the_terminal_table_and_stays_whole_in_report_md(tmp_path):
+    """A failing row's reason (300-700 characters once localised) wraps after its clauses in the
+    terminal's table; report.md and the JSON rows keep it on one line."""
+    from verify.judge.verdict import MISMATCH
+    from verify.report.writer import DETAIL_WIDTH, ReportWriter
+    clauses = ["grad model.h.0.attn.c_attn.weight step 0 on rank 1: error 0.018 > tolerance 4e-07",
+               "first divergent operator: linear_3 (aten.linear.default) at model.py:12 [h=2]",
+               "every tensor before it matches the single-device run", "its inputs agree", "its output does not"]
+    row = Row("model:x", "model", "3 AdamW steps vs one device", 2, "tp", "float32", 0, MISMATCH,
+              detail="; ".join(clauses), rerun="python -m verify model x --policy tp --world-size 2")
+    lines = table([row]).splitlines()
+    assert len(lines) == 2 + 4 and all(c in "\n".join(lines) for c in clauses)  # no clause cut
+    reason_width = max(len(c) for c in clauses) + 1
+    assert max(map(len, lines)) < len(table([row], wrap=None).splitlines()[2]) - len(row.detail) + reason_width + 4
+    assert len(table([row], wrap=None).splitlines()) == 3 and DETAIL_WIDTH <= 80
+    writer = ReportWriter(str(tmp_path), RunConfig())
+    writer.add(row)
+    writer.close()
+    assert row.detail in (tmp_path / "report.md").read_text()

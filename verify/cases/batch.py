@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from verify.judge.dtypes import convert
+
 
 def cast(args: tuple, dtype: torch.dtype) -> tuple:
-    """``args`` with every floating-point tensor cast to ``dtype`` (indices and non-tensors as they are)."""
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    """``args`` with every floating tensor in ``dtype`` and every complex one in its complex twin
+    (:func:`verify.judge.dtypes.convert`; indices and non-tensors as they are)."""
+    return tuple(convert(a, dtype) for a in args)
 
 
 def share(args: tuple, replica: int, replicas: int) -> tuple:

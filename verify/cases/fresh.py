@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from verify.models.loader import build_model
+from verify.judge.dtypes import to_dtype
 
 
 def load_like(dst: torch.nn.Module, src: torch.nn.Module) -> torch.nn.Module:
@@ -22,5 +23,5 @@ def built_like(name: str, seed: int, like: torch.nn.Module, dtype: torch.dtype |
     """Model ``name`` built afresh for ``seed``, in ``dtype``, holding ``like``'s state."""
     model = build_model(name, seed).model
     if dtype is not None:
-        model = model.to(dtype)
+        model = to_dtype(model, dtype)
     return load_like(model, like)

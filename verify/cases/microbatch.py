@@ -18,6 +18,7 @@ from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.compiled import compile_case
 from verify.cases.batch import share
+from verify.cases.batch import cast
 from verify.judge.compare import Check, check_tensor
 from verify.models.registry import ModelCase
 from verify.cases.fresh import built_like
@@ -130,7 +131,7 @@ def _accumulation_checks(job: dict, groups: GroupCache) -> list[Check]:
                 (pm(*mb) / m).backward()
     def one_device() -> dict:
         loss_ref = ref(*full)
-        loss64 = ref64(*(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in full))
+        loss64 = ref64(*cast(full, torch.float64))
         loss_ref.backward()
         loss64.backward()
         grads, grads64 = reference_grads(dict(ref.named_parameters()), ref64)

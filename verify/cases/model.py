@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from nnscaler.policies import POLICIES, ComputeConfig
+from nnscaler.policies import POLICIES, ComputeConfig, PlanError
 from nnscaler.recipe import Recipe
 from nnscaler.runtime.mesh import GroupCache
 
@@ -30,6 +30,7 @@ from verify.cases.traces import TraceCache, tracer_of
 from verify.cases.training import (ForwardBackward, OnAllRanks, Training, TrainStep, WholeBatch, built, train,
                                    with_buckets)
 from verify.judge.compare import Check, Float64Fallback, check_tensor
+from verify.judge.dtypes import convert_state, to_dtype
 from verify.judge.finite import require_finite
 from verify.judge.lowprec import Precision
 from verify.models.loader import build_model, file_tag
@@ -63,10 +64,29 @@ def _other_policy(policy: str) -> str:
     return "dp" if policy != "dp" else "tp"
 
 
+RELOAD_POLICIES = ("dp", "tp", "hybrid", "random")
+"""The plans a checkpoint may reload under, after :func:`_other_policy`'s (the first that fits the
+batch and world size is used: ``dp`` cannot split a batch of 4 over 3 ranks)."""
+NO_RELOAD_PLAN = "note: no other plan reloads the checkpoint"
+"""A passing check (its reason: why none fits) where no plan of :data:`RELOAD_POLICIES` fits."""
+
+
+def reload_policies(policy: str) -> list[str]:
+    """The plans a checkpoint of ``policy`` is reloaded under, in the order tried."""
+    other = _other_policy(policy)
+    return [other, *(p for p in RELOAD_POLICIES if p not in (other, policy))]
+
+
+def reload_check_names(policy: str) -> tuple[str, ...]:
+    """The one reload check a rank returns, whichever plan fitted (:func:`expected_checks`' alternatives)."""
+    return (*(f"loss of the checkpoint under {p}" for p in reload_policies(policy)), NO_RELOAD_PLAN)
+
+
 def expected_checks(name: str, policy: str, steps: int, seed: int, checkpoint: bool = True,
                     clip: float | None = None) -> list[str]:
     """The names of every check a rank must return for this case (a short list is a failure); with
-    ``clip``, each step's total gradient norm too."""
+    ``clip``, each step's total gradient norm too. A tuple stands for one of its names (the reload
+    under the first plan that fits, :func:`reload_check_names`)."""
     model = build_model(name, seed).model
     names = [f"initial {k}" for k in own_state(model)]
     params = [n for n, _ in model.named_parameters()]
@@ -76,8 +96,7 @@ def expected_checks(name: str, policy: str, steps: int, seed: int, checkpoint: b
                   *(f"param {n} after step {s}" for n in params)]
     if not checkpoint:
         return names
-    return names + ["checkpoint keys", "loss of the checkpoint on one device",
-                    f"loss of the checkpoint under {_other_policy(policy)}"]
+    return names + ["checkpoint keys", "loss of the checkpoint on one device", reload_check_names(policy)]
 
 
 def run_model_job(job: dict, groups: GroupCache, traces: TraceCache | None = None,
@@ -145,8 +164,7 @@ class WholeModel:
     def step(self, models, args: tuple, step: int, point: dict, fallback: Float64Fallback) -> dict:
         ref, ref64, _, _ = models
         seed, clip = self.t.seed, self.t.recipe.clip_grad_norm
-        ref64.load_state_dict(with_aliases(ref64, {k: v.double() if v.is_floating_point() else v
-                                                   for k, v in point.items()}), strict=True)
+        ref64.load_state_dict(with_aliases(ref64, convert_state(point, torch.float64)), strict=True)
         loss_ref, loss64 = _losses(ref, ref64, args, seed, step, fallback, self.loss)
         require_finite({"loss": loss_ref, "loss64": loss64}, step)  # the model's own fault: an error row
         if Precision.of(self.t.recipe).active:  # more samples of the recipe's own rounding error (verify/cases/spread.py)
@@ -190,7 +208,7 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
     step = -1  # the reloads' own draws
 
     def one_device() -> dict:
-        single = build_model(name, seed).model.to(dt)
+        single = to_dtype(build_model(name, seed).model, dt)
         missing = [k for k in own_state(single) if k not in state]
         if missing:
             return {"missing": missing}
@@ -208,22 +226,33 @@ def _reload_checks(name, policy, pm, args, groups, gen_dir, world_size, seed, dt
     one = reference.share(one_device, fallback)
     if "missing" in one:
         return [Check("checkpoint keys", float("inf"), 0.0, False, f"the checkpoint lacks {', '.join(one['missing'][:5])}")]
-    other_policy = _other_policy(policy)
-    other = compile_case(build_model(name, seed).model.to(dt), args, resolve_policy(other_policy),
-                         ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes, **precision.config_kwargs()),
-                         groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",
-                         tracer_of(traces, name), announce=False)
-    other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
+    other, why = None, []
+    for other_policy in reload_policies(policy):  # the first plan that fits this batch and world size
+        try:
+            other = compile_case(to_dtype(build_model(name, seed).model, dt), args, resolve_policy(other_policy),
+                                 ComputeConfig(world_size, seed=seed + 1, bucket_bytes=bucket_bytes,
+                                               **precision.config_kwargs()),
+                                 groups, Path(gen_dir) / f"{file_tag(name)}-reload-w{world_size}-{dt}-s{seed}",
+                                 tracer_of(traces, name), announce=False)
+            break
+        except PlanError as exc:  # e.g. dp cannot split a batch of 4 over 3 ranks: the next plan
+            why.append(f"{other_policy}: {exc}")
+    if other is not None:
+        other.load_state_dict({k: state.get(k, v) for k, v in other.state_dict().items()})
     with torch.no_grad():
         with same_draws(seed, step):
             got = pm(*args)
-        with same_draws(seed, step):
-            other_loss = other(*args)
-    names = ["loss of the checkpoint on one device", f"loss of the checkpoint under {other_policy}"]
+        if other is not None:
+            with same_draws(seed, step):
+                other_loss = other(*args)
+    names = ["loss of the checkpoint on one device",
+             NO_RELOAD_PLAN if other is None else f"loss of the checkpoint under {other_policy}"]
     differs = next((k for k, v in one["state"].items() if not equal_check(k, state.get(k), v).ok), None)
     if differs is not None:  # this rank's merged state is not what the one device loaded
         why = f"this rank's merged state differs from rank {reference.src}'s, which the one device loaded ({differs})"
         return [Check("checkpoint keys", 0.0, 0.0, True)] + [Check(n, float("inf"), 0.0, False, why) for n in names]
     return [Check("checkpoint keys", 0.0, 0.0, True),
             check_tensor(names[0], got, one["want"], one["want64"], lowprec=fallback.lowprec),
+            # none fits: the program under test is not at fault, the row says why (verify/judge/verdict.py)
+            Check(NO_RELOAD_PLAN, 0.0, 0.0, True, "; ".join(why)) if other is None else
             check_tensor(names[1], other_loss, one["want"], one["want64"], lowprec=fallback.lowprec)]

@@ -17,6 +17,8 @@ from nnscaler.ir.graph import IRGraph, IROp
 from nnscaler.trace.build import trace
 
 from verify.models.loader import build_model
+from verify.cases.batch import cast
+from verify.judge.dtypes import to_dtype
 from verify.cases.samples import DTYPES, Sample, op_sample
 
 
@@ -28,10 +30,10 @@ def model_graph(model: str, seed: int, dtype: str) -> IRGraph:
     """``model`` built with ``seed``, in ``dtype``, traced on its step-0 batch."""
     dt = DTYPES[dtype]
     case = build_model(model, seed)
-    args = tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case.batch(0))
+    args = cast(case.batch(0), dt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unknown operators: they have no case to run anyway
-        return trace(case.model.to(dt), args)
+        return trace(to_dtype(case.model, dt), args)
 
 
 def node_op(graph: IRGraph, model: str, node: str) -> IROp:

@@ -20,6 +20,7 @@ from nnscaler.policies import ComputeConfig
 from verify.cases.compiled import compile_case
 from verify.cases.draws import check_draws, same_draws
 from verify.cases.batch import cast
+from verify.judge.dtypes import to_dtype
 from verify.models.loader import file_tag
 from verify.judge.lowprec import Precision
 from verify.judge.finite import require_finite
@@ -123,7 +124,7 @@ def _pipeline_reload(name, policy, world_size, seed, path, groups, gen_dir, dtyp
     if dist.get_rank() >= w_b:
         return []
     case = build_model(name, seed)
-    resumed = compile_case(case.model.to(dtype), cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype), other,
+    resumed = compile_case(to_dtype(case.model, dtype), cast(whole_batch(case.batch, 0, PIPELINE_MICROBATCHES), dtype), other,
                            ComputeConfig(w_b, seed=seed + 1, num_microbatches=PIPELINE_MICROBATCHES,
                                          **precision.config_kwargs()), groups,
                            Path(gen_dir) / f"{file_tag(name)}-reload-{other}-w{w_b}-{dtype}-s{seed}",
@@ -160,7 +161,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     params = {n for n, _ in build_model(name, seed).model.named_parameters()}
     saved = {n: t for n, t in saved.items() if n in params}
     lr = opt.defaults["lr"]
-    single = precision.reference(build_model(name, seed).model.to(dtype))  # the recipe's single-device run
+    single = precision.reference(to_dtype(build_model(name, seed).model, dtype))  # the recipe's single-device run
     single_opt = torch.optim.AdamW(single.parameters(), lr=lr)
     checkpoint.load_single(path / "merged.pt", single, single_opt)
     checks = _loaded_checks("on one device", {n: p.detach() for n, p in single.named_parameters()},
@@ -172,7 +173,7 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
     if rank >= w_b:
         return checks
     batch = build_model(name, seed).batch
-    resumed = compile_case(build_model(name, seed).model.to(dtype), cast(batch(0), dtype), other,
+    resumed = compile_case(to_dtype(build_model(name, seed).model, dtype), cast(batch(0), dtype), other,
                            ComputeConfig(w_b, tp_size=2 if w_b % 2 == 0 else 1, seed=seed + 1, zero=zero_b,
                                          **precision.config_kwargs()), groups,
                            Path(gen_dir) / (f"{file_tag(name)}-resume-{other}-w{w_b}-{dtype}-s{seed}"

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from verify.cases.draws import same_draws
 from verify.judge.compare import Float64Fallback
+from verify.judge.dtypes import convert
 
 PERTURB = 2.0 ** -9  # relative shift of every parameter: half an ulp of bf16
 SAMPLES = 2  # moved points per step (one gave a worst correct err/tol of 0.97, two 0.57)
@@ -148,9 +149,9 @@ def _sample(single, single64, run, args, args64, seed: int, step: int, k: int | 
         gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 101 + k) % 2 ** 63)
         with torch.no_grad():
             for n, p in params.items():
-                moved = p.double() * (1 + PERTURB * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+                moved = convert(p, torch.float64) * (1 + PERTURB * torch.randn(p.shape, generator=gen, dtype=torch.float64))
                 p.copy_(moved)
-                params64[n].copy_(p.double())  # both at exactly the same point
+                params64[n].copy_(convert(p, torch.float64))  # both at exactly the same point
     a.zero_grad(set_to_none=True)
     a64.zero_grad(set_to_none=True)
     record = TieFlips() if k is None else contextlib.nullcontext()

@@ -26,12 +26,14 @@ from verify.cases.compiled import compile_case
 from verify.cases.draws import same_draws
 from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.microbatch import whole_batch
+from verify.cases.precision_record import PrecisionRecord
 from verify.cases.reference import SharedReference, reference_models
 from verify.cases.resume import resume_checks
 from verify.cases.step_checks import LR, equal_check, installed, step_checks
 from verify.cases.traces import TraceCache, tracer_of
 from verify.config import recipe_tag
 from verify.judge.compare import Check, Float64Fallback, check_tensor
+from verify.judge.dtypes import to_dtype
 from verify.judge.lowprec import Precision
 from verify.judge.verdict import check_deterministic
 from verify.models.loader import build_model, file_tag
@@ -41,7 +43,7 @@ from verify.models.registry import ModelCase
 def built(name: str, seed: int, dt: torch.dtype) -> ModelCase:
     """Model ``name``'s case for ``seed``, its model in ``dt``: built once, handed on to every strategy."""
     case = build_model(name, seed)
-    case.model.to(dt)
+    to_dtype(case.model, dt)  # complex buffers stay complex (verify/judge/dtypes.py)
     return case
 
 
@@ -233,7 +235,8 @@ def train(t: Training, compiler, feed: WholeBatch, stepper, one) -> list[Check]:
     ``stepper``, against what ``one`` computes on one device (``one.step``), in order: the initial
     state (where ``one.initial``), per step the point installed, the loss (``one.loss_name``), the
     clipped norm (where one device gives ``norm``), every gradient and parameter; then (``t.checkpoint``)
-    ``one.reloads`` and the resume; ``one.finish``; the fallback's notes. A point that does not load
+    ``one.reloads`` and the resume; ``one.finish``; the fallback's notes. The recipe's precision is
+    recorded around each parallel step and its checks (:mod:`verify.cases.precision_record`) come first. A point that does not load
     ends the case there where ``one.tolerant`` (its checks go missing), else raises."""
     precision = Precision.of(t.recipe)
     reference = SharedReference.of(t.groups, t.world_size)  # computed on the case's rank 0 (verify/cases/reference.py)
@@ -245,7 +248,8 @@ def train(t: Training, compiler, feed: WholeBatch, stepper, one) -> list[Check]:
     start, names = reference.share(lambda: one.start(models))
     checks = [equal_check(f"initial {k}", initial.get(k), v) for k, v in start.items()] if one.initial else []
     shadow = {n: start[n].clone() for n in names}  # AdamW on one device, fed the parallel grads
-    opts = [pm.build_optimizer(torch.optim.AdamW, lr=LR)]  # sharded over the data-parallel ranks under zero
+    record = PrecisionRecord.of(t.recipe)  # the recipe's precision, checked structurally
+    opts = [record.watch(pm.build_optimizer(torch.optim.AdamW, lr=LR))]  # sharded over the data-parallel ranks under zero
     opts += [torch.optim.AdamW(shadow.values(), lr=LR)]
     fallback = Float64Fallback(t.dt, lowprec=precision.active)
     for step in range(t.steps):  # judged as every whole-model case is (verify/judge/compare.py)
@@ -258,7 +262,8 @@ def train(t: Training, compiler, feed: WholeBatch, stepper, one) -> list[Check]:
                 raise
             return checks + [Check(f"load step {step}", float("inf"), 0.0, False, f"{type(exc).__name__}: {exc}")]
         checks.append(installed(pm, point, step))
-        ran = stepper.run(pm, feed.mine(args), step)
+        with record:  # the dtypes the program's step reduces, sends and computes in (bf16-mixed only)
+            ran = stepper.run(pm, feed.mine(args), step)
         got = reference.share(lambda: one.step(models, feed.theirs(args), step, point, fallback), fallback)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(one.loss_name.format(step), ran.loss, got["loss"], got["loss64"], **kw))
@@ -272,9 +277,10 @@ def train(t: Training, compiler, feed: WholeBatch, stepper, one) -> list[Check]:
             models[3].zero_grad()
         if ran.grad_bytes is not None and t.memory is not None:
             t.memory.last = measure(pm, opts[0], ran.activations, ran.grad_bytes)
+    checks = record.checks(pm, opts[0], ran.loss, got["loss"]) + checks  # a narrower dtype named first
     if t.checkpoint:  # the checkpoint (optimizer state sharded under zero) resumes on one device and under another plan
         checks += one.reloads(t, pm, reference, fallback)
         checks += resume_checks(t.name, compiler.resume_policy, t.world_size, t.seed, t.steps, pm, opts[0], t.groups,
                                 t.gen_dir, t.dt, t.traces, precision, fallback.spreads, zero=t.recipe.zero)
     one.finish(fallback)
-    return checks + fallback.notes(t.dtype)
+    return checks + fallback.notes(t.dtype, checks)

@@ -135,11 +135,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from verify.judge.draw_record import DrawRecord, may_draw
+from verify.judge.dtypes import convert
+from verify.judge.verdict import WIDENED
 
 FACTOR = 4.0
 FLOOR_EPS = 16.0
 PARTIAL_EPS = 2.0
 UPDATE_EPS = 4.0  # an optimizer step: a few ulps of the parameter and of the update
+WIDE_NOTE = 64.0  # a bound this many times its dtype's own rounding floor is named in the row, with why
 FALLBACK_WIDEN = 2.0  # both bounds, where the float64 reference fell back for some operator
 LOWPREC_FACTOR = 4.0  # bf16 recipes: times the single-device run's own Frobenius error
 LOWPREC_FLOOR = 0.5  # bf16 recipes: ulps of bf16 relative to the tensor's Frobenius norm
@@ -183,6 +186,7 @@ class Check:
     tol: float
     ok: bool
     reason: str = ""
+    widened: float = 0.0  # the bound over its dtype's own rounding (FLOOR_EPS ulps of the scale); 0: not measured
 
     @property
     def ratio(self) -> float:
@@ -242,8 +246,11 @@ def check_tensor(name: str, par, dev, ref, factor: float = FACTOR, floor_eps: fl
     err = _max_abs((par64 - ref)[finite])
     err_dev = _max_abs((dev64 - ref)[finite])
     eps = torch.finfo(par.dtype).eps
-    tol = factor * err_dev + floor_eps * eps * (_max_abs(ref[finite]) if scale is None else scale) + PARTIAL_EPS * eps * partials
-    return Check(name, err, tol, err <= tol, "" if err <= tol else f"error {err:.3g} > tolerance {tol:.3g}")
+    size = _max_abs(ref[finite]) if scale is None else scale
+    tol = factor * err_dev + floor_eps * eps * size + PARTIAL_EPS * eps * partials
+    rounding = FLOOR_EPS * eps * size
+    return Check(name, err, tol, err <= tol, "" if err <= tol else f"error {err:.3g} > tolerance {tol:.3g}",
+                 tol / rounding if rounding > 0 else 0.0)
 
 
 def check_lowprec(name: str, par: torch.Tensor, dev: torch.Tensor, ref: torch.Tensor, widen: float = 1.0,
@@ -275,7 +282,7 @@ def check_update(name: str, par, want, lr: float, widen: float = 1.0) -> Check:
     bad = _shape_dtype(name, par, want)
     if bad:
         return bad
-    par64, want64 = par.double(), want.double()
+    par64, want64 = convert(par, torch.float64), convert(want, torch.float64)  # complex stays complex
     if not torch.isfinite(par64).all():
         return Check(name, float("inf"), 0.0, False, "NaN/inf after the step")
     diff = (par64 - want64).abs()
@@ -289,6 +296,7 @@ def check_update(name: str, par, want, lr: float, widen: float = 1.0) -> Check:
 
 
 LOW_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
+NARROW = (*LOW_PRECISION, torch.complex64, torch.complex32)  # an input the float64 reference should not hold
 
 
 class Float64Fallback(TorchDispatchMode):
@@ -307,6 +315,7 @@ class Float64Fallback(TorchDispatchMode):
         self.low = low if low != torch.float64 else torch.float32
         self.used: set[str] = set()
         self.promoted: set[str] = set()
+        self.narrow: dict[str, str] = {}  # operator -> the narrower-than-float64 dtype it was handed in the reference
         self.draws = DrawRecord()  # the run's draws: record them around it with ``draws.recording()``
         self._default: list[torch.dtype] = []
 
@@ -328,6 +337,11 @@ class Float64Fallback(TorchDispatchMode):
         return self._call(func, args, kwargs)
 
     def _call(self, func, args, kwargs):
+        if len(self.narrow) < 8:
+            for x in torch.utils._pytree.tree_leaves(args):
+                if isinstance(x, torch.Tensor) and x.dtype in NARROW:
+                    self.narrow.setdefault(str(func), str(x.dtype).removeprefix("torch."))
+                    break
         if kwargs.get("dtype") in LOW_PRECISION:
             kwargs = {**kwargs, "dtype": torch.float64}
             self.promoted.add(str(func))
@@ -364,15 +378,36 @@ class Float64Fallback(TorchDispatchMode):
         return {"factor": FACTOR * self.widen, "floor_eps": floor, "lowprec": self.lowprec,
                 "history": self.spreads if self.lowprec else None}
 
-    def notes(self, dtype: str) -> list["Check"]:
-        """Passing checks that say, in the row's checks, what the float64 reference did differently."""
-        out = []
+    def notes(self, dtype: str, checks: list[Check] = ()) -> list["Check"]:
+        """Passing checks that say, in the row's checks, what the float64 reference did differently; and
+        for ``checks`` whose bound is over :data:`WIDE_NOTE` times their dtype's rounding, why
+        (:meth:`widened_note`)."""
+        out = self.widened_note(checks)
         if self.used:
             out.append(Check(f"note: float64 reference ran {', '.join(sorted(self.used))} in {dtype}", 0.0, 0.0, True))
         if self.promoted:
             out.append(Check(f"note: float64 reference promoted float32 islands to float64 "
                              f"({', '.join(sorted(self.promoted))})", 0.0, 0.0, True))
+        if self.narrow:
+            out.append(Check("note: float64 reference held narrower tensors at " + ", ".join(
+                f"{op} ({dt})" for op, dt in sorted(self.narrow.items())), 0.0, 0.0, True))
         if self.draws.redrawn:
             out.append(Check(f"note: float64 reference drew random numbers in the run's dtype "
                              f"({', '.join(sorted(self.draws.redrawn))})", 0.0, 0.0, True))
         return out
+
+    def widened_note(self, checks: list[Check]) -> list[Check]:
+        """One passing ``note: widened bound`` check naming the checks whose bound exceeds their dtype's
+        own rounding :data:`WIDE_NOTE`-fold (the widest first) and what made the single-device run so far
+        from float64: operators the reference ran narrower than float64 or fell back on, islands it
+        promoted, or, where none, the model's own conditioning at that tensor. [] where none is wide."""
+        wide = sorted((c for c in checks if c.widened > WIDE_NOTE), key=lambda c: -c.widened)
+        if not wide:
+            return []
+        named = ", ".join(f"{c.name} {c.widened:.0f}x" for c in wide[:3]) + (f" and {len(wide) - 3} more" if len(wide) > 3 else "")
+        why = [f"the reference held narrower tensors at {', '.join(sorted(self.narrow))}"] if self.narrow else []
+        why += [f"it ran {', '.join(sorted(self.used))} in {self.low}"] if self.used else []
+        why += [f"float32 islands ({', '.join(sorted(self.promoted))})"] if self.promoted else []
+        why += [] if why else ["no operator of the float64 reference ran narrower: the model's own rounding at that tensor"]
+        return [Check(f"{WIDENED} (over {WIDE_NOTE:g}x the dtype's rounding): {named}; why: {'; '.join(why)}",
+                      0.0, 0.0, True)]

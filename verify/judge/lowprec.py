@@ -15,6 +15,8 @@ import torch
 
 from nnscaler.runtime.precision import PRECISIONS, tensors_device_type
 
+from verify.judge.dtypes import convert, to_dtype
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -77,9 +79,8 @@ def precheck(model: torch.nn.Module, args: tuple, precision: str) -> str | None:
     try:
         with torch.no_grad():
             if precision == "bf16-true":
-                model.to(torch.bfloat16)
-                model(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                        for a in args))
+                to_dtype(model, torch.bfloat16)
+                model(*(convert(a, torch.bfloat16) for a in args))
             else:
                 with torch.autocast(tensors_device_type(model.parameters()), dtype=torch.bfloat16):
                     model(*args)

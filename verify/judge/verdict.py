@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from verify.judge.answer import RankAnswer
 
 MATCH, MISMATCH, ERROR, TIMEOUT, CRASH = "match", "MISMATCH", "error", "timeout", "crash"
+WIDENED = "note: widened bound"  # the check that names bounds far over their dtype's rounding (verify/judge/compare.py)
 UNVERIFIABLE = "unverifiable"  # a random operator: never a match, never a mismatch
 
 
@@ -126,14 +127,15 @@ def worst(checks: list[dict], kind: str) -> dict | None:
     return max(mine, key=ratio)
 
 
-def judge(answers: list[RankAnswer], expected: list[str] | None = None, modules=()
+def judge(answers: list[RankAnswer], expected: list[str | tuple[str, ...]] | None = None, modules=()
           ) -> tuple[str, str, list[dict], str]:
     """Status, detail, merged checks (worst rank per tensor) and a traceback from per-rank answers.
 
     A dead rank (crash, memory cap) outranks everything; then a rank's own exception, with its
     traceback, whatever its peers did (a peer stuck in a collective after the error is a consequence);
     a timeout only when no rank raised and the limit truly passed. A rank that returns no checks, or
-    (given ``expected``) lacks any expected check, fails the case. A mismatching model case names its
+    (given ``expected``; a tuple there: any one of its names) lacks any expected check, fails the case;
+    a matching case's detail is the reasons of its passing ``note: ...`` checks that give one. A mismatching model case names its
     first divergent operator (``modules``: the files that operator's rerun command needs)."""
     for kinds, status in ((("crash", "memory"), CRASH),):
         dead = [a for a in answers if a.failure and a.kind in kinds]
@@ -163,7 +165,8 @@ def judge(answers: list[RankAnswer], expected: list[str] | None = None, modules=
         names = {c["name"] for c in a.result.get("checks", [])}
         if not names:
             return MISMATCH, f"rank {a.rank} returned no checks", [], ""
-        lacking = [n for n in expected or () if n not in names]
+        lacking = [n if isinstance(n, str) else n[0] for n in expected or ()  # a tuple: any one of its names
+                   if (n not in names if isinstance(n, str) else not names.intersection(n))]
         if lacking and not short:
             short = f"rank {a.rank} returned {len(names)} checks and lacks {len(lacking)}: {', '.join(lacking[:3])}"
         for c in a.result["checks"]:
@@ -189,4 +192,8 @@ def judge(answers: list[RankAnswer], expected: list[str] | None = None, modules=
         return MISMATCH, detail, checks, ""
     if short:
         return MISMATCH, short, checks, ""
-    return MATCH, "", checks, ""
+    notes = [f"{c['name'][len('note: '):]}: {c['reason']}" for c in checks  # a note with its reason: said in the row
+             if c["ok"] and c["name"].startswith("note: ") and c.get("reason")]
+    wide = next((c["name"] for c in checks if c["name"].startswith(WIDENED)), "")  # a widened check is never silent
+    notes += [wide.removeprefix("note: ")] if wide else []
+    return MATCH, "; ".join(notes), checks, ""

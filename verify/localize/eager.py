@@ -46,10 +46,10 @@ def eager_step(model: torch.nn.Module, args: tuple) -> tuple[torch.Tensor, dict,
 def program_writes(pm, args: tuple, names: list[str]) -> list[str]:
     """Which of the buffers ``names`` the compiled module ``pm`` writes in one forward on ``args``
     (every rank of its plan calls this: the forward runs its collectives)."""
-    before = {n: t.detach().clone() for n, t in pm.state_dict().items() if n in names}
+    before = {n: t.detach().clone() for n, t in pm.whole_state().items() if n in names}  # non-persistent too
     with torch.no_grad(), same_draws(0, 0):
         pm(*args)
-    return _changed(before, {n: t.detach() for n, t in pm.state_dict().items() if n in names})
+    return _changed(before, {n: t.detach() for n, t in pm.whole_state().items() if n in names})
 
 
 def graph_differs(loss, grads: dict, graph_loss, graph_grads: dict, dtype: torch.dtype) -> tuple[str, float] | None:

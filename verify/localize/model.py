@@ -30,6 +30,8 @@ from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.mesh import RankMesh
 
 from verify.cases.compiled import compile_case
+from verify.cases.batch import cast
+from verify.judge.dtypes import convert, to_dtype
 from verify.models.loader import file_tag
 from verify.judge.compare import Float64Fallback
 from verify.cases.op import op_partition
@@ -92,7 +94,7 @@ def single_program(graph: IRGraph, model: torch.nn.Module, dtype: torch.dtype | 
     state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
     state = {k: v.detach().clone().requires_grad_(isinstance(v, torch.nn.Parameter) and v.requires_grad) for k, v in state.items()}
     if dtype is not None:
-        state = {k: (v.detach().to(dtype).requires_grad_(v.requires_grad) if v.is_floating_point() else v)
+        state = {k: (convert(v.detach(), dtype).requires_grad_(v.requires_grad) if v.is_floating_point() or v.is_complex() else v)
                  for k, v in state.items()}
     return program, state
 
@@ -103,7 +105,7 @@ def single_device(graph: IRGraph, model: torch.nn.Module, args: tuple, dtype: to
     ``fallback`` (the float64 reference's mode: float32 islands promoted, as the case's reference is)."""
     program, state = single_program(graph, model, dtype)
     if dtype is not None:
-        args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+        args = cast(args, dtype)
     if fallback is None:
         return _run(program, state, (None,), args)
     with fallback:
@@ -259,8 +261,8 @@ def localize_model_case(name: str, policy: str, world_size: int, seed: int, grou
     from verify.cases.model import resolve_policy  # model_case imports the gang's worker, which imports this
     dt = DTYPES[dtype]
     case = build_model(name, seed)
-    model = case.model.to(dt)
-    args = tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case.batch(0))
+    model = to_dtype(case.model, dt)
+    args = cast(case.batch(0), dt)
     plan_seed = seed if plan_seed is None else plan_seed
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=plan_seed)
     pm = compile_case(built_like(name, seed, model, dt), args, resolve_policy(policy), config, groups,

@@ -20,6 +20,7 @@ from nnscaler.policies import ComputeConfig
 
 from verify.cases.compiled import compile_case
 from verify.cases.batch import cast
+from verify.judge.dtypes import to_dtype
 from verify.localize.eager import NOT_THE_MODEL
 from verify.localize.model import Localized, divergence, localize_model_case, probed_program, references, single_program
 from verify.localize.tensor_trace import Recorder, compare
@@ -92,7 +93,7 @@ def localize_pipeline_case(name: str, policy: str, world_size: int, seed: int, g
     dt = DTYPES[dtype]
     m = pipeline_microbatches(policy, microbatches)
     case = build_model(name, seed)
-    model = case.model.to(dt)
+    model = to_dtype(case.model, dt)
     micro = cast(case.batch(0), dt)  # the first micro-batch of step 0, the shapes the stages are made for
     config = ComputeConfig(world_size, tp_size=2 if world_size % 2 == 0 else 1, seed=seed, num_microbatches=m)
     pm = compile_case(built_like(name, seed, model, dt), cast(whole_batch(case.batch, 0, m), dt), resolve_policy(policy),

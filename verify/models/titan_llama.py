@@ -4,6 +4,10 @@ embeddings and grouped KV heads, ``w1``/``w2``/``w3`` SwiGLU feed-forward, ``att
 plan applies to it name for name (:mod:`verify.models.torch_plans`). Its forward reshapes heads with
 ``-1`` (local heads under tensor parallelism) and returns the mean cross-entropy of its tokens.
 
+``titan_llama_complex`` keeps the rotary cache as torchtitan does, a complex buffer (``torch.polar``)
+applied by complex multiplication; ``titan_llama`` is its real-arithmetic twin (same parameters and
+numbers, cos and sin as a real buffer).
+
 The vocabulary (101) is deliberately not divisible by 2 or 4: DTensor shards it unevenly."""
 from __future__ import annotations
 
@@ -22,6 +26,19 @@ def rotary(head_dim: int, seq: int) -> torch.Tensor:
     freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     angles = torch.outer(torch.arange(seq).float(), freqs)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def rotary_complex(head_dim: int, seq: int) -> torch.Tensor:
+    """torchtitan's ``precompute_freqs_cis``: ``exp(i * angle)``, complex64 ``(seq, head_dim // 2)``."""
+    rope = rotary(head_dim, seq)
+    return torch.polar(torch.ones_like(rope[..., 0]), torch.atan2(rope[..., 1], rope[..., 0]))
+
+
+def apply_rotary_complex(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """torchtitan's ``apply_rotary_emb``: ``x`` viewed as complex pairs (in float32), times the cache."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    out = torch.view_as_real(xc * freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, -1)).flatten(3)
+    return out.type_as(x)
 
 
 def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -46,7 +63,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # -1: the heads this rank holds
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        rotate = apply_rotary_complex if rope.is_complex() else apply_rotary
+        q, k = rotate(q, rope), rotate(k, rope)
         k, v = k.repeat_interleave(self.n_rep, dim=2), v.repeat_interleave(self.n_rep, dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -80,13 +98,14 @@ class Transformer(nn.Module):
     """The language model: token ids -> logits (no loss; :class:`TitanLM` adds it)."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, kv_heads: int = KV_HEADS,
-                 layers: int = LAYERS, seq: int = SEQ):
+                 layers: int = LAYERS, seq: int = SEQ, complex_rope: bool = False):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleDict({str(i): Block(dim, heads, kv_heads) for i in range(layers)})
         self.norm = nn.RMSNorm(dim, eps=1e-5)
         self.output = nn.Linear(dim, vocab, bias=False)
-        self.register_buffer("rope", rotary(dim // heads, seq), persistent=False)
+        cache = rotary_complex if complex_rope else rotary
+        self.register_buffer("rope", cache(dim // heads, seq), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(ids)
@@ -131,3 +150,9 @@ def titan_llama(seed: int, vocab: int = VOCAB) -> ModelCase:
 def titan_llama_v96(seed: int) -> ModelCase:
     """The same with a vocabulary of 96, divisible by the tensor-parallel degree."""
     return titan_llama(seed, 96)
+
+
+def titan_llama_complex(seed: int) -> ModelCase:
+    """The same with torchtitan's complex rotary cache (a complex64 buffer made by ``torch.polar``)."""
+    torch.manual_seed(seed)
+    return ModelCase(TitanLM(VOCAB, complex_rope=True), lm_batches(VOCAB, seed))

@@ -105,6 +105,7 @@ def plan_rows(gang, case: PlanCase, out_dir: str | os.PathLike, steps: int = 3, 
 
 def cmd_plan(args) -> int:
     from verify.runner.gang import Gang
+    from verify.report.progress import RunProgress
     from verify.report.writer import summary, table
     from verify.runner.worker import load_modules
     for m in args.module:
@@ -125,6 +126,8 @@ def cmd_plan(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.keep or tmp)
         out.mkdir(parents=True, exist_ok=True)
+        print(f"reading {args.path}: {'' if args.as_planned else 'reducing it to 2 ranks per axis, '}building its "
+              f"model and checking its lowering", flush=True)
         case = prepare(args.path, out, args.as_planned, args.precision, args.seed,
                        None if ranks is None else ranks.size)
         red = case.reduced.parallel
@@ -137,8 +140,11 @@ def cmd_plan(args) -> int:
         limit = RunConfig(timeout_s=args.timeout, microbatches=case.config.num_microbatches).limit_s("model", args.steps)
         gang = ranks if ranks is not None else \
             Gang(case.reduced.world, modules, (case.reduced.world,), pg_timeout_s=max(120.0, 2 * limit))
-        with gang:
+        label = f"plan:{case.saved.path.name} {case.label}"
+        with gang, RunProgress(1) as progress:  # as the other commands show theirs (verify/report/progress.py)
+            progress.start(label)
             rows = plan_rows(gang, case, out, args.steps, args.seed, args.timeout, rerun)
+            progress.done(label, rows)
     print(table(rows))
     print(", ".join(f"{v} {k}" for k, v in summary(rows).items()))
     return 0 if rows and all(r.ok for r in rows) else 1

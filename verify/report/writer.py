@@ -26,6 +26,7 @@ from verify.names import OVERWRITE
 
 CASES_FILE = "cases.jsonl"
 LOCK_FILE = ".lock"  # flock'ed by the one run writing the directory, removed when it ends
+DETAIL_WIDTH = 60  # the terminal table's reason column wraps near this many characters (reports keep one line)
 REPORT_FILES = (CASES_FILE, "report.json", "report.md", "junit.xml", "report.html")  # what a run writes
 
 
@@ -35,13 +36,31 @@ def _err(err: float | None, tol: float | None) -> str:
     return f"{err:.2e} / {tol:.2e}"
 
 
-def table(rows: Sequence[Row], with_op: bool = False) -> str:
+def _wrapped(text: str, width: int | None) -> str:
+    """``text`` on lines of about ``width`` characters, broken after its clauses (``; ``) only, so no
+    name, number or phrase is cut (a longer clause keeps its own line); ``None``: as it is."""
+    if not width:
+        return text
+    lines: list[str] = []
+    for clause in text.split("; "):
+        if lines and len(lines[-1]) + 2 + len(clause) <= width:
+            lines[-1] += "; " + clause
+        else:
+            if lines:
+                lines[-1] += ";"
+            lines.append(clause)
+    return "\n".join(lines)
+
+
+def table(rows: Sequence[Row], with_op: bool = False, wrap: int | None = DETAIL_WIDTH) -> str:
     """One line per (world size, partition): errors against tolerances, status, and for a failure the
-    first mismatching tensor and the command that reruns the row alone."""
+    first mismatching tensor and the command that reruns the row alone. ``wrap``: the reason's
+    width, its text on as many lines as it needs (:func:`_wrapped`) (the terminal's; ``None``: one line, as in report.md)."""
     headers = (["op"] if with_op else []) + ["W", "partition", "seed", "output err / tol", "grad err / tol",
                                              "status", "first mismatch / reason", "rerun"]
     body = [([r.op] if with_op else []) + [r.world_size or "-", r.partition, r.seed, _err(r.out_err, r.out_tol),
-                                            _err(r.grad_err, r.grad_tol), r.status, r.detail, r.rerun]
+                                            _err(r.grad_err, r.grad_tol), r.status,
+                                            _wrapped(r.detail, wrap), r.rerun]
             for r in rows]
     return tabulate(body, headers=headers, tablefmt="github")
 
@@ -346,7 +365,7 @@ def markdown(rows: Sequence[Row], ops: "OrderedDict[str, list[Row]]", meta: dict
              "trains the model under a plan against one device (loss, every gradient, every update, checkpoint "
              "resumes); within the tolerance policy of `verify/judge/compare.py`.", ""]
     if failed:
-        lines += ["## Failures", "", table(failed, with_op=True), ""]
+        lines += ["## Failures", "", table(failed, with_op=True, wrap=None), ""]
     lines += ["## Operators", ""]
     body = [[name, rs[0].family, f"`{rs[0].annotation}`", len(rs), sum(r.ok for r in rs), len(rs) - sum(r.ok for r in rs),
              sum(r.cached for r in rs)] for name, rs in ops.items()]

@@ -13,9 +13,10 @@ import json
 import re
 from pathlib import Path
 from statistics import median
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from verify.sweep.selection import Unit
+if TYPE_CHECKING:  # annotations only: ``--shard`` is parsed without torch (verify/argcheck.py)
+    from verify.sweep.selection import Unit
 
 TIMES = Path(__file__).resolve().parents[1] / "unit_seconds.json"  # label -> seconds, from a recorded run
 DEFAULT_SECONDS = {"op": 1.0, "model": 3.0, "torchpar": 5.0}  # a unit the record does not hold

@@ -182,3 +182,8 @@ def _collectives():
 def _draws():
     from verify.cases import draws
     return draws
+
+
+def _precision_record():
+    from verify.cases import precision_record
+    return precision_record

@@ -243,6 +243,15 @@ def expected_checks_ignored():
     wrap(_verdict(), "judge", lambda orig: lambda answers, expected=None, modules=(): orig(answers, None, modules))
 
 
+@mutant(f"{VERDICT}:judge", ["tests/harness/test_model_verdict.py::"
+                             "test_the_reload_check_is_the_first_plan_that_fits_or_a_note_saying_why_none_does"])
+def reload_under_another_plan_not_required():
+    """A rank that returns no reload of the checkpoint under another plan (none of the alternatives
+    of the first plan that fits, nor the note that none does) does not fail the row."""
+    wrap(_verdict(), "judge", lambda orig: lambda answers, expected=None, modules=(): orig(
+        answers, None if expected is None else [n for n in expected if isinstance(n, str)], modules))
+
+
 @mutant(f"{VERDICT}:judge", [f"{RULES}::test_a_check_failing_on_one_rank_fails_the_row"])
 def only_rank_zero_judged():
     """Only rank 0's checks are judged."""
@@ -307,3 +316,12 @@ def localize_backward_first():
     """Localisation looks at gradients before forward values."""
     patch(_tensor_trace().Trace, "first", property(lambda self: next(
         (e for e in sorted(self.entries, key=lambda e: e.direction != "backward") if not e.check.ok), None)))
+
+
+@mutant("verify/cases/resume.py:zero_plan_b",
+        ["tests/compiler/test_zero.py::test_a_zero_checkpoint_resumes_into_a_plan_that_shards_its_optimizer_state"])
+def zero_resume_unsharded():
+    """A ZeRO checkpoint resumes into plan B without ZeRO (every moment loaded whole: a sharded load that
+    cuts the state wrong is never exercised)."""
+    R = _resume()
+    patch(R, "zero_plan_b", lambda policy, world_size, zero: (*R.plan_b(policy, world_size), 0))

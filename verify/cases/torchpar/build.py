@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from verify.cases.fresh import load_like
+from verify.judge.dtypes import to_dtype
 from verify.api import Parallelized, unpack
 from verify.models.loader import ModelNotFound, build_model, import_file
 
@@ -39,7 +40,7 @@ def parallel_model(model_ref: str, fn_ref: str, seed: int, dt: torch.dtype, mesh
     """``fn`` applied to model ``model_ref`` built afresh in ``dt``; with ``(case, twin)``: the case (its
     batches) and the single-device model built afresh holding the same initial state."""
     case = build_model(model_ref, seed)
-    case.model.to(dt)
-    ref = build_model(model_ref, seed).model.to(dt)
+    to_dtype(case.model, dt)
+    ref = to_dtype(build_model(model_ref, seed).model, dt)
     load_like(ref, case.model)
     return unpack(find_fn(fn_ref)(case.model, mesh), fn_ref), (case, ref)

@@ -23,6 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast
+from verify.judge.dtypes import convert_state, to_dtype
 from verify.cases.fresh import load_like
 from verify.cases.step_checks import LR, step_checks
 from verify.cases.reference import reference_grads
@@ -96,7 +97,7 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
     mesh = build_mesh(names, sizes, groups)
     par, (case, ref) = parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
     whole = Whole(par.module)
-    ref64 = load_like(build_model(job["model"], job["seed"]).model.double(), ref)
+    ref64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), ref)
     params = dict(ref.named_parameters())
     got = [n for n, _ in par.module.named_parameters()]
     if sorted(got) != sorted(params):
@@ -118,7 +119,7 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
         bad = [c for c in bad if not c.ok]
         checks.append(Check(f"load step {step}", 0.0 if not bad else float("inf"), 0.0, not bad,
                             f"{bad[0].name}: {bad[0].reason}" if bad else ""))
-        ref64.load_state_dict({k: v.double() for k, v in point.items()}, strict=False)
+        ref64.load_state_dict(convert_state(point, torch.float64), strict=False)
         loss = _step(par, args, mesh)
         loss_ref = ref(*args)
         loss_ref.backward()
@@ -132,7 +133,7 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
         checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw)
     if job.get("checkpoint", True):
         checks += resume_checks(job, par, opts[0], mesh, dt, case, groups)
-    return checks + fallback.notes(dtype)
+    return checks + fallback.notes(dtype, checks)
 
 
 def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case, groups: GroupCache) -> list[Check]:
@@ -152,7 +153,7 @@ def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case
     dcp.save({"model": get_model_state_dict(par.module), "optim": get_optimizer_state_dict(par.module, opt)},
              checkpoint_id=path, process_group=everyone)
     dist.barrier(group=everyone)
-    single = build_model(job["model"], job["seed"]).model.to(dt)
+    single = to_dtype(build_model(job["model"], job["seed"]).model, dt)
     single_opt = torch.optim.AdamW(single.parameters(), lr=opt.defaults["lr"])
     state = {"model": get_model_state_dict(single), "optim": get_optimizer_state_dict(single, single_opt)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -166,7 +167,7 @@ def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case
                for n, st in saved_moments.items() for k, t in st.items()]
     # one more step from the checkpoint: the resumed run is the reference of the parallel run's
     args = cast(case.batch(steps), dt)
-    single64 = load_like(build_model(job["model"], job["seed"]).model.double(), single)
+    single64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), single)
     params = dict(single.named_parameters())
     point = {n: p.detach().clone() for n, p in params.items()}
     loss = _step(par, args, mesh)

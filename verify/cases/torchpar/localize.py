@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from verify.cases.batch import cast
+from verify.judge.dtypes import to_dtype
 from verify.cases.fresh import load_like
 from verify.cases.samples import DTYPES
 from verify.cases.torchpar.build import parallel_model
@@ -207,7 +208,7 @@ def localize_torchpar(job: dict, groups) -> Divergence | str:
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
     mesh = build_mesh(names, sizes, groups)
     par, (case, ref) = parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
-    ref64 = load_like(build_model(job["model"], job["seed"]).model.double(), ref)
+    ref64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), ref)
     args = cast(case.batch(0), dt)
     local = dp_slice(args, mesh)
     dev = _run(ref, dp_slice(args, mesh))
