@@ -9,8 +9,8 @@ import importlib
 _HOMES = {
     ".compile.artifacts": ("GenSaveDirError",),
     ".compile.gate": ("UnverifiedPlanWarning", "Verifier"),
-    ".compile.parallelize": ("parallelize",),
-    ".compile.plan": ("PlanWarning", "plan_model"),
+    ".cluster.autodist": ("parallelize", "plan_model"),  # autodist at every scale, else the compiler's own
+    ".compile.plan": ("PlanWarning",),
     ".config": ("ComputeConfig", "PlanError"),
     ".dimops": ("AnnotationError", "Partition", "bind", "enumerate_partitions", "op_layout", "parse"),
     ".ir.plan": ("Plan",),

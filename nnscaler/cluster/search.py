@@ -231,10 +231,11 @@ def search(shape: ModelShape, config: ComputeConfig, name: str = "model") -> Clu
     if best is None:
         assert least is not None
         need = least.memory["peak"]
-        raise PlanError(f"the model cannot fit in {human(least.budget)} per rank on {world} x {profile.name}"
+        limit = f"mem_budget={human(least.budget)}" if budget is not None else f"the device's {human(least.budget)}"
+        raise PlanError(f"the model cannot fit in {limit} per rank on {world} x {profile.name}"
                         f"{' under constraints ' + str(cons) if cons else ''}: the smallest reachable is {human(need)} "
                         f"per rank ({_short(least.parallel)}); nearest feasible: about "
-                        f"{_more_ranks(world, need, least.budget)} ranks, or a budget of {human(need)}")
+                        f"{_more_ranks(world, need, least.budget)} ranks, or mem_budget={human(need)}")
     return ClusterPlan(name, world, profile.name, config.precision, gb, shape, best, considered, feasible,
                        time.perf_counter() - start, cons)
 

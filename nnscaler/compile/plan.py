@@ -1,7 +1,8 @@
 """From a model to a checked plan: trace, name tied parameters once, run the policy (the only place a
 policy is called and its result checked), attach the cost estimate every plan carries
-(``Plan.summary()`` / ``Plan.report()``); and ``nnscaler.plan_model``, all of that for any number of
-ranks without a process group."""
+(``Plan.summary()`` / ``Plan.report()``); and :func:`plan_model`, all of that for any number of ranks
+without a process group (``nnscaler.plan_model`` is it, with ``"autodist"`` also planning at cluster
+scale: :mod:`nnscaler.cluster.autodist`)."""
 from __future__ import annotations
 
 import json

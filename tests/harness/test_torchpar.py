@@ -15,7 +15,7 @@ from verify.rows.torchpar_builtin import CASES, TITAN, plan, run_builtin
 from verify.cases.torchpar.mesh import parse_mesh
 from verify.rows.torchpar import run_torchpar
 from verify.cli import main
-from verify.judge.verdict import MATCH, MISMATCH
+from verify.judge.verdict import ERROR, MATCH, MISMATCH
 
 ROOT = Path(__file__).parents[2]
 FAST = {("titan_tp", 2), ("fsdp", 2), ("fsdp_tp", 4), ("hf_llama_tp_auto", 2)}
@@ -46,6 +46,42 @@ def test_known_wrong_plans_are_caught_and_localised(gang, case, tmp_path):
     assert raw.rerun.startswith("python -m verify model ") and "--parallelize" in raw.rerun
     row = _row(gang, case, tmp_path)
     assert row.status == MATCH and row.detail.startswith("caught as expected"), row.detail
+
+
+USER = str(Path(__file__).parents[1] / "fixtures" / "torchpar_user.py")
+
+
+def test_activation_checkpointing_as_torchtitan_applies_it_verifies(gang, tmp_path):
+    """``checkpoint_wrapper`` inserts ``_checkpoint_wrapped_module.`` into every name below it; the
+    names are read as torch's state-dict code reads them, so the row trains, resumes and matches."""
+    (row,) = run_torchpar(gang, TITAN, USER + ":fsdp_checkpointed", parse_mesh("dp"), RunConfig(world_sizes=(2,)),
+                          str(tmp_path), steps=2)
+    assert row.status == MATCH, row.detail
+
+
+def test_a_resume_that_raises_keeps_the_training_checks(gang, tmp_path):
+    """The row is an error naming the resume, and the training checks made before it stay in the row."""
+    (row,) = run_torchpar(gang, TITAN, USER + ":resume_raises", parse_mesh("dp"), RunConfig(world_sizes=(2,)),
+                          str(tmp_path), steps=2)
+    assert row.status == ERROR, row.detail
+    assert "the checkpoint resume raised RuntimeError: 'FusedQKVLinear' object has no attribute 'wq'" in row.detail
+    assert re.search(r"before it, (\d+) of \1 checks passed", row.detail), row.detail
+    assert row.grad_err is not None and row.grad_err <= row.grad_tol, (row.grad_err, row.grad_tol)
+
+
+def test_fsdp_as_torchtitan_ships_it_verifies_on_gloo(gang, tmp_path):
+    """Gradient division disabled (a PREMUL_SUM reduce-scatter, which gloo lacks): the reductions run as
+    sums with the scaling apart, each rank's loss is normalised as torchtitan's loop does, and it matches."""
+    (row,) = run_torchpar(gang, TITAN, USER + ":fsdp_undivided", parse_mesh("dp"), RunConfig(world_sizes=(2,)),
+                          str(tmp_path), steps=2)
+    assert row.status == MATCH, row.detail
+    assert "on gloo" in row.detail and "loss scaled by 1/2" in row.detail, row.detail
+
+
+def test_fsdp_gradients_divided_twice_are_caught(gang, tmp_path):
+    (row,) = run_torchpar(gang, TITAN, USER + ":fsdp_divided_twice", parse_mesh("dp"), RunConfig(world_sizes=(2,)),
+                          str(tmp_path), steps=1, checkpoint=False)
+    assert row.status == MISMATCH and "grad" in row.detail, row.detail
 
 
 def test_a_plan_that_forgets_to_average_over_dp_is_caught(gang, tmp_path):

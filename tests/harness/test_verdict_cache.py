@@ -75,6 +75,28 @@ def test_every_field_of_the_recipe_is_in_the_key(tmp_path):
         assert VerdictCache(tmp_path, cfg, registry).key(unit) != key, f"recipe field {f.name} is not in the key"
 
 
+# RunConfig fields that change no program, or that the unit itself carries: every other field keys verdicts
+NOT_IN_KEY = {"world_sizes": "the unit's own", "seeds": "the unit's own", "timeout_s": "a limit, not the program",
+              "recipe": "every field keyed one by one (test above)", "modules": "keyed by content (test above)"}
+
+
+def test_every_field_of_the_run_config_that_changes_a_program_is_in_the_key(tmp_path):
+    """A setting left out of the key reuses verdicts made under another setting (a cluster plan's lowered
+    layout, a dtype, a partition): each field of RunConfig off its default gives another key, unless
+    :data:`NOT_IN_KEY` says why it need not (a new field is covered without touching this test)."""
+    other = {"layout": (("tp_size", 4),), "dtype": "float64", "partition": "b=2", "base_override": 3,
+             "node": ("nanogpt", "relu")}
+    unit = Unit("model", "nanogpt", "dp", (2,), (0,))
+    registry = load_modules(())
+    key = VerdictCache(tmp_path, RunConfig(world_sizes=(2,)), registry).key(unit)
+    for f in fields(RunConfig):
+        if f.name in NOT_IN_KEY:
+            continue
+        assert f.name in other, f"RunConfig.{f.name}: say whether it changes a program (key it) or why not (NOT_IN_KEY)"
+        cfg = replace(RunConfig(world_sizes=(2,)), **{f.name: other[f.name]})
+        assert VerdictCache(tmp_path, cfg, registry).key(unit) != key, f"RunConfig.{f.name} is not in the key"
+
+
 def test_a_saved_plan_unit_reruns_when_its_plan_file_changes(tmp_path, tree):
     plan = tree / "verify" / "plans" / "p.json"
     plan.parent.mkdir(exist_ok=True)

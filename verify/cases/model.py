@@ -6,6 +6,7 @@ device and under another plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +20,7 @@ from verify.cases.batch import cast
 from verify.cases.compiled import compile_case
 from verify.cases.draws import check_draws, same_draws
 from verify.cases.fresh import built_like
+from verify.cases.kinks import KinkSides, rescue, step_flips
 from verify.cases.memory import MemoryLog
 from verify.cases.microbatch import loss_fn_of, one_device_loss
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
@@ -176,6 +178,17 @@ class WholeModel:
         grads, grads64 = reference_grads(dict(ref.named_parameters()), ref64)
         return require_finite(dict(out, grads=grads, grads64=grads64), step)
 
+    def kinks(self, models, args: tuple, step: int, fallback: Float64Fallback, reference: SharedReference):
+        """Where a gradient check of the step fails: values within rounding of a kink explained
+        (:func:`verify.cases.kinks.rescue`; ``models`` computed on the reference's rank); none under a
+        low precision."""
+        if Precision.of(self.t.recipe).active:
+            return None
+        seed, clip = self.t.seed, self.t.recipe.clip_grad_norm
+        return partial(rescue, step=step, reference=reference,
+                       contributions=lambda: step_flips(models[0], models[1], self.loss, args, fallback,
+                                                        lambda: same_draws(seed, step), clip))
+
     def reloads(self, t: Training, pm, reference: SharedReference, fallback: Float64Fallback) -> list[Check]:
         return _reload_checks(t.name, self.policy, pm, cast(t.case.batch(t.steps), t.dt), t.groups, t.gen_dir,
                               t.world_size, t.seed, t.dt, fallback, t.recipe.bucket_bytes, t.traces,
@@ -188,10 +201,11 @@ class WholeModel:
 def _losses(ref, ref64, args: tuple, seed: int, step: int, fallback: Float64Fallback, run) -> tuple:
     """The loss of ``ref`` and of ``ref64`` (under ``fallback``) on ``args`` by ``run(model, args)``,
     each from the step's draws, backward run."""
-    with same_draws(seed, step), fallback.draws.recording():  # micro-batched: one device runs the same micro-batches
+    sides = KinkSides(fallback)  # float64 takes the run's side of a kink where within rounding (verify/cases/kinks.py)
+    with same_draws(seed, step), fallback.draws.recording(), sides.record():  # micro-batched: the same micro-batches
         loss_ref = run(ref, args)
     loss_ref.backward()
-    with fallback, same_draws(seed, step):
+    with fallback, same_draws(seed, step), sides.follow():
         loss64 = run(ref64, cast(args, torch.float64))
         loss64.backward()
     return loss_ref, loss64

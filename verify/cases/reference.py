@@ -82,14 +82,14 @@ def _state(fallback: Float64Fallback | None):
     if fallback is None:
         return None
     return sorted(fallback.used), sorted(fallback.promoted), fallback.spreads.rel, \
-        list(fallback.draws.problems), sorted(fallback.draws.redrawn)
+        list(fallback.draws.problems), sorted(fallback.draws.redrawn), fallback.kinks_followed
 
 
 def _adopt(fallback: Float64Fallback | None, state) -> None:
     """``fallback`` takes the computing rank's state (its spread record in place: a resumed phase shares it)."""
     if fallback is None or state is None:
         return
-    used, promoted, rel, problems, redrawn = state
+    used, promoted, rel, problems, redrawn, fallback.kinks_followed = state
     fallback.used, fallback.promoted = set(used), set(promoted)
     fallback.draws.problems[:], fallback.draws.redrawn = list(problems), set(redrawn)
     fallback.spreads.rel.clear()

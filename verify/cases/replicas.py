@@ -158,6 +158,9 @@ class MeanOfShares:
         return require_finite({"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads,
                                "grads64": grads64}, step)
 
+    def kinks(self, *_) -> None:  # kinks are not explained for replicas
+        return None
+
     def reloads(self, *_) -> list[Check]:
         return []
 

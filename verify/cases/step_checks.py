@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from verify.judge.compare import Check, check_tensor, check_update
 
 LR = 1e-2
@@ -58,7 +60,7 @@ def installed(pm, point: dict, step: int) -> Check:
 
 
 def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, opts: list, step: int,
-                widen: float, kw: dict) -> list[Check]:
+                widen: float, kw: dict, kinks: Callable | None = None) -> list[Check]:
     """The checks of one training step after its backward: the gradient of every parameter of the
     single-device model (its gradients in the recipe's dtype ``grads_ref`` and in float64 ``grads64``,
     by name), then AdamW on one device applied to the parallel gradients from ``point`` (in
@@ -66,11 +68,18 @@ def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, o
     a clipping recipe the parallel gradients are the clipped ones already (checked against the
     single-device clipped gradients), so the shadow steps them as they are: clipping them again would
     scale them by ``max / (max + 1e-6)`` once more, an update error of ``lr * 1e-6 / max`` where
-    AdamW's ``eps`` is of the gradient's size (a false alarm at ``max = 0.1``)."""
+    AdamW's ``eps`` is of the gradient's size (a false alarm at ``max = 0.1``). ``kinks(checks, grads,
+    judge)``: where the gradient checks failed, their verdict with values near a kink explained
+    (:func:`verify.cases.kinks.rescue`); every rank of the case calls it."""
     grads = pm.whole_grads()
     scale = max((float(g.abs().max()) for g in grads64.values() if g is not None), default=0.0)
-    checks = [check_tensor(f"grad {n} step {step}", grads.get(n), g, grads64[n], scale=scale, **kw)
-              for n, g in grads_ref.items()]
+
+    def judge(n: str, got) -> Check:
+        return check_tensor(f"grad {n} step {step}", got, grads_ref[n], grads64[n], scale=scale, **kw)
+
+    checks = [judge(n, grads.get(n)) for n in grads_ref]
+    if kinks is not None:
+        checks = kinks(checks, {n: grads.get(n) for n in grads_ref}, judge)
     for n, t in shadow.items():
         t.copy_(point[n])
         t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()

@@ -234,7 +234,8 @@ def train(t: Training, compiler, feed: WholeBatch, stepper, one) -> list[Check]:
     """Every check of training case ``t``, compiled by ``compiler``, fed by ``feed``, stepped by
     ``stepper``, against what ``one`` computes on one device (``one.step``), in order: the initial
     state (where ``one.initial``), per step the point installed, the loss (``one.loss_name``), the
-    clipped norm (where one device gives ``norm``), every gradient and parameter; then (``t.checkpoint``)
+    clipped norm (where one device gives ``norm``), every gradient (a failing one explained by values
+    near a kink where ``one.kinks`` gives the means) and parameter; then (``t.checkpoint``)
     ``one.reloads`` and the resume; ``one.finish``; the fallback's notes. The recipe's precision is
     recorded around each parallel step and its checks (:mod:`verify.cases.precision_record`) come first. A point that does not load
     ends the case there where ``one.tolerant`` (its checks go missing), else raises."""
@@ -271,7 +272,8 @@ def train(t: Training, compiler, feed: WholeBatch, stepper, one) -> list[Check]:
             norm = pm.last_grad_norm
             checks.append(check_tensor(f"grad norm step {step}", None if norm is None else norm.detach().reshape(()),
                                        got["norm"], got["norm64"], **kw))
-        checks += step_checks(pm, got["grads"], got["grads64"], shadow, point, opts, step, widen, kw)
+        kinks = one.kinks(models, feed.theirs(args), step, fallback, reference)  # values near a kink explained
+        checks += step_checks(pm, got["grads"], got["grads64"], shadow, point, opts, step, widen, kw, kinks)
         if reference.computes:  # AdamW on one device: the next step's point
             models[3].step()
             models[3].zero_grad()

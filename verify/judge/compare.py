@@ -124,6 +124,16 @@ promoted operators. A logic error still gives errors of the order of the values.
 draw (before: a model adding ``0.1 * randn_like(h)`` drew other numbers in float64, up to 4.9 apart, and
 its bounds grew ~300x, to ~1e-1, absorbing a wrong partition). A draw that cannot be made equal makes
 the row ``unverifiable`` (:func:`verify.cases.draws.check_draws`).
+
+**Kinks.** A value within rounding of a kink (``relu``, ``clamp``, ``abs``, ``maximum``/``minimum``, a
+comparison) may land on either side, moving every gradient downstream by a whole term. The float64
+reference takes the run's side there (:class:`verify.cases.kinks.KinkFollow`, as draws are replayed), so
+one device's own flip never widens a bound (before: the kink fixture models' gradient bounds grew
+5e3-3e5x on 15 seeds of 30 at tp W=2, to ~4e-2). A parallel program that lands elsewhere fails its step
+unless some of the step's near-kink values, each put alone on the other side of one device's run,
+explain its gradients exactly (:mod:`verify.judge.kinks`): their contributions are taken off and every
+gradient must then meet its unchanged bound; the row says how many (before: a correct tp program at W=4
+was a MISMATCH localised to ``relu`` on 3 seeds of 20).
 """
 from __future__ import annotations
 
@@ -317,6 +327,7 @@ class Float64Fallback(TorchDispatchMode):
         self.promoted: set[str] = set()
         self.narrow: dict[str, str] = {}  # operator -> the narrower-than-float64 dtype it was handed in the reference
         self.draws = DrawRecord()  # the run's draws: record them around it with ``draws.recording()``
+        self.kinks_followed = 0  # the most near-kink values of a step the reference put on the run's side (verify/cases/kinks.py)
         self._default: list[torch.dtype] = []
 
     def __enter__(self):
@@ -391,6 +402,10 @@ class Float64Fallback(TorchDispatchMode):
         if self.narrow:
             out.append(Check("note: float64 reference held narrower tensors at " + ", ".join(
                 f"{op} ({dt})" for op, dt in sorted(self.narrow.items())), 0.0, 0.0, True))
+        if self.kinks_followed:
+            out.append(Check("note: kinks followed", 0.0, 0.0, True,
+                             f"the float64 reference took the run's side of a kink at values within rounding of it "
+                             f"({self.kinks_followed} at most in a step)"))
         if self.draws.redrawn:
             out.append(Check(f"note: float64 reference drew random numbers in the run's dtype "
                              f"({', '.join(sorted(self.draws.redrawn))})", 0.0, 0.0, True))

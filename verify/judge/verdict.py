@@ -17,6 +17,15 @@ class Unverifiable(Exception):
     numbers: each rank's shard gets its own); the row is ``unverifiable``, never a mismatch."""
 
 
+class RaisedAfter(Exception):
+    """A case that raised (``cause``) after it had made ``checks`` (a resume that failed after the training
+    checks): the row is an ``error`` naming the cause, and keeps those checks, so nothing computed is lost."""
+
+    def __init__(self, checks: list, cause: BaseException, where: str):
+        super().__init__(f"{where} raised {type(cause).__name__}: {cause}")
+        self.checks, self.cause, self.where = checks, cause, where
+
+
 def check_deterministic(graph, why: str) -> None:
     """Raise :class:`Unverifiable` naming the operators of ``graph`` that draw random numbers, which
     cannot equal one device's draws because the ranks see the batch in pieces (``why``)."""
@@ -127,6 +136,18 @@ def worst(checks: list[dict], kind: str) -> dict | None:
     return max(mine, key=ratio)
 
 
+def _merged(answers: list[RankAnswer]) -> list[dict]:
+    """The checks of ``answers``, one per name in first-seen order: the worst rank's (a failing one first)."""
+    merged: dict[str, dict] = {}
+    for a in answers:
+        for c in a.result.get("checks", []):
+            c = dict(c, rank=a.rank)
+            old = merged.get(c["name"])
+            if old is None or (not c["ok"] and old["ok"]) or (c["ok"] == old["ok"] and c["err"] > old["err"]):
+                merged[c["name"]] = c
+    return list(merged.values())
+
+
 def judge(answers: list[RankAnswer], expected: list[str | tuple[str, ...]] | None = None, modules=()
           ) -> tuple[str, str, list[dict], str]:
     """Status, detail, merged checks (worst rank per tensor) and a traceback from per-rank answers.
@@ -150,7 +171,12 @@ def judge(answers: list[RankAnswer], expected: list[str | tuple[str, ...]] | Non
         peers = sorted(b.rank for b in answers if b.failure)
         note = f" (ranks {peers} then gave no answer)" if peers else ""
         also = f"; the same on ranks {same}" if same else ""
-        return ERROR, f"rank {a.rank}: {a.result['error']}{also}{other}{note}", [], a.result.get("traceback", "")
+        made = _merged([b for b in errors if b.result.get("checks")])  # what the ranks checked before they raised
+        passed = f"; before it, {sum(c['ok'] for c in made)} of {len(made)} checks passed" if made else ""
+        first = next((c for c in made if not c["ok"]), None)
+        failed = f" (first failing: {first['name']} on rank {first['rank']}: {first['reason']})" if first else ""
+        return ERROR, f"rank {a.rank}: {a.result['error']}{also}{other}{note}{passed}{failed}", made, \
+            a.result.get("traceback", "")
     late = [a for a in answers if a.failure]
     if late:
         more = f" (and ranks {[b.rank for b in late[1:]]})" if len(late) > 1 else ""
@@ -158,8 +184,6 @@ def judge(answers: list[RankAnswer], expected: list[str | tuple[str, ...]] | Non
     unverifiable = next((a.result["unverifiable"] for a in answers if a.result.get("unverifiable")), None)
     if unverifiable:
         return UNVERIFIABLE, unverifiable, [], ""
-    merged: dict[str, dict] = {}
-    order: list[str] = []
     short = ""
     for a in answers:
         names = {c["name"] for c in a.result.get("checks", [])}
@@ -169,16 +193,7 @@ def judge(answers: list[RankAnswer], expected: list[str | tuple[str, ...]] | Non
                    if (n not in names if isinstance(n, str) else not names.intersection(n))]
         if lacking and not short:
             short = f"rank {a.rank} returned {len(names)} checks and lacks {len(lacking)}: {', '.join(lacking[:3])}"
-        for c in a.result["checks"]:
-            c = dict(c, rank=a.rank)
-            if c["name"] not in merged:
-                order.append(c["name"])
-                merged[c["name"]] = c
-            else:
-                old = merged[c["name"]]
-                if (not c["ok"] and old["ok"]) or (c["ok"] == old["ok"] and c["err"] > old["err"]):
-                    merged[c["name"]] = c
-    checks = [merged[n] for n in order]
+    checks = _merged(answers)
     bad = next((c for c in checks if not c["ok"]), None)
     if bad:
         detail = f"{bad['name']} on rank {bad['rank']}: {bad['reason']}"

@@ -18,6 +18,7 @@ from verify.judge.row import Row
 from verify.cases.torchpar.build import ParallelizeNotFound, find_fn
 from verify.api import ParallelizeError, unpack
 from verify.cases.torchpar.mesh import DP, MeshSpecError, mesh_shape, parse_mesh
+from verify.cases.torchpar.names import named_parameters
 from verify.judge.verdict import MATCH, judge, worst
 from verify.models.loader import build_model
 from verify.runner.gang import Gang
@@ -62,7 +63,7 @@ def check_parallelize(model: str, fn_ref: str, mesh_spec: str, world_sizes) -> t
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ParallelizeError(f"--parallelize {fn_ref}: fn(model, mesh) raised {type(exc).__name__}: {text} "
                                    f"(on a {mesh_label(names, sizes)} mesh)") from None
-        got = sorted(n for n, _ in par.module.named_parameters())
+        got = sorted(n for n, _ in named_parameters(par.module))
         if got != want:
             lost = sorted(set(want) - set(got))[:3]
             raise ParallelizeError(f"--parallelize {fn_ref}: the module it returns lacks parameters of the model "

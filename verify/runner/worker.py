@@ -16,7 +16,7 @@ import torch.distributed as dist
 from nnscaler.ops.registry import DEFAULT_REGISTRY, OpRegistry
 from nnscaler.runtime.mesh import GroupCache, mesh_shapes
 
-from verify.judge.verdict import Divergence, Unverifiable
+from verify.judge.verdict import Divergence, RaisedAfter, Unverifiable
 from verify.kinds import kind_of
 from verify.kinds.registry import CaseKind
 from verify.runner import isolation
@@ -85,6 +85,11 @@ def handle(state: RankState, job: dict) -> dict:
         if case.localizes and "checks" in result:
             result = _localized(case, result, state)
         return dict(result, seconds=time.perf_counter() - start)
+    except RaisedAfter as exc:  # an error that keeps the checks made before it
+        cause = exc.cause
+        return {"error": f"{exc.where} raised {_short(cause)}", "error_type": type(cause).__name__,
+                "traceback": "".join(traceback.format_exception(cause)), "checks": [c.__dict__ for c in exc.checks],
+                "seconds": time.perf_counter() - start}
     except Unverifiable as exc:  # a program that draws random numbers: never a match, never a mismatch
         return {"unverifiable": str(exc), "seconds": time.perf_counter() - start}
     except BaseException as exc:  # a failing case is a result, never a dead rank

@@ -149,7 +149,8 @@ class VerdictCache:
                         "python": platform.python_version(), "dtype": cfg.dtype,
                         "recipe": asdict(cfg.recipe),  # every field: a new recipe option keys the verdicts too
                         "base": cfg.base_override,
-                        "partition": cfg.partition, "modules": [file_hash(Path(m)) for m in cfg.modules]}
+                        "partition": cfg.partition, "modules": [file_hash(Path(m)) for m in cfg.modules],
+                        "layout": [list(kv) for kv in cfg.layout], "node": cfg.node}
         self.hits = self.misses = 0
         self._hashes: dict[Path, str] = {}  # each file read once per run
 

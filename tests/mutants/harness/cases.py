@@ -1,7 +1,8 @@
 """Harness mutants of what a case measures: the tie-flip samples of the bf16 spread
 (``verify/cases/spread.py``), the equal random draws of a step and the rows that must stay unverifiable
 (``verify/cases/draws.py``, ``verify/judge/verdict.py``), the torch-parallelization path's batch slicing
-(``verify/cases/torchpar/mesh.py``) and the blocked layouts' backward (``nnscaler/runtime/collectives.py``)."""
+(``verify/cases/torchpar/mesh.py``, wrapper prefixes in its names ``names.py``), an error that keeps its checks
+(``verify/judge/verdict.py:RaisedAfter``) and the blocked layouts' backward (``nnscaler/runtime/collectives.py``)."""
 from __future__ import annotations
 
 import torch
@@ -64,3 +65,48 @@ def draws_not_replayed():
 def drawing_model_judged_in_pieces():
     """A model that draws is judged under micro-batches, where each piece draws its own mask."""
     patch(_verdict(), "check_deterministic", lambda graph, why: None)
+
+
+@mutant("verify/judge/verdict.py:RaisedAfter", ["tests/harness/test_torchpar.py::test_a_resume_that_raises_keeps_the_training_checks"])
+def raised_after_drops_checks():
+    """A case that raises after its training checks loses them: the row holds only the error."""
+    cls = _verdict().RaisedAfter
+    orig = cls.__init__
+
+    def __init__(self, checks, cause, where):
+        orig(self, [], cause, where)
+    patch(cls, "__init__", __init__)
+
+
+@mutant("verify/cases/torchpar/names.py:model_name",
+        ["tests/harness/test_torchpar.py::test_activation_checkpointing_as_torchtitan_applies_it_verifies"])
+def wrapper_prefixes_kept():
+    """Parameter names keep ``checkpoint_wrapper``'s prefix: activation checkpointing as torchtitan applies it is refused."""
+    from verify.cases.torchpar import names
+    patch(names, "model_name", lambda name: name)
+
+
+def _fsdp():
+    from verify.cases.torchpar import fsdp
+    return fsdp
+
+
+@mutant("verify/cases/torchpar/fsdp.py:loss_scale",
+        ["tests/harness/test_torchpar.py::test_fsdp_gradients_divided_twice_are_caught"])
+def fsdp_any_divide_factor_compensated():
+    """Whatever FSDP2's gradient divide factor, the loss is scaled to compensate it: a program dividing wrongly matches."""
+    def loss_scale(module):
+        found = {(g.gradient_divide_factor, _fsdp()._dp_size(g)) for g in _fsdp()._groups(module)
+                 if g.gradient_divide_factor is not None}
+        if not found:
+            return 1.0, ""
+        factor, dp = next(iter(found))
+        return factor / dp, ""
+    patch(_fsdp(), "loss_scale", loss_scale)
+
+
+@mutant("verify/cases/torchpar/fsdp.py:loss_scale",
+        ["tests/harness/test_torchpar.py::test_fsdp_as_torchtitan_ships_it_verifies_on_gloo"])
+def fsdp_undivided_loss_unscaled():
+    """A program with FSDP's gradient division disabled is trained with an unscaled loss: a right program fails."""
+    patch(_fsdp(), "loss_scale", lambda module: (1.0, ""))

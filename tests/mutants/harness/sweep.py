@@ -35,6 +35,11 @@ for _field, _owner in CONTEXT.items():
            [f"{RULES}::test_every_setting_that_changes_a_program_is_in_the_cache_key[{_field}]"], owner=_owner)(
         _drop_context(_field))
 
+for _field in ("layout", "node"):  # the run config's other program-changing fields, keyed by their own test
+    mutant(f"{CACHE}:VerdictCache.context[{_field}]",
+           ["tests/harness/test_verdict_cache.py::test_every_field_of_the_run_config_that_changes_a_program_is_in_the_key"])(
+        _drop_context(_field))
+
 UNIT_FIELDS = {"world_sizes": (), "seeds": (), "policy": "", "steps": 3, "microbatches": 1, "replicas": 1,
                "checkpoint": True, "recipe": False}
 

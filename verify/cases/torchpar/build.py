@@ -10,6 +10,7 @@ import torch
 from verify.cases.fresh import load_like
 from verify.judge.dtypes import to_dtype
 from verify.api import Parallelized, unpack
+from verify.cases.torchpar.fsdp import sum_reductions_on_gloo
 from verify.models.loader import ModelNotFound, build_model, import_file
 
 
@@ -43,4 +44,6 @@ def parallel_model(model_ref: str, fn_ref: str, seed: int, dt: torch.dtype, mesh
     to_dtype(case.model, dt)
     ref = to_dtype(build_model(model_ref, seed).model, dt)
     load_like(ref, case.model)
-    return unpack(find_fn(fn_ref)(case.model, mesh), fn_ref), (case, ref)
+    par = unpack(find_fn(fn_ref)(case.model, mesh), fn_ref)
+    sum_reductions_on_gloo(par.module)  # reductions gloo lacks, as torch emulates them (verify/cases/torchpar/fsdp.py)
+    return par, (case, ref)

@@ -8,8 +8,10 @@ optimizer moment equal to what was saved, and one more step of the resumed singl
 against the parallel run's."""
 from __future__ import annotations
 
+import contextlib
 import shutil
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,15 +28,19 @@ from verify.cases.batch import cast
 from verify.judge.dtypes import convert_state, to_dtype
 from verify.cases.fresh import load_like
 from verify.cases.step_checks import LR, step_checks
-from verify.cases.reference import reference_grads
+from verify.cases.kinks import KinkSides, rescue, step_flips
+from verify.cases.reference import SharedReference, reference_grads
 from verify.cases.resume import exact
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.samples import DTYPES
 from verify.api import Parallelized
 from verify.cases.torchpar.mesh import DP, build_mesh, dp_slice
 from verify.cases.torchpar.localize import ModuleStack
+from verify.cases.torchpar.names import named_parameters
+from verify.cases.torchpar.fsdp import loss_scale, sum_reductions_on_gloo
 from verify.judge.finite import require_finite
 from verify.judge.compare import Check, Float64Fallback, check_tensor
+from verify.judge.verdict import RaisedAfter
 from verify.models.loader import build_model, file_tag
 
 def _whole(x):
@@ -49,10 +55,10 @@ class Whole:
         self.module = module
 
     def whole_grads(self) -> dict[str, torch.Tensor]:
-        return {n: _whole(p.grad).detach() for n, p in self.module.named_parameters() if p.grad is not None}
+        return {n: _whole(p.grad).detach() for n, p in named_parameters(self.module) if p.grad is not None}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: _whole(p).detach() for n, p in self.module.named_parameters()}
+        return {n: _whole(p).detach() for n, p in named_parameters(self.module)}
 
 
 def load_whole(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -62,7 +68,7 @@ def load_whole(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     which raises (an AssertionError in ``_StridedShard._shard_tensor``, torch 2.13) for FSDP2 over
     tensor parallelism when a dimension does not divide (the vocabulary of 101 over 2 x 2)."""
     with torch.no_grad():
-        for n, p in module.named_parameters():
+        for n, p in named_parameters(module):
             if isinstance(p, DTensor):
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                 p.to_local().copy_(state[n][tuple(slice(o, o + s) for o, s in zip(offset, shape))])
@@ -71,16 +77,17 @@ def load_whole(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def _moments(module, opt) -> dict[str, dict[str, torch.Tensor]]:
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = {id(p): n for n, p in named_parameters(module)}
     return {names[id(p)]: {k: _whole(v).detach().clone() for k, v in st.items()} for p, st in opt.state.items()}
 
 
 def _step(par: Parallelized, args: tuple, mesh) -> torch.Tensor:
     """Forward and backward of this rank's slice inside the plan's context; the step's loss (the
     mean over the ``dp`` ranks). An exception names the module it was raised in."""
+    scale, _ = loss_scale(par.module)  # a program that sums FSDP's gradients undivided (verify/cases/torchpar/fsdp.py)
     with ModuleStack(par.module) as stack, stack.naming(), par.step_context():
         loss = par.module(*dp_slice(args, mesh))
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
     loss = _whole(loss).detach().clone()
     if DP in (mesh.mesh_dim_names or ()):
         dist.all_reduce(loss, group=mesh[DP].get_group())
@@ -99,7 +106,7 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
     whole = Whole(par.module)
     ref64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), ref)
     params = dict(ref.named_parameters())
-    got = [n for n, _ in par.module.named_parameters()]
+    got = [n for n, _ in named_parameters(par.module)]
     if sorted(got) != sorted(params):
         extra, lost = sorted(set(got) - set(params)), sorted(set(params) - set(got))
         return [Check("parameter names", float("inf"), 0.0, False, f"the parallelized module renames parameters "
@@ -121,18 +128,29 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
                             f"{bad[0].name}: {bad[0].reason}" if bad else ""))
         ref64.load_state_dict(convert_state(point, torch.float64), strict=False)
         loss = _step(par, args, mesh)
-        loss_ref = ref(*args)
+        sides = KinkSides(fallback)  # float64 takes the run's side of a kink where within rounding
+        with sides.record():
+            loss_ref = ref(*args)
         loss_ref.backward()
-        with fallback:
+        with fallback, sides.follow():
             loss64 = ref64(*cast(args, torch.float64))
             loss64.backward()
         kw = fallback.bounds()
         grads, grads64 = reference_grads(params, ref64)
         require_finite({"loss": loss_ref, "loss64": loss64, "grads": grads, "grads64": grads64}, step)
         checks.append(check_tensor(f"loss step {step}", loss, loss_ref.detach(), loss64.detach(), **kw))
-        checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw)
+        kinks = partial(rescue, step=step, reference=SharedReference(),  # each rank holds its own reference here
+                        contributions=lambda: step_flips(ref, ref64, lambda m, a: m(*a), args, fallback,
+                                                         contextlib.nullcontext))
+        checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw, kinks)
+    checks += [Check(f"note: {what}", 0.0, 0.0, True, text) for what, text in
+               (("fsdp on gloo", sum_reductions_on_gloo(par.module)), ("fsdp loss scale", loss_scale(par.module)[1]))
+               if text]
     if job.get("checkpoint", True):
-        checks += resume_checks(job, par, opts[0], mesh, dt, case, groups)
+        try:
+            checks += resume_checks(job, par, opts[0], mesh, dt, case, groups)
+        except Exception as exc:  # the training checks stand; the row is an error naming the resume
+            raise RaisedAfter(checks + fallback.notes(dtype, checks), exc, "the checkpoint resume") from exc
     return checks + fallback.notes(dtype, checks)
 
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from verify.cases.batch import cast
 from verify.judge.dtypes import to_dtype
+from verify.cases.torchpar.names import model_name
 from verify.cases.fresh import load_like
 from verify.cases.samples import DTYPES
 from verify.cases.torchpar.build import parallel_model
@@ -49,7 +50,7 @@ class ModuleStack:
     :class:`ModuleError` names it."""
 
     def __init__(self, root: nn.Module):
-        self.names = {m: n or "(the model)" for n, m in root.named_modules()}
+        self.names = {m: model_name(n) or "(the model)" for n, m in root.named_modules()}
         self.stack: list[nn.Module] = []
         self.handles = []
 
@@ -108,7 +109,7 @@ class Recorder:
     holds DTensors: every rank records the same calls in the same order."""
 
     def __init__(self, root: nn.Module, backward: bool = True):
-        self.names = {m: n or "(the model)" for n, m in root.named_modules()}
+        self.names = {m: model_name(n) or "(the model)" for n, m in root.named_modules()}
         self.calls: dict[str, dict] = {}
         self.order: list[str] = []
         self.back: list[str] = []
