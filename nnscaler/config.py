@@ -18,6 +18,10 @@ class PlanError(ValueError):
     """A plan that cannot run: wrong mesh, an operator without a partition, an invalid split."""
 
 
+class PlanWarning(UserWarning):
+    """A plan that does not deliver what its policy promises (said once per job: ``nnscaler/compile/plan.py``)."""
+
+
 @with_recipe
 @dataclass(frozen=True)
 class ComputeConfig:

@@ -11,7 +11,7 @@ import torch
 from ..comm.conversion import Step, conversion, step_layout
 from ..dimops.layout import Layout, Partial, Replicate, layout_str, piece
 from ..dimops.partition import axis_groups, coords, local_sizes
-from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
+from ..ir.graph import BUFFER, CONSTANT, PARAM, BufferWrite, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
 from ..ops.spec import resolve
 from ..trace.amp import converts_to
@@ -253,6 +253,18 @@ class Emitter:
                 self.layouts[t] = q
         self._probe(op)
 
+    def write(self, w: BufferWrite) -> None:
+        """Write the buffer forward wrote in place (``w``), after every operator: its new value
+        converted to the layout the buffer is held in (a partial value, such as a statistic of a
+        batch split over ranks, reduced first: every rank writes the single-device value)."""
+        none = tuple(None for _ in self.plan.mesh_shape)
+        name = self.fetch(w.value, self.layouts[w.buffer], none)
+        self.imports.add("from nnscaler.runtime.program import write_buffer")
+        if w.source:
+            self.lines.append(f"    # {comment(w.source)}")
+        self.lines.append(f"    write_buffer(p[{w.buffer.target or w.buffer.name!r}], {name})  # "
+                          f"buffer written in forward, held {layout_str(self.layouts[w.buffer])}")
+
     def _autocast(self, op: IROp, fn: str, args: list[str]) -> str:
         """The call of ``fn``; for an operator bf16-mixed runs under autocast (a custom operator,
         :func:`nnscaler.runtime.precision.autocast_run`), through that."""
@@ -302,10 +314,15 @@ def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False, rec
     whole = tuple(Replicate() for _ in plan.mesh_shape)
     for t in graph.inputs:
         e.layouts[t], e.var[t] = whole, t.name
+    for w in graph.writes:  # read as forward found it: the write at the end would change what backward saved
+        e.var[w.buffer] = f"{w.buffer.name}__in"
+        e.lines.append(f"    {w.buffer.name}__in = p[{w.buffer.target or w.buffer.name!r}].clone()  # written in forward")
     for op in graph.ops:
         e.op(op)
     none = tuple(None for _ in plan.mesh_shape)
     e.uses = 0
+    for w in graph.writes if not probe else ():  # the buffers forward wrote in place, each in its held layout
+        e.write(w)  # (the instrumented program compares tensors, its state is a copy: it writes none)
     outs = [e._arg(o, lambda t: e.read("output", t, whole, none)) for o in graph.outputs]
     e.lines.append(f"    return {outs[0] if len(outs) == 1 else '(' + ', '.join(outs) + ',)'}")
     return e

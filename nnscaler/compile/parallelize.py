@@ -26,6 +26,7 @@ from .gate import Verifier, check_mode, verify_on_ranks
 from .groups import ensure_process_group, module_group, replica_group
 from .pipeline import parallelize_pipeline
 from .precision import apply_precision, prepare_model
+from .writes import check_writes
 from .zero import check_zero, zero_spec
 from .plan import attach_stats, choose_plan, resolve_policy, trace_model, write_report
 
@@ -81,6 +82,7 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
             raise PlanError(f"sample_args: {exc}") from None
     name, _ = resolve_policy(policy)
     graph = trace_model(model, sample_args, sample_kwargs, registry=registry, strict=strict, tracer=tracer)
+    check_writes(graph, config)  # a buffer written from the batch under replicas: refused by name
     plan = choose_plan(graph, policy, config)  # a policy's bad answer is refused before any process group
     apply_precision(graph, config.precision)  # bf16-mixed: the casts autocast makes (before any process group)
     check_zero(plan, config, name)

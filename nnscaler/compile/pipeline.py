@@ -27,6 +27,7 @@ from .artifacts import build_rank_module
 from .gate import Verifier, check_mode, verify_on_ranks
 from .groups import ensure_process_group, module_group
 from .plan import attach_stats, choose_plan, trace_model
+from .writes import check_writes
 from .zero import check_pipeline_zero, stage_zero_specs
 
 
@@ -76,6 +77,7 @@ def parallelize_pipeline(model: torch.nn.Module, sample_args: Sequence[Any], pol
     k = plan_ngpus // pp
     graph = trace_model(model, split_batch(sample_args, None, m)[0][0], None, registry=registry, strict=strict,
                         tracer=tracer)
+    check_writes(graph, config)  # a buffer written from the batch under replicas: refused by name
     total = n_stages(config)
     cuts = (split_at_modules(graph, model, tuple(config.pp_split)) if config.pp_split
             else balanced_cuts(graph, total, config.profile))

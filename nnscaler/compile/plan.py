@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import ComputeConfig, PlanError
+from ..config import ComputeConfig, PlanError, PlanWarning
 from ..cost.estimate import analyze
 from ..profiles import get_profile
 from ..cost.summary import human, param_fraction
@@ -31,10 +31,6 @@ from .precision import apply_precision
 REPORT_NAME = "plan_report.txt"
 SUMMARY_NAME = "plan_summary.json"
 SLACK = 0.10  # a tensor-parallel plan may keep 1/W + 10% of the parameters per rank before it warns
-
-
-class PlanWarning(UserWarning):
-    """A plan that does not deliver what its policy promises (said once per job: :func:`_warn`)."""
 
 
 def _warn(message: str, stacklevel: int) -> None:

@@ -4,7 +4,9 @@ An operator that contracts identifiers (ones its outputs lack, like ``k`` in ``m
 does ``2 * prod(local lengths of every identifier)`` FLOPs; one that does not (elementwise, views,
 norms) is bound by memory: the bytes of its local inputs and outputs over the memory bandwidth.
 Attention (scores and values are two contractions) is counted from its local shapes; lookups
-(embedding, gather) only move the rows they read. Backward costs twice forward.
+(embedding, gather) only move the rows they read; a fused recurrent layer (``nn.LSTM``/``GRU``/``RNN``)
+multiplies each token by its weight matrices (its annotation freezes every weight dim apart, so the
+product of all its identifiers would count every weight times every other). Backward costs twice forward.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..profiles import DeviceProfile
 BACKWARD = 2.0  # backward FLOPs as a multiple of forward (two matmuls per matmul)
 _SDPA = "aten.scaled_dot_product_attention.default"
 _LOOKUPS = ("aten.embedding.default", "aten.index_select.default", "aten.gather.default")
+_RECURRENT = ("aten.rnn_tanh.input", "aten.rnn_relu.input", "aten.gru.input", "aten.lstm.input")
 
 
 def _dtype(op: IROp) -> str:
@@ -45,6 +48,10 @@ def op_flops(op: IROp, partition: Partition | None) -> tuple[float, float]:
     if op.overload in _LOOKUPS:  # a gather of rows: reads and writes the output's bytes, no multiply-adds
         out = sum(math.prod(s) * t.dtype.itemsize for t, s in shapes[-len(op.outputs):])
         return 0.0, 2.0 * out
+    if op.overload in _RECURRENT and shapes:  # x, states, weights: 2 FLOPs per token per weight (matrices only)
+        ins = [op.bound.shape(d, sizes) for x, d in zip(op.inputs, op.bound.inputs) if isinstance(x, IRTensor) and d]
+        tokens = math.prod(ins[0][:-1])
+        return 2.0 * tokens * sum(math.prod(s) for s in ins[1:] if len(s) == 2), nbytes
     if op.overload == _SDPA and len(shapes) >= 3:
         (_, q), (_, k), (_, v) = shapes[:3]
         heads = math.prod(q[:-2])

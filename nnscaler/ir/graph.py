@@ -119,6 +119,17 @@ class IROp:
         return f"{self.name} = {self.overload}({', '.join(map(repr, self.inputs))})  # {anno}"
 
 
+@dataclass(eq=False)
+class BufferWrite:
+    """A buffer the model's forward writes in place (``self.ema.mul_(0.5).add_(...)``, ``copy_``,
+    ``index_put_``, through views): once forward has run, ``buffer`` holds ``value``, the functional
+    form ``torch.export`` recorded (``OutputKind.BUFFER_MUTATION``). ``source``: the model's line."""
+
+    buffer: IRTensor
+    value: IRTensor
+    source: str = ""
+
+
 def tensors_in(value: Any) -> list[IRTensor]:
     """The :class:`IRTensor` s in ``value`` (an argument: a tensor, or lists, tuples and dicts of
     them and of constants), in order."""
@@ -154,6 +165,7 @@ class IRGraph:
     outputs: list[Any]
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted tensor constants by name
     exported: Any = field(default=None, repr=False, compare=False)  # the torch.export program it came from (precision.py reads it)
+    writes: list[BufferWrite] = field(default_factory=list)  # buffers forward writes in place, in program order
 
     def copy(self) -> "IRGraph":
         """A copy to compile on (``parallelize`` renames tied parameters and keeps the graph): new
@@ -175,7 +187,8 @@ class IRGraph:
                for op in self.ops}
         graph = dataclasses.replace(self, ops=[ops[id(op)] for op in self.ops], inputs=value(self.inputs),
                                     params=value(self.params), buffers=value(self.buffers),
-                                    outputs=value(self.outputs), constants=dict(self.constants))
+                                    outputs=value(self.outputs), constants=dict(self.constants),
+                                    writes=[BufferWrite(tensor(w.buffer), tensor(w.value), w.source) for w in self.writes])
         for old, new in pairs.values():
             new.producer = None if old.producer is None else ops.get(id(old.producer))
             new.consumers = [ops[id(c)] for c in old.consumers if id(c) in ops]

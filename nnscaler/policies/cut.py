@@ -23,7 +23,7 @@ import torch
 from ..config import PlanError, n_stages
 from ..cost.compute import op_time
 from ..profiles import get_profile
-from ..ir.graph import ACTIVATION, INPUT, PARAM, IRGraph, IROp, IRTensor, remap, tensors_in
+from ..ir.graph import ACTIVATION, INPUT, PARAM, BufferWrite, IRGraph, IROp, IRTensor, remap, tensors_in
 from ..runtime.microbatch import MicroBatchError, check_divisible
 
 
@@ -116,13 +116,17 @@ def stage_graphs(graph: IRGraph, cuts: list[int]) -> list[IRGraph]:
     bounds = [0] + list(cuts) + [len(graph.ops)]
     stage_of: dict[IRTensor, int] = {t: -1 for t in graph.inputs}
     last_use: dict[IRTensor, int] = {}
+    readers: dict[IRTensor, set[int]] = {}
     for s in range(len(bounds) - 1):
         for op in graph.ops[bounds[s]:bounds[s + 1]]:
             for t in op_reads(op):
                 last_use[t] = s
+                readers.setdefault(t, set()).add(s)
             for t in op.outputs:
                 if t is not None:
                     stage_of[t] = s
+    writes_of = stage_writes(graph, stage_of, readers)
+    written = {w.buffer for ws in writes_of.values() for w in ws}  # held by the stage writing them
     final = tensors_in(graph.outputs)
     for t in final:
         last_use[t] = len(bounds) - 1  # read after the last stage
@@ -134,14 +138,32 @@ def stage_graphs(graph: IRGraph, cuts: list[int]) -> list[IRGraph]:
         after = [t for t in live + made if last_use.get(t, -2) > s]
         outputs = final if s == len(bounds) - 2 else after
         # parameters and buffers no operator reads still belong to the model's state: stage 0 keeps them
-        unread = [t for t in graph.params + graph.buffers if t not in last_use] if s == 0 else []
-        out.append(_subgraph(graph, ops, live, outputs, unread))
+        unread = [t for t in graph.params + graph.buffers if t not in last_use and t not in written] if s == 0 else []
+        writes = writes_of.get(s, [])
+        out.append(_subgraph(graph, ops, live, outputs, unread + [w.buffer for w in writes], writes))
         live = after
     return out
 
 
+def stage_writes(graph: IRGraph, stage_of: dict[IRTensor, int], readers: dict[IRTensor, set[int]]
+                 ) -> dict[int, list[BufferWrite]]:
+    """The buffer writes of each stage: a buffer forward writes is written by the stage that
+    computes its new value, which must be the only stage reading it (each stage holds its own copy
+    of the state it reads); otherwise a :class:`PlanError` names the buffer and the model's line."""
+    out: dict[int, list[BufferWrite]] = {}
+    for w in graph.writes:
+        s = max(stage_of.get(w.value, 0), 0)
+        other = sorted(readers.get(w.buffer, set()) - {s})
+        if other:
+            raise PlanError(f"buffer {w.buffer.target} is written in forward" + (f" ({w.source})" if w.source else "")
+                            + f" on pipeline stage {s} but read on stage {other[0]}, which holds its own copy: "
+                            f"cut the pipeline elsewhere (pp_split) so one stage reads and writes it")
+        out.setdefault(s, []).append(w)
+    return out
+
+
 def _subgraph(graph: IRGraph, ops: list[IROp], inputs: list[IRTensor], outputs: list[Any],
-              unread: list[IRTensor] = ()) -> IRGraph:
+              unread: list[IRTensor] = (), writes: list[BufferWrite] = ()) -> IRGraph:
     copies: dict[IRTensor, IRTensor] = {}
 
     def cp(t: IRTensor, kind: str | None = None) -> IRTensor:
@@ -166,7 +188,8 @@ def _subgraph(graph: IRGraph, ops: list[IROp], inputs: list[IRTensor], outputs: 
     params = [copies[t] for t in graph.params if t in used]
     buffers = [copies[t] for t in graph.buffers if t in used]
     constants = {k: v for k, v in graph.constants.items() if any(t.target == k for t in graph.buffers if t in used)}
-    return IRGraph(new_ops, ins, params, buffers, [remap(o, cp) for o in outputs], constants)
+    return IRGraph(new_ops, ins, params, buffers, [remap(o, cp) for o in outputs], constants,
+                   writes=[BufferWrite(cp(w.buffer), cp(w.value), w.source) for w in writes])
 
 
 def cut_units(model: torch.nn.Module) -> list[str]:

@@ -13,11 +13,12 @@ import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from ..ir.graph import ACTIVATION, BUFFER, CONSTANT, INPUT, PARAM, IRGraph, IROp, IRTensor
+from .writes import buffer_writes, watch_attributes
 from ..ops.registry import DEFAULT_REGISTRY, OpRegistry
 from ..ops.rules import OpCall, TensorMeta
 from .calls import call_of, flatten_tensor_lists, meta_of
 from .checkpoints import checkpoint_of
-from .export import TraceError, export_model
+from .export import NO_GRAD, SET_GRAD_ENABLED, TraceError, export_model
 from .arange_index import per_row_index
 from .heads import heads_outer
 from .rows import batch_major_rows
@@ -26,8 +27,6 @@ from .match import derive
 _KINDS = {InputKind.PARAMETER: PARAM, InputKind.BUFFER: BUFFER, InputKind.USER_INPUT: INPUT,
           InputKind.CONSTANT_TENSOR: CONSTANT}
 
-
-_SET_GRAD_ENABLED = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 
 
 class Tracer(Protocol):
@@ -71,10 +70,13 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     """Export ``model`` on the sample arguments and annotate every operator.
 
     Operators the registry does not know are replicated and named, once each, in an
-    :class:`UnknownOperatorWarning`; with ``strict=True`` they are a :class:`TraceError`.
+    :class:`UnknownOperatorWarning`; with ``strict=True`` they are a :class:`TraceError`. Buffers
+    forward writes in place become ``graph.writes`` (a parameter written is a TraceError); Python
+    attributes it writes are named in a :class:`~.writes.FrozenAttributeWarning`.
     """
     registry = DEFAULT_REGISTRY if registry is None else registry
-    ep = export_model(model, args, kwargs, registry.module_rewrites())
+    with watch_attributes(model):  # Python attributes forward writes: named in a FrozenAttributeWarning
+        ep = export_model(model, args, kwargs, registry.module_rewrites())
     rewrites = batch_major_rows(ep.graph)  # rows merged batch-second (nn.MultiheadAttention): batch first
     rewrites += heads_outer(ep.graph)  # heads merged into the batch (nn.MultiheadAttention): a dim of their own
     rewrites += per_row_index(ep.graph)  # x[arange(B)[:, None..], j] (transformers' masks): a per-row lookup
@@ -83,6 +85,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     kinds = {s.arg.name: (_KINDS.get(s.kind, CONSTANT), s.target or "") for s in ep.graph_signature.input_specs
              if hasattr(s.arg, "name")}
     ins, params, buffers, ops = [], [], [], []
+    cut: dict[IRTensor, IRTensor] = {}  # a no_grad region's tensor -> its detached copy (see visit's read)
 
     def visit(graph: torch.fx.Graph, env: dict, prefix: str = "") -> list:
         """Turn ``graph``'s nodes into IR; returns its outputs. Regions under a grad-mode switch are
@@ -93,6 +96,20 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
             if isinstance(a, (list, tuple)):
                 return type(a)(value(x) for x in a)
             return meta_of(a) if isinstance(a, torch.SymInt) else a
+
+        def read(a: Any) -> Any:
+            """:func:`value`, a tensor of an inlined ``torch.no_grad()`` region (``meta[NO_GRAD]``)
+            read outside it detached, as on one device."""
+            if isinstance(a, torch.fx.Node):
+                t = env.get(a)
+                if a.meta.get(NO_GRAD) and isinstance(t, IRTensor) and (t.dtype.is_floating_point or t.dtype.is_complex):
+                    if t not in cut:
+                        cut[t] = detached(t, f"{prefix}{a.name}")
+                    return cut[t]
+                return t
+            if isinstance(a, (list, tuple)):
+                return type(a)(read(x) for x in a)
+            return value(a)
 
         for node in graph.nodes:
             if node.op == "placeholder" and not prefix:
@@ -105,7 +122,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
                 env[node] = getattr(ep.graph_module, node.target, None)
             elif node.op == "call_function" and node.target is operator.getitem:
                 env[node] = value(node.args[0])[node.args[1]]
-            elif node.op == "call_function" and node.target is _SET_GRAD_ENABLED:
+            elif node.op == "call_function" and node.target is SET_GRAD_ENABLED:
                 sub = env[node.args[1]]
                 sub_env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], value(node.args[2:])))
                 outs = visit(sub.graph, sub_env, f"{prefix}{node.name}_")
@@ -114,9 +131,9 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
                             for i, t in enumerate(outs)]
                 env[node] = outs
             elif node.op == "call_function":
-                env[node] = add_op(node, value, prefix)
-            elif node.op == "output":
-                return list(value(node.args[0]))
+                env[node] = add_op(node, value if node.meta.get(NO_GRAD) else read, prefix)
+            elif node.op == "output":  # at the top: (as computed, as read outside a no_grad region) per output
+                return [(value(a), lambda a=a: read(a)) for a in node.args[0]] if not prefix else list(value(node.args[0]))
         return []
 
     def detached(t: IRTensor, name: str) -> IRTensor:
@@ -157,13 +174,16 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
         ops.append(op)
         return outs if isinstance(val, (list, tuple)) else outs[0]
 
-    outputs = visit(ep.graph, {})
+    pairs = visit(ep.graph, {})
+    # a buffer's new value as computed (written in the layout it is held in: reduced there, if partial)
+    writes = buffer_writes(model, ep.graph_signature.output_specs, [v for v, _ in pairs], buffers)
     user = [i for i, s in enumerate(ep.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
-    outputs = [outputs[i] for i in user]  # a buffer's functionalized update is not a model output
+    outputs = [pairs[i][1]() for i in user]  # a buffer's functionalized update is not a model output
     constants = [t for t in ins if t.kind == CONSTANT]
     ins = [t for t in ins if t.kind != CONSTANT]
     graph = IRGraph(ops, ins, params, buffers + constants, outputs,
-                    {t.target: ep.constants[t.target] for t in constants if t.target in ep.constants}, exported=ep)
+                    {t.target: ep.constants[t.target] for t in constants if t.target in ep.constants}, exported=ep,
+                    writes=writes)
     unknown = graph.unknown()
     if unknown:
         msg = (f"{len(unknown)} operators of {type(model).__name__} have no annotation and will be replicated: "

@@ -104,18 +104,65 @@ def _mutates(ep) -> bool:
                for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes)
 
 
+SET_GRAD_ENABLED = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)  # a torch.no_grad() region
+NO_GRAD = "nnscaler_no_grad"  # node.meta key: the node ran under torch.no_grad() (set by :func:`functional`)
+
+
+_GENERATED = re.compile(r'File "<eval_with_key>[^"]*", line \d+, in \S+\n\s*(\w+) = ')
+
+
+def _from_region(node: torch.fx.Node, regions: dict) -> str | None:
+    """The one of ``regions`` (by ``(name, graph id)``) ``node`` was decomposed from, followed
+    through ``node.meta["from_node"]``; ``None`` if none."""
+    todo = list(node.meta.get("from_node") or ())
+    while todo:
+        src = todo.pop()
+        key = (getattr(src, "name", None), getattr(src, "graph_id", None))
+        if key in regions:
+            return key[0]
+        todo += list(getattr(src, "from_node", None) or ())
+    return None
+
+
+def _region_traces(ep) -> dict:
+    """``(region, node name) -> stack_trace`` of the nodes inside each ``torch.no_grad()`` region of
+    ``ep`` (the model's own lines, which the decomposed nodes lose for the region's generated code)."""
+    out = {}
+    for n in ep.graph.nodes:
+        if SET_GRAD_ENABLED is not None and n.target is SET_GRAD_ENABLED and not n.args[0]:
+            sub = getattr(ep.graph_module, str(n.args[1].target), None)
+            for inner in (sub.graph.nodes if isinstance(sub, torch.fx.GraphModule) else ()):
+                if inner.meta.get("stack_trace"):
+                    out[(n.name, inner.name)] = inner.meta["stack_trace"]
+    return out
+
+
 def functional(ep):
-    """``ep`` with in-place writes (``t[..., 0] = x``: ``select`` then ``fill_``) replaced by their
-    functional forms (``select_scatter``), which a partitioned program can compute shard by shard; a
-    write into a view would otherwise be lost once the view is converted to another layout. Programs
-    without such writes are returned as they are. ``run_decompositions`` turns ``reshape`` into
-    ``view``, valid on the whole tensor but not on every shard a plan makes of it, so views are
-    traced back to ``reshape`` (equal wherever ``view`` is valid)."""
+    """``ep`` with in-place writes (``t[..., 0] = x``: ``select`` then ``fill_``; a buffer's
+    ``mul_``/``add_``/``copy_``) replaced by their functional forms (``select_scatter``; a buffer's new
+    value, an output of kind ``BUFFER_MUTATION``), which a partitioned program can compute shard by
+    shard; a write into a view would otherwise be lost once the view is converted to another layout.
+    Programs without such writes are returned as they are. ``run_decompositions`` inlines the
+    ``torch.no_grad()`` regions: their nodes are marked ``meta[NO_GRAD]`` (from ``from_node``), so the
+    trace still cuts their gradient. It also turns ``reshape`` into ``view``, valid on the whole
+    tensor but not on every shard a plan makes of it, so views are traced back to ``reshape`` (equal
+    wherever ``view`` is valid)."""
     if not _mutates(ep):
         return ep
+    regions = {(n.name, id(n.graph)): n for n in ep.graph.nodes
+               if SET_GRAD_ENABLED is not None and n.target is SET_GRAD_ENABLED and not n.args[0]}
+    traces = _region_traces(ep)
     with warnings.catch_warnings():  # torch's own pytree deprecation notice, nothing of the user's
         warnings.simplefilter("ignore", FutureWarning)
         ep = ep.run_decompositions({})
+    if regions:
+        for node in ep.graph.nodes:
+            region = _from_region(node, regions) if node.op == "call_function" else None
+            if region is not None:
+                node.meta[NO_GRAD] = True
+                inner = _GENERATED.findall(node.meta.get("stack_trace") or "")
+                if inner and (region, inner[-1]) in traces:  # the model's line, not the region's code
+                    node.meta["stack_trace"] = traces[(region, inner[-1])]
     for node in ep.graph.nodes:
         if node.target is torch.ops.aten.view.default:
             node.target = torch.ops.aten.reshape.default

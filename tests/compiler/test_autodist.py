@@ -121,8 +121,9 @@ def test_solver_that_stops_early_reports_its_status():
     classes, of = op_classes(g, batch)
     names = ("dp", "tp")
     prog = build_program(g, classes, of, (2, 2), names, axis_options(names, batch), get_profile("h100"))
-    with pytest.raises(PlanError, match="HiGHS stopped without a plan.*status 'Time limit reached'"):
-        solve(prog, 1 << 40, time_limit=0.0)
+    sol = solve(prog, 1 << 40, time_limit=0.0)  # no plan to trust: the caller falls back (test_autodist_fallback.py)
+    assert sol.choice is None and sol.stopped and sol.status == "Time limit reached", sol
+    assert sol.variables > 0 and sol.constraints > 0
 
 
 def test_repeated_layers_share_variables():

@@ -1,6 +1,7 @@
 """Rows that say what is true: a model whose own single-device run is non-finite is an ``error`` of
 the model (exit 1), never a MISMATCH of the plan; localisation never contradicts the failing check;
-a buffer the model writes in forward and the program does not is named as such."""
+a buffer the model writes in forward and the program does not is named as such (the EMA model itself
+matches: the program writes it)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from verify.judge.finite import ModelNotFinite, require_finite
 from verify.judge.verdict import ERROR
 
 MODELS = Path(__file__).parents[1] / "fixtures" / "verdict_models.py"
+DROPPED = Path(__file__).parents[1] / "fixtures" / "buffer_write_dropped.py"  # the write left out of the program
 
 
 def test_a_model_whose_own_loss_is_nan_is_an_error_of_the_model_never_a_mismatch(tmp_path, capsys):
@@ -43,17 +45,29 @@ def test_any_non_finite_reference_value_names_the_step_the_tensor_and_the_model(
         require_finite(one, 3)
 
 
-def test_a_buffer_written_in_forward_is_named_and_the_note_never_says_every_tensor_matches(tmp_path):
-    """The EMA model's step-0 gradient fails: its traced graph loses the ``no_grad`` of the in-place
-    update, and the program never writes the buffer back. The row says both, never that every tensor
-    of step 0 matches the single-device run."""
+def test_a_buffer_written_in_forward_matches_and_a_program_that_drops_the_write_is_named(tmp_path):
+    """The EMA model (an in-place update under ``torch.no_grad``, read back by the same forward) matches
+    one device under dp, its buffer compared after the step. With the write dropped from the program
+    (the bug of issue 41, planted by ``tests/fixtures/buffer_write_dropped.py``) the row fails on the
+    buffer itself and says the program does not write it, never that the fault lies after backward."""
     code = main(["model", f"{MODELS}:ema", "--policy", "dp", "--world-size", "2", "--steps", "1",
                  "--json", str(tmp_path / "rows.json")])
     (row,) = json.loads((tmp_path / "rows.json").read_text())
-    assert code == 1 and row["status"] == "MISMATCH" and row["detail"].startswith("grad fc1.weight step 0"), row
-    assert IN_STEP_ZERO not in row["detail"], row["detail"]
-    assert NOT_THE_MODEL in row["detail"] and "the gradient of fc1.weight" in row["detail"], row["detail"]
+    assert code == 0 and row["status"] == "match", row
+    code = main(["model", f"{MODELS}:ema", "--policy", "dp", "--world-size", "2", "--steps", "1",
+                 "--module", str(DROPPED), "--json", str(tmp_path / "rows.json")])
+    (row,) = json.loads((tmp_path / "rows.json").read_text())
+    assert code == 1 and row["status"] == "MISMATCH" and row["detail"].startswith("buffer ema after step 0"), row
+    assert IN_STEP_ZERO not in row["detail"] and "after backward" not in row["detail"], row["detail"]
     assert "buffer ema in forward (in place) and the compiled program does not write it" in row["detail"], row["detail"]
+
+
+def test_a_failing_buffer_check_names_the_write_never_the_gradient_sync():
+    assert unlocalised("buffer ema after step 0", None, ["ema"], IN_STEP_ZERO).startswith(
+        "the model writes buffer ema in forward (in place) and the compiled program does not write it")
+    note = unlocalised("buffer stats.mu after step 1", None, [], IN_STEP_ZERO)
+    assert "writes buffer stats.mu a value one device does not" in note and "reduced over the ranks" in note, note
+    assert IN_STEP_ZERO not in note
 
 
 @pytest.mark.parametrize("failing", ["grad fc1.weight step 0", "loss step 0", "grad norm step 0"])

@@ -17,6 +17,7 @@ from nnscaler.recipe import Recipe
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast
+from verify.cases.buffers import buffer_names, held, reference_buffers
 from verify.cases.compiled import compile_case
 from verify.cases.draws import check_draws, same_draws
 from verify.cases.fresh import built_like
@@ -92,10 +93,12 @@ def expected_checks(name: str, policy: str, steps: int, seed: int, checkpoint: b
     model = build_model(name, seed).model
     names = [f"initial {k}" for k in own_state(model)]
     params = [n for n, _ in model.named_parameters()]
+    buffers = buffer_names(model)
     for s in range(steps):
         names += [f"load step {s}", f"loss step {s}", *([f"grad norm step {s}"] if clip is not None else []),
                   *(f"grad {n} step {s}" for n in params),
-                  *(f"param {n} after step {s}" for n in params)]
+                  *(f"param {n} after step {s}" for n in params),
+                  *(f"buffer {n} after step {s}" for n in buffers)]
     if not checkpoint:
         return names
     return names + ["checkpoint keys", "loss of the checkpoint on one device", reload_check_names(policy)]
@@ -167,6 +170,7 @@ class WholeModel:
         ref, ref64, _, _ = models
         seed, clip = self.t.seed, self.t.recipe.clip_grad_norm
         ref64.load_state_dict(with_aliases(ref64, convert_state(point, torch.float64)), strict=True)
+        before = held(ref)  # what its forward writes into them: every buffer is checked after the step
         loss_ref, loss64 = _losses(ref, ref64, args, seed, step, fallback, self.loss)
         require_finite({"loss": loss_ref, "loss64": loss64}, step)  # the model's own fault: an error row
         if Precision.of(self.t.recipe).active:  # more samples of the recipe's own rounding error (verify/cases/spread.py)
@@ -176,7 +180,7 @@ class WholeModel:
             out["norm"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).detach()
             out["norm64"] = torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip).detach()
         grads, grads64 = reference_grads(dict(ref.named_parameters()), ref64)
-        return require_finite(dict(out, grads=grads, grads64=grads64), step)
+        return require_finite(dict(out, grads=grads, grads64=grads64, **reference_buffers(ref, ref64, before)), step)
 
     def kinks(self, models, args: tuple, step: int, fallback: Float64Fallback, reference: SharedReference):
         """Where a gradient check of the step fails: values within rounding of a kink explained

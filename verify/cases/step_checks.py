@@ -8,6 +8,7 @@ import torch
 
 from typing import Callable
 
+from verify.cases.buffers import buffer_checks
 from verify.judge.compare import Check, check_tensor, check_update
 
 LR = 1e-2
@@ -60,7 +61,7 @@ def installed(pm, point: dict, step: int) -> Check:
 
 
 def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, opts: list, step: int,
-                widen: float, kw: dict, kinks: Callable | None = None) -> list[Check]:
+                widen: float, kw: dict, kinks: Callable | None = None, buffers: dict | None = None) -> list[Check]:
     """The checks of one training step after its backward: the gradient of every parameter of the
     single-device model (its gradients in the recipe's dtype ``grads_ref`` and in float64 ``grads64``,
     by name), then AdamW on one device applied to the parallel gradients from ``point`` (in
@@ -70,7 +71,8 @@ def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, o
     scale them by ``max / (max + 1e-6)`` once more, an update error of ``lr * 1e-6 / max`` where
     AdamW's ``eps`` is of the gradient's size (a false alarm at ``max = 0.1``). ``kinks(checks, grads,
     judge)``: where the gradient checks failed, their verdict with values near a kink explained
-    (:func:`verify.cases.kinks.rescue`); every rank of the case calls it."""
+    (:func:`verify.cases.kinks.rescue`); every rank of the case calls it. With ``buffers`` (the
+    single-device step's :func:`~verify.cases.buffers.reference_buffers`), every buffer after the step too."""
     grads = pm.whole_grads()
     scale = max((float(g.abs().max()) for g in grads64.values() if g is not None), default=0.0)
 
@@ -87,4 +89,5 @@ def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, o
         opt.step()
         opt.zero_grad()
     after = pm.state_dict()
-    return checks + [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
+    checks += [check_update(f"param {n} after step {step}", after.get(n), t, LR, widen) for n, t in shadow.items()]
+    return checks + (buffer_checks(pm, after, buffers, step, kw) if buffers is not None else [])

@@ -273,7 +273,8 @@ def train(t: Training, compiler, feed: WholeBatch, stepper, one) -> list[Check]:
             checks.append(check_tensor(f"grad norm step {step}", None if norm is None else norm.detach().reshape(()),
                                        got["norm"], got["norm64"], **kw))
         kinks = one.kinks(models, feed.theirs(args), step, fallback, reference)  # values near a kink explained
-        checks += step_checks(pm, got["grads"], got["grads64"], shadow, point, opts, step, widen, kw, kinks)
+        checks += step_checks(pm, got["grads"], got["grads64"], shadow, point, opts, step, widen, kw, kinks,
+                              buffers=got if "buffers" in got else None)  # where one device gives its buffers
         if reference.computes:  # AdamW on one device: the next step's point
             models[3].step()
             models[3].zero_grad()

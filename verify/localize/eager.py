@@ -17,6 +17,7 @@ from verify.cases.draws import same_draws
 
 NOT_THE_MODEL = "but that graph is not the model"  # the note's words where the trace differs from the model
 STEP_ZERO = re.compile(r"^(loss|grad norm|grad .+) step 0$")  # the case's own step-0 forward and backward
+BUFFER_CHECK = re.compile(r"^buffer (.+) after step \d+$")  # a buffer compared after a step (verify/cases/buffers.py)
 
 
 def step_zero_check(check: str) -> bool:
@@ -87,6 +88,14 @@ def unlocalised(failing: str, differs: tuple[str, float] | None, unwritten: list
                 f"{NOT_THE_MODEL}: on one device the model itself gives {what} {err:.3g} apart "
                 f"from its traced graph, so the fault lies in the trace of the model, not in the plan")
         return text + (f" ({buffers})" if buffers else "")
+    buffer = BUFFER_CHECK.match(failing)
+    if buffer and buffer.group(1) in unwritten:
+        return f"{buffers}: every tensor of the program's step 0 matches the single-device run, the buffer is left as it was"
+    if buffer:
+        return (f"every tensor of the program's step 0 matches the single-device run, but the program writes buffer "
+                f"{buffer.group(1)} a value one device does not: its write (the new value converted to the layout the "
+                f"buffer is held in, a statistic of a split batch reduced over the ranks first) is wrong"
+                + (f"; {buffers}" if buffers else ""))
     if step_zero_check(failing):
         where = ("the gradients part ways after backward, in their sync across ranks (all-reduce, ZeRO's "
                  "reduce-scatter) or clipping" if failing.startswith("grad") else

@@ -3,9 +3,11 @@ backward) that would let a wrong program pass or a case go unjudged, registered 
 the tests that kill it. Families: ``judge`` (comparison rules and bounds, verdict, resume, localisation),
 ``sweep`` (selection, cache key, shard, merge), ``plans`` (the reduced plan), ``cases`` (spread samples,
 torch parallelizations, blocked layouts' backward), ``precision`` (the recipe's precision checked
-structurally), ``kinks`` (near-kink values explained, the reference following the run's side). ``tests/mutants/harness_run.py`` runs each mutant's
+structurally), ``kinks`` (near-kink values explained, the reference following the run's side), ``truth``
+(what a row says: non-finite references, step-0 notes, widened bounds, files imported once, reports at
+other settings, the dtype conversion). ``tests/mutants/harness_run.py`` runs each mutant's
 killing tests with it applied (``--harness-mutant NAME``, ``tests/mutants/harness_plugin.py``)."""
 from __future__ import annotations
 
-from . import judge, sweep, plans, cases, precision, kinks  # noqa: F401,I001  (each family registers on import)
+from . import judge, sweep, plans, cases, precision, kinks, truth  # noqa: F401,I001  (each family registers on import)
 from ._base import HARNESS, Mutant, applied, apply, undo  # noqa: F401

@@ -154,6 +154,11 @@ def _spread():
     return spread
 
 
+def _buffers():
+    from verify.cases import buffers
+    return buffers
+
+
 def _resume():
     from verify.cases import resume
     return resume
@@ -187,3 +192,28 @@ def _draws():
 def _precision_record():
     from verify.cases import precision_record
     return precision_record
+
+
+def _dtypes():
+    from verify.judge import dtypes
+    return dtypes
+
+
+def _finite():
+    from verify.judge import finite
+    return finite
+
+
+def _eager():
+    from verify.localize import eager
+    return eager
+
+
+def _user_files():
+    from verify import user_files
+    return user_files
+
+
+def _writer():
+    from verify.report import writer
+    return writer

@@ -1,15 +1,16 @@
 """Harness mutants of what a case measures: the tie-flip samples of the bf16 spread
 (``verify/cases/spread.py``), the equal random draws of a step and the rows that must stay unverifiable
 (``verify/cases/draws.py``, ``verify/judge/verdict.py``), the torch-parallelization path's batch slicing
-(``verify/cases/torchpar/mesh.py``, wrapper prefixes in its names ``names.py``), an error that keeps its checks
-(``verify/judge/verdict.py:RaisedAfter``) and the blocked layouts' backward (``nnscaler/runtime/collectives.py``)."""
+(``verify/cases/torchpar/mesh.py``, wrapper prefixes in its names ``names.py``, FSDP2 on gloo ``fsdp.py``), an
+error that keeps its checks (``verify/judge/verdict.py:RaisedAfter``), the blocked layouts' backward
+(``nnscaler/runtime/collectives.py``) and the buffers compared after every step (``verify/cases/buffers.py``)."""
 from __future__ import annotations
 
 import torch
 
 import contextlib
 
-from ._base import _collectives, _draws, _spread, _torchpar_mesh, _verdict, mutant, patch
+from ._base import _buffers, _collectives, _draws, _spread, _torchpar_mesh, _verdict, mutant, patch
 
 RULES = "tests/harness/test_harness_rules.py"
 
@@ -110,3 +111,12 @@ def fsdp_any_divide_factor_compensated():
 def fsdp_undivided_loss_unscaled():
     """A program with FSDP's gradient division disabled is trained with an unscaled loss: a right program fails."""
     patch(_fsdp(), "loss_scale", lambda module: (1.0, ""))
+
+
+@mutant("verify/cases/buffers.py:buffer_names",
+        ["tests/compiler/test_buffer_writes.py::test_a_program_that_drops_or_does_not_reduce_a_buffer_write_is_caught",
+         "tests/harness/test_verdict_truth.py::test_a_buffer_written_in_forward_matches_and_a_program_that_drops_the_write_is_named"])
+def buffers_not_compared():
+    """No buffer is compared after a step (parameters only, as before issue 41): a program that never writes
+    back a buffer its forward updates, or writes each rank's unreduced share of a batch statistic, matches."""
+    patch(_buffers(), "buffer_names", lambda model: [])
