@@ -1,6 +1,6 @@
 """Pipelined training on real ranks against single-device training on the whole batch: loss, every
 gradient and every parameter after 3 AdamW steps (``verify/cases/model.py``), 4 micro-batches; data-
-parallel replicas of a whole pipeline (``verify/cases/pipeline_replicas.py``); 3-D meshes at W=8 (pp2 x
+parallel replicas of a whole pipeline (``verify/cases/replicas.py``); 3-D meshes at W=8 (pp2 x
 dp2 x tp2, the dp axis inside the stages or as replicas); and the known-wrong runtimes of
 ``tests/fixtures/pipeline_mutants.py`` caught, each by its own check."""
 from __future__ import annotations

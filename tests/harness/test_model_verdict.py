@@ -18,7 +18,7 @@ from verify.rows.run import run_model
 from verify.judge.compare import Float64Fallback, check_tensor, check_update
 from verify.runner.gang import Gang
 from verify.judge.answer import RankAnswer
-from verify.cases.model import LR, _with_aliases, own_state
+from verify.cases.step_checks import LR, own_state, with_aliases
 from verify.models.loader import build_model
 from verify.runner.worker import load_modules
 
@@ -69,12 +69,12 @@ def test_tied_weights_go_by_their_first_name_and_reload_strictly():
     model = build_model("gpt2_v96", 0).model
     state = own_state(model)
     assert "model.lm_head.weight" not in state and "model.transformer.wte.weight" in state
-    full = _with_aliases(model, state)
+    full = with_aliases(model, state)
     assert set(full) == set(model.state_dict())
     model.load_state_dict(full, strict=True)
     del state["model.transformer.h.0.attn.c_attn.weight"]
     with pytest.raises(RuntimeError, match="Missing key"):
-        model.load_state_dict(_with_aliases(model, state), strict=True)
+        model.load_state_dict(with_aliases(model, state), strict=True)
 
 
 # -- the update bound follows from rounding: AdamW on a shard equals AdamW on the whole ---------------

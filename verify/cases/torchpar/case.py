@@ -1,7 +1,7 @@
 """One rank's part of a torch-parallelization case (``verify model FILE.py:build --parallelize
 FILE.py:fn``; the contract is :mod:`verify.api`'s): the model built afresh, ``fn``
 applied on the case's ``DeviceMesh``, a few AdamW steps judged as compiled plans are
-(:func:`verify.cases.model.step_checks`: the loss and every gradient at the single-device run's
+(:func:`verify.cases.step_checks.step_checks`: the loss and every gradient at the single-device run's
 parameters, each update against AdamW on one device fed the parallel gradients), then a
 ``torch.distributed.checkpoint`` save on the ranks and a resume on one device: every parameter and
 optimizer moment equal to what was saved, and one more step of the resumed single-device run
@@ -27,7 +27,7 @@ from nnscaler.runtime.mesh import GroupCache
 from verify.cases.batch import cast
 from verify.judge.dtypes import convert_state, to_dtype
 from verify.cases.fresh import load_like
-from verify.cases.model import LR, step_checks
+from verify.cases.step_checks import LR, step_checks
 from verify.cases.kinks import KinkSides, rescue, step_flips
 from verify.cases.reference import SharedReference, reference_grads
 from verify.cases.resume import exact
@@ -48,7 +48,7 @@ def _whole(x):
 
 
 class Whole:
-    """The parallel module seen whole, as :func:`~verify.cases.model.step_checks` reads a compiled
+    """The parallel module seen whole, as :func:`~verify.cases.step_checks.step_checks` reads a compiled
     one: full gradients and parameters (collective: every rank calls these in the same order)."""
 
     def __init__(self, module: torch.nn.Module):
