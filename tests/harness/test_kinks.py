@@ -197,3 +197,16 @@ def test_one_devices_own_kink_flip_widens_no_bound(kink_gang):
     for row in _rows(kink_gang, "kink_relu_right", "float32", SINGLE_FLIPS, 2):
         assert row.status == MATCH and "kinks followed" in row.detail, (row.seed, row.detail)
         assert "widened bound" not in row.detail and row.grad_tol < 1e-6, (row.seed, row.grad_tol, row.detail)
+
+
+def test_replicas_follow_one_devices_side_and_still_catch_a_wrong_split(kink_gang):
+    """Data-parallel replicas (tp on 2 ranks, 2 replicas): the float64 mean of the shares takes the run's
+    side of a kink; the right model matches, the wrong one MISMATCHes at its operator."""
+    from verify.rows.replicas import run_replicas
+    with tempfile.TemporaryDirectory() as tmp:
+        right = list(run_replicas(kink_gang, "kink_relu_right", ("tp",), RunConfig(world_sizes=(4,), seeds=(1, 3),
+                                                                                   modules=(KINK,)), tmp, 2, steps=2))
+        wrong = list(run_replicas(kink_gang, "kink_relu_wrong", ("tp",), RunConfig(world_sizes=(4,), seeds=(1,),
+                                                                                   modules=(KINK,)), tmp, 2, steps=2))
+    assert all(r.status == MATCH and "kinks followed" in r.detail for r in right), [(r.seed, r.detail) for r in right]
+    assert wrong[0].status == MISMATCH and "kink_mix_wrong" in wrong[0].detail, wrong[0].detail

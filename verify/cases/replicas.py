@@ -12,7 +12,9 @@ pipeline (``train_step``) the replicas' loss is exact over the whole batch, and 
 The loop is :mod:`verify.cases.training`'s; this module holds its replicas' strategies."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast
 from verify.cases.fresh import load_like
+from verify.cases.kinks import KinkSides, rescue, step_flips
 from verify.cases.memory import MemoryLog
 from verify.cases.microbatch import loss_fn_of
 from verify.cases.model import resolve_policy
@@ -102,7 +105,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
         stepper = ForwardBackward(clip, mean_over=(groups, [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]))
     return train(t, Replicated(policy, resolve_policy, plan_ngpus, replicas),
                  ReplicaShare(microbatches, replicas, replica, per_share=microbatches == 1), stepper,
-                 MeanOfShares(clip, _loss_check(policy, microbatches)))
+                 MeanOfShares(clip, _loss_check(policy, microbatches), Precision.of(recipe).active))
 
 
 def _pipeline_replicas(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
@@ -121,7 +124,13 @@ def _pipeline_replicas(name: str, policy: str, world_size: int, plan_ngpus: int,
     t = Training(name, seed, world_size, steps, groups, gen_dir, dtype, dt, with_buckets(recipe, case, num_microbatches=m),
                  case, traces)
     return train(t, PipelineReplicated(policy, resolve_policy, plan_ngpus, replicas), ReplicaShare(m * replicas, replicas, replica),
-                 TrainStep(loss_fn_of(case)), MeanOfShares(recipe.clip_grad_norm, LOSS))
+                 TrainStep(loss_fn_of(case)), MeanOfShares(recipe.clip_grad_norm, LOSS, Precision.of(recipe).active))
+
+
+def _mean_loss(model: torch.nn.Module, args: tuple) -> torch.Tensor:
+    """The mean of ``model``'s losses over the shares ``args[0]`` (each cast to the model's dtype)."""
+    dt = next(model.parameters()).dtype
+    return sum(model(*cast(a, dt)) for a in args[0]) / len(args[0])
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,7 @@ class MeanOfShares:
 
     clip: float | None
     loss_name: str
+    lowprec: bool = False  # a low-precision recipe: no kink explanation (its own rule)
     initial = False  # no initial-state checks
     tolerant = False  # a point that does not load raises
 
@@ -146,10 +156,12 @@ class MeanOfShares:
     def step(self, models, refs: list, step: int, point: dict, fallback: Float64Fallback) -> dict:
         ref, ref64, params, _ = models
         load_like(ref64, ref)
-        loss_ref = sum(ref(*a) for a in refs) / len(refs)
+        sides = KinkSides(fallback)  # float64 takes the run's side of a kink where within rounding
+        with sides.record():
+            loss_ref = _mean_loss(ref, (refs,))
         loss_ref.backward()
-        with fallback:  # an operator without a float64 kernel runs in the test dtype (the bound widens)
-            loss64 = sum(ref64(*cast(a, torch.float64)) for a in refs) / len(refs)
+        with fallback, sides.follow():  # an operator without a float64 kernel runs in the test dtype (the bound widens)
+            loss64 = _mean_loss(ref64, (refs,))
             loss64.backward()
         if self.clip is not None:  # the single-device recipe: torch's own clipping
             torch.nn.utils.clip_grad_norm_(ref.parameters(), self.clip)
@@ -158,8 +170,14 @@ class MeanOfShares:
         return require_finite({"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads,
                                "grads64": grads64}, step)
 
-    def kinks(self, *_) -> None:  # kinks are not explained for replicas
-        return None
+    def kinks(self, models, refs: list, step: int, fallback: Float64Fallback, reference):
+        """Where a gradient check of the step fails: values within rounding of a kink explained
+        (:func:`verify.cases.kinks.rescue`) on the mean of the shares' losses; none under a low precision."""
+        if self.lowprec:
+            return None
+        return partial(rescue, step=step, reference=reference,
+                       contributions=lambda: step_flips(models[0], models[1], _mean_loss, (refs,), fallback,
+                                                        contextlib.nullcontext, self.clip))
 
     def reloads(self, *_) -> list[Check]:
         return []
