@@ -12,6 +12,7 @@ failing step pays."""
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import Callable
 
 import torch
@@ -262,6 +263,15 @@ def step_flips(single: torch.nn.Module, single64: torch.nn.Module, run: Callable
     (:func:`near_kinks`, :func:`flip_contributions`), on the reference's rank, at the step's point."""
     flips = near_kinks(single, single64, run, args, cast(args, torch.float64), fallback, draws)
     return flip_contributions(single, run, args, draws, flips, clip) if flips else []
+
+
+def explainer(step: int, reference, models: Callable[[], tuple], run: Callable, args: tuple, fallback,
+              draws: Callable, clip: float | None = None) -> Callable:
+    """``kinks(checks, grads, judge)`` for a step's gradient checks (:func:`rescue`), the flips measured on
+    ``run(single, args)`` against ``single64`` (:func:`step_flips`; ``models()`` gives the two, asked on
+    ``reference``'s computing rank alone, the only one that holds them)."""
+    return partial(rescue, step=step, reference=reference,
+                   contributions=lambda: step_flips(*models(), run, args, fallback, draws, clip))
 
 
 def any_rank(flag: bool, group) -> bool:

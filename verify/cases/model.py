@@ -6,7 +6,6 @@ device and under another plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +20,7 @@ from verify.cases.buffers import buffer_names, held, reference_buffers
 from verify.cases.compiled import compile_case
 from verify.cases.draws import check_draws, same_draws
 from verify.cases.fresh import built_like
-from verify.cases.kinks import KinkSides, rescue, step_flips
+from verify.cases.kinks import KinkSides, explainer
 from verify.cases.memory import MemoryLog
 from verify.cases.microbatch import loss_fn_of, one_device_loss
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
@@ -189,9 +188,8 @@ class WholeModel:
         if Precision.of(self.t.recipe).active:
             return None
         seed, clip = self.t.seed, self.t.recipe.clip_grad_norm
-        return partial(rescue, step=step, reference=reference,
-                       contributions=lambda: step_flips(models[0], models[1], self.loss, args, fallback,
-                                                        lambda: same_draws(seed, step), clip))
+        return explainer(step, reference, lambda: models[:2], self.loss, args, fallback,
+                         lambda: same_draws(seed, step), clip)
 
     def reloads(self, t: Training, pm, reference: SharedReference, fallback: Float64Fallback) -> list[Check]:
         return _reload_checks(t.name, self.policy, pm, cast(t.case.batch(t.steps), t.dt), t.groups, t.gen_dir,

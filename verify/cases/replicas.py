@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast
 from verify.cases.fresh import load_like
-from verify.cases.kinks import KinkSides, rescue, step_flips
+from verify.cases.kinks import KinkSides, explainer
 from verify.cases.memory import MemoryLog
 from verify.cases.microbatch import loss_fn_of
 from verify.cases.model import resolve_policy
@@ -175,9 +174,8 @@ class MeanOfShares:
         (:func:`verify.cases.kinks.rescue`) on the mean of the shares' losses; none under a low precision."""
         if self.lowprec:
             return None
-        return partial(rescue, step=step, reference=reference,
-                       contributions=lambda: step_flips(models[0], models[1], _mean_loss, (refs,), fallback,
-                                                        contextlib.nullcontext, self.clip))
+        return explainer(step, reference, lambda: models[:2], _mean_loss, (refs,), fallback,
+                         contextlib.nullcontext, self.clip)
 
     def reloads(self, *_) -> list[Check]:
         return []

@@ -29,7 +29,7 @@ from verify.cases.fresh import built_like, load_like
 from verify.models.loader import build_model
 from verify.cases.traces import TraceCache, tracer_of
 from verify.cases.spread import moved_samples
-from verify.cases.kinks import KinkSides, rescue, step_flips
+from verify.cases.kinks import KinkSides, explainer
 from verify.cases.reference import SharedReference, reference_grads
 
 MORE_STEPS = 2
@@ -229,9 +229,9 @@ def resume_checks(name: str, policy: str, world_size: int, seed: int, steps: int
 
         grad_checks = [judge(n, grads.get(n)) for n in one["grads"]]
         if not precision.active:  # a failing step explained by near-kink values, or not (verify/cases/kinks.py)
-            grad_checks = rescue(grad_checks, {n: grads.get(n) for n in one["grads"]}, judge, step, reference,
-                                 lambda: step_flips(single, single64, lambda m, a: m(*a), args, fallback,
-                                                    lambda: same_draws(seed, step)))
+            grad_checks = explainer(step, reference, lambda: (single, single64), lambda m, a: m(*a), args, fallback,
+                                    lambda: same_draws(seed, step))(grad_checks, {n: grads.get(n) for n in one["grads"]},
+                                                                    judge)
         checks += grad_checks
         with torch.no_grad():
             for n, t in hp.items():

@@ -6,8 +6,6 @@ error that keeps its checks (``verify/judge/verdict.py:RaisedAfter``), the block
 (``nnscaler/runtime/collectives.py``) and the buffers compared after every step (``verify/cases/buffers.py``)."""
 from __future__ import annotations
 
-import torch
-
 import contextlib
 
 from ._base import _buffers, _collectives, _draws, _spread, _torchpar_mesh, _verdict, mutant, patch

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import warnings
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ from verify.cases.batch import cast
 from verify.judge.dtypes import convert_state, to_dtype
 from verify.cases.fresh import load_like
 from verify.cases.step_checks import LR, step_checks
-from verify.cases.kinks import KinkSides, rescue, step_flips
+from verify.cases.kinks import KinkSides, explainer
 from verify.cases.reference import SharedReference, reference_grads
 from verify.cases.resume import exact
 from verify.cases.torchpar.build import parallel_model
@@ -139,9 +138,8 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
         grads, grads64 = reference_grads(params, ref64)
         require_finite({"loss": loss_ref, "loss64": loss64, "grads": grads, "grads64": grads64}, step)
         checks.append(check_tensor(f"loss step {step}", loss, loss_ref.detach(), loss64.detach(), **kw))
-        kinks = partial(rescue, step=step, reference=SharedReference(),  # each rank holds its own reference here
-                        contributions=lambda: step_flips(ref, ref64, lambda m, a: m(*a), args, fallback,
-                                                         contextlib.nullcontext))
+        kinks = explainer(step, SharedReference(), lambda: (ref, ref64), lambda m, a: m(*a), args, fallback,  # each rank's own
+                          contextlib.nullcontext)
         checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw, kinks)
     checks += [Check(f"note: {what}", 0.0, 0.0, True, text) for what, text in
                (("fsdp on gloo", sum_reductions_on_gloo(par.module)), ("fsdp loss scale", loss_scale(par.module)[1]))
