@@ -76,12 +76,12 @@ def row(arch: str, kv_heads: int, build=build, extra=None) -> dict:
     try:
         model, args = build(arch, kv_heads)
     except Exception as exc:  # noqa: BLE001  (a row per architecture, whatever breaks)
-        return {**out, "stage": _stage("build", exc), "error": _first_line(exc)}
+        return {**out, "stage": _stage("build", exc), "error": first_line(exc)}
     out["params"] = sum(p.numel() for p in model.parameters())
     try:
         graph = trace_model(model, args, None, registry=None, strict=False)
     except Exception as exc:  # noqa: BLE001
-        return {**out, "stage": _stage("trace", exc), "error": _first_line(exc)}
+        return {**out, "stage": _stage("trace", exc), "error": first_line(exc)}
     out["ops"] = len(graph.ops)
     try:
         dp = plan_graph(graph, "dp", ComputeConfig(WORLD))
@@ -98,7 +98,7 @@ def row(arch: str, kv_heads: int, build=build, extra=None) -> dict:
         if extra is not None:
             extra(graph, dp, tp, out)
     except Exception as exc:  # noqa: BLE001
-        return {**out, "stage": _stage("plan", exc), "error": _first_line(exc)}
+        return {**out, "stage": _stage("plan", exc), "error": first_line(exc)}
     del torch
     return {**out, "stage": "ok"}
 
@@ -112,7 +112,7 @@ def _stage(stage: str, exc: BaseException) -> str:
     return stage
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:140] if text else ''}"
 
