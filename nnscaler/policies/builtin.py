@@ -64,8 +64,11 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
     a weight matrix (norms, dropout, residual adds) may also split the sequence."""
     batch = batch_identifiers(graph)
     seq = batch_identifiers(graph, 1) if sequence_parallel else {}
+    small = _small_weight_math(graph)
 
     def options(op: IROp, axis: int, layouts: dict):
+        if op.name in small:
+            return [None]
         ids = _megatron(op, axis, layouts)
         s = seq.get(op.name)
         if s is not None and s != batch[op.name] and _no_weight_matrix(op):
@@ -88,6 +91,21 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
         return [None, *(i for i in splittable(op.bound) if i in allowed and i not in never)]
 
     return options
+
+
+def _small_weight_math(graph: IRGraph) -> set[str]:
+    """Operators computing on parameters alone with no weight matrix among them (``1 + w`` of a
+    Gemma norm, ``w.float()`` of a bias): Megatron keeps norms and biases whole, so these stay whole
+    too. Split, they are free where they run but need an all-gather where their whole-tensor consumer
+    (the norm's multiply) reads them: a collective per norm that a myopic choice cannot see."""
+    derived: set[int] = set()
+    out: set[str] = set()
+    for op in graph.ops:
+        ins = op.tensor_inputs()
+        if ins and all(t.kind == PARAM and len(t.shape) < 2 or id(t) in derived for t in ins):
+            out.add(op.name)
+            derived.update(id(t) for t in op.outputs)
+    return out
 
 
 def _no_weight_matrix(op: IROp) -> bool:
