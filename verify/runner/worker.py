@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -24,10 +25,14 @@ from verify.user_files import import_once
 
 
 def load_modules(paths: Sequence[str]) -> OpRegistry:
-    """Import ``opzoo`` and each user file (their ``register_op`` calls fill the default registry)."""
+    """Import ``opzoo`` and each user file (their ``register_op`` calls fill the default registry); a
+    file's folder joins ``sys.path`` (last), so its sibling modules import as under ``python FILE.py``
+    (as a ``FILE.py:builder`` model's do: :mod:`verify.models.loader`)."""
     import opzoo  # noqa: F401  (registers the built-in operators)
     for path in paths:  # each file once, whatever else imports it (verify/user_files.py)
         p = Path(path).resolve()
+        if str(p.parent) not in sys.path:
+            sys.path.append(str(p.parent))
         import_once(p, f"verify_user_{abs(hash(str(p)))}")
     return DEFAULT_REGISTRY
 
