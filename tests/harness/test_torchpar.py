@@ -59,12 +59,15 @@ def test_activation_checkpointing_as_torchtitan_applies_it_verifies(gang, tmp_pa
     assert row.status == MATCH, row.detail
 
 
-def test_a_resume_that_raises_keeps_the_training_checks(gang, tmp_path):
+@pytest.mark.parametrize("fn,raised", [
+    ("resume_raises", "RuntimeError: 'FusedQKVLinear' object has no attribute 'wq'"),
+    ("resume_raises_in_dcp", "CheckpointException: on rank 0: ValueError: overlapping chunks")])  # a BaseException, not an Exception
+def test_a_resume_that_raises_keeps_the_training_checks(gang, tmp_path, fn, raised):
     """The row is an error naming the resume, and the training checks made before it stay in the row."""
-    (row,) = run_torchpar(gang, TITAN, USER + ":resume_raises", parse_mesh("dp"), RunConfig(world_sizes=(2,)),
+    (row,) = run_torchpar(gang, TITAN, f"{USER}:{fn}", parse_mesh("dp"), RunConfig(world_sizes=(2,)),
                           str(tmp_path), steps=2)
     assert row.status == ERROR, row.detail
-    assert "the checkpoint resume raised RuntimeError: 'FusedQKVLinear' object has no attribute 'wq'" in row.detail
+    assert f"the checkpoint resume raised {raised}" in row.detail, row.detail
     assert re.search(r"before it, (\d+) of \1 checks passed", row.detail), row.detail
     assert row.grad_err is not None and row.grad_err <= row.grad_tol, (row.grad_err, row.grad_tol)
 

@@ -53,6 +53,11 @@ def _short(exc: BaseException) -> str:
     where = next((f for f in reversed(frames) if "site-packages" not in f.filename), frames[-1] if frames else None)
     loc = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's error: {rank: (exception, trace)}
+    if isinstance(failures, dict) and failures:
+        rank, (first, *_) = next(iter(sorted(failures.items())))
+        text = str(first).strip().splitlines()
+        msg = f"on rank {rank}: {type(first).__name__}: {text[0] if text else ''}"
     return f"{type(exc).__name__}: {msg}{loc}"
 
 

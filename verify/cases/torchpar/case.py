@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
@@ -147,7 +148,8 @@ def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
     if job.get("checkpoint", True):
         try:
             checks += resume_checks(job, par, opts[0], mesh, dt, case, groups)
-        except Exception as exc:  # the training checks stand; the row is an error naming the resume
+        except (Exception, CheckpointException) as exc:  # the training checks stand; the row is an error naming
+            # the resume (torch.distributed.checkpoint's errors are BaseExceptions)
             raise RaisedAfter(checks + fallback.notes(dtype, checks), exc, "the checkpoint resume") from exc
     return checks + fallback.notes(dtype, checks)
 
