@@ -61,7 +61,8 @@ def test_activation_checkpointing_as_torchtitan_applies_it_verifies(gang, tmp_pa
 
 @pytest.mark.parametrize("fn,raised", [
     ("resume_raises", "RuntimeError: 'FusedQKVLinear' object has no attribute 'wq'"),
-    ("resume_raises_in_dcp", "CheckpointException: on rank 0: ValueError: overlapping chunks")])  # a BaseException, not an Exception
+    ("resume_raises_in_dcp", "CheckpointException: on rank 0: ValueError: overlapping chunks")],  # a BaseException
+    ids=["hook", "dcp"])
 def test_a_resume_that_raises_keeps_the_training_checks(gang, tmp_path, fn, raised):
     """The row is an error naming the resume, and the training checks made before it stay in the row."""
     (row,) = run_torchpar(gang, TITAN, f"{USER}:{fn}", parse_mesh("dp"), RunConfig(world_sizes=(2,)),
@@ -158,3 +159,19 @@ def test_a_backward_only_fault_is_localised_in_backward(gang, tmp_path):
     assert row.status == MISMATCH and row.detail.startswith("grad "), row.detail  # the loss itself is right
     assert "first divergent module: model.output (Linear) [weight: S(0) on tp" in row.detail, row.detail
     assert "gradient of its output (already wrong when its backward starts" in row.detail, row.detail
+
+
+@pytest.mark.parametrize("fn,raised,culprit,how", [
+    ("mislaid_attention_output", "in module model.layers.0 (", "model.layers.0.attention",
+     "global shape (4, 16, 64) where one device's is (4, 8, 64)"),
+    ("wrong_then_backward_raises", "backward refused the gradient's shape", "model.layers.0.attention", "output error")],
+    ids=["mislaid", "backward"])
+def test_a_program_that_raises_names_where_it_first_parted(gang, tmp_path, fn, raised, culprit, how):
+    """An exception that surfaces after the fault (a module later, or in backward): the row is the error,
+    and the module where the program first parted from one device is named after it."""
+    (row,) = run_torchpar(gang, TITAN, f"{USER}:{fn}", parse_mesh("tp"), RunConfig(world_sizes=(2,)), str(tmp_path),
+                          steps=1)
+    assert row.status == ERROR, row.detail
+    assert raised in row.detail, row.detail
+    assert f"before it raised, the first divergent module: {culprit} (" in row.detail, row.detail
+    assert how in row.detail, row.detail

@@ -19,7 +19,7 @@ from verify.cases.torchpar.build import ParallelizeNotFound, find_fn
 from verify.api import ParallelizeError, unpack
 from verify.cases.torchpar.mesh import DP, MeshSpecError, mesh_shape, parse_mesh
 from verify.cases.torchpar.names import named_parameters
-from verify.judge.verdict import MATCH, judge, worst
+from verify.judge.verdict import ERROR, MATCH, Divergence, judge, worst
 from verify.models.loader import build_model
 from verify.runner.gang import Gang
 
@@ -88,6 +88,20 @@ def expected_checks(model: str, steps: int, checkpoint: bool = True) -> list[str
     return names
 
 
+RESUME_RAISED = "the checkpoint resume raised"  # verify/cases/torchpar/case.py: training was judged in full
+
+
+def localize_error(gang: Gang, job: dict, cfg: RunConfig) -> str:
+    """Where a case that raised parted from one device before it raised: the localiser run as a job of
+    its own on the (restarted) gang, all ranks in step, judging every module up to the exception
+    (``"; "`` and the module, or ``""`` when the localiser itself could not run)."""
+    answers = gang.run(dict(job, steps=0, checkpoint=False, localize=True), job["world_size"], cfg.limit_s("model", 1))
+    result = answers[0].result or {}
+    if result.get("divergence"):
+        return "; before it raised, the " + Divergence(**result["divergence"]).describe()
+    return f"; {result['divergence_note']}" if result.get("divergence_note") else ""
+
+
 def rerun_command(model: str, fn_ref: str, mesh: str, w: int, seed: int, steps: int, dtype: str) -> str:
     parts = ["python", "-m", "verify", "model", model, "--parallelize", fn_ref, "--mesh", mesh,
              "--world-size", str(w), "--seed", str(seed), "--steps", str(steps), "--dtype", dtype]
@@ -112,6 +126,8 @@ def run_torchpar(gang: Gang, model: str, fn_ref: str, dims, cfg: RunConfig, gen_
                    "checkpoint": checkpoint}
             answers = gang.run(job, w, cfg.limit_s("model", steps))
             status, detail, checks, tb = judge(answers, expected_checks(model, steps, checkpoint))
+            if status == ERROR and RESUME_RAISED not in detail:
+                detail += localize_error(gang, job, cfg)
             out = worst([c for c in checks if not c["name"].startswith("grad")], "")
             grad = worst(checks, "grad")
             yield Row(f"model:{model}", "torchpar", f"{steps} AdamW steps vs one device, DCP resume", w, part,

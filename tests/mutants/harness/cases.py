@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ._base import _buffers, _collectives, _draws, _spread, _torchpar_mesh, _verdict, mutant, patch
+from ._base import _buffers, _collectives, _draws, _spread, _torchpar, _torchpar_mesh, _verdict, mutant, patch
 
 RULES = "tests/harness/test_harness_rules.py"
 
@@ -75,6 +75,37 @@ def raised_after_drops_checks():
     def __init__(self, checks, cause, where):
         orig(self, [], cause, where)
     patch(cls, "__init__", __init__)
+
+
+@mutant("verify/cases/torchpar/case.py:CheckpointException",
+        ["tests/harness/test_torchpar.py::test_a_resume_that_raises_keeps_the_training_checks[dcp]"])
+def dcp_error_drops_checks():
+    """A resume that raises torch.distributed.checkpoint's error (a BaseException) is not caught as the resume's:
+    the row loses the training checks made before it."""
+    patch(_torchpar(), "CheckpointException", type("NeverRaised", (Exception,), {}))
+
+
+@mutant("verify/rows/torchpar.py:localize_error",
+        ["tests/harness/test_torchpar.py::test_a_program_that_raises_names_where_it_first_parted"])
+def raising_program_not_localized():
+    """A torch program that raises is an error row naming only where it raised, never where it first went wrong."""
+    from verify.rows import torchpar
+    patch(torchpar, "localize_error", lambda gang, job, cfg: "")
+
+
+@mutant("verify/cases/torchpar/localize.py:Recorder._late",
+        ["tests/harness/test_torchpar.py::test_a_program_that_raises_names_where_it_first_parted[mislaid]"])
+def style_output_unread():
+    """The localiser judges a module's output before its style's hook relabels it: an output declared with
+    the wrong global shape looks right, and the module it surfaces in is blamed."""
+    from verify.cases.torchpar import localize
+
+    def _late(self, mod, args, out):
+        call = self.calls[self.pending[mod][-1]]
+        late = localize._tensors(out)
+        if len(late) == len(call["outputs"]):
+            call["outputs"] = [localize._keep(t) if o is None else o for o, t in zip(call["outputs"], late)]
+    patch(localize.Recorder, "_late", _late)
 
 
 @mutant("verify/cases/torchpar/names.py:model_name",

@@ -10,7 +10,9 @@
   ``full_tensor()`` of a DTensor, a style's local piece gathered) and judged by
   :func:`~verify.judge.compare.check_tensor`. The culprit is the first module (in the order calls
   finish) whose inputs match and whose output does not; when every output matches, the first module
-  (in backward order) whose output gradients match and whose input gradients do not.
+  (in backward order) whose output gradients match and whose input gradients do not. A program that
+  raises is judged up to where it raised: a module whose output was laid out wrong (its global shape
+  not one device's) is named even when the exception surfaces modules later, or in backward.
 """
 from __future__ import annotations
 
@@ -115,6 +117,7 @@ class Recorder:
         self.back: list[str] = []
         self.count: dict[str, int] = {}
         self.pending: dict[nn.Module, list[str]] = {}
+        self.raised: str | None = None  # what a tolerant run raised (:func:`_run`)
         self.handles = []
         for m in self.names:
             self.handles.append(m.register_forward_pre_hook(self._pre, prepend=True))  # before a style's input hook
@@ -136,13 +139,16 @@ class Recorder:
         # reduced once only): it is taken after the style's hook instead
         key = self.pending[mod][-1]
         self.calls[key]["outputs"] = [None if _partial(t) else _keep(t) for t in _tensors(out)]
+        self.calls[key]["raw"] = [id(t) for t in _tensors(out)]
         self.order.append(key)
 
     def _late(self, mod, args, out):
         call = self.calls[self.pending[mod][-1]]
         late = _tensors(out)
-        if len(late) == len(call["outputs"]):
-            call["outputs"] = [_keep(t) if o is None else o for o, t in zip(call["outputs"], late)]
+        if len(late) == len(call["outputs"]):  # what the rest of the model is handed: a style's DTensor (its global
+            # shape as declared, right or not), or the partial value the style reduced
+            call["outputs"] = [_keep(t) if o is None or (isinstance(t, DTensor) and i != id(t) and not _partial(t))
+                               else o for o, t, i in zip(call["outputs"], late, call["raw"])]
 
     def _grad(self, mod, grad_in, grad_out):
         key = self.pending[mod].pop()
@@ -155,13 +161,21 @@ class Recorder:
             h.remove()
 
 
-def _run(model: nn.Module, args: tuple, context=None, backward: bool = True) -> Recorder:
+def _run(model: nn.Module, args: tuple, context=None, backward: bool = True, tolerate: bool = False) -> Recorder:
+    """One forward (and backward) with hooks; ``tolerate``: an exception ends the run and is kept
+    (``rec.raised``, with the module it was raised in) along with the calls that finished before it."""
     rec = Recorder(model, backward)
     try:
         with (context or _null)():
             loss = model(*args)
             if backward:
                 loss.backward()
+    except Exception as exc:
+        if not tolerate:
+            raise
+        inside = [k for k in rec.calls if k not in rec.order]  # calls entered, never finished: innermost last
+        rec.raised = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}" + (
+            f" in module {inside[-1]}" if inside else "")
     finally:
         rec.remove()
     return rec
@@ -196,6 +210,8 @@ def _judge_here(par: list, dev: list, ref: list, mesh, kw: dict) -> tuple[bool, 
         if whole_p is None:
             ok, worst = False, (float("inf"), 0.0, how)
             continue
+        if tuple(whole_p.shape) != tuple(d.shape):  # laid out wrong: its global shape is not one device's
+            how = f"{how}, global shape {tuple(whole_p.shape)} where one device's is {tuple(d.shape)}"
         c = check_tensor("", whole_p.to(d.dtype), d, r, **kw)
         if not c.ok and (ok or c.err > worst[0]):
             ok, worst = False, (c.err, c.tol, how)
@@ -216,10 +232,14 @@ def localize_torchpar(job: dict, groups) -> Divergence | str:
     fallback = Float64Fallback(dt)
     with fallback:
         r64 = _run(ref64, cast(local, torch.float64))
+    raised = None  # the program's own exception, when it raises: the modules before it are judged
     try:
         p = _run(par.module, local, par.step_context)
-    except Exception:  # full backward hooks refused (a module whose outputs are views, say): forward only
-        p = _run(par.module, local, par.step_context, backward=False)
+    except Exception as exc:  # raised in backward, or full backward hooks refused (a module whose outputs are
+        # views, say): forward only, up to where it raises
+        p = _run(par.module, local, par.step_context, backward=False, tolerate=True)
+        raised = p.raised or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}" \
+            " in backward"
     kw = fallback.bounds()
     group = groups.get(range(job["world_size"]))
     common = [k for k in p.order if k in dev.calls and k in r64.calls]
@@ -247,6 +267,9 @@ def localize_torchpar(job: dict, groups) -> Divergence | str:
                              "autograd function or hook outside any module)")
     if entered is not None:
         return entered
+    if raised is not None:
+        return (f"every module that finished before the program raised ({raised}) matches one device on the "
+                f"first batch")
     return ("every module's outputs and input gradients match one device on the first batch: the fault lies "
             "after backward (parameter gradients not reduced across ranks, the optimizer step, the checkpoint) "
             "or in a later step")
