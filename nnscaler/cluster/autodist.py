@@ -30,7 +30,7 @@ from ..compile.plan import plan_model as plan_operators
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan, Policy
 from ..profiles import get_profile
-from .plan import architecture_of, stage_policy
+from .plan import NO_CP_LOWERING, architecture_of, stage_policy
 from .search import ClusterPlan, search
 from .trace import block_stack, trace_shape
 
@@ -61,6 +61,9 @@ class ClusterStats:
         return self.cluster.best.mfu
 
     def inside_stage(self) -> str:
+        p = self.cluster.parallel
+        if p.cp > 1:
+            return "inside a stage: " + NO_CP_LOWERING.format(cp=p.cp, scheme=p.cp_scheme)
         if self.cluster.parallel.tp == 1:
             return "inside a stage: every operator whole on its rank (tp 1, policy dp)"
         return INSIDE_STAGE.format(policy=stage_policy(self.cluster.parallel))
@@ -88,9 +91,13 @@ class ClusterStats:
 
 def as_plan(cluster: ClusterPlan) -> Plan:
     """The :class:`Plan` of a cluster search's result: mesh ``(pp, dp, tp)``, policy ``autodist``, no
-    per-operator partitions of its own (those are the lowering's, :func:`~nnscaler.cluster.plan.lower`)."""
+    per-operator partitions of its own (those are the lowering's, :func:`~nnscaler.cluster.plan.lower`); with
+    context parallelism the mesh is ``(pp, dp, cp, tp)`` and there is no lowering yet."""
     p = cluster.parallel
     stats = ClusterStats(cluster)
+    if p.cp > 1:  # rank order tp, cp, dp, pp (nnscaler.cluster.cost)
+        return Plan((p.pp, p.dp, p.cp, p.tp), ("pp", "dp", "cp", "tp"), {}, "autodist", stats=stats,
+                    note=stats.inside_stage())
     return Plan((p.pp, p.dp, p.tp), ("pp", "dp", "tp"), {}, "autodist", stats=stats, note=stats.inside_stage())
 
 

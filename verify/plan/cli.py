@@ -7,7 +7,8 @@ the one lowering the cost model assumed), checked to give every block's linears 
 column/row split as the cost model costed them, then trained for a few AdamW steps on real ranks and
 compared with one device like any whole-model case (loss, every gradient and update, checkpoint).
 :func:`prepare` and :func:`plan_rows` are the same on any gang (``verify all`` can run saved plans so).
-Exit 0 match, 1 mismatch or failure, 2 bad input (one line, before any rank starts).
+Exit 0 match, 1 mismatch or failure, 2 bad input (one line, before any rank starts), a plan with context
+parallelism included (no compiler lowering of cp yet: refused by name, never reduced without its cp axis).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nnscaler.config import ComputeConfig, PlanError
-from nnscaler.cluster.plan import SavedPlan, check_lowering, load
+from nnscaler.cluster.plan import NO_CP_LOWERING, SavedPlan, check_lowering, load
 
 from verify.config import BadInput, RunConfig
 
@@ -62,6 +63,8 @@ def prepare(path: str | os.PathLike, out_dir: str | os.PathLike, as_planned: boo
     from verify.runner.gang import max_ranks
     try:
         saved = load(path)
+        if saved.parallel.cp > 1:  # reducing it without its cp axis would verify another plan
+            raise PlanError(f"{saved.path}: " + NO_CP_LOWERING.format(cp=saved.parallel.cp, scheme=saved.parallel.cp_scheme))
         ref = str(write_reduced(saved, out_dir, as_planned))
         red = load(ref)
         policy, config = red.lower(precision=precision)
