@@ -37,6 +37,14 @@ def _label(par) -> str:
             f"x{par.num_microbatches} zero{par.zero} recompute={par.recompute}")
 
 
+def refuse_unlowered(saved: SavedPlan) -> None:
+    """A plan with an axis the compiler does not lower yet (context parallelism) is bad input naming its file
+    and the axis as planned, before any reduction: checking it without that axis would verify another plan."""
+    par = saved.parallel
+    if par.cp > 1:
+        raise PlanError(f"{saved.path}: " + NO_CP_LOWERING.format(cp=par.cp, scheme=par.cp_scheme))
+
+
 @dataclass(frozen=True)
 class PlanCase:
     """A saved plan made ready for the ranks (:func:`prepare`): the plan, its reduced plan file (``ref``, a
@@ -63,8 +71,7 @@ def prepare(path: str | os.PathLike, out_dir: str | os.PathLike, as_planned: boo
     from verify.runner.gang import max_ranks
     try:
         saved = load(path)
-        if saved.parallel.cp > 1:  # reducing it without its cp axis would verify another plan
-            raise PlanError(f"{saved.path}: " + NO_CP_LOWERING.format(cp=saved.parallel.cp, scheme=saved.parallel.cp_scheme))
+        refuse_unlowered(saved)
         ref = str(write_reduced(saved, out_dir, as_planned))
         red = load(ref)
         policy, config = red.lower(precision=precision)
