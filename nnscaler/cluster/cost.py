@@ -16,7 +16,11 @@ dV; the paper puts the all-gather "in the critical path", so none of it is hidde
 (backward), each hidden behind one step's attention compute, only the excess exposed. With
 ``cp_balanced`` (Llama 3's two chunks per rank, ``i`` and ``2 cp - 1 - i``; ring's zig-zag) every rank
 gets ``1 / cp`` of the causal attention; without (contiguous chunks), the last rank's queries see the most
-keys and its share, ``(2 cp - 1) / cp^2`` of the causal work, paces the step. Parameters and gradients do
+keys and its share, ``(2 cp - 1) / cp^2`` of the causal work, paces the step. ``cp_comm`` in the step time
+is the exposed exchange plus the extra attention launches a split attention makes (a ring's ``cp - 1`` more
+calls, the all-gather's second chunk), at the profile's ``op_overhead``. Not modelled: any loss of attention
+kernel efficiency on the shorter blocks a split attention computes (no measured source here), so cp at
+short sequences is priced optimistically. Parameters and gradients do
 not change with cp; ZeRO shards over ``dp x cp`` and the gradients are reduced over ``dp x cp`` (every cp
 rank holds gradients of its own tokens), as Megatron-LM's distributed optimizer and Llama 3's FSDP do.
 
@@ -191,15 +195,17 @@ def cp_exchange(shape: ModelShape, par: Parallel, profile: DeviceProfile, tokens
     gathered = kv_bytes(shape, tokens_mb, par.tp, act_bytes)
     rpn = profile.ranks_per_node
     across = par.tp * cp > rpn
-    if par.cp_scheme == "allgather":
+    if par.cp_scheme == "allgather":  # two attention calls per rank (its two chunks): one launch more each way
         coll = _group_collective(profile, cp, across, max(1, min(cp, rpn // par.tp)))
         ag, rs = coll("all_gather", gathered), coll("reduce_scatter", gathered)
-        return {"fwd": ag, "bwd": ag + rs, "bytes": gathered}
+        launch = profile.op_overhead
+        return {"fwd": ag + launch, "bwd": ag + rs + BACKWARD * launch, "bytes": gathered}
     alpha, beta = profile.link(across)  # a ring that leaves its node goes at its slowest hop's pace
     chunk = gathered / cp
     step_fwd, step_bwd = attn_fwd / cp, attn_fwd * BACKWARD / cp
-    fwd = (cp - 1) * max(0.0, alpha + chunk / beta - step_fwd)
-    bwd = (cp - 1) * max(0.0, alpha + 2 * chunk / beta - step_bwd)
+    launch = (cp - 1) * profile.op_overhead  # one attention call per step where one call did it all
+    fwd = (cp - 1) * max(0.0, alpha + chunk / beta - step_fwd) + launch
+    bwd = (cp - 1) * max(0.0, alpha + 2 * chunk / beta - step_bwd) + BACKWARD * launch
     return {"fwd": fwd, "bwd": bwd, "bytes": 2 * chunk}
 
 
