@@ -16,8 +16,8 @@ batch) searched with context parallelism (goal MFU >= 0.38 counting causal atten
 60 s including the meta trace), also with Llama 3's all-gather scheme only and without cp; then Llama 3's
 long-context configuration (tp 8, cp 16, pp 16, all-gather) as a constraint for 405B on 2048 GPUs (dp 1) and
 on 16384 (dp 8, its published row: 38% MFU, held out: never fitted), there also with fused kernels
-(``fusion_fused``, as that stack ran) and no memory limit (the published run ran). The two searched plans are
-written to ``bench/results/plans_cp/`` (``--save-cp DIR`` elsewhere): ``python -m verify plan`` refuses a cp
+(``fusion_fused``, as that stack ran) and no memory limit (the published run ran). The searched plans (best, and
+best with the all-gather scheme) are written to ``bench/results/plans_cp/`` (``--save-cp DIR`` elsewhere): ``python -m verify plan`` refuses a cp
 plan by name until the compiler lowers cp, so they are not in ``verify/plans/``.
 
 ``--save verify/plans`` writes every plan printed (``MODEL-GPUS.json``, ``search-ROW.json``) where
@@ -121,10 +121,10 @@ def long_context_table(save: str | None = None) -> None:
             e = plan.best
             print(f"{name:<11} {w:>5} {gb:>5} {label:<15} {took:>6.1f}s {e.mfu:>6.3f} {e.step_seconds:>7.1f}s "
                   f"{e.time['cp_comm']:>7.2f}s {human(e.memory['peak']):>10}  {_conf(plan.parallel)}", flush=True)
-            if label == "all":
+            if label != "no cp":  # the best plan, and the best under Llama 3's scheme
                 out = Path(save) if save else CP_PLANS_DIR
                 out.mkdir(parents=True, exist_ok=True)
-                _save(plan, name, LONG_SEQ, out / f"{name}-{w}-128k.json")
+                _save(plan, name, LONG_SEQ, out / f"{name}-{w}-128k{'' if label == 'all' else '-allgather'}.json")
             t0 = time.perf_counter()
     print(f"\nLlama 3's long-context stage as a constraint ({', '.join(f'{k} {v}' for k, v in L3_STAGE.items())}), "
           f"llama3-405b at seq {LONG_SEQ}; the rest searched")

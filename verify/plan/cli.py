@@ -32,7 +32,8 @@ LAYOUT_FIELDS = ("tp_size", "pp_size", "schedule", "virtual_stages", "sequence_p
 
 
 def _label(par) -> str:
-    return (f"tp{par.tp}{'+sp' if par.sequence_parallel else ''} pp{par.pp}"
+    return (f"tp{par.tp}{'+sp' if par.sequence_parallel else ''}{f' cp{par.cp}-{par.cp_scheme}' if par.cp > 1 else ''} "
+            f"pp{par.pp}"
             f"{f' v{par.virtual_stages}' if par.virtual_stages > 1 else ''} dp{par.dp} mbs{par.micro_batch_size}"
             f"x{par.num_microbatches} zero{par.zero} recompute={par.recompute}")
 
