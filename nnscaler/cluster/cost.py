@@ -50,7 +50,6 @@ from dataclasses import asdict, dataclass
 from ..runtime.grad_sync import BUCKET_BYTES
 from .blocks import ModelShape, Section
 from ..cost.comm import collective_time
-from ..config import CP_SCHEMES
 from ..cost.compute import BACKWARD, OPTIMIZER_TRAFFIC
 from ..profiles import ClusterConstants, DeviceProfile
 
