@@ -41,6 +41,10 @@ from .plan import FORMAT, architecture_of, lower, lowered_dict
 from .trace import trace_shape
 
 MAX_MICRO_BATCH = 16
+# the search splits a sequence no finer than this many tokens per cp rank: the shortest attention the cost model's
+# ``attention`` constant was measured on (bench/results/h100_kernels.csv: 4096 and 8192 tokens); shorter blocks
+# would price attention by a constant measured elsewhere. A ``cp`` constraint may still ask for more.
+MIN_CP_TOKENS = 4096
 MAX_VIRTUAL = 8
 
 
@@ -123,10 +127,10 @@ class ClusterPlan:
         return "\n".join(lines) + "\n"
 
 
-def cp_degrees(shape: ModelShape, ranks: int) -> list[int]:
+def cp_degrees(shape: ModelShape, ranks: int, min_tokens: int = 1) -> list[int]:
     """The context-parallel degrees dividing ``ranks`` that split each sequence into ``2 cp`` equal chunks
-    (the causally balanced layout: two chunks per rank)."""
-    return [d for d in _divisors(ranks) if shape.seq % (2 * d) == 0]
+    (the causally balanced layout: two chunks per rank) with at least ``min_tokens`` tokens per rank."""
+    return [d for d in _divisors(ranks) if d == 1 or (shape.seq % (2 * d) == 0 and shape.seq // d >= min_tokens)]
 
 
 def _check_fixed(shape: ModelShape, world: int, cons: dict, global_batch: int) -> None:
@@ -177,13 +181,14 @@ def _check_fixed(shape: ModelShape, world: int, cons: dict, global_batch: int) -
 
 def candidates(shape: ModelShape, world: int, global_batch: int, cons: dict, ranks_per_node: int):
     """Every outer configuration the constraints allow (tp inside one node, dividing the heads; cp splitting
-    each sequence into ``2 cp`` chunks, each scheme of :data:`~nnscaler.config.CP_SCHEMES`, causally
-    balanced unless a constraint says otherwise: unbalanced chunks are never faster)."""
+    each sequence into ``2 cp`` chunks of at least :data:`MIN_CP_TOKENS` tokens per rank, each scheme of
+    :data:`~nnscaler.config.CP_SCHEMES`, causally balanced unless a constraint says otherwise: unbalanced
+    chunks are never faster)."""
     tps = [cons["tp"]] if "tp" in cons else [d for d in _divisors(world) if d <= ranks_per_node
                                              and shape.heads % d == 0 and shape.kv_heads % d == 0]
     balanced = cons.get("cp_balanced", True)
     for tp in tps:
-        cps = [cons["cp"]] if "cp" in cons else cp_degrees(shape, world // tp)
+        cps = [cons["cp"]] if "cp" in cons else cp_degrees(shape, world // tp, MIN_CP_TOKENS)
         for cp in cps:
             yield from _candidates(shape, world, global_batch, cons, tp, cp, balanced)
 

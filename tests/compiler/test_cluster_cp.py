@@ -49,6 +49,14 @@ def test_cp_is_chosen_at_128k_and_not_at_8k(long8b):
     assert "cp" in long.one_line() and "cp_comm" in long.summary()["step_time"]
 
 
+def test_the_search_splits_no_finer_than_the_measured_attention_but_a_constraint_may(long8b):
+    from nnscaler.cluster.search import MIN_CP_TOKENS, candidates
+    cps = {p.cp for p in candidates(long8b, 512, 128, {}, 8)}
+    assert max(cps) == LONG // MIN_CP_TOKENS and 1 in cps and 2 in cps
+    plan = search(long8b, _cfg(512, 8, cp=64))  # 2048 tokens per rank: asked for, so evaluated
+    assert plan.parallel.cp == 64
+
+
 def test_llama3_long_context_stage_evaluates_as_a_constraint(long8b):
     fixed = {"tp": 8, "cp": 16, "pp": 16, "dp": 1, "micro_batch_size": 1, "num_microbatches": 16,
              "virtual_stages": 2, "recompute": "full", "zero": 1, "sequence_parallel": True,
