@@ -73,7 +73,8 @@ def _estimate(s: dict, world: int, constraints: dict, batch: int, profile: str):
     import torch
 
     from nnscaler import ComputeConfig, plan_model
-    full = {"micro_batch_size": 1, "virtual_stages": 1, "sequence_parallel": False, "recompute": "none", **constraints}
+    full = {"micro_batch_size": 1, "virtual_stages": 1, "sequence_parallel": False, "recompute": "none", "cp": 1,
+            **constraints}
     full["num_microbatches"] = batch // (full["dp"] * full["micro_batch_size"])
     config = ComputeConfig(world, profile=profile, precision="bf16-mixed", global_batch=batch, constraints=full)
     ids = torch.zeros(1, s["seq"], dtype=torch.long, device="meta")

@@ -94,8 +94,9 @@ class ComputeConfig:
 
 
 CONSTRAINT_KEYS = ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "recompute", "zero",
-        "sequence_parallel")
+        "sequence_parallel", "cp", "cp_scheme", "cp_balanced")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+CP_SCHEMES = ("allgather", "ring")  # context parallelism's key/value exchange (nnscaler.cluster.cost)
 
 
 def check_constraints(constraints: dict | None) -> None:
@@ -111,9 +112,12 @@ def check_constraints(constraints: dict | None) -> None:
         if k == "recompute":
             if v not in RECOMPUTE_CHOICES:
                 raise PlanError(f"constraint recompute={v!r}: valid {', '.join(map(repr, RECOMPUTE_CHOICES))}")
-        elif k == "sequence_parallel":
+        elif k in ("sequence_parallel", "cp_balanced"):
             if not isinstance(v, bool):
-                raise PlanError(f"constraint sequence_parallel={v!r}: must be True or False")
+                raise PlanError(f"constraint {k}={v!r}: must be True or False")
+        elif k == "cp_scheme":
+            if v not in CP_SCHEMES:
+                raise PlanError(f"constraint cp_scheme={v!r}: valid {', '.join(map(repr, CP_SCHEMES))}")
         elif k == "zero":
             if isinstance(v, bool) or v not in (0, 1, 2, 3):
                 raise PlanError(f"constraint zero={v!r}: valid 0, 1, 2, 3")

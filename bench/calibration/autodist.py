@@ -2,11 +2,23 @@
 
 Cluster (``nnscaler.cluster.search``, H100 profile, bf16-mixed): Llama-3 8B on 8 and 64 GPUs and 70B on
 64, 256 and 1024 GPUs at seq 4096 and 8k tokens per GPU per step, planning time including the meta trace,
-the chosen configuration and estimated MFU (goal >= 0.40, planning < 60 s each); then for every row of
+the chosen configuration and estimated MFU (goal >= 0.40, planning < 60 s each; MFU counts causal attention
+at half its scores since context parallelism joined the search, so the same step time reads ~3% lower; where
+the search takes cp, the best plan without it follows, and that is the one ``--save`` writes); then for every row of
 ``bench/published_runs.csv`` the unconstrained search against the published configuration on the same cost
 model (goal: never slower).
 
-    python bench/calibration/autodist.py [--skip-published] [--save DIR] [--operators]
+    python bench/calibration/autodist.py [--skip-published] [--save DIR] [--operators] [--long-context]
+
+Long context (``--long-context`` alone, or after the cluster table): Llama-3 8B on 64 and 70B on 512 H100 at
+131072 tokens per sequence (32k tokens per GPU per step: 16 and 128 sequences, the latter Llama 3's 16M-token
+batch) searched with context parallelism (goal MFU >= 0.38 counting causal attention, within 80 GiB, plan <
+60 s including the meta trace), also with Llama 3's all-gather scheme only and without cp; then Llama 3's
+long-context configuration (tp 8, cp 16, pp 16, all-gather) as a constraint for 405B on 2048 GPUs (dp 1) and
+on 16384 (dp 8, its published row: 38% MFU, held out: never fitted), there also with fused kernels
+(``fusion_fused``, as that stack ran) and no memory limit (the published run ran). The searched plans (best, and
+best with the all-gather scheme) are written to ``bench/results/plans_cp/`` (``--save-cp DIR`` elsewhere): ``python -m verify plan`` refuses a cp
+plan by name until the compiler lowers cp, so they are not in ``verify/plans/``.
 
 ``--save verify/plans`` writes every plan printed (``MODEL-GPUS.json``, ``search-ROW.json``) where
 ``verify all`` runs each reduced (a ``plan`` unit, :mod:`verify.sweep.selection`).
@@ -23,6 +35,7 @@ Goal: each search under 30 s here; autodist's estimate <= Megatron's (ratio <= 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import warnings
@@ -34,12 +47,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import opzoo  # noqa: F401,E402
 from nnscaler import ComputeConfig, PlanError
+from nnscaler.cluster.plan import CP_LOWERING
 from nnscaler.compile.plan import canonical_params, plan_graph
 from nnscaler.cost.summary import human
 from nnscaler.trace.build import trace
 from verify.models.nanogpt import GPT, GPTConfig
 
 
+LONG_SEQ = 131072
+LONG_RUNS = (("llama3-8b", 64, 16), ("llama3-70b", 512, 128))  # (model, GPUs, global batch in sequences)
+L3_STAGE = {"tp": 8, "cp": 16, "pp": 16, "cp_scheme": "allgather"}  # Llama 3's 131k stage (Dubey et al. 2024, Table 4)
+L3_RUNS = ((2048, 16, None), (16384, 128, 0.38))  # (GPUs, global batch, published MFU): 16 sequences per dp rank
+CP_PLANS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results" / "plans_cp"
 CLUSTER_RUNS = (("llama3-8b", (8, 64)), ("llama3-70b", (64, 256, 1024)))  # (model, GPU counts) of the table
 PLANS_DIR = Path(__file__).resolve().parents[2] / "verify" / "plans"  # where `--save` keeps them for verify all
 
@@ -63,15 +82,71 @@ def cluster_table(save: str | None = None) -> None:
             t0 = time.perf_counter()
             if name not in shapes:
                 shapes[name] = llama_shape(name, 4096)
-            plan = search(shapes[name], ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w))
+            cfg = ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w)
+            plan = search(shapes[name], cfg)
             took = time.perf_counter() - t0
+            e = plan.best
+            print(f"{name:<11} {w:>5} {took:>6.1f}s {e.mfu:>6.3f} {e.step_seconds:>7.2f}s "
+                  f"{human(e.memory['peak']):>10}  {_conf(plan.parallel)}", flush=True)
+            if plan.parallel.cp > 1 and not CP_LOWERING:  # verify plan refuses cp: the best plan without it
+                plan = search(shapes[name], dataclasses.replace(cfg, constraints={"cp": 1}))
+                e = plan.best
+                print(f"{'  no cp':<11} {w:>5} {'':>7} {e.mfu:>6.3f} {e.step_seconds:>7.2f}s "
+                      f"{human(e.memory['peak']):>10}  {_conf(plan.parallel)}{'  (saved)' if save else ''}", flush=True)
             if save:  # each plan as a file `python -m verify plan` checks
                 _save(plan, name, 4096, Path(save) / f"{name}-{w}.json")
-            p, e = plan.parallel, plan.best
-            print(f"{name:<11} {w:>5} {took:>6.1f}s {e.mfu:>6.3f} {e.step_seconds:>7.2f}s "
-                  f"{human(e.memory['peak']):>10}  tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} "
-                  f"v{p.virtual_stages} dp{p.dp} mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} "
-                  f"{p.recompute}", flush=True)
+
+
+def _conf(p) -> str:
+    cp = f" cp{p.cp}-{p.cp_scheme}{'' if p.cp_balanced else '-unbalanced'}" if p.cp > 1 else ""
+    return (f"tp{p.tp}{'+sp' if p.sequence_parallel else ''}{cp} pp{p.pp} v{p.virtual_stages} dp{p.dp} "
+            f"mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} {p.recompute}")
+
+
+def long_context_table(save: str | None = None) -> None:
+    from bench.calibration.llama_models import llama_shape
+    from nnscaler.cluster.search import search
+    from nnscaler.profiles import PROFILES
+    print(f"\nlong context: seq {LONG_SEQ}, H100, bf16-mixed, MFU counting causal attention at half its scores (goal "
+          f"MFU >= 0.38 and peak within the device, plan < 60 s including the meta trace of the first row of a model)")
+    print(f"{'model':<11} {'GPUs':>5} {'batch':>5} {'search':<15} {'plan s':>7} {'MFU':>6} {'step':>8} {'cp comm':>8} "
+          f"{'peak/rank':>10}  configuration")
+    for name, w, gb in LONG_RUNS:
+        t0 = time.perf_counter()
+        shape = llama_shape(name, LONG_SEQ)
+        for label, cons in (("all", {}), ("allgather only", {"cp_scheme": "allgather"}), ("no cp", {"cp": 1})):
+            plan = search(shape, ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=gb,
+                                               constraints=cons))
+            took = time.perf_counter() - t0
+            e = plan.best
+            print(f"{name:<11} {w:>5} {gb:>5} {label:<15} {took:>6.1f}s {e.mfu:>6.3f} {e.step_seconds:>7.1f}s "
+                  f"{e.time['cp_comm']:>7.2f}s {human(e.memory['peak']):>10}  {_conf(plan.parallel)}", flush=True)
+            if label != "no cp":  # the best plan, and the best under Llama 3's scheme
+                out = Path(save) if save else CP_PLANS_DIR
+                out.mkdir(parents=True, exist_ok=True)
+                _save(plan, name, LONG_SEQ, out / f"{name}-{w}-128k{'' if label == 'all' else '-allgather'}.json")
+            t0 = time.perf_counter()
+    print(f"\nLlama 3's long-context stage as a constraint ({', '.join(f'{k} {v}' for k, v in L3_STAGE.items())}), "
+          f"llama3-405b at seq {LONG_SEQ}; the rest searched")
+    print(f"{'GPUs':>6} {'batch':>5} {'kernels, memory':<22} {'plan s':>7} {'MFU':>6} {'published':>9} {'step':>8} "
+          f"{'cp comm':>8} {'peak/rank':>10}  configuration")
+    t0 = time.perf_counter()
+    shape = llama_shape("llama3-405b", LONG_SEQ)
+    h100 = PROFILES["h100"]
+    fused = dataclasses.replace(h100, cluster=dataclasses.replace(h100.cluster, fusion=h100.cluster.fusion_fused))
+    for w, gb, published in L3_RUNS:
+        for label, prof, budget in (("eager, 80 GiB", h100, None), ("fused, no limit", fused, 2**60)):
+            if published is None and budget is not None:
+                continue
+            cfg = ComputeConfig(w, precision="bf16-mixed", global_batch=gb, constraints=L3_STAGE, mem_budget=budget)
+            object.__setattr__(cfg, "profile", prof)  # a profile object, as bench/calibration/calibrate.py does
+            plan = search(shape, cfg)
+            took = time.perf_counter() - t0
+            e = plan.best
+            print(f"{w:>6} {gb:>5} {label:<22} {took:>6.1f}s {e.mfu:>6.3f} {'' if published is None else published:>9} "
+                  f"{e.step_seconds:>7.1f}s {e.time['cp_comm']:>7.2f}s {human(e.memory['peak']):>10}  "
+                  f"{_conf(plan.parallel)}", flush=True)
+            t0 = time.perf_counter()
 
 
 def published_table(save: str | None = None) -> None:
@@ -90,11 +165,12 @@ def published_table(save: str | None = None) -> None:
         budget = max(int(0.9 * float(r["memory_gib"]) * 2**30), int(pub.best.memory["peak"]))
         mine = search(shape, config(r, cons={}, budget=budget), r["model"])
         a, b = pub.best.step_seconds, mine.best.step_seconds
-        p = mine.parallel
         print(f"{r['name']:<26} {a:>12.3f}s {b:>8.3f}s {b / a:>6.2f}  {'yes' if b <= a else 'NO':>10}  "
-              f"tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} v{p.virtual_stages} dp{p.dp} "
-              f"mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} {p.recompute}", flush=True)
+              f"{_conf(mine.parallel)}", flush=True)
         wins += b <= a
+        if save and mine.parallel.cp > 1 and not CP_LOWERING:  # verify plan refuses cp: the best plan without it
+            mine = search(shape, config(r, cons={"cp": 1}, budget=budget), r["model"])
+            print(f"{'  saved without cp':<26} {'':>13} {mine.best.step_seconds:>8.3f}s  {_conf(mine.parallel)}")
         if save:
             _save(mine, r["model"], int(r["seq"]), Path(save) / f"search-{r['name']}.json")
     print(f"never lose to the experts: {wins}/{len(rows)} rows (the search's estimate no slower than the published "
@@ -105,6 +181,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--operators", action="store_true", help="the per-operator autodist table instead")
     ap.add_argument("--skip-published", action="store_true")
+    ap.add_argument("--long-context", action="store_true", help="only the long-context (cp) table")
+    ap.add_argument("--save-cp", default=None, metavar="DIR",
+                    help=f"where the long-context plans go (default {CP_PLANS_DIR.relative_to(PLANS_DIR.parents[1])})")
     ap.add_argument("--save", default=None, metavar="DIR",
                     help="write each cluster plan as DIR/MODEL-GPUS.json (check one: python -m verify plan FILE)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[8, 16, 32])
@@ -113,10 +192,14 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=40.0)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
+    if args.long_context:
+        long_context_table(args.save_cp)
+        return
     if not args.operators:
         if args.save:
             Path(args.save).mkdir(parents=True, exist_ok=True)
         cluster_table(args.save)
+        long_context_table(args.save_cp)
         if not args.skip_published:
             published_table(args.save)
         return

@@ -57,6 +57,7 @@ def constraints(row: dict) -> dict:
         out["recompute"] = row["recompute"]
     if row["sequence_parallel"]:
         out["sequence_parallel"] = row["sequence_parallel"] == "True"
+    out["cp"] = int(row.get("cp") or 1)  # no row of the CSV ran context parallelism (no cp column: 1)
     return out
 
 

@@ -1,7 +1,28 @@
 """The cost of one training step on a cluster, for a model read as repeated blocks
 (:mod:`nnscaler.cluster.blocks`) under a full outer configuration (:class:`Parallel`): the recipes the
 compiler has (precision, ZeRO over dp, recompute none / selective / full, tensor parallelism with or
-without sequence parallelism, pipeline stages under 1F1B or interleaved 1F1B) with closed forms.
+without sequence parallelism, pipeline stages under 1F1B or interleaved 1F1B) and context parallelism
+(``cp``: the sequence split over ``cp`` ranks) with closed forms. Rank order: tp innermost, then cp, dp,
+pipeline stages (Megatron-LM's ``tp-cp-dp-pp``), so a group leaves its node once the ranks inside it and
+inside the axes within it exceed ``ranks_per_node``.
+
+Context parallelism (:func:`cp_exchange`): every operator but attention runs on ``1 / cp`` of each
+sequence's tokens (time, saved activations, tp collectives and pipeline sends all divide by ``cp``);
+attention runs the rank's queries against the whole sequence's keys and values. ``cp_scheme``
+``"allgather"`` (Llama 3, Dubey et al. 2024 section 3.3.2): all-gather K and V over the cp group before
+each attention forward, again in backward (only the rank's own chunk is kept), and reduce-scatter dK and
+dV; the paper puts the all-gather "in the critical path", so none of it is hidden here. ``"ring"``
+(Liu et al. 2023, ring attention): ``cp - 1`` sends of one K/V chunk (forward) and of K/V plus dK/dV
+(backward), each hidden behind one step's attention compute, only the excess exposed. With
+``cp_balanced`` (Llama 3's two chunks per rank, ``i`` and ``2 cp - 1 - i``; ring's zig-zag) every rank
+gets ``1 / cp`` of the causal attention; without (contiguous chunks), the last rank's queries see the most
+keys and its share, ``(2 cp - 1) / cp^2`` of the causal work, paces the step. ``cp_comm`` in the step time
+is the exposed exchange plus the extra attention launches a split attention makes (a ring's ``cp - 1`` more
+calls, the all-gather's second chunk), at the profile's ``op_overhead``. Not modelled: any loss of attention
+kernel efficiency on the shorter blocks a split attention computes (no measured source here), so cp at
+short sequences is priced optimistically. Parameters and gradients do
+not change with cp; ZeRO shards over ``dp x cp`` and the gradients are reduced over ``dp x cp`` (every cp
+rank holds gradients of its own tokens), as Megatron-LM's distributed optimizer and Llama 3's FSDP do.
 
 Memory per rank (the most loaded stage):
   params / grads / optimizer: bytes per parameter by precision (``BYTES``), divided by ``tp`` where
@@ -12,6 +33,9 @@ Memory per rank (the most loaded stage):
   most; interleaving with ``v`` virtual stages multiplies that by ``1 + (pp - 1) / (pp v)`` (Korthikanti
   et al. 2022); ``full`` recompute keeps only each block's input plus one block's working set,
   ``selective`` drops the attention core's outputs.
+MFU: model FLOPs of a step (3 x forward: backward counted as twice the forward) over ``world x peak x step
+time``, where the forward counts causal attention at half its ``s^2`` score and value products (the FLOPs
+a causal kernel does), as Llama 3's MFU figures do; the model FLOPs do not depend on the plan.
 Step time: ``(m + (pp - 1) / v) * t_mb`` for the slowest stage's micro-batch time ``t_mb`` (forward,
 backward = 2 x forward, recompute, exposed tp all-reduces), the bubble being the ``(pp - 1) / v`` part,
 plus exposed pipeline sends, the data-parallel collectives the last backward does not hide, and the
@@ -38,7 +62,9 @@ SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 @dataclass(frozen=True)
 class Parallel:
-    """One outer configuration of a training step on ``tp * pp * dp`` ranks."""
+    """One outer configuration of a training step on ``tp * cp * pp * dp`` ranks (``cp``: context
+    parallelism, ``cp_scheme`` one of :data:`~nnscaler.config.CP_SCHEMES`, ``cp_balanced``: causal load
+    balancing of the chunks; see the module docstring)."""
 
     tp: int = 1
     pp: int = 1
@@ -49,6 +75,9 @@ class Parallel:
     sequence_parallel: bool = False
     zero: int = 0
     recompute: str = "none"
+    cp: int = 1
+    cp_scheme: str = "allgather"
+    cp_balanced: bool = True
 
     @property
     def schedule(self) -> str:
@@ -56,7 +85,12 @@ class Parallel:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shards(self) -> int:
+        """Ranks that hold the same parameters: the group ZeRO shards over and gradients are reduced over."""
+        return self.dp * self.cp
 
     def as_dict(self) -> dict:
         return {**asdict(self), "schedule": self.schedule}
@@ -102,8 +136,9 @@ def _consts(profile: DeviceProfile) -> ClusterConstants:
 
 
 def section_forward(sec: Section, tp: int, sp: bool, scale: float, c: ClusterConstants, profile: DeviceProfile,
-                    act_bytes: int, causal: bool, core_only: bool = False) -> float:
-    """Seconds of one forward of ``sec`` on one rank for ``scale`` times the traced sample."""
+                    act_bytes: int, causal: bool, core_only: bool = False, attention_share: float = 1.0) -> float:
+    """Seconds of one forward of ``sec`` on one rank for ``scale`` times the traced sample
+    (``attention_share``: the rank's attention work against ``scale`` of it, :func:`causal_share`)."""
     t = 0.0
     for o in sec.ops:
         if o.kind == "free" or (core_only and not o.core):
@@ -115,11 +150,62 @@ def section_forward(sec: Section, tp: int, sp: bool, scale: float, c: ClusterCon
             k, n = (k, n / tp) if o.column else (k / tp, n)
             t += o.flops * scale / tp / (c.peak * c.gemm_efficiency(m, n, k))
         elif o.kind == "attention":
-            t += o.flops * scale / div * (0.5 if causal else 1.0) / (c.peak * c.attention)
+            t += o.flops * scale * attention_share / div * (0.5 if causal else 1.0) / (c.peak * c.attention)
         else:
             t += c.fusion * o.elements * scale * act_bytes / div / profile.mem_bw
         t += profile.op_overhead
     return t
+
+
+def causal_share(cp: int, causal: bool, balanced: bool) -> float:
+    """The slowest cp rank's attention work over ``1 / cp`` of the whole (1 when balanced or not causal).
+    Contiguous chunks: rank ``i``'s queries see ``i + 1/2`` chunks of keys on average, the last one
+    ``cp - 1/2`` of the ``cp / 2`` a balanced rank sees: ``(2 cp - 1) / cp``."""
+    return 1.0 if cp == 1 or balanced or not causal else (2 * cp - 1) / cp
+
+
+def attention_flops(shape: ModelShape) -> float:
+    """Forward FLOPs of every attention of the traced sample (scores and values in full, ``4 s^2 d`` per head)."""
+    per = {n: sum(o.flops for o in getattr(shape, n).ops if o.kind == "attention") for n in ("pre", "block", "post")}
+    return per["pre"] + per["post"] + shape.layers * per["block"]
+
+
+def model_flops(shape: ModelShape, global_batch: int) -> float:
+    """FLOPs of one training step as MFU counts them (module docstring): 3 x the forward, causal attention
+    at half its scores."""
+    fwd = shape.fwd_flops - (0.5 * attention_flops(shape) if shape.causal else 0.0)
+    return (1 + BACKWARD) * fwd / shape.batch * global_batch
+
+
+def kv_bytes(shape: ModelShape, tokens: float, tp: int, act_bytes: int) -> float:
+    """Bytes of the keys and values of ``tokens`` on one tp rank (heads split over ``tp``)."""
+    return 2.0 * tokens * shape.kv_heads * (shape.hidden // max(1, shape.heads)) / tp * act_bytes
+
+
+def cp_exchange(shape: ModelShape, par: Parallel, profile: DeviceProfile, tokens_mb: int, act_bytes: int,
+                attn_fwd: float) -> dict:
+    """Seconds of context parallelism's key/value exchange in one block for one micro-batch (module
+    docstring): ``fwd`` (exposed in forward), ``bwd`` (in backward), ``bytes`` (the gathered K and V of one
+    block on one rank, also the working buffer the all-gather needs). ``attn_fwd``: the rank's forward
+    attention seconds in that block (what a ring hides its sends behind)."""
+    cp = par.cp
+    if cp == 1:
+        return {"fwd": 0.0, "bwd": 0.0, "bytes": 0.0}
+    gathered = kv_bytes(shape, tokens_mb, par.tp, act_bytes)
+    rpn = profile.ranks_per_node
+    across = par.tp * cp > rpn
+    if par.cp_scheme == "allgather":  # two attention calls per rank (its two chunks): one launch more each way
+        coll = _group_collective(profile, cp, across, max(1, min(cp, rpn // par.tp)))
+        ag, rs = coll("all_gather", gathered), coll("reduce_scatter", gathered)
+        launch = profile.op_overhead
+        return {"fwd": ag + launch, "bwd": ag + rs + BACKWARD * launch, "bytes": gathered}
+    alpha, beta = profile.link(across)  # a ring that leaves its node goes at its slowest hop's pace
+    chunk = gathered / cp
+    step_fwd, step_bwd = attn_fwd / cp, attn_fwd * BACKWARD / cp
+    launch = (cp - 1) * profile.op_overhead  # one attention call per step where one call did it all
+    fwd = (cp - 1) * max(0.0, alpha + chunk / beta - step_fwd) + launch
+    bwd = (cp - 1) * max(0.0, alpha + 2 * chunk / beta - step_bwd) + BACKWARD * launch
+    return {"fwd": fwd, "bwd": bwd, "bytes": 2 * chunk}
 
 
 def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: float, drop_core: bool = False) -> float:
@@ -189,21 +275,30 @@ def _group_collective(profile: DeviceProfile, f: int, across: bool, per_node: in
     return time
 
 
-def _micro_batch(shape: ModelShape, tp: int, sp: bool, scale: float, recompute: str, c: ClusterConstants,
+def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: ClusterConstants,
                  profile: DeviceProfile, ab: int, tokens_mb: int) -> dict:
     """What one micro-batch costs per section, and what it saves, under (tp, sequence parallelism,
-    micro-batch size, recompute): the part of :func:`estimate` that reads every operator of a section."""
-    fwd = {name: section_forward(sec, tp, sp, scale, c, profile, ab if name != "post" else LOSS_BYTES, shape.causal)
+    micro-batch size, recompute, context parallelism): the part of :func:`estimate` that reads every
+    operator of a section. ``scale``: the rank's part of the traced sample (``/ cp`` already)."""
+    tp, recompute = par.tp, par.recompute
+    share = causal_share(par.cp, shape.causal, par.cp_balanced)
+    fwd = {name: section_forward(sec, tp, sp, scale, c, profile, ab if name != "post" else LOSS_BYTES, shape.causal,
+                                 attention_share=share)
            for name, sec in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
-    act_el_bytes = tokens_mb * shape.hidden * ab  # one activation between blocks
+    attn = section_forward(shape.block, tp, sp, scale, c, profile, ab, shape.causal, attention_share=share) - \
+        section_forward(Section([o for o in shape.block.ops if o.kind != "attention"]), tp, sp, scale, c, profile, ab,
+                        shape.causal)
+    cpx = cp_exchange(shape, par, profile, tokens_mb, ab, attn)
+    act_el_bytes = tokens_mb / par.cp * shape.hidden * ab  # one activation between blocks, on one cp rank
     intra = tp <= profile.ranks_per_node
     ar = collective_time("all_reduce", act_el_bytes, tp, profile, not intra) * c.tp_exposed * (c.sp_comm if sp else 1.0)
     tp_f = {n: _tp_collectives(s) for n, s in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
     tp_time = {n: (f + b) * ar for n, (f, b) in tp_f.items()}
-    if recompute == "full":
-        rc = {n: fwd[n] + tp_f[n][0] * ar for n in ("block",)}
+    if recompute == "full":  # the forward again, its all-gather of K and V included
+        rc = {n: fwd[n] + tp_f[n][0] * ar + cpx["fwd"] for n in ("block",)}
     elif recompute == "selective":
-        rc = {"block": section_forward(shape.block, tp, sp, scale, c, profile, ab, shape.causal, core_only=True)}
+        rc = {"block": section_forward(shape.block, tp, sp, scale, c, profile, ab, shape.causal, core_only=True,
+                                       attention_share=share)}
     else:
         rc = {"block": 0.0}
     full_act = section_saved(shape.block, tp, sp, scale, ab)
@@ -213,8 +308,10 @@ def _micro_batch(shape: ModelShape, tp: int, sp: bool, scale: float, recompute: 
         per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True), 0.0
     else:
         per_layer_act, working = full_act, 0.0
-    return {"fwd": fwd, "tp_time": tp_time, "rc": rc,
-            "per_layer": fwd["block"] * (1 + BACKWARD) + tp_time["block"] + rc["block"],
+    working += cpx["bytes"] * 2  # the gathered K and V, then their gradients before the reduce-scatter
+    cp_block = cpx["fwd"] + cpx["bwd"]
+    return {"fwd": fwd, "tp_time": tp_time, "rc": rc, "cp_time": cp_block,
+            "per_layer": fwd["block"] * (1 + BACKWARD) + tp_time["block"] + rc["block"] + cp_block,
             "pre_t": fwd["pre"] * (1 + BACKWARD) + tp_time["pre"], "post_t": fwd["post"] * (1 + BACKWARD) + tp_time["post"],
             "per_layer_act": per_layer_act, "working": working,
             "pre_act": section_saved(shape.pre, tp, sp, scale, ab),
@@ -234,18 +331,18 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
         c = dataclasses.replace(c, peak=c.peak * share)
         profile = dataclasses.replace(profile, mem_bw=profile.mem_bw * share, op_overhead=profile.op_overhead / share)
     pb, gb, ob, ab = BYTES[precision]
-    tp, pp, dp, v, m = par.tp, par.pp, par.dp, par.virtual_stages, par.num_microbatches
+    tp, cp, pp, dp, v, m = par.tp, par.cp, par.pp, par.dp, par.virtual_stages, par.num_microbatches
     sp = par.sequence_parallel and tp > 1
-    scale = par.micro_batch_size / shape.batch
-    tokens_mb = par.micro_batch_size * shape.seq
-    key = (tp, sp, par.micro_batch_size, par.recompute)
+    scale = par.micro_batch_size / shape.batch / cp
+    tokens_mb = par.micro_batch_size * shape.seq  # the micro-batch's tokens, over its cp ranks
+    key = (tp, sp, par.micro_batch_size, par.recompute, cp, par.cp_scheme if cp > 1 else "", par.cp_balanced)
     costs = memo.get(key) if memo is not None else None
     if costs is None:
-        costs = _micro_batch(shape, tp, sp, scale, par.recompute, c, profile, ab, tokens_mb)
+        costs = _micro_batch(shape, par, sp, scale, c, profile, ab, tokens_mb)
         if memo is not None:
             memo[key] = costs
     tp_time, rc = costs["tp_time"], costs["rc"]
-    act_el_bytes = tokens_mb * shape.hidden * ab  # one activation between blocks
+    act_el_bytes = tokens_mb / cp * shape.hidden * ab  # one activation between blocks, on one cp rank
     chunks = pp * v
     split = costs.setdefault("split", {})  # by chunks: the ZeRO stages and micro-batch counts share it
     if chunks not in split:
@@ -257,8 +354,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     idle = (pp - 1) / v
     bubble = idle * t_mb
     p2p_bytes = act_el_bytes / (tp if sp else 1)
-    # rank order tp (innermost), dp, pp (Megatron-LM's): neighbouring stages are tp x dp ranks apart
-    across = tp * dp >= profile.ranks_per_node
+    # rank order tp (innermost), cp, dp, pp (Megatron-LM's): neighbouring stages are tp x cp x dp ranks apart
+    across = tp * cp * dp >= profile.ranks_per_node
     alpha, beta = profile.link(across)
     p2p = alpha + p2p_bytes / beta
     pp_comm = 2 * (m * v + pp - 1) * p2p * c.pp_exposed if pp > 1 else 0.0
@@ -267,15 +364,16 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     pre_p, block_p, post_p = costs["params"]
     stage_params = max(pre_p + counts[0] * block_p * (1 if v == 1 else v),
                        post_p + counts[-1] * block_p * (1 if v == 1 else v), layers_max * block_p)
-    dp_across = tp * dp > profile.ranks_per_node
-    dp_coll = _group_collective(profile, dp, dp_across, max(1, min(dp, profile.ranks_per_node // tp)))
-    shard = dp if dp > 1 else 1
+    # gradients are reduced, and ZeRO shards, over the dp x cp ranks that hold the same parameters
+    shard = par.shards
+    dp_across = tp * shard > profile.ranks_per_node
+    dp_coll = _group_collective(profile, shard, dp_across, max(1, min(shard, profile.ranks_per_node // tp)))
     params_b = stage_params * pb / (shard if par.zero >= 3 else 1)
     grads_b = stage_params * gb / (shard if par.zero >= 2 else 1)
     optim_b = stage_params * ob / (shard if par.zero >= 1 else 1)
     grad_bytes = stage_params * grad_reduce_bytes
     dp_comm = 0.0
-    if dp > 1:
+    if shard > 1:
         if par.zero <= 1:
             dp_comm = dp_coll("all_reduce", grad_bytes)
         elif par.zero == 2:  # reduce-scatter after every micro-batch, all-gather of the updated shard once
@@ -291,7 +389,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     # the slowest stage's m micro-batches, broken down (its recompute and exposed tp collectives apart)
     recompute = m * rc["block"] * max(counts) * v
     tp_exposed_t = m * (tp_time["block"] * max(counts) * v + max(tp_time["pre"], tp_time["post"]))
-    compute = m * t_mb - recompute - tp_exposed_t
+    cp_exposed_t = m * costs["cp_time"] * max(counts) * v
+    compute = m * t_mb - recompute - tp_exposed_t - cp_exposed_t
     total = m * t_mb + bubble + pp_comm + dp_exposed + optimizer
     # --- activations ----------------------------------------------------------------------------------------
     per_layer_act, working = costs["per_layer_act"], costs["working"]
@@ -300,13 +399,13 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * min(1, m) + costs["post_act"]
     activations = max(act_stage0, act_last) + working
     buffers = shape.buffers_bytes + 2 * BUCKET_BYTES
-    if par.zero >= 3 and dp > 1:
+    if par.zero >= 3 and shard > 1:
         buffers += 2 * block_p * ab
     peak = params_b + grads_b + optim_b + activations + buffers
     tokens = global_batch * shape.seq
-    model_flops = (1 + BACKWARD) * shape.fwd_flops / shape.batch * global_batch
-    mfu = model_flops / (total * par.world * peak_flops)
-    times = {"compute": compute, "recompute": recompute, "tp_comm": tp_exposed_t, "pp_comm": pp_comm,
+    mfu = model_flops(shape, global_batch) / (total * par.world * peak_flops)
+    times = {"compute": compute, "recompute": recompute, "tp_comm": tp_exposed_t, "cp_comm": cp_exposed_t,
+             "pp_comm": pp_comm,
              "dp_comm": dp_exposed, "bubble": bubble, "optimizer": optimizer, "total": total}
     memory = {"params": params_b, "grads": grads_b, "optimizer": optim_b, "activations": activations,
               "buffers": buffers, "peak": peak}

@@ -10,7 +10,11 @@ plan, never chosen apart from it: ``plan_graph(graph, *lower(parallel, ...))``.
 The file (:meth:`ClusterPlan.save <nnscaler.cluster.search.ClusterPlan.save>`, read back by
 :func:`load`) is JSON, no pickle: the summary (``parallel``, estimates), :data:`FORMAT`, the
 ``architecture`` (a ``transformers`` model's class and config, enough to rebuild the model at another
-size) and ``lowered`` (the policy and config fields :func:`lower` gives).
+size) and ``lowered`` (the policy and config fields :func:`lower` gives). A plan with context
+parallelism (``cp`` > 1) saves with its ``cp``, ``cp_scheme`` and ``cp_balanced`` in ``parallel`` and
+``lowered`` null: the compiler has no context-parallel lowering here yet (:func:`lower` refuses it by
+name, :data:`NO_CP_LOWERING`), so nothing runs such a plan without its cp axis. Files without the cp
+fields (written before cp) read as ``cp`` 1.
 """
 from __future__ import annotations
 
@@ -20,13 +24,19 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CONSTRAINT_KEYS, RECOMPUTE_CHOICES, ComputeConfig, PlanError
+from ..config import CONSTRAINT_KEYS, CP_SCHEMES, RECOMPUTE_CHOICES, ComputeConfig, PlanError
 from .cost import Parallel
 from ..runtime.precision import PRECISIONS
 
 FORMAT = "nnscaler-cluster-plan/1"
 LOWERED_FIELDS = ("plan_ngpus", "tp_size", "pp_size", "schedule", "virtual_stages", "sequence_parallel",
                   "num_microbatches", "recompute", "zero", "precision")
+
+
+CP_LOWERING = False  # whether lower() lowers context parallelism (not yet: the compiler has no cp policy here)
+NO_CP_LOWERING = ("context parallelism (cp={cp}, {scheme}) has no compiler lowering yet: the plan cannot be "
+                  "compiled or verified without dropping its cp axis")
+CP_DEFAULTS = {"cp": 1, "cp_scheme": CP_SCHEMES[0], "cp_balanced": True}  # what a file written before cp means
 
 
 def stage_policy(par: Parallel) -> str:
@@ -39,15 +49,21 @@ def stage_policy(par: Parallel) -> str:
 def lower(par: Parallel, precision: str = "32-true", **extra) -> tuple[str, ComputeConfig]:
     """``(policy, config)`` the compiler runs for ``par`` on ``par.world`` ranks (``extra``: more
     :class:`ComputeConfig` fields, e.g. ``seed`` or ``profile``). Rank order is Megatron-LM's: tp
-    innermost, then dp, then pipeline stages."""
+    innermost, then dp, then pipeline stages. A plan with ``cp`` > 1 is a :class:`PlanError`
+    (:data:`NO_CP_LOWERING`)."""
+    if par.cp > 1 and not CP_LOWERING:
+        raise PlanError(NO_CP_LOWERING.format(cp=par.cp, scheme=par.cp_scheme))
     return stage_policy(par), ComputeConfig(
         par.world, tp_size=par.tp, pp_size=par.pp, schedule=par.schedule, virtual_stages=par.virtual_stages,
         sequence_parallel=par.sequence_parallel and par.tp > 1, num_microbatches=par.num_microbatches,
         recompute=par.recompute, zero=par.zero if par.dp > 1 else 0, precision=precision, **extra)
 
 
-def lowered_dict(par: Parallel, precision: str) -> dict:
-    """What :func:`lower` gives, as JSON: ``{"policy": ..., "config": {field: value}}``."""
+def lowered_dict(par: Parallel, precision: str) -> dict | None:
+    """What :func:`lower` gives, as JSON: ``{"policy": ..., "config": {field: value}}``; ``None`` for a plan
+    with context parallelism (no lowering yet)."""
+    if par.cp > 1:
+        return None
     policy, cfg = lower(par, precision)
     return {"policy": policy, "config": {k: getattr(cfg, k) for k in LOWERED_FIELDS}}
 
@@ -101,17 +117,20 @@ def parallel_of(d: object, where: str = "parallel") -> Parallel:
     if not isinstance(d, dict):
         raise PlanError(f"{where} must be an object with {', '.join(CONSTRAINT_KEYS)}")
     fields = {f.name for f in dataclasses.fields(Parallel)}
-    missing = sorted(fields - set(d))
+    missing = sorted(fields - set(d) - set(CP_DEFAULTS))
     if missing:
         raise PlanError(f"{where} lacks {', '.join(missing)}")
-    kw = {k: d[k] for k in fields}
+    kw = {k: d.get(k, CP_DEFAULTS.get(k)) for k in fields}
     for k, v in kw.items():
         if k == "recompute":
             if v not in RECOMPUTE_CHOICES:
                 raise PlanError(f"{where}.recompute={v!r}: valid {', '.join(map(repr, RECOMPUTE_CHOICES))}")
-        elif k == "sequence_parallel":
+        elif k == "cp_scheme":
+            if v not in CP_SCHEMES:
+                raise PlanError(f"{where}.cp_scheme={v!r}: valid {', '.join(map(repr, CP_SCHEMES))}")
+        elif k in ("sequence_parallel", "cp_balanced"):
             if not isinstance(v, bool):
-                raise PlanError(f"{where}.sequence_parallel={v!r}: must be true or false")
+                raise PlanError(f"{where}.{k}={v!r}: must be true or false")
         elif isinstance(v, bool) or not isinstance(v, int) or v < (0 if k == "zero" else 1):
             raise PlanError(f"{where}.{k}={v!r}: must be a positive integer")
     if kw["zero"] > 3:
@@ -150,7 +169,8 @@ def load(path: str | os.PathLike) -> SavedPlan:
         raise _bad(p, str(exc)) from None
     world = data.get("world_size")
     if world != par.world:
-        raise _bad(p, f"world_size {world!r} is not tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {par.world}")
+        raise _bad(p, f"world_size {world!r} is not tp x cp x pp x dp = {par.tp} x {par.cp} x {par.pp} x {par.dp} = "
+                      f"{par.world}")
     precision = data.get("precision")
     if precision not in PRECISIONS:
         raise _bad(p, f"precision {precision!r}: valid {', '.join(PRECISIONS)}")

@@ -1,11 +1,11 @@
 """``plan_cluster``: the outer configuration of a real training run, searched jointly on the cluster cost
 model (:mod:`nnscaler.cluster.cost`): tensor parallelism (with or without sequence parallelism),
 pipeline stages (1F1B, or interleaved with virtual stages), micro-batch size and count, data
-parallelism with a ZeRO stage, and recompute.
+parallelism with a ZeRO stage, context parallelism (degree and scheme) and recompute.
 
 The model is traced once on the meta device, two of its blocks (:mod:`.trace`), and read as
 repeated blocks (:mod:`nnscaler.cluster.blocks`);
-one block is costed per (tp, sequence parallelism, micro-batch size, recompute) and the rest of the
+one block is costed per (tp, sequence parallelism, micro-batch size, recompute, cp) and the rest of the
 space is enumerated analytically, so a 126-layer model plans in about the time of its trace.
 
 How this relates to ``autodist``: the cluster search picks the outer configuration (the mesh of tp x
@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..config import CONSTRAINT_KEYS as KEYS, RECOMPUTE_CHOICES as RECOMPUTES, ComputeConfig, PlanError
+from ..config import CONSTRAINT_KEYS as KEYS, CP_SCHEMES, RECOMPUTE_CHOICES as RECOMPUTES, ComputeConfig, PlanError
 from ..cost.summary import human, seconds
 from ..profiles import get_profile
 from .blocks import ModelShape
@@ -41,6 +41,10 @@ from .plan import FORMAT, architecture_of, lower, lowered_dict
 from .trace import trace_shape
 
 MAX_MICRO_BATCH = 16
+# the search splits a sequence no finer than this many tokens per cp rank: the shortest attention the cost model's
+# ``attention`` constant was measured on (bench/results/h100_kernels.csv: 4096 and 8192 tokens); shorter blocks
+# would price attention by a constant measured elsewhere. A ``cp`` constraint may still ask for more.
+MIN_CP_TOKENS = 4096
 MAX_VIRTUAL = 8
 
 
@@ -106,7 +110,8 @@ class ClusterPlan:
 
     def one_line(self) -> str:
         p = self.best.parallel
-        return (f"{self.model} on {self.world} x {self.profile}: tp {p.tp}{' +sp' if p.sequence_parallel else ''} x pp "
+        return (f"{self.model} on {self.world} x {self.profile}: tp {p.tp}{' +sp' if p.sequence_parallel else ''} x "
+                f"{cp_label(p) + ' x ' if p.cp > 1 else ''}pp "
                 f"{p.pp}{f' (v={p.virtual_stages})' if p.virtual_stages > 1 else ''} x dp {p.dp}, micro-batch "
                 f"{p.micro_batch_size} x {p.num_microbatches}, zero {p.zero}, recompute {p.recompute}: step "
                 f"{seconds(self.best.step_seconds)}, MFU {100 * self.best.mfu:.1f}%, peak "
@@ -122,6 +127,12 @@ class ClusterPlan:
         return "\n".join(lines) + "\n"
 
 
+def cp_degrees(shape: ModelShape, ranks: int, min_tokens: int = 1) -> list[int]:
+    """The context-parallel degrees dividing ``ranks`` that split each sequence into ``2 cp`` equal chunks
+    (the causally balanced layout: two chunks per rank) with at least ``min_tokens`` tokens per rank."""
+    return [d for d in _divisors(ranks) if d == 1 or (shape.seq % (2 * d) == 0 and shape.seq // d >= min_tokens)]
+
+
 def _check_fixed(shape: ModelShape, world: int, cons: dict, global_batch: int) -> None:
     """Constraints the model or the world rules out, each one line with the nearest feasible value."""
     tp = cons.get("tp")
@@ -129,15 +140,23 @@ def _check_fixed(shape: ModelShape, world: int, cons: dict, global_batch: int) -
     if tp is not None and (shape.heads % tp or shape.kv_heads % tp or world % tp):
         raise PlanError(f"constraint tp={tp}: tp must divide the {shape.heads} attention heads, the {shape.kv_heads} "
                         f"key/value heads and the world size {world}; nearest feasible tp: {_nearest(tp, heads_ok)}")
+    cp = cons.get("cp")
+    if cp is not None and cp > 1:
+        ok = cp_degrees(shape, world // (tp or 1))
+        if world % (cp * (tp or 1)) or shape.seq % (2 * cp):
+            raise PlanError(f"constraint cp={cp}: cp must divide the world size {world}"
+                            f"{f' over tp={tp}' if tp else ''} and split the {shape.seq} tokens of a sequence into "
+                            f"2 x cp equal chunks; nearest feasible cp: {_nearest(cp, ok)}")
+    cpn = cp or 1
     pp = cons.get("pp")
     if pp is not None:
-        ok = [d for d in _divisors(world // (tp or 1)) if d <= shape.layers]
+        ok = [d for d in _divisors(world // ((tp or 1) * cpn)) if d <= shape.layers]
         if pp > shape.layers:
             raise PlanError(f"constraint pp={pp}: more pipeline stages than the model's {shape.layers} blocks; nearest "
                             f"feasible pp: {_nearest(pp, ok)}")
-        if world % (pp * (tp or 1)):
-            raise PlanError(f"constraint pp={pp}: pp x tp ({pp * (tp or 1)}) must divide the world size {world}; "
-                            f"nearest feasible pp: {_nearest(pp, ok)}")
+        if world % (pp * (tp or 1) * cpn):
+            raise PlanError(f"constraint pp={pp}: pp x tp{' x cp' if cp else ''} ({pp * (tp or 1) * cpn}) must divide "
+                            f"the world size {world}; nearest feasible pp: {_nearest(pp, ok)}")
     v = cons.get("virtual_stages")
     if v is not None and v > 1 and v * (pp or 1) > shape.layers:
         ok = [x for x in range(1, shape.layers + 1) if x * (pp or 1) <= shape.layers]
@@ -149,9 +168,10 @@ def _check_fixed(shape: ModelShape, world: int, cons: dict, global_batch: int) -
         if world % dp or global_batch % dp:
             raise PlanError(f"constraint dp={dp}: dp must divide the world size {world} and the global batch "
                             f"{global_batch}; nearest feasible dp: {_nearest(dp, ok)}")
-    if tp and pp and dp and tp * pp * dp != world:
-        raise PlanError(f"constraints tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} ranks, but the world size is {world}; "
-                        f"nearest feasible dp: {world // (tp * pp) if world % (tp * pp) == 0 else 'none'}")
+    if tp and pp and dp and tp * cpn * pp * dp != world:
+        raise PlanError(f"constraints tp={tp} x cp={cpn} x pp={pp} x dp={dp} = {tp * cpn * pp * dp} ranks, but the world "
+                        f"size is {world}; nearest feasible dp: "
+                        f"{world // (tp * cpn * pp) if world % (tp * cpn * pp) == 0 else 'none'}")
     mbs = cons.get("micro_batch_size")
     if mbs is not None and dp is not None and (global_batch // dp) % mbs:
         ok = _divisors(global_batch // dp)
@@ -160,43 +180,57 @@ def _check_fixed(shape: ModelShape, world: int, cons: dict, global_batch: int) -
 
 
 def candidates(shape: ModelShape, world: int, global_batch: int, cons: dict, ranks_per_node: int):
-    """Every outer configuration the constraints allow (tp inside one node, dividing the heads)."""
+    """Every outer configuration the constraints allow (tp inside one node, dividing the heads; cp splitting
+    each sequence into ``2 cp`` chunks of at least :data:`MIN_CP_TOKENS` tokens per rank, each scheme of
+    :data:`~nnscaler.config.CP_SCHEMES`, causally balanced unless a constraint says otherwise: unbalanced
+    chunks are never faster)."""
     tps = [cons["tp"]] if "tp" in cons else [d for d in _divisors(world) if d <= ranks_per_node
                                              and shape.heads % d == 0 and shape.kv_heads % d == 0]
+    balanced = cons.get("cp_balanced", True)
     for tp in tps:
-        sps = [cons["sequence_parallel"]] if "sequence_parallel" in cons else ([False, True] if tp > 1 else [False])
-        pps = [cons["pp"]] if "pp" in cons else [d for d in _divisors(world // tp) if d <= shape.layers]
-        for pp in pps:
-            if world % (tp * pp):
+        cps = [cons["cp"]] if "cp" in cons else cp_degrees(shape, world // tp, MIN_CP_TOKENS)
+        for cp in cps:
+            yield from _candidates(shape, world, global_batch, cons, tp, cp, balanced)
+
+
+def _candidates(shape: ModelShape, world: int, global_batch: int, cons: dict, tp: int, cp: int, balanced: bool):
+    schemes = [cons["cp_scheme"]] if "cp_scheme" in cons else list(CP_SCHEMES) if cp > 1 else [CP_SCHEMES[0]]
+    if world % (tp * cp):
+        return
+    sps = [cons["sequence_parallel"]] if "sequence_parallel" in cons else ([False, True] if tp > 1 else [False])
+    pps = [cons["pp"]] if "pp" in cons else [d for d in _divisors(world // (tp * cp)) if d <= shape.layers]
+    for pp in pps:
+        if world % (tp * cp * pp):
+            continue
+        dp = world // (tp * cp * pp)
+        if "dp" in cons and cons["dp"] != dp or global_batch % dp:
+            continue
+        per_dp = global_batch // dp
+        mbss = [cons["micro_batch_size"]] if "micro_batch_size" in cons else \
+            [d for d in _divisors(per_dp) if d <= MAX_MICRO_BATCH]
+        for mbs in mbss:
+            if per_dp % mbs:
                 continue
-            dp = world // (tp * pp)
-            if "dp" in cons and cons["dp"] != dp or global_batch % dp:
+            m = per_dp // mbs
+            if "num_microbatches" in cons and cons["num_microbatches"] != m:
                 continue
-            per_dp = global_batch // dp
-            mbss = [cons["micro_batch_size"]] if "micro_batch_size" in cons else \
-                [d for d in _divisors(per_dp) if d <= MAX_MICRO_BATCH]
-            for mbs in mbss:
-                if per_dp % mbs:
+            if "virtual_stages" in cons:
+                vs = [cons["virtual_stages"]]
+            else:
+                vs = [1] + ([x for x in (2, 3, 4, 5, 6, 8) if x <= MAX_VIRTUAL and pp * x <= shape.layers]
+                            if pp > 1 else [])
+            for v in vs:
+                if v > 1 and (pp == 1 or m % pp or pp * v > shape.layers):
                     continue
-                m = per_dp // mbs
-                if "num_microbatches" in cons and cons["num_microbatches"] != m:
-                    continue
-                if "virtual_stages" in cons:
-                    vs = [cons["virtual_stages"]]
-                else:
-                    vs = [1] + ([x for x in (2, 3, 4, 5, 6, 8) if x <= MAX_VIRTUAL and pp * x <= shape.layers]
-                                if pp > 1 else [])
-                for v in vs:
-                    if v > 1 and (pp == 1 or m % pp or pp * v > shape.layers):
+                for zero in ([cons["zero"]] if "zero" in cons else [0, 1, 2, 3]):
+                    if zero and dp * cp == 1 and "zero" not in cons:
                         continue
-                    for zero in ([cons["zero"]] if "zero" in cons else [0, 1, 2, 3]):
-                        if zero and dp == 1 and "zero" not in cons:
-                            continue
-                        for rc in ([cons["recompute"]] if "recompute" in cons else list(RECOMPUTES)):
-                            for sp in sps:
-                                if sp and tp == 1:
-                                    continue
-                                yield Parallel(tp, pp, dp, mbs, m, v, sp, zero, rc)
+                    for rc in ([cons["recompute"]] if "recompute" in cons else list(RECOMPUTES)):
+                        for sp in sps:
+                            if sp and tp == 1:
+                                continue
+                            for scheme in schemes:
+                                yield Parallel(tp, pp, dp, mbs, m, v, sp, zero, rc, cp, scheme, balanced)
 
 
 def search(shape: ModelShape, config: ComputeConfig, name: str = "model") -> ClusterPlan:
@@ -227,7 +261,7 @@ def search(shape: ModelShape, config: ComputeConfig, name: str = "model") -> Clu
                 best = e
     if considered == 0:
         raise PlanError(f"no configuration of {world} ranks satisfies constraints {cons} with global batch {gb} "
-                        f"(tp must divide {shape.heads} heads, tp x pp x dp = {world}, dp divide the batch)")
+                        f"(tp must divide {shape.heads} heads, tp x cp x pp x dp = {world}, dp divide the batch)")
     if best is None:
         assert least is not None
         need = least.memory["peak"]
@@ -241,8 +275,13 @@ def search(shape: ModelShape, config: ComputeConfig, name: str = "model") -> Clu
 
 
 def _short(p: Parallel) -> str:
-    return (f"tp {p.tp} pp {p.pp} dp {p.dp} zero {p.zero} recompute {p.recompute}"
+    return (f"tp {p.tp}{' ' + cp_label(p) if p.cp > 1 else ''} pp {p.pp} dp {p.dp} zero {p.zero} recompute {p.recompute}"
             f"{' sp' if p.sequence_parallel else ''} micro-batch {p.micro_batch_size}")
+
+
+def cp_label(p: Parallel) -> str:
+    """``cp 16 (allgather)``, ``cp 4 (ring, unbalanced)``."""
+    return f"cp {p.cp} ({p.cp_scheme}{'' if p.cp_balanced else ', unbalanced'})"
 
 
 def _more_ranks(world: int, need: float, budget: float) -> int:

@@ -144,8 +144,11 @@ def test_a_search_memo_changes_no_estimate(shape):
     assert memo  # and it was used
 
 def test_fixing_every_key_evaluates_exactly_that_configuration(shape):
+    from nnscaler.config import CONSTRAINT_KEYS
     cons = {"tp": 2, "pp": 2, "dp": 2, "micro_batch_size": 1, "num_microbatches": 4, "virtual_stages": 2,
-            "recompute": "full", "zero": 1, "sequence_parallel": True}
+            "recompute": "full", "zero": 1, "sequence_parallel": True, "cp": 1, "cp_scheme": "allgather",
+            "cp_balanced": True}
+    assert set(cons) == set(CONSTRAINT_KEYS)
     plan = search(shape, ComputeConfig(8, profile="h100", precision="bf16-mixed", global_batch=8, constraints=cons))
     assert plan.considered == 1
     assert {k: plan.summary()["parallel"][k] for k in cons} == cons

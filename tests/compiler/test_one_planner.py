@@ -39,7 +39,8 @@ def test_autodist_at_cluster_scale_is_the_cluster_plan(size, world, tmp_path):
     assert got.parallel == want.parallel  # tp, pp, dp, micro-batches, virtual stages, sp, zero, recompute
     assert got.parallel.schedule == want.parallel.schedule
     assert plan.stats.mfu == pytest.approx(want.best.mfu) and plan.stats.mfu > 0.3
-    assert plan.mesh_shape == (want.parallel.pp, want.parallel.dp, want.parallel.tp)
+    p = want.parallel
+    assert plan.mesh_shape == ((p.pp, p.dp, p.cp, p.tp) if p.cp > 1 else (p.pp, p.dp, p.tp))
     summary = plan.summary()
     assert summary["mfu"] == pytest.approx(want.best.mfu) and summary["parallel"] == want.parallel.as_dict()
     assert summary["planner"] == "cluster search" and "inside a stage" in summary["inside_stage"]

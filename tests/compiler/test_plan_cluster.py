@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from nnscaler import PlanError
 from nnscaler.cluster.cost import Parallel
 from nnscaler.cluster.plan import check_lowering, load, lower
 from verify.cli import main
@@ -79,7 +80,7 @@ def test_bad_plan_files_are_one_line_and_exit_2(tmp_path, capsys):
         "tp.json": {**data, "parallel": {**data["parallel"], "tp": 0}},
         "format.json": {**data, "format": "other/9"},
     }
-    words = {"missing.json": "no such file", "text.json": "not JSON", "world.json": "world_size 16 is not tp x pp x dp",
+    words = {"missing.json": "no such file", "text.json": "not JSON", "world.json": "world_size 16 is not tp x cp x pp x dp",
              "arch.json": "no architecture", "tp.json": "parallel.tp=0", "format.json": "format 'other/9'"}
     for name, content in cases.items():
         if content is not None:
@@ -89,6 +90,22 @@ def test_bad_plan_files_are_one_line_and_exit_2(tmp_path, capsys):
         assert len(err) == 1 and words[name] in err[0], (name, err)
     assert main(["plan", str(good), "--as-planned", "--module", str(tmp_path / "none.py")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_cp_plan_is_saved_with_its_axis_and_refused_by_name(tmp_path, capsys):
+    plan, path = saved_plan(tmp_path, 16, {"tp": 2, "cp": 4, "pp": 2, "cp_scheme": "ring"})
+    data = json.loads(path.read_text())
+    assert (data["parallel"]["cp"], data["parallel"]["cp_scheme"], data["world_size"]) == (4, "ring", 16)
+    assert data["lowered"] is None and load(path).parallel == plan.parallel
+    with pytest.raises(PlanError, match="cp=4, ring.* no compiler lowering"):
+        lower(plan.parallel)
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "context parallelism (cp=4, ring)" in err[0], err
+    # a file written before cp reads as cp 1
+    old = {**data, "world_size": 4, "parallel": {k: v for k, v in data["parallel"].items() if not k.startswith("cp")}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert load(tmp_path / "old.json").parallel.cp == 1
 
 
 @pytest.mark.slow

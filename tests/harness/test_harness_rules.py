@@ -363,6 +363,9 @@ def test_the_reduced_plan_keeps_every_field_of_the_saved_one():
         (2, "Interleaved1F1B", True, 3, "selective")
     assert got.num_microbatches > 1 and got.num_microbatches % got.pp == 0
     assert reduce_parallel(dataclasses.replace(saved, zero=2)).zero == 2
+    cp = reduce_parallel(dataclasses.replace(saved, cp=16, cp_scheme="ring", cp_balanced=False))
+    assert (cp.cp, cp.cp_scheme, cp.cp_balanced, cp.world) == (2, "ring", False, 16)  # the cp axis kept, of 2
+    assert reduce_parallel(dataclasses.replace(saved, cp=4)).cp_balanced
 
 
 def test_the_reduced_plan_keeps_the_precision_and_a_batch_every_rank_divides(tmp_path):

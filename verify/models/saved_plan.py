@@ -2,8 +2,9 @@
 
 :func:`reduce` keeps the plan's structure and shrinks its sizes:
 
-* parallel degrees: each of tp, pp, dp above 1 becomes 2 (an axis stays an axis, in the same order:
-  tp innermost, then dp, then pipeline stages), or stays as planned (``as_planned``); virtual stages,
+* parallel degrees: each of tp, cp, pp, dp above 1 becomes 2 (an axis stays an axis, in the same order:
+  tp innermost, then cp, dp, pipeline stages), or stays as planned (``as_planned``); cp's scheme and causal
+  balance as planned (``verify plan`` refuses a cp plan until the compiler lowers cp); virtual stages,
   the schedule, sequence parallelism, recompute, the ZeRO stage and the precision as planned;
 * micro-batches: as many as planned up to two per pipeline stage (a multiple of pp under an
   interleaved schedule), each of at least the planned size up to 2 sequences per dp rank, more where
@@ -45,15 +46,15 @@ MAX_PARAMS = 20_000_000  # a plan file whose model is larger is a real plan: ver
 
 def reduce_parallel(par: Parallel, as_planned: bool = False) -> Parallel:
     """``par`` with its degrees shrunk (see the module docstring) and micro-batches to match."""
-    tp, pp, dp = (d if as_planned else min(d, REDUCED_DEGREE) for d in (par.tp, par.pp, par.dp))
+    tp, cp, pp, dp = (d if as_planned else min(d, REDUCED_DEGREE) for d in (par.tp, par.cp, par.pp, par.dp))
     m = min(par.num_microbatches, 2 * pp)
     if pp > 1:
         m = max(pp, -(-m // pp) * pp)
-    world = tp * pp * dp
+    world = tp * cp * pp * dp
     mbs = min(par.micro_batch_size, 2)
     mbs = math.lcm(dp * mbs, world) // dp  # the batch divides over every rank (the reload under dp)
-    return dataclasses.replace(par, tp=tp, pp=pp, dp=dp, num_microbatches=m, micro_batch_size=mbs,
-                               zero=par.zero if dp > 1 else 0)
+    return dataclasses.replace(par, tp=tp, cp=cp, pp=pp, dp=dp, num_microbatches=m, micro_batch_size=mbs,
+                               zero=par.zero if dp * cp > 1 else 0)
 
 
 def _hf_config(arch: dict):

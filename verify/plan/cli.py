@@ -7,7 +7,8 @@ the one lowering the cost model assumed), checked to give every block's linears 
 column/row split as the cost model costed them, then trained for a few AdamW steps on real ranks and
 compared with one device like any whole-model case (loss, every gradient and update, checkpoint).
 :func:`prepare` and :func:`plan_rows` are the same on any gang (``verify all`` can run saved plans so).
-Exit 0 match, 1 mismatch or failure, 2 bad input (one line, before any rank starts).
+Exit 0 match, 1 mismatch or failure, 2 bad input (one line, before any rank starts), a plan with context
+parallelism included (no compiler lowering of cp yet: refused by name, never reduced without its cp axis).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nnscaler.config import ComputeConfig, PlanError
-from nnscaler.cluster.plan import SavedPlan, check_lowering, load
+from nnscaler.cluster.plan import NO_CP_LOWERING, SavedPlan, check_lowering, load
 
 from verify.config import BadInput, RunConfig
 
@@ -31,9 +32,18 @@ LAYOUT_FIELDS = ("tp_size", "pp_size", "schedule", "virtual_stages", "sequence_p
 
 
 def _label(par) -> str:
-    return (f"tp{par.tp}{'+sp' if par.sequence_parallel else ''} pp{par.pp}"
+    return (f"tp{par.tp}{'+sp' if par.sequence_parallel else ''}{f' cp{par.cp}-{par.cp_scheme}' if par.cp > 1 else ''} "
+            f"pp{par.pp}"
             f"{f' v{par.virtual_stages}' if par.virtual_stages > 1 else ''} dp{par.dp} mbs{par.micro_batch_size}"
             f"x{par.num_microbatches} zero{par.zero} recompute={par.recompute}")
+
+
+def refuse_unlowered(saved: SavedPlan) -> None:
+    """A plan with an axis the compiler does not lower yet (context parallelism) is bad input naming its file
+    and the axis as planned, before any reduction: checking it without that axis would verify another plan."""
+    par = saved.parallel
+    if par.cp > 1:
+        raise PlanError(f"{saved.path}: " + NO_CP_LOWERING.format(cp=par.cp, scheme=par.cp_scheme))
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,7 @@ def prepare(path: str | os.PathLike, out_dir: str | os.PathLike, as_planned: boo
     from verify.runner.gang import max_ranks
     try:
         saved = load(path)
+        refuse_unlowered(saved)
         ref = str(write_reduced(saved, out_dir, as_planned))
         red = load(ref)
         policy, config = red.lower(precision=precision)

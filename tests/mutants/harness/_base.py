@@ -149,6 +149,11 @@ def _reduced():
     return reduced
 
 
+def _plan_cli():
+    from verify.plan import cli
+    return cli
+
+
 def _spread():
     from verify.cases import spread
     return spread

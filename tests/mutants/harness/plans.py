@@ -1,11 +1,12 @@
 """Harness mutants of the reduced plan ``verify plan`` checks (``verify/models/saved_plan.py``): each field of a
 saved plan must survive the reduction (axes, degrees, schedule, virtual stages, ZeRO stage, recompute,
-sequence parallelism, precision), or the reduced run verifies another program than the one planned."""
+sequence parallelism, context parallelism, precision), or the reduced run verifies another program than the one
+planned; a plan with an axis the compiler cannot lower yet (cp) is refused by name (``verify/plan/cli.py``)."""
 from __future__ import annotations
 
 import dataclasses
 
-from ._base import _reduced, mutant, wrap
+from ._base import _plan_cli, _reduced, mutant, patch, wrap
 
 RULES = "tests/harness/test_harness_rules.py"
 REDUCED = "verify/models/saved_plan.py"
@@ -29,6 +30,10 @@ _replace("reduced_drops_recompute", "The reduced plan recomputes nothing.", reco
 _replace("reduced_drops_tp_axis", "The reduced plan drops the tensor-parallel axis.", tp=1)
 _replace("reduced_drops_pp_axis", "The reduced plan drops the pipeline axis.", pp=1)
 _replace("reduced_drops_dp_axis", "The reduced plan drops the data-parallel axis.", dp=1)
+_replace("reduced_drops_cp_axis", "The reduced plan drops the context-parallel axis.", cp=1)
+_replace("reduced_drops_cp_scheme", "The reduced plan exchanges keys and values by the other scheme.",
+         cp_scheme=lambda p: "allgather" if p.cp_scheme == "ring" else "ring")
+_replace("reduced_drops_cp_balance", "The reduced plan's cp chunks ignore the causal balance.", cp_balanced=True)
 _replace("reduced_single_microbatch", "The reduced plan runs one micro-batch where the saved one runs several.",
          num_microbatches=1)
 
@@ -44,3 +49,11 @@ def reduced_batch_not_divisible():
     """The reduced plan's micro-batch is 1 whatever the data-parallel degree (the batch no longer divides)."""
     wrap(_reduced(), "reduce_parallel", lambda orig: lambda par, as_planned=False: dataclasses.replace(
         orig(par, as_planned), micro_batch_size=1))
+
+
+@mutant("verify/plan/cli.py:refuse_unlowered",
+        ["tests/compiler/test_plan_cluster.py::test_a_cp_plan_is_saved_with_its_axis_and_refused_by_name"])
+def verify_plan_takes_a_cp_plan():
+    """``verify plan`` no longer refuses a context-parallel plan up front (it reaches the reduction and the
+    lowering, whose message names neither the file nor the planned degree)."""
+    patch(_plan_cli(), "refuse_unlowered", lambda saved: None)

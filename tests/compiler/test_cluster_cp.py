@@ -1,0 +1,155 @@
+"""Context parallelism in the cluster planner: the search takes cp where sequences are long (Llama-3 8B at 131072
+tokens) and not where they are short (8192), constraints fix it (Llama 3's tp 8, cp 16, pp 16) or name the
+nearest feasible degree, and the cost terms move the right way (more cp: less activation memory, more
+exchange; unbalanced causal chunks slower; MFU counting causal attention at half its scores). Each term is
+also checked to be load-bearing: priced wrongly (the exchange free, the imbalance ignored, attention counted
+in full), the same checks fail."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from nnscaler import ComputeConfig, PlanError
+from nnscaler.cluster import cost
+from nnscaler.cluster.cost import Parallel, attention_flops, estimate
+from nnscaler.cluster.search import search, trace_shape
+from nnscaler.profiles import get_profile
+
+from tests.fixtures.llama_meta import meta_llama
+
+pytest.importorskip("transformers")
+H100 = get_profile("h100")
+LONG, SHORT = 131072, 8192
+
+
+def _llama3_8b(seq: int):
+    model, batch = meta_llama(4096, 14336, seq, 128256, layers=32, heads=32, kv_heads=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace_shape(model, batch)
+
+
+@pytest.fixture(scope="module")
+def long8b():
+    return _llama3_8b(LONG)
+
+
+def _cfg(world: int, gb: int, **cons) -> ComputeConfig:
+    return ComputeConfig(world, profile="h100", precision="bf16-mixed", global_batch=gb, constraints=cons or None)
+
+
+def test_cp_is_chosen_at_128k_and_not_at_8k(long8b):
+    long = search(long8b, _cfg(64, 16))
+    assert long.parallel.cp > 1 and long.best.fits
+    nocp = search(long8b, _cfg(64, 16, cp=1))
+    assert long.best.step_seconds < nocp.best.step_seconds
+    short = search(_llama3_8b(SHORT), _cfg(64, 64))
+    assert short.parallel.cp == 1 and short.considered > 0
+    assert "cp" in long.one_line() and "cp_comm" in long.summary()["step_time"]
+
+
+def test_the_search_splits_no_finer_than_the_measured_attention_but_a_constraint_may(long8b):
+    from nnscaler.cluster.search import MIN_CP_TOKENS, candidates
+    cps = {p.cp for p in candidates(long8b, 512, 128, {}, 8)}
+    assert max(cps) == LONG // MIN_CP_TOKENS and 1 in cps and 2 in cps
+    plan = search(long8b, _cfg(512, 8, cp=64))  # 2048 tokens per rank: asked for, so evaluated
+    assert plan.parallel.cp == 64
+
+
+def test_llama3_long_context_stage_evaluates_as_a_constraint(long8b):
+    fixed = {"tp": 8, "cp": 16, "pp": 16, "dp": 1, "micro_batch_size": 1, "num_microbatches": 16,
+             "virtual_stages": 2, "recompute": "full", "zero": 1, "sequence_parallel": True,
+             "cp_scheme": "allgather", "cp_balanced": True}
+    from nnscaler.config import CONSTRAINT_KEYS
+    assert set(fixed) == set(CONSTRAINT_KEYS)  # every key fixed: exactly one configuration
+    plan = search(long8b, _cfg(2048, 16, **fixed))
+    assert plan.considered == 1 and plan.world == 2048
+    assert {k: plan.summary()["parallel"][k] for k in fixed} == fixed
+    # the three axes only: the rest searched, within them
+    some = search(long8b, _cfg(2048, 16, tp=8, cp=16, pp=16))
+    assert (some.parallel.tp, some.parallel.cp, some.parallel.pp, some.parallel.dp) == (8, 16, 16, 1)
+    assert some.considered > 1
+
+
+@pytest.mark.parametrize("world, cons, words", [
+    (64, {"cp": 3}, "constraint cp=3: .* nearest feasible cp: 2 or 4"),
+    (64, {"tp": 8, "cp": 16}, "constraint cp=16: .*over tp=8.* nearest feasible cp: 8"),
+    (256, {"tp": 8, "cp": 4, "pp": 4, "dp": 4}, r"tp=8 x cp=4 x pp=4 x dp=4 = 512 ranks, .* nearest feasible dp: 2"),
+    (64, {"cp": 4, "pp": 32}, r"constraint pp=32: pp x tp x cp \(128\) .* nearest feasible pp: 16"),
+])
+def test_infeasible_cp_constraints_name_the_nearest_feasible_value(long8b, world, cons, words):
+    with pytest.raises(PlanError, match=words):
+        search(long8b, _cfg(world, 16, **cons))
+
+
+def test_bad_cp_constraints_are_one_line():
+    with pytest.raises(PlanError, match="cp_scheme='ulysses': valid 'allgather', 'ring'"):
+        ComputeConfig(8, constraints={"cp_scheme": "ulysses"})
+    with pytest.raises(PlanError, match="cp_balanced=1: must be True or False"):
+        ComputeConfig(8, constraints={"cp_balanced": 1})
+
+
+def _at(shape, cp: int, **kw):
+    par = Parallel(**{"tp": 1, "dp": 1, "micro_batch_size": 1, "num_microbatches": 4, "zero": 1, **kw, "cp": cp})
+    return estimate(shape, par, H100, "bf16-mixed", global_batch=par.dp * 4)
+
+
+def check_cp_terms(shape) -> None:
+    """The directions the cost model must get right (raises AssertionError otherwise)."""
+    runs = [_at(shape, c, cp_scheme="allgather") for c in (2, 4, 8, 16)]
+    act = [e.memory["activations"] for e in runs]
+    comm = [e.time["cp_comm"] for e in runs]
+    assert all(a > b for a, b in zip(act, act[1:])), act  # the sequence split: less saved per rank
+    assert act[0] / act[-1] > 6, act
+    assert all(0 < a < b for a, b in zip(comm, comm[1:])), comm  # more ranks to gather from, then across nodes
+    # parameters and gradients do not change with cp; ZeRO-1 shards the optimizer over dp x cp
+    assert runs[0].memory["params"] == runs[-1].memory["params"] and runs[0].memory["grads"] == runs[-1].memory["grads"]
+    assert runs[0].memory["optimizer"] == pytest.approx(8 * runs[-1].memory["optimizer"])
+    # a ring hides its sends behind attention; an all-gather is exposed (Llama 3)
+    ring = _at(shape, 8, cp_scheme="ring")
+    assert ring.time["cp_comm"] < runs[2].time["cp_comm"]
+    # contiguous causal chunks: the last rank's attention, (2 cp - 1) / cp of the balanced share, paces the step
+    bal, unbal = runs[2], _at(shape, 8, cp_scheme="allgather", cp_balanced=False)
+    assert unbal.time["compute"] > 1.3 * bal.time["compute"]
+    assert unbal.memory == bal.memory
+
+
+def test_cp_cost_terms_move_the_right_way(long8b):
+    check_cp_terms(long8b)
+
+
+def check_mfu_counts_causal_attention(shape) -> None:
+    """MFU: 3 x the forward FLOPs with causal attention at half of ``4 b s^2 d`` per block (raises otherwise)."""
+    e = _at(shape, 8, cp_scheme="ring")
+    d = shape.heads * (shape.hidden // shape.heads)
+    assert attention_flops(shape) == pytest.approx(shape.layers * 4 * shape.batch * shape.seq ** 2 * d)
+    flops = e.mfu * e.step_seconds * e.parallel.world * H100.cluster.peak
+    want = 3 * (shape.fwd_flops - 0.5 * attention_flops(shape)) / shape.batch * 4
+    assert flops == pytest.approx(want, rel=1e-9)
+    assert 0.6 * 3 * shape.fwd_flops * 4 / shape.batch > flops  # at 128k attention is most of it: far from full
+
+
+def test_mfu_counts_causal_attention_at_half(long8b):
+    check_mfu_counts_causal_attention(long8b)
+
+
+@pytest.mark.parametrize("weaken, check", [
+    ("free_exchange", check_cp_terms),
+    ("no_causal_imbalance", check_cp_terms),
+    ("no_activation_split", check_cp_terms),
+    ("mfu_full_attention", check_mfu_counts_causal_attention),
+])
+def test_a_weaker_cost_term_fails_the_checks(long8b, monkeypatch, weaken, check):
+    if weaken == "free_exchange":
+        monkeypatch.setattr(cost, "cp_exchange", lambda *a, **k: {"fwd": 0.0, "bwd": 0.0, "bytes": 0.0})
+    elif weaken == "no_causal_imbalance":
+        monkeypatch.setattr(cost, "causal_share", lambda cp, causal, balanced: 1.0)
+    elif weaken == "no_activation_split":
+        orig = cost.section_saved
+        monkeypatch.setattr(cost, "section_saved", lambda sec, tp, sp, scale, *a, **k: orig(sec, tp, sp, 1 / 4, *a, **k))
+    else:
+        monkeypatch.setattr(cost, "model_flops",
+                            lambda shape, gb: 3 * shape.fwd_flops / shape.batch * gb)
+    with pytest.raises(AssertionError):
+        check(long8b)
