@@ -54,6 +54,13 @@ def layer_of(name: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
+def block_of(name: str) -> str | None:
+    """The transformer block a parameter belongs to, named with its stack (``encoder.block.0``,
+    ``decoder.block.0``: two blocks where :func:`layer_of` sees one index), if any."""
+    m = LAYER.search("." + name)
+    return ("." + name)[:m.end() - 1].lstrip(".") if m else None
+
+
 def sharded_fraction(graph: IRGraph, plan: Plan, select: Callable[[str], bool] = lambda n: layer_of(n) is not None
                      ) -> tuple[float, float]:
     """Of the parameters whose name ``select`` accepts (default: those inside transformer layers):

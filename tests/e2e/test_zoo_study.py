@@ -42,3 +42,12 @@ def test_static_row_plans_autodist_under_a_budget():
     # every attention core by heads, within Megatron's bar
     assert r["auto_attn_split"] == r["attn"] == 2
     assert 0 < r["auto_fwd"] <= 2 * r["layers"] + 4
+
+
+def test_an_encoder_and_a_decoder_block_count_twice():
+    """Megatron's bar counts each block; an encoder-decoder's blocks share their indices."""
+    from nnscaler.policies.tp_check import block_of, layer_of
+    enc, dec = "model.encoder.block.0.layer.0.SelfAttention.q.weight", "model.decoder.block.0.layer.1.EncDecAttention.k.weight"
+    assert layer_of(enc) == layer_of(dec) == 0
+    assert (block_of(enc), block_of(dec)) == ("model.encoder.block.0", "model.decoder.block.0")
+    assert block_of("model.lm_head.weight") is None
