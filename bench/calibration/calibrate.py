@@ -66,6 +66,8 @@ def published_seconds(row: dict, shape) -> float:
     if row["metric"] == "tokens_per_gpu":
         return gb * shape.seq / (gpus * value)
     flops = (1 + BACKWARD) * shape.fwd_flops / shape.batch * gb
+    if row["metric"] == "tflops_per_gpu_recompute":  # the rate counts the forward full recompute repeats
+        flops *= (2 + BACKWARD) / (1 + BACKWARD)
     return flops / (gpus * value * 1e12)
 
 
