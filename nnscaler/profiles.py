@@ -30,6 +30,10 @@ class ClusterConstants:
     dtype: eager PyTorch (the code nnscaler emits) upcasts norms to fp32 and runs one kernel per operator;
     ``fusion_fused`` is the same for stacks with fused kernels (Megatron-LM, Llama 3's), used only to hold
     the model against published runs of such stacks.
+    ``score_passes``: passes over an attention's score matrix (batch x heads x queries x keys, at the compute
+    dtype) that go through device memory per forward; 0 for flash attention (what SDPA runs, and the code nnscaler
+    emits); ``score_passes_materialized`` is the fitted value for stacks that write the scores (Megatron-LM 2021:
+    a batched GEMM, a fused scale-mask-softmax, dropout, a second GEMM), used only for published runs of such stacks.
     ``tp_exposed``: the part of tensor-parallel collectives not hidden behind compute; ``dp_overlap``: the
     part of a micro-batch's backward that hides data-parallel collectives; ``pp_exposed``: the same for
     pipeline sends; ``usable``: the part of device memory plans may fill (allocator, NCCL, CUDA context).
@@ -43,6 +47,8 @@ class ClusterConstants:
     tp_exposed: float
     dp_overlap: float
     fusion_fused: float = 1.0  # ``fusion`` of a stack with fused kernels (calibration rows that ran one)
+    score_passes: float = 0.0  # attention score passes through memory per forward (0: flash attention)
+    score_passes_materialized: float = 0.0  # ``score_passes`` of a stack that writes the scores (calibration rows)
     sp_comm: float = 1.0  # sequence-parallel tp collectives vs the all-reduces they replace (gloo: no reduce-scatter)
     pp_exposed: float = 0.5
     usable: float = 0.9

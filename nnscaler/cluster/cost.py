@@ -116,6 +116,7 @@ def section_forward(sec: Section, tp: int, sp: bool, scale: float, c: ClusterCon
             t += o.flops * scale / tp / (c.peak * c.gemm_efficiency(m, n, k))
         elif o.kind == "attention":
             t += o.flops * scale / div * (0.5 if causal else 1.0) / (c.peak * c.attention)
+            t += c.score_passes * o.scores * scale * act_bytes / div / profile.mem_bw  # scores in memory (no flash)
         else:
             t += c.fusion * o.elements * scale * act_bytes / div / profile.mem_bw
         t += profile.op_overhead
