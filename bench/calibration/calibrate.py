@@ -226,6 +226,31 @@ def run_holdout(rows, shapes) -> None:
         rho = holdout.spearman(est, pub)
         print(f"  {k[0]} on {k[2]} {k[1]}: {len(names)} rows ({', '.join(names)}): Spearman {rho:+.2f}"
               f"{'  (goal >= 0.9)' if rho >= 0.9 else '  (goal >= 0.9: NOT met)'}")
+    print("\nevidence block for nnscaler/cluster/evidence.py (RUNS):")
+    for r in rows:
+        shape = shapes[(r["model"], int(r["seq"]))]
+        flops = (1 + BACKWARD) * shape.fwd_flops / shape.batch * int(r["global_batch"])
+        mfu = flops / (published_seconds(r, shape) * int(r["gpus"]) * PROFILES[r["device"]].cluster.peak)
+        print(f'    _r("{r["name"]}", "{r["device"]}", {r["gpus"]}, "{" ".join(sorted(row_kinds(r)))}", {mfu:.4f}, '
+              f'{holdout.rel(held[r["name"]]):+.4f}),')
+
+
+def row_kinds(row: dict) -> set[str]:
+    """The parallelism kinds a published row's published fields name (as ``nnscaler.cluster.evidence`` does)."""
+    kinds = set()
+    tp, pp, dp = (int(row[k]) if row[k] else 1 for k in ("tp", "pp", "dp"))
+    kinds |= {"tp"} if tp > 1 else set()
+    kinds |= {"pp"} if pp > 1 else set()
+    kinds |= {"dp"} if dp > 1 else set()
+    if row["sequence_parallel"] == "True" and tp > 1:
+        kinds.add("sp")
+    if row["virtual_stages"] and int(row["virtual_stages"]) > 1:
+        kinds.add("interleaved")
+    if row["zero"] and dp > 1:
+        kinds.add(f"zero{row['zero']}")
+    if row["recompute"]:
+        kinds.add(f"recompute-{row['recompute']}")
+    return kinds
 
 
 def main() -> None:
