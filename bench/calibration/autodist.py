@@ -53,6 +53,7 @@ def _save(plan, model: str, seq: int, path: Path) -> None:
 
 def cluster_table(save: str | None = None) -> None:
     from bench.calibration.llama_models import llama_shape
+    from nnscaler.cluster.evidence import claims
     from nnscaler.cluster.search import search
     print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s; "
           "the first plan of each model includes its meta trace, the others reuse it)")
@@ -72,6 +73,8 @@ def cluster_table(save: str | None = None) -> None:
                   f"{human(e.memory['peak']):>10}  tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} "
                   f"v{p.virtual_stages} dp{p.dp} mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} "
                   f"{p.recompute}", flush=True)
+            for line in claims(plan.profile, w, p, e.mfu):
+                print(f"{'':<11} {line}")
 
 
 def published_table(save: str | None = None) -> None:

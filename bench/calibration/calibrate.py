@@ -8,6 +8,12 @@ jointly on every row (minimising the worst, then the median, absolute log error)
 rows that ran fused kernels.
 
     python bench/calibration/calibrate.py [--fit] [--skip-cpu | --cpu-only] [--steps N] [--repeats R]
+    python bench/calibration/calibrate.py --holdout
+
+``--holdout``: leave-one-source-out (:mod:`bench.calibration.holdout`): the constants of :data:`GRID` fitted on
+every source but one, that source's rows estimated with them; per row, per source and overall held-out error, the
+Spearman rank correlation inside each ablation series (goals: every row within +-15%, median within 8%, Spearman
+>= 0.9), and the evidence block ``nnscaler/cluster/evidence.py`` keeps (results: bench/results/calibrate_holdout.md).
 
 Published step time: ``global_batch * seq / (gpus * tokens_per_gpu)``, or for rows published as model
 TFLOP/s per GPU ``model FLOPs per step / (gpus * TFLOP/s)`` with the model FLOPs counted on our trace

@@ -181,12 +181,18 @@ def layer_split(layers: int, stages: int, pre: float, post: float, per_layer: fl
 def _group_collective(profile: DeviceProfile, f: int, across: bool, per_node: int):
     """Seconds of a collective over a group of ``f`` ranks, ``per_node`` of them on each node. A group that
     leaves its node runs one ring per NIC (NCCL's channels), so it gets ``per_node`` NICs' bandwidth, up
-    to the node's own links (a group with one rank per node gets one NIC, as the alpha-beta model has it)."""
+    to the node's own links (a group with one rank per node gets one NIC, as the alpha-beta model has it);
+    its all-reduces pay a tree's latency (``2 log2 f`` steps) instead of the ring's ``2 (f - 1)``."""
+    # an all-reduce across nodes pays the latency of NCCL's tree (2 log2 f steps) where that beats the ring's
+    # 2 (f - 1): the ring's latency term alone would charge 1,024 ranks ~30 ms per all-reduce
+    tree = min(1.0, math.ceil(math.log2(f)) / (f - 1)) if across and f > 2 else 1.0
+
     def time(kind: str, nbytes: float) -> float:
+        share = tree if kind == "all_reduce" else 1.0
         if not across or per_node <= 1:
-            return collective_time(kind, nbytes, f, profile, across)
+            return collective_time(kind, nbytes, f, profile, across, share)
         boosted = dataclasses.replace(profile, inter_beta=min(profile.intra_beta, per_node * profile.inter_beta))
-        return collective_time(kind, nbytes, f, boosted, True)
+        return collective_time(kind, nbytes, f, boosted, True, share)
     return time
 
 

@@ -54,3 +54,21 @@ def test_a_claim_beyond_the_best_published_run_is_flagged():
     big = Parallel(tp=8, pp=8, dp=8, zero=1, recompute="full", sequence_parallel=True)
     assert len(claims("h100", 512, big, 0.47, FITTED)) == 1
     assert held_out_error(FITTED) == pytest.approx((0.075, 0.10))
+
+
+def test_the_plan_report_carries_the_evidence_lines():
+    import warnings
+
+    from nnscaler import ComputeConfig
+    from nnscaler.cluster.search import search, trace_shape
+    from tests.fixtures.llama_meta import meta_llama
+    pytest.importorskip("transformers")
+    model, batch = meta_llama(2048, 5632, 2048, 32000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shape = trace_shape(model, batch)
+    far = max(r.gpus for r in RUNS if r.device == "h100") * 4
+    plan = search(shape, ComputeConfig(far, profile="h100", precision="bf16-mixed", global_batch=far))
+    report = plan.report()
+    assert f"calibration: EXTRAPOLATED: {far} GPUs is 4.0x the largest fitted h100 run" in report
+    assert "held-out error of the cost model: median" in report
