@@ -163,9 +163,12 @@ def fit(rows, shapes) -> None:
 # the grid --holdout fits on (each fold picks the point with the smallest worst, then median, |log error| on the
 # sources it trains on); "h100_gemm": the H100 GEMM curve of CALIBRATED ("published") or fitted to the measured
 # kernels of bench/results/h100_kernels.csv ("kernels", with its attention constant)
-GRID = {"a100_matmul_max": (0.85, 0.95), "h100_gemm": ("published", "kernels"), "attention": (0.4, 0.55),
-        "fusion": (3.0, 5.0, 7.0), "fusion_fused": (0.25, 1.0, 2.0), "dp_overlap": (0.3, 0.9), "tp_exposed": (0.5, 1.0),
-        "score_passes_materialized": (2.0, 4.0, 8.0)}
+GRID = {"a100_matmul_max": (0.9,), "h100_gemm": ("published", "kernels"), "attention": (0.4, 0.55),
+        "fusion": (3.0, 5.0), "fusion_fused": (0.5, 1.0, 2.0), "dp_overlap": (0.3, 0.9), "tp_exposed": (0.5, 1.0),
+        "score_passes_materialized": (6.0,)}
+# score_passes_materialized is counted, not fitted (only SC21's rows could fit it, so a fold without them could not):
+# Megatron-LM 2021's attention forward writes the scores (batched GEMM), reads and writes them in the fused
+# scale-mask-softmax, reads them and writes them and a mask in dropout, reads them in the second GEMM: ~6 passes
 
 
 def grid_points() -> list[tuple]:

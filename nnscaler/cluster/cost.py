@@ -283,16 +283,20 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     grad_bytes = stage_params * grad_reduce_bytes
     dp_comm = 0.0
     if dp > 1:
-        if par.zero <= 1:
+        if par.zero == 0:
             dp_comm = dp_coll("all_reduce", grad_bytes)
+        elif par.zero == 1:  # reduce-scatter the gradients, all-gather the updated parameters at the compute dtype
+            dp_comm = dp_coll("reduce_scatter", grad_bytes) + dp_coll("all_gather", stage_params * ab)
         elif par.zero == 2:  # reduce-scatter after every micro-batch, all-gather of the updated shard once
             dp_comm = m * dp_coll("reduce_scatter", grad_bytes) + dp_coll("all_gather", stage_params * pb)
         else:  # gather parameters for forward and backward, reduce-scatter gradients, every micro-batch
             dp_comm = m * (2 * dp_coll("all_gather", stage_params * ab) + dp_coll("reduce_scatter", grad_bytes))
     # what hides the collectives: ZeRO-3 prefetches across the whole step, ZeRO-2 reduce-scatters behind every
-    # backward, ZeRO-0/1 all-reduce buckets behind the last micro-batch's backward
-    hide = c.dp_overlap * (m * t_mb if par.zero >= 3 else
-                           m * t_mb * BACKWARD / (1 + BACKWARD) if par.zero == 2 else t_mb * BACKWARD / (1 + BACKWARD))
+    # backward, ZeRO-1 its reduce-scatter behind the last micro-batch's backward and its all-gather behind the next
+    # step's first forward (Megatron-LM's overlapped gradient reduce and parameter gather), ZeRO-0 all-reduce buckets
+    # behind the last micro-batch's backward
+    hide = c.dp_overlap * (m * t_mb if par.zero >= 3 else m * t_mb * BACKWARD / (1 + BACKWARD) if par.zero == 2 else
+                           t_mb if par.zero == 1 else t_mb * BACKWARD / (1 + BACKWARD))
     dp_exposed = max(0.0, dp_comm - hide)
     optimizer = OPTIMIZER_TRAFFIC * stage_params * 4 / (shard if par.zero >= 1 else 1) / profile.mem_bw
     # the slowest stage's m micro-batches, broken down (its recompute and exposed tp collectives apart)
