@@ -35,7 +35,8 @@ class ClusterConstants:
     emits); ``score_passes_materialized`` is the fitted value for stacks that write the scores (Megatron-LM 2021:
     a batched GEMM, a fused scale-mask-softmax, dropout, a second GEMM), used only for published runs of such stacks.
     ``tp_exposed``: the part of tensor-parallel collectives not hidden behind compute; ``dp_overlap``: the
-    part of a micro-batch's backward that hides data-parallel collectives; ``pp_exposed``: the same for
+    part of a micro-batch's backward that hides data-parallel collectives; ``zero3_overlap``: the part of the
+    step behind which ZeRO-3 (FSDP) prefetches its parameter gathers and reduce-scatters; ``pp_exposed``: the same for
     pipeline sends; ``usable``: the part of device memory plans may fill (allocator, NCCL, CUDA context).
     """
 
@@ -50,6 +51,7 @@ class ClusterConstants:
     score_passes: float = 0.0  # attention score passes through memory per forward (0: flash attention)
     score_passes_materialized: float = 0.0  # ``score_passes`` of a stack that writes the scores (calibration rows)
     sp_comm: float = 1.0  # sequence-parallel tp collectives vs the all-reduces they replace (gloo: no reduce-scatter)
+    zero3_overlap: float = 0.3
     pp_exposed: float = 0.5
     usable: float = 0.9
     fitted: str = ""
@@ -122,7 +124,7 @@ CALIBRATED = {
 # all-reduces (gloo has no reduce-scatter: an all-to-all and a local sum, plus the layout conversions around the
 # norms it splits). Ranks beyond the cores share them (``DeviceProfile.share``).
 CPU_GLOO = ClusterConstants(peak=40e9, matmul_max=1.0, matmul_half=30.0, attention=0.3, fusion=2.0, tp_exposed=1.0,
-                            dp_overlap=0.0, pp_exposed=1.0, sp_comm=6.0,
+                            dp_overlap=0.0, zero3_overlap=0.0, pp_exposed=1.0, sp_comm=6.0,
                             fitted="grid search against bench/calibration/calibrate.py's cpu-gloo table (Spearman, in-sample)")
 
 PROFILES: dict[str, DeviceProfile] = {

@@ -85,7 +85,10 @@ def row_profile(row: dict, profiles: dict | None = None):
         c = dataclasses.replace(c, fusion=c.fusion_fused)
     if row.get("attention") == "materialized":
         c = dataclasses.replace(c, score_passes=c.score_passes_materialized)
-    return dataclasses.replace(prof, cluster=c) if c is not prof.cluster else prof
+    prof = dataclasses.replace(prof, cluster=c) if c is not prof.cluster else prof
+    if row.get("mem_bw_tbs"):  # the source's memory bandwidth, achievable at the profile's fraction (BUS-like 0.8)
+        prof = dataclasses.replace(prof, mem_bw=0.8 * float(row["mem_bw_tbs"]) * 1e12)
+    return prof
 
 
 def config(row: dict, cons: dict | None = None, fit_memory: bool = False, profiles: dict | None = None,
@@ -160,11 +163,12 @@ def fit(rows, shapes) -> None:
         print(f"best fusion_fused={min(scores)[1]} (worst |log err| on fused rows {min(scores)[0]:.3f})")
 
 
-# the grid --holdout fits on (each fold picks the point with the smallest worst, then median, |log error| on the
-# sources it trains on); "h100_gemm": the H100 GEMM curve of CALIBRATED ("published") or fitted to the measured
+# the grid --holdout fits on (each fold picks the point with the smallest mean, then worst, then median |log error|
+# on the sources it trains on); "h100_gemm": the H100 GEMM curve of CALIBRATED ("published") or fitted to the measured
 # kernels of bench/results/h100_kernels.csv ("kernels", with its attention constant)
 GRID = {"a100_matmul_max": (0.9,), "h100_gemm": ("published", "kernels"), "attention": (0.4, 0.55),
-        "fusion": (3.0, 5.0), "fusion_fused": (0.5, 1.0, 2.0), "dp_overlap": (0.3, 0.9), "tp_exposed": (0.5, 1.0),
+        "fusion": (3.0, 5.0), "fusion_fused": (0.5, 1.0, 2.0), "dp_overlap": (0.3, 0.9), "zero3_overlap": (0.3, 0.6, 0.9),
+        "tp_exposed": (0.5, 1.0, 1.5),
         "score_passes_materialized": (6.0,)}
 # score_passes_materialized is counted, not fitted (only SC21's rows could fit it, so a fold without them could not):
 # Megatron-LM 2021's attention forward writes the scores (batched GEMM), reads and writes them in the fused
@@ -178,7 +182,8 @@ def grid_points() -> list[tuple]:
 def grid_profiles(point: tuple, h100_kernels=None) -> dict:
     """The device profiles of one grid point."""
     v = dict(zip(GRID, point))
-    shared = {k: v[k] for k in ("fusion", "fusion_fused", "dp_overlap", "tp_exposed", "score_passes_materialized")}
+    shared = {k: v[k] for k in ("fusion", "fusion_fused", "dp_overlap", "zero3_overlap", "tp_exposed",
+                                "score_passes_materialized")}
     a100 = dataclasses.replace(CALIBRATED["a100"], matmul_max=v["a100_matmul_max"], attention=v["attention"], **shared)
     h100 = (h100_kernels if v["h100_gemm"] == "kernels" and h100_kernels is not None else
             dataclasses.replace(CALIBRATED["h100"], attention=v["attention"]))
