@@ -86,7 +86,8 @@ def published_table(save: str | None = None) -> None:
     held = {r.name: r.held_out for r in RUNS}
     print("\nunconstrained search vs published configuration (same cost model and memory; goal ratio <= 1.00); "
           "held-out: the cost model's error on that published run when fitted without its source (estimate / "
-          "published - 1, bench/results/calibrate_holdout.md): a ratio below 1 by less than it is within the model's error")
+          "published - 1, bench/results/calibrate_holdout.md): a ratio below 1 by less than it is within the model's "
+          "error")
     print(f"{'row':<30} {'published cfg':>13} {'search':>9} {'ratio':>6} {'held-out':>8}  {'never lose':>10}  "
           f"search's configuration")
     wins = 0
