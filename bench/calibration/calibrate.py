@@ -235,10 +235,11 @@ def run_holdout(rows, shapes) -> None:
           f"{100 * a[worst]:.1f}% ({worst}; goal <= 15%), {within}/{len(a)} within 15%")
     keys = {r["name"]: (r["model"], r["device"], r["gpus"], r["seq"]) for r in rows}
     groups = holdout.series(keys)
-    print(f"\nablation series (same model, device, GPUs, seq): Spearman of held-out estimate vs published step time")
+    print(f"\nablation series (same model, device, GPUs, seq): Spearman of held-out estimate vs published time per "
+          f"sequence (step time / global batch: rows of one series may differ in batch)")
     for k, names in groups.items():
         shape = shapes[(k[0], int(k[3]))]
-        pub = [published_seconds(by_name[n], shape) for n in names]
+        pub = [published_seconds(by_name[n], shape) / int(by_name[n]["global_batch"]) for n in names]
         est = [p * math.exp(held[n]) for n, p in zip(names, pub)]
         rho = holdout.spearman(est, pub)
         print(f"  {k[0]} on {k[2]} {k[1]}: {len(names)} rows ({', '.join(names)}): Spearman {rho:+.2f}"
