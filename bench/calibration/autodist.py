@@ -4,7 +4,8 @@ Cluster (``nnscaler.cluster.search``, H100 profile, bf16-mixed): Llama-3 8B on 8
 64, 256 and 1024 GPUs at seq 4096 and 8k tokens per GPU per step, planning time including the meta trace,
 the chosen configuration and estimated MFU (goal >= 0.40, planning < 60 s each); then for every row of
 ``bench/published_runs.csv`` the unconstrained search against the published configuration on the same cost
-model (goal: never slower).
+model (goal: never slower), with the cost model's held-out error on that row and whether the search's claim lies
+beyond the evidence (:mod:`nnscaler.cluster.evidence`); every cluster plan prints its evidence lines.
 
     python bench/calibration/autodist.py [--skip-published] [--save DIR] [--operators]
 
@@ -79,7 +80,7 @@ def cluster_table(save: str | None = None) -> None:
 
 def published_table(save: str | None = None) -> None:
     from bench.calibration.calibrate import config, load_rows, partly_published, shapes_for
-    from nnscaler.cluster.evidence import RUNS
+    from nnscaler.cluster.evidence import RUNS, claims
     from nnscaler.cluster.search import search
     rows = load_rows()
     shapes = shapes_for(rows)
@@ -89,7 +90,7 @@ def published_table(save: str | None = None) -> None:
           "published - 1, bench/results/calibrate_holdout.md): a ratio below 1 by less than it is within the model's "
           "error")
     print(f"{'row':<30} {'published cfg':>13} {'search':>9} {'ratio':>6} {'held-out':>8}  {'never lose':>10}  "
-          f"search's configuration")
+          f"{'evidence':<9} search's configuration")
     wins = 0
     for r in rows:
         shape = shapes[(r["model"], int(r["seq"]))]
@@ -100,12 +101,17 @@ def published_table(save: str | None = None) -> None:
         a, b = pub.best.step_seconds, mine.best.step_seconds
         p = mine.parallel
         h = f"{100 * held[r['name']]:+.1f}%" if r["name"] in held else "n/a"
-        print(f"{r['name']:<30} {a:>12.3f}s {b:>8.3f}s {b / a:>6.2f} {h:>8}  {'yes' if b <= a else 'NO':>10}  "
+        lines = claims(mine.profile, mine.world, mine.parallel, mine.best.mfu)
+        ev = "BEYOND" if any(x.startswith("claim beyond") for x in lines) else \
+            "extrap." if "EXTRAPOLATED" in lines[0] else "in range"
+        print(f"{r['name']:<30} {a:>12.3f}s {b:>8.3f}s {b / a:>6.2f} {h:>8}  {'yes' if b <= a else 'NO':>10}  {ev:<9} "
               f"tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} v{p.virtual_stages} dp{p.dp} "
               f"mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} {p.recompute}", flush=True)
         wins += b <= a
         if save:
             _save(mine, r["model"], int(r["seq"]), Path(save) / f"search-{r['name']}.json")
+    print("evidence: BEYOND = the search's MFU exceeds the best published run on that device at similar scale by more "
+          "than the held-out error (nnscaler.cluster.evidence); extrap. = outside the calibrated range")
     print(f"never lose to the experts: {wins}/{len(rows)} rows (the search's estimate no slower than the published "
           f"configuration's)")
 

@@ -1,8 +1,8 @@
 """Llama-shaped and GPT-shaped models on the meta device (no weights allocated) for the cluster benchmarks, by
 name; Llama shapes from the Llama 2 and Llama 3 model cards (hidden, ffn, layers, heads, kv heads, vocab), GPT
 shapes (hidden, layers, heads, vocab; a GELU MLP of 4 x hidden, learned positions, untied head:
-``verify.models.nanogpt``) from the published runs that used them (``bench/published_runs.csv``: [SC21] Megatron-LM's
-``examples/sc21/run_table_1.sh``, [MC] Megatron-LM's README model table)."""
+``verify.models.nanogpt``) from the published runs that used them (``bench/published_runs.csv``: [SC21] the table-1 script of
+Megatron-LM's SC'21 examples, [MC] Megatron-LM's README model table)."""
 from __future__ import annotations
 
 import warnings
