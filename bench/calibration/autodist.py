@@ -9,8 +9,9 @@ beyond the evidence (:mod:`nnscaler.cluster.evidence`); every cluster plan print
 
     python bench/calibration/autodist.py [--skip-published] [--save DIR] [--operators]
 
-``--save verify/plans`` writes every plan printed (``MODEL-GPUS.json``, ``search-ROW.json``) where
-``verify all`` runs each reduced (a ``plan`` unit, :mod:`verify.sweep.selection`).
+``--save verify/plans`` writes every plan printed (``MODEL-GPUS.json``, ``search-ROW.json``; not the GPT rows,
+whose model ``verify plan`` cannot rebuild reduced) where ``verify all`` runs each reduced (a ``plan`` unit,
+:mod:`verify.sweep.selection`).
 
 Per-operator (``--operators``): plan search time and estimated step time of ``autodist`` for a 24-layer GPT at hidden 2048
 (~1.4 B parameters, built on the meta device: no weights allocated) at 8, 16 and 32 ranks on the
@@ -80,6 +81,7 @@ def cluster_table(save: str | None = None) -> None:
 
 def published_table(save: str | None = None) -> None:
     from bench.calibration.calibrate import config, load_rows, partly_published, shapes_for
+    from bench.calibration.llama_models import SHAPES
     from nnscaler.cluster.evidence import RUNS, claims
     from nnscaler.cluster.search import search
     rows = load_rows()
@@ -108,7 +110,7 @@ def published_table(save: str | None = None) -> None:
               f"tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} v{p.virtual_stages} dp{p.dp} "
               f"mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} {p.recompute}", flush=True)
         wins += b <= a
-        if save:
+        if save and r["model"] in SHAPES:  # a GPT row's model is no transformers model: no reduced rebuild
             _save(mine, r["model"], int(r["seq"]), Path(save) / f"search-{r['name']}.json")
     print("evidence: BEYOND = the search's MFU exceeds the best published run on that device at similar scale by more "
           "than the held-out error (nnscaler.cluster.evidence); extrap. = outside the calibrated range")
