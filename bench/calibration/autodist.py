@@ -6,7 +6,8 @@ the chosen configuration and estimated MFU (goal >= 0.40, planning < 60 s each; 
 at half its scores since context parallelism joined the search, so the same step time reads ~3% lower; where
 the search takes cp, the best plan without it follows, and that is the one ``--save`` writes); then for every row of
 ``bench/published_runs.csv`` the unconstrained search against the published configuration on the same cost
-model (goal: never slower).
+model (goal: never slower), with the cost model's held-out error on that row and whether the search's claim lies
+beyond the evidence (:mod:`nnscaler.cluster.evidence`); every cluster plan prints its evidence lines.
 
     python bench/calibration/autodist.py [--skip-published] [--save DIR] [--operators] [--long-context]
 
@@ -20,8 +21,9 @@ on 16384 (dp 8, its published row: 38% MFU, held out: never fitted), there also 
 best with the all-gather scheme) are written to ``bench/results/plans_cp/`` (``--save-cp DIR`` elsewhere): ``python -m verify plan`` refuses a cp
 plan by name until the compiler lowers cp, so they are not in ``verify/plans/``.
 
-``--save verify/plans`` writes every plan printed (``MODEL-GPUS.json``, ``search-ROW.json``) where
-``verify all`` runs each reduced (a ``plan`` unit, :mod:`verify.sweep.selection`).
+``--save verify/plans`` writes every plan printed (``MODEL-GPUS.json``, ``search-ROW.json``; not the GPT rows,
+whose model ``verify plan`` cannot rebuild reduced) where ``verify all`` runs each reduced (a ``plan`` unit,
+:mod:`verify.sweep.selection`).
 
 Per-operator (``--operators``): plan search time and estimated step time of ``autodist`` for a 24-layer GPT at hidden 2048
 (~1.4 B parameters, built on the meta device: no weights allocated) at 8, 16 and 32 ranks on the
@@ -72,6 +74,7 @@ def _save(plan, model: str, seq: int, path: Path) -> None:
 
 def cluster_table(save: str | None = None) -> None:
     from bench.calibration.llama_models import llama_shape
+    from nnscaler.cluster.evidence import claims
     from nnscaler.cluster.search import search
     print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s; "
           "the first plan of each model includes its meta trace, the others reuse it)")
@@ -88,6 +91,8 @@ def cluster_table(save: str | None = None) -> None:
             e = plan.best
             print(f"{name:<11} {w:>5} {took:>6.1f}s {e.mfu:>6.3f} {e.step_seconds:>7.2f}s "
                   f"{human(e.memory['peak']):>10}  {_conf(plan.parallel)}", flush=True)
+            for line in claims(plan.profile, w, plan.parallel, e.mfu):
+                print(f"{'':<11} {line}")
             if plan.parallel.cp > 1 and not CP_LOWERING:  # verify plan refuses cp: the best plan without it
                 plan = search(shapes[name], dataclasses.replace(cfg, constraints={"cp": 1}))
                 e = plan.best
@@ -151,12 +156,18 @@ def long_context_table(save: str | None = None) -> None:
 
 def published_table(save: str | None = None) -> None:
     from bench.calibration.calibrate import config, load_rows, partly_published, shapes_for
+    from bench.calibration.llama_models import SHAPES
+    from nnscaler.cluster.evidence import RUNS, claims
     from nnscaler.cluster.search import search
     rows = load_rows()
     shapes = shapes_for(rows)
-    print("\nunconstrained search vs published configuration (same cost model and memory; goal ratio <= 1.00)")
-    print(f"{'row':<26} {'published cfg':>13} {'search':>9} {'ratio':>6}  {'never lose':>10}  "
-          f"search's configuration")
+    held = {r.name: r.held_out for r in RUNS}
+    print("\nunconstrained search vs published configuration (same cost model and memory; goal ratio <= 1.00); "
+          "held-out: the cost model's error on that published run when fitted without its source (estimate / "
+          "published - 1, bench/results/calibrate_holdout.md): a ratio below 1 by less than it is within the model's "
+          "error")
+    print(f"{'row':<30} {'published cfg':>13} {'search':>9} {'ratio':>6} {'held-out':>8}  {'never lose':>10}  "
+          f"{'evidence':<9} search's configuration")
     wins = 0
     for r in rows:
         shape = shapes[(r["model"], int(r["seq"]))]
@@ -165,14 +176,21 @@ def published_table(save: str | None = None) -> None:
         budget = max(int(0.9 * float(r["memory_gib"]) * 2**30), int(pub.best.memory["peak"]))
         mine = search(shape, config(r, cons={}, budget=budget), r["model"])
         a, b = pub.best.step_seconds, mine.best.step_seconds
-        print(f"{r['name']:<26} {a:>12.3f}s {b:>8.3f}s {b / a:>6.2f}  {'yes' if b <= a else 'NO':>10}  "
-              f"{_conf(mine.parallel)}", flush=True)
+        p = mine.parallel
+        h = f"{100 * held[r['name']]:+.1f}%" if r["name"] in held else "n/a"
+        lines = claims(mine.profile, mine.world, mine.parallel, mine.best.mfu)
+        ev = "BEYOND" if any(x.startswith("claim beyond") for x in lines) else \
+            "extrap." if "EXTRAPOLATED" in lines[0] else "in range"
+        print(f"{r['name']:<30} {a:>12.3f}s {b:>8.3f}s {b / a:>6.2f} {h:>8}  {'yes' if b <= a else 'NO':>10}  {ev:<9} "
+              f"{_conf(p)}", flush=True)
         wins += b <= a
         if save and mine.parallel.cp > 1 and not CP_LOWERING:  # verify plan refuses cp: the best plan without it
             mine = search(shape, config(r, cons={"cp": 1}, budget=budget), r["model"])
-            print(f"{'  saved without cp':<26} {'':>13} {mine.best.step_seconds:>8.3f}s  {_conf(mine.parallel)}")
-        if save:
+            print(f"{'  saved without cp':<30} {'':>13} {mine.best.step_seconds:>8.3f}s  {_conf(mine.parallel)}")
+        if save and r["model"] in SHAPES:  # a GPT row's model is no transformers model: no reduced rebuild
             _save(mine, r["model"], int(r["seq"]), Path(save) / f"search-{r['name']}.json")
+    print("evidence: BEYOND = the search's MFU exceeds the best published run on that device at similar scale by more "
+          "than the held-out error (nnscaler.cluster.evidence); extrap. = outside the calibrated range")
     print(f"never lose to the experts: {wins}/{len(rows)} rows (the search's estimate no slower than the published "
           f"configuration's)")
 

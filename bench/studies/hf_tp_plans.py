@@ -88,10 +88,19 @@ def sweep(archs: list[str], world: int, rows: dict, timeout_s: float, save) -> N
                 status, detail = got[0].status, got[0].detail or ""
             except Exception as exc:  # noqa: BLE001  (a model that does not build: its row says so)
                 status, detail = "build", f"{type(exc).__name__}: {exc}"
-            rows.setdefault(arch, {})[str(world)] = {"status": status, "detail": " ".join(detail.split())[:400],
+            rows.setdefault(arch, {})[str(world)] = {"status": status, "detail": " ".join(detail.split()),
                                                      "seconds": round(time.perf_counter() - t0, 1)}
             print(f"  {arch} W={world}: {status} {detail.splitlines()[0][:120] if detail else ''}", flush=True)
             save()
+
+
+def cell(c: dict) -> str:
+    """A row's table cell: its status, the first words of why, and what was judged before an exception."""
+    if c["status"] == "match":
+        return "match"
+    detail = c["detail"]
+    before = detail[detail.find("; before it, ") + 2:] if "; before it, " in detail else ""
+    return f"{c['status']}: {detail[:160]}{' ... ' + before[:220] if before else ''}".replace("|", "/")
 
 
 def report(rows: dict, worlds: list[int], command: str) -> str:
@@ -107,8 +116,7 @@ def report(rows: dict, worlds: list[int], command: str) -> str:
         cells = []
         for w in worlds:
             c = r.get(str(w))
-            cells.append("not run" if c is None else c["status"] + (f": {c['detail'][:160]}" if c["status"] != "match"
-                                                                     else "").replace("|", "/"))
+            cells.append("not run" if c is None else cell(c))
         out.append(f"| {arch} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 

@@ -58,6 +58,7 @@ class OpFacts:
     split: bool = False  # split over tp (inside a tensor-parallel region)
     tokens: bool = False  # has the sequence dim (sequence parallelism can split it)
     core: bool = False  # the attention core: what selective recompute recomputes
+    scores: float = 0.0  # an attention's score elements (batch x heads x queries x keys): what a non-flash kernel writes
     params: int = 0  # parameter elements it owns (first reader)
     params_split: bool = False
     tp_collectives: int = 0  # all-reduces of an activation per forward (1 after a row-parallel linear)
@@ -229,6 +230,7 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
             heads, kv = heads or q.shape[1], kv or _kv_heads(k)
             causal = causal or bool(op.kwargs.get("is_causal")) or len(acts) > 3
             f.kind, f.flops, f.split = "attention", flops, in_split
+            f.scores = float(math.prod(q.shape[:-1]) * k.shape[-2])
             if in_split:
                 split.update(id(o) for o in outs)
         elif op.overload == _EMBED and params:

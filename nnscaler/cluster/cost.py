@@ -151,6 +151,8 @@ def section_forward(sec: Section, tp: int, sp: bool, scale: float, c: ClusterCon
             t += o.flops * scale / tp / (c.peak * c.gemm_efficiency(m, n, k))
         elif o.kind == "attention":
             t += o.flops * scale * attention_share / div * (0.5 if causal else 1.0) / (c.peak * c.attention)
+            t += c.score_passes * o.scores * scale * attention_share * act_bytes / div / profile.mem_bw  # scores in
+            # memory (no flash attention), a split attention's share of them
         else:
             t += c.fusion * o.elements * scale * act_bytes / div / profile.mem_bw
         t += profile.op_overhead
@@ -266,12 +268,18 @@ def layer_split(layers: int, stages: int, pre: float, post: float, per_layer: fl
 def _group_collective(profile: DeviceProfile, f: int, across: bool, per_node: int):
     """Seconds of a collective over a group of ``f`` ranks, ``per_node`` of them on each node. A group that
     leaves its node runs one ring per NIC (NCCL's channels), so it gets ``per_node`` NICs' bandwidth, up
-    to the node's own links (a group with one rank per node gets one NIC, as the alpha-beta model has it)."""
+    to the node's own links (a group with one rank per node gets one NIC, as the alpha-beta model has it);
+    its all-reduces pay a tree's latency (``2 log2 f`` steps) instead of the ring's ``2 (f - 1)``."""
+    # an all-reduce across nodes pays the latency of NCCL's tree (2 log2 f steps) where that beats the ring's
+    # 2 (f - 1): the ring's latency term alone would charge 1,024 ranks ~30 ms per all-reduce
+    tree = min(1.0, math.ceil(math.log2(f)) / (f - 1)) if across and f > 2 else 1.0
+
     def time(kind: str, nbytes: float) -> float:
+        share = tree if kind == "all_reduce" else 1.0
         if not across or per_node <= 1:
-            return collective_time(kind, nbytes, f, profile, across)
+            return collective_time(kind, nbytes, f, profile, across, share)
         boosted = dataclasses.replace(profile, inter_beta=min(profile.intra_beta, per_node * profile.inter_beta))
-        return collective_time(kind, nbytes, f, boosted, True)
+        return collective_time(kind, nbytes, f, boosted, True, share)
     return time
 
 
@@ -374,16 +382,21 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     grad_bytes = stage_params * grad_reduce_bytes
     dp_comm = 0.0
     if shard > 1:
-        if par.zero <= 1:
+        if par.zero == 0:
             dp_comm = dp_coll("all_reduce", grad_bytes)
+        elif par.zero == 1:  # reduce-scatter the gradients, all-gather the updated parameters at the compute dtype
+            dp_comm = dp_coll("reduce_scatter", grad_bytes) + dp_coll("all_gather", stage_params * ab)
         elif par.zero == 2:  # reduce-scatter after every micro-batch, all-gather of the updated shard once
             dp_comm = m * dp_coll("reduce_scatter", grad_bytes) + dp_coll("all_gather", stage_params * pb)
         else:  # gather parameters for forward and backward, reduce-scatter gradients, every micro-batch
             dp_comm = m * (2 * dp_coll("all_gather", stage_params * ab) + dp_coll("reduce_scatter", grad_bytes))
     # what hides the collectives: ZeRO-3 prefetches across the whole step, ZeRO-2 reduce-scatters behind every
-    # backward, ZeRO-0/1 all-reduce buckets behind the last micro-batch's backward
-    hide = c.dp_overlap * (m * t_mb if par.zero >= 3 else
-                           m * t_mb * BACKWARD / (1 + BACKWARD) if par.zero == 2 else t_mb * BACKWARD / (1 + BACKWARD))
+    # backward, ZeRO-1 its reduce-scatter behind the last micro-batch's backward and its all-gather behind the next
+    # step's first forward (Megatron-LM's overlapped gradient reduce and parameter gather), ZeRO-0 all-reduce buckets
+    # behind the last micro-batch's backward
+    hide = (c.zero3_overlap * m * t_mb if par.zero >= 3 else
+            c.dp_overlap * (m * t_mb * BACKWARD / (1 + BACKWARD) if par.zero == 2 else
+                            t_mb if par.zero == 1 else t_mb * BACKWARD / (1 + BACKWARD)))
     dp_exposed = max(0.0, dp_comm - hide)
     optimizer = OPTIMIZER_TRAFFIC * stage_params * 4 / (shard if par.zero >= 1 else 1) / profile.mem_bw
     # the slowest stage's m micro-batches, broken down (its recompute and exposed tp collectives apart)

@@ -37,6 +37,7 @@ from ..cost.summary import human, seconds
 from ..profiles import get_profile
 from .blocks import ModelShape
 from .cost import Estimate, Parallel, estimate
+from .evidence import claims
 from .plan import FORMAT, architecture_of, lower, lowered_dict
 from .trace import trace_shape
 
@@ -123,7 +124,8 @@ class ClusterPlan:
                  "step time: " + ", ".join(f"{k} {seconds(v)}" for k, v in t.items()),
                  "memory per rank: " + ", ".join(f"{k} {human(v)}" for k, v in m.items())
                  + f" (budget {human(self.best.budget)})",
-                 f"searched {self.considered} configurations ({self.feasible} fit) in {self.seconds:.2f} s"]
+                 f"searched {self.considered} configurations ({self.feasible} fit) in {self.seconds:.2f} s",
+                 *claims(self.profile, self.world, self.best.parallel, self.best.mfu)]
         return "\n".join(lines) + "\n"
 
 

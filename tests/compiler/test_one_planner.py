@@ -46,6 +46,7 @@ def test_autodist_at_cluster_scale_is_the_cluster_plan(size, world, tmp_path):
     assert summary["planner"] == "cluster search" and "inside a stage" in summary["inside_stage"]
     report = plan.report()
     assert f"MFU {100 * want.best.mfu:.1f}%" in report and "inside a stage" in report
+    assert "calibration: " in report and "held-out error of the cost model" in report  # bounded by evidence
     assert f"MFU {100 * want.best.mfu:.1f}%" in plan.one_line()
     written = write_report(plan, tmp_path)  # the plan-report path every plan takes
     assert "MFU" in written.read_text() and json.loads((tmp_path / "plan_summary.json").read_text())["mfu"] > 0.3

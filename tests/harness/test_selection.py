@@ -121,9 +121,11 @@ def test_every_saved_plan_runs_under_full_and_one_cheap_one_by_default(matrix):
 def test_every_plan_bench_autodist_prints_is_saved():
     from bench.calibration.autodist import CLUSTER_RUNS
     from bench.calibration.calibrate import load_rows
+    from bench.calibration.llama_models import SHAPES
     names = {p.stem for p in saved_plans()}
     assert {f"{m}-{w}" for m, ws in CLUSTER_RUNS for w in ws} <= names
-    assert {f"search-{r['name']}" for r in load_rows()} <= names
+    # every published row of a Llama (a transformers model verify plan rebuilds reduced; the GPT rows' is not one)
+    assert {f"search-{r['name']}" for r in load_rows() if r["model"] in SHAPES} <= names
 
 
 def test_full_runs_the_combined_recipe_on_every_model_and_the_default_one_unit_per_kind_cheaply(matrix):

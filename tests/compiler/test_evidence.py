@@ -1,0 +1,74 @@
+"""Plans bounded by evidence (nnscaler/cluster/evidence.py): the record matches bench/published_runs.csv, and a
+plan's report says when its estimate extrapolates or claims more than the best published run by more than the
+held-out error."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from nnscaler.cluster.cost import Parallel
+from nnscaler.cluster.evidence import RUNS, Run, claims, held_out_error
+
+CSV = Path(__file__).resolve().parents[2] / "bench" / "published_runs.csv"
+
+FITTED = (Run("small", "h100", 8, frozenset({"dp", "zero3", "recompute-selective"}), 0.40, 0.05),
+          Run("big", "h100", 512, frozenset({"tp", "sp", "pp", "dp", "zero1", "recompute-full"}), 0.45, -0.10))
+FSDP = Parallel(dp=8, zero=3, recompute="selective")
+
+
+def test_the_record_is_the_published_table():
+    rows = list(csv.DictReader(ln for ln in CSV.read_text().splitlines() if ln.strip() and not ln.startswith("#")))
+    assert [r.name for r in RUNS] == [r["name"] for r in rows]
+    for run, row in zip(RUNS, rows):
+        assert (run.device, run.gpus) == (row["device"], int(row["gpus"]))
+        assert 0.1 < run.mfu < 0.8 and abs(run.held_out) < 1.0
+        if row["metric"] == "tflops_per_gpu":  # MFU is the rate over the dense bf16 peak
+            peak = {"a100": 312.0, "h100": 989.4}[row["device"]]
+            assert abs(run.mfu - float(row["value"]) / peak) < 0.02, run.name
+
+
+def test_a_plan_inside_the_range_says_so_and_no_more():
+    lines = claims("h100", 8, FSDP, 0.41, FITTED)
+    assert len(lines) == 1 and "within the calibrated range" in lines[0] and "EXTRAPOLATED" not in lines[0]
+    assert "median 7.5%" in lines[0] and "worst 10.0%" in lines[0]
+
+
+def test_an_extrapolated_plan_says_by_how_much():
+    far = claims("h100", 4096, Parallel(tp=8, pp=8, dp=64, zero=1, recompute="full", sequence_parallel=True), 0.4,
+                 FITTED)
+    assert "EXTRAPOLATED" in far[0] and "8.0x the largest fitted h100 run (512)" in far[0]
+    unseen = claims("h100", 8, Parallel(dp=8, zero=2, recompute="none"), 0.4, FITTED)
+    assert "EXTRAPOLATED" in unseen[0] and "recompute-none, zero2 not in any fitted h100 run" in unseen[0]
+    other = claims("b200", 8, FSDP, 0.4, FITTED)
+    assert other[0].startswith("calibration: EXTRAPOLATED: no published b200 run")
+
+
+def test_a_claim_beyond_the_best_published_run_is_flagged():
+    # best at similar scale (8 GPUs: "small", MFU 40%); median held-out error 7.5%: 43% passes, 44% does not
+    assert len(claims("h100", 8, FSDP, 0.43, FITTED)) == 1
+    lines = claims("h100", 8, FSDP, 0.44, FITTED)
+    assert len(lines) == 2 and lines[1].startswith("claim beyond evidence") and "(small, 8 GPUs, MFU 40.0%)" in lines[1]
+    # at 512 GPUs the best at similar scale is "big" (45%): 0.47 is within its error
+    big = Parallel(tp=8, pp=8, dp=8, zero=1, recompute="full", sequence_parallel=True)
+    assert len(claims("h100", 512, big, 0.47, FITTED)) == 1
+    assert held_out_error(FITTED) == pytest.approx((0.075, 0.10))
+
+
+def test_the_plan_report_carries_the_evidence_lines():
+    import warnings
+
+    from nnscaler import ComputeConfig
+    from nnscaler.cluster.search import search, trace_shape
+    from tests.fixtures.llama_meta import meta_llama
+    pytest.importorskip("transformers")
+    model, batch = meta_llama(2048, 5632, 2048, 32000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shape = trace_shape(model, batch)
+    far = max(r.gpus for r in RUNS if r.device == "h100") * 4
+    plan = search(shape, ComputeConfig(far, profile="h100", precision="bf16-mixed", global_batch=far))
+    report = plan.report()
+    assert f"calibration: EXTRAPOLATED: {far} GPUs is 4.0x the largest fitted h100 run" in report
+    assert "held-out error of the cost model: median" in report
