@@ -175,3 +175,13 @@ def test_a_program_that_raises_names_where_it_first_parted(gang, tmp_path, fn, r
     assert raised in row.detail, row.detail
     assert f"before it raised, the first divergent module: {culprit} (" in row.detail, row.detail
     assert how in row.detail, row.detail
+
+
+def test_strided_shards_are_loaded_piece_by_piece(gang, tmp_path):
+    """transformers' tp_plan="auto" on an MoE keeps each expert's packed gate|up as a strided shard (a rank holds
+    its half of gate and its half of up): loading the reference point takes each piece where DTensor cuts it, so
+    the right program matches (a block at one offset gave 'load step 0 ... differs' on every MoE of the zoo)."""
+    pytest.importorskip("transformers")
+    (row,) = run_torchpar(gang, "zoo:mixtral", plan("hf_tp_auto"), parse_mesh("tp"), RunConfig(world_sizes=(2,)),
+                          str(tmp_path), steps=2, checkpoint=False)
+    assert row.status == MATCH, row.detail

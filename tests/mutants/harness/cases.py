@@ -108,6 +108,23 @@ def style_output_unread():
     patch(localize.Recorder, "_late", _late)
 
 
+@mutant("verify/cases/torchpar/case.py:load_whole",
+        ["tests/harness/test_torchpar.py::test_strided_shards_are_loaded_piece_by_piece"])
+def strided_shard_loaded_as_a_block():
+    """The reference point is loaded into a strided shard as one block at its offset: a right MoE plan mismatches."""
+    torchpar = _torchpar()
+
+    def load_whole(module, state):
+        with torchpar.torch.no_grad():
+            for n, p in torchpar.named_parameters(module):
+                if isinstance(p, torchpar.DTensor):
+                    shape, offset = torchpar.compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    p.to_local().copy_(state[n][tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+                else:
+                    p.copy_(state[n])
+    patch(torchpar, "load_whole", load_whole)
+
+
 @mutant("verify/cases/torchpar/names.py:model_name",
         ["tests/harness/test_torchpar.py::test_activation_checkpointing_as_torchtitan_applies_it_verifies"])
 def wrapper_prefixes_kept():

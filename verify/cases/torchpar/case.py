@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from nnscaler.runtime.mesh import GroupCache
@@ -69,7 +70,11 @@ def load_whole(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     tensor parallelism when a dimension does not divide (the vocabulary of 101 over 2 x 2)."""
     with torch.no_grad():
         for n, p in named_parameters(module):
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and any(isinstance(q, _StridedShard) for q in p.placements):
+                # a strided shard holds several pieces, not one block at an offset (transformers' packed
+                # gate|up): the local piece as DTensor cuts it, on every rank alike (no communication)
+                p.to_local().copy_(distribute_tensor(state[n], p.device_mesh, p.placements, src_data_rank=None).to_local())
+            elif isinstance(p, DTensor):
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                 p.to_local().copy_(state[n][tuple(slice(o, o + s) for o, s in zip(offset, shape))])
             else:
