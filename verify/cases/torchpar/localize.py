@@ -27,7 +27,7 @@ from verify.cases.torchpar.names import model_name
 from verify.cases.fresh import load_like
 from verify.cases.samples import DTYPES
 from verify.cases.torchpar.build import parallel_model
-from verify.cases.torchpar.mesh import build_mesh, describe, dp_slice, whole
+from verify.cases.torchpar.mesh import CP, build_mesh, describe, dp_slice, whole
 from verify.judge.compare import Float64Fallback, check_tensor
 from verify.judge.verdict import Divergence
 from verify.models.loader import build_model
@@ -207,6 +207,9 @@ def localize_torchpar(job: dict, groups) -> Divergence | str:
     saying why no module was named."""
     dt = DTYPES[job.get("dtype", "float32")]
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
+    if dict(zip(names, sizes)).get(CP, 1) > 1:  # before any collective: every rank answers the same
+        return ("context parallelism: modules are not compared (each rank's activations are sequence chunks in "
+                "the load balancer's order); the row's first failing check names the first wrong tensor")
     mesh = build_mesh(names, sizes, groups)
     par, (case, ref) = parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
     ref64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), ref)
