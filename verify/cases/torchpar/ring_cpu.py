@@ -70,9 +70,10 @@ class Substituted:
 
     def __init__(self):
         self.calls = 0
+        self.how: set[str] = set()  # torch's settings each call ran under: rotate method, load balance
 
     def note(self) -> str:
-        return f"{NOTE} ({self.calls} calls)" if self.calls else ""
+        return f"{NOTE} ({self.calls} calls; {', '.join(sorted(self.how))})" if self.calls else ""
 
 
 def _handler(used: Substituted, op_call, args, kwargs):
@@ -86,7 +87,9 @@ def _handler(used: Substituted, op_call, args, kwargs):
     if sharding is None or sharding.needs_redistribute:
         raise RuntimeError(f"context_parallel on CPU: {op_call} needs its inputs sharded on the sequence (dim 2)")
     local = _RING[op_call](info.compute_mesh, *info.local_args, **info.local_kwargs)
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
     used.calls += 1
+    used.how.add(f"rotate {_cp_options.rotate_method.name.lower()}, load balance {'on' if _cp_options.enable_load_balance else 'off'}")
     return dispatcher.wrap(local, sharding.output_spec)
 
 
