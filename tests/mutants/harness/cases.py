@@ -118,3 +118,22 @@ def buffers_not_compared():
     """No buffer is compared after a step (parameters only, as before issue 41): a program that never writes
     back a buffer its forward updates, or writes each rank's unreduced share of a batch statistic, matches."""
     patch(_buffers(), "buffer_names", lambda model: [])
+
+
+CP = "tests/harness/test_torchpar_cp.py"
+
+
+@mutant("verify/cases/torchpar/ring_cpu.py:Substituted.note",
+        [f"{CP}::test_causal_ring_attention_matches_one_device"])
+def cp_cpu_attention_not_said():
+    """A user's ring attention runs through the CPU kernel and the row does not say so (nor its rotate method)."""
+    from verify.cases.torchpar import ring_cpu
+    patch(ring_cpu.Substituted, "note", lambda self: "")
+
+
+@mutant("verify/cases/torchpar/mesh.py:loss_axes",
+        [f"{CP}::test_titan_llama_with_fsdp_over_cp_matches_one_device"])
+def cp_loss_not_averaged():
+    """The step's loss under cp is rank 0's own chunks' loss, not the mean over cp: a right program fails."""
+    from verify.cases.torchpar.mesh import DP
+    patch(_torchpar_mesh(), "loss_axes", lambda mesh: [n for n in (mesh.mesh_dim_names or ()) if n == DP])
