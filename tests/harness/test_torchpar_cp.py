@@ -18,8 +18,8 @@ from verify.rows.torchpar import run_torchpar
 USER = str(Path(__file__).parents[1] / "fixtures" / "torchpar_cp.py")
 
 
-def _row(gang, build, fn, tmp_path, w=2):
-    (row,) = run_torchpar(gang, f"{USER}:{build}", f"{USER}:{fn}", parse_mesh("cp"), RunConfig(world_sizes=(w,)),
+def _row(gang, build, fn, tmp_path, w=2, mesh="cp"):
+    (row,) = run_torchpar(gang, f"{USER}:{build}", f"{USER}:{fn}", parse_mesh(mesh), RunConfig(world_sizes=(w,)),
                           str(tmp_path), steps=2)
     return row
 
@@ -39,10 +39,13 @@ def test_titan_llama_with_fsdp_over_cp_matches_one_device(gang, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build, fn", [("build_attention", "ring_allgather"), ("build_llama", "llama_cp")])
-def test_cp_over_four_ranks_matches_one_device(gang, tmp_path, build, fn):
-    row = _row(gang, build, fn, tmp_path, w=4)
+@pytest.mark.parametrize("build, fn, mesh", [("build_attention", "ring_allgather", "cp"), ("build_llama", "llama_cp", "cp"),
+                                             ("build_attention", "ring_alltoall", "dp=2,cp=2")])
+def test_cp_over_four_ranks_matches_one_device(gang, tmp_path, build, fn, mesh):
+    """cp=4 (each rank two chunks of 1 token), and dp=2 x cp=2 (the loss the mean over both)."""
+    row = _row(gang, build, fn, tmp_path, w=4, mesh=mesh)
     assert row.status == MATCH, row.detail
+    assert "load balance on" in row.detail, row.detail
 
 
 def test_gradients_not_reduced_over_cp_are_caught(gang, tmp_path):
