@@ -38,7 +38,6 @@ def test_titan_llama_with_fsdp_over_cp_matches_one_device(gang, tmp_path):
     assert "rotate all_to_all, load balance on" in row.detail, row.detail
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("build, fn, mesh", [("build_attention", "ring_allgather", "cp"), ("build_llama", "llama_cp", "cp"),
                                              ("build_attention", "ring_alltoall", "dp=2,cp=2")])
 def test_cp_over_four_ranks_matches_one_device(gang, tmp_path, build, fn, mesh):
