@@ -18,9 +18,9 @@ from verify.rows.torchpar import run_torchpar
 USER = str(Path(__file__).parents[1] / "fixtures" / "torchpar_cp.py")
 
 
-def _row(gang, build, fn, tmp_path, w=2, mesh="cp"):
-    (row,) = run_torchpar(gang, f"{USER}:{build}", f"{USER}:{fn}", parse_mesh(mesh), RunConfig(world_sizes=(w,)),
-                          str(tmp_path), steps=2)
+def _row(gang, build, fn, tmp_path, w=2, mesh="cp", dtype="float32"):
+    (row,) = run_torchpar(gang, f"{USER}:{build}", f"{USER}:{fn}", parse_mesh(mesh),
+                          RunConfig(world_sizes=(w,), dtype=dtype), str(tmp_path), steps=2)
     return row
 
 
@@ -57,3 +57,14 @@ def test_rotary_positions_not_following_the_chunks_are_caught(gang, tmp_path):
     row = _row(gang, "build_llama", "llama_positions_unbalanced", tmp_path)
     assert row.status == MISMATCH, row.detail
     assert "loss step 0" in row.detail, row.detail
+
+
+def test_float64_ring_merging_in_float32_is_caught_and_torch_options_are_restored(gang, tmp_path):
+    """torch's ring merges blocks in float32 by default: a float64 run is then no float64 program
+    (MISMATCH, the row saying why); told to merge in the run's dtype it matches. The second row runs
+    after the first on the same ranks: torch's CP options the first program changed were restored."""
+    right = _row(gang, "build_attention", "ring_merge_in_dtype", tmp_path, dtype="float64")
+    assert right.status == MATCH, right.detail
+    default = _row(gang, "build_attention", "ring_allgather", tmp_path, dtype="float64")
+    assert default.status == MISMATCH, default.detail
+    assert "merges its blocks in float32 (_cp_options.convert_to_f32" in default.detail, default.detail

@@ -89,7 +89,10 @@ def _handler(used: Substituted, op_call, args, kwargs):
     local = _RING[op_call](info.compute_mesh, *info.local_args, **info.local_kwargs)
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
     used.calls += 1
-    used.how.add(f"rotate {_cp_options.rotate_method.name.lower()}, load balance {'on' if _cp_options.enable_load_balance else 'off'}")
+    merge = ", blocks merged in float32 (torch's _cp_options.convert_to_f32)" \
+        if _cp_options.convert_to_f32 and info.local_args[0].dtype == torch.float64 else ""
+    used.how.add(f"rotate {_cp_options.rotate_method.name.lower()}, load balance "
+                 f"{'on' if _cp_options.enable_load_balance else 'off'}{merge}")
     return dispatcher.wrap(local, sharding.output_spec)
 
 
@@ -118,3 +121,13 @@ def cpu_ring_attention():
                 cp.custom_ops.pop(op, None)
             cp._cp_options.__dict__.clear()
             cp._cp_options.__dict__.update(options)
+
+
+def merges_in_float32() -> bool:
+    """Whether torch's ring merges its blocks in float32 as now set (``_cp_options.convert_to_f32``, on
+    by default): a float64 program using it is then no float64 program."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+    except ImportError:
+        return False
+    return bool(_cp_options.convert_to_f32)
