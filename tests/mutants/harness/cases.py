@@ -137,3 +137,28 @@ def cp_loss_not_averaged():
     """The step's loss under cp is rank 0's own chunks' loss, not the mean over cp: a right program fails."""
     from verify.cases.torchpar.mesh import DP
     patch(_torchpar_mesh(), "loss_axes", lambda mesh: [n for n in (mesh.mesh_dim_names or ()) if n == DP])
+
+
+@mutant("verify/cases/torchpar/ring_cpu.py:cpu_ring_attention",
+        [f"{CP}::test_float64_ring_merging_in_float32_is_caught_and_torch_options_are_restored"])
+def cp_options_leak_between_cases():
+    """torch's CP options a user's fn set (rotate method, float32 merge) stay set for the gang's next case."""
+    from verify.cases.torchpar import ring_cpu
+    orig = ring_cpu.cpu_ring_attention
+
+    @contextlib.contextmanager
+    def leaky():
+        from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+        with orig() as used:
+            yield used
+            kept = dict(_cp_options.__dict__)
+        _cp_options.__dict__.update(kept)
+    patch(ring_cpu, "cpu_ring_attention", leaky)
+
+
+@mutant("verify/cases/torchpar/ring_cpu.py:merges_in_float32",
+        [f"{CP}::test_float64_ring_merging_in_float32_is_caught_and_torch_options_are_restored"])
+def cp_float32_merge_not_said():
+    """A float64 row of torch's ring attention fails without saying that torch merges its blocks in float32."""
+    from verify.cases.torchpar import ring_cpu
+    patch(ring_cpu, "merges_in_float32", lambda: False)
