@@ -8,11 +8,14 @@ The contract, stated once:
   calls ``fn(model, mesh)`` on every rank. ``fn`` applies the user's own parallelization
   (``parallelize_module`` plans, ``fully_shard``, a transformers ``tp_plan``, any mix) and returns the
   module to train: the model itself, or a module with the same parameter names; or a
-  :class:`Parallelized` when every step must run inside a context (``loss_parallel``).
+  :class:`Parallelized` when every step must run inside a context (``loss_parallel``, or
+  ``context_parallel`` over the step's own tensors: ``batch_context``).
 * Batch: each step's arguments are split along dim 0 over the mesh dimension named ``dp`` (each
   ``dp`` coordinate takes its contiguous slice; the batch must divide); every other dimension gets
   the whole batch. The module returns its scalar loss, a mean over the batch rows: the step's loss
-  is the mean of the ``dp`` ranks' losses, and the gradients must be those of the single-device
+  is the mean of the ``dp`` ranks' losses (and of the ``cp`` ranks': a mesh dimension named ``cp`` holds
+  context parallelism, each rank's loss the mean over its own sequence chunks, which
+  ``batch_context`` cuts from the whole sequence every rank is given), and the gradients must be those of the single-device
   model on the whole batch (FSDP2 averages over ``dp`` by itself; a plain replicated module does
   not, and is caught).
 * Compared, as for compiled plans (:mod:`verify.judge.compare`): the loss, every parameter's
@@ -32,10 +35,14 @@ import torch.nn as nn
 class Parallelized:
     """``fn``'s answer when training needs more than the module: ``step_context`` (a
     context-manager factory, e.g. ``torch.distributed.tensor.parallel.loss_parallel``) is entered
-    around every forward and backward of a step."""
+    around every forward and backward of a step. ``batch_context``, when given, is called with the
+    step's arguments (this rank's own copies: it may shard them in place, as
+    ``context_parallel(mesh, buffers=[*args, ...], buffer_seq_dims=...)`` does) and entered inside
+    ``step_context``, around the same forward and backward."""
 
     module: nn.Module
     step_context: Callable[[], ContextManager] = contextlib.nullcontext
+    batch_context: Callable[..., ContextManager] | None = None
 
 
 class ParallelizeError(ValueError):
@@ -47,7 +54,8 @@ def unpack(result, fn_name: str) -> Parallelized:
     module nor a ``Parallelized`` holding one."""
     if isinstance(result, nn.Module):
         return Parallelized(result)
-    if isinstance(result, Parallelized) and isinstance(result.module, nn.Module) and callable(result.step_context):
+    if isinstance(result, Parallelized) and isinstance(result.module, nn.Module) and callable(result.step_context) \
+            and (result.batch_context is None or callable(result.batch_context)):
         return result
     got = "None (did it forget `return model`?)" if result is None else type(result).__name__
     raise ParallelizeError(f"--parallelize {fn_name}: returned {got}; it must return the parallelized "

@@ -1,7 +1,8 @@
 """Harness mutants of what a case measures: the tie-flip samples of the bf16 spread
 (``verify/cases/spread.py``), the equal random draws of a step and the rows that must stay unverifiable
 (``verify/cases/draws.py``, ``verify/judge/verdict.py``), the torch-parallelization path's batch slicing
-(``verify/cases/torchpar/mesh.py``, wrapper prefixes in its names ``names.py``, FSDP2 on gloo ``fsdp.py``), an
+(``verify/cases/torchpar/mesh.py``, wrapper prefixes in its names ``names.py``, FSDP2 on gloo ``fsdp.py``, users'
+context parallelism on CPU ``ring_cpu.py``: its note, the loss over cp, torch's CP options restored), an
 error that keeps its checks (``verify/judge/verdict.py:RaisedAfter``), the blocked layouts' backward
 (``nnscaler/runtime/collectives.py``) and the buffers compared after every step (``verify/cases/buffers.py``)."""
 from __future__ import annotations
@@ -166,3 +167,47 @@ def buffers_not_compared():
     """No buffer is compared after a step (parameters only, as before issue 41): a program that never writes
     back a buffer its forward updates, or writes each rank's unreduced share of a batch statistic, matches."""
     patch(_buffers(), "buffer_names", lambda model: [])
+
+
+CP = "tests/harness/test_torchpar_cp.py"
+
+
+@mutant("verify/cases/torchpar/ring_cpu.py:Substituted.note",
+        [f"{CP}::test_causal_ring_attention_matches_one_device"])
+def cp_cpu_attention_not_said():
+    """A user's ring attention runs through the CPU kernel and the row does not say so (nor its rotate method)."""
+    from verify.cases.torchpar import ring_cpu
+    patch(ring_cpu.Substituted, "note", lambda self: "")
+
+
+@mutant("verify/cases/torchpar/mesh.py:loss_axes",
+        [f"{CP}::test_titan_llama_with_fsdp_over_cp_matches_one_device"])
+def cp_loss_not_averaged():
+    """The step's loss under cp is rank 0's own chunks' loss, not the mean over cp: a right program fails."""
+    from verify.cases.torchpar.mesh import DP
+    patch(_torchpar_mesh(), "loss_axes", lambda mesh: [n for n in (mesh.mesh_dim_names or ()) if n == DP])
+
+
+@mutant("verify/cases/torchpar/ring_cpu.py:cpu_ring_attention",
+        [f"{CP}::test_float64_ring_merging_in_float32_is_caught_and_torch_options_are_restored"])
+def cp_options_leak_between_cases():
+    """torch's CP options a user's fn set (rotate method, float32 merge) stay set for the gang's next case."""
+    from verify.cases.torchpar import ring_cpu
+    orig = ring_cpu.cpu_ring_attention
+
+    @contextlib.contextmanager
+    def leaky():
+        from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+        with orig() as used:
+            yield used
+            kept = dict(_cp_options.__dict__)
+        _cp_options.__dict__.update(kept)
+    patch(ring_cpu, "cpu_ring_attention", leaky)
+
+
+@mutant("verify/cases/torchpar/ring_cpu.py:merges_in_float32",
+        [f"{CP}::test_float64_ring_merging_in_float32_is_caught_and_torch_options_are_restored"])
+def cp_float32_merge_not_said():
+    """A float64 row of torch's ring attention fails without saying that torch merges its blocks in float32."""
+    from verify.cases.torchpar import ring_cpu
+    patch(ring_cpu, "merges_in_float32", lambda: False)

@@ -35,9 +35,10 @@ from verify.cases.resume import exact
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.samples import DTYPES
 from verify.api import Parallelized
-from verify.cases.torchpar.mesh import DP, build_mesh, dp_slice
+from verify.cases.torchpar.mesh import build_mesh, dp_slice, loss_axes
 from verify.cases.torchpar.localize import ModuleStack
 from verify.cases.torchpar.names import named_parameters
+from verify.cases.torchpar.ring_cpu import cpu_ring_attention
 from verify.cases.torchpar.fsdp import loss_scale, sum_reductions_on_gloo
 from verify.judge.finite import require_finite
 from verify.judge.compare import Check, Float64Fallback, check_tensor
@@ -90,19 +91,36 @@ def _step(par: Parallelized, args: tuple, mesh) -> torch.Tensor:
     """Forward and backward of this rank's slice inside the plan's context; the step's loss (the
     mean over the ``dp`` ranks). An exception names the module it was raised in."""
     scale, _ = loss_scale(par.module)  # a program that sums FSDP's gradients undivided (verify/cases/torchpar/fsdp.py)
-    with ModuleStack(par.module) as stack, stack.naming(), par.step_context():
-        loss = par.module(*dp_slice(args, mesh))
+    local = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in dp_slice(args, mesh))  # its own: cp shards in place
+    batch = par.batch_context(*local) if par.batch_context is not None else contextlib.nullcontext()
+    with ModuleStack(par.module) as stack, stack.naming(), par.step_context(), batch:
+        loss = par.module(*local)
         (loss * scale if scale != 1.0 else loss).backward()
     loss = _whole(loss).detach().clone()
-    if DP in (mesh.mesh_dim_names or ()):
-        dist.all_reduce(loss, group=mesh[DP].get_group())
-        loss /= mesh[DP].size()
+    for axis in loss_axes(mesh):  # the mean over the ranks sharing the step's tokens
+        dist.all_reduce(loss, group=mesh[axis].get_group())
+        loss /= mesh[axis].size()
     return loss
 
 
 def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
     """The checks of a ``torchpar`` job (keys: model, parallelize, mesh [[name, size], ...],
-    world_size, steps, seed, gen_dir, dtype)."""
+    world_size, steps, seed, gen_dir, dtype); a user's ``context_parallel`` runs its ring attention
+    through the CPU kernel (:mod:`verify.cases.torchpar.ring_cpu`), said in a note of the row."""
+    with cpu_ring_attention() as ring:
+        try:
+            checks = _checks(job, groups)
+        except RaisedAfter as exc:
+            exc.checks += _ring_note(ring)
+            raise
+    return checks + _ring_note(ring)
+
+
+def _ring_note(ring) -> list[Check]:
+    return [Check("note: cp", 0.0, 0.0, True, ring.note())] if ring.calls else []
+
+
+def _checks(job: dict, groups: GroupCache) -> list[Check]:
     dtype = job.get("dtype", "float32")
     dt = DTYPES[dtype]
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])

@@ -29,7 +29,8 @@ from verify.cases.torchpar.names import model_name
 from verify.cases.fresh import load_like
 from verify.cases.samples import DTYPES
 from verify.cases.torchpar.build import parallel_model
-from verify.cases.torchpar.mesh import build_mesh, describe, dp_slice, whole
+from verify.cases.torchpar.ring_cpu import cpu_ring_attention, merges_in_float32
+from verify.cases.torchpar.mesh import CP, build_mesh, describe, dp_slice, whole
 from verify.judge.compare import Float64Fallback, check_tensor
 from verify.judge.verdict import Divergence
 from verify.models.loader import build_model
@@ -224,6 +225,8 @@ def localize_torchpar(job: dict, groups) -> Divergence | str:
     dt = DTYPES[job.get("dtype", "float32")]
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
     mesh = build_mesh(names, sizes, groups)
+    if dict(zip(names, sizes)).get(CP, 1) > 1:
+        return _context_parallel(job, mesh, dt)
     par, (case, ref) = parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
     ref64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), ref)
     args = cast(case.batch(0), dt)
@@ -273,6 +276,20 @@ def localize_torchpar(job: dict, groups) -> Divergence | str:
     return ("every module's outputs and input gradients match one device on the first batch: the fault lies "
             "after backward (parameter gradients not reduced across ranks, the optimizer step, the checkpoint) "
             "or in a later step")
+
+
+def _context_parallel(job: dict, mesh, dt: torch.dtype) -> str:
+    """Why modules are not compared under cp; in a float64 run, whether the user's ring (``fn`` applied
+    as the case did) merges in float32."""
+    why = ("context parallelism: modules are not compared (each rank's activations are sequence chunks in the "
+           "load balancer's order); the row's first failing check names the first wrong tensor")
+    if dt == torch.float64:
+        with cpu_ring_attention():  # torch's CP options as fn leaves them, restored after
+            parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
+            if merges_in_float32():
+                why += ("; torch's ring attention merges its blocks in float32 (_cp_options.convert_to_f32, on by "
+                        "default): a float64 run of it is no float64 program")
+    return why
 
 
 def _found(key: str, module: nn.Module, direction: str, judged, tensor: str = "") -> Divergence:

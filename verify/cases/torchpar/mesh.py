@@ -18,6 +18,7 @@ from nnscaler.dimops.partition import axis_groups
 from nnscaler.runtime.mesh import GroupCache
 
 DP = "dp"  # the mesh dimension the harness splits the batch over
+CP = "cp"  # context parallelism: each rank's loss covers its own sequence chunks (verify/cases/torchpar/ring_cpu.py)
 MAX_DIMS = 8  # of a plain tensor gathered by :func:`whole`
 
 
@@ -81,6 +82,12 @@ def dp_slice(args: tuple, mesh: DeviceMesh) -> tuple:
             a = a.chunk(n)[i]
         out.append(a)
     return tuple(out)
+
+
+def loss_axes(mesh: DeviceMesh) -> list[str]:
+    """The mesh dimensions whose ranks each hold part of the step's tokens: the step's loss is the mean
+    of their losses (``dp`` splits the rows, ``cp`` the sequence; equal shares by construction)."""
+    return [n for n in (mesh.mesh_dim_names or ()) if n in (DP, CP) and mesh[n].size() > 1]
 
 
 def describe(x) -> str:
