@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .branches import data_dependent, needs_values, specialising
 from .checkpoints import refusal, watch_checkpoints
 from .functions import refusal as function_refusal
 from .leaves import make_leaves, unregistered
@@ -210,7 +211,19 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
     checkpoints: list[str] = []  # torch.utils.checkpoint calls of the model: recompute regions (.checkpoints)
     try:
         with contextlib.redirect_stderr(captured), watch_checkpoints(checkpoints), rewritten(model, rewrites):
-            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+            try:
+                ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+                again = needs_values(ep)  # data-dependent sizes: the plan takes the sample's (.branches)
+            except Exception as exc:  # noqa: BLE001  (a guard on data: decided on the sample, checked at run time)
+                if not data_dependent(exc):
+                    raise
+                again = True
+            if again:  # (what the first try printed, its partial graph, is no news)
+                captured.seek(0)
+                captured.truncate()
+                checkpoints.clear()
+                with specialising():
+                    ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as exc:
         dump = str(getattr(exc, "partial_fx_graph", "") or "")
         text = captured.getvalue()
