@@ -97,6 +97,9 @@ def needs_values(ep) -> bool:
             continue
         if isinstance(node.meta.get("val"), torch.Tensor) and _unbacked(node.meta["val"]):
             return True
+        if not isinstance(node.meta.get("val"), SYM) and any(
+                isinstance(a.meta.get("val"), SYM) and _unbacked(a.meta["val"]) for a in node.all_input_nodes):
+            return True
     return False
 
 
@@ -181,10 +184,12 @@ def specialise(ep) -> tuple[dict[torch.fx.Node, list[Guard]], set[torch.fx.Node]
     scalar and assertion nodes, which compute nothing of the model's own)."""
     guards: dict[torch.fx.Node, list[Guard]] = {}
     scalars: set[torch.fx.Node] = set()
-    if not any(_unbacked(n.meta.get("val")) for n in ep.graph.nodes):
+    if not any(n.target is ASSERT or isinstance(n.meta.get("val"), SYM) or _unbacked(n.meta.get("val"))
+               for n in ep.graph.nodes):
         return guards, scalars
     real = _real_values(ep)
     seen: set[str] = set()
+    read: set[torch.fx.Node] = set()  # scalars a tensor operator takes: their sample value is needed
 
     def add(at: torch.fx.Node, cond: str, roots: list, node: torch.fx.Node, text: str) -> None:
         if text not in seen:  # once per condition on the trace's symbols (``u1 == 4``: each tensor of that size)
@@ -200,7 +205,8 @@ def specialise(ep) -> tuple[dict[torch.fx.Node, list[Guard]], set[torch.fx.Node]
             roots: list = []
             cond = render(node.args[0], roots)
             said = _SAID.search(str(node.args[1]) if len(node.args) > 1 else "")  # torch's own wording
-            add(node, cond, roots, node, said.group(1) if said else cond.format(*(r.name for r in roots)))
+            if roots:  # (a condition on no tensor is decided already)
+                add(node, cond, roots, node, said.group(1) if said else cond.format(*(r.name for r in roots)))
             scalars.add(node)
             continue
         if node.target in _DROPPED or isinstance(val, SYM):
@@ -210,6 +216,7 @@ def specialise(ep) -> tuple[dict[torch.fx.Node, list[Guard]], set[torch.fx.Node]
         for a in node.all_input_nodes:
             v = a.meta.get("val")
             if isinstance(v, SYM) and _unbacked(v):
+                read.add(a)
                 roots = []
                 cond = render(a, roots)
                 expect = _value(v.node.expr, real)
@@ -228,8 +235,6 @@ def specialise(ep) -> tuple[dict[torch.fx.Node, list[Guard]], set[torch.fx.Node]
                 node.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
         elif isinstance(val, (list, tuple)) and _unbacked(val):
             raise BranchError(f"{node.name}: a data-dependent list of tensors is not supported")
-    for node in scalars:  # every scalar becomes its sample value (a tensor operator's argument reads it)
-        v = node.meta.get("val")
-        if isinstance(v, SYM):
-            node.meta["val"] = _value(v.node.expr, real) if _unbacked(v) else v.node.hint
+    for node in read:  # a tensor operator's scalar argument becomes its sample value
+        node.meta["val"] = _value(node.meta["val"].node.expr, real)
     return guards, scalars
