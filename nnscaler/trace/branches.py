@@ -17,6 +17,8 @@ import logging
 import math
 import operator
 import re
+import traceback
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterator
 from unittest import mock
@@ -47,8 +49,28 @@ def data_dependent(exc: BaseException) -> bool:
     return "GuardOnDataDependentSymNode" in text or "data-dependent expression" in text
 
 
+DECIDED = "nnscaler_decided"  # ep.graph_module.meta key: the guards decided on the sample (export.py)
+
+
+class _Decisions(logging.Handler):
+    """Collects torch's ``propagate_real_tensors`` log records: each guard decided on the sample,
+    as ``(expression, value, the model's line deciding it)`` (torch records no stack for them
+    unless debugging, so the line is read here, from the stack of the call that logs)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.decided: list[tuple[Any, Any, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("propagate_real_tensors") and len(record.args or ()) == 2:
+            own = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]), str(Path(logging.__file__).parent))
+            frames = [f for f in traceback.extract_stack() if not f.filename.startswith(own)]
+            where = f"{frames[-1].filename}:{frames[-1].lineno}: {(frames[-1].line or '').strip()}" if frames else ""
+            self.decided.append((*record.args, where))
+
+
 @contextlib.contextmanager
-def specialising() -> Iterator[None]:
+def specialising() -> Iterator[list]:
     """Within: ``torch.export`` runs every operator on the real sample values too and decides each
     data-dependent guard on them, leaving a runtime assertion in the graph (torch's real-tensor
     propagation, ``torch._functorch.config.fake_tensor_propagate_real_tensors``, as
@@ -58,7 +80,10 @@ def specialising() -> Iterator[None]:
     (``torch._subclasses.meta_utils._safe_copy``/``_safe_clone``, which must not copy a FakeTensor):
     a ``nn.Parameter``'s real copy is left uninitialised and a branch on a parameter's result is
     decided on garbage (measured: a linear layer's ``h.sum() > 0`` took either branch at random).
-    Its ``.data`` (a plain tensor of the same storage) is what gets copied here."""
+    Its ``.data`` (a plain tensor of the same storage) is what gets copied here.
+
+    Yields the list of the guards decided, ``(expression, value)``, filled as the trace runs (see
+    :func:`unchecked`)."""
     import torch._functorch.config as functorch_config
     import torch._subclasses.meta_utils as meta_utils
     copy, clone = meta_utils._safe_copy, meta_utils._safe_clone
@@ -68,14 +93,50 @@ def specialising() -> Iterator[None]:
 
     shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")  # a warning per decided guard:
     level = shapes.level  # the guards are named once, by the trace (SpecialisedBranchWarning)
-    shapes.setLevel(logging.ERROR)
+    shapes.setLevel(logging.WARNING)
+    propagate, shapes.propagate = shapes.propagate, False
+    decisions = _Decisions()
+    handlers, shapes.handlers = shapes.handlers, [decisions]  # (torch's own print each decision)
     try:
         with functorch_config.patch(fake_tensor_propagate_real_tensors=True), \
                 mock.patch.object(meta_utils, "_safe_copy", lambda dst, src: copy(dst, plain(src))), \
                 mock.patch.object(meta_utils, "_safe_clone", lambda src: clone(plain(src))):
-            yield
+            yield decisions.decided
     finally:
+        shapes.handlers = handlers
         shapes.setLevel(level)
+        shapes.propagate = propagate
+
+
+def _user_frame(stack) -> str:
+    """``file:line: code`` of the innermost frame of ``stack`` (a ``CapturedTraceback``) outside torch."""
+    torch_dir = str(Path(torch.__file__).parent)
+    frames = [f for f in stack.summary() if not f.filename.startswith(torch_dir)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}: {(frames[-1].line or '').strip()}" if frames else ""
+
+
+def unchecked(ep, decided: list) -> str:
+    """A guard torch decided on the sample (:func:`specialising`) whose data-dependent values the
+    program no longer computes, so that no runtime assertion can check it (a size made from
+    ``int(x.sum().item() ** 0.5)``: torch keeps the size, drops the ``item`` and its assertion), named
+    with the model's line; ``""`` if every decided guard is over values the program computes."""
+    checked: set = set()  # symbols a runtime assertion reads, or a tensor's size (specialise guards it)
+    env = None
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if node.target is ASSERT:
+            checked |= set(_SYMBOL.findall(str(node.args[1]) if len(node.args) > 1 else ""))
+        elif isinstance(val, torch.Tensor):
+            checked |= {str(s) for d in _vals(val) for s in d.node.expr.free_symbols}
+        env = env or getattr(getattr(val, "fake_mode", None), "shape_env", None)
+    for expr, value, _ in decided:
+        missing = [s for s in getattr(expr, "free_symbols", ()) if str(s) not in checked]
+        if missing:
+            stack = getattr(env, "var_to_stack", {}).get(missing[0])
+            where = _user_frame(stack) if stack is not None else ""
+            return (f"the trace decided {expr} == {value} on the sample input" + (f" at {where}" if where else "")
+                    + ", and the program keeps nothing to check it on another input")
+    return ""
 
 
 def _unbacked(value: Any) -> bool:
@@ -112,6 +173,7 @@ class Guard:
     roots: list[torch.fx.Node]
     node: torch.fx.Node
     text: str  # the condition in the trace's own symbols (``Ne(u0, 1)``), for the message
+    where: str = ""  # ``file:line: code`` where torch decided it (the user's ``if``), if known
 
 
 def _value(expr: Any, real: dict) -> Any:
@@ -166,6 +228,21 @@ def _real_values(ep) -> dict:
     return {}
 
 
+_SYMBOL = re.compile(r"\b(?:u|zuf|zub)\d+\b")  # torch's names of data-dependent symbols
+
+
+def _decided_at(ep) -> dict[str, str]:
+    """Each data-dependent symbol -> the model's line of the first guard decided on it (the
+    assertion node itself carries the line where its values were all computed, which may be a
+    caller's: FSMT's ``if not padding_mask.any():`` sits in a helper)."""
+    out: dict[str, str] = {}
+    for expr, _, where in ep.graph_module.meta.get(DECIDED, ()):
+        for s in _SYMBOL.findall(str(expr)):
+            if where:
+                out.setdefault(s, where)
+    return out
+
+
 def _vals(value: Any) -> list:
     if isinstance(value, SYM):
         return [value]
@@ -188,13 +265,16 @@ def specialise(ep) -> tuple[dict[torch.fx.Node, list[Guard]], set[torch.fx.Node]
                for n in ep.graph.nodes):
         return guards, scalars
     real = _real_values(ep)
+    decided_at = _decided_at(ep)
     seen: set[str] = set()
     read: set[torch.fx.Node] = set()  # scalars a tensor operator takes: their sample value is needed
 
     def add(at: torch.fx.Node, cond: str, roots: list, node: torch.fx.Node, text: str) -> None:
         if text not in seen:  # once per condition on the trace's symbols (``u1 == 4``: each tensor of that size)
             seen.add(text)
-            guards.setdefault(at, []).append(Guard(cond, roots, node, text))
+            where = next((decided_at[s] for s in _SYMBOL.findall(text) if s in decided_at), "") \
+                if node.target is ASSERT else ""
+            guards.setdefault(at, []).append(Guard(cond, roots, node, text, where))
 
     from torch._subclasses.fake_tensor import FakeTensor
     for node in ep.graph.nodes:

@@ -157,13 +157,13 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
         if not all(isinstance(t, IRTensor) for t in roots):
             raise TraceError(f"{type(model).__name__}: a data-dependent value at {_source(g.node)} is computed "
                              f"from something other than the model's tensors; it cannot be checked at run time")
-        where = _source(g.node) or g.node.name
+        where = g.where or _source(g.node) or g.node.name
         path, _, code = where.partition(": ")
         message = (f"{type(model).__name__}: data-dependent branch or size at {path}" + (f" ({code})" if code else "")
                    + f": the program was traced for an input where {g.text} held, and this input breaks it (trace "
                    f"on an input of this kind, or write the branch with torch.where or torch.cond)")
         op = IROp(f"guard_{len(specialised)}", GUARD, roots, [None], {"cond": g.cond, "message": message},
-                  source=_source(g.node))
+                  source=where)
         op.scope, op.scope_types = _scope(g.node)
         for t in roots:
             t.consumers.append(op)

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .branches import data_dependent, needs_values, specialising
+from .branches import DECIDED, data_dependent, needs_values, specialising, unchecked
 from .checkpoints import refusal, watch_checkpoints
 from .functions import refusal as function_refusal
 from .leaves import make_leaves, unregistered
@@ -222,8 +222,15 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
                 captured.seek(0)
                 captured.truncate()
                 checkpoints.clear()
-                with specialising():
+                with specialising() as decided:
                     ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+                ep.graph_module.meta[DECIDED] = list(decided)
+                silent = unchecked(ep, decided)
+                if silent:  # a data-dependent choice the program could not check: refused, never silent
+                    raise TraceError(f"torch.export cannot trace {type(model).__name__} for every input: {silent}; "
+                                     f"to fix: {HINTS[0][1]}")
+    except TraceError:
+        raise
     except Exception as exc:
         dump = str(getattr(exc, "partial_fx_graph", "") or "")
         text = captured.getvalue()
