@@ -129,11 +129,11 @@ def unchecked(ep, decided: list) -> str:
         elif isinstance(val, torch.Tensor):
             checked |= {str(s) for d in _vals(val) for s in d.node.expr.free_symbols}
         env = env or getattr(getattr(val, "fake_mode", None), "shape_env", None)
-    for expr, value, _ in decided:
+    for expr, value, where in decided:
         missing = [s for s in getattr(expr, "free_symbols", ()) if str(s) not in checked]
         if missing:
             stack = getattr(env, "var_to_stack", {}).get(missing[0])
-            where = _user_frame(stack) if stack is not None else ""
+            where = where or (_user_frame(stack) if stack is not None else "")
             return (f"the trace decided {expr} == {value} on the sample input" + (f" at {where}" if where else "")
                     + ", and the program keeps nothing to check it on another input")
     return ""
