@@ -93,6 +93,9 @@ def shrunk(defaults: dict, kind: str, kv_heads: int | None) -> dict:
         if isinstance(v, dict) and "model_type" in v:  # a nested model's config (encoder, decoder, text, audio)
             out[k] = {**v, **shrunk(v, kind, kv_heads)}
             continue
+        if k == "attention_window":  # Longformer/LED pad the sequence to a window's multiple (512 by default)
+            out[k] = [SEQ] * min(len(v), 2) if isinstance(v, list) else SEQ
+            continue
         if isinstance(v, list) and layers and len(v) == layers and k not in LAYERS:  # one entry per layer
             out[k] = v[:2]
             continue
