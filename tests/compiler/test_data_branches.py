@@ -124,3 +124,22 @@ def test_a_program_with_the_guards_dropped_runs_the_other_branch_silently():
     with Gang(2, (str(FIXTURES / "branch_guard_dropped.py"),), (2,)) as bad:
         (row,) = _rows(bad, "flipped", ("dp",))
     assert SUM_LINE not in row.detail and row.status != "match", (row.status, row.detail)
+
+
+@pytest.mark.slow
+def test_deberta_v2s_classifier_plans_and_matches_one_device_under_dp_and_tp():
+    """Issue 41's DeBERTa-v2 (``if label_index.size(0) > 0:`` in its loss), as the zoo builds it
+    (``tests/fixtures/deberta_cls.py``): traced with the guard named, MATCH under dp and tp at W=2."""
+    pytest.importorskip("transformers")
+    from verify.config import RunConfig
+    from verify.judge.verdict import MATCH
+    from verify.rows.run import run_model
+    from verify.runner.gang import Gang
+    from tests.fixtures.deberta_cls import build as deberta
+    case = deberta(0)
+    _, said = _trace(case.model, *case.batch(0))
+    assert len(said) == 1 and "modeling_deberta_v2.py" in said[0] and "if label_index.size(0) > 0:" in said[0], said
+    with Gang(2, (), (2,)) as gang, tempfile.TemporaryDirectory() as tmp:
+        rows = list(run_model(gang, f"{FIXTURES / 'deberta_cls.py'}:build", ("dp", "tp"), RunConfig(world_sizes=(2,)),
+                              tmp, steps=2))
+    assert [r.status for r in rows] == [MATCH, MATCH], [(r.status, r.detail) for r in rows]
