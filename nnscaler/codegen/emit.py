@@ -11,7 +11,7 @@ import torch
 from ..comm.conversion import Step, conversion, step_layout
 from ..dimops.layout import Layout, Partial, Replicate, layout_str, piece
 from ..dimops.partition import axis_groups, coords, local_sizes
-from ..ir.graph import BUFFER, CONSTANT, PARAM, BufferWrite, IRGraph, IROp, IRTensor
+from ..ir.graph import BUFFER, CONSTANT, GUARD, PARAM, BufferWrite, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
 from ..ops.spec import resolve
 from ..trace.amp import converts_to
@@ -210,6 +210,9 @@ class Emitter:
             return
         if op.source:
             self.lines.append(f"    # {comment(op.source)}")
+        if op.overload == GUARD:
+            self._guard(op)
+            return
         outs = [self.var.setdefault(t, t.name) if t is not None else "_" for t in op.outputs]
         target = ", ".join(outs) + ("," if len(outs) == 1 and (len(op.outputs) > 1 or op.sequence) else "")
         new = (lambda x: op.literals.get(x, x) if isinstance(x, float) else x) if op.literals else (lambda x: x)  # noqa: E731
@@ -252,6 +255,16 @@ class Emitter:
             if t is not None:
                 self.layouts[t] = q
         self._probe(op)
+
+    def _guard(self, op: IROp) -> None:
+        """A data-dependent branch or size the trace fixed (``nnscaler/trace/branches.py``), checked
+        on the whole tensors by torch's own runtime assertion (``aten._assert_scalar``, the node
+        torch.export leaves for it): every rank computes the same condition and raises alike."""
+        whole = tuple(Replicate() for _ in self.plan.mesh_shape)
+        none = tuple(None for _ in self.plan.mesh_shape)
+        names = [self.read(op.name, t, whole, none) for t in op.inputs]
+        self.lines.append(f"    torch.ops.aten._assert_scalar.default({op.kwargs['cond'].format(*names)}, "
+                          f"{literal(op.kwargs['message'])})  # data-dependent: checked whole")
 
     def write(self, w: BufferWrite) -> None:
         """Write the buffer forward wrote in place (``w``), after every operator: its new value

@@ -36,6 +36,7 @@ class PlanStats:
     comm_seconds: float
     replicated_ops: list[tuple[str, str, str]] = field(default_factory=list)
     inferred: list[tuple[str, str]] = field(default_factory=list)  # (operator, annotation) found by probing
+    guards: list[str] = field(default_factory=list)  # the model's lines whose data-dependent branch or size the trace fixed
     zero: int = 0  # the ZeRO stage costed
     zero_ranks: int = 1  # the ranks each parameter's ZeRO state is sharded over (the dp axis x the replicas)
 

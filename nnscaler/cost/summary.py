@@ -59,6 +59,7 @@ def summary(plan, s) -> dict:
         "replicated_operators": {"count": len(s.replicated_ops),
                                  "ops": [{"name": n, "overload": o, "why": w} for n, o, w in s.replicated_ops]},
         "inferred_annotations": [{"operator": n, "annotation": a} for n, a in getattr(s, "inferred", [])],
+        "data_dependent_guards": list(getattr(s, "guards", [])),
         "note": plan.note,
     }
 
@@ -93,7 +94,9 @@ def one_line(plan, s) -> str:
             f"({human(moved)}), est. step {seconds(s.step_seconds)} on {s.profile}, "
             + (f"zero {s.zero} over {s.zero_ranks} ranks, " if s.zero and s.zero_ranks > 1 else "")
             + f"{len(s.replicated_ops)} ops replicated"
-            + (f": {replicated_listing(s.replicated_ops)}" if s.replicated_ops else ""))
+            + (f": {replicated_listing(s.replicated_ops)}" if s.replicated_ops else "")
+            + (f"; traced for the sample's data-dependent branch or size at {len(s.guards)} lines, checked at run "
+               f"time: {'; '.join(s.guards)}" if getattr(s, "guards", None) else ""))
 
 
 def report(plan, s) -> str:
@@ -128,6 +131,9 @@ def report(plan, s) -> str:
     parts.append(f"replicated operators: {len(s.replicated_ops)}")
     parts += [f"  {o} x{len(names)} ({REASONS.get(why, why)}): {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
               for (o, why), names in by_kind.items()]
+    if getattr(s, "guards", None):
+        parts += ["", f"data-dependent branches and sizes traced for the sample input, checked at run time: {len(s.guards)}"]
+        parts += [f"  {line}" for line in s.guards]
     inferred = getattr(s, "inferred", [])
     if inferred:
         parts += ["", f"annotations inferred by probing (no rule; verified like every plan by the harness): {len(inferred)}"]

@@ -119,6 +119,12 @@ class IROp:
         return f"{self.name} = {self.overload}({', '.join(map(repr, self.inputs))})  # {anno}"
 
 
+GUARD = "nnscaler.guard"
+"""``IROp.overload`` of a guard the program checks at run time (``nnscaler/trace/branches.py``): it reads
+its inputs whole, computes nothing, and raises where a data-dependent value differs from the traced
+one; ``kwargs``: ``cond`` (Python source, ``{i}`` standing for input i) and ``message``."""
+
+
 @dataclass(eq=False)
 class BufferWrite:
     """A buffer the model's forward writes in place (``self.ema.mul_(0.5).add_(...)``, ``copy_``,
@@ -226,7 +232,9 @@ class IRGraph:
         return out
 
     def unknown(self) -> list[IROp]:
-        return [op for op in self.ops if not op.known]
+        """Operators with no annotation (a guard on a data-dependent value, :data:`GUARD`, reads its
+        tensors whole by design: it is none of them)."""
+        return [op for op in self.ops if not op.known and op.overload != GUARD]
 
     def unknown_summary(self) -> str:
         """Each unknown overload once, with its count and first source line."""

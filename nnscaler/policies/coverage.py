@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..cost.summary import replicated_listing
 from ..dimops.partition import splittable
-from ..ir.graph import IRGraph, IROp
+from ..ir.graph import GUARD, IRGraph, IROp
 from ..ir.plan import Plan
 
 
@@ -36,6 +36,8 @@ def replicated_operators(graph: IRGraph, plan: Plan) -> list[Replicated]:
     out = []
     local = {id(t) for t in graph.params + graph.buffers}
     for op in graph.ops:
+        if op.overload == GUARD:  # a check the trace added (plan.stats.guards), not an operator of the model
+            continue
         if all(id(t) in local for t in op.tensor_inputs()):
             local.update(id(t) for t in op.outputs if t is not None)
             continue

@@ -12,7 +12,7 @@ import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
-from ..ir.graph import ACTIVATION, BUFFER, CONSTANT, INPUT, PARAM, IRGraph, IROp, IRTensor
+from ..ir.graph import ACTIVATION, BUFFER, CONSTANT, GUARD, INPUT, PARAM, IRGraph, IROp, IRTensor
 from .writes import buffer_writes, watch_attributes
 from ..ops.registry import DEFAULT_REGISTRY, OpRegistry
 from ..ops.rules import OpCall, TensorMeta
@@ -20,6 +20,7 @@ from .calls import call_of, flatten_tensor_lists, meta_of
 from .checkpoints import checkpoint_of
 from .export import NO_GRAD, SET_GRAD_ENABLED, TraceError, export_model
 from .arange_index import per_row_index
+from .branches import BranchError, Guard, specialise
 from .heads import heads_outer
 from .rows import batch_major_rows
 from .match import derive
@@ -38,6 +39,11 @@ class Tracer(Protocol):
 
 class UnknownOperatorWarning(UserWarning):
     """Operators the registry does not know: they are replicated."""
+
+
+class SpecialisedBranchWarning(UserWarning):
+    """The model branches on (or sizes a tensor by) its data: the program is traced for the sample
+    input's branch and size at the lines named, and checks them at run time."""
 
 
 def _source(node: torch.fx.Node) -> str:
@@ -77,6 +83,10 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     registry = DEFAULT_REGISTRY if registry is None else registry
     with watch_attributes(model):  # Python attributes forward writes: named in a FrozenAttributeWarning
         ep = export_model(model, args, kwargs, registry.module_rewrites())
+    try:  # data-dependent branches and sizes: fixed to the sample's, each a guard checked at run time
+        guards, scalars = specialise(ep)
+    except BranchError as exc:
+        raise TraceError(f"torch.export traced {type(model).__name__} on data-dependent values: {exc}") from None
     rewrites = batch_major_rows(ep.graph)  # rows merged batch-second (nn.MultiheadAttention): batch first
     rewrites += heads_outer(ep.graph)  # heads merged into the batch (nn.MultiheadAttention): a dim of their own
     rewrites += per_row_index(ep.graph)  # x[arange(B)[:, None..], j] (transformers' masks): a per-row lookup
@@ -86,6 +96,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
              if hasattr(s.arg, "name")}
     ins, params, buffers, ops = [], [], [], []
     cut: dict[IRTensor, IRTensor] = {}  # a no_grad region's tensor -> its detached copy (see visit's read)
+    specialised: list[str] = []  # the model's lines each guard checks
 
     def visit(graph: torch.fx.Graph, env: dict, prefix: str = "") -> list:
         """Turn ``graph``'s nodes into IR; returns its outputs. Regions under a grad-mode switch are
@@ -112,7 +123,9 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
             return value(a)
 
         for node in graph.nodes:
-            if node.op == "placeholder" and not prefix:
+            if node in scalars:  # a data-dependent scalar or torch's runtime assertion: a guard checks it
+                env[node] = node.meta.get("val")
+            elif node.op == "placeholder" and not prefix:
                 kind, target = kinds.get(node.name, (INPUT, ""))
                 t = _tensor(node, kind, target)
                 env[node] = t if t is not None else node.meta.get("val")
@@ -134,7 +147,28 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
                 env[node] = add_op(node, value if node.meta.get(NO_GRAD) else read, prefix)
             elif node.op == "output":  # at the top: (as computed, as read outside a no_grad region) per output
                 return [(value(a), lambda a=a: read(a)) for a in node.args[0]] if not prefix else list(value(node.args[0]))
+            for g in guards.get(node, ()) if not prefix else ():
+                add_guard(g, env)
         return []
+
+    def add_guard(g: Guard, env: dict) -> None:
+        """The check of ``g`` in the program: its tensors read whole, one line raised on failure."""
+        roots = [env.get(r) for r in g.roots]
+        if not all(isinstance(t, IRTensor) for t in roots):
+            raise TraceError(f"{type(model).__name__}: a data-dependent value at {_source(g.node)} is computed "
+                             f"from something other than the model's tensors; it cannot be checked at run time")
+        where = g.where or _source(g.node) or g.node.name
+        path, _, code = where.partition(": ")
+        message = (f"{type(model).__name__}: data-dependent branch or size at {path}" + (f" ({code})" if code else "")
+                   + f": the program was traced for an input where {g.text} held, and this input breaks it (trace "
+                   f"on an input of this kind, or write the branch with torch.where or torch.cond)")
+        op = IROp(f"guard_{len(specialised)}", GUARD, roots, [None], {"cond": g.cond, "message": message},
+                  source=where)
+        op.scope, op.scope_types = _scope(g.node)
+        for t in roots:
+            t.consumers.append(op)
+        ops.append(op)
+        specialised.append(where)
 
     def detached(t: IRTensor, name: str) -> IRTensor:
         """``t.detach()`` as an operator of the graph: the end of a region run without gradients,
@@ -184,6 +218,11 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     graph = IRGraph(ops, ins, params, buffers + constants, outputs,
                     {t.target: ep.constants[t.target] for t in constants if t.target in ep.constants}, exported=ep,
                     writes=writes)
+    if specialised:
+        lines = list(dict.fromkeys(specialised))
+        warnings.warn(f"{type(model).__name__} branches on or sizes tensors by its data: traced for the sample "
+                      f"input there, and {len(specialised)} guards check it at run time: " + "; ".join(lines),
+                      SpecialisedBranchWarning, stacklevel=2)
     unknown = graph.unknown()
     if unknown:
         msg = (f"{len(unknown)} operators of {type(model).__name__} have no annotation and will be replicated: "

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .branches import DECIDED, data_dependent, needs_values, specialising, unchecked
 from .checkpoints import refusal, watch_checkpoints
 from .functions import refusal as function_refusal
 from .leaves import make_leaves, unregistered
@@ -210,7 +211,37 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
     checkpoints: list[str] = []  # torch.utils.checkpoint calls of the model: recompute regions (.checkpoints)
     try:
         with contextlib.redirect_stderr(captured), watch_checkpoints(checkpoints), rewritten(model, rewrites):
-            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+            first = None  # torch.export's own data-dependent error: what a model it cannot specialise ends with
+            try:
+                ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+                again = needs_values(ep)  # data-dependent sizes: the plan takes the sample's (.branches)
+            except Exception as exc:  # noqa: BLE001  (a guard on data: decided on the sample, checked at run time)
+                if not data_dependent(exc):
+                    raise
+                again, first = True, exc
+            if again:
+                dump = captured.getvalue()
+                captured.seek(0)
+                captured.truncate()  # (the first try's partial graph is no news if this one works)
+                checkpoints.clear()
+                try:
+                    with specialising() as decided:
+                        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+                except Exception:  # noqa: BLE001  (torch's real-tensor trace failing: the first error says more)
+                    if first is None:
+                        raise
+                    captured.write(dump)
+                    raise first from None
+                ep.graph_module.meta[DECIDED] = list(decided)
+                silent = unchecked(ep, decided)
+                if silent:  # a data-dependent choice the program could not check: refused, never silent
+                    if first is not None:
+                        captured.write(dump)
+                        raise first from None
+                    raise TraceError(f"torch.export cannot trace {type(model).__name__} for every input: {silent}; "
+                                     f"to fix: {HINTS[0][1]}")
+    except TraceError:
+        raise
     except Exception as exc:
         dump = str(getattr(exc, "partial_fx_graph", "") or "")
         text = captured.getvalue()

@@ -6,7 +6,9 @@ the sweep ``bench/studies/zoo.py`` measures, named ``zoo:<model_type>`` wherever
 
 Five kinds, each with its loss and batch: causal LM, masked LM, seq2seq LM (token ids and labels),
 image classification (pixels, class labels), speech (audio classification: a clip, class labels).
-A model type in several kinds is built as the first of :data:`KINDS` that has it.
+A model type in several kinds is built as the first of :data:`KINDS` that has it. ``build(arch,
+kind="text")`` builds its sequence classifier instead (token ids, one class label per sequence: the
+loss DeBERTa-v2 computes with ``if label_index.size(0) > 0:``), a kind the sweep does not run.
 """
 from __future__ import annotations
 
@@ -91,6 +93,9 @@ def shrunk(defaults: dict, kind: str, kv_heads: int | None) -> dict:
         if isinstance(v, dict) and "model_type" in v:  # a nested model's config (encoder, decoder, text, audio)
             out[k] = {**v, **shrunk(v, kind, kv_heads)}
             continue
+        if k == "attention_window":  # Longformer/LED pad the sequence to a window's multiple (512 by default)
+            out[k] = [SEQ] * min(len(v), 2) if isinstance(v, list) else SEQ
+            continue
         if isinstance(v, list) and layers and len(v) == layers and k not in LAYERS:  # one entry per layer
             out[k] = v[:2]
             continue
@@ -162,17 +167,26 @@ class NamedLoss(nn.Module):
         return self.model(**dict(zip(self.names, args))).loss
 
 
-def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_heads"]) -> ModelCase:
-    """``arch``'s tiny model of its kind, returning its loss, and the batch of each step."""
+TEXT = "text"  # sequence classification: built only when asked (``build(arch, kind=TEXT)``)
+
+
+def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_heads"], kind: str | None = None
+          ) -> ModelCase:
+    """``arch``'s tiny model of its kind (or of ``kind``: :data:`TEXT`), returning its loss, and the
+    batch of each step."""
     import transformers
     from transformers import AutoConfig
-    kind = kind_of(arch)
+    kind = kind or kind_of(arch)
     if kind is None:
         raise KeyError(f"{arch!r} is no model type of transformers' causal LM, masked LM, seq2seq, image or "
                        f"audio classification models")
-    auto = getattr(transformers, dict((k, a) for k, a, _ in kinds())[kind])
+    auto = getattr(transformers, dict((k, a) for k, a, _ in kinds())[kind] if kind != TEXT
+                   else "AutoModelForSequenceClassification")
     defaults = AutoConfig.for_model(arch)
     over = shrunk(defaults.to_dict(), kind, kv_heads)
+    if kind == TEXT:  # a text model's ids and a classifier's labels
+        over.update(shrunk(defaults.to_dict(), "masked", kv_heads))
+        over["label2id"] = {v: k for k, v in over["id2label"].items()}
     if kind == "causal":
         over.update({**TINY, "num_key_value_heads": kv_heads or TINY["num_key_value_heads"]})
     if "kv_lora_rank" in defaults.to_dict() and "num_key_value_heads" in over:  # latent attention expands its keys and
@@ -192,6 +206,11 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
         model.loss_type = "ForCausalLM"  # transformers warns on each first loss of a process unless set
     vocab = getattr(cfg, "vocab_size", 128) or 128
     vocab = min(vocab, 128)
+    if kind == TEXT:
+        def batch(step: int):
+            g = torch.Generator().manual_seed(100 * seed + step)
+            return tokens(vocab - 3, (BATCH, SEQ), 100 * seed + step) + 3, torch.randint(0, LABELS, (BATCH,), generator=g)
+        return ModelCase(NamedLoss(model.train(), ("input_ids", "labels")), batch)
     if kind in ("causal", "masked", "seq2seq"):
         def batch(step: int):
             ids = tokens(vocab - 3, (BATCH, SEQ), 100 * seed + step) + 3
