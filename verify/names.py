@@ -2,7 +2,7 @@
 free of torch so ``python -m verify --help`` answers at once. Each mirrors a registry that imports
 torch; ``tests/harness/test_cli_startup.py`` checks that they agree."""
 
-POLICY_NAMES = ("dp", "tp", "hybrid", "random", "random2d", "autodist")
+POLICY_NAMES = ("dp", "tp", "cp", "hybrid", "random", "random2d", "autodist")
 """``nnscaler.policies.POLICIES``, in its order."""
 
 PIPELINE_NAMES = ("pp", "pp_gpipe", "pp2_tp", "pp2_tp_gpipe", "pp2_dp", "pp2_dp_gpipe", "pp2_random", "pp2_hybrid",

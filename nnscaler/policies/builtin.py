@@ -1,4 +1,4 @@
-"""The built-in policies: ``dp``, ``tp``, ``hybrid``, ``random`` and ``random2d``; each is
+"""The built-in policies: ``dp``, ``tp``, ``cp``, ``hybrid``, ``random`` and ``random2d``; each is
 ``(graph, config) -> Plan``."""
 from __future__ import annotations
 
@@ -145,6 +145,34 @@ def tp(graph: IRGraph, config: ComputeConfig) -> Plan:
     return refine(graph, plan_greedy(graph, (config.plan_ngpus,), ("tp",), pinned, "tp"), pinned)
 
 
+def _cp_options(graph: IRGraph):
+    """Context parallelism: every operator that carries the tokens' sequence (dim 1 of the user
+    inputs) splits it; attention then needs its keys and values whole, which the layout conversion
+    makes by all-gathering them (its backward sums their gradients back to the owning ranks)."""
+    seq = batch_identifiers(graph, 1)
+    return lambda op, axis, layouts: [seq[op.name]] if seq[op.name] is not None else [None]
+
+
+def cp(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """Context parallelism (all-gather scheme, contiguous chunks): the sequence of every operator
+    that has one split in ``plan_ngpus`` contiguous blocks; positions, masks and the loss follow
+    from the annotations (a causal mask built from positions is sliced to the rank's queries, the
+    loss reduced over every token). Keys and values are all-gathered before attention."""
+    check_sequence_divisible(graph, config.plan_ngpus, "cp")
+    return plan_greedy(graph, (config.plan_ngpus,), ("cp",), _cp_options(graph), "cp")
+
+
+def check_sequence_divisible(graph: IRGraph, ranks: int, policy: str) -> None:
+    """Refuse a context-parallel axis of ``ranks`` that does not divide the sequence (dim 1 of the
+    first input with two dims): nothing would be split."""
+    first = next((t for t in graph.inputs if t.kind == INPUT and len(t.shape) > 1), None)
+    if first is None:
+        raise PlanError(f"{policy}: no input has a sequence dim (dim 1) to split")
+    if ranks > 1 and first.shape[1] % ranks:
+        raise PlanError(f"{policy}: the sequence ({first.shape[1]} tokens, dim 1 of input {first.name!r}) does not "
+                        f"divide over {ranks} context-parallel ranks")
+
+
 def _split_on(partition) -> str | None:
     """The identifier a one-axis partition splits (``None``: whole)."""
     return partition.splits[0][0] if partition.splits else None
@@ -190,4 +218,4 @@ def random2d(graph: IRGraph, config: ComputeConfig) -> Plan:
                        pick=lambda op, cands: rng.choice(cands))
 
 
-POLICIES = {"dp": dp, "tp": tp, "hybrid": hybrid, "random": random, "random2d": random2d}
+POLICIES = {"dp": dp, "tp": tp, "cp": cp, "hybrid": hybrid, "random": random, "random2d": random2d}
