@@ -1,4 +1,4 @@
-"""The built-in policies: ``dp``, ``tp``, ``cp``, ``hybrid``, ``random`` and ``random2d``; each is
+"""The built-in policies: ``dp``, ``tp``, ``cp``, ``hybrid``, ``hybrid_cp``, ``random`` and ``random2d``; each is
 ``(graph, config) -> Plan``."""
 from __future__ import annotations
 
@@ -193,6 +193,23 @@ def hybrid(graph: IRGraph, config: ComputeConfig) -> Plan:
     return plan_greedy(graph, (d, t), ("dp", "tp"), options, "hybrid")
 
 
+def hybrid_cp(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """dp x cp on a 2-D mesh: the outer axis splits the batch, the inner axis the sequence (as
+    ``cp``, of size ``config.tp_size`` or 2)."""
+    c = config.tp_size or (2 if config.plan_ngpus % 2 == 0 and config.plan_ngpus > 2 else 1)
+    if config.plan_ngpus % c:
+        raise PlanError(f"hybrid_cp: cp size {c} does not divide plan_ngpus {config.plan_ngpus}")
+    d = config.plan_ngpus // c
+    check_batch_divisible(graph, d, "hybrid_cp")
+    check_sequence_divisible(graph, c, "hybrid_cp")
+    dp_opts, cp_opts = _dp_options(graph), _cp_options(graph)
+
+    def options(op: IROp, axis: int, layouts: dict):
+        return dp_opts(op, axis, layouts) if axis == 0 else cp_opts(op, axis, layouts)
+
+    return plan_greedy(graph, (d, c), ("dp", "cp"), options, "hybrid_cp")
+
+
 def random(graph: IRGraph, config: ComputeConfig) -> Plan:
     """A seeded valid partition per operator (``config.seed``): the stress test for the harness."""
     rng = _random.Random(config.seed)
@@ -218,4 +235,4 @@ def random2d(graph: IRGraph, config: ComputeConfig) -> Plan:
                        pick=lambda op, cands: rng.choice(cands))
 
 
-POLICIES = {"dp": dp, "tp": tp, "cp": cp, "hybrid": hybrid, "random": random, "random2d": random2d}
+POLICIES = {"dp": dp, "tp": tp, "cp": cp, "hybrid": hybrid, "hybrid_cp": hybrid_cp, "random": random, "random2d": random2d}
