@@ -4,6 +4,8 @@ reduce-scatters their gradients back to the owners) and slices the rotary tables
 computed whole from global positions, to the rank's chunk (``split`` of a tensor without gradient)."""
 from __future__ import annotations
 
+import torch
+
 from ._base import _C, mutant, patch
 
 
@@ -18,13 +20,14 @@ def cp_kv_gradient_not_reduced():
 
 @mutant
 def cp_positions_not_shifted():
-    """A tensor computed whole without gradient (rotary tables, a causal mask, position ids) is cut
-    to chunk 0 on every rank: each rank's tokens take the first chunk's positions."""
+    """A floating or boolean tensor computed whole without gradient (rotary tables, a causal mask) is
+    cut to chunk 0 on every rank: each rank's tokens take the first chunk's positions (token ids,
+    integers, are still split right)."""
     C = _C()
     orig = C.split
 
     def split(x, dim, group, blocks=1):
-        if group is None or C._differentiable(x):
+        if group is None or x.requires_grad or not (x.is_floating_point() or x.dtype == torch.bool):
             return orig(x, dim, group, blocks)
         return C._piece(x, dim, C._size(group), blocks, 0)
 
