@@ -48,7 +48,7 @@ from verify.cases.torchpar.mesh import parse_mesh
 from verify.rows.torchpar import BAD_INPUT as TORCHPAR_BAD_INPUT, check_parallelize, run_torchpar
 from verify.report.writer import ReportError, ReportWriter, summary, table
 from verify.arguments import DEFAULT_WORLD_SIZES, UsageError, build_parser, recipe_dest, recipe_fields
-from verify.names import POLICY_NAMES
+from verify.names import POLICY_NAMES, SEQUENCE_POLICIES
 from verify.plan.cli import cmd_plan
 from verify.sweep.command import cmd_all
 from verify.options import gang_for, imported, load_registry, run_config, say
@@ -211,7 +211,7 @@ def cmd_model(args) -> int:
     case = _check_model(args.name, build=True)  # the one build before the ranks start
     if args.parallelize is not None or args.mesh is not None:
         return cmd_torchpar(args)
-    policies = _policies(args.policy or POLICY_NAMES)  # no --policy: every built-in
+    policies = _policies(args.policy or [p for p in POLICY_NAMES if p not in SEQUENCE_POLICIES])  # no --policy: all but cp
     cfg = run_config(args)
     try:  # a pipeline the model cannot be cut into, or a batch that does not divide: before any rank starts
         check_pipeline_input(args.name, policies, cfg.world_sizes, cfg.microbatches, replicas=args.replicas, case=case)

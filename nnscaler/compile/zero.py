@@ -24,10 +24,12 @@ class ZeroSpec:
 
 
 def dp_axis(plan) -> int | None:
-    """The plan's data-parallel mesh axis (named ``dp``, more than one rank), or ``None``."""
-    for axis, (name, size) in enumerate(zip(plan.axis_names, plan.mesh_shape)):
-        if name == "dp" and size > 1:
-            return axis
+    """The plan's data-parallel mesh axis (named ``dp``, more than one rank), or ``None``; failing
+    that, a context-parallel axis (``cp``): it too holds every parameter whole and sums their gradients."""
+    for want in ("dp", "cp"):
+        for axis, (name, size) in enumerate(zip(plan.axis_names, plan.mesh_shape)):
+            if name == want and size > 1:
+                return axis
     return None
 
 

@@ -87,7 +87,7 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, ste
     for t, before, step in steps:
         colls += step_collectives(t, before, step, mesh, names, profile)
     colls += coupled_collectives(graph, plan, profile)
-    dp = names.index("dp") if "dp" in names else None
+    dp = zero_axis(names, mesh)
     zero_ranks = (mesh[dp] if dp is not None else 1) * replicas if zero else 1
     by_axis: dict[int, list[int]] = defaultdict(list)
     for t, axis in synced.items():
@@ -116,18 +116,27 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, ste
                      colls, compute, sum(c.seconds for c in colls), zero=zero, zero_ranks=zero_ranks)
 
 
+def zero_axis(names, mesh) -> int | None:
+    """The mesh axis ZeRO shards over (as :func:`nnscaler.compile.zero.dp_axis`): ``dp``, or failing
+    it ``cp`` (parameters whole there too), of more than one rank; else ``dp`` (or ``None``)."""
+    names = list(names)
+    return next((names.index(n) for n in ("dp", "cp") if n in names and mesh[names.index(n)] > 1),
+                names.index("dp") if "dp" in names else None)
+
+
 def zero_shards(graph: IRGraph, plan, stored: dict, replicas: int, zero: int) -> tuple[list[int], list[int], list[int]]:
     """Per plan rank, bytes of parameters, gradients (one per parameter element, in its dtype) and
     AdamW state under ZeRO stage ``zero`` (:mod:`nnscaler.runtime.zero`): a parameter is sharded over
     the ranks holding the same piece of it, the plan's ``dp`` axis (where it is not split along it) times
     the ``replicas``; stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters."""
     mesh = plan.mesh_shape
-    dp = mesh[plan.axis_names.index("dp")] if "dp" in plan.axis_names else 1
+    axis = zero_axis(plan.axis_names, mesh)
+    dp = mesh[axis] if axis is not None else 1
     out = {k: [0] * plan.world_size for k in ("param", "grad", "optim")}
     for t, lay in stored.items():
         if t not in set(graph.params):
             continue
-        split_on_dp = "dp" in plan.axis_names and isinstance(lay[plan.axis_names.index("dp")], Shard)
+        split_on_dp = axis is not None and isinstance(lay[axis], Shard)
         n = replicas * (1 if split_on_dp else dp) if zero else 1
         for r in range(plan.world_size):
             b = math.prod((sl[1] - sl[0]) * (sl[2] if len(sl) > 2 else 1)

@@ -1,10 +1,10 @@
 """Policies: functions ``(graph, config) -> Plan`` that give every operator a partition."""
-from .builtin import POLICIES, dp, hybrid, random, random2d, tp
+from .builtin import POLICIES, cp, dp, hybrid, hybrid_cp, random, random2d, tp
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan, validate
 from .autodist import autodist
 
 POLICIES["autodist"] = autodist
 
-__all__ = ["POLICIES", "autodist", "dp", "hybrid", "random", "random2d", "tp", "ComputeConfig", "Plan", "PlanError",
+__all__ = ["POLICIES", "autodist", "cp", "dp", "hybrid", "hybrid_cp", "random", "random2d", "tp", "ComputeConfig", "Plan", "PlanError",
            "validate"]

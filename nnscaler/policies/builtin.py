@@ -1,4 +1,4 @@
-"""The built-in policies: ``dp``, ``tp``, ``hybrid``, ``random`` and ``random2d``; each is
+"""The built-in policies: ``dp``, ``tp``, ``cp``, ``hybrid``, ``hybrid_cp``, ``random`` and ``random2d``; each is
 ``(graph, config) -> Plan``."""
 from __future__ import annotations
 
@@ -163,6 +163,34 @@ def tp(graph: IRGraph, config: ComputeConfig) -> Plan:
     return refine(graph, plan_greedy(graph, (config.plan_ngpus,), ("tp",), pinned, "tp"), pinned)
 
 
+def _cp_options(graph: IRGraph):
+    """Context parallelism: every operator that carries the tokens' sequence (dim 1 of the user
+    inputs) splits it; attention then needs its keys and values whole, which the layout conversion
+    makes by all-gathering them (its backward sums their gradients back to the owning ranks)."""
+    seq = batch_identifiers(graph, 1)
+    return lambda op, axis, layouts: [seq[op.name]] if seq[op.name] is not None else [None]
+
+
+def cp(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """Context parallelism (all-gather scheme, contiguous chunks): the sequence of every operator
+    that has one split in ``plan_ngpus`` contiguous blocks; positions, masks and the loss follow
+    from the annotations (a causal mask built from positions is sliced to the rank's queries, the
+    loss reduced over every token). Keys and values are all-gathered before attention."""
+    check_sequence_divisible(graph, config.plan_ngpus, "cp")
+    return plan_greedy(graph, (config.plan_ngpus,), ("cp",), _cp_options(graph), "cp")
+
+
+def check_sequence_divisible(graph: IRGraph, ranks: int, policy: str) -> None:
+    """Refuse a context-parallel axis of ``ranks`` that does not divide the sequence (dim 1 of the
+    first input with two dims): nothing would be split."""
+    first = next((t for t in graph.inputs if t.kind == INPUT and len(t.shape) > 1), None)
+    if first is None:
+        raise PlanError(f"{policy}: no input has a sequence dim (dim 1) to split")
+    if ranks > 1 and first.shape[1] % ranks:
+        raise PlanError(f"{policy}: the sequence ({first.shape[1]} tokens, dim 1 of input {first.name!r}) does not "
+                        f"divide over {ranks} context-parallel ranks")
+
+
 def _split_on(partition) -> str | None:
     """The identifier a one-axis partition splits (``None``: whole)."""
     return partition.splits[0][0] if partition.splits else None
@@ -181,6 +209,23 @@ def hybrid(graph: IRGraph, config: ComputeConfig) -> Plan:
         return dp_opts(op, axis, layouts) if axis == 0 else tp_opts(op, axis, layouts)
 
     return plan_greedy(graph, (d, t), ("dp", "tp"), options, "hybrid")
+
+
+def hybrid_cp(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """dp x cp on a 2-D mesh: the outer axis splits the batch, the inner axis the sequence (as
+    ``cp``, of size ``config.tp_size`` or 2)."""
+    c = config.tp_size or (2 if config.plan_ngpus % 2 == 0 and config.plan_ngpus > 2 else 1)
+    if config.plan_ngpus % c:
+        raise PlanError(f"hybrid_cp: cp size {c} does not divide plan_ngpus {config.plan_ngpus}")
+    d = config.plan_ngpus // c
+    check_batch_divisible(graph, d, "hybrid_cp")
+    check_sequence_divisible(graph, c, "hybrid_cp")
+    dp_opts, cp_opts = _dp_options(graph), _cp_options(graph)
+
+    def options(op: IROp, axis: int, layouts: dict):
+        return dp_opts(op, axis, layouts) if axis == 0 else cp_opts(op, axis, layouts)
+
+    return plan_greedy(graph, (d, c), ("dp", "cp"), options, "hybrid_cp")
 
 
 def random(graph: IRGraph, config: ComputeConfig) -> Plan:
@@ -208,4 +253,4 @@ def random2d(graph: IRGraph, config: ComputeConfig) -> Plan:
                        pick=lambda op, cands: rng.choice(cands))
 
 
-POLICIES = {"dp": dp, "tp": tp, "hybrid": hybrid, "random": random, "random2d": random2d}
+POLICIES = {"dp": dp, "tp": tp, "cp": cp, "hybrid": hybrid, "hybrid_cp": hybrid_cp, "random": random, "random2d": random2d}

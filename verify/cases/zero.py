@@ -1,5 +1,5 @@
 """Which whole-model cases a ZeRO stage applies to (``--zero``): a plan with a data-parallel mesh
-axis (``dp``; ``hybrid`` where its dp axis has more than one rank: the harness plans it with
+axis (``dp``, or ``cp``'s sequence axis, which holds every parameter whole; ``hybrid``/``hybrid_cp`` where its dp axis has more than one rank: the harness plans it with
 ``tp_size=2``) or data-parallel replicas; a pipeline where each stage has one (``pp2_dp`` on 4 or
 more ranks) or replicas (zero 3 not under a zero-bubble schedule: ``nnscaler`` refuses it)."""
 from __future__ import annotations
@@ -17,7 +17,8 @@ def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1)
             and (replicas > 1 or plan_ngpus >= STAGE_DP.get(policy, plan_ngpus + 1))
     if replicas > 1:
         return True
-    return (policy == "dp" and plan_ngpus > 1) or (policy == "hybrid" and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
+    return (policy in ("dp", "cp") and plan_ngpus > 1) or (
+        policy in ("hybrid", "hybrid_cp") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
 
 
 def zero_refusal(zero: int, policy: str, world_sizes, replicas: int = 1) -> str | None:
