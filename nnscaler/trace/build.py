@@ -46,6 +46,11 @@ class SpecialisedBranchWarning(UserWarning):
     input's branch and size at the lines named, and checks them at run time."""
 
 
+READS_STRIDES = ("aten.as_strided.default",)
+"""Operators whose result depends on their input's strides, not only its values: traced on a non-contiguous
+view they are refused (the program's copy of that tensor is laid out otherwise: Longformer's sliding chunks)."""
+
+
 def _source(node: torch.fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
@@ -186,6 +191,12 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
 
     def add_op(node: torch.fx.Node, value, prefix: str):
         call = call_of(node)
+        src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if call.overload in READS_STRIDES and isinstance(src, torch.Tensor) and not src.is_contiguous():
+            raise TraceError(f"{type(model).__name__}: {call.overload} at {_source(node)} reads the storage of a "
+                             f"non-contiguous view (strides {tuple(src.stride())}); a parallel program holds that tensor "
+                             f"in another layout (gathered, or split), so it would read other elements: make the view "
+                             f"contiguous first (.contiguous()) or write it without as_strided")
         found = derive(call, registry)
         val = node.meta.get("val")
         metas = list(val) if isinstance(val, (list, tuple)) else [val]

@@ -110,3 +110,25 @@ def test_custom_op_stays_one_node_and_is_annotated():
         g = trace(_UsesCustom(), (torch.randn(4, 8),), registry=reg)
     (op,) = [op for op in g.ops if op.overload == "nnscaler_test.twice.default"]
     assert op.known and op.spec.name == "twice" and op.bound.sizes == {"*0": 4, "*1": 8}
+
+
+class _Chunks(torch.nn.Module):
+    """Overlapping chunks by ``as_strided`` (Longformer's sliding windows), of a view ``transposed`` or not."""
+
+    def __init__(self, transposed: bool):
+        super().__init__()
+        self.lin, self.transposed = torch.nn.Linear(8, 8), transposed
+
+    def forward(self, x):
+        h = self.lin(x)
+        h = h.transpose(0, 1) if self.transposed else h
+        return h.as_strided((3, 4, 8), (16, 8, 1) if not self.transposed else h.stride()[:1] + (8, 1)).sum()
+
+
+def test_as_strided_of_a_non_contiguous_view_is_refused_naming_its_line():
+    """Its result depends on the strides, which a parallel program's copy of the tensor does not share: refused,
+    never a wrong program (Longformer and LED traced to a MISMATCH before this)."""
+    x = torch.randn(4, 8, 8)
+    with pytest.raises(TraceError, match=r"as_strided.*reads the storage of a non-contiguous view.*contiguous"):
+        trace(_Chunks(True), (x,))
+    assert any(op.overload == "aten.as_strided.default" for op in trace(_Chunks(False), (x,)).ops)
