@@ -59,11 +59,12 @@ def layer_runs(graph: IRGraph) -> int:
     """Layers the model runs: a layer counted as often as each of its parameters is read (the fewest
     readers among them: a weight also read by a dtype assert does not count twice). ALBERT's one
     shared layer, read by every layer: one set of weights, ``num_hidden_layers`` runs."""
-    runs: dict[int, int] = {}
+    runs: dict[str, int] = {}
     readers = Counter(id(t) for op in graph.ops for t in {id(x): x for x in op.tensor_inputs()}.values())
     for t in graph.params:
-        i = layer_of(t.target or t.name)
-        if i is not None and readers[id(t)]:
+        m = LAYER.search("." + (t.target or t.name))
+        i = m and m.string[:m.end()]  # the layer's path: an encoder's blocks.0 is not a decoder's layers.0
+        if i and readers[id(t)]:
             runs[i] = min(runs.get(i, readers[id(t)]), readers[id(t)])
     return sum(runs.values())
 
