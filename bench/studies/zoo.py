@@ -84,7 +84,7 @@ def extra(graph, dp, tp, out: dict) -> None:
     from nnscaler.compile.plan import plan_graph
     from nnscaler.config import ComputeConfig
     from nnscaler.policies.coverage import replicated_operators
-    from nnscaler.policies.tp_check import block_of, collectives, layer_of
+    from nnscaler.policies.tp_check import collectives, layer_of, layer_runs
     out["attn"], out["attn_split"] = attention_split(graph, tp)
     try:
         one = dp.summary()["memory_one_device"]["peak"]
@@ -95,8 +95,7 @@ def extra(graph, dp, tp, out: dict) -> None:
         if isinstance(exc, TimeoutError):
             raise
         out["auto_error"] = zoo_sweep.first_line(exc)
-    out["layers"] = len({block_of(t.target or t.name) for t in graph.params} - {None})  # an encoder's and a decoder's
-    # blocks both (Megatron's bar counts each block: 2 + 3 all-reduces for an encoder and a decoder layer)
+    out["layers"] = layer_runs(graph)  # a shared layer (ALBERT) counts once per run
     out["block_params"] = any(layer_of(t.target or t.name) is not None for t in graph.params)
     reasons = Counter(f"{r.op.overload.removeprefix('aten.')} ({r.reason})" for r in replicated_operators(graph, dp))
     out["whole_why"] = [f"{k} x{v}" if v > 1 else k for k, v in reasons.most_common()]

@@ -45,7 +45,8 @@ def coupled_collectives(graph: IRGraph, plan: Plan) -> int:
     return len({op.name for op, _, _ in coupled_splits(graph, plan)})
 
 
-LAYER = re.compile(r"\.(h|layers|layer|block)\.(\d+)\.")
+# a list of layers: h.3, layers.3, layer.3, block.3, blocks.3, and prefixed ones (ALBERT's albert_layers.0)
+LAYER = re.compile(r"\.(h|\w*layers?|\w*blocks?)\.(\d+)\.")
 
 
 def layer_of(name: str) -> int | None:
@@ -54,11 +55,18 @@ def layer_of(name: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
-def block_of(name: str) -> str | None:
-    """The transformer block a parameter belongs to, named with its stack (``encoder.block.0``,
-    ``decoder.block.0``: two blocks where :func:`layer_of` sees one index), if any."""
-    m = LAYER.search("." + name)
-    return ("." + name)[:m.end() - 1].lstrip(".") if m else None
+def layer_runs(graph: IRGraph) -> int:
+    """Layers the model runs: a layer counted as often as each of its parameters is read (the fewest
+    readers among them: a weight also read by a dtype assert does not count twice). ALBERT's one
+    shared layer, read by every layer: one set of weights, ``num_hidden_layers`` runs."""
+    runs: dict[str, int] = {}
+    readers = Counter(id(t) for op in graph.ops for t in {id(x): x for x in op.tensor_inputs()}.values())
+    for t in graph.params:
+        m = LAYER.search("." + (t.target or t.name))
+        i = m and m.string[:m.end()]  # the layer's path: an encoder's blocks.0 is not a decoder's layers.0
+        if i and readers[id(t)]:
+            runs[i] = min(runs.get(i, readers[id(t)]), readers[id(t)])
+    return sum(runs.values())
 
 
 def sharded_fraction(graph: IRGraph, plan: Plan, select: Callable[[str], bool] = lambda n: layer_of(n) is not None
