@@ -120,9 +120,11 @@ def schedule(pp: int, stage: int, v: int, m: int) -> list[tuple[str, int, int]]:
 
 
 def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int, m_eff: int,
-                  width_scale: int = 1) -> dict:
+                  width_scale: int = 1, fake: bool = True) -> dict:
     """Rank 0 of pipeline stage ``stage`` of ``par`` with ``blocks`` layers per chunk, compiled on fake tensors
-    and run through two training steps of ``m_eff`` micro-batches: measured bytes (``KEYS``)."""
+    (``fake=False``: real ones, to check the fake measurement at a small size) and run through two training
+    steps of ``m_eff`` micro-batches: measured bytes (``KEYS``)."""
+    import contextlib
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -140,7 +142,7 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int, 
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * dp)
     cfg = llama_config(name, seq, blocks, width_scale)
-    fm = FakeTensorMode(allow_non_fake_inputs=True)
+    fm = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     kinds = [(stage == 0 and c == 0, stage == pp - 1 and c == v - 1) for c in range(v)]
     with fm:
         ids = torch.zeros(mbs, seq, dtype=torch.long)
@@ -178,8 +180,8 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int, 
                 for kind_, c, mb in ops:
                     pm = modules[c]
                     if kind_ == "F":
-                        tracker.reset_mod_stats()  # a chunk called again: a new micro-batch, not a new iteration
-                        x = ids if kinds[c][0] else torch.empty(mbs, seq, cfg.hidden_size, requires_grad=True)
+                        tracker.memory_tracking.pop(pm, None)  # a chunk called again: a new micro-batch, not a new iteration
+                        x = ids if kinds[c][0] else torch.zeros(mbs, seq, cfg.hidden_size, requires_grad=True)
                         outs[(c, mb)] = pm(x, ids)
                     else:
                         out = outs.pop((c, mb))
