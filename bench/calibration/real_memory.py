@@ -42,7 +42,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-KEYS = ("params", "grads", "optimizer", "rest", "peak")
+KEYS = ("params", "grads", "optimizer", "activations", "peak")
+# blocks per chunk measured when extrapolating: at 1 block the peak falls in the head's backward, from 2 on
+# at the end of the forward (Llama-3 8B, tp 1: 1 -> 2 blocks "grows" 2.9 GiB a block, 2 -> 4 the real slope)
+LOW, HIGH = 2, 4
 GiB = 2 ** 30
 
 
@@ -95,6 +98,28 @@ def _storages(tensors) -> int:
             seen.add(s._cdata)
             total += s.nbytes()
     return total
+
+
+def _saved_counter():
+    """A :class:`~nnscaler.runtime.recompute.SavedActivations` that tells fake storages apart (a fake
+    storage has no address: by the storage object instead)."""
+    from nnscaler.runtime.recompute import SavedActivations
+
+    class Saved(SavedActivations):
+        def __init__(self, exclude):
+            super().__init__(())
+            self.skip = {t.untyped_storage()._cdata for t in exclude}
+            self.seen: dict[int, int] = {}
+
+        def add(self, t: torch.Tensor) -> None:
+            st = t.untyped_storage()
+            if st._cdata not in self.skip:
+                self.seen[st._cdata] = st.nbytes()
+
+        @property
+        def bytes(self) -> int:
+            return sum(self.seen.values())
+    return Saved
 
 
 def schedule(pp: int, stage: int, v: int, m: int) -> list[tuple[str, int, int]]:
@@ -174,7 +199,9 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int, 
         with fm, tracker:
             tracker.track_external(*modules)
             ops = schedule(pp, stage, v, m_eff)
-            grads = 0
+            grads = acts = 0
+            flight: dict = {}  # saved bytes of each forward whose backward has not run
+            Saved = _saved_counter()
             for _step in range(2):
                 outs: dict = {}
                 for kind_, c, mb in ops:
@@ -182,8 +209,12 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int, 
                     if kind_ == "F":
                         tracker.memory_tracking.pop(pm, None)  # a chunk called again: a new micro-batch, not a new iteration
                         x = ids if kinds[c][0] else torch.zeros(mbs, seq, cfg.hidden_size, requires_grad=True)
-                        outs[(c, mb)] = pm(x, ids)
+                        with Saved(pm.param_tensors()) as saved:
+                            outs[(c, mb)] = pm(x, ids)
+                        flight[(c, mb)] = saved.bytes
+                        acts = max(acts, sum(flight.values()))
                     else:
+                        flight.pop((c, mb))
                         out = outs.pop((c, mb))
                         out.backward(torch.ones_like(out) if out.dim() == 0 else torch.empty_like(out))
                         del out
@@ -193,10 +224,11 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int, 
                     o.zero_grad(set_to_none=True)
             from verify.cases.memory import optimizer_tensors
             got = {"params": sum(_storages(pm.param_tensors()) for pm in modules), "grads": grads,
-                   "optimizer": sum(_storages(optimizer_tensors(o)) for o in opts)}
-        peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
-    got["peak"] = peak
-    got["rest"] = peak - got["params"] - got["grads"] - got["optimizer"]
+                   "optimizer": sum(_storages(optimizer_tensors(o)) for o in opts), "activations": acts}
+        snap = max(tracker.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"])
+    peak = got["peak"] = snap["Total"]
+    got["at_peak"] = {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}  # the tracker's kinds
+    got["held"] = peak - got["params"] - got["grads"] - got["optimizer"]  # everything else at the peak
     del modules, opts
     gc.collect()
     dist.destroy_process_group()
@@ -212,36 +244,34 @@ def _counts(plan) -> list[int]:
     return next(iter(memo.values()))["split"][plan.parallel.pp * plan.parallel.virtual_stages][0]
 
 
-def measure_plan(plan, stage: int, full_depth: bool = False, width_scale: int = 1, name=None) -> dict:
-    """Stage ``stage`` of cluster plan ``plan`` measured (bytes per ``KEYS``): at its real block count
-    (``full_depth``) or at 1 and 2 blocks per chunk, extrapolated linearly (module docstring)."""
+def measure_plan(plan, stage: int, extrapolate: bool = False, width_scale: int = 1, name=None) -> dict:
+    """Stage ``stage`` of cluster plan ``plan`` measured (bytes per ``KEYS`` and ``held``): at its real block
+    count, or (``extrapolate``) at ``LOW`` and ``HIGH`` blocks per chunk, extrapolated linearly."""
     par = plan.parallel
     counts = _counts(plan)
     per_chunk = max(counts) if par.virtual_stages > 1 else counts[0 if stage == 0 else -1]
     m_eff = min(par.num_microbatches, 2 * par.pp if par.virtual_stages > 1 else par.pp + 1)
     model, seq = name or plan.model, plan.shape.seq
-    if full_depth:
+    if not extrapolate:
         return measure_stage(model, par, plan.precision, seq, stage, per_chunk, m_eff, width_scale)
-    one = measure_stage(model, par, plan.precision, seq, stage, 1, m_eff, width_scale)
-    if per_chunk == 1:
-        return one
-    two = measure_stage(model, par, plan.precision, seq, stage, 2, m_eff, width_scale)
-    return {k: one[k] + (per_chunk - 1) * (two[k] - one[k]) for k in KEYS}
+    if per_chunk <= LOW + 1:
+        return measure_stage(model, par, plan.precision, seq, stage, per_chunk, m_eff, width_scale)
+    low = measure_stage(model, par, plan.precision, seq, stage, LOW, m_eff, width_scale)
+    high = measure_stage(model, par, plan.precision, seq, stage, HIGH, m_eff, width_scale)
+    return {k: low[k] + (per_chunk - LOW) * (high[k] - low[k]) / (HIGH - LOW) for k in KEYS + ("held",)}
 
 
-def measured(plan, full_depth: bool = False, width_scale: int = 1, name=None) -> dict:
+def measured(plan, extrapolate: bool = False, width_scale: int = 1, name=None) -> dict:
     """Per ``KEYS``, the most over the stages the estimate takes its maxima from (the first and, under
     pipelining, the last: the estimate's memory terms are each the larger of the two)."""
     stages = [0] + ([plan.parallel.pp - 1] if plan.parallel.pp > 1 else [])
-    got = [measure_plan(plan, s, full_depth, width_scale, name) for s in stages]
-    return {k: max(g[k] for g in got) for k in KEYS}
+    got = [measure_plan(plan, s, extrapolate, width_scale, name) for s in stages]
+    return {k: max(g[k] for g in got) for k in KEYS + ("held",)}
 
 
 def estimated(plan) -> dict:
-    """The planner's bytes per ``KEYS`` (``rest``: its activations plus buffers)."""
-    mem = plan.best.memory
-    return {"params": mem["params"], "grads": mem["grads"], "optimizer": mem["optimizer"],
-            "rest": mem["activations"] + mem["buffers"], "peak": mem["peak"]}
+    """The planner's bytes per ``KEYS``."""
+    return {k: plan.best.memory[k] for k in KEYS}
 
 
 def compare(got: dict, est: dict) -> dict:
@@ -285,41 +315,48 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f}"
 
 
+def worst(got: dict, est: dict) -> float:
+    """The largest ``|estimate / measured - 1|`` over ``KEYS``."""
+    return max(abs(r - 1) for r in compare(got, est).values())
+
+
 def row(label: str, plan, got: dict, est: dict) -> str:
     ratio = compare(got, est)
-    worst = max(abs(r - 1) for r in ratio.values())
     cells = " | ".join(f"{_gib(got[k])} / {_gib(est[k])} = {ratio[k]:.2f}" for k in KEYS)
     over = " **over the device**" if got["peak"] > plan.best.budget else ""
-    return f"| {label} | {_short(plan.parallel)} | {cells} | {100 * worst:.0f}%{over} |"
+    return (f"| {label} | {_short(plan.parallel)} | {cells} | {_gib(got['held'])} | "
+            f"{100 * worst(got, est):.0f}%{over} |")
 
 
-HEADER = ("| plan | configuration | params | grads | optimizer | rest (activations + buffers) | peak | worst |\n"
-          "|---|---|---|---|---|---|---|---|")
+HEADER = ("| plan | configuration | params | grads | optimizer | saved activations in flight | peak | "
+          "held at the peak beyond state | worst |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", nargs="*", help="labels to measure (e.g. llama3-8b-8 search-tt-h100-llama3-8b)")
     ap.add_argument("--skip-published", action="store_true")
-    ap.add_argument("--full-depth", action="store_true", help="compile every chunk at its real block count")
+    ap.add_argument("--extrapolate", action="store_true",
+                    help=f"compile each chunk at {LOW} and {HIGH} blocks and extrapolate linearly (faster)")
     ap.add_argument("--out", help="also write the table to this Markdown file")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
-    lines = ["Memory per rank, measured (rank 0 of the first and the last stage, the larger) / estimated "
-             "(nnscaler.cluster.cost) = ratio, GiB; H100 budget "
-             f"{'full depth' if args.full_depth else '1 and 2 blocks per chunk, extrapolated in blocks'}", "", HEADER]
+    lines = ["GiB per rank, measured (rank 0 of the first and, pipelined, the last stage: the larger) / estimated "
+             "(`nnscaler.cluster.cost.estimate`) = ratio; "
+             f"{f'{LOW} and {HIGH} blocks per chunk, extrapolated' if args.extrapolate else 'every stage at its real depth'}"
+             "; H100 budget 72 GiB", "", HEADER]
     print("\n".join(lines), flush=True)
     worst_all, n = 0.0, 0
     for label, plan in plans(args.skip_published, args.plans):
         t0 = time.perf_counter()
         try:
-            got = measured(plan, args.full_depth)
+            got = measured(plan, args.extrapolate)
         except Exception as exc:  # noqa: BLE001  (one plan that cannot be built is reported, the rest go on)
-            line = f"| {label} | {_short(plan.parallel)} | error: {type(exc).__name__}: {str(exc)[:160]} | | | | | |"
+            line = f"| {label} | {_short(plan.parallel)} | error: {type(exc).__name__}: {str(exc)[:160]} | | | | | | |"
         else:
             est = estimated(plan)
             line = row(label, plan, got, est)
-            worst_all = max(worst_all, max(abs(r - 1) for r in compare(got, est).values()))
+            worst_all = max(worst_all, worst(got, est))
             n += 1
         print(line + f"  <!-- {time.perf_counter() - t0:.0f} s -->", flush=True)
         lines.append(line)

@@ -190,7 +190,7 @@ def _group_collective(profile: DeviceProfile, f: int, across: bool, per_node: in
 
 
 def _micro_batch(shape: ModelShape, tp: int, sp: bool, scale: float, recompute: str, c: ClusterConstants,
-                 profile: DeviceProfile, ab: int, tokens_mb: int) -> dict:
+                 profile: DeviceProfile, ab: int, tokens_mb: int, weight_casts: bool = False) -> dict:
     """What one micro-batch costs per section, and what it saves, under (tp, sequence parallelism,
     micro-batch size, recompute): the part of :func:`estimate` that reads every operator of a section."""
     fwd = {name: section_forward(sec, tp, sp, scale, c, profile, ab if name != "post" else LOSS_BYTES, shape.causal)
@@ -206,11 +206,16 @@ def _micro_batch(shape: ModelShape, tp: int, sp: bool, scale: float, recompute: 
         rc = {"block": section_forward(shape.block, tp, sp, scale, c, profile, ab, shape.causal, core_only=True)}
     else:
         rc = {"block": 0.0}
-    full_act = section_saved(shape.block, tp, sp, scale, ab)
+    # bf16-mixed casts every fp32 weight to bf16 where it is read, and the linear keeps that copy for its
+    # backward: 2 bytes per (tp-split) block parameter per micro-batch in flight, unless the block is
+    # recomputed (measured at real width on fake tensors: bench/calibration/real_memory.py; 112 MiB per
+    # 4096 x 14336 weight of Llama-3 8B, kept until its backward)
+    casts = shape.block.params(tp) * ab if weight_casts else 0.0
+    full_act = section_saved(shape.block, tp, sp, scale, ab) + casts
     if recompute == "full":
         per_layer_act, working = act_el_bytes / (tp if sp else 1), full_act
     elif recompute == "selective":
-        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True), 0.0
+        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True) + casts, 0.0
     else:
         per_layer_act, working = full_act, 0.0
     return {"fwd": fwd, "tp_time": tp_time, "rc": rc,
@@ -241,7 +246,7 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     key = (tp, sp, par.micro_batch_size, par.recompute)
     costs = memo.get(key) if memo is not None else None
     if costs is None:
-        costs = _micro_batch(shape, tp, sp, scale, par.recompute, c, profile, ab, tokens_mb)
+        costs = _micro_batch(shape, tp, sp, scale, par.recompute, c, profile, ab, tokens_mb, precision == "bf16-mixed")
         if memo is not None:
             memo[key] = costs
     tp_time, rc = costs["tp_time"], costs["rc"]
@@ -267,6 +272,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     pre_p, block_p, post_p = costs["params"]
     stage_params = max(pre_p + counts[0] * block_p * (1 if v == 1 else v),
                        post_p + counts[-1] * block_p * (1 if v == 1 else v), layers_max * block_p)
+    if pp == 1:  # one stage holds the embedding and the head both (Llama-3 8B: measured 0.93 of the bytes
+        stage_params = pre_p + post_p + layers_max * block_p  # without the head, bench/calibration/real_memory.py)
     dp_across = tp * dp > profile.ranks_per_node
     dp_coll = _group_collective(profile, dp, dp_across, max(1, min(dp, profile.ranks_per_node // tp)))
     shard = dp if dp > 1 else 1
@@ -298,7 +305,7 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     flight = in_flight(pp, 0, m, v)
     act_stage0 = flight * (counts[0] if v == 1 else max(counts) * v) * per_layer_act + flight * costs["pre_act"]
     act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * min(1, m) + costs["post_act"]
-    activations = max(act_stage0, act_last) + working
+    activations = (act_stage0 + costs["post_act"] if pp == 1 else max(act_stage0, act_last)) + working
     buffers = shape.buffers_bytes + 2 * BUCKET_BYTES
     if par.zero >= 3 and dp > 1:
         buffers += 2 * block_p * ab
