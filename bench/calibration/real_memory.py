@@ -16,22 +16,25 @@ training steps of its recipe (precision, ZeRO over dp, recompute, sequence paral
   group): the rank's forwards and backwards in 1F1B or interleaved 1F1B order (Megatron-LM's warm-up of
   ``2 (pp - 1 - s) + (v - 1) pp`` chunk forwards), a stage's output backpropagated with an empty cotangent;
   micro-batches per step cut to ``pp + 1`` (``2 pp`` interleaved): the in-flight peak is reached by then;
-- depth: each chunk is measured at 1 and 2 blocks and every quantity extrapolated linearly in blocks to the
-  chunk's real count (``--full-depth``: compiled at the real count instead; slow for 70B and 405B).
+- depth: every chunk at its real block count; ``--extrapolate`` compiles it at 2 and 4 blocks and
+  extrapolates linearly (exact here: Llama-3 8B at 2, 3, 4, 8 blocks grows by the same bytes a block, and
+  the 32-block run gives the same figures; at 1 block the peak falls elsewhere, in the head's backward).
 
-Measured (bytes of rank 0): parameters, gradients (after the last backward) and optimizer state (after the
-step) from the live storages; peak: the tracker's peak over both steps; ``rest`` = peak - params - grads -
-optimizer (activations in flight plus transient buffers at the peak) against the estimate's activations +
-buffers. Estimate: :func:`nnscaler.cluster.cost.estimate` of the plan, every memory term of the stage
-measured (:func:`stage_estimate`). Goal: every ratio within 10%.
+Measured (bytes of rank 0): parameters (ZeRO 3: the shards), gradients (after the last backward) and
+optimizer state (after the step) from the live storages; saved activations in flight: the storages autograd
+keeps for backward (``nnscaler.runtime.recompute.SavedActivations``, parameters left out), summed over the
+micro-batches whose backward has not run, at most; peak: the tracker's peak over both steps; ``held``: peak
+minus the state, i.e. everything else alive at the peak (saved activations, intermediates still referenced,
+gradient buffers of a step in progress). Estimate: :func:`nnscaler.cluster.cost.estimate` as the planner
+reports it (each term the larger of the first and the last stage). Goal: every ratio within 10%. A plan
+whose measured peak exceeds the device's budget is flagged in the table (``over the device``).
 
-    python bench/calibration/real_memory.py [--plans llama3-8b-8 ...] [--skip-published] [--out FILE]
+    python bench/calibration/real_memory.py [--plans llama3-8b-8 ...] [--skip-published] [--extrapolate] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import math
 import sys
 import tempfile
 import time
@@ -344,7 +347,7 @@ def main(argv=None) -> int:
     lines = ["GiB per rank, measured (rank 0 of the first and, pipelined, the last stage: the larger) / estimated "
              "(`nnscaler.cluster.cost.estimate`) = ratio; "
              f"{f'{LOW} and {HIGH} blocks per chunk, extrapolated' if args.extrapolate else 'every stage at its real depth'}"
-             "; H100 budget 72 GiB", "", HEADER]
+             "; over the device: measured peak above the plan's budget (`Estimate.budget`)", "", HEADER]
     print("\n".join(lines), flush=True)
     worst_all, n = 0.0, 0
     for label, plan in plans(args.skip_published, args.plans):
