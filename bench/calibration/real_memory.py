@@ -147,9 +147,9 @@ def schedule(pp: int, stage: int, v: int, m: int) -> list[tuple[str, int, int]]:
     return ops
 
 
-def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int, m_eff: int,
+def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int | list[int], m_eff: int,
                   width_scale: int = 1, fake: bool = True) -> dict:
-    """Rank 0 of pipeline stage ``stage`` of ``par`` with ``blocks`` layers per chunk, compiled on fake tensors
+    """Rank 0 of pipeline stage ``stage`` of ``par`` with ``blocks`` layers per chunk (or each chunk's), compiled on fake tensors
     (``fake=False``: real ones, to check the fake measurement at a small size) and run through two training
     steps of ``m_eff`` micro-batches: measured bytes (``KEYS``)."""
     import contextlib
@@ -169,7 +169,8 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int, 
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * dp)
-    cfg = llama_config(name, seq, blocks, width_scale)
+    per_chunk = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks] * v
+    cfg = llama_config(name, seq, per_chunk[0], width_scale)
     fm = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     kinds = [(stage == 0 and c == 0, stage == pp - 1 and c == v - 1) for c in range(v)]
     with fm:
@@ -185,8 +186,9 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int, 
         warnings.simplefilter("ignore")
         for c, kind in enumerate(kinds):
             with fm:
-                model = Chunk(cfg, *kind)
+                model = Chunk(llama_config(name, seq, per_chunk[c], width_scale), *kind)
             args = (ids if kind[0] else hidden, ids)
+            kind = (*kind, per_chunk[c])
             if kind not in graphs:  # traced outside the fake mode (export makes its own), the casts and saved
                 g = trace(model, args)  # tensors of bf16-mixed found once per kind, before the program is built
                 apply_precision(g, precision)
@@ -252,16 +254,16 @@ def measure_plan(plan, stage: int, extrapolate: bool = False, width_scale: int =
     count, or (``extrapolate``) at ``LOW`` and ``HIGH`` blocks per chunk, extrapolated linearly."""
     par = plan.parallel
     counts = _counts(plan)
-    per_chunk = max(counts) if par.virtual_stages > 1 else counts[0 if stage == 0 else -1]
+    v = par.virtual_stages
+    chunks = [counts[c * par.pp + stage] for c in range(v)]  # chunk c of stage s: model chunk c pp + s
     m_eff = min(par.num_microbatches, 2 * par.pp if par.virtual_stages > 1 else par.pp + 1)
     model, seq = name or plan.model, plan.shape.seq
-    if not extrapolate:
-        return measure_stage(model, par, plan.precision, seq, stage, per_chunk, m_eff, width_scale)
-    if per_chunk <= LOW + 1:
-        return measure_stage(model, par, plan.precision, seq, stage, per_chunk, m_eff, width_scale)
+    if not extrapolate or max(chunks) <= LOW + 1:
+        return measure_stage(model, par, plan.precision, seq, stage, chunks, m_eff, width_scale)
     low = measure_stage(model, par, plan.precision, seq, stage, LOW, m_eff, width_scale)
     high = measure_stage(model, par, plan.precision, seq, stage, HIGH, m_eff, width_scale)
-    return {k: low[k] + (per_chunk - LOW) * (high[k] - low[k]) / (HIGH - LOW) for k in KEYS + ("held",)}
+    extra = (sum(chunks) - v * LOW) / (v * (HIGH - LOW))  # the rank's blocks beyond LOW per chunk, in steps
+    return {k: low[k] + extra * (high[k] - low[k]) for k in KEYS + ("held",)}
 
 
 def measured(plan, extrapolate: bool = False, width_scale: int = 1, name=None) -> dict:
