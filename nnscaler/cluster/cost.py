@@ -284,7 +284,7 @@ def _group_collective(profile: DeviceProfile, f: int, across: bool, per_node: in
 
 
 def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: ClusterConstants,
-                 profile: DeviceProfile, ab: int, tokens_mb: int) -> dict:
+                 profile: DeviceProfile, ab: int, tokens_mb: int, weight_casts: bool = False) -> dict:
     """What one micro-batch costs per section, and what it saves, under (tp, sequence parallelism,
     micro-batch size, recompute, context parallelism): the part of :func:`estimate` that reads every
     operator of a section. ``scale``: the rank's part of the traced sample (``/ cp`` already)."""
@@ -309,11 +309,16 @@ def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: Cl
                                        attention_share=share)}
     else:
         rc = {"block": 0.0}
-    full_act = section_saved(shape.block, tp, sp, scale, ab)
+    # bf16-mixed casts every fp32 weight to bf16 where it is read, and the linear keeps that copy for its
+    # backward: 2 bytes per (tp-split) block parameter per micro-batch in flight, unless the block is
+    # recomputed (measured at real width on fake tensors: bench/calibration/real_memory.py; 112 MiB per
+    # 4096 x 14336 weight of Llama-3 8B, kept until its backward)
+    casts = shape.block.params(tp) * ab if weight_casts else 0.0
+    full_act = section_saved(shape.block, tp, sp, scale, ab) + casts
     if recompute == "full":
         per_layer_act, working = act_el_bytes / (tp if sp else 1), full_act
     elif recompute == "selective":
-        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True), 0.0
+        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True) + casts, 0.0
     else:
         per_layer_act, working = full_act, 0.0
     working += cpx["bytes"] * 2  # the gathered K and V, then their gradients before the reduce-scatter
@@ -346,7 +351,7 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     key = (tp, sp, par.micro_batch_size, par.recompute, cp, par.cp_scheme if cp > 1 else "", par.cp_balanced)
     costs = memo.get(key) if memo is not None else None
     if costs is None:
-        costs = _micro_batch(shape, par, sp, scale, c, profile, ab, tokens_mb)
+        costs = _micro_batch(shape, par, sp, scale, c, profile, ab, tokens_mb, precision == "bf16-mixed")
         if memo is not None:
             memo[key] = costs
     tp_time, rc = costs["tp_time"], costs["rc"]
@@ -372,6 +377,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     pre_p, block_p, post_p = costs["params"]
     stage_params = max(pre_p + counts[0] * block_p * (1 if v == 1 else v),
                        post_p + counts[-1] * block_p * (1 if v == 1 else v), layers_max * block_p)
+    if pp == 1:  # one stage holds the embedding and the head both (Llama-3 8B: measured 0.93 of the bytes
+        stage_params = pre_p + post_p + layers_max * block_p  # without the head, bench/calibration/real_memory.py)
     # gradients are reduced, and ZeRO shards, over the dp x cp ranks that hold the same parameters
     shard = par.shards
     dp_across = tp * shard > profile.ranks_per_node
@@ -410,7 +417,7 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     flight = in_flight(pp, 0, m, v)
     act_stage0 = flight * (counts[0] if v == 1 else max(counts) * v) * per_layer_act + flight * costs["pre_act"]
     act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * min(1, m) + costs["post_act"]
-    activations = max(act_stage0, act_last) + working
+    activations = (act_stage0 + costs["post_act"] if pp == 1 else max(act_stage0, act_last)) + working
     buffers = shape.buffers_bytes + 2 * BUCKET_BYTES
     if par.zero >= 3 and shard > 1:
         buffers += 2 * block_p * ab

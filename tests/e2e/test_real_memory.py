@@ -1,0 +1,74 @@
+"""The real-size memory measurement (``bench/calibration/real_memory.py``) at a reduced size: its fake
+tensors measure what real ones do, the planner's state bytes hold against it, and a wrong estimate is
+caught by the comparison."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from bench.calibration.real_memory import compare, estimated, llama_config, measure_stage, measured, worst
+from nnscaler import ComputeConfig
+from nnscaler.cluster.cost import Parallel
+
+SEQ, BLOCKS, NARROW = 128, 2, 16  # Llama-3 8B's widths / 16, 2 blocks
+STATE = ("params", "grads", "optimizer")
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    """A cluster plan of a narrow Llama on 8 ranks (tp 2 x dp 4, ZeRO 1, sequence parallel), measured."""
+    import opzoo  # noqa: F401
+    from transformers import LlamaForCausalLM
+
+    from nnscaler.cluster.search import plan_cluster
+    from verify.models.common import LossOf
+    with torch.device("meta"):
+        model = LossOf(LlamaForCausalLM(llama_config("llama3-8b", SEQ, BLOCKS, NARROW)))
+        ids = torch.zeros(1, SEQ, dtype=torch.long)
+    cons = {"tp": 2, "pp": 1, "dp": 4, "micro_batch_size": 1, "num_microbatches": 2, "virtual_stages": 1,
+            "sequence_parallel": True, "zero": 1, "recompute": "none"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_cluster(model, (ids, ids), ComputeConfig(8, profile="h100", precision="bf16-mixed", global_batch=8,
+                                                              constraints=cons))
+        return plan, measured(plan, width_scale=NARROW, name="llama3-8b")
+
+
+@pytest.mark.slow  # ~15-30 s: two compiles and steps, fake and real
+def test_fake_tensors_measure_what_real_ones_hold():
+    par = Parallel(tp=2, dp=4, micro_batch_size=1, num_microbatches=1, sequence_parallel=True, zero=3,
+                   recompute="full")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fake = measure_stage("llama3-8b", par, "bf16-mixed", SEQ, 0, BLOCKS, 1, NARROW, fake=True)
+        real = measure_stage("llama3-8b", par, "bf16-mixed", SEQ, 0, BLOCKS, 1, NARROW, fake=False)
+    for key in ("params", "grads", "optimizer", "activations", "peak"):
+        assert fake[key] == real[key] > 0, key
+
+
+def test_state_estimate_holds_on_the_small_plan(small_plan):
+    plan, got = small_plan
+    ratio = compare(got, estimated(plan))
+    for key in STATE:  # activations and peak: see bench/results/real_memory.md (the estimate is short of both)
+        assert abs(ratio[key] - 1) <= 0.10, (key, ratio)
+
+
+def test_a_wrong_estimate_is_caught(small_plan):
+    plan, got = small_plan
+    right = estimated(plan)
+    tp = plan.parallel.tp
+    for key in ("params", "activations"):  # as if tensor parallelism did not split it
+        wrong = {**right, key: right[key] * tp}
+        assert abs(compare(got, wrong)[key] - compare(got, right)[key]) >= 0.5 * compare(got, right)[key]
+    off = lambda est: max(abs(est[k] / got[k] - 1) for k in STATE)  # noqa: E731
+    assert off({**right, "params": right["params"] * tp}) > 0.10 >= off(right)
+    assert worst(got, {**right, "activations": right["activations"] * tp}) > 0.10
+    # a wrong parallel configuration (no tensor parallelism) is as far off
+    other = dataclasses.replace(plan.parallel, tp=1, dp=8, sequence_parallel=False)
+    from nnscaler.cluster.cost import estimate
+    from nnscaler.profiles import get_profile
+    e = estimate(plan.shape, other, get_profile("h100"), plan.precision, plan.global_batch)
+    assert abs(got["params"] / e.memory["params"] - 1) > 0.10
