@@ -25,7 +25,8 @@ class _Gang:
 
 def test_plan_shows_progress_before_and_while_it_runs(monkeypatch, capsys, tmp_path):
     par = SimpleNamespace(tp=2, sequence_parallel=False, pp=1, virtual_stages=1, dp=1, micro_batch_size=1,
-                          num_microbatches=1, zero=0, recompute="none", schedule="1F1B")
+                          num_microbatches=1, zero=0, recompute="none", schedule="1F1B", cp=1, cp_scheme="allgather",
+                          cp_balanced=True)
     arch = {"transformers": "LlamaForCausalLM", "config": {"num_hidden_layers": 2, "hidden_size": 64}}
     case = SimpleNamespace(saved=SimpleNamespace(path=Path("p.json"), parallel=par, world=2, precision="32-true"),
                            reduced=SimpleNamespace(world=2, parallel=par, architecture=arch), label="tp2 32-true",

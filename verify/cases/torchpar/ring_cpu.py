@@ -13,7 +13,6 @@ afterwards, so a case leaves the gang's ranks as it found them."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 
 import torch
@@ -108,7 +107,7 @@ def cpu_ring_attention():
     except ImportError:  # an older torch: nothing to extend
         yield used
         return
-    options = copy.copy(cp._cp_options.__dict__)
+    options = dict(cp._cp_options.__dict__)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_op_strategy_context(FORWARD, _forward_strategy))
         stack.enter_context(_op_strategy_context(BACKWARD, _backward_strategy))
