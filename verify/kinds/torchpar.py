@@ -15,7 +15,7 @@ class Torchpar(CaseKind):
     """Keys: model, parallelize, mesh [[name, size], ...], world_size, steps, seed, gen_dir, dtype."""
 
     def run(self, state) -> dict:
-        return {"checks": [c.__dict__ for c in run_torchpar_job(self.job, state.groups)]}
+        return {"checks": [c.__dict__ for c in run_torchpar_job(self.job, state.groups, state.crumb)]}
 
     def localize(self, state, first_failure: str):
-        return localize_torchpar(self.job, state.groups)
+        return localize_torchpar(self.job, state.groups, first_failure)

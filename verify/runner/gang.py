@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from verify.runner import worker
 from verify.runner import isolation
+from verify.runner.rank_logs import RankLogs
 from verify.judge.answer import RankAnswer
 from verify.runner.limits import DEFAULT_MEMORY_MB, max_ranks  # noqa: F401  (the gang's own checks; re-exported)
 
@@ -101,6 +102,7 @@ class Gang:
         self._inboxes: list = []
         self._outbox = None
         self._store = self._sock = None
+        self._logs: RankLogs | None = None
         self._healthy = False
 
     @property
@@ -117,9 +119,11 @@ class Gang:
         port = self._sock.getsockname()[1]
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.size)]
+        self._logs = RankLogs(self.size)
         self._procs = [ctx.Process(target=worker.main, daemon=True,
                                    args=(r, self.size, (self.host, port), self._inboxes[r], self._outbox,
-                                         self.modules, self.world_sizes, self.pg_timeout_s, os.getpid()))
+                                         self.modules, self.world_sizes, self.pg_timeout_s, os.getpid(),
+                                         (self._logs.stderr_path(r), self._logs.crumb_path(r))))
                        for r in range(self.size)]
         for p in self._procs:
             p.start()
@@ -174,7 +178,9 @@ class Gang:
             q.close()
         if self._sock is not None:
             self._sock.close()
-        self._procs, self._inboxes, self._outbox, self._healthy = [], [], None, False
+        if self._logs is not None:
+            self._logs.close()
+        self._procs, self._inboxes, self._outbox, self._healthy, self._logs = [], [], None, False, None
         self._store = self._sock = None
 
     def restart(self) -> None:
@@ -216,6 +222,7 @@ class Gang:
             self.restart()
         job = dict(job, id=next(self._ids))
         for r in range(ranks):
+            self._logs.mark(r)
             self._inboxes[r].put(job)
         answers: dict[int, RankAnswer] = {}
         start = time.monotonic()
@@ -227,6 +234,7 @@ class Gang:
                 now = time.monotonic()
                 if now >= next_poll:
                     next_poll = now + 0.25
+                    self._logs.echo()
                     self._poll(ranks, answers)
                 if now > deadline:
                     for r in range(ranks):
@@ -236,8 +244,10 @@ class Gang:
                             answers[r] = RankAnswer(r, failure=f"rank {r} gave no answer {ERROR_GRACE_S:.0f} s after "
                                                     f"rank {first_error}'s error", kind="peer")
                         else:
+                            where = self._logs.where(r)
                             answers[r] = RankAnswer(r, kind="timeout", failure=f"rank {r} gave no answer within the "
-                                                    f"limit of {timeout_s:.0f} s (waited {now - start:.1f} s)")
+                                                    f"limit of {timeout_s:.0f} s (waited {now - start:.1f} s"
+                                                    + (f"; last in {where})" if where else ")"))
                 continue
             if tag != job["id"]:
                 continue  # a late answer to an earlier job
@@ -258,8 +268,9 @@ class Gang:
                 continue
             p = self._procs[r]
             if not p.is_alive():
-                answers[r] = RankAnswer(r, failure=f"rank {r} died (exit code {p.exitcode})", kind="crash",
-                                        exit_code=p.exitcode)
+                said = self._logs.last_words(r)
+                answers[r] = RankAnswer(r, failure=f"rank {r} died (exit code {p.exitcode})" + (f": {said}" if said else ""),
+                                        kind="crash", exit_code=p.exitcode)
                 continue
             mb = rss_tree_mb(p.pid)
             if mb > self.memory_mb:

@@ -21,6 +21,7 @@ from verify.judge.verdict import Divergence, RaisedAfter, Unverifiable
 from verify.kinds import kind_of
 from verify.kinds.registry import CaseKind
 from verify.runner import isolation
+from verify.runner.rank_logs import Breadcrumb, redirect_stderr
 from verify.user_files import import_once
 
 
@@ -46,6 +47,7 @@ class RankState:
     groups: GroupCache
     device: torch.device
     kept: dict = field(default_factory=dict)  # what the case kinds keep between jobs, by their own keys
+    crumb: Breadcrumb | None = None  # where the rank is, for the harness to name if it dies there
 
 
 def _short(exc: BaseException) -> str:
@@ -127,9 +129,13 @@ def isolated(state: RankState, job: dict, cwd: str) -> dict:
 
 
 def main(rank: int, world_size: int, addr: tuple[str, int], inbox, outbox, modules: Sequence[str],
-         world_sizes: Sequence[int], pg_timeout_s: float, harness_pid: int) -> None:
-    """Entry point of one gang process: rendezvous at the store the harness hosts on ``addr``."""
+         world_sizes: Sequence[int], pg_timeout_s: float, harness_pid: int,
+         logs: tuple[str, str] | None = None) -> None:
+    """Entry point of one gang process: rendezvous at the store the harness hosts on ``addr``; ``logs``:
+    the files its standard error and its breadcrumb go to (:mod:`verify.runner.rank_logs`)."""
     isolation.bind_to_parent(harness_pid)
+    if logs is not None:
+        redirect_stderr(logs[0])
     os.environ["GLOO_SOCKET_IFNAME"] = "lo" if addr[0] in ("127.0.0.1", "::1", "localhost") else \
         os.environ.get("GLOO_SOCKET_IFNAME", "")
     if not os.environ["GLOO_SOCKET_IFNAME"]:
@@ -149,7 +155,8 @@ def main(rank: int, world_size: int, addr: tuple[str, int], inbox, outbox, modul
             registry = load_modules(modules)
         groups = GroupCache(timeout)
         groups.create_for_shapes([s for w in sorted(set(world_sizes)) for s in mesh_shapes(w)])
-        state = RankState(rank, registry, groups, torch.device("cuda", rank) if cuda else torch.device("cpu"))
+        state = RankState(rank, registry, groups, torch.device("cuda", rank) if cuda else torch.device("cpu"),
+                          crumb=Breadcrumb(logs[1]) if logs is not None else None)
     except Exception as exc:
         outbox.put(("ready", rank, {"error": _short(exc)}))
         return

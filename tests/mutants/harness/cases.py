@@ -211,3 +211,36 @@ def cp_float32_merge_not_said():
     """A float64 row of torch's ring attention fails without saying that torch merges its blocks in float32."""
     from verify.cases.torchpar import ring_cpu
     patch(ring_cpu, "merges_in_float32", lambda: False)
+
+
+@mutant("verify/runner/rank_logs.py:RankLogs.last_words",
+        ["tests/harness/test_culprits.py::test_a_collective_mismatch_that_aborts_a_rank_is_named_with_its_module"])
+def dying_words_unread():
+    """A rank that dies is only "died (exit code -6)": gloo's collective-mismatch diagnosis stays on stderr."""
+    from verify.runner import rank_logs
+    patch(rank_logs.RankLogs, "last_words", lambda self, rank: "")
+
+
+@mutant("verify/cases/torchpar/localize.py:ModuleStack._say",
+        ["tests/harness/test_culprits.py::test_a_collective_mismatch_that_aborts_a_rank_is_named_with_its_module"])
+def breadcrumb_unwritten():
+    """A rank that dies inside a module leaves no breadcrumb: the row cannot say which module issued the collective."""
+    from verify.cases.torchpar import localize
+    patch(localize.ModuleStack, "_say", lambda self: None)
+
+
+@mutant("verify/cases/torchpar/localize.py:_per_rank_normalisation",
+        ["tests/harness/test_culprits.py::test_a_loss_normalised_per_rank_is_named_not_the_gradient_sync"])
+def per_rank_loss_unnamed():
+    """A loss normalised per rank is blamed on what follows backward (the gradient sync), not on the loss."""
+    from verify.cases.torchpar import localize
+    patch(localize, "_per_rank_normalisation", lambda ref64, args, mesh, first_failure: None)
+
+
+@mutant("verify/cases/torchpar/localize.py:_per_rank_normalisation",
+        ["tests/harness/test_torchpar.py::test_a_plan_that_forgets_to_average_over_dp_is_caught"])
+def every_loss_fault_per_rank():
+    """Every fault under dp that no module explains is called a per-rank normalisation of the loss, a missing
+    gradient sync among them."""
+    from verify.cases.torchpar import localize
+    patch(localize, "_per_rank_normalisation", lambda ref64, args, mesh, first_failure: "the loss is normalised per rank")

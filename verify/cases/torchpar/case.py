@@ -87,14 +87,15 @@ def _moments(module, opt) -> dict[str, dict[str, torch.Tensor]]:
     return {names[id(p)]: {k: _whole(v).detach().clone() for k, v in st.items()} for p, st in opt.state.items()}
 
 
-def _step(par: Parallelized, args: tuple, mesh) -> torch.Tensor:
+def _step(par: Parallelized, args: tuple, mesh, crumb=None) -> torch.Tensor:
     """Forward and backward of this rank's slice inside the plan's context; the step's loss (the
     mean over the ``dp`` ranks). An exception names the module it was raised in."""
     scale, _ = loss_scale(par.module)  # a program that sums FSDP's gradients undivided (verify/cases/torchpar/fsdp.py)
     local = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in dp_slice(args, mesh))  # its own: cp shards in place
     batch = par.batch_context(*local) if par.batch_context is not None else contextlib.nullcontext()
-    with ModuleStack(par.module) as stack, stack.naming(), par.step_context(), batch:
+    with ModuleStack(par.module, crumb) as stack, stack.naming(), par.step_context(), batch:
         loss = par.module(*local)
+        stack.backward()
         (loss * scale if scale != 1.0 else loss).backward()
     loss = _whole(loss).detach().clone()
     for axis in loss_axes(mesh):  # the mean over the ranks sharing the step's tokens
@@ -103,13 +104,13 @@ def _step(par: Parallelized, args: tuple, mesh) -> torch.Tensor:
     return loss
 
 
-def run_torchpar_job(job: dict, groups: GroupCache) -> list[Check]:
+def run_torchpar_job(job: dict, groups: GroupCache, crumb=None) -> list[Check]:
     """The checks of a ``torchpar`` job (keys: model, parallelize, mesh [[name, size], ...],
     world_size, steps, seed, gen_dir, dtype); a user's ``context_parallel`` runs its ring attention
     through the CPU kernel (:mod:`verify.cases.torchpar.ring_cpu`), said in a note of the row."""
     with cpu_ring_attention() as ring:
         try:
-            checks = _checks(job, groups)
+            checks = _checks(job, groups, crumb)
         except RaisedAfter as exc:
             exc.checks += _ring_note(ring)
             raise
@@ -120,7 +121,7 @@ def _ring_note(ring) -> list[Check]:
     return [Check("note: cp", 0.0, 0.0, True, ring.note())] if ring.calls else []
 
 
-def _checks(job: dict, groups: GroupCache) -> list[Check]:
+def _checks(job: dict, groups: GroupCache, crumb=None) -> list[Check]:
     dtype = job.get("dtype", "float32")
     dt = DTYPES[dtype]
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
@@ -150,7 +151,7 @@ def _checks(job: dict, groups: GroupCache) -> list[Check]:
         checks.append(Check(f"load step {step}", 0.0 if not bad else float("inf"), 0.0, not bad,
                             f"{bad[0].name}: {bad[0].reason}" if bad else ""))
         ref64.load_state_dict(convert_state(point, torch.float64), strict=False)
-        loss = _step(par, args, mesh)
+        loss = _step(par, args, mesh, crumb)
         sides = KinkSides(fallback)  # float64 takes the run's side of a kink where within rounding
         with sides.record():
             loss_ref = ref(*args)

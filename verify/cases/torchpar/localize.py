@@ -30,7 +30,7 @@ from verify.cases.fresh import load_like
 from verify.cases.samples import DTYPES
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.torchpar.ring_cpu import cpu_ring_attention, merges_in_float32
-from verify.cases.torchpar.mesh import CP, build_mesh, describe, dp_slice, whole
+from verify.cases.torchpar.mesh import CP, DP, batch_rows, build_mesh, describe, dp_slice, whole
 from verify.judge.compare import Float64Fallback, check_tensor
 from verify.judge.verdict import Divergence
 from verify.models.loader import build_model
@@ -52,20 +52,37 @@ class ModuleStack:
     """The modules of ``root`` being called (innermost last); on an exception inside one,
     :class:`ModuleError` names it."""
 
-    def __init__(self, root: nn.Module):
+    def __init__(self, root: nn.Module, crumb=None):
         self.names = {m: model_name(n) or "(the model)" for n, m in root.named_modules()}
         self.stack: list[nn.Module] = []
         self.handles = []
+        self.crumb = crumb  # a rank's Breadcrumb (verify/runner/rank_logs.py): the module it is in, if it dies there
 
     def __enter__(self) -> "ModuleStack":
         for m in self.names:
-            self.handles.append(m.register_forward_pre_hook(lambda mod, args: self.stack.append(mod), prepend=True))
+            self.handles.append(m.register_forward_pre_hook(lambda mod, args: self._push(mod), prepend=True))
             self.handles.append(m.register_forward_hook(lambda mod, args, out: self._pop(mod)))
         return self
+
+    def _push(self, mod):
+        self.stack.append(mod)
+        self._say()
 
     def _pop(self, mod):
         if self.stack and self.stack[-1] is mod:
             self.stack.pop()
+            self._say()
+
+    def _say(self):
+        if self.crumb is not None:
+            mod = self.stack[-1] if self.stack else None
+            self.crumb.set(f"the forward of module {self.names[mod]} ({type(mod).__name__})" if mod is not None
+                           else "the program, between modules")
+
+    def backward(self):
+        """Backward starts: module hooks say no more (full backward hooks would change the program)."""
+        if self.crumb is not None:
+            self.crumb.set("backward")
 
     def __exit__(self, *exc):
         for h in self.handles:
@@ -219,9 +236,10 @@ def _judge_here(par: list, dev: list, ref: list, mesh, kw: dict) -> tuple[bool, 
     return ok, worst
 
 
-def localize_torchpar(job: dict, groups) -> Divergence | str:
+def localize_torchpar(job: dict, groups, first_failure: str = "") -> Divergence | str:
     """Where a failing torch-parallelization case first leaves the single-device model, or a line
-    saying why no module was named."""
+    saying why no module was named (where its first failing check, ``first_failure``, is a loss and
+    every module matches, whether the loss is normalised per rank)."""
     dt = DTYPES[job.get("dtype", "float32")]
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
     mesh = build_mesh(names, sizes, groups)
@@ -273,9 +291,32 @@ def localize_torchpar(job: dict, groups) -> Divergence | str:
     if raised is not None:
         return (f"every module that finished before the program raised ({raised}) matches one device on the "
                 f"first batch")
+    per_rank = _per_rank_normalisation(ref64, args, mesh, first_failure)
+    if per_rank is not None:
+        return per_rank
     return ("every module's outputs and input gradients match one device on the first batch: the fault lies "
             "after backward (parameter gradients not reduced across ranks, the optimizer step, the checkpoint) "
             "or in a later step")
+
+
+def _per_rank_normalisation(ref64: nn.Module, args: tuple, mesh, first_failure: str) -> str | None:
+    """Why the step's loss is wrong (``first_failure`` is a loss) when every module is right: one device's loss
+    on each ``dp`` rank's rows, averaged over the ranks (what the ranks compute, since each matches one device
+    on its rows), is not its loss on the whole batch. None where it is (to float64 rounding), without ``dp``,
+    or when the first failure is not the loss."""
+    if not first_failure.startswith("loss") or DP not in (mesh.mesh_dim_names or ()) or mesh[DP].size() < 2:
+        return None
+    n, a64 = mesh[DP].size(), cast(args, torch.float64)
+    with torch.no_grad():
+        whole_loss = float(ref64(*a64))
+        mean = sum(float(ref64(*batch_rows(a64, n, i))) for i in range(n)) / n
+    if abs(mean - whole_loss) <= 1e-9 * max(1.0, abs(whole_loss)):
+        return None
+    return (f"every module matches one device on this rank's rows, and so does this rank's loss, but the mean over "
+            f"the {n} dp ranks of one device's loss on each rank's rows ({mean:.6g}) is not its loss on the whole "
+            f"batch ({whole_loss:.6g}): the loss is normalised per rank (a mean over each rank's own rows or tokens, "
+            f"as with ignored labels spread unevenly); divide by the count over the whole batch (all-reduced over "
+            f"dp first, as torchtitan's global-token normalisation does): the gradient sync is not at fault")
 
 
 def _context_parallel(job: dict, mesh, dt: torch.dtype) -> str:

@@ -73,7 +73,11 @@ def dp_slice(args: tuple, mesh: DeviceMesh) -> tuple:
     """This rank's slice of the batch: dim 0 of every tensor split over the ``dp`` mesh dimension."""
     if DP not in (mesh.mesh_dim_names or ()):
         return args
-    n, i = mesh[DP].size(), mesh[DP].get_local_rank()
+    return batch_rows(args, mesh[DP].size(), mesh[DP].get_local_rank())
+
+
+def batch_rows(args: tuple, n: int, i: int) -> tuple:
+    """The ``i``-th of ``n`` equal slices of the batch: dim 0 of every tensor."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim():
