@@ -43,3 +43,29 @@ def test_a_loss_normalised_per_rank_is_named_not_the_gradient_sync(gang, tmp_pat
     assert row.status == MISMATCH and "loss step 0" in row.detail, row.detail
     assert "the loss is normalised per rank" in row.detail, row.detail
     assert "the gradient sync is not at fault" in row.detail, row.detail
+
+
+TITAN = "verify/models/titan_llama.py:titan_llama"
+
+
+def test_inside_the_module_the_first_divergent_operator_is_named(gang, tmp_path):
+    """A missing sequence-parallel gather before attention: the module is the attention, and inside it the first
+    operator that computes on wrong values is rotary's multiply (each rank's positions start at 0), not a view."""
+    root = Path(__file__).parents[2]
+    (row,) = run_torchpar(gang, str(root / TITAN.split(":")[0]) + ":titan_llama",
+                          str(root / "verify/models/torch_plans.py") + ":wrong_missing_sp_gather", parse_mesh("tp"),
+                          RunConfig(world_sizes=(2,)), str(tmp_path), steps=1, checkpoint=False)
+    assert row.status == MISMATCH and "first divergent module: model.layers.0.attention (" in row.detail, row.detail
+    assert "inside it, the first divergent operator of its forward: aten.mul.Tensor (operator 1 of" in row.detail, \
+        row.detail
+
+
+def test_an_operator_only_the_parallel_program_runs_in_backward_is_named(gang, tmp_path):
+    """A gradient doubled inside the feed-forward's backward (an autograd function of the user's): the module, and
+    the multiply one device never runs there."""
+    root = Path(__file__).parents[2]
+    (row,) = run_torchpar(gang, str(root / TITAN.split(":")[0]) + ":titan_llama", f"{FIX}:wrong_ffn_backward",
+                          parse_mesh("tp"), RunConfig(world_sizes=(2,)), str(tmp_path), steps=1, checkpoint=False)
+    assert row.status == MISMATCH and "first divergent module: model.layers.0.feed_forward (" in row.detail, row.detail
+    assert "operators of its backward only the parallel program runs: " in row.detail, row.detail
+    assert "aten.mul.Tensor" in row.detail.split("only the parallel program runs: ")[1], row.detail

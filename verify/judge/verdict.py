@@ -81,7 +81,7 @@ class Divergence:
         if self.what == "module":  # verify/cases/torchpar/localize.py: a module of the user's own program
             what = self.tensor or ("output" if self.direction == "forward" else "gradient of its output")
             return (f"first divergent module: {self.op} ({self.overload}) {at}, {what} error {self.err:.3g} > "
-                    f"tolerance {self.tol:.3g}")
+                    f"tolerance {self.tol:.3g}" + (f"; {self.layouts}" if self.layouts else ""))
         if self.kind == "operator":
             text = f"first divergent operator: {self.op} ({self.overload}) {at}"
         elif self.kind == "conversion":

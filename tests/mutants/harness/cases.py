@@ -244,3 +244,20 @@ def every_loss_fault_per_rank():
     gradient sync among them."""
     from verify.cases.torchpar import localize
     patch(localize, "_per_rank_normalisation", lambda ref64, args, mesh, first_failure: "the loss is normalised per rank")
+
+
+@mutant("verify/cases/torchpar/localize.py:_with_operator",
+        ["tests/harness/test_culprits.py::test_inside_the_module_the_first_divergent_operator_is_named",
+         "tests/harness/test_culprits.py::test_an_operator_only_the_parallel_program_runs_in_backward_is_named"])
+def operators_inside_unnamed():
+    """A torch program's row stops at the module: the operator inside it is never named."""
+    from verify.cases.torchpar import localize
+    patch(localize, "_with_operator", lambda found, *a: found)
+
+
+@mutant("verify/cases/torchpar/op_log.py:_views",
+        ["tests/harness/test_culprits.py::test_inside_the_module_the_first_divergent_operator_is_named"])
+def views_blamed():
+    """Views are logged and paired like computing operators: a view of an already wrong value is named first."""
+    from verify.cases.torchpar import op_log
+    patch(op_log, "_views", lambda func: False)

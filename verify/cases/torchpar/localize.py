@@ -16,6 +16,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from contextlib import contextmanager
 
 import torch
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from verify.cases.batch import cast
 from verify.judge.dtypes import to_dtype
 from verify.cases.torchpar.names import model_name
+from verify.cases.torchpar.op_log import OpLog, aligned, fits
 from verify.cases.fresh import load_like
 from verify.cases.samples import DTYPES
 from verify.cases.torchpar.build import parallel_model
@@ -136,6 +139,8 @@ class Recorder:
         self.count: dict[str, int] = {}
         self.pending: dict[nn.Module, list[str]] = {}
         self.raised: str | None = None  # what a tolerant run raised (:func:`_run`)
+        self.stack: list[str] = []  # the module calls running now, innermost last
+        self.oplog: OpLog | None = None  # the operators of the run, by module call (verify/cases/torchpar/op_log.py)
         self.handles = []
         for m in self.names:
             self.handles.append(m.register_forward_pre_hook(self._pre, prepend=True))  # before a style's input hook
@@ -151,6 +156,9 @@ class Recorder:
         key = name if k == 0 else f"{name}#{k}"
         self.pending.setdefault(mod, []).append(key)
         self.calls[key] = {"inputs": [_keep(t) for t in _tensors(args)], "module": mod}
+        self.stack.append(key)
+        if self.oplog is not None:
+            self.oplog.key = key
 
     def _post(self, mod, args, out):
         # a partial value is left to the style's own reduction (a masked embedding's partial can be
@@ -159,6 +167,10 @@ class Recorder:
         self.calls[key]["outputs"] = [None if _partial(t) else _keep(t) for t in _tensors(out)]
         self.calls[key]["raw"] = [id(t) for t in _tensors(out)]
         self.order.append(key)
+        if self.stack and self.stack[-1] == key:
+            self.stack.pop()
+        if self.oplog is not None:
+            self.oplog.key = self.stack[-1] if self.stack else None
 
     def _late(self, mod, args, out):
         call = self.calls[self.pending[mod][-1]]
@@ -173,20 +185,27 @@ class Recorder:
         self.calls[key]["grad_out"] = [_keep(g) for g in grad_out]
         self.calls[key]["grad_in"] = [_keep(g) for g in grad_in]
         self.back.append(key)
+        if self.oplog is not None:
+            self.oplog.claim(key)
 
     def remove(self):
         for h in self.handles:
             h.remove()
 
 
-def _run(model: nn.Module, args: tuple, context=None, backward: bool = True, tolerate: bool = False) -> Recorder:
+def _run(model: nn.Module, args: tuple, context=None, backward: bool = True, tolerate: bool = False,
+         oplog: OpLog | None = None) -> Recorder:
     """One forward (and backward) with hooks; ``tolerate``: an exception ends the run and is kept
-    (``rec.raised``, with the module it was raised in) along with the calls that finished before it."""
+    (``rec.raised``, with the module it was raised in) along with the calls that finished before it;
+    ``oplog``: every operator of the run recorded too, by module call."""
     rec = Recorder(model, backward)
+    rec.oplog = oplog
     try:
-        with (context or _null)():
+        with (context or _null)(), (oplog if oplog is not None else _null()):
             loss = model(*args)
             if backward:
+                if oplog is not None:
+                    oplog.phase = "backward"
                 loss.backward()
     except Exception as exc:
         if not tolerate:
@@ -249,16 +268,19 @@ def localize_torchpar(job: dict, groups, first_failure: str = "") -> Divergence 
     ref64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), ref)
     args = cast(case.batch(0), dt)
     local = dp_slice(args, mesh)
-    dev = _run(ref, dp_slice(args, mesh))
+    logs = {side: OpLog() for side in ("dev", "r64")}
+    dev = _run(ref, dp_slice(args, mesh), oplog=logs["dev"])
     fallback = Float64Fallback(dt)
     with fallback:
-        r64 = _run(ref64, cast(local, torch.float64))
+        r64 = _run(ref64, cast(local, torch.float64), oplog=logs["r64"])
     raised = None  # the program's own exception, when it raises: the modules before it are judged
     try:
-        p = _run(par.module, local, par.step_context)
+        logs["par"] = OpLog()
+        p = _run(par.module, local, par.step_context, oplog=logs["par"])
     except Exception as exc:  # raised in backward, or full backward hooks refused (a module whose outputs are
         # views, say): forward only, up to where it raises
-        p = _run(par.module, local, par.step_context, backward=False, tolerate=True)
+        logs["par"] = OpLog()
+        p = _run(par.module, local, par.step_context, backward=False, tolerate=True, oplog=logs["par"])
         raised = p.raised or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}" \
             " in backward"
     kw = fallback.bounds()
@@ -270,7 +292,7 @@ def localize_torchpar(job: dict, groups, first_failure: str = "") -> Divergence 
         ins = _judge(c["inputs"], d["inputs"], r["inputs"], mesh, kw, group)
         outs = _judge(c["outputs"], d["outputs"], r["outputs"], mesh, kw, group)
         if ins[0] and not outs[0]:
-            return _found(key, c["module"], "forward", outs)
+            return _with_operator(_found(key, c["module"], "forward", outs), key, "forward", logs, mesh, kw, group)
         if not ins[0] and entered is None:
             entered = _found(key, c["module"], "forward", ins, "input (already wrong when it is called: the fault "
                              "lies in code between modules, a hook or the caller's own)")
@@ -281,7 +303,8 @@ def localize_torchpar(job: dict, groups, first_failure: str = "") -> Divergence 
         gout = _judge(c["grad_out"], d["grad_out"], r["grad_out"], mesh, kw, group)
         gin = _judge(c["grad_in"], d["grad_in"], r["grad_in"], mesh, kw, group)
         if gout[0] and not gin[0]:
-            return _found(key, c["module"], "backward", gin, "gradient of its inputs")
+            return _with_operator(_found(key, c["module"], "backward", gin, "gradient of its inputs"), key, "backward",
+                                  logs, mesh, kw, group)
         if not gout[0] and entered is None:
             entered = _found(key, c["module"], "backward", gout, "gradient of its output (already wrong when its "
                              "backward starts: the fault lies in backward code between modules, e.g. a custom "
@@ -297,6 +320,42 @@ def localize_torchpar(job: dict, groups, first_failure: str = "") -> Divergence 
     return ("every module's outputs and input gradients match one device on the first batch: the fault lies "
             "after backward (parameter gradients not reduced across ranks, the optimizer step, the checkpoint) "
             "or in a later step")
+
+
+def _with_operator(found: Divergence, key: str, phase: str, logs: dict, mesh, kw: dict, group) -> Divergence:
+    """``found`` (a module) with the first operator inside it whose output leaves one device (forward: the
+    operators of its call; backward: those that ran between its children's gradient hooks and its own),
+    with its inputs' and output's layouts and its error; or a line saying every operator inside matches.
+    Collective over ``group``: the operators are paired by name, alike on every rank."""
+    mine, ones, ref = logs["par"].of(key, phase), logs["dev"].of(key, phase), logs["r64"].of(key, phase)
+    to64 = {id(d): r for d, r in aligned(ones, ref)}
+    pairs = [(p, d, to64[id(d)]) for p, d in aligned(mine, ones) if id(d) in to64]
+    fit = torch.tensor([1.0 if fits(p, d) else 0.0 for p, d, _ in pairs])
+    if len(pairs):  # a pair every rank's piece fits, or none: the ranks compare the same operators
+        dist.all_reduce(fit, op=dist.ReduceOp.MIN, group=group)
+    pairs = [pdr for pdr, f in zip(pairs, fit.tolist()) if f]
+    for n, (p, d, r) in enumerate(pairs):
+        ok, err, tol, how = _judge([_keep(t) for t in p.outputs], d.outputs, r.outputs, mesh, kw, group)
+        if not ok:
+            local = not any(isinstance(t, DTensor) for t in p.outputs)
+            text = (f"inside it, the first divergent operator of its {phase}: {p.name} (operator {n + 1} of the "
+                    f"{len(pairs)} both runs dispatch there; inputs: {p.inputs or 'none'}; output: {how}), error "
+                    f"{err:.3g} > tolerance {tol:.3g}" + ("; a local tensor: if the program means it as a partial "
+                                                          "value (summed over ranks later), the fault lies after it"
+                                                          if local else ""))
+            break
+    else:
+        paired = {id(p) for p, _, _ in pairs}
+        extra = Counter(p.name for p in mine if id(p) not in paired)
+        text = "; ".join(
+            ([f"each of the {len(pairs)} operators of its {phase} that both runs dispatch matches one device"]
+             if pairs else []) +
+            ([f"operators of its {phase} only the parallel program runs: "
+              + ", ".join(f"{n}" + (f" x{c}" if c > 1 else "") for n, c in extra.items())] if extra else []))
+        if text:
+            text += (": the fault lies in those, or in the program's own collectives, hooks and declared layouts"
+                     if extra else ": the fault lies in the program's own collectives, hooks and declared layouts")
+    return dataclasses.replace(found, layouts=text) if text else found
 
 
 def _per_rank_normalisation(ref64: nn.Module, args: tuple, mesh, first_failure: str) -> str | None:
