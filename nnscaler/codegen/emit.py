@@ -3,7 +3,7 @@ comment on each operator pointing back to the model's source line."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -118,7 +118,7 @@ class Emitter:
         steps, _ = conversion(self.layouts[t], want, axis_ids, self.plan.mesh_shape, t.shape, t in self.grads)
         if t in self.synced:  # its gradient is summed in buckets after backward instead
             sync = self.synced[t]
-            steps = [Step(st.axis, "all_gather", st.dims, st.blocks)
+            steps = [replace(st, kind="all_gather")
                      if st.kind == "all_gather_sum_grad" and st.axis == sync else st
                      for st in steps if not (st.kind == "grad_all_reduce" and st.axis == sync)]
         name, cur = self.var[t], self.layouts[t]
