@@ -155,3 +155,16 @@ def test_a_wrong_balanced_program_is_caught_and_localised(mutant, builder, first
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "MISMATCH" in out.stdout and "first divergent conversion: " in out.stdout, out.stdout[-3000:]
     assert first in out.stdout, out.stdout[-3000:]
+
+
+def test_state_read_by_tokens_is_stored_whole_under_balanced_cp_and_cut_on_use(graphs):
+    """The learned positions (1, S, D) are read by the add that splits the tokens: ``cp`` stores its
+    contiguous chunk, ``cp_balanced`` the whole table (a balanced pair is no range to store), cut to
+    the rank's pair by the conversion on use."""
+    from nnscaler.codegen.emit import generate, stored_layouts
+    g = graphs["build_window"]
+    pos = next(t for t in g.params if tuple(t.shape) == (1, 16, 32))
+    lay = {p: stored_layouts(g, POLICIES[p](g, ComputeConfig(2)))[pos] for p in ("cp", "cp_balanced")}
+    assert (str(lay["cp"][0]), str(lay["cp_balanced"][0])) == ("D1", "R"), lay
+    src = generate(g, POLICIES["cp_balanced"](g, ComputeConfig(2)), 0)[0]
+    assert "C.split(C.to_balanced(p['pos'], 1, g[0]), 1, g[0])" in src
