@@ -74,6 +74,27 @@ def test_conversions_reach_a_balanced_shard_by_a_balanced_split_and_leave_it_by_
         layout_steps((Replicate(),), (Shard(1, 1, True),), (16,), 3, (2, 16, 8), True)
 
 
+@pytest.mark.parametrize("src, dst, mesh, shape, ids", [
+    ("R", "D1z", (2,), (2, 8, 3), [None]),            # split into the balanced pair, backward gathers back
+    ("D1z", "R", (4,), (2, 16, 3), ["s"]),            # keys for split queries: all_gather_sum_grad, back in order
+    ("D1z", "R", (2,), (2, 8, 3), [None]),            # a plain gather back into sequence order
+    ("V", "D1z", (2,), (2, 8, 3), [None]),            # reduce-scatter into the pair
+    ("D1z", "D2", (2,), (2, 8, 4), [None]),           # balanced pieces are left by a gather only
+    ("D0xD1z", "D0xR", (2, 2), (2, 8, 3), [None, "s"]),  # hybrid_cp_balanced's keys
+    ("RxR", "D0xD1z", (2, 2), (2, 8, 3), [None, None]),
+    ("R", "D1/2z", (2,), (2, 16, 3), [None]),         # balanced within each of two blocks
+])
+def test_balanced_conversions_give_the_right_pieces_on_ranks(gang, src, dst, mesh, shape, ids):
+    """The generated expressions (``C.split(C.to_balanced(...))`` ...) run on real ranks: each rank's
+    result is its balanced piece of the whole tensor forward, and of the whole gradient backward."""
+    import math
+    job = {"kind": "conversion", "mesh": list(mesh), "shape": list(shape), "src": src, "dst": dst,
+           "ids": ids, "grad": True, "seed": 5}
+    for a in gang.run(job, math.prod(mesh), timeout_s=60):
+        assert a.failure is None and "error" not in a.result, (a.failure, a.result)
+        assert a.result["problems"] == [], (src, dst, a.result["steps"], a.result["problems"])
+
+
 def _attention_rows(graph, policy: str, world: int):
     """Per cp rank, the query rows its attention holds (the plan's layout of the scores' queries)."""
     plan = POLICIES[policy](graph, ComputeConfig(world))
