@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import ComputeConfig, PlanError
-from ..ir.graph import IRGraph
+from ..ir.graph import INPUT, IRGraph
 from ..ir.plan import Plan
 from .builtin import cp, hybrid_cp
 
@@ -30,7 +30,7 @@ def balance(plan: Plan, axis: int, policy: str) -> Plan:
 
 
 def _check_pieces(graph: IRGraph, ranks: int, policy: str) -> None:
-    from ..ir.graph import INPUT
+    """Refuse a sequence that does not divide into two chunks per context-parallel rank."""
     first = next((t for t in graph.inputs if t.kind == INPUT and len(t.shape) > 1), None)
     if ranks > 1 and first is not None and first.shape[1] % (2 * ranks):
         raise PlanError(f"{policy}: the sequence ({first.shape[1]} tokens, dim 1 of input {first.name!r}) does not "
