@@ -2,10 +2,11 @@
 free of torch so ``python -m verify --help`` answers at once. Each mirrors a registry that imports
 torch; ``tests/harness/test_cli_startup.py`` checks that they agree."""
 
-POLICY_NAMES = ("dp", "tp", "cp", "hybrid", "hybrid_cp", "random", "random2d", "autodist")
+POLICY_NAMES = ("dp", "tp", "cp", "hybrid", "hybrid_cp", "random", "random2d", "autodist", "cp_balanced",
+                "hybrid_cp_balanced")
 """``nnscaler.policies.POLICIES``, in its order."""
 
-SEQUENCE_POLICIES = ("cp", "hybrid_cp")
+SEQUENCE_POLICIES = ("cp", "hybrid_cp", "cp_balanced", "hybrid_cp_balanced")
 """Policies that split the tokens' sequence (context parallelism): run only where named (``--policy cp``),
 not by ``verify all`` nor by ``verify model`` without ``--policy`` (many models have no sequence)."""
 

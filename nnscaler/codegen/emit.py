@@ -3,7 +3,7 @@ comment on each operator pointing back to the model's source line."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,7 +35,8 @@ class StateShard:
 
 def stored_layouts(graph: IRGraph, plan: Plan) -> dict[IRTensor, Layout]:
     """Where every parameter, buffer and constant lives: split as its first consumer wants it, a
-    partial value taken whole (the program makes the partial value on use)."""
+    partial value or a split in the balanced order of context parallelism taken whole (the program
+    makes the partial value, or cuts the balanced pieces, on use)."""
     whole = tuple(Replicate() for _ in plan.mesh_shape)
     out: dict[IRTensor, Layout] = {}
     for op in graph.ops:
@@ -43,7 +44,8 @@ def stored_layouts(graph: IRGraph, plan: Plan) -> dict[IRTensor, Layout]:
         for i, x in enumerate(op.inputs):
             if isinstance(x, IRTensor) and x.kind in (PARAM, BUFFER, CONSTANT) and x not in out:
                 want = lay.inputs[i] if lay is not None and i < len(lay.inputs) and lay.inputs[i] is not None else whole
-                out[x] = tuple(Replicate() if isinstance(q, Partial) else q for q in want)
+                out[x] = tuple(Replicate() if isinstance(q, Partial) or getattr(q, "balanced", False) else q
+                               for q in want)
     for t in graph.params + graph.buffers:
         out.setdefault(t, whole)
     return out
@@ -118,7 +120,7 @@ class Emitter:
         steps, _ = conversion(self.layouts[t], want, axis_ids, self.plan.mesh_shape, t.shape, t in self.grads)
         if t in self.synced:  # its gradient is summed in buckets after backward instead
             sync = self.synced[t]
-            steps = [Step(st.axis, "all_gather", st.dims, st.blocks)
+            steps = [replace(st, kind="all_gather")
                      if st.kind == "all_gather_sum_grad" and st.axis == sync else st
                      for st in steps if not (st.kind == "grad_all_reduce" and st.axis == sync)]
         name, cur = self.var[t], self.layouts[t]

@@ -57,7 +57,7 @@ def steps_text(steps: Sequence[Step]) -> str:
     parts = []
     for st in steps:
         dims = f", dims {','.join(map(str, st.dims))}" if st.dims else ""
-        blocks = f", blocks {st.blocks}" if st.blocks > 1 else ""
+        blocks = (f", blocks {st.blocks}" if st.blocks > 1 else "") + (", balanced" if st.balanced else "")
         parts.append(f"{st.kind}(axis {st.axis}{dims}{blocks})")
     return " -> ".join(parts) or "none"
 

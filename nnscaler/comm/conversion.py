@@ -23,7 +23,10 @@ only where the local shards it produces are the right pieces of the next layout:
 * a shard in blocks (``D2/3``: one factor of a fused dim, each rank holding its chunk of every block)
   must be the only split of its dim: it is reached only when it is the target's placement on that
   axis (by ``split`` or ``reduce_scatter``, with no other axis splitting the dim), no axis splits
-  its dim further, and it is left only by an ``all_gather`` (with ``blocks``).
+  its dim further, and it is left only by an ``all_gather`` (with ``blocks``);
+* a shard in the balanced order of context parallelism (``D1z``) follows the same rules as a shard
+  in blocks: reached by ``split``/``reduce_scatter`` of the dim put in that order
+  (``to_balanced``), left by ``all_gather`` then ``from_balanced``.
 
 Every forward step then maps correct local pieces to correct local pieces, so its backward (the
 transpose collective on the same group) maps the right piece of the whole gradient back to the
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Iterator, Sequence
 
@@ -59,18 +62,24 @@ class Step:
     #            | all_gather_sum_grad (all_gather whose backward reduce-scatters partial gradients)
     dims: tuple[int, ...] = ()
     blocks: int = 1  # split / all_gather / reduce_scatter of one factor of a fused dim
+    balanced: bool = False  # ... of a dim held in the balanced order of context parallelism (``D1z``)
 
     def code(self, x: str, group: str) -> str:
         """The Python expression the generated program uses for this step."""
-        args = ", ".join([x, *map(str, self.dims), group] + ([f"blocks={self.blocks}"] if self.blocks > 1 else []))
+        extra = [f"blocks={self.blocks}"] if self.blocks > 1 else []
+        if self.balanced and self.kind in ("split", "reduce_scatter"):
+            x = f"C.to_balanced({', '.join([x, str(self.dims[0]), group] + extra)})"
+        args = ", ".join([x, *map(str, self.dims), group] + extra)
+        if self.balanced and self.kind in ("all_gather", "all_gather_sum_grad"):
+            return f"C.from_balanced(C.{self.kind}({args}), {', '.join([str(self.dims[0]), group] + extra)})"
         return f"C.{self.kind}({args})"
 
 
 def step_layout(layout: Layout, step: Step) -> Layout:
     """The layout a tensor has after ``step``."""
-    new = {"split": lambda: Shard(step.dims[0], step.blocks), "all_gather": Replicate,
+    new = {"split": lambda: Shard(step.dims[0], step.blocks, step.balanced), "all_gather": Replicate,
            "all_gather_sum_grad": Replicate, "all_reduce": Replicate,
-           "reduce_scatter": lambda: Shard(step.dims[0], step.blocks), "to_partial": Partial,
+           "reduce_scatter": lambda: Shard(step.dims[0], step.blocks, step.balanced), "to_partial": Partial,
            "all_to_all": lambda: Shard(step.dims[-1])}.get(step.kind)
     if new is None:  # grad_all_reduce: identity forward
         return layout
@@ -92,9 +101,14 @@ def _unsplit(layout: Layout, dim: int) -> bool:
     return not any(isinstance(q, Shard) and q.dim == dim for q in layout)
 
 
+def _special(q: Placement) -> bool:
+    """A shard in blocks or in the balanced order: its dim's only split, reached and left whole."""
+    return isinstance(q, Shard) and (q.blocks > 1 or q.balanced)
+
+
 def _in_blocks(layout: Layout, dim: int) -> bool:
-    """Some axis splits ``dim`` in blocks (then nothing may split it further)."""
-    return any(isinstance(q, Shard) and q.dim == dim and q.blocks > 1 for q in layout)
+    """Some axis splits ``dim`` in blocks or balanced (then nothing may split it further)."""
+    return any(_special(q) and q.dim == dim for q in layout)
 
 
 def _divides(layout: Layout, axis: int, dim: int, mesh_shape: Sequence[int], shape: Sequence[int] | None,
@@ -118,7 +132,7 @@ def _edges(lay: Layout, dst: Layout, mesh_shape: Sequence[int], ndim: int, shape
             continue
         frac = (f - 1) / f
         want = dst[a]
-        blocked = want if isinstance(want, Shard) and want.blocks > 1 else None
+        blocked = want if _special(want) else None
 
         def to(q: Placement) -> Layout:
             return lay[:a] + (q,) + lay[a + 1:]
@@ -129,21 +143,21 @@ def _edges(lay: Layout, dst: Layout, mesh_shape: Sequence[int], ndim: int, shape
 
         def can_split_blocks(base: Layout) -> bool:
             return (blocked is not None and _unsplit(base, blocked.dim)
-                    and _divides(base, a, blocked.dim, mesh_shape, shape, blocked.blocks))
+                    and _divides(base, a, blocked.dim, mesh_shape, shape, blocked.blocks * (2 if blocked.balanced else 1)))
 
         if isinstance(p, Replicate):
             for d in range(ndim):
                 if can_split(d, lay):
                     yield to(Shard(d)), Step(a, "split", (d,)), back * frac * s  # backward gathers
             if can_split_blocks(lay):
-                yield to(blocked), Step(a, "split", (blocked.dim,), blocked.blocks), back * frac * s
+                yield to(blocked), Step(a, "split", (blocked.dim,), blocked.blocks, blocked.balanced), back * frac * s
             yield to(Partial()), Step(a, "to_partial"), 0.0
         elif isinstance(p, Shard):
             if not _outermost_free(lay, a, p.dim):
                 continue
             gathered = to(Replicate())
-            yield gathered, Step(a, "all_gather", (p.dim,), p.blocks), frac * s * f
-            for d in range(ndim if p.blocks == 1 else 0):  # a shard in blocks is left only by a gather
+            yield gathered, Step(a, "all_gather", (p.dim,), p.blocks, p.balanced), frac * s * f
+            for d in range(0 if _special(p) else ndim):  # a shard in blocks (or balanced) is left only by a gather
                 if d != p.dim and can_split(d, gathered):
                     yield to(Shard(d)), Step(a, "all_to_all", (p.dim, d)), (1 + back) * frac * s
         else:  # Partial
@@ -152,13 +166,13 @@ def _edges(lay: Layout, dst: Layout, mesh_shape: Sequence[int], ndim: int, shape
                 if can_split(d, lay):
                     yield to(Shard(d)), Step(a, "reduce_scatter", (d,)), (1 + back) * frac * s
             if can_split_blocks(lay):
-                yield (to(blocked), Step(a, "reduce_scatter", (blocked.dim,), blocked.blocks),
+                yield (to(blocked), Step(a, "reduce_scatter", (blocked.dim,), blocked.blocks, blocked.balanced),
                        (1 + back) * frac * s)
 
 
 def _check_blocks(layout: Layout, mesh_shape: Sequence[int]) -> None:
     for a, (f, q) in enumerate(zip(mesh_shape, layout)):
-        if isinstance(q, Shard) and q.blocks > 1 and f > 1 and any(
+        if _special(q) and f > 1 and any(
                 isinstance(o, Shard) and o.dim == q.dim and b != a and mesh_shape[b] > 1 for b, o in enumerate(layout)):
             raise ValueError(f"layout {'x'.join(map(str, layout))}: dim {q.dim} is split in blocks on axis {a} "
                              f"and split again on another axis; a split in blocks must be its dim's only split")
@@ -228,7 +242,7 @@ def conversion(src: Layout, dst: Layout, dst_axis_ids: Sequence[str | None], mes
         last = max((i for i, st in enumerate(path) if st.axis == axis), default=None)
         if last is not None and path[last].kind == "all_gather":  # gathered for split work: reduce-scatter its gradient
             st = path[last]
-            steps[last] = Step(axis, "all_gather_sum_grad", st.dims, st.blocks)
+            steps[last] = replace(st, kind="all_gather_sum_grad")
             total += frac * local_fraction(after[last], mesh_shape)
         else:
             steps.append(Step(axis, "grad_all_reduce"))

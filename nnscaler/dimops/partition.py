@@ -28,6 +28,7 @@ class Partition:
     splits: tuple[tuple[str | None, int], ...]
     world_size: int
     blocks: tuple[tuple[str, int], ...] = ()  # split identifiers cut in blocks: (ident, count)
+    balanced: tuple[str, ...] = ()  # split identifiers held in the balanced order of context parallelism
 
     @property
     def degree(self) -> int:
@@ -58,10 +59,11 @@ class Partition:
 
     @property
     def label(self) -> str:
-        """``m=2,k=2`` (``replicate`` when nothing is split); ``n=2/3``: n split in 3 blocks."""
+        """``m=2,k=2`` (``replicate`` when nothing is split); ``n=2/3``: n split in 3 blocks; ``s=2z``:
+        s split in the balanced order (each rank pieces r and 2W-1-r of 2W)."""
         def one(i, f):
             k = self.block_count(i) if i is not None else 1
-            return f"{'~' if i is None else i}={f}" + (f"/{k}" if k > 1 else "")
+            return f"{'~' if i is None else i}={f}" + (f"/{k}" if k > 1 else "") + ("z" if i in self.balanced else "")
         return ",".join(one(i, f) for i, f in self.splits) or "replicate"
 
     @classmethod
@@ -70,9 +72,12 @@ class Partition:
         text = text.strip()
         if text in ("", "replicate"):
             return cls((), world_size)
-        splits, blocks = [], []
+        splits, blocks, balanced = [], [], []
         for part in text.split(","):
             name, sep, factor = part.partition("=")
+            if factor.strip().endswith("z"):
+                factor = factor.strip()[:-1]
+                balanced.append(name.strip())
             factor, slash, count = factor.partition("/")
             if slash:
                 if not count.strip().isdigit() or int(count) < 2:
@@ -86,7 +91,7 @@ class Partition:
         named = [n for n, _ in splits if n is not None]
         if len(set(named)) != len(named):
             raise AnnotationError(f"partition {text!r}: an identifier is split twice; give each one factor")
-        p = cls(tuple(splits), world_size, tuple(blocks))
+        p = cls(tuple(splits), world_size, tuple(blocks), tuple(balanced))
         if world_size % math.prod(f for _, f in splits):
             raise AnnotationError(f"partition {text!r}: the axes multiply to {math.prod(f for _, f in splits)}, "
                                   f"which does not divide world size {world_size}")
@@ -199,7 +204,7 @@ def check_partition(bound: BoundAnno, partition: Partition) -> None:
                                   f"{bound.anno.text!r} (splittable: {', '.join(sorted(allowed)) or 'none'})")
         if f < 2:
             raise AnnotationError(f"partition {partition.label!r}: split factor of {ident!r} must be at least 2")
-        k = partition.block_count(ident)
+        k = partition.block_count(ident) * (2 if ident in partition.balanced else 1)
         if bound.sizes[ident] % (f * k):
             raise AnnotationError(f"partition {partition.label!r}: {ident!r} has length {bound.sizes[ident]}, "
                                   f"not divisible by {f * k}" + (f" ({f} ranks x {k} blocks)" if k > 1 else ""))
@@ -207,6 +212,8 @@ def check_partition(bound: BoundAnno, partition: Partition) -> None:
     if nested is not None:
         raise AnnotationError(f"partition {partition.label!r}: {nested[1]!r} is a factor of the dim {nested[0]!r} "
                               f"leads, which a layout cannot split twice; split one of them")
+    if set(partition.balanced) - set(named):
+        raise AnnotationError(f"partition {partition.label!r}: only a split identifier can be held balanced")
     for ident, k in partition.blocks:
         if ident not in named or k < 2:
             raise AnnotationError(f"partition {partition.label!r}: blocks need a split identifier and a count of at least 2")
@@ -242,7 +249,7 @@ def _find(dims, ident: str, bound: BoundAnno, partition: Partition) -> Shard | N
             if i == ident:
                 prefix = prefix_size(ids, j, bound)
                 if prefix is not None:
-                    return Shard(d, prefix * partition.block_count(ident))
+                    return Shard(d, prefix * partition.block_count(ident), ident in partition.balanced)
     return None
 
 

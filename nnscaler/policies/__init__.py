@@ -3,8 +3,10 @@ from .builtin import POLICIES, cp, dp, hybrid, hybrid_cp, random, random2d, tp
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan, validate
 from .autodist import autodist
+from .context import cp_balanced, hybrid_cp_balanced
 
 POLICIES["autodist"] = autodist
+POLICIES["cp_balanced"], POLICIES["hybrid_cp_balanced"] = cp_balanced, hybrid_cp_balanced
 
-__all__ = ["POLICIES", "autodist", "cp", "dp", "hybrid", "hybrid_cp", "random", "random2d", "tp", "ComputeConfig", "Plan", "PlanError",
+__all__ = ["POLICIES", "autodist", "cp", "cp_balanced", "hybrid_cp_balanced", "dp", "hybrid", "hybrid_cp", "random", "random2d", "tp", "ComputeConfig", "Plan", "PlanError",
            "validate"]

@@ -17,6 +17,10 @@ function            forward                    backward
 ``all_to_all_v``    rows to the ranks of counts the rows back
 ==================  =========================  ===========================
 
+A split in the balanced order of context parallelism (``D1z``, see
+:class:`~nnscaler.dimops.layout.Shard`) is a plain split of the dim put in that order first:
+``split(to_balanced(x))`` and ``from_balanced(all_gather(x))`` (a local permutation each way).
+
 A ``group`` of ``None`` means a single rank: every function is then the identity.
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..dimops.layout import join_blocks
+from ..dimops.layout import balanced_order, join_blocks
 
 
 def _size(group) -> int:
@@ -264,6 +268,25 @@ def all_to_all_v(x: torch.Tensor, send: list[int], recv: list[int], group) -> to
         return x
     return _AllToAllV.apply(x, list(send), list(recv), group) if _differentiable(x) else \
         _exchange_rows(x, list(send), list(recv), group)
+
+
+def _order(x: torch.Tensor, dim: int, group, blocks: int, inverse: bool) -> torch.Tensor:
+    order = torch.tensor(balanced_order(x.shape[dim], _size(group), blocks), device=x.device)
+    if inverse:
+        order = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=x.device))
+    return x.index_select(dim, order)
+
+
+def to_balanced(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
+    """Put ``dim`` in the balanced order for ``group`` (its ``2n`` pieces of every block as
+    ``0, 2n-1, 1, 2n-2, ...``), so a plain ``split`` or ``reduce_scatter`` hands rank ``r`` pieces ``r`` and
+    ``2n-1-r``; differentiable (a local permutation)."""
+    return x if group is None else _order(x, dim, group, blocks, False)
+
+
+def from_balanced(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:
+    """Inverse of :func:`to_balanced`: the ranks' balanced pieces, all-gathered, back in natural order."""
+    return x if group is None else _order(x, dim, group, blocks, True)
 
 
 def exchange_counts(send: torch.Tensor, group) -> torch.Tensor:

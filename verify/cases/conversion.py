@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from nnscaler.codegen.emit import shard_slices
 from nnscaler.comm.conversion import conversion
-from nnscaler.dimops.layout import Layout, Partial, Replicate, Shard, layout_str, take_piece
+from nnscaler.dimops.layout import Layout, Partial, Replicate, Shard, layout_str, shard_indices, take_piece
+from nnscaler.dimops.partition import coords
 from nnscaler.runtime import collectives as C
 from nnscaler.runtime.mesh import GroupCache, RankMesh
 
@@ -35,10 +36,11 @@ def parse_layout(text: str) -> Layout:
             out.append(Replicate())
         elif q == "V":
             out.append(Partial())
-        elif q.startswith("D") and q[1:].replace("/", "", 1).isdigit() and not q.endswith("/"):
+        elif q.startswith("D") and q[1:].removesuffix("z").replace("/", "", 1).isdigit() and not q.endswith("/"):
             out.append(Shard.parse(q))
         else:
-            raise ValueError(f"layout {text!r}: each axis is R, V, D<dim> or D<dim>/<blocks>, separated by 'x'")
+            raise ValueError(f"layout {text!r}: each axis is R, V, D<dim>, D<dim>/<blocks> or either with a "
+                             f"trailing z (balanced), separated by 'x'")
     return tuple(out)
 
 
@@ -63,7 +65,15 @@ def _partial_piece(whole: torch.Tensor, coords: Sequence[int], axes: Sequence[in
 
 
 def _piece(whole: torch.Tensor, layout: Layout, mesh: Sequence[int], rank: int) -> torch.Tensor:
-    return take_piece(whole, shard_slices(tuple(whole.shape), layout, tuple(mesh), rank))
+    """This rank's piece; a balanced split (its dim's only split) picks its two chunks by index."""
+    at = coords(rank, tuple(mesh))
+    plain = tuple(Replicate() if isinstance(q, Shard) and q.balanced else q for q in layout)
+    x = take_piece(whole, shard_slices(tuple(whole.shape), plain, tuple(mesh), rank))
+    for a, q in enumerate(layout):
+        if isinstance(q, Shard) and q.balanced and mesh[a] > 1:
+            idx = shard_indices(x.shape[q.dim], mesh[a], at[a], q.blocks, True)
+            x = x.index_select(q.dim, torch.tensor(idx))
+    return x
 
 
 def _sum_over(x: torch.Tensor, axes: Sequence[int], groups) -> torch.Tensor:

@@ -17,8 +17,8 @@ def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1)
             and (replicas > 1 or plan_ngpus >= STAGE_DP.get(policy, plan_ngpus + 1))
     if replicas > 1:
         return True
-    return (policy in ("dp", "cp") and plan_ngpus > 1) or (
-        policy in ("hybrid", "hybrid_cp") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
+    return (policy in ("dp", "cp", "cp_balanced") and plan_ngpus > 1) or (
+        policy in ("hybrid", "hybrid_cp", "hybrid_cp_balanced") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
 
 
 def zero_refusal(zero: int, policy: str, world_sizes, replicas: int = 1) -> str | None:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from nnscaler.dimops.layout import join_blocks
+from nnscaler.dimops.layout import Shard, join_blocks
 
 from verify.judge.compare import Check, check_tensor
 
@@ -117,8 +117,8 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _join(parts: list[torch.Tensor], place: str, spread: float) -> tuple[torch.Tensor, float]:
     if place.startswith("D"):
-        dim, _, blocks = place[1:].partition("/")
-        return join_blocks(parts, int(dim), int(blocks or 1)), spread
+        q = Shard.parse(place)
+        return join_blocks(parts, q.dim, q.blocks, q.balanced), spread
     if place == "V":
         total = parts[0].clone()
         for p in parts[1:]:

@@ -32,3 +32,45 @@ def cp_positions_not_shifted():
         return C._piece(x, dim, C._size(group), blocks, 0)
 
     patch(C, "split", split)
+
+
+def _whole_no_grad(x: torch.Tensor) -> bool:
+    """A tensor the program computed whole from positions alone: rotary tables, masks (token ids and
+    positions read from the batch are integers)."""
+    return not x.requires_grad and (x.is_floating_point() or x.dtype == torch.bool)
+
+
+@mutant
+def cp_balanced_positions_contiguous():
+    """``cp_balanced``: rotary tables and masks computed whole are cut in contiguous chunks while the
+    tokens are in the balanced order (rank r: chunks r and 2W-1-r): the chunk order of the positions
+    ignores the balanced layout."""
+    C = _C()
+    orig = C.to_balanced
+    patch(C, "to_balanced", lambda x, dim, group, blocks=1: x if _whole_no_grad(x) else orig(x, dim, group, blocks))
+
+
+@mutant
+def cp_window_mask_not_shifted():
+    """``cp_balanced``: a boolean mask computed whole (sliding window, causal) gives every chunk the
+    rows of the first chunk, as if each chunk's queries sat at positions 0..L-1: the window is not
+    shifted per chunk."""
+    C = _C()
+    orig = C.to_balanced
+
+    def to_balanced(x, dim, group, blocks=1):
+        if x.dtype != torch.bool or group is None:
+            return orig(x, dim, group, blocks)
+        piece = x.shape[dim] // (2 * C._size(group) * blocks)
+        return x.index_select(dim, torch.arange(x.shape[dim], device=x.device) % piece)
+
+    patch(C, "to_balanced", to_balanced)
+
+
+@mutant
+def cp_balanced_keys_out_of_order():
+    """``cp_balanced``: keys and values all-gathered from balanced pieces are left in the ranks' order
+    (0, 2W-1, 1, 2W-2, ...) instead of put back in sequence order: the scores' key columns no
+    longer line up with the mask's and the rotary positions'."""
+    C = _C()
+    patch(C, "from_balanced", lambda x, dim, group, blocks=1: x)
