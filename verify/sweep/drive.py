@@ -13,7 +13,9 @@ from verify.rows.replicas import run_replicas
 from verify.rows.torchpar_builtin import CASES as TORCH_CASES, run_builtin
 from verify.plan.arguments import DEFAULT_TIMEOUT_S  # a plan unit is never held to less
 from verify.runner.gang import Gang
-from verify.sweep.selection import RECIPE, ROOT, Unit
+from verify.config import RECIPE
+from verify.kinds.plan import Plan
+from verify.sweep.selection import ROOT, Unit
 from verify.rows.run import run_model, run_op
 
 
@@ -61,7 +63,7 @@ def run_plan_unit(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, s
     from verify.judge.verdict import ERROR  # noqa: PLC0415
     from verify.plan.cli import plan_rows, prepare  # noqa: PLC0415 (transformers: only a sweep with plans)
     path = ROOT / unit.name
-    rerun = f"python -m verify plan {unit.name}"
+    rerun = Plan.rerun_command(replace(cfg, modules=()), unit.name)
     with tempfile.TemporaryDirectory(dir=gen_dir) as out:
         try:
             case = prepare(path, out, seed=unit.seeds[0])
@@ -82,7 +84,7 @@ def run_plan_unit(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, s
 
 UNIT_ROWS: dict[str, Callable[..., Iterator[Row]]] = {
     "op": op_unit_rows, "model": model_unit_rows, "torchpar": torchpar_unit_rows, "plan": run_plan_unit}
-"""How each unit kind runs (the kind names of :data:`verify.sweep.selection.UNIT_LABELS`)."""
+"""How each unit kind runs (the names its case kind is registered under, ``verify/kinds/``)."""
 
 
 class LazyGang:

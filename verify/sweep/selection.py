@@ -17,18 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
-from nnscaler.recipe import Recipe
-
-from verify.config import model_label
+from verify.config import RECIPE  # noqa: F401  (verify all's sample recipe, its recipe units')
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
 from verify.rows.replicas import ALL_REPLICAS, replica_world_sizes
 from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, TWO_D_RESUME
-
-
-RECIPE = Recipe(precision="bf16-mixed", zero=3, recompute="full", clip_grad_norm=1.0)  # verify all's sample
-RECIPE_TAG = RECIPE.label  # " bf16-mixed zero3 clip1 recompute=full"
+from verify.kinds import kind_class
 RECIPE_MODELS = ("nanogpt", "llama")  # the default sample's recipe units (--full: every model)
 FIRST = ("weightnorm_mlp", "bucketed_mlp", "padded_gpt")  # the fastest models: their units run first
 REPLICA_MODELS = FIRST + ("llama",)  # the default's tp replicas units (bucketed_mlp: many small buckets)
@@ -69,24 +64,8 @@ class Unit:
     @property
     def label(self) -> str:
         """What the progress line and the cache call it (``model:nanogpt tp mb4 W=2 seed 1 resume``):
-        its kind's (:data:`UNIT_LABELS`)."""
-        return UNIT_LABELS[self.kind](self)
-
-
-def _model_label(u: Unit) -> str:
-    policy = model_label(u.policy, Recipe(num_microbatches=u.microbatches), u.replicas)
-    return (f"model:{u.name} {policy}{RECIPE_TAG if u.recipe else ''} "
-            f"W={','.join(map(str, u.world_sizes))} seed {','.join(map(str, u.seeds))}"
-            + ("" if u.checkpoint else " no-resume"))
-
-
-UNIT_LABELS: dict[str, Callable[[Unit], str]] = {
-    "op": lambda u: u.name,
-    "model": _model_label,
-    "torchpar": lambda u: f"torchpar:{u.name} W={u.world_sizes[0]}",
-    "plan": lambda u: f"plan:{Path(u.name).stem} W={u.world_sizes[0]} seed {u.seeds[0]}",
-}
-"""Each unit kind's label; the same kind names key :data:`verify.sweep.drive.UNIT_ROWS` (how it runs)."""
+        its registered kind's (``label``, ``verify/kinds/``)."""
+        return kind_class(self.kind).label(self)
 
 
 def _model(name, policy, w, seed, microbatches=1, replicas=1, checkpoint=True, recipe=False) -> Unit:
