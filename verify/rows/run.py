@@ -130,7 +130,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
                        "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "checkpoint": checkpoint,
                        **cfg.recipe_job(m, bucket_bytes)}
-                expected = expected_checks(name, policy, steps, seed, checkpoint, clip=cfg.clip_grad_norm)
+                expected = expected_checks(name, policy, steps, seed, checkpoint, recipe=cfg.recipe)
                 answers = gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps))
                 if used is not None:
                     used.add(answers)
