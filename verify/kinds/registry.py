@@ -72,6 +72,22 @@ class CaseKind:
         changes its rows (a saved plan's file content). ``root``: the checkout the unit's files lie in."""
         return {"unit": asdict(unit)}
 
+    @classmethod
+    def units(cls, world_sizes: tuple[int, ...], seeds: tuple[int, ...]) -> list[dict]:
+        """The units of this kind ``verify all`` runs beyond its built-in matrix (operators, models, torch
+        parallelizations, saved plans), each as the fields of a :class:`verify.sweep.selection.Unit` but
+        its kind, every one in the default sample too: none unless the kind says."""
+        return []
+
+    @classmethod
+    def rows(cls, gang: Any, unit, cfg: Any, gen_dir: str, skip, used: Any):
+        """The rows (:class:`verify.judge.row.Row`) of one sweep unit of this kind, its jobs run on ``gang``
+        (``gang.run(job, ranks, limit_s)`` -> the ranks' answers), leaving out the rows whose keys are in
+        ``skip``; ``used``: a :class:`verify.sweep.cache.Used` to hand the answers to. The built-in kinds'
+        rows are driven from ``verify/rows/`` (above the kinds: they ask them for their rerun lines), by
+        ``verify/sweep/drive.py``; a kind of the sweep's own answers here."""
+        raise NotImplementedError(f"case kind {cls.name!r} has no rows of its own in the sweep")
+
     @property
     def localizes(self) -> bool:
         """Whether a failing check of this kind is localised (the ranks then agree on the first failure)."""

@@ -23,7 +23,7 @@ from verify.config import RECIPE  # noqa: F401  (verify all's sample recipe, its
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
 from verify.rows.replicas import ALL_REPLICAS, replica_world_sizes
 from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, TWO_D_RESUME
-from verify.kinds import kind_class
+from verify.kinds import KINDS, kind_class
 RECIPE_MODELS = ("nanogpt", "llama")  # the default sample's recipe units (--full: every model)
 FIRST = ("weightnorm_mlp", "bucketed_mlp", "padded_gpt")  # the fastest models: their units run first
 REPLICA_MODELS = FIRST + ("llama",)  # the default's tp replicas units (bucketed_mlp: many small buckets)
@@ -79,7 +79,8 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
     """Today's whole matrix, one unit per model case: every model x policy x world size x seed (the
     seeded policies x every random seed), the micro-batch sweep, the pipelines, the replicas, the
     recipes, torch's own parallelizations, the ``zoo`` architectures (:func:`zoo_units`) and the saved
-    cluster ``plans`` (:func:`plan_units`, and :func:`wide_plan_units` on gangs of their own). Pipeline units that cannot run (too few layers, a world size
+    cluster ``plans`` (:func:`plan_units`, and :func:`wide_plan_units` on gangs of their own), and the units of
+    any other registered kind (:func:`kind_units`). Pipeline units that cannot run (too few layers, a world size
     they need not met) are left out here, not skipped later."""
     def seeds_of(p):
         return random_seeds if p in SEEDED_POLICIES else seeds
@@ -98,7 +99,17 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
         out += recipe_units(models, seeds, world_sizes)
     out += [Unit("torchpar", c.name, world_sizes=(c.world_size,), seeds=tuple(seeds[:1])) for c in torch_cases]
     return out + zoo_units(zoo, world_sizes, seeds) + plan_units(plans, world_sizes, seeds) \
-        + wide_plan_units(plans, world_sizes, seeds)
+        + wide_plan_units(plans, world_sizes, seeds) + kind_units(world_sizes, seeds)
+
+
+MATRIX_KINDS = ("op", "model", "torchpar", "plan")
+"""The kinds of the built-in matrix; every other registered kind's units are its own (:func:`kind_units`)."""
+
+
+def kind_units(world_sizes: Sequence[int], seeds: Sequence[int]) -> list[Unit]:
+    """The units each registered kind outside the matrix asks for (``units``, ``verify/kinds/registry.py``)."""
+    return [Unit(name, **d) for name, cls in KINDS.items() if name not in MATRIX_KINDS
+            for d in cls.units(tuple(world_sizes), tuple(seeds))]
 
 
 def zoo_units(archs: Sequence[str], world_sizes: Sequence[int], seeds: Sequence[int]) -> list[Unit]:
@@ -189,7 +200,8 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
     * each recipe unit kind (dp at each world size, hybrid, tp replicas) once, :data:`RECIPE_MODELS` by
       turns (``full`` has them on every model);
     * the zoo units of :data:`ZOO_DEFAULT` (:func:`default_zoo`);
-    * the saved cluster plans of :data:`DEFAULT_PLANS` (:func:`default_plans`).
+    * the saved cluster plans of :data:`DEFAULT_PLANS` (:func:`default_plans`);
+    * every unit of a kind outside the matrix (:func:`kind_units`).
     """
     W = list(world_sizes)
     models = sorted(models, key=lambda m: (m not in FIRST, FIRST.index(m) if m in FIRST else 0))
@@ -261,7 +273,7 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
         kinds.setdefault((u.policy, u.replicas, u.world_sizes), []).append(u)
     for k, (_, us) in enumerate(sorted(kinds.items())):
         take(us[k % len(us)])
-    pick += [u for u in full if u.kind in ("op", "torchpar")] + default_zoo(full)
+    pick += [u for u in full if u.kind in ("op", "torchpar") or u.kind not in MATRIX_KINDS] + default_zoo(full)
     pick += default_plans(full)
     return sorted(pick, key=_order)
 
