@@ -75,12 +75,12 @@ def _model(name, policy, w, seed, microbatches=1, replicas=1, checkpoint=True, r
 def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str], world_sizes: Sequence[int],
                seeds: Sequence[int], random_seeds: Sequence[int], microbatches: Sequence[int],
                torch_cases: Sequence, recipes: bool, zoo: Sequence[str] = (),
-               plans: Sequence[str | Path] = ()) -> list[Unit]:
+               plans: Sequence[str | Path] = (), kinds: bool = True) -> list[Unit]:
     """Today's whole matrix, one unit per model case: every model x policy x world size x seed (the
     seeded policies x every random seed), the micro-batch sweep, the pipelines, the replicas, the
     recipes, torch's own parallelizations, the ``zoo`` architectures (:func:`zoo_units`) and the saved
     cluster ``plans`` (:func:`plan_units`, and :func:`wide_plan_units` on gangs of their own), and the units of
-    any other registered kind (:func:`kind_units`). Pipeline units that cannot run (too few layers, a world size
+    any other registered kind (:func:`kind_units`; not with ``kinds=False``). Pipeline units that cannot run (too few layers, a world size
     they need not met) are left out here, not skipped later."""
     def seeds_of(p):
         return random_seeds if p in SEEDED_POLICIES else seeds
@@ -99,7 +99,7 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
         out += recipe_units(models, seeds, world_sizes)
     out += [Unit("torchpar", c.name, world_sizes=(c.world_size,), seeds=tuple(seeds[:1])) for c in torch_cases]
     return out + zoo_units(zoo, world_sizes, seeds) + plan_units(plans, world_sizes, seeds) \
-        + wide_plan_units(plans, world_sizes, seeds) + kind_units(world_sizes, seeds)
+        + wide_plan_units(plans, world_sizes, seeds) + (kind_units(world_sizes, seeds) if kinds else [])
 
 
 MATRIX_KINDS = ("op", "model", "torchpar", "plan")
