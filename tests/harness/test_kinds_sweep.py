@@ -4,6 +4,7 @@ cache), and the cache key weakened by no recipe field."""
 from __future__ import annotations
 
 from dataclasses import asdict, fields, replace
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,37 @@ def test_the_cache_key_changes_when_any_recipe_field_changes(tmp_path, keys, nam
     cache = VerdictCache(tmp_path, RunConfig(world_sizes=(2,), recipe=replace(Recipe(), **{name: other[f.type.split("|")[0].strip()]})),
                          registry)
     assert [u.label for u in UNITS if cache.key(u) == before[u]] == []
+
+
+@pytest.mark.slow
+def test_a_kind_of_its_own_gives_its_units_and_drives_its_rows_through_the_sweep(tmp_path):
+    """``tests/fixtures/own_kind.py`` registers a kind on the ranks and here: ``verify all``'s matrix and
+    default sample hold its unit, the sweep labels, runs, judges and caches it, and no sweep file names it."""
+    from verify.judge.verdict import MATCH
+    from verify.runner.gang import Gang
+    from verify.sweep.drive import run_units
+    from verify.sweep.selection import default_units, full_units
+    from verify.user_files import forget
+    path = str(Path(__file__).parents[1] / "fixtures" / "own_kind.py")
+    load_modules([path])
+    try:
+        full = full_units([], [], [], (2,), (0,), (0,), (), (), False)
+        unit = Unit("allreduce_for_test", "sum", world_sizes=(2,), seeds=(0,))
+        assert unit in full and unit in default_units(full, [], [], (2,), (0,))
+        assert unit not in full_units([], [], [], (2,), (0,), (0,), (), (), False, kinds=False)
+        assert unit.label == "allreduce_for_test:sum W=2 seed 0"
+        cfg = RunConfig(world_sizes=(2,), modules=(path,))
+        got = []
+
+        def record(u, rows, cached):
+            got.extend(rows)
+            return got
+
+        with Gang(2, (path,), (2,)) as g:
+            run_units(g, [unit], cfg, {}, str(tmp_path), set(), {}, VerdictCache(tmp_path, cfg, load_modules(())),
+                      record)
+        assert [(r.op, r.status) for r in got] == [("allreduce_for_test:sum", MATCH)], got
+        assert [r.cached for r in VerdictCache(tmp_path, cfg, load_modules(())).get(unit)] == [True]
+    finally:
+        KINDS.pop("allreduce_for_test", None)
+        forget(path)
