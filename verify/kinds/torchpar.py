@@ -16,12 +16,6 @@ from verify.kinds.registry import CaseKind, case_kind
 class Torchpar(CaseKind):
     """Keys: model, parallelize, mesh [[name, size], ...], world_size, steps, seed, gen_dir, dtype."""
 
-    def run(self, state) -> dict:
-        return {"checks": [c.__dict__ for c in run_torchpar_job(self.job, state.groups)]}
-
-    def localize(self, state, first_failure: str):
-        return localize_torchpar(self.job, state.groups)
-
     @classmethod
     def label(cls, unit) -> str:
         return f"torchpar:{unit.name} W={unit.world_sizes[0]}"
@@ -34,3 +28,9 @@ class Torchpar(CaseKind):
         return replace(cfg, modules=()).command("model", model, [
             ("--parallelize", fn_ref), ("--mesh", mesh), ("--world-size", world_size), ("--seed", seed),
             ("--steps", steps), ("--dtype", cfg.dtype)])
+
+    def run(self, state) -> dict:
+        return {"checks": [c.__dict__ for c in run_torchpar_job(self.job, state.groups)]}
+
+    def localize(self, state, first_failure: str):
+        return localize_torchpar(self.job, state.groups)
