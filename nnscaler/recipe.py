@@ -11,8 +11,10 @@ after a replicas row's ``xR replicas``, where clipping and recompute have always
 imports nothing of the compiler, so no torch (``python -m verify --help`` reads the fields); a recipe
 is checked (:meth:`Recipe.check`) where a :class:`~nnscaler.config.ComputeConfig` is made.
 
-A new recipe option is a field here (with its check in :meth:`Recipe.check`), its implementation, and
-the single-device reference's mimicry of it in the harness."""
+A new recipe option is a field here (with its check in :meth:`Recipe.check`; the flag, label, rerun flag
+and cache key follow from it), its implementation (for a step on the gradients after backward, as
+clipping is: one ``@grad_step`` function in ``nnscaler/runtime/grad_steps.py``) and its single-device
+reference (the harness's ``verify/cases/recipe_steps.py``, one ``@reference_step`` function)."""
 from __future__ import annotations
 
 import dataclasses

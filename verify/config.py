@@ -1,5 +1,6 @@
-"""What a run is asked for (:class:`RunConfig`, passed explicitly to every stage) and bad input
-(:class:`BadInput`, exit 2); one case's verdict is :class:`verify.judge.row.Row`."""
+"""What a run is asked for (:class:`RunConfig`, passed explicitly to every stage; the one assembler of
+rerun lines, :meth:`RunConfig.command`, which each case kind fills) and bad input (:class:`BadInput`,
+exit 2); one case's verdict is :class:`verify.judge.row.Row`."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,8 @@ from nnscaler.recipe import Recipe, with_recipe
 
 from verify.models.loader import is_file_reference
 
+RECIPE = Recipe(precision="bf16-mixed", zero=3, recompute="full", clip_grad_norm=1.0)
+"""``verify all``'s sample recipe: its recipe units train under it (``verify/sweep/selection.py``)."""
 MODEL_LIMIT_FACTOR = 8  # a model case traces, compiles, trains and reloads: far more than one operator
 
 
@@ -80,8 +83,8 @@ class RunConfig:
     def command(self, kind: str, name: str | None, flags: Sequence[tuple[str, object]]) -> str:
         """The one place a rerun command is assembled: ``python -m verify KIND NAME`` (no ``NAME`` when
         ``None``) with ``flags`` in order (a ``None`` value leaves its flag out), then this run's
-        ``--module`` files. A setting that decides a row is one more ``(flag, value)`` pair in
-        :meth:`rerun` or :meth:`rerun_model`."""
+        ``--module`` files. A setting that decides a row is one more ``(flag, value)`` pair in its case
+        kind's ``rerun_command`` (``verify/kinds/``)."""
         parts = ["python", "-m", "verify", kind] + ([] if name is None else [name])
         for flag, value in flags:
             if value is not None:
@@ -89,25 +92,6 @@ class RunConfig:
         for m in self.modules:
             parts += ["--module", m]
         return " ".join(shlex.quote(p) for p in parts)
-
-    def rerun(self, op: str, world_size: int, partition: str, seed: int) -> str:
-        """The command that reruns one row alone (an operator of a model: ``--model M --node N``)."""
-        if self.node is not None:
-            return self.command("op", None, [
-                ("--model", self.node[0]), ("--node", self.node[1]), ("--world-size", world_size),
-                ("--partition", partition), ("--seed", seed), ("--dtype", self.dtype)])
-        return self.command("op", op, [
-            ("--world-size", world_size), ("--partition", partition), ("--seed", seed), ("--dtype", self.dtype),
-            ("--base", None if split_base([world_size]) == self.base else self.base)])
-
-    def rerun_model(self, model: str, policy: str, world_size: int, seed: int, steps: int,
-                    bucket_bytes: int | None = None) -> str:
-        """The command that reruns one whole-model row alone (same modules, dtype, steps, recipe; buckets
-        of ``bucket_bytes``, else the recipe's)."""
-        recipe = self.recipe if bucket_bytes is None else replace(self.recipe, bucket_bytes=bucket_bytes)
-        return self.command("model", model, [
-            ("--policy", policy), ("--world-size", world_size), ("--seed", seed), ("--steps", steps),
-            ("--dtype", self.dtype), *recipe.flags()])
 
 
 def model_label(policy: str, recipe: Recipe = Recipe(), replicas: int = 1) -> str:

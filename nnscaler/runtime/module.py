@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..dimops.layout import Shard, take_piece
 from . import clip
+from .grad_steps import after_backward
 from ..recipe import Recipe
 from .grad_sync import GradSync
 from .precision import GRAD_REDUCE_DTYPES, PrecisionError, autocast_message, autocast_on
@@ -103,7 +104,6 @@ class ParallelModule(torch.nn.Module):
                                          n_replicas=replicas, reduce_dtype=GRAD_REDUCE_DTYPES.get(
                                              recipe.grad_reduce_dtype or "fp32") if precision == "bf16-mixed" else None)
         self._grad_sync.attach()
-        self.max_grad_norm: float | None = recipe.clip_grad_norm  # train_step clips to it (nnscaler.runtime.clip)
         self.last_grad_norm: torch.Tensor | None = None  # the total norm the last clip_grad_norm_ found
         clip.register(self)  # while alive, torch.nn.utils.clip_grad_norm_(self.parameters()) gets the whole model's norm
 
@@ -243,8 +243,7 @@ class ParallelModule(torch.nn.Module):
             params += [b.shard for b in self._zero.buckets if b.scatter]
         loss = accumulate(self, batch, batch_kwargs, self.num_microbatches, loss_fn, params,
                           self.no_sync, self._replica_group, self._replicas)
-        if self.max_grad_norm is not None:
-            self.clip_grad_norm_(self.max_grad_norm)
+        after_backward(self)  # the recipe's steps on the gradients: clipping, ... (nnscaler.runtime.grad_steps)
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False

@@ -31,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from ..ops.rules import TensorMeta
 from . import clip
+from .grad_steps import after_backward
 from .mesh import backend_device
 from .microbatch import Accumulation, MicroBatchError, batch_rows, check_divisible, loss_terms
 from .module import ParallelModule, take
@@ -142,7 +143,6 @@ class PipelineModule(torch.nn.Module):
         self._schedule = cls(stage_arg, num_microbatches, loss_fn=self._micro_loss, scale_grads=False)
         self._batch: tuple = ()
         self._acc: Accumulation | None = None
-        self.max_grad_norm: float | None = self.recipe.clip_grad_norm  # train_step clips the whole model's norm to it
         self.last_grad_norm: torch.Tensor | None = None
         clip.register(self)
 
@@ -210,8 +210,7 @@ class PipelineModule(torch.nn.Module):
         ``(loss_sum, count)`` pair (``None``: the model returns its loss); see
         :mod:`nnscaler.runtime.microbatch`. The optimizer step stays the caller's."""
         loss = self._run(batch, loss_fn, train=True)
-        if self.max_grad_norm is not None:
-            self.clip_grad_norm_(self.max_grad_norm)
+        after_backward(self)  # the recipe's steps on the gradients: clipping, ... (nnscaler.runtime.grad_steps)
         return loss
 
     def build_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:

@@ -16,6 +16,7 @@ from nnscaler.policies import ComputeConfig, PlanError
 from nnscaler.runtime.microbatch import MicroBatchError, accumulate, check_divisible, loss_terms, split_batch
 from verify.judge.verdict import MATCH, MISMATCH, judge
 from verify.models.registry import MODELS
+from verify.kinds.model import Model
 
 
 # -- on one process: splitting and the weighting of losses -------------------------------------------
@@ -164,8 +165,8 @@ def test_a_padded_gpt_row_with_four_micro_batches_matches_one_device(gang):
     assert (row.status, row.detail) == (MATCH, "")
     assert row.partition == "dp mb4" and row.microbatches == 4 and "4 micro-batches" in row.annotation
     assert row.to_json()["microbatches"] == 4
-    assert "--microbatches 4" in cfg.rerun_model("padded_gpt", "dp", 2, 0, 2)
-    assert "--microbatches" not in RunConfig().rerun_model("padded_gpt", "dp", 2, 0, 2)
+    assert "--microbatches 4" in Model.rerun_command(cfg, "padded_gpt", "dp", 2, 0, 2)
+    assert "--microbatches" not in Model.rerun_command(RunConfig(), "padded_gpt", "dp", 2, 0, 2)
 
 
 def test_the_cli_takes_micro_batches_and_refuses_bad_counts(capsys):

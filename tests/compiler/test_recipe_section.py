@@ -11,6 +11,7 @@ from nnscaler.config import ComputeConfig, PlanError
 from nnscaler.recipe import RECIPE_FIELDS, Recipe
 from verify.arguments import build_parser, recipe_dest, recipe_fields
 from verify.config import RunConfig, model_label
+from verify.kinds.model import Model
 
 
 def test_flat_keywords_build_the_section_and_read_back():
@@ -35,7 +36,7 @@ def test_the_harness_reads_everything_off_the_fields():
     assert model_label("tp", Recipe(), 2) == "tp x2 replicas"
     job = cfg.recipe_job(4, 256)
     assert Recipe.from_dict(job["recipe"]) == dataclasses.replace(cfg.recipe, bucket_bytes=256)
-    line = cfg.rerun_model("nanogpt", "dp", 2, 0, 3)
+    line = Model.rerun_command(cfg, "nanogpt", "dp", 2, 0, 3)
     for flag in ("--microbatches 4", "--precision bf16-mixed", "--zero 3", "--clip-grad-norm 1.0", "--recompute full"):
         assert flag in line
     args = build_parser().parse_args(["model", "nanogpt", *line.split()[5:]])

@@ -10,7 +10,7 @@ import torch
 from verify.kinds import KINDS, CaseKind, UnknownKind, case_kind, kind_of
 from verify.runner.worker import RankState, handle
 
-BUILT_IN = {"op_partitions", "op", "conversion", "accumulation", "model", "torchpar"}
+BUILT_IN = {"op_partitions", "op", "conversion", "accumulation", "model", "torchpar", "plan"}
 
 
 def state() -> RankState:

@@ -14,6 +14,7 @@ from verify.judge.verdict import MATCH, MISMATCH
 from verify.runner.gang import Gang
 from verify.rows.run import run_model
 from verify.runner.worker import load_modules
+from verify.kinds.model import Model
 
 from conftest import MODULES
 
@@ -82,8 +83,8 @@ def test_bf16_mixed_matches_under_dp_and_a_pipeline(gang2, policy):
 def test_gradients_reduced_in_bf16_still_match(gang2):
     row = _row(gang2, "nanogpt", "dp", steps=2, grad_reduce_dtype="bf16")
     assert row.status == MATCH, row.detail
-    assert "--grad-reduce-dtype bf16" in RunConfig(precision="bf16-mixed", grad_reduce_dtype="bf16").rerun_model(
-        "nanogpt", "dp", 2, 0, 2)
+    assert "--grad-reduce-dtype bf16" in Model.rerun_command(
+        RunConfig(precision="bf16-mixed", grad_reduce_dtype="bf16"), "nanogpt", "dp", 2, 0, 2)
 
 
 def test_bf16_true_matches_its_bf16_reference(gang2):

@@ -10,6 +10,8 @@ from verify.judge.verdict import ERROR
 from verify.config import RunConfig
 from verify.judge.row import Row
 from verify.report.writer import junit, table
+from verify.kinds.model import Model
+from verify.kinds.op import Op
 
 
 def _sampling_row() -> Row:
@@ -32,16 +34,16 @@ def test_a_sampling_failure_reads_as_sampling_everywhere():
 
 def test_rerun_commands_carry_every_setting_of_the_row():
     cfg = RunConfig(world_sizes=(2, 4), dtype="float64", modules=("my ops.py",))
-    op = shlex.split(cfg.rerun("bmm", 2, "m=2", 3))
+    op = shlex.split(Op.rerun_command(cfg, "bmm", 2, "m=2", 3))
     assert op[:5] == ["python", "-m", "verify", "op", "bmm"]
     flags = dict(zip(op[5::2], op[6::2]))
     assert flags == {"--world-size": "2", "--partition": "m=2", "--seed": "3", "--dtype": "float64", "--base": "4",
                      "--module": "my ops.py"}
-    model = shlex.split(cfg.rerun_model("nanogpt", "tp", 4, 1, 5, bucket_bytes=256))
+    model = shlex.split(Model.rerun_command(cfg, "nanogpt", "tp", 4, 1, 5, bucket_bytes=256))
     flags = dict(zip(model[5::2], model[6::2]))
     assert flags == {"--policy": "tp", "--world-size": "4", "--seed": "1", "--steps": "5", "--dtype": "float64",
                      "--bucket-bytes": "256", "--module": "my ops.py"}
-    assert "--bucket-bytes" not in cfg.rerun_model("nanogpt", "tp", 4, 1, 5)  # left out when not set
+    assert "--bucket-bytes" not in Model.rerun_command(cfg, "nanogpt", "tp", 4, 1, 5)  # left out when not set
 
 
 def test_every_rerun_goes_through_one_builder():
@@ -55,8 +57,8 @@ def test_every_rerun_goes_through_one_builder():
             return original(self, kind, name, flags)
 
     spy = Spy(**{f: getattr(cfg, f) for f in ("world_sizes", "dtype", "seeds", "modules")})
-    spy.rerun("relu", 2, "a=2", 0)
-    spy.rerun_model("nanogpt", "dp", 2, 0, 3)
+    Op.rerun_command(spy, "relu", 2, "a=2", 0)
+    Model.rerun_command(spy, "nanogpt", "dp", 2, 0, 3)
     assert calls == [("op", "relu"), ("model", "nanogpt")]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from verify.cli import main
+from verify.kinds.model import Model
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = str(ROOT / "tests" / "fixtures" / "user_model.py")
@@ -42,7 +43,7 @@ def test_a_user_model_verifies_and_writes_reports(tmp_path, capsys):
 def test_the_rerun_line_of_a_model_row_reproduces_it(tmp_path):
     from verify.config import RunConfig
     cfg = RunConfig(world_sizes=(2,), dtype="float64", modules=(str(ROOT / "tests" / "fixtures" / "wrong_model.py"),))
-    line = cfg.rerun_model("wrong_softmax_head", "tp", 2, 3, 1)
+    line = Model.rerun_command(cfg, "wrong_softmax_head", "tp", 2, 3, 1)
     argv = shlex.split(line)
     assert argv[:3] == ["python", "-m", "verify"]
     assert main(argv[3:] + ["--json", str(tmp_path / "r.json")]) == 1  # the wrong model mismatches again

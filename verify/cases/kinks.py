@@ -20,7 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from nnscaler.recipe import Recipe
+
 from verify.cases.batch import cast
+from verify.cases.recipe_steps import apply_steps
 from verify.judge.compare import Check
 from verify.judge.kinks import explain
 
@@ -222,9 +225,10 @@ def near_kinks(single: torch.nn.Module, single64: torch.nn.Module, run: Callable
 
 
 def flip_contributions(single: torch.nn.Module, run: Callable, args: tuple, draws: Callable,
-                       flips: list[tuple[int, int]], clip: float | None = None) -> list[dict]:
+                       flips: list[tuple[int, int]], recipe: Recipe = Recipe()) -> list[dict]:
     """For each flip of ``flips``: the change it alone makes to ``single``'s loss (``"loss"``) and to
-    every parameter's gradient (by name; clipped as the recipe clips, ``clip``). ``single``'s gradients
+    every parameter's gradient (by name; after ``recipe``'s steps as one device does them, clipping and
+    the like, ``verify/cases/recipe_steps.py``). ``single``'s gradients
     are put back as they were."""
     params = dict(single.named_parameters())
     saved = {n: p.grad for n, p in params.items()}
@@ -239,8 +243,7 @@ def flip_contributions(single: torch.nn.Module, run: Callable, args: tuple, draw
                 with mode:
                     loss = run(single, args)
         loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+        apply_steps(recipe, params.values())
         return {"loss": loss.detach(), **{n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()}}
 
     try:
@@ -258,20 +261,20 @@ def flip_contributions(single: torch.nn.Module, run: Callable, args: tuple, draw
 
 
 def step_flips(single: torch.nn.Module, single64: torch.nn.Module, run: Callable, args: tuple, fallback,
-               draws: Callable, clip: float | None = None) -> list[dict]:
+               draws: Callable, recipe: Recipe = Recipe()) -> list[dict]:
     """What each value near a kink of the step would change alone on the kink's other side
     (:func:`near_kinks`, :func:`flip_contributions`), on the reference's rank, at the step's point."""
     flips = near_kinks(single, single64, run, args, cast(args, torch.float64), fallback, draws)
-    return flip_contributions(single, run, args, draws, flips, clip) if flips else []
+    return flip_contributions(single, run, args, draws, flips, recipe) if flips else []
 
 
 def explainer(step: int, reference, models: Callable[[], tuple], run: Callable, args: tuple, fallback,
-              draws: Callable, clip: float | None = None) -> Callable:
+              draws: Callable, recipe: Recipe = Recipe()) -> Callable:
     """``kinks(checks, grads, judge)`` for a step's gradient checks (:func:`rescue`), the flips measured on
     ``run(single, args)`` against ``single64`` (:func:`step_flips`; ``models()`` gives the two, asked on
     ``reference``'s computing rank alone, the only one that holds them)."""
     return partial(rescue, step=step, reference=reference,
-                   contributions=lambda: step_flips(*models(), run, args, fallback, draws, clip))
+                   contributions=lambda: step_flips(*models(), run, args, fallback, draws, recipe))
 
 
 def any_rank(flag: bool, group) -> bool:

@@ -24,6 +24,7 @@ from verify.cases.kinks import KinkSides, explainer
 from verify.cases.memory import MemoryLog
 from verify.cases.microbatch import loss_fn_of, one_device_loss
 from verify.cases.pipeline import is_pipeline_policy, pipeline_microbatches
+from verify.cases.recipe_steps import apply_steps, measured_names
 from verify.cases.reference import SharedReference, reference_grads
 from verify.cases.samples import DTYPES
 from verify.cases.spread import moved_samples
@@ -85,16 +86,16 @@ def reload_check_names(policy: str) -> tuple[str, ...]:
 
 
 def expected_checks(name: str, policy: str, steps: int, seed: int, checkpoint: bool = True,
-                    clip: float | None = None) -> list[str]:
-    """The names of every check a rank must return for this case (a short list is a failure); with
-    ``clip``, each step's total gradient norm too. A tuple stands for one of its names (the reload
+                    recipe: Recipe = Recipe()) -> list[str]:
+    """The names of every check a rank must return for this case (a short list is a failure); with a
+    ``recipe`` whose steps measure something (clipping: each step's total gradient norm), that too. A tuple stands for one of its names (the reload
     under the first plan that fits, :func:`reload_check_names`)."""
     model = build_model(name, seed).model
     names = [f"initial {k}" for k in own_state(model)]
     params = [n for n, _ in model.named_parameters()]
     buffers = buffer_names(model)
     for s in range(steps):
-        names += [f"load step {s}", f"loss step {s}", *([f"grad norm step {s}"] if clip is not None else []),
+        names += [f"load step {s}", f"loss step {s}", *measured_names(recipe, s),
                   *(f"grad {n} step {s}" for n in params),
                   *(f"param {n} after step {s}" for n in params),
                   *(f"buffer {n} after step {s}" for n in buffers)]
@@ -126,8 +127,9 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     judged against one device on that whole batch. ``checkpoint=False`` leaves out the checkpoint
     reloads and the resume (the training checks alone, for benchmarks that sweep many cases).
     ``traces`` (a rank's :class:`~verify.cases.traces.TraceCache`) lets every compile of the case reuse one trace.
-    The single-device runs mimic the recipe: they clip with ``torch.nn.utils.clip_grad_norm_`` (each
-    step's total norm is checked) and run its precision (:class:`~verify.judge.lowprec.Precision`).
+    The single-device runs mimic the recipe: its steps on the gradients as one device does them
+    (``verify/cases/recipe_steps.py``: clipping by ``torch.nn.utils.clip_grad_norm_``, each step's total
+    norm checked) and its precision (:class:`~verify.judge.lowprec.Precision`).
     ``memory``: where the last step's measured memory on this rank is left (:mod:`verify.cases.memory`).
     ``layout``: more :class:`ComputeConfig` fields (a lowered cluster plan's tp_size, pp_size, schedule, ...).
     The loop: :func:`verify.cases.training.train`."""
@@ -139,7 +141,7 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
     whole = microbatches > 1 or is_pipeline_policy(policy)  # whole-batch loss and gradients of M micro-batches
     compiler = OnAllRanks(policy, resolve_policy, layout, f"{microbatches} micro-batches" if whole else None)
     stepper = TrainStep(loss_fn_of(case), measured=True) if whole else \
-        ForwardBackward(recipe.clip_grad_norm, seed=seed)
+        ForwardBackward(seed=seed)
     return train(t, compiler, WholeBatch(microbatches), stepper, WholeModel(t, policy))
 
 
@@ -147,8 +149,8 @@ def run_model_case(name: str, policy: str, world_size: int, steps: int, seed: in
 class WholeModel:
     """One device for a model planned on all the case's ranks (the computing rank's ``models``:
     :func:`~verify.cases.reference.reference_models`): the recipe's and float64's loss and gradients
-    at each step's point (its buffers too), from the step's draws, on the step's micro-batches; the
-    clipped norms; the moved points' spreads under a low precision; then the checkpoint's reloads."""
+    at each step's point (its buffers too), from the step's draws, on the step's micro-batches; what the
+    recipe's steps measure (the clipped norms); the moved points' spreads under a low precision; then the checkpoint's reloads."""
 
     t: Training
     policy: str
@@ -167,7 +169,7 @@ class WholeModel:
 
     def step(self, models, args: tuple, step: int, point: dict, fallback: Float64Fallback) -> dict:
         ref, ref64, _, _ = models
-        seed, clip = self.t.seed, self.t.recipe.clip_grad_norm
+        seed = self.t.seed
         ref64.load_state_dict(with_aliases(ref64, convert_state(point, torch.float64)), strict=True)
         before = held(ref)  # what its forward writes into them: every buffer is checked after the step
         loss_ref, loss64 = _losses(ref, ref64, args, seed, step, fallback, self.loss)
@@ -175,9 +177,9 @@ class WholeModel:
         if Precision.of(self.t.recipe).active:  # more samples of the recipe's own rounding error (verify/cases/spread.py)
             moved_samples(ref, ref64, self.loss, args, cast(args, torch.float64), seed, step, fallback)
         out = {"loss": loss_ref.detach(), "loss64": loss64.detach()}
-        if clip is not None:  # the single-device recipe: torch's own clipping of the whole model
-            out["norm"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).detach()
-            out["norm64"] = torch.nn.utils.clip_grad_norm_(ref64.parameters(), clip).detach()
+        # the single-device recipe: its steps on the gradients (torch's own clipping, ...), what they measured
+        measured, measured64 = apply_steps(self.t.recipe, ref.parameters()), apply_steps(self.t.recipe, ref64.parameters())
+        out["measured"] = {k: (v, measured64[k]) for k, v in measured.items()}
         grads, grads64 = reference_grads(dict(ref.named_parameters()), ref64)
         return require_finite(dict(out, grads=grads, grads64=grads64, **reference_buffers(ref, ref64, before)), step)
 
@@ -187,9 +189,9 @@ class WholeModel:
         low precision."""
         if Precision.of(self.t.recipe).active:
             return None
-        seed, clip = self.t.seed, self.t.recipe.clip_grad_norm
+        seed = self.t.seed
         return explainer(step, reference, lambda: models[:2], self.loss, args, fallback,
-                         lambda: same_draws(seed, step), clip)
+                         lambda: same_draws(seed, step), self.t.recipe)
 
     def reloads(self, t: Training, pm, reference: SharedReference, fallback: Float64Fallback) -> list[Check]:
         return _reload_checks(t.name, self.policy, pm, cast(t.case.batch(t.steps), t.dt), t.groups, t.gen_dir,

@@ -28,6 +28,7 @@ from verify.cases.memory import MemoryLog
 from verify.cases.microbatch import loss_fn_of
 from verify.cases.model import resolve_policy
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, is_pipeline_policy
+from verify.cases.recipe_steps import apply_steps
 from verify.cases.reference import reference_grads
 from verify.cases.samples import DTYPES
 from verify.cases.traces import TraceCache
@@ -91,7 +92,7 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     dt = DTYPES["bfloat16" if Precision.of(recipe).precision == "bf16-true" else dtype]
     case = built(name, seed, dt)
     replicas, rank = world_size // plan_ngpus, dist.get_rank()
-    replica, clip = rank // plan_ngpus, recipe.clip_grad_norm
+    replica = rank // plan_ngpus
     if is_pipeline_policy(policy):
         return _pipeline_replicas(name, policy, world_size, plan_ngpus, steps, seed, groups, gen_dir, dtype, dt,
                                   recipe, case, traces)
@@ -101,10 +102,10 @@ def run_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: int, 
     if microbatches > 1:  # the whole batch's loss over every replica, exactly (train_step's weighting)
         stepper = TrainStep(loss_fn_of(case))
     else:  # the mean of the replicas' losses: the data-parallel objective (see above)
-        stepper = ForwardBackward(clip, mean_over=(groups, [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]))
+        stepper = ForwardBackward(mean_over=(groups, [rank % plan_ngpus + r * plan_ngpus for r in range(replicas)]))
     return train(t, Replicated(policy, resolve_policy, plan_ngpus, replicas),
                  ReplicaShare(microbatches, replicas, replica, per_share=microbatches == 1), stepper,
-                 MeanOfShares(clip, _loss_check(policy, microbatches), Precision.of(recipe).active))
+                 MeanOfShares(recipe, _loss_check(policy, microbatches), Precision.of(recipe).active))
 
 
 def _pipeline_replicas(name: str, policy: str, world_size: int, plan_ngpus: int, steps: int, seed: int,
@@ -123,7 +124,7 @@ def _pipeline_replicas(name: str, policy: str, world_size: int, plan_ngpus: int,
     t = Training(name, seed, world_size, steps, groups, gen_dir, dtype, dt, with_buckets(recipe, case, num_microbatches=m),
                  case, traces)
     return train(t, PipelineReplicated(policy, resolve_policy, plan_ngpus, replicas), ReplicaShare(m * replicas, replicas, replica),
-                 TrainStep(loss_fn_of(case)), MeanOfShares(recipe.clip_grad_norm, LOSS, Precision.of(recipe).active))
+                 TrainStep(loss_fn_of(case)), MeanOfShares(recipe, LOSS, Precision.of(recipe).active))
 
 
 def _mean_loss(model: torch.nn.Module, args: tuple) -> torch.Tensor:
@@ -136,10 +137,11 @@ def _mean_loss(model: torch.nn.Module, args: tuple) -> torch.Tensor:
 class MeanOfShares:
     """One device for replicas (the computing rank's ``models``,
     :func:`~verify.cases.reference.reference_models`): the mean of the losses of ``refs`` (each share, or
-    the whole batch alone) and its gradients, clipped with torch's own clipping as the recipe's
-    ``clip`` asks (the parallel module clipped already); the point is the parameters alone."""
+    the whole batch alone) and its gradients, with the ``recipe``'s steps done as one device does them
+    (``verify/cases/recipe_steps.py``: torch's own clipping; the parallel module clipped already); the
+    point is the parameters alone."""
 
-    clip: float | None
+    recipe: Recipe
     loss_name: str
     lowprec: bool = False  # a low-precision recipe: no kink explanation (its own rule)
     initial = False  # no initial-state checks
@@ -162,9 +164,8 @@ class MeanOfShares:
         with fallback, sides.follow():  # an operator without a float64 kernel runs in the test dtype (the bound widens)
             loss64 = _mean_loss(ref64, (refs,))
             loss64.backward()
-        if self.clip is not None:  # the single-device recipe: torch's own clipping
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), self.clip)
-            torch.nn.utils.clip_grad_norm_(ref64.parameters(), self.clip)
+        apply_steps(self.recipe, ref.parameters())  # the single-device recipe: torch's own clipping, ...
+        apply_steps(self.recipe, ref64.parameters())
         grads, grads64 = reference_grads(params, ref64)
         return require_finite({"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads,
                                "grads64": grads64}, step)
@@ -175,7 +176,7 @@ class MeanOfShares:
         if self.lowprec:
             return None
         return explainer(step, reference, lambda: models[:2], _mean_loss, (refs,), fallback,
-                         contextlib.nullcontext, self.clip)
+                         contextlib.nullcontext, self.recipe)
 
     def reloads(self, *_) -> list[Check]:
         return []

@@ -1,6 +1,7 @@
 """The one training loop of a whole-model case: the model built once, compiled, trained ``steps``
 AdamW steps judged against one device (computed on the case's first rank, ``verify/cases/reference.py``),
-clipped as torch clips, its memory measured, then its checkpoint resumed (``verify/cases/resume.py``).
+each step-like recipe field (clipping, ...) done as one device does it (``verify/cases/recipe_steps.py``)
+and what it measures checked, its memory measured, then its checkpoint resumed (``verify/cases/resume.py``).
 
 What varies is a small strategy each: how to compile (:class:`OnAllRanks`, :class:`Replicated`,
 :class:`PipelineReplicated`), how to feed (:class:`WholeBatch`, :class:`ReplicaShare`; micro-batches
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from nnscaler.policies import ComputeConfig
 from nnscaler.recipe import Recipe
+from nnscaler.runtime.grad_steps import after_backward
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast, share
@@ -27,6 +29,7 @@ from verify.cases.draws import same_draws
 from verify.cases.memory import MemoryLog, SavedActivations, measure, storage_bytes
 from verify.cases.microbatch import whole_batch
 from verify.cases.precision_record import PrecisionRecord
+from verify.cases.recipe_steps import active
 from verify.cases.reference import SharedReference, reference_models
 from verify.cases.resume import resume_checks
 from verify.cases.step_checks import LR, equal_check, installed, step_checks
@@ -189,11 +192,11 @@ def _grad_bytes(pm) -> int | None:
 
 @dataclass(frozen=True)
 class ForwardBackward:
-    """Forward (under the step's draws of ``seed``, if given), backward, then clipping as ``train_step``
-    clips with ``ComputeConfig(clip_grad_norm=...)``; the saved activations measured. ``mean_over``
-    (the group cache and one replica rank per replica): the loss judged is the mean over replicas."""
+    """Forward (under the step's draws of ``seed``, if given), backward, then the recipe's steps on the
+    gradients as ``train_step`` does them (clipping, ...: :func:`nnscaler.runtime.grad_steps.after_backward`);
+    the saved activations measured. ``mean_over`` (the group cache and one replica rank per replica): the
+    loss judged is the mean over replicas."""
 
-    clip: float | None
     seed: int | None = None
     mean_over: tuple[GroupCache, list[int]] | None = None
 
@@ -202,8 +205,7 @@ class ForwardBackward:
         with saved, (same_draws(self.seed, step) if self.seed is not None else nullcontext()):
             loss = pm(*args)
         loss.backward()
-        if self.clip is not None:
-            pm.clip_grad_norm_(self.clip)
+        after_backward(pm)
         grad_bytes = _grad_bytes(pm)
         if self.mean_over is None:
             return Ran(loss.detach(), saved.bytes, grad_bytes)
@@ -233,8 +235,8 @@ class TrainStep:
 def train(t: Training, compiler, feed: WholeBatch, stepper, one) -> list[Check]:
     """Every check of training case ``t``, compiled by ``compiler``, fed by ``feed``, stepped by
     ``stepper``, against what ``one`` computes on one device (``one.step``), in order: the initial
-    state (where ``one.initial``), per step the point installed, the loss (``one.loss_name``), the
-    clipped norm (where one device gives ``norm``), every gradient (a failing one explained by values
+    state (where ``one.initial``), per step the point installed, the loss (``one.loss_name``), what the
+    recipe's steps measure (where one device gives ``measured``: the clipped norm), every gradient (a failing one explained by values
     near a kink where ``one.kinks`` gives the means) and parameter; then (``t.checkpoint``)
     ``one.reloads`` and the resume; ``one.finish``; the fallback's notes. The recipe's precision is
     recorded around each parallel step and its checks (:mod:`verify.cases.precision_record`) come first. A point that does not load
@@ -268,10 +270,11 @@ def train(t: Training, compiler, feed: WholeBatch, stepper, one) -> list[Check]:
         got = reference.share(lambda: one.step(models, feed.theirs(args), step, point, fallback), fallback)
         widen, kw = fallback.widen, fallback.bounds()
         checks.append(check_tensor(one.loss_name.format(step), ran.loss, got["loss"], got["loss64"], **kw))
-        if "norm" in got:
-            norm = pm.last_grad_norm
-            checks.append(check_tensor(f"grad norm step {step}", None if norm is None else norm.detach().reshape(()),
-                                       got["norm"], got["norm64"], **kw))
+        for s, _ in active(t.recipe) if "measured" in got else ():  # what the recipe's steps measured
+            if s.measured is not None:
+                value = s.parallel(pm)
+                checks.append(check_tensor(s.measured.format(step), None if value is None else value.detach().reshape(()),
+                                           *got["measured"][s.name], **kw))
         kinks = one.kinks(models, feed.theirs(args), step, fallback, reference)  # values near a kink explained
         checks += step_checks(pm, got["grads"], got["grads64"], shadow, point, opts, step, widen, kw, kinks,
                               buffers=got if "buffers" in got else None)  # where one device gives its buffers

@@ -1,14 +1,18 @@
 """The ``model`` kind: a whole model under a policy trained against one device (:mod:`verify.cases.model`,
 a pipeline policy stage by stage), or, planned on fewer ranks than the case's (``plan_ngpus``), as
-replicas (:mod:`verify.cases.replicas`); a failing row is localised (:mod:`verify.localize.row`)."""
+replicas (:mod:`verify.cases.replicas`); a failing row is localised (:mod:`verify.localize.row`). In the
+sweep, a unit is one model case (its policy, micro-batches, replicas, recipe, resume)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from nnscaler.recipe import Recipe
 
 from verify.cases.memory import MemoryLog
 from verify.cases.model import run_model_job
 from verify.cases.replicas import run_replicas_job
 from verify.cases.traces import TraceCache, graph_ops
+from verify.config import RECIPE, RunConfig, model_label
 from verify.kinds.registry import CaseKind, case_kind
 from verify.localize.row import localize_row
 
@@ -37,3 +41,23 @@ class Model(CaseKind):
 
     def localize(self, state, first_failure: str):
         return localize_row(self.job, first_failure, state.groups)
+
+    @classmethod
+    def label(cls, unit) -> str:
+        """``model:nanogpt tp mb4 W=2 seed 1 no-resume``: the row's partition column (:func:`model_label`),
+        the sample recipe's words on a recipe unit, the world sizes, seeds and whether it resumes."""
+        policy = model_label(unit.policy, Recipe(num_microbatches=unit.microbatches), unit.replicas)
+        return (f"model:{unit.name} {policy}{RECIPE.label if unit.recipe else ''} "
+                f"W={','.join(map(str, unit.world_sizes))} seed {','.join(map(str, unit.seeds))}"
+                + ("" if unit.checkpoint else " no-resume"))
+
+    @classmethod
+    def rerun_command(cls, cfg: RunConfig, model: str, policy: str, world_size: int, seed: int, steps: int,
+                      bucket_bytes: int | None = None, replicas: int = 1) -> str:
+        """The command that reruns one whole-model row alone (same modules, dtype, steps, recipe; buckets
+        of ``bucket_bytes``, else the recipe's; ``--replicas R`` last where the plan is replicated)."""
+        recipe = cfg.recipe if bucket_bytes is None else replace(cfg.recipe, bucket_bytes=bucket_bytes)
+        line = cfg.command("model", model, [
+            ("--policy", policy), ("--world-size", world_size), ("--seed", seed), ("--steps", steps),
+            ("--dtype", cfg.dtype), *recipe.flags()])
+        return line + (f" --replicas {replicas}" if replicas > 1 else "")

@@ -1,5 +1,6 @@
 """An operator's kinds: ``op_partitions`` (the partitions of a registered operator or a traced model's
-node, per world size) and ``op`` (one partition on these ranks against one device)."""
+node, per world size) and ``op`` (one partition on these ranks against one device; in the sweep, a
+registered operator under every partition, world size and seed, labelled by its name)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from nnscaler.runtime.mesh import RankMesh
 from verify.cases import op as rank_case
 from verify.cases.node import node_sample
 from verify.cases.samples import DTYPES, Sample, make_sample
+from verify.config import RunConfig, split_base
 from verify.kinds.registry import CaseKind, case_kind
 
 
@@ -52,3 +54,18 @@ class Op(CaseKind):
         mesh = RankMesh.build(partition.mesh_shape, state.rank, state.groups)
         checks = rank_case.run_case(sample, ref, partition, mesh, state.device)
         return {"checks": [c.__dict__ for c in checks]}
+
+    @classmethod
+    def label(cls, unit) -> str:
+        return unit.name
+
+    @classmethod
+    def rerun_command(cls, cfg: RunConfig, op: str, world_size: int, partition: str, seed: int) -> str:
+        """The command that reruns one operator row alone (an operator of a model: ``--model M --node N``)."""
+        if cfg.node is not None:
+            return cfg.command("op", None, [
+                ("--model", cfg.node[0]), ("--node", cfg.node[1]), ("--world-size", world_size),
+                ("--partition", partition), ("--seed", seed), ("--dtype", cfg.dtype)])
+        return cfg.command("op", op, [
+            ("--world-size", world_size), ("--partition", partition), ("--seed", seed), ("--dtype", cfg.dtype),
+            ("--base", None if split_base([world_size]) == cfg.base else cfg.base)])

@@ -13,7 +13,6 @@ parallelism included (no compiler lowering of cp yet: refused by name, never red
 from __future__ import annotations
 
 import os
-import shlex
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from nnscaler.cluster.plan import NO_CP_LOWERING, SavedPlan, check_lowering, loa
 from verify.config import BadInput, RunConfig
 
 from verify.judge.row import Row
+from verify.kinds.plan import Plan
 from verify.judge.verdict import MISMATCH
 from verify.models.saved_plan import build_case, write_reduced
 
@@ -129,10 +129,7 @@ def cmd_plan(args) -> int:
         raise BadInput(f"importing {', '.join(modules)} failed: {type(exc).__name__}: {exc}") from None
     if args.keep is not None and Path(args.keep).exists() and not Path(args.keep).is_dir():
         raise BadInput(f"--keep {args.keep}: not a directory")
-    rerun = " ".join(shlex.quote(x) for x in ["python", "-m", "verify", "plan", str(args.path)]
-                     + (["--as-planned"] if args.as_planned else [])
-                     + (["--precision", args.precision] if args.precision else [])
-                     + [x for m in modules for x in ("--module", m)])
+    rerun = Plan.rerun_command(RunConfig(modules=modules), args.path, args.as_planned, args.precision)
     ranks = getattr(args, "ranks", None)  # verify.cluster: the torchrun job's ranks in the gang's place
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.keep or tmp)

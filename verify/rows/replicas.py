@@ -13,6 +13,7 @@ from verify.judge.verdict import MATCH, localization, worst as _worst, judge
 from verify.config import RunConfig, model_label, rerun_modules
 
 from verify.judge.row import Row
+from verify.kinds.model import Model
 from verify.runner.gang import Gang
 from verify.cases.zero import rank_memory, zero_applies
 from verify.cases.pipeline import PIPELINE_MODELS, pipeline_applies, pipeline_microbatches
@@ -70,7 +71,7 @@ def run_replicas(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfi
                 status, detail, checks, tb = judge(answers, expected, rerun_modules(name, cfg))
                 out = _worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = _worst(checks, "grad")
-                rerun = cfg.rerun_model(name, policy, w, seed, steps, bucket_bytes) + f" --replicas {replicas}"
+                rerun = Model.rerun_command(cfg, name, policy, w, seed, steps, bucket_bytes, replicas)
                 what = f"{steps} AdamW steps vs one device" if m == 1 else \
                     f"{steps} AdamW steps of {m} micro-batches per replica vs one device on the whole batch"
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed,

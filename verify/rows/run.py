@@ -13,6 +13,8 @@ from nnscaler.ops.spec import OpSpec
 from verify.config import BadInput, RunConfig, model_label, rerun_modules
 
 from verify.judge.row import Row
+from verify.kinds.model import Model
+from verify.kinds.op import Op
 from verify.cases.model import expected_checks
 from verify.cases.pipeline import pipeline_applies, pipeline_microbatches
 from verify.cases.zero import rank_memory, zero_applies
@@ -34,7 +36,7 @@ def plan_op(gang: Gang, spec: OpSpec, cfg: RunConfig, seed: int) -> tuple[dict[i
     if answer.failure or answer.result.get("error"):
         status, detail, _, tb = judge([answer])
         return None, Row(cfg.row_name(spec), spec.family, spec.annotation, 0, "sampling", cfg.dtype, seed, status,
-                         detail=f"sampling failed: {detail}", rerun=cfg.rerun(spec.name, max(cfg.world_sizes), "replicate", seed),
+                         detail=f"sampling failed: {detail}", rerun=Op.rerun_command(cfg, spec.name, max(cfg.world_sizes), "replicate", seed),
                          traceback=tb)
     empty = sorted(k for k, n in answer.result["sizes"].items() if n == 0)
     if empty:
@@ -99,7 +101,7 @@ def run_op(gang: Gang, spec: OpSpec, cfg: RunConfig, skip: frozenset | set = fro
                 out, grad = worst(checks, "output"), worst(checks, "grad")
                 yield Row(name, spec.family, spec.annotation, w, label, cfg.dtype, seed, status,
                           out and out["err"], out and out["tol"], grad and grad["err"], grad and grad["tol"],
-                          detail, "" if status == MATCH else cfg.rerun(spec.name, w, label, seed),
+                          detail, "" if status == MATCH else Op.rerun_command(cfg, spec.name, w, label, seed),
                           time.perf_counter() - start, tb)
 
 
@@ -128,7 +130,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                 job = {"kind": "model", "model": name, "policy": policy, "world_size": w, "steps": steps,
                        "seed": seed, "gen_dir": gen_dir, "dtype": cfg.dtype, "checkpoint": checkpoint,
                        **cfg.recipe_job(m, bucket_bytes)}
-                expected = expected_checks(name, policy, steps, seed, checkpoint, clip=cfg.clip_grad_norm)
+                expected = expected_checks(name, policy, steps, seed, checkpoint, recipe=cfg.recipe)
                 answers = gang.run(job, w, replace(cfg, microbatches=m).limit_s("model", steps))
                 if used is not None:
                     used.add(answers)
@@ -136,7 +138,7 @@ def run_model(gang: Gang, name: str, policies: tuple[str, ...], cfg: RunConfig, 
                                                    rerun_modules(name, cfg))
                 out = worst([c for c in checks if not c["name"].startswith("grad")], "")
                 grad = worst(checks, "grad")
-                rerun = cfg.rerun_model(name, policy, w, seed, steps, bucket_bytes)
+                rerun = Model.rerun_command(cfg, name, policy, w, seed, steps, bucket_bytes)
                 what = f"{steps} AdamW steps vs one device" if m == 1 else \
                     f"{steps} AdamW steps of {m} micro-batches vs one device on the whole batch"
                 yield Row(f"model:{name}", "model", what, w, label, cfg.dtype, seed, status,

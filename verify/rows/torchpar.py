@@ -3,7 +3,6 @@ exists, returns a module with the model's parameter names on a mesh of the asked
 a fake process group, as torchtitan's dry runs do) and the rows of a run on the gang."""
 from __future__ import annotations
 
-import shlex
 import time
 from pathlib import Path
 from typing import Iterator
@@ -15,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from verify.config import RunConfig
 
 from verify.judge.row import Row
+from verify.kinds.torchpar import Torchpar
 from verify.cases.torchpar.build import ParallelizeNotFound, find_fn
 from verify.api import ParallelizeError, unpack
 from verify.cases.torchpar.mesh import DP, MeshSpecError, mesh_shape, parse_mesh
@@ -102,12 +102,6 @@ def localize_error(gang: Gang, job: dict, cfg: RunConfig) -> str:
     return f"; {result['divergence_note']}" if result.get("divergence_note") else ""
 
 
-def rerun_command(model: str, fn_ref: str, mesh: str, w: int, seed: int, steps: int, dtype: str) -> str:
-    parts = ["python", "-m", "verify", "model", model, "--parallelize", fn_ref, "--mesh", mesh,
-             "--world-size", str(w), "--seed", str(seed), "--steps", str(steps), "--dtype", dtype]
-    return " ".join(shlex.quote(p) for p in parts)
-
-
 def run_torchpar(gang: Gang, model: str, fn_ref: str, dims, cfg: RunConfig, gen_dir: str, steps: int = 3,
                  skip: frozenset | set = frozenset(), label: str | None = None, checkpoint: bool = True) -> Iterator[Row]:
     """Train ``model`` parallelized by ``fn_ref`` on each world size and seed of ``cfg``; one row per
@@ -133,5 +127,5 @@ def run_torchpar(gang: Gang, model: str, fn_ref: str, dims, cfg: RunConfig, gen_
             yield Row(f"model:{model}", "torchpar", f"{steps} AdamW steps vs one device, DCP resume", w, part,
                       cfg.dtype, seed, status, out and out["err"], out and out["tol"], grad and grad["err"],
                       grad and grad["tol"], detail,
-                      "" if status == MATCH else rerun_command(model, fn_ref, mesh, w, seed, steps, cfg.dtype),
+                      "" if status == MATCH else Torchpar.rerun_command(cfg, model, fn_ref, mesh, w, seed, steps),
                       time.perf_counter() - start, tb)

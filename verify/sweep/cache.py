@@ -1,8 +1,9 @@
 """The verdict cache: a unit's rows kept under a key made of everything that can change them, so a
 rerun after an edit reruns only the units the edit can affect (``verify all``; ``--no-cache`` ignores it).
 
-The key of a unit (:meth:`VerdictCache.key`) holds the unit (operator, model or saved plan, policy, world
-sizes, seeds, micro-batches, replicas, recipe, resume; a saved plan's file content), the run's settings (dtype, every field of the training recipe, base,
+The key of a unit (:meth:`VerdictCache.key`) holds its kind's entries (``cache_key``, ``verify/kinds/``: the
+unit's operator, model or saved plan, policy, world sizes, seeds, micro-batches, replicas, recipe, resume;
+a saved plan's file content), the run's settings (dtype, every field of the training recipe, base,
 ``--module`` files' contents), the torch and Python versions and the *core*: every source file of
 ``nnscaler/``, ``verify/`` and ``opzoo/`` except the catalogue's *leaf* files, the modules of the
 family folders that register operators or rules (``opzoo/<family>/entries.py``, ``rules.py``,
@@ -36,6 +37,7 @@ from nnscaler.io import atomic_write
 from verify.config import RunConfig
 
 from verify.judge.row import Row
+from verify.kinds import kind_class
 from verify.sweep.selection import Unit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,10 +162,10 @@ class VerdictCache:
         return self._hashes[path]
 
     def key(self, unit: Unit) -> str:
-        """The unit, the run's context and, for a saved plan, its file's content (an edited plan reruns)."""
-        plan = {"plan": file_hash(self.root / unit.name)} if unit.kind == "plan" else {}
-        return _digest(json.dumps({"unit": asdict(unit), **self.context, **plan}, sort_keys=True,
-                                  default=str).encode())
+        """The run's context and the unit's entries as its kind gives them (``cache_key``, ``verify/kinds/``:
+        the unit's every field and, for a saved plan, its file's content)."""
+        return _digest(json.dumps({**kind_class(unit.kind).cache_key(unit, self.root), **self.context},
+                                  sort_keys=True, default=str).encode())
 
     def _path(self, unit: Unit) -> Path:
         k = self.key(unit)

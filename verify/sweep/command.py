@@ -36,7 +36,8 @@ def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
     full = full_units([s.name for s in specs], models, policies, cfg.world_sizes, cfg.seeds,
                       list(dict.fromkeys(args.random_seeds)), args.microbatches,
                       [c for c in torch_cases if c.world_size in cfg.world_sizes], recipes, _zoo(args),
-                      saved_plans() if recipes and not args.op and args.model is None else ())
+                      saved_plans() if recipes and not args.op and args.model is None else (),
+                      kinds=not args.op and args.model is None)  # --op, --model: what runs is named
     if cfg.precision != "32-true":  # replica cases run 32-true only: left out rather than mislabelled
         full = [u for u in full if u.replicas == 1]
     if cfg.zero:

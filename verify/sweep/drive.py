@@ -13,16 +13,23 @@ from verify.rows.replicas import run_replicas
 from verify.rows.torchpar_builtin import CASES as TORCH_CASES, run_builtin
 from verify.plan.arguments import DEFAULT_TIMEOUT_S  # a plan unit is never held to less
 from verify.runner.gang import Gang
-from verify.sweep.selection import RECIPE, ROOT, Unit
+from verify.config import RECIPE
+from verify.kinds import kind_class
+from verify.kinds.plan import Plan
+from verify.sweep.selection import ROOT, Unit
 from verify.rows.run import run_model, run_op
 
 
 def run_unit(gang: Gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used,
              planned: dict | None = None) -> Iterator[Row]:
-    """The rows of ``unit`` (leaving out the cases whose keys are in ``skip``, already done), as its
-    kind runs them (:data:`UNIT_ROWS`); ``planned``: the preflight's partitions of operators
+    """The rows of ``unit`` (leaving out the cases whose keys are in ``skip``, already done): a built-in
+    kind's as :data:`UNIT_ROWS` drives them, any other kind's as it drives its own (``rows``,
+    ``verify/kinds/registry.py``); ``planned``: the preflight's partitions of operators
     (``verify.rows.run.preflight``)."""
-    yield from UNIT_ROWS[unit.kind](gang, unit, cfg, specs, gen_dir, skip, used, planned)
+    if unit.kind in UNIT_ROWS:
+        yield from UNIT_ROWS[unit.kind](gang, unit, cfg, specs, gen_dir, skip, used, planned)
+    else:
+        yield from kind_class(unit.kind).rows(gang, unit, cfg, gen_dir, skip, used)
 
 
 def op_unit_rows(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, skip, used: Used,
@@ -61,7 +68,7 @@ def run_plan_unit(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, s
     from verify.judge.verdict import ERROR  # noqa: PLC0415
     from verify.plan.cli import plan_rows, prepare  # noqa: PLC0415 (transformers: only a sweep with plans)
     path = ROOT / unit.name
-    rerun = f"python -m verify plan {unit.name}"
+    rerun = Plan.rerun_command(replace(cfg, modules=()), unit.name)
     with tempfile.TemporaryDirectory(dir=gen_dir) as out:
         try:
             case = prepare(path, out, seed=unit.seeds[0])
@@ -82,7 +89,8 @@ def run_plan_unit(gang, unit: Unit, cfg: RunConfig, specs: dict, gen_dir: str, s
 
 UNIT_ROWS: dict[str, Callable[..., Iterator[Row]]] = {
     "op": op_unit_rows, "model": model_unit_rows, "torchpar": torchpar_unit_rows, "plan": run_plan_unit}
-"""How each unit kind runs (the kind names of :data:`verify.sweep.selection.UNIT_LABELS`)."""
+"""How each built-in unit kind runs (over ``verify/rows/``; the names its case kind is registered under,
+``verify/kinds/``). Another registered kind drives its own rows."""
 
 
 class LazyGang:

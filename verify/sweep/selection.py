@@ -17,18 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
-from nnscaler.recipe import Recipe
-
-from verify.config import model_label
+from verify.config import RECIPE  # noqa: F401  (verify all's sample recipe, its recipe units')
 from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
 from verify.rows.replicas import ALL_REPLICAS, replica_world_sizes
 from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, TWO_D_RESUME
-
-
-RECIPE = Recipe(precision="bf16-mixed", zero=3, recompute="full", clip_grad_norm=1.0)  # verify all's sample
-RECIPE_TAG = RECIPE.label  # " bf16-mixed zero3 clip1 recompute=full"
+from verify.kinds import KINDS, kind_class
 RECIPE_MODELS = ("nanogpt", "llama")  # the default sample's recipe units (--full: every model)
 FIRST = ("weightnorm_mlp", "bucketed_mlp", "padded_gpt")  # the fastest models: their units run first
 REPLICA_MODELS = FIRST + ("llama",)  # the default's tp replicas units (bucketed_mlp: many small buckets)
@@ -69,24 +64,8 @@ class Unit:
     @property
     def label(self) -> str:
         """What the progress line and the cache call it (``model:nanogpt tp mb4 W=2 seed 1 resume``):
-        its kind's (:data:`UNIT_LABELS`)."""
-        return UNIT_LABELS[self.kind](self)
-
-
-def _model_label(u: Unit) -> str:
-    policy = model_label(u.policy, Recipe(num_microbatches=u.microbatches), u.replicas)
-    return (f"model:{u.name} {policy}{RECIPE_TAG if u.recipe else ''} "
-            f"W={','.join(map(str, u.world_sizes))} seed {','.join(map(str, u.seeds))}"
-            + ("" if u.checkpoint else " no-resume"))
-
-
-UNIT_LABELS: dict[str, Callable[[Unit], str]] = {
-    "op": lambda u: u.name,
-    "model": _model_label,
-    "torchpar": lambda u: f"torchpar:{u.name} W={u.world_sizes[0]}",
-    "plan": lambda u: f"plan:{Path(u.name).stem} W={u.world_sizes[0]} seed {u.seeds[0]}",
-}
-"""Each unit kind's label; the same kind names key :data:`verify.sweep.drive.UNIT_ROWS` (how it runs)."""
+        its registered kind's (``label``, ``verify/kinds/``)."""
+        return kind_class(self.kind).label(self)
 
 
 def _model(name, policy, w, seed, microbatches=1, replicas=1, checkpoint=True, recipe=False) -> Unit:
@@ -96,11 +75,12 @@ def _model(name, policy, w, seed, microbatches=1, replicas=1, checkpoint=True, r
 def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str], world_sizes: Sequence[int],
                seeds: Sequence[int], random_seeds: Sequence[int], microbatches: Sequence[int],
                torch_cases: Sequence, recipes: bool, zoo: Sequence[str] = (),
-               plans: Sequence[str | Path] = ()) -> list[Unit]:
+               plans: Sequence[str | Path] = (), kinds: bool = True) -> list[Unit]:
     """Today's whole matrix, one unit per model case: every model x policy x world size x seed (the
     seeded policies x every random seed), the micro-batch sweep, the pipelines, the replicas, the
     recipes, torch's own parallelizations, the ``zoo`` architectures (:func:`zoo_units`) and the saved
-    cluster ``plans`` (:func:`plan_units`, and :func:`wide_plan_units` on gangs of their own). Pipeline units that cannot run (too few layers, a world size
+    cluster ``plans`` (:func:`plan_units`, and :func:`wide_plan_units` on gangs of their own), and the units of
+    any other registered kind (:func:`kind_units`; not with ``kinds=False``). Pipeline units that cannot run (too few layers, a world size
     they need not met) are left out here, not skipped later."""
     def seeds_of(p):
         return random_seeds if p in SEEDED_POLICIES else seeds
@@ -119,7 +99,17 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
         out += recipe_units(models, seeds, world_sizes)
     out += [Unit("torchpar", c.name, world_sizes=(c.world_size,), seeds=tuple(seeds[:1])) for c in torch_cases]
     return out + zoo_units(zoo, world_sizes, seeds) + plan_units(plans, world_sizes, seeds) \
-        + wide_plan_units(plans, world_sizes, seeds)
+        + wide_plan_units(plans, world_sizes, seeds) + (kind_units(world_sizes, seeds) if kinds else [])
+
+
+MATRIX_KINDS = ("op", "model", "torchpar", "plan")
+"""The kinds of the built-in matrix; every other registered kind's units are its own (:func:`kind_units`)."""
+
+
+def kind_units(world_sizes: Sequence[int], seeds: Sequence[int]) -> list[Unit]:
+    """The units each registered kind outside the matrix asks for (``units``, ``verify/kinds/registry.py``)."""
+    return [Unit(name, **d) for name, cls in KINDS.items() if name not in MATRIX_KINDS
+            for d in cls.units(tuple(world_sizes), tuple(seeds))]
 
 
 def zoo_units(archs: Sequence[str], world_sizes: Sequence[int], seeds: Sequence[int]) -> list[Unit]:
@@ -210,7 +200,8 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
     * each recipe unit kind (dp at each world size, hybrid, tp replicas) once, :data:`RECIPE_MODELS` by
       turns (``full`` has them on every model);
     * the zoo units of :data:`ZOO_DEFAULT` (:func:`default_zoo`);
-    * the saved cluster plans of :data:`DEFAULT_PLANS` (:func:`default_plans`).
+    * the saved cluster plans of :data:`DEFAULT_PLANS` (:func:`default_plans`);
+    * every unit of a kind outside the matrix (:func:`kind_units`).
     """
     W = list(world_sizes)
     models = sorted(models, key=lambda m: (m not in FIRST, FIRST.index(m) if m in FIRST else 0))
@@ -282,7 +273,7 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
         kinds.setdefault((u.policy, u.replicas, u.world_sizes), []).append(u)
     for k, (_, us) in enumerate(sorted(kinds.items())):
         take(us[k % len(us)])
-    pick += [u for u in full if u.kind in ("op", "torchpar")] + default_zoo(full)
+    pick += [u for u in full if u.kind in ("op", "torchpar") or u.kind not in MATRIX_KINDS] + default_zoo(full)
     pick += default_plans(full)
     return sorted(pick, key=_order)
 

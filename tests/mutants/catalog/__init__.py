@@ -20,6 +20,7 @@ from ._base import MUTANTS, apply, mutant, patch  # noqa: F401
 
 # -- applying a mutant for one case only (tests on a shared rank gang) --------------------------------
 PATCHED_MODULES = ("nnscaler.runtime.collectives", "nnscaler.runtime.grad_sync", "nnscaler.runtime.microbatch",
+                   "nnscaler.runtime.grad_steps",
                    "nnscaler.runtime.module", "nnscaler.runtime.mesh", "nnscaler.codegen.emit",
                    "nnscaler.dimops.partition", "opzoo.kernels", "nnscaler.checkpoint.pipeline",
                    "nnscaler.checkpoint.layout", "nnscaler.checkpoint.format", "nnscaler.checkpoint.sharded")

@@ -72,3 +72,11 @@ def blocked_load_other_axis():
         return real(types.SimpleNamespace(_program=module._program, mesh=mesh), name, like)
     for owner in (L, F, P, S):  # each took the name at import
         patch(owner, "load_buffer", load_buffer)
+
+
+@mutant
+def recipe_steps_skipped():
+    """``train_step`` (and a loop's ``after_backward``) does none of the recipe's steps on the gradients:
+    ``clip_grad_norm`` set, nothing is clipped (``nnscaler/runtime/grad_steps.py``)."""
+    from nnscaler.runtime import grad_steps
+    patch(grad_steps, "GRAD_STEPS", {})

@@ -53,6 +53,26 @@ def _drop_unit(field: str, value):
     return apply
 
 
+def _ignore_recipe_field(field: str):
+    def apply():
+        def make(orig):
+            def __init__(self, *a, **kw):
+                orig(self, *a, **kw)
+                self.context["recipe"].pop(field)
+            return __init__
+        wrap(_cache().VerdictCache, "__init__", make)
+    apply.__name__ = f"cache_key_ignores_recipe_{field}"
+    apply.__doc__ = f"The verdict cache key leaves out the recipe's ``{field}``: a verdict is reused for another recipe."
+    return apply
+
+
+for _field in ("num_microbatches", "precision", "zero", "clip_grad_norm", "recompute", "grad_reduce_dtype",
+               "bucket_bytes", "recompute_modules"):
+    mutant(f"{CACHE}:VerdictCache.context[recipe][{_field}]",
+           [f"tests/harness/test_kinds_sweep.py::test_the_cache_key_changes_when_any_recipe_field_changes[{_field}]",
+            "tests/harness/test_verdict_cache.py::test_every_field_of_the_recipe_is_in_the_key"])(
+        _ignore_recipe_field(_field))
+
 for _field, _value in UNIT_FIELDS.items():
     mutant(f"{CACHE}:VerdictCache.key", [f"{RULES}::test_every_field_of_a_unit_is_in_the_cache_key[{_field}]"])(
         _drop_unit(_field, _value))
