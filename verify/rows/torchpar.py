@@ -17,6 +17,7 @@ from verify.config import RunConfig
 from verify.judge.row import Row
 from verify.cases.torchpar.build import ParallelizeNotFound, find_fn
 from verify.api import ParallelizeError, unpack
+from verify.cases.torchpar.gang_mesh import cpu_meshes
 from verify.cases.torchpar.mesh import DP, MeshSpecError, mesh_shape, parse_mesh
 from verify.cases.torchpar.names import named_parameters
 from verify.judge.verdict import ERROR, MATCH, Divergence, judge, worst
@@ -56,7 +57,8 @@ def check_parallelize(model: str, fn_ref: str, mesh_spec: str, world_sizes) -> t
         want = sorted(n for n, _ in built.named_parameters())
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         try:
-            par = unpack(fn(built, mesh), fn_ref)
+            with cpu_meshes():  # torchtitan lays its meshes for cuda where it finds no device
+                par = unpack(fn(built, mesh), fn_ref)
         except ParallelizeError:
             raise
         except Exception as exc:

@@ -53,5 +53,7 @@ def loss_scale(module: torch.nn.Module) -> tuple[float, str]:
         raise ValueError(f"FSDP2 modules with gradient division disabled over different data-parallel degrees "
                          f"{sorted(found)}: one loss cannot be scaled for all of them")
     (dp,) = found
+    if dp == 1:  # one data-parallel rank: nothing is summed, nothing to scale
+        return 1.0, ""
     return 1.0 / dp, (f"FSDP2 gradient division disabled over dp={dp}: each rank's loss scaled by 1/{dp} before "
                       f"backward, the global-token normalisation of the training loop it expects (torchtitan's)")

@@ -30,6 +30,7 @@ from verify.cases.fresh import load_like
 from verify.cases.samples import DTYPES
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.torchpar.ring_cpu import cpu_ring_attention, merges_in_float32
+from verify.cases.torchpar.gang_mesh import gang_groups
 from verify.cases.torchpar.mesh import CP, build_mesh, describe, dp_slice, whole
 from verify.judge.compare import Float64Fallback, check_tensor
 from verify.judge.verdict import Divergence
@@ -221,7 +222,12 @@ def _judge_here(par: list, dev: list, ref: list, mesh, kw: dict) -> tuple[bool, 
 
 def localize_torchpar(job: dict, groups) -> Divergence | str:
     """Where a failing torch-parallelization case first leaves the single-device model, or a line
-    saying why no module was named."""
+    saying why no module was named (meshes the program lays itself take the gang's groups)."""
+    with gang_groups(groups):
+        return _localize(job, groups)
+
+
+def _localize(job: dict, groups) -> Divergence | str:
     dt = DTYPES[job.get("dtype", "float32")]
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
     mesh = build_mesh(names, sizes, groups)
