@@ -11,6 +11,7 @@ import re
 
 import torch
 import torch.distributed as dist
+import torch.distributed.device_mesh as device_mesh
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -63,12 +64,13 @@ def mesh_shape(dims, world_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]
 
 def build_mesh(names: tuple[str, ...], sizes: tuple[int, ...], groups: GroupCache, device_type: str = "cpu") -> DeviceMesh:
     """The mesh over ranks ``0 .. prod(sizes)-1`` (row-major, as :func:`axis_groups` lays them),
-    from the groups the gang created at start."""
+    from the groups the gang created at start; a size-1 dimension's one-rank group as the mesh code's
+    ``new_group`` gives it (inside :func:`verify.cases.torchpar.gang_mesh.gang_groups`: made locally)."""
     rank = dist.get_rank()
     mine = []
     for axis in axis_groups(sizes):
         g = next(g for g in axis if rank in g)
-        mine.append(groups.get(g) if len(g) > 1 else groups.add(g))
+        mine.append(groups.get(g) if len(g) > 1 else device_mesh.new_group(ranks=list(g)))
     ranks = torch.arange(math.prod(sizes)).view(*sizes)
     return DeviceMesh.from_group(mine if len(mine) > 1 else mine[0], device_type, mesh=ranks, mesh_dim_names=names)
 
