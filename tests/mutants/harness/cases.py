@@ -143,7 +143,7 @@ def _fsdp():
         ["tests/harness/test_torchpar.py::test_fsdp_gradients_divided_twice_are_caught"])
 def fsdp_any_divide_factor_compensated():
     """Whatever FSDP2's gradient divide factor, the loss is scaled to compensate it: a program dividing wrongly matches."""
-    def loss_scale(module):
+    def loss_scale(module, degree):
         found = {(g.gradient_divide_factor, _fsdp()._dp_size(g)) for g in _fsdp()._groups(module)
                  if g.gradient_divide_factor is not None}
         if not found:
@@ -157,7 +157,7 @@ def fsdp_any_divide_factor_compensated():
         ["tests/harness/test_torchpar.py::test_fsdp_as_torchtitan_ships_it_verifies_on_gloo"])
 def fsdp_undivided_loss_unscaled():
     """A program with FSDP's gradient division disabled is trained with an unscaled loss: a right program fails."""
-    patch(_fsdp(), "loss_scale", lambda module: (1.0, ""))
+    patch(_fsdp(), "loss_scale", lambda module, degree: (1.0, ""))
 
 
 @mutant("verify/cases/buffers.py:buffer_names",
@@ -211,3 +211,33 @@ def cp_float32_merge_not_said():
     """A float64 row of torch's ring attention fails without saying that torch merges its blocks in float32."""
     from verify.cases.torchpar import ring_cpu
     patch(ring_cpu, "merges_in_float32", lambda: False)
+
+
+def _torchpar_case_and_localiser():
+    from verify.cases.torchpar import localize
+    return _torchpar(), localize
+
+
+@mutant("verify/cases/torchpar/mesh.py:DATA",
+        ["tests/harness/test_torchpar_meshes.py::test_a_plan_that_forgets_to_average_over_dp_replicate_x_dp_shard_is_caught"])
+def torchpar_hsdp_dims_not_sliced():
+    """Only a dimension named ``dp`` splits the batch: torchtitan's dp_replicate x dp_shard ranks each get all of it,
+    and a program that never synchronises its gradients there matches."""
+    patch(_torchpar_mesh(), "DATA", ("dp",))
+
+
+@mutant("verify/cases/torchpar/gang_mesh.py:gang_groups",
+        ["tests/harness/test_torchpar_meshes.py::test_a_mesh_the_program_lays_itself_takes_the_gangs_groups"])
+def torchpar_own_meshes_make_their_groups():
+    """Meshes a program lays itself (torchtitan's ParallelDims) call torch's new_group on the case's ranks only."""
+    from verify.cases.torchpar.gang_mesh import cpu_meshes
+    for module in _torchpar_case_and_localiser():
+        patch(module, "gang_groups", lambda groups: cpu_meshes())
+
+
+@mutant("verify/cases/torchpar/case.py:model_state_dict",
+        ["tests/harness/test_torchpar_meshes.py::test_state_dict_hooks_resume_through_the_models_own_state_dict"])
+def torchpar_state_dict_hooks_unread():
+    """The resume saves only through get_model_state_dict: a model whose state-dict hooks rename keys cannot resume."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    patch(_torchpar(), "model_state_dict", lambda module: (get_model_state_dict(module), None))

@@ -36,7 +36,7 @@ from verify.cases.torchpar.build import parallel_model
 from verify.cases.samples import DTYPES
 from verify.api import Parallelized
 from verify.cases.torchpar.gang_mesh import gang_groups
-from verify.cases.torchpar.mesh import build_mesh, dp_slice, loss_axes
+from verify.cases.torchpar.mesh import build_mesh, dp_slice, loss_axes, token_degree
 from verify.cases.torchpar.localize import ModuleStack
 from verify.cases.torchpar.names import named_parameters
 from verify.cases.torchpar.ring_cpu import cpu_ring_attention
@@ -91,7 +91,7 @@ def _moments(module, opt) -> dict[str, dict[str, torch.Tensor]]:
 def _step(par: Parallelized, args: tuple, mesh) -> torch.Tensor:
     """Forward and backward of this rank's slice inside the plan's context; the step's loss (the
     mean over the ``dp`` ranks). An exception names the module it was raised in."""
-    scale, _ = loss_scale(par.module)  # a program that sums FSDP's gradients undivided (verify/cases/torchpar/fsdp.py)
+    scale, _ = loss_scale(par.module, token_degree(mesh))  # a program that sums FSDP's gradients undivided (verify/cases/torchpar/fsdp.py)
     local = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in dp_slice(args, mesh))  # its own: cp shards in place
     batch = par.batch_context(*local) if par.batch_context is not None else contextlib.nullcontext()
     with ModuleStack(par.module) as stack, stack.naming(), par.step_context(), batch:
@@ -167,7 +167,7 @@ def _checks(job: dict, groups: GroupCache) -> list[Check]:
                           contextlib.nullcontext)
         checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw, kinks)
     checks += [Check(f"note: {what}", 0.0, 0.0, True, text) for what, text in
-               (("fsdp on gloo", sum_reductions_on_gloo(par.module)), ("fsdp loss scale", loss_scale(par.module)[1]))
+               (("fsdp on gloo", sum_reductions_on_gloo(par.module)), ("fsdp loss scale", loss_scale(par.module, token_degree(mesh))[1]))
                if text]
     if job.get("checkpoint", True):
         try:

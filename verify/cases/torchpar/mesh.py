@@ -105,6 +105,11 @@ def loss_axes(mesh: DeviceMesh) -> list[str]:
     return [n for n in (mesh.mesh_dim_names or ()) if (n in DATA or n == CP) and mesh[n].size() > 1]
 
 
+def token_degree(mesh: DeviceMesh) -> int:
+    """How many ranks split the step's tokens (the product of :func:`loss_axes`)."""
+    return math.prod(mesh[n].size() for n in loss_axes(mesh))
+
+
 def describe(x) -> str:
     """A tensor's layout in words: ``Shard(dim=0) on tp``, ``plain``."""
     if isinstance(x, DTensor):
