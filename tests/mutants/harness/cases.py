@@ -1,7 +1,8 @@
 """Harness mutants of what a case measures: the tie-flip samples of the bf16 spread
 (``verify/cases/spread.py``), the equal random draws of a step and the rows that must stay unverifiable
 (``verify/cases/draws.py``, ``verify/judge/verdict.py``), the torch-parallelization path's batch slicing
-(``verify/cases/torchpar/mesh.py``, wrapper prefixes in its names ``names.py``, FSDP2 on gloo ``fsdp.py``, users'
+(``verify/cases/torchpar/mesh.py``, torchtitan's data dimensions there, meshes a program lays itself
+``gang_mesh.py``, a resume through state-dict hooks ``case.py``, wrapper prefixes in its names ``names.py``, FSDP2 on gloo ``fsdp.py``, users'
 context parallelism on CPU ``ring_cpu.py``: its note, the loss over cp, torch's CP options restored), an
 error that keeps its checks (``verify/judge/verdict.py:RaisedAfter``), the blocked layouts' backward
 (``nnscaler/runtime/collectives.py``) and the buffers compared after every step (``verify/cases/buffers.py``)."""
