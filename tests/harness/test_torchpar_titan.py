@@ -31,9 +31,9 @@ def _row(gang, build, fn, mesh, w, tmp_path, steps=2, checkpoint=True):
     ("build", "tp", "tp", 2),
     ("build_sp", "fsdp_tp", "dp_shard=2,tp=2", 4),
     pytest.param("build_sp", "tp", "tp", 4, marks=pytest.mark.slow),
-    pytest.param("build", "fsdp", "dp_shard", 2, marks=pytest.mark.slow),
-    pytest.param("build", "fsdp", "dp_replicate=2,dp_shard=2", 4, marks=pytest.mark.slow),
-    pytest.param("build", "fsdp_ac", "dp_shard", 2, marks=pytest.mark.slow),
+    ("build", "fsdp", "dp_shard", 2),
+    ("build", "fsdp", "dp_replicate=2,dp_shard=2", 4),
+    ("build", "fsdp_ac", "dp_shard", 2),
     pytest.param("build_sp", "fsdp_ac", "dp_shard=2,tp=2", 4, marks=pytest.mark.slow),
 ], ids=lambda v: str(v))
 def test_parallelize_llama_as_shipped_matches_one_device(gang, tmp_path, build, fn, mesh, w):
