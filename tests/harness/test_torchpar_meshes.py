@@ -65,3 +65,11 @@ def test_state_dict_hooks_that_load_wrong_are_caught(gang, tmp_path):
     model's initial state to its single-device twin through the same hooks), naming the parameter."""
     row = _row(gang, "build_hooked_wrong", "fsdp", "dp", 2, tmp_path, steps=1)
     assert row.status == MISMATCH and "attention.wq.weight" in row.detail, row.detail
+
+
+def test_a_batch_that_does_not_divide_over_the_data_dims_is_one_line_exit_2(capsys):
+    from verify.cli import main
+    code = main(["model", f"{USER}:build", "--parallelize", f"{USER}:no_sync", "--mesh", "dp_replicate=2,dp_shard=4",
+                 "--world-size", "8"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "does not divide over dp_replicate x dp_shard=8" in err, err
