@@ -1,6 +1,6 @@
 """torchtitan as shipped under ``verify model --parallelize`` (``tests/fixtures/titan_shipped.py``): its own
-Llama 3 and Qwen3-MoE debug models (shrunk for CPU) parallelized by its own ``parallelize_llama`` /
-``parallelize_qwen3``, with its own ``ParallelDims`` laying its meshes from the gang's groups: TP, TP+SP,
+Llama 3, Qwen3-MoE and DeepSeek-V3 debug models (shrunk for CPU) parallelized by its own ``parallelize_llama``
+/ ``parallelize_qwen3`` / ``parallelize_deepseekv3``, with its own ``ParallelDims`` laying its meshes from the gang's groups: TP, TP+SP,
 FSDP, HSDP, FSDP x TP, activation checkpointing and expert parallelism match one device, each resumed
 through the model's own state dict (torchtitan's fused-QKV hooks); a config whose tensor parallelism spans
 ranks holding different data is caught. torchtitan is the ``titan`` extra (in ``test``)."""
@@ -42,10 +42,13 @@ def test_parallelize_llama_as_shipped_matches_one_device(gang, tmp_path, build, 
     assert RESUMED in row.detail and "'FusedQKVLinear' object has no attribute 'wq'" in row.detail, row.detail
 
 
-@pytest.mark.parametrize("mesh, w", [("dp_shard", 2), pytest.param("dp_shard=2,tp=2", 4, marks=pytest.mark.slow)],
-                         ids=lambda v: str(v))
-def test_parallelize_qwen3_moe_with_expert_parallelism_matches_one_device(gang, tmp_path, mesh, w):
-    row = _row(gang, "build_moe", "moe_ep", mesh, w, tmp_path)
+@pytest.mark.parametrize("build, fn, mesh, w", [
+    ("build_moe", "moe_ep", "dp_shard", 2),
+    pytest.param("build_moe", "moe_ep", "dp_shard=2,tp=2", 4, marks=pytest.mark.slow),
+    pytest.param("build_dsv3", "dsv3_ep", "dp_shard", 2, marks=pytest.mark.slow)], ids=lambda v: str(v))
+def test_moe_models_with_expert_parallelism_match_one_device(gang, tmp_path, build, fn, mesh, w):
+    """parallelize_qwen3 on the Qwen3-MoE debug model; parallelize_deepseekv3 on DeepSeek-V3's (MLA attention)."""
+    row = _row(gang, build, fn, mesh, w, tmp_path)
     assert row.status == MATCH, row.detail
 
 
