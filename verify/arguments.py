@@ -158,10 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
                               "fn(model, mesh) applies parallelize_module plans, fully_shard, a transformers tp_plan "
                               "(any mix) on the DeviceMesh the harness builds and returns the module (or "
                               "verify.torch_parallel.Parallelized(module, step_context=loss_parallel)); the batch is split over the "
-                              "mesh dimension named dp")
+                              "mesh dimensions named dp, dp_replicate, dp_shard")
     p_model.add_argument("--mesh", default=None, metavar="SPEC",
                          help="with --parallelize: the mesh's dimension names and sizes, NAME (1-D over the world "
-                              "size; default tp) or NAME=N,NAME=M (2-D, e.g. dp=2,tp=2; world size their product)")
+                              "size; default tp) or up to 4 of NAME=N (e.g. dp=2,tp=2 or dp_replicate=2,dp_shard=2,tp=2; world "
+                              "size their product)")
     p_model.add_argument("--gen-dir", default=None, metavar="DIR", help="keep the generated programs here")
     p_model.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON here")
     p_model.add_argument("--reports", default=None, metavar="DIR", help="also write reports here, as 'verify all' does")

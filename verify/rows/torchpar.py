@@ -3,6 +3,7 @@ exists, returns a module with the model's parameter names on a mesh of the asked
 a fake process group, as torchtitan's dry runs do) and the rows of a run on the gang."""
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Iterator
@@ -17,7 +18,8 @@ from verify.judge.row import Row
 from verify.kinds.torchpar import Torchpar
 from verify.cases.torchpar.build import ParallelizeNotFound, find_fn
 from verify.api import ParallelizeError, unpack
-from verify.cases.torchpar.mesh import DP, MeshSpecError, mesh_shape, parse_mesh
+from verify.cases.torchpar.gang_mesh import cpu_meshes
+from verify.cases.torchpar.mesh import DATA, MeshSpecError, mesh_shape, parse_mesh
 from verify.cases.torchpar.names import named_parameters
 from verify.judge.verdict import ERROR, MATCH, Divergence, judge, worst
 from verify.models.loader import build_model
@@ -42,10 +44,12 @@ def check_parallelize(model: str, fn_ref: str, mesh_spec: str, world_sizes) -> t
     rows = [a.shape[0] for a in build_model(model, 0).batch(0) if isinstance(a, torch.Tensor) and a.dim()]
     for w in world_sizes:
         names, sizes = mesh_shape(dims, w)
-        dp = dict(zip(names, sizes)).get(DP, 1)
+        data = [(n, s) for n, s in zip(names, sizes) if n in DATA]
+        dp = math.prod(s for _, s in data)
         if any(r % dp for r in rows):
+            what = " x ".join(n for n, _ in data)
             raise MeshSpecError(f"--mesh {mesh_label(names, sizes)}: the batch ({rows[0]} rows) does not divide over "
-                                f"{DP}={dp}; each {DP} rank takes an equal slice of it")
+                                f"{what}={dp}; each {what} rank takes an equal slice of it")
     if dist.is_initialized():  # this process has its own group (a user's): the ranks will say the rest
         return dims
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake backend (dry runs)
@@ -56,7 +60,8 @@ def check_parallelize(model: str, fn_ref: str, mesh_spec: str, world_sizes) -> t
         want = sorted(n for n, _ in built.named_parameters())
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         try:
-            par = unpack(fn(built, mesh), fn_ref)
+            with cpu_meshes():  # torchtitan lays its meshes for cuda where it finds no device
+                par = unpack(fn(built, mesh), fn_ref)
         except ParallelizeError:
             raise
         except Exception as exc:

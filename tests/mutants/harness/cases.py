@@ -1,7 +1,8 @@
 """Harness mutants of what a case measures: the tie-flip samples of the bf16 spread
 (``verify/cases/spread.py``), the equal random draws of a step and the rows that must stay unverifiable
 (``verify/cases/draws.py``, ``verify/judge/verdict.py``), the torch-parallelization path's batch slicing
-(``verify/cases/torchpar/mesh.py``, wrapper prefixes in its names ``names.py``, FSDP2 on gloo ``fsdp.py``, users'
+(``verify/cases/torchpar/mesh.py``, torchtitan's data dimensions there, meshes a program lays itself
+``gang_mesh.py``, a resume through state-dict hooks ``case.py``, wrapper prefixes in its names ``names.py``, FSDP2 on gloo ``fsdp.py``, users'
 context parallelism on CPU ``ring_cpu.py``: its note, the loss over cp, torch's CP options restored), an
 error that keeps its checks (``verify/judge/verdict.py:RaisedAfter``), the blocked layouts' backward
 (``nnscaler/runtime/collectives.py``) and the buffers compared after every step (``verify/cases/buffers.py``)."""
@@ -143,7 +144,7 @@ def _fsdp():
         ["tests/harness/test_torchpar.py::test_fsdp_gradients_divided_twice_are_caught"])
 def fsdp_any_divide_factor_compensated():
     """Whatever FSDP2's gradient divide factor, the loss is scaled to compensate it: a program dividing wrongly matches."""
-    def loss_scale(module):
+    def loss_scale(module, degree):
         found = {(g.gradient_divide_factor, _fsdp()._dp_size(g)) for g in _fsdp()._groups(module)
                  if g.gradient_divide_factor is not None}
         if not found:
@@ -157,7 +158,7 @@ def fsdp_any_divide_factor_compensated():
         ["tests/harness/test_torchpar.py::test_fsdp_as_torchtitan_ships_it_verifies_on_gloo"])
 def fsdp_undivided_loss_unscaled():
     """A program with FSDP's gradient division disabled is trained with an unscaled loss: a right program fails."""
-    patch(_fsdp(), "loss_scale", lambda module: (1.0, ""))
+    patch(_fsdp(), "loss_scale", lambda module, degree: (1.0, ""))
 
 
 @mutant("verify/cases/buffers.py:buffer_names",
@@ -261,3 +262,33 @@ def views_blamed():
     """Views are logged and paired like computing operators: a view of an already wrong value is named first."""
     from verify.cases.torchpar import op_log
     patch(op_log, "_views", lambda func: False)
+
+
+def _torchpar_case_and_localiser():
+    from verify.cases.torchpar import localize
+    return _torchpar(), localize
+
+
+@mutant("verify/cases/torchpar/mesh.py:DATA",
+        ["tests/harness/test_torchpar_meshes.py::test_a_plan_that_forgets_to_average_over_dp_replicate_x_dp_shard_is_caught"])
+def torchpar_hsdp_dims_not_sliced():
+    """Only a dimension named ``dp`` splits the batch: torchtitan's dp_replicate x dp_shard ranks each get all of it,
+    and a program that never synchronises its gradients there matches."""
+    patch(_torchpar_mesh(), "DATA", ("dp",))
+
+
+@mutant("verify/cases/torchpar/gang_mesh.py:gang_groups",
+        ["tests/harness/test_torchpar_meshes.py::test_a_mesh_the_program_lays_itself_takes_the_gangs_groups"])
+def torchpar_own_meshes_make_their_groups():
+    """Meshes a program lays itself (torchtitan's ParallelDims) call torch's new_group on the case's ranks only."""
+    from verify.cases.torchpar.gang_mesh import cpu_meshes
+    for module in _torchpar_case_and_localiser():
+        patch(module, "gang_groups", lambda groups: cpu_meshes())
+
+
+@mutant("verify/cases/torchpar/case.py:model_state_dict",
+        ["tests/harness/test_torchpar_meshes.py::test_state_dict_hooks_resume_through_the_models_own_state_dict"])
+def torchpar_state_dict_hooks_unread():
+    """The resume saves only through get_model_state_dict: a model whose state-dict hooks rename keys cannot resume."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    patch(_torchpar(), "model_state_dict", lambda module: (get_model_state_dict(module), None))

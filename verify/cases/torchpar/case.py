@@ -35,7 +35,8 @@ from verify.cases.resume import exact
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.samples import DTYPES
 from verify.api import Parallelized
-from verify.cases.torchpar.mesh import build_mesh, dp_slice, loss_axes
+from verify.cases.torchpar.gang_mesh import gang_groups
+from verify.cases.torchpar.mesh import build_mesh, dp_slice, loss_axes, token_degree
 from verify.cases.torchpar.localize import ModuleStack
 from verify.cases.torchpar.names import named_parameters
 from verify.cases.torchpar.ring_cpu import cpu_ring_attention
@@ -90,7 +91,7 @@ def _moments(module, opt) -> dict[str, dict[str, torch.Tensor]]:
 def _step(par: Parallelized, args: tuple, mesh, crumb=None) -> torch.Tensor:
     """Forward and backward of this rank's slice inside the plan's context; the step's loss (the
     mean over the ``dp`` ranks). An exception names the module it was raised in."""
-    scale, _ = loss_scale(par.module)  # a program that sums FSDP's gradients undivided (verify/cases/torchpar/fsdp.py)
+    scale, _ = loss_scale(par.module, token_degree(mesh))  # a program that sums FSDP's gradients undivided (verify/cases/torchpar/fsdp.py)
     local = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in dp_slice(args, mesh))  # its own: cp shards in place
     batch = par.batch_context(*local) if par.batch_context is not None else contextlib.nullcontext()
     with ModuleStack(par.module, crumb) as stack, stack.naming(), par.step_context(), batch:
@@ -108,7 +109,7 @@ def run_torchpar_job(job: dict, groups: GroupCache, crumb=None) -> list[Check]:
     """The checks of a ``torchpar`` job (keys: model, parallelize, mesh [[name, size], ...],
     world_size, steps, seed, gen_dir, dtype); a user's ``context_parallel`` runs its ring attention
     through the CPU kernel (:mod:`verify.cases.torchpar.ring_cpu`), said in a note of the row."""
-    with cpu_ring_attention() as ring:
+    with cpu_ring_attention() as ring, gang_groups(groups):  # meshes fn lays itself (torchtitan's) take the gang's groups
         try:
             checks = _checks(job, groups, crumb)
         except RaisedAfter as exc:
@@ -167,7 +168,7 @@ def _checks(job: dict, groups: GroupCache, crumb=None) -> list[Check]:
                           contextlib.nullcontext)
         checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw, kinks)
     checks += [Check(f"note: {what}", 0.0, 0.0, True, text) for what, text in
-               (("fsdp on gloo", sum_reductions_on_gloo(par.module)), ("fsdp loss scale", loss_scale(par.module)[1]))
+               (("fsdp on gloo", sum_reductions_on_gloo(par.module)), ("fsdp loss scale", loss_scale(par.module, token_degree(mesh))[1]))
                if text]
     if job.get("checkpoint", True):
         try:
@@ -176,6 +177,19 @@ def _checks(job: dict, groups: GroupCache, crumb=None) -> list[Check]:
             # the resume (torch.distributed.checkpoint's errors are BaseExceptions)
             raise RaisedAfter(checks + fallback.notes(dtype, checks), exc, "the checkpoint resume") from exc
     return checks + fallback.notes(dtype, checks)
+
+
+def model_state_dict(module: torch.nn.Module) -> tuple[dict, str | None]:
+    """The module's state to checkpoint: ``get_model_state_dict``'s, or, where that raises (state-dict hooks
+    that rename keys, as torchtitan's fused QKV does: torch maps each key back to a parameter and fails),
+    ``module.state_dict()`` itself, as the model's own hooks write it, with a note saying so. Collective."""
+    try:
+        return get_model_state_dict(module), None
+    except Exception as exc:  # noqa: BLE001 - any failure of torch's reader: the model's own state dict is saved
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return module.state_dict(), (f"model saved and loaded through model.state_dict() and load_state_dict() "
+                                     f"(its state-dict hooks; get_model_state_dict raised {type(exc).__name__}: "
+                                     f"{first})")
 
 
 def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case, groups: GroupCache) -> list[Check]:
@@ -192,18 +206,24 @@ def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case
         shutil.rmtree(path)
     dist.barrier(group=everyone)
     saved, saved_moments = Whole(par.module).state_dict(), _moments(par.module, opt)
-    dcp.save({"model": get_model_state_dict(par.module), "optim": get_optimizer_state_dict(par.module, opt)},
+    model_state, via = model_state_dict(par.module)
+    dcp.save({"model": model_state, "optim": get_optimizer_state_dict(par.module, opt)},
              checkpoint_id=path, process_group=everyone)
     dist.barrier(group=everyone)
     single = to_dtype(build_model(job["model"], job["seed"]).model, dt)
     single_opt = torch.optim.AdamW(single.parameters(), lr=opt.defaults["lr"])
-    state = {"model": get_model_state_dict(single), "optim": get_optimizer_state_dict(single, single_opt)}
+    state = {"model": get_model_state_dict(single) if via is None else single.state_dict(),
+             "optim": get_optimizer_state_dict(single, single_opt)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=path, no_dist=True)
-    set_model_state_dict(single, state["model"])
+    if via is None:
+        set_model_state_dict(single, state["model"])
+    else:  # the model's own load hooks take its own state dict back
+        single.load_state_dict(state["model"])
     set_optimizer_state_dict(single, single_opt, state["optim"])
-    checks = [exact(f"resumed on one device: param {n}", p.detach(), saved[n]) for n, p in single.named_parameters()]
+    checks = [Check("note: resume", 0.0, 0.0, True, via)] if via else []
+    checks += [exact(f"resumed on one device: param {n}", p.detach(), saved[n]) for n, p in single.named_parameters()]
     moments = _moments(single, single_opt)
     checks += [exact(f"resumed on one device: optimizer {k} of {n}", moments.get(n, {}).get(k), t)
                for n, st in saved_moments.items() for k, t in st.items()]

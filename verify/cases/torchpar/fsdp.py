@@ -41,17 +41,16 @@ def _dp_size(group) -> int:
     return getattr(info, "shard_mesh_size", 1) * getattr(info, "replicate_mesh_size", 1)
 
 
-def loss_scale(module: torch.nn.Module) -> tuple[float, str]:
-    """The factor each rank's mean loss is scaled by before backward, and a note (empty at 1): ``1 / dp``
-    where FSDP2's gradient division is disabled (``gradient_divide_factor`` 1, over a data-parallel
-    degree dp), as the loop such a program expects normalises its loss by the global token count. Any
-    other factor is the program's own division, judged as it comes (a wrong one fails its gradients)."""
-    found = {_dp_size(g) for g in _groups(module) if g.gradient_divide_factor == 1.0}
-    if not found:
+def loss_scale(module: torch.nn.Module, degree: int) -> tuple[float, str]:
+    """The factor each rank's mean loss is scaled by before backward, and a note (empty at 1): ``1 / degree``
+    where FSDP2's gradient division is disabled (``gradient_divide_factor`` 1) in any of its groups, ``degree``
+    being the ranks that split the step's tokens (the data and context dimensions): the loop such a program
+    expects normalises its loss by the global token count, so the summed gradients of every group (the dense
+    ones over dp, experts over their own mesh, fed every rank's tokens) are those of the mean. Any other
+    factor is the program's own division, judged as it comes (a wrong one fails its gradients)."""
+    if degree == 1 or not any(g.gradient_divide_factor == 1.0 for g in _groups(module)):
         return 1.0, ""
-    if len(found) > 1:
-        raise ValueError(f"FSDP2 modules with gradient division disabled over different data-parallel degrees "
-                         f"{sorted(found)}: one loss cannot be scaled for all of them")
-    (dp,) = found
-    return 1.0 / dp, (f"FSDP2 gradient division disabled over dp={dp}: each rank's loss scaled by 1/{dp} before "
-                      f"backward, the global-token normalisation of the training loop it expects (torchtitan's)")
+    sizes = sorted({_dp_size(g) for g in _groups(module) if g.gradient_divide_factor == 1.0})
+    return 1.0 / degree, (f"FSDP2 gradient division disabled (over dp={', '.join(map(str, sizes))}): each rank's loss "
+                          f"scaled by 1/{degree} before backward, the global-token normalisation of the training "
+                          f"loop it expects (torchtitan's)")

@@ -33,7 +33,8 @@ from verify.cases.fresh import load_like
 from verify.cases.samples import DTYPES
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.torchpar.ring_cpu import cpu_ring_attention, merges_in_float32
-from verify.cases.torchpar.mesh import CP, DP, batch_rows, build_mesh, describe, dp_slice, whole
+from verify.cases.torchpar.gang_mesh import gang_groups
+from verify.cases.torchpar.mesh import CP, batch_rows, build_mesh, data_slices, describe, dp_slice, whole
 from verify.judge.compare import Float64Fallback, check_tensor
 from verify.judge.verdict import Divergence
 from verify.models.loader import build_model
@@ -258,7 +259,13 @@ def _judge_here(par: list, dev: list, ref: list, mesh, kw: dict) -> tuple[bool, 
 def localize_torchpar(job: dict, groups, first_failure: str = "") -> Divergence | str:
     """Where a failing torch-parallelization case first leaves the single-device model, or a line
     saying why no module was named (where its first failing check, ``first_failure``, is a loss and
-    every module matches, whether the loss is normalised per rank)."""
+    every module matches, whether the loss is normalised per rank; meshes the program lays itself take the
+    gang's groups)."""
+    with gang_groups(groups):
+        return _localize(job, groups, first_failure)
+
+
+def _localize(job: dict, groups, first_failure: str) -> Divergence | str:
     dt = DTYPES[job.get("dtype", "float32")]
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
     mesh = build_mesh(names, sizes, groups)
@@ -361,18 +368,19 @@ def _with_operator(found: Divergence, key: str, phase: str, logs: dict, mesh, kw
 def _per_rank_normalisation(ref64: nn.Module, args: tuple, mesh, first_failure: str) -> str | None:
     """Why the step's loss is wrong (``first_failure`` is a loss) when every module is right: one device's loss
     on each ``dp`` rank's rows, averaged over the ranks (what the ranks compute, since each matches one device
-    on its rows), is not its loss on the whole batch. None where it is (to float64 rounding), without ``dp``,
+    on its rows), is not its loss on the whole batch. None where it is (to float64 rounding), without data axes,
     or when the first failure is not the loss."""
-    if not first_failure.startswith("loss") or DP not in (mesh.mesh_dim_names or ()) or mesh[DP].size() < 2:
+    n = data_slices(mesh)[0]
+    if not first_failure.startswith("loss") or n < 2:
         return None
-    n, a64 = mesh[DP].size(), cast(args, torch.float64)
+    a64 = cast(args, torch.float64)
     with torch.no_grad():
         whole_loss = float(ref64(*a64))
         mean = sum(float(ref64(*batch_rows(a64, n, i))) for i in range(n)) / n
     if abs(mean - whole_loss) <= 1e-9 * max(1.0, abs(whole_loss)):
         return None
     return (f"every module matches one device on this rank's rows, and so does this rank's loss, but the mean over "
-            f"the {n} dp ranks of one device's loss on each rank's rows ({mean:.6g}) is not its loss on the whole "
+            f"the {n} data-parallel ranks of one device's loss on each rank's rows ({mean:.6g}) is not its loss on the whole "
             f"batch ({whole_loss:.6g}): the loss is normalised per rank (a mean over each rank's own rows or tokens, "
             f"as with ignored labels spread unevenly); divide by the count over the whole batch (all-reduced over "
             f"dp first, as torchtitan's global-token normalisation does): the gradient sync is not at fault")

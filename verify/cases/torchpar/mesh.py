@@ -11,6 +11,7 @@ import re
 
 import torch
 import torch.distributed as dist
+import torch.distributed.device_mesh as device_mesh
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -18,6 +19,8 @@ from nnscaler.dimops.partition import axis_groups
 from nnscaler.runtime.mesh import GroupCache
 
 DP = "dp"  # the mesh dimension the harness splits the batch over
+DATA = (DP, "dp_replicate", "dp_shard")  # all split the batch (torchtitan's HSDP names), over their ranks in mesh order
+MAX_MESH_DIMS = 4
 CP = "cp"  # context parallelism: each rank's loss covers its own sequence chunks (verify/cases/torchpar/ring_cpu.py)
 MAX_DIMS = 8  # of a plain tensor gathered by :func:`whole`
 
@@ -37,10 +40,12 @@ def parse_mesh(text: str) -> tuple[tuple[str, int | None], ...]:
     names = [n for n, _ in dims]
     if len(set(names)) != len(names):
         raise MeshSpecError(f"--mesh {text!r}: a dimension name repeats")
-    if len(dims) > 2:
-        raise MeshSpecError(f"--mesh {text!r}: at most 2 dimensions (e.g. dp=2,tp=2)")
+    if len(dims) > MAX_MESH_DIMS:
+        raise MeshSpecError(f"--mesh {text!r}: at most {MAX_MESH_DIMS} dimensions (e.g. dp_replicate=2,dp_shard=2,tp=2)")
     if len(dims) == 2 and any(s is None for _, s in dims):
         raise MeshSpecError(f"--mesh {text!r}: give both sizes of a 2-D mesh (e.g. dp=2,tp=2)")
+    if len(dims) > 2 and any(s is None for _, s in dims):
+        raise MeshSpecError(f"--mesh {text!r}: give every size of a {len(dims)}-D mesh (e.g. dp_replicate=2,dp_shard=2,tp=2)")
     if any(s is not None and s < 1 for _, s in dims):
         raise MeshSpecError(f"--mesh {text!r}: sizes must be at least 1")
     return tuple(dims)
@@ -59,21 +64,38 @@ def mesh_shape(dims, world_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]
 
 def build_mesh(names: tuple[str, ...], sizes: tuple[int, ...], groups: GroupCache, device_type: str = "cpu") -> DeviceMesh:
     """The mesh over ranks ``0 .. prod(sizes)-1`` (row-major, as :func:`axis_groups` lays them),
-    from the groups the gang created at start."""
+    from the groups the gang created at start; a size-1 dimension's one-rank group as the mesh code's
+    ``new_group`` gives it (inside :func:`verify.cases.torchpar.gang_mesh.gang_groups`: made locally)."""
     rank = dist.get_rank()
     mine = []
     for axis in axis_groups(sizes):
         g = next(g for g in axis if rank in g)
-        mine.append(groups.get(g) if len(g) > 1 else groups.add(g))
+        mine.append(groups.get(g) if len(g) > 1 else device_mesh.new_group(ranks=list(g)))
     ranks = torch.arange(math.prod(sizes)).view(*sizes)
     return DeviceMesh.from_group(mine if len(mine) > 1 else mine[0], device_type, mesh=ranks, mesh_dim_names=names)
 
 
+def data_axes(mesh: DeviceMesh) -> list[str]:
+    """The mesh dimensions that split the batch (:data:`DATA`), in mesh order."""
+    return [n for n in (mesh.mesh_dim_names or ()) if n in DATA]
+
+
 def dp_slice(args: tuple, mesh: DeviceMesh) -> tuple:
-    """This rank's slice of the batch: dim 0 of every tensor split over the ``dp`` mesh dimension."""
-    if DP not in (mesh.mesh_dim_names or ()):
+    """This rank's slice of the batch: dim 0 of every tensor split over the data dimensions (``dp``, or
+    torchtitan's ``dp_replicate`` x ``dp_shard``: one slice per coordinate, row-major in mesh order)."""
+    axes = data_axes(mesh)
+    if not axes:
         return args
-    return batch_rows(args, mesh[DP].size(), mesh[DP].get_local_rank())
+    n, i = data_slices(mesh)
+    return batch_rows(args, n, i)
+
+
+def data_slices(mesh: DeviceMesh) -> tuple[int, int]:
+    """How many slices the data dimensions cut the batch into, and this rank's (row-major in mesh order)."""
+    n, i = 1, 0
+    for axis in data_axes(mesh):
+        n, i = n * mesh[axis].size(), i * mesh[axis].size() + mesh[axis].get_local_rank()
+    return n, i
 
 
 def batch_rows(args: tuple, n: int, i: int) -> tuple:
@@ -82,7 +104,7 @@ def batch_rows(args: tuple, n: int, i: int) -> tuple:
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim():
             if a.shape[0] % n:
-                raise ValueError(f"the batch ({a.shape[0]} rows) does not divide over dp={n}")
+                raise ValueError(f"the batch ({a.shape[0]} rows) does not divide into {n} slices over the data dimensions")
             a = a.chunk(n)[i]
         out.append(a)
     return tuple(out)
@@ -91,7 +113,12 @@ def batch_rows(args: tuple, n: int, i: int) -> tuple:
 def loss_axes(mesh: DeviceMesh) -> list[str]:
     """The mesh dimensions whose ranks each hold part of the step's tokens: the step's loss is the mean
     of their losses (``dp`` splits the rows, ``cp`` the sequence; equal shares by construction)."""
-    return [n for n in (mesh.mesh_dim_names or ()) if n in (DP, CP) and mesh[n].size() > 1]
+    return [n for n in (mesh.mesh_dim_names or ()) if (n in DATA or n == CP) and mesh[n].size() > 1]
+
+
+def token_degree(mesh: DeviceMesh) -> int:
+    """How many ranks split the step's tokens (the product of :func:`loss_axes`)."""
+    return math.prod(mesh[n].size() for n in loss_axes(mesh))
 
 
 def describe(x) -> str:
@@ -113,7 +140,7 @@ def whole(x: torch.Tensor, want_shape, mesh: DeviceMesh) -> tuple[torch.Tensor |
     how, want = [], tuple(want_shape)
     for d, name in enumerate(mesh.mesh_dim_names):
         group, n = mesh.get_group(d), mesh.size(d)
-        if n == 1 or name == DP:  # each dp rank holds its own rows, compared with one device on the same rows
+        if n == 1 or name in DATA:  # each dp rank holds its own rows, compared with one device on the same rows
             continue
         mine = torch.tensor([x.dim(), *x.shape] + [0] * (MAX_DIMS - x.dim())) if x.dim() <= MAX_DIMS else \
             torch.full((MAX_DIMS + 1,), -1)
