@@ -34,12 +34,13 @@ from verify.cases.reference import SharedReference, reference_grads
 from verify.cases.resume import exact
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.samples import DTYPES
-from verify.api import Parallelized
+from verify.api import Parallelized, Pipelined
 from verify.cases.torchpar.mesh import build_mesh, dp_slice, loss_axes
 from verify.cases.torchpar.localize import ModuleStack
 from verify.cases.torchpar.names import named_parameters
 from verify.cases.torchpar.ring_cpu import cpu_ring_attention
 from verify.cases.torchpar.fsdp import loss_scale, sum_reductions_on_gloo
+from verify.cases.torchpar.pipeline import pipeline_checks
 from verify.judge.finite import require_finite
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.judge.verdict import RaisedAfter
@@ -126,6 +127,8 @@ def _checks(job: dict, groups: GroupCache) -> list[Check]:
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
     mesh = build_mesh(names, sizes, groups)
     par, (case, ref) = parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
+    if isinstance(par, Pipelined):  # stages and a schedule (verify/cases/torchpar/pipeline.py)
+        return pipeline_checks(job, groups, par, mesh, case, ref, dt, load_whole)
     whole = Whole(par.module)
     ref64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), ref)
     params = dict(ref.named_parameters())
