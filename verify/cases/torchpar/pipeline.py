@@ -73,6 +73,12 @@ def check_pipeline(pipe: Pipelined, mesh_names, model_names, fn_name: str) -> No
                                f"its names")
 
 
+def micro_batch_mean(schedule) -> bool:
+    """Whether the schedule's gradients are those of the mean of its micro-batch losses (it divides them by
+    their count, torch's default ``scale_grads=True``), else of their sum: what the step's loss is."""
+    return bool(schedule.scale_grads)
+
+
 def _whole(x):
     return x.full_tensor() if isinstance(x, DTensor) else x
 
@@ -137,7 +143,7 @@ class RankStages:
         loss = torch.zeros((), dtype=dt)
         if last:
             loss = torch.stack([_whole(x).detach().to(dt) for x in losses]).sum()
-            if self.pipe.schedule.scale_grads:  # gradients of the mean over micro-batches
+            if micro_batch_mean(self.pipe.schedule):
                 loss = loss / len(losses)
         dist.all_reduce(loss, group=self.group)  # from the last stage's rank (the others add zero)
         for axis in loss_axes(self.mesh):
@@ -202,8 +208,8 @@ def layout_check(held: dict[int, list[str]], order: list[str], prefix: str) -> C
             late = max((n for n in held[a] if n in at), key=at.get, default=None)
             early = min((n for n in held[b] if n in at), key=at.get, default=None)
             if late is not None and early is not None and at[late] > at[early]:
-                why = (f"stage {a} holds {late}, which one device runs after {early} of stage {b}: the stages are "
-                       f"not in the model's order")
+                why = (f"stage {a} holds {late}, which one device runs after {early} (held by stage {b}): the "
+                       f"stages are not in the model's order")
                 break
     return Check("stage layout", 0.0 if not why else float("inf"), 0.0, not why, f"{why}; {summary}" if why else summary)
 
