@@ -5,7 +5,8 @@ Each rank holds its stages (:class:`~verify.api.Pipelined`) on a mesh with a ``p
 other, e.g. ``dp`` whose ranks each get their slice of the batch). A step: the first stage is given the
 inputs, the last the target, and the schedule runs its micro-batches; the step's loss is the sum of the
 micro-batch losses (their mean where the schedule scales gradients), sent from the last stage to its
-``pp`` group, then averaged over ``dp``. Parameters, gradients and optimizer moments are read whole from
+``pp`` group, then averaged over ``dp`` (summed where FSDP's gradient division is disabled, as torchtitan
+ships it: its ``loss_fn`` divides by the global token count). Parameters, gradients and optimizer moments are read whole from
 the stage that holds them (each made whole inside its stage first: ``full_tensor()`` of a DTensor), under
 the model's names (the stage module's, after the prefix the stages were cut below). Then the checks of
 every torch program (:func:`verify.cases.step_checks.step_checks`) and a resume: the stage modules and
@@ -37,6 +38,7 @@ from verify.cases.kinks import KinkSides, explainer
 from verify.cases.reference import SharedReference, reference_grads
 from verify.cases.resume import exact
 from verify.cases.step_checks import LR, step_checks
+from verify.cases.torchpar.fsdp import loss_scale
 from verify.cases.torchpar.mesh import dp_slice, loss_axes
 from verify.cases.torchpar.names import model_name, named_parameters
 from verify.judge.compare import Check, Float64Fallback, check_tensor
@@ -149,7 +151,8 @@ class RankStages:
         for axis in loss_axes(self.mesh):
             dist.all_reduce(loss, group=self.mesh[axis].get_group())
             loss /= self.mesh[axis].size()
-        return loss
+        scale, _ = loss_scale(self.pipe.module)  # FSDP's division disabled: the loss_fn divides by the global
+        return loss / scale if scale != 1.0 else loss  # token count itself, so the step's loss sums over dp
 
     def stages_held(self) -> dict[int, list[str]]:
         """Stage index -> the model names of the modules holding parameters directly, across ``pp``."""
@@ -255,6 +258,11 @@ def pipeline_checks(job: dict, groups, pipe: Pipelined, mesh, case, ref, dt: tor
         checks += step_checks(rs, grads, grads64, shadow, point, opts, step, fallback.widen, kw, kinks)
     checks.append(Check("note: pp", 0.0, 0.0, True, f"{type(pipe.schedule).__name__}, {len(rs.stages_held())} stages "
                         f"over pp={rs.pp}, {pipe.schedule._n_microbatches} micro-batches; {layout.reason}"))
+    undivided = loss_scale(pipe.module)[1]
+    if undivided:
+        checks.append(Check("note: fsdp loss scale", 0.0, 0.0, True, undivided.split(":")[0] + ": the schedule's "
+                            "loss_fn divides by the global token count itself (torchtitan's), the step's loss sums "
+                            "over dp"))
     if job.get("checkpoint", True) and layout.ok:  # a parameter no stage holds cannot be saved
         try:
             checks += resume_checks(job, rs, opts[0], dt, case, groups)
