@@ -35,3 +35,10 @@ def pipeline_tensors_of_this_rank_only():
 def pipeline_mesh_without_pp_accepted():
     """A pipeline on a mesh without ``pp`` goes to the ranks unchecked."""
     patch(_torchpar_pipeline(), "check_pipeline", lambda pipe, mesh_names, model_names, fn_name: None)
+
+
+@mutant("verify/cases/torchpar/pipeline.py:loss_scale",
+        f"{TESTS}::test_fsdp_division_disabled_as_torchtitan_ships_it_matches")
+def pipeline_undivided_loss_averaged():
+    """With FSDP's division disabled, the step's loss is still averaged over dp (a right program is failed)."""
+    patch(_torchpar_pipeline(), "loss_scale", lambda module: (1.0, ""))
