@@ -1,7 +1,7 @@
 """Verify your own torch parallelization from Python: ``verify_parallelization(build, fn)`` is
 ``python -m verify model FILE.py:build --parallelize FILE.py:fn`` (the contract:
 :mod:`verify.api`). ``Parallelized`` is what ``fn`` returns when each step must run in
-a context (``loss_parallel``)."""
+a context (``loss_parallel``); ``Pipelined`` what it returns for a pipeline (stages and their schedule)."""
 from __future__ import annotations
 
 import inspect
@@ -12,12 +12,12 @@ from typing import Callable, Sequence
 from verify.config import RunConfig
 
 from verify.judge.row import Row
-from verify.api import Parallelized, ParallelizeError
+from verify.api import Parallelized, ParallelizeError, Pipelined
 from verify.cases.torchpar.mesh import parse_mesh
 from verify.rows.torchpar import check_parallelize, run_torchpar
 from verify.runner.gang import Gang
 
-__all__ = ["Parallelized", "ParallelizeError", "reference", "verify_parallelization"]
+__all__ = ["Parallelized", "ParallelizeError", "Pipelined", "reference", "verify_parallelization"]
 
 
 def reference(obj: str | Callable, what: str) -> str:

@@ -17,10 +17,11 @@ from verify.config import RunConfig
 from verify.judge.row import Row
 from verify.kinds.torchpar import Torchpar
 from verify.cases.torchpar.build import ParallelizeNotFound, find_fn
-from verify.api import ParallelizeError, unpack
+from verify.api import ParallelizeError, Pipelined, unpack
 from verify.cases.torchpar.gang_mesh import cpu_meshes
 from verify.cases.torchpar.mesh import DATA, MeshSpecError, mesh_shape, parse_mesh
 from verify.cases.torchpar.names import named_parameters
+from verify.cases.torchpar.pipeline import check_pipeline
 from verify.judge.verdict import ERROR, MATCH, Divergence, judge, worst
 from verify.models.loader import build_model
 from verify.runner.gang import Gang
@@ -68,6 +69,9 @@ def check_parallelize(model: str, fn_ref: str, mesh_spec: str, world_sizes) -> t
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ParallelizeError(f"--parallelize {fn_ref}: fn(model, mesh) raised {type(exc).__name__}: {text} "
                                    f"(on a {mesh_label(names, sizes)} mesh)") from None
+        if isinstance(par, Pipelined):  # this rank's stages: their names under one prefix, a pp dimension
+            check_pipeline(par, names, want, fn_ref)
+            return dims
         got = sorted(n for n, _ in named_parameters(par.module))
         if got != want:
             lost = sorted(set(want) - set(got))[:3]

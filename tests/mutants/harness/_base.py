@@ -184,6 +184,11 @@ def _torchpar():
     return torchpar
 
 
+def _torchpar_pipeline():
+    from verify.cases.torchpar import pipeline
+    return pipeline
+
+
 def _collectives():
     from nnscaler.runtime import collectives
     return collectives

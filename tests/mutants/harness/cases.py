@@ -286,9 +286,10 @@ def torchpar_own_meshes_make_their_groups():
         patch(module, "gang_groups", lambda groups: cpu_meshes())
 
 
-@mutant("verify/cases/torchpar/case.py:model_state_dict",
+@mutant("verify/cases/torchpar/names.py:model_state_dict",
         ["tests/harness/test_torchpar_meshes.py::test_state_dict_hooks_resume_through_the_models_own_state_dict"])
 def torchpar_state_dict_hooks_unread():
     """The resume saves only through get_model_state_dict: a model whose state-dict hooks rename keys cannot resume."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    patch(_torchpar(), "model_state_dict", lambda module: (get_model_state_dict(module), None))
+    from verify.cases.torchpar import names
+    patch(names, "model_state_dict", lambda module: (get_model_state_dict(module), None))

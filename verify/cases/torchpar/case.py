@@ -34,13 +34,14 @@ from verify.cases.reference import SharedReference, reference_grads
 from verify.cases.resume import exact
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.samples import DTYPES
-from verify.api import Parallelized
+from verify.api import Parallelized, Pipelined
 from verify.cases.torchpar.gang_mesh import gang_groups
 from verify.cases.torchpar.mesh import build_mesh, dp_slice, loss_axes, token_degree
 from verify.cases.torchpar.localize import ModuleStack
-from verify.cases.torchpar.names import named_parameters
+from verify.cases.torchpar.names import model_state_dict, named_parameters
 from verify.cases.torchpar.ring_cpu import cpu_ring_attention
 from verify.cases.torchpar.fsdp import loss_scale, sum_reductions_on_gloo
+from verify.cases.torchpar.pipeline import pipeline_checks
 from verify.judge.finite import require_finite
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.judge.verdict import RaisedAfter
@@ -128,6 +129,8 @@ def _checks(job: dict, groups: GroupCache, crumb=None) -> list[Check]:
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
     mesh = build_mesh(names, sizes, groups)
     par, (case, ref) = parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
+    if isinstance(par, Pipelined):  # stages and a schedule (verify/cases/torchpar/pipeline.py)
+        return pipeline_checks(job, groups, par, mesh, case, ref, dt, load_whole)
     whole = Whole(par.module)
     ref64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), ref)
     params = dict(ref.named_parameters())
@@ -177,19 +180,6 @@ def _checks(job: dict, groups: GroupCache, crumb=None) -> list[Check]:
             # the resume (torch.distributed.checkpoint's errors are BaseExceptions)
             raise RaisedAfter(checks + fallback.notes(dtype, checks), exc, "the checkpoint resume") from exc
     return checks + fallback.notes(dtype, checks)
-
-
-def model_state_dict(module: torch.nn.Module) -> tuple[dict, str | None]:
-    """The module's state to checkpoint: ``get_model_state_dict``'s, or, where that raises (state-dict hooks
-    that rename keys, as torchtitan's fused QKV does: torch maps each key back to a parameter and fails),
-    ``module.state_dict()`` itself, as the model's own hooks write it, with a note saying so. Collective."""
-    try:
-        return get_model_state_dict(module), None
-    except Exception as exc:  # noqa: BLE001 - any failure of torch's reader: the model's own state dict is saved
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return module.state_dict(), (f"model saved and loaded through model.state_dict() and load_state_dict() "
-                                     f"(its state-dict hooks; get_model_state_dict raised {type(exc).__name__}: "
-                                     f"{first})")
 
 
 def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case, groups: GroupCache) -> list[Check]:

@@ -31,6 +31,7 @@ from verify.cases.torchpar.names import model_name
 from verify.cases.torchpar.op_log import OpLog, aligned, fits
 from verify.cases.fresh import load_like
 from verify.cases.samples import DTYPES
+from verify.api import Pipelined
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.torchpar.ring_cpu import cpu_ring_attention, merges_in_float32
 from verify.cases.torchpar.gang_mesh import gang_groups
@@ -272,6 +273,9 @@ def _localize(job: dict, groups, first_failure: str) -> Divergence | str:
     if dict(zip(names, sizes)).get(CP, 1) > 1:
         return _context_parallel(job, mesh, dt)
     par, (case, ref) = parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
+    if isinstance(par, Pipelined):
+        return ("pipeline: modules are not compared across stages (the row's stage layout check says which stage "
+                "holds which modules)")
     ref64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), ref)
     args = cast(case.batch(0), dt)
     local = dp_slice(args, mesh)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 try:  # the prefix as torch spells it, where this torch has it
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX as CHECKPOINTED
@@ -25,3 +26,16 @@ def named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Pa
     """``module.named_parameters()`` under the model's own names (:func:`model_name`)."""
     for name, p in module.named_parameters():
         yield model_name(name), p
+
+
+def model_state_dict(module: torch.nn.Module) -> tuple[dict, str | None]:
+    """The module's state to checkpoint: ``get_model_state_dict``'s, or, where that raises (state-dict hooks
+    that rename keys, as torchtitan's fused QKV does: torch maps each key back to a parameter and fails),
+    ``module.state_dict()`` itself, as the model's own hooks write it, with a note saying so. Collective."""
+    try:
+        return get_model_state_dict(module), None
+    except Exception as exc:  # noqa: BLE001 - any failure of torch's reader: the model's own state dict is saved
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return module.state_dict(), (f"model saved and loaded through model.state_dict() and load_state_dict() "
+                                     f"(its state-dict hooks; get_model_state_dict raised {type(exc).__name__}: "
+                                     f"{first})")
