@@ -9,7 +9,10 @@ the search takes cp, the best plan without it follows, and that is the one ``--s
 model (goal: never slower), with the cost model's held-out error on that row and whether the search's claim lies
 beyond the evidence (:mod:`nnscaler.cluster.evidence`); every cluster plan prints its evidence lines.
 
-    python bench/calibration/autodist.py [--skip-published] [--save DIR] [--operators] [--long-context]
+    python bench/calibration/autodist.py [--skip-published] [--save DIR] [--operators] [--long-context] [--measure-memory]
+
+``--measure-memory``: each cluster plan's peak per rank also measured at real width on fake tensors
+(:mod:`bench.calibration.real_memory`), and a plan whose measured peak is over the device says so.
 
 Long context (``--long-context`` alone, or after the cluster table): Llama-3 8B on 64 and 70B on 512 H100 at
 131072 tokens per sequence (32k tokens per GPU per step: 16 and 128 sequences, the latter Llama 3's 16M-token
@@ -72,7 +75,9 @@ def _save(plan, model: str, seq: int, path: Path) -> None:
     plan.save(path)
 
 
-def cluster_table(save: str | None = None) -> None:
+def cluster_table(save: str | None = None, measure_memory: bool = False) -> None:
+    """``measure_memory``: each plan's peak also measured at real width (bench/calibration/real_memory.py,
+    minutes a plan), a plan over the device said so on its own line."""
     from bench.calibration.llama_models import llama_shape
     from nnscaler.cluster.evidence import claims
     from nnscaler.cluster.search import search
@@ -93,6 +98,9 @@ def cluster_table(save: str | None = None) -> None:
                   f"{human(e.memory['peak']):>10}  {_conf(plan.parallel)}", flush=True)
             for line in claims(plan.profile, w, plan.parallel, e.mfu):
                 print(f"{'':<11} {line}")
+            if measure_memory:
+                from bench.calibration.real_memory import device_line, measured
+                print(f"{'':<11} {device_line(plan, measured(plan, extrapolate=True))}", flush=True)
             if plan.parallel.cp > 1 and not CP_LOWERING:  # verify plan refuses cp: the best plan without it
                 plan = search(shapes[name], dataclasses.replace(cfg, constraints={"cp": 1}))
                 e = plan.best
@@ -204,6 +212,9 @@ def main() -> None:
                     help=f"where the long-context plans go (default {CP_PLANS_DIR.relative_to(PLANS_DIR.parents[1])})")
     ap.add_argument("--save", default=None, metavar="DIR",
                     help="write each cluster plan as DIR/MODEL-GPUS.json (check one: python -m verify plan FILE)")
+    ap.add_argument("--measure-memory", action="store_true",
+                    help="measure each cluster plan's peak at real width on fake tensors (bench/calibration/real_memory.py; "
+                         "minutes a plan) and print a plan over the device")
     ap.add_argument("--worlds", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
@@ -216,7 +227,7 @@ def main() -> None:
     if not args.operators:
         if args.save:
             Path(args.save).mkdir(parents=True, exist_ok=True)
-        cluster_table(args.save)
+        cluster_table(args.save, args.measure_memory)
         long_context_table(args.save_cp)
         if not args.skip_published:
             published_table(args.save)

@@ -325,10 +325,22 @@ def worst(got: dict, est: dict) -> float:
     return max(abs(r - 1) for r in compare(got, est).values())
 
 
+def over_device(plan, got: dict) -> bool:
+    """Whether the measured peak exceeds the plan's memory budget (the device's, less its reserve)."""
+    return got["peak"] > plan.best.budget
+
+
+def device_line(plan, got: dict) -> str:
+    """One line on the measured peak against the estimate and the device (``OVER THE DEVICE`` when over)."""
+    head = (f"measured peak {_gib(got['peak'])} GiB/rank (estimate {_gib(plan.best.memory['peak'])}, "
+            f"budget {_gib(plan.best.budget)})")
+    return f"{head}: OVER THE DEVICE, this plan does not fit" if over_device(plan, got) else f"{head}: fits"
+
+
 def row(label: str, plan, got: dict, est: dict) -> str:
     ratio = compare(got, est)
     cells = " | ".join(f"{_gib(got[k])} / {_gib(est[k])} = {ratio[k]:.2f}" for k in KEYS)
-    over = " **over the device**" if got["peak"] > plan.best.budget else ""
+    over = " **over the device**" if over_device(plan, got) else ""
     return (f"| {label} | {_short(plan.parallel)} | {cells} | {_gib(got['held'])} | "
             f"{100 * worst(got, est):.0f}%{over} |")
 

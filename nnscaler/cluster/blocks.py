@@ -35,7 +35,7 @@ _BLOCK = re.compile(r"^(.*)\.(\d+)$")
 # what an operator keeps for its backward (autograd's saved tensors): its floating activation inputs for products
 # and nonlinearities, its output too for those whose derivative reads it; sums, negations, concatenations keep none
 _SAVES_INPUTS = ("linear", "mul", "div", "pow", "silu", "gelu", "sigmoid", "tanh", "softmax", "_softmax", "log_softmax",
-                 "layer_norm", "native_layer_norm", "rms_norm", "cross_entropy", "dropout", "relu", "matmul", "bmm",
+                 "layer_norm", "native_layer_norm", "rms_norm", "cross_entropy_loss", "dropout", "relu", "matmul", "bmm",
                  "scaled_dot_product_attention", "baddbmm", "addmm")
 _SAVES_OUTPUT = ("scaled_dot_product_attention", "rsqrt", "sigmoid", "tanh", "softmax", "_softmax", "exp", "log_softmax")
 # products: the gradient of one operand needs the others, so an operand is kept only when another one needs a

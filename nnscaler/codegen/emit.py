@@ -17,6 +17,7 @@ from ..ops.spec import resolve
 from ..trace.amp import converts_to
 from ..ir.plan import Plan
 from .probe import conversion_info, held_grad_layout, use_grad_layout
+from .frees import free_dead
 from .recompute import wrap
 from .render import CodegenError, Raw, callable_source, comment, literal
 
@@ -388,5 +389,6 @@ def render_program(e: Emitter, header: str = "") -> str:
         lines, n = wrap(lines, e.spans, e.recompute, [t.name for t in graph.inputs], e.recompute_modules)
         if n:
             head.insert(head.index("import torch") + 1, "from nnscaler.runtime.recompute import checkpoint  # torch.utils.checkpoint, non-reentrant")
+    lines = free_dead(lines)  # each intermediate freed after its last use (codegen/frees.py)
     return "\n".join(head + body + lines) + "\n"
 

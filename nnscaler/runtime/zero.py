@@ -15,7 +15,8 @@ The inner optimizer (``torch.optim.AdamW``, ...) runs on those owned slices only
   slice of them.
 - zero 2: the gradients that need no sum outside the zero group (a data-parallel plan's, a replica's)
   are reduce-scattered during backward, bucket by bucket as they become ready, into this rank's
-  gradient shard; the full ``.grad`` is then freed. A parameter also summed over another axis (a
+  gradient shard; the full ``.grad`` is then freed, and the packed bucket once its reduce-scatter is
+  done (one in flight at a time, :data:`IN_FLIGHT`: the next launch waits for it). A parameter also summed over another axis (a
   norm's weight under ``tp`` with replicas) keeps its all-reduce and is sliced, as under zero 1.
 - zero 3: also the parameters: each rank keeps only its slice of every bucket (``shard``, what the
   optimizer steps); the whole bucket is all-gathered when the program first reads one of its
@@ -45,6 +46,9 @@ from .buckets import ReadyBuckets
 from .shard_grad import ShardGrad, real
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adadelta", "ASGD")
+
+
+IN_FLIGHT = 1  # reduce-scatters under way at once: launching another waits for the oldest and frees its bucket
 
 
 class ZeroError(ValueError):
@@ -87,6 +91,7 @@ class ZeroShards:
         self.schedule = ReadyBuckets(lambda b: self._launch(b), lambda: self._complete())  # zero 2: scattered when complete
         self._materialized = False
         self._pending: list[tuple] = []  # (bucket, work, out, packed gradients) of the reduce-scatters under way
+        self.most_pending = 0  # the most reduce-scatters (packed gradient buckets) alive at once so far
         self.regathered: dict[int, torch.Tensor] = {}  # zero 3: buckets gathered again in backward, by id
         open_: dict[tuple, ZeroBucket] = {}
         block_of, own_groups = block_of or {}, own_groups or {}
@@ -176,16 +181,23 @@ class ZeroShards:
         else:
             out.copy_(grad_flat)
         self._pending.append((b, work, out, grad_flat))  # the packed gradients live until the scatter is done
+        while len(self._pending) > IN_FLIGHT:  # the older ones are waited for: their packed gradients freed now,
+            self._settle(*self._pending.pop(0))  # not at the end of backward (which held the stage's gradients whole)
+        self.most_pending = max(self.most_pending, len(self._pending))
+
+    def _settle(self, b: ZeroBucket, work, out: torch.Tensor, grad_flat: torch.Tensor) -> None:
+        """Wait for one bucket's reduce-scatter and add it into the shard's gradient (in launch order)."""
+        if work is not None:
+            work.wait()
+        b.shard.grad = out if b.shard.grad is None else b.shard.grad.add_(out)
 
     def _complete(self) -> None:
         if self.stage == 2:  # every bucket is scattered once per backward, on every rank (zeros where none)
             for b in self.buckets:
                 if b.scatter and id(b) not in self.schedule.launched:
                     self._launch(b)
-        for b, work, out, _ in self._pending:
-            if work is not None:
-                work.wait()
-            b.shard.grad = out if b.shard.grad is None else b.shard.grad.add_(out)
+        for entry in self._pending:
+            self._settle(*entry)
         self._pending = []
         for b in self.buckets:  # .grad says where the gradient is (.shard_grad), rather than reading None
             if b.scatter:

@@ -72,3 +72,12 @@ def test_a_wrong_estimate_is_caught(small_plan):
     from nnscaler.profiles import get_profile
     e = estimate(plan.shape, other, get_profile("h100"), plan.precision, plan.global_batch)
     assert abs(got["params"] / e.memory["params"] - 1) > 0.10
+
+
+def test_a_plan_over_the_device_is_said_so(small_plan):
+    """``bench/calibration/autodist.py --measure-memory`` prints this line under each cluster plan."""
+    from bench.calibration.real_memory import device_line
+    plan, got = small_plan
+    assert device_line(plan, got).endswith(": fits"), device_line(plan, got)
+    over = device_line(plan, {**got, "peak": plan.best.budget + 1})
+    assert "OVER THE DEVICE" in over, over
