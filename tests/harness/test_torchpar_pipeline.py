@@ -44,7 +44,7 @@ def test_fsdp_division_disabled_as_torchtitan_ships_it_matches(gang, tmp_path):
     """The loss_fn divides by the global token count and FSDP sums: the step's loss is the sum over dp."""
     row = _row(gang, "dp_pp_undivided", tmp_path, "dp=2,pp=2", 4, steps=1, checkpoint=False)
     assert row.status == MATCH, row.detail
-    assert "fsdp loss scale: FSDP2 gradient division disabled over dp=2" in row.detail, row.detail
+    assert "fsdp loss scale: FSDP2 gradient division disabled (over dp=2)" in row.detail, row.detail
 
 
 def test_a_loss_not_averaged_over_micro_batches_is_caught(gang, tmp_path):
