@@ -3,8 +3,10 @@ from .builtin import POLICIES, cp, dp, hybrid, hybrid_cp, random, random2d, tp
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan, validate
 from .autodist import autodist
+from .cp_mesh import cp_tp
 
+POLICIES["cp_tp"] = cp_tp
 POLICIES["autodist"] = autodist
 
-__all__ = ["POLICIES", "autodist", "cp", "dp", "hybrid", "hybrid_cp", "random", "random2d", "tp", "ComputeConfig", "Plan", "PlanError",
+__all__ = ["POLICIES", "autodist", "cp", "cp_tp", "dp", "hybrid", "hybrid_cp", "random", "random2d", "tp", "ComputeConfig", "Plan", "PlanError",
            "validate"]

@@ -1,0 +1,52 @@
+"""Context parallelism composed with the other axes: ``cp_tp``, dp x cp x tp on one mesh (Megatron-LM's
+rank order: tp innermost, then cp, then dp). Inside a pipeline stage (``pp2_cp_tp``) it is each stage's
+policy; ZeRO shards over the axes that hold a parameter whole (dp and cp) and recompute applies as under
+any policy. It is what :func:`nnscaler.cluster.plan.lower` runs for a cluster plan with ``cp`` > 1.
+
+Attention splits its heads on the tp axis and its queries' sequence on the cp axis; keys and values are
+all-gathered on the cp axis alone (the layout conversion ``D -> R`` on that axis, its backward summing
+their gradients back to the owning chunk), the head split staying in place. Chunks are contiguous (no
+causal balance)."""
+from __future__ import annotations
+
+from ..config import ComputeConfig, PlanError
+from ..ir.graph import IRGraph
+from ..ir.plan import Plan
+from .builtin import AXIS_OPTIONS, check_batch_divisible, check_sequence_divisible
+from .greedy import plan_greedy
+from .heads import pin_heads, scores
+
+
+def cp_tp_mesh(config: ComputeConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The ``(shape, names)`` of ``cp_tp``'s mesh: tp of ``config.tp_size`` (default 2 where it divides),
+    cp of ``config.cp_size`` (default every rank left), dp the rest; axes of one rank left out (one at least)."""
+    n = config.plan_ngpus
+    t = config.tp_size or (2 if n % 2 == 0 and n > 2 else 1)
+    if n % t:
+        raise PlanError(f"cp_tp: tp_size {t} does not divide plan_ngpus {n}")
+    c = config.cp_size or n // t
+    if n % (t * c):
+        raise PlanError(f"cp_tp: cp_size {c} x tp_size {t} does not divide plan_ngpus {n}")
+    sizes = (("dp", n // (t * c)), ("cp", c), ("tp", t))
+    kept = [(a, s) for a, s in sizes if s > 1] or [("cp", 1)]
+    return tuple(s for _, s in kept), tuple(a for a, _ in kept)
+
+
+def cp_tp(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """dp x cp x tp: the batch split on dp, the sequence on cp (as ``cp``), heads and weights on tp (as
+    ``hybrid``'s tp axis, with ``config.sequence_parallel``; attention and its q/k/v path pinned to their
+    heads as ``tp`` pins them, :mod:`nnscaler.policies.heads`); see the module docstring."""
+    mesh, names = cp_tp_mesh(config)
+    size = dict(zip(names, mesh))
+    check_batch_divisible(graph, size.get("dp", 1), "cp_tp")
+    check_sequence_divisible(graph, size.get("cp", 1), "cp_tp")
+    per_axis = [AXIS_OPTIONS[a](graph, config.sequence_parallel) if a == "tp" else AXIS_OPTIONS[a](graph) for a in names]
+    tp_axis = names.index("tp") if "tp" in names else None
+    pins = pin_heads(graph, size["tp"], scores(graph)) if tp_axis is not None else {}
+
+    def options(op, axis: int, layouts: dict):  # attention by heads on tp (as ``tp`` pins them), carried to the projections
+        if axis == tp_axis and op.name in pins:
+            return [pins[op.name]]
+        return per_axis[axis](op, axis, layouts)
+
+    return plan_greedy(graph, mesh, names, options, "cp_tp")
