@@ -2,10 +2,10 @@
 free of torch so ``python -m verify --help`` answers at once. Each mirrors a registry that imports
 torch; ``tests/harness/test_cli_startup.py`` checks that they agree."""
 
-POLICY_NAMES = ("dp", "tp", "cp", "hybrid", "hybrid_cp", "random", "random2d", "cp_tp", "autodist")
+POLICY_NAMES = ("dp", "tp", "cp", "hybrid", "hybrid_cp", "random", "random2d", "cp_tp", "ulysses", "autodist")
 """``nnscaler.policies.POLICIES``, in its order."""
 
-SEQUENCE_POLICIES = ("cp", "hybrid_cp", "cp_tp", "pp2_cp_tp")
+SEQUENCE_POLICIES = ("cp", "hybrid_cp", "cp_tp", "ulysses", "pp2_cp_tp")
 """Policies that split the tokens' sequence (context parallelism): run only where named (``--policy cp``),
 not by ``verify all`` nor by ``verify model`` without ``--policy`` (many models have no sequence)."""
 

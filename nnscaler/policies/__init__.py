@@ -3,10 +3,11 @@ from .builtin import POLICIES, cp, dp, hybrid, hybrid_cp, random, random2d, tp
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan, validate
 from .autodist import autodist
-from .cp_mesh import cp_tp
+from .cp_mesh import cp_tp, ulysses
 
 POLICIES["cp_tp"] = cp_tp
+POLICIES["ulysses"] = ulysses
 POLICIES["autodist"] = autodist
 
-__all__ = ["POLICIES", "autodist", "cp", "cp_tp", "dp", "hybrid", "hybrid_cp", "random", "random2d", "tp", "ComputeConfig", "Plan", "PlanError",
+__all__ = ["POLICIES", "autodist", "cp", "cp_tp", "dp", "hybrid", "hybrid_cp", "random", "random2d", "tp", "ulysses", "ComputeConfig", "Plan", "PlanError",
            "validate"]

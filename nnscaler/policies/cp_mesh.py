@@ -2,6 +2,7 @@
 rank order: tp innermost, then cp, then dp). Inside a pipeline stage (``pp2_cp_tp``) it is each stage's
 policy; ZeRO shards over the axes that hold a parameter whole (dp and cp) and recompute applies as under
 any policy. It is what :func:`nnscaler.cluster.plan.lower` runs for a cluster plan with ``cp`` > 1.
+``ulysses``: the sequence split as ``cp`` but attention split by heads, an all-to-all each way.
 
 Attention splits its heads on the tp axis and its queries' sequence on the cp axis; keys and values are
 all-gathered on the cp axis alone (the layout conversion ``D -> R`` on that axis, its backward summing
@@ -10,7 +11,7 @@ causal balance)."""
 from __future__ import annotations
 
 from ..config import ComputeConfig, PlanError
-from ..ir.graph import IRGraph
+from ..ir.graph import IRGraph, IROp, IRTensor
 from ..ir.plan import Plan
 from .builtin import AXIS_OPTIONS, check_batch_divisible, check_sequence_divisible
 from .greedy import plan_greedy
@@ -50,3 +51,55 @@ def cp_tp(graph: IRGraph, config: ComputeConfig) -> Plan:
         return per_axis[axis](op, axis, layouts)
 
     return plan_greedy(graph, mesh, names, options, "cp_tp")
+
+
+MATMUL = ("matmul", "bmm")
+
+
+def attention_core(graph: IRGraph) -> set[str]:
+    """The operators of each attention from its score product to its value product: the ``q k^T``
+    matmul, what runs on the scores (scale, mask, softmax, dropout) and the ``p v`` matmul (sdpa: itself)."""
+    core: set[str] = set()
+    for s in scores(graph):
+        core.add(s.name)
+        if "scaled_dot_product_attention" in s.overload:
+            continue
+        x = s.inputs[0] if isinstance(s.inputs[0], IRTensor) else None
+        while x is not None and x.producer is not None:  # back to q k^T
+            p = x.producer
+            core.add(p.name)
+            if any(m in p.overload for m in MATMUL):
+                break
+            x = next((i for i in p.inputs if isinstance(i, IRTensor) and i.shape == x.shape), None)
+        y = s.outputs[0]
+        while y is not None:  # on to p v (through casts and dropout; eager attention also returns the weights)
+            c = next((c for c in y.consumers if c.outputs and c.outputs[0] is not None and (
+                any(m in c.overload for m in MATMUL) or c.outputs[0].shape == y.shape)), None)
+            if c is None:
+                break
+            core.add(c.name)
+            if any(m in c.overload for m in MATMUL):
+                break
+            y = c.outputs[0]
+    return core
+
+
+def ulysses(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """Context parallelism by DeepSpeed-Ulysses's exchange: the sequence split on the cp axis
+    everywhere except inside attention (:func:`attention_core`), which splits its heads instead; the
+    layout conversion between the two is an all-to-all of queries, keys and values in and of the
+    attention output back (``D(seq) -> D(heads)``). The heads must divide by ``plan_ngpus``."""
+    n = config.plan_ngpus
+    check_sequence_divisible(graph, n, "ulysses")
+    pins = pin_heads(graph, n, scores(graph))
+    core = attention_core(graph)
+    missing = [op.name for op in graph.ops if op.name in core and not pins.get(op.name)]
+    if missing:
+        raise PlanError(f"ulysses: attention operator {missing[0]} cannot split its heads over {n} ranks "
+                        f"(heads not divisible, or not found)")
+    seq = AXIS_OPTIONS["cp"](graph)
+
+    def options(op: IROp, axis: int, layouts: dict):
+        return [pins[op.name]] if op.name in core else seq(op, axis, layouts)
+
+    return plan_greedy(graph, (n,), ("cp",), options, "ulysses")
