@@ -126,3 +126,34 @@ def test_cp_tp_kv_gradient_summed_over_the_wrong_axis_is_caught_and_localised(tm
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "first divergent conversion: " in out.stdout, out.stdout[-3000:]
     assert "for matmul_3 input 1" in out.stdout and "all_gather_sum_grad(axis 0, dims 2)" in out.stdout, out.stdout[-3000:]
+
+
+def test_ulysses_splits_heads_inside_attention_and_the_sequence_outside(llama_graph):
+    from nnscaler.codegen.emit import conversion_steps
+    from nnscaler.policies.cp_mesh import attention_core, ulysses
+    plan = ulysses(llama_graph, ComputeConfig(2))
+    seq, core = batch_identifiers(llama_graph, 1), attention_core(llama_graph)
+    assert {op.name for op in _matmuls(llama_graph)} <= core  # q k^T and p v of both layers
+    for op in llama_graph.ops:
+        got = plan.partition(op).splits
+        if op.name in core:  # heads (dim 1 of b h s d) on the cp axis
+            assert got == ((op.bound.inputs[0][1][0], 2),), (op.name, got)
+        elif got:  # outside attention: the sequence or nothing (as under cp)
+            assert got[0][0] in (seq[op.name], None), (op.name, got)
+    kinds = [st.kind for st, _ in conversion_steps(llama_graph, plan, 0)]
+    assert kinds.count("all_to_all") >= 8 and "all_gather_sum_grad" not in kinds  # no key/value all-gather
+
+
+def test_a_cp_checkpoint_resumes_under_dp_and_tp():
+    """Every whole-model case reloads its checkpoint under another plan: a cp one under dp (the reload
+    check) and tp on half the ranks (the resume), so the rows of cp_tp/ulysses above include both."""
+    from verify.cases.model import reload_policies
+    from verify.cases.resume import plan_b
+    for policy in ("cp", "cp_tp", "ulysses"):
+        assert reload_policies(policy)[0] == "dp" and plan_b(policy, 4) == ("tp", 2)
+
+
+@pytest.mark.slow
+def test_llama_trains_like_one_device_under_ulysses(verify_model):
+    rows = verify_model("llama", policies=["ulysses"], world_sizes=(2,), steps=2)
+    assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
