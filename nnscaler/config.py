@@ -46,6 +46,8 @@ class ComputeConfig:
     mem_budget: int | None = None
     profile: str | None = None
     sequence_parallel: bool = False
+    # context-parallel degree of the ``cp_tp`` policy (nnscaler.policies.cp_mesh; None: every rank tp leaves)
+    cp_size: int | None = None
     # pipeline parallelism (``nnscaler.compile.pipeline``): ``pp_size`` stages of ``plan_ngpus // pp_size`` ranks each,
     # run by ``schedule``; ``pp_split`` names the modules where stages 1.. begin (default: balance the cost model)
     pp_size: int = 1

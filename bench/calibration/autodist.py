@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import opzoo  # noqa: F401,E402
 from nnscaler import ComputeConfig, PlanError
-from nnscaler.cluster.plan import CP_LOWERING
+from nnscaler.cluster.plan import cp_refusal
 from nnscaler.compile.plan import canonical_params, plan_graph
 from nnscaler.cost.summary import human
 from nnscaler.trace.build import trace
@@ -101,7 +101,7 @@ def cluster_table(save: str | None = None, measure_memory: bool = False) -> None
             if measure_memory:
                 from bench.calibration.real_memory import device_line, measured
                 print(f"{'':<11} {device_line(plan, measured(plan, extrapolate=True))}", flush=True)
-            if plan.parallel.cp > 1 and not CP_LOWERING:  # verify plan refuses cp: the best plan without it
+            if cp_refusal(plan.parallel):  # verify plan refuses a cp scheme the compiler lacks: the best plan without cp
                 plan = search(shapes[name], dataclasses.replace(cfg, constraints={"cp": 1}))
                 e = plan.best
                 print(f"{'  no cp':<11} {w:>5} {'':>7} {e.mfu:>6.3f} {e.step_seconds:>7.2f}s "
@@ -192,7 +192,7 @@ def published_table(save: str | None = None) -> None:
         print(f"{r['name']:<30} {a:>12.3f}s {b:>8.3f}s {b / a:>6.2f} {h:>8}  {'yes' if b <= a else 'NO':>10}  {ev:<9} "
               f"{_conf(p)}", flush=True)
         wins += b <= a
-        if save and mine.parallel.cp > 1 and not CP_LOWERING:  # verify plan refuses cp: the best plan without it
+        if save and cp_refusal(mine.parallel):  # verify plan refuses a cp scheme the compiler lacks: the best plan without cp
             mine = search(shape, config(r, cons={"cp": 1}, budget=budget), r["model"])
             print(f"{'  saved without cp':<30} {'':>13} {mine.best.step_seconds:>8.3f}s  {_conf(mine.parallel)}")
         if save and r["model"] in SHAPES:  # a GPT row's model is no transformers model: no reduced rebuild

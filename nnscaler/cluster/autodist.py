@@ -30,7 +30,7 @@ from ..compile.plan import plan_model as plan_operators
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan, Policy
 from ..profiles import get_profile
-from .plan import CP_LOWERING, NO_CP_LOWERING, architecture_of, stage_policy
+from .plan import LOWERED_CP, architecture_of, cp_refusal, stage_policy
 from .search import ClusterPlan, search
 from .trace import block_stack, trace_shape
 
@@ -62,8 +62,11 @@ class ClusterStats:
 
     def inside_stage(self) -> str:
         p = self.cluster.parallel
+        if cp_refusal(p):
+            return "inside a stage: " + cp_refusal(p)
         if p.cp > 1:
-            return "inside a stage: " + NO_CP_LOWERING.format(cp=p.cp, scheme=p.cp_scheme)
+            return (INSIDE_STAGE.format(policy="cp_tp") + f"; the sequence in {p.cp} contiguous chunks on the cp axis, "
+                    f"keys and values all-gathered")
         if self.cluster.parallel.tp == 1:
             return "inside a stage: every operator whole on its rank (tp 1, policy dp)"
         return INSIDE_STAGE.format(policy=stage_policy(self.cluster.parallel))
@@ -92,7 +95,7 @@ class ClusterStats:
 def as_plan(cluster: ClusterPlan) -> Plan:
     """The :class:`Plan` of a cluster search's result: mesh ``(pp, dp, tp)``, policy ``autodist``, no
     per-operator partitions of its own (those are the lowering's, :func:`~nnscaler.cluster.plan.lower`); with
-    context parallelism the mesh is ``(pp, dp, cp, tp)`` and there is no lowering yet."""
+    context parallelism the mesh is ``(pp, dp, cp, tp)``."""
     p = cluster.parallel
     stats = ClusterStats(cluster)
     if p.cp > 1:  # rank order tp, cp, dp, pp (nnscaler.cluster.cost)
@@ -186,13 +189,15 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     planning at every scale: a cluster-scale request is searched as :func:`plan_model` does and the
     program compiled for what its plan lowers to (:func:`lowered`: pipeline stages, micro-batches,
     ZeRO, recompute, precision; Megatron-LM's template inside a stage); context parallelism is left out of
-    that search (``cp`` 1) unless ``constraints`` name it, until the compiler lowers it (``CP_LOWERING``). ``sample_args`` is the batch the
+    that search to the schemes the compiler lowers (:data:`~nnscaler.cluster.plan.LOWERED_CP`) unless ``constraints``
+    name cp or its scheme (a scheme it lacks is then refused by name). ``sample_args`` is the batch the
     module is called with, across its ranks, so ``global_batch`` defaults to its batch here (not to the
     sample's batch on every rank, as in :func:`plan_model`)."""
     wanted = cluster_scale(model, config) if policy == "autodist" else False
     if wanted is not False:
-        if not CP_LOWERING and "cp" not in (config.constraints or {}):  # a plan to compile: no cp until it lowers
-            config = dataclasses.replace(config, constraints={**(config.constraints or {}), "cp": 1})
+        cons = config.constraints or {}
+        if not {"cp", *LOWERED_CP} & set(cons):  # a plan to compile: only the cp schemes the compiler has
+            config = dataclasses.replace(config, constraints={**cons, **LOWERED_CP})
         x = sample_args[0] if sample_args else None
         if config.global_batch is None and isinstance(x, torch.Tensor) and x.dim() >= 2:
             config = dataclasses.replace(config, global_batch=int(x.shape[0]))

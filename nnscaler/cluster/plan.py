@@ -11,10 +11,11 @@ The file (:meth:`ClusterPlan.save <nnscaler.cluster.search.ClusterPlan.save>`, r
 :func:`load`) is JSON, no pickle: the summary (``parallel``, estimates), :data:`FORMAT`, the
 ``architecture`` (a ``transformers`` model's class and config, enough to rebuild the model at another
 size) and ``lowered`` (the policy and config fields :func:`lower` gives). A plan with context
-parallelism (``cp`` > 1) saves with its ``cp``, ``cp_scheme`` and ``cp_balanced`` in ``parallel`` and
-``lowered`` null: the compiler has no context-parallel lowering here yet (:func:`lower` refuses it by
-name, :data:`NO_CP_LOWERING`), so nothing runs such a plan without its cp axis. Files without the cp
-fields (written before cp) read as ``cp`` 1.
+parallelism (``cp`` > 1) saves with its ``cp``, ``cp_scheme`` and ``cp_balanced`` in ``parallel``; it
+lowers to ``cp_tp`` (dp x cp x tp inside a stage, :mod:`nnscaler.policies.cp_mesh`) where the compiler
+has its scheme (:func:`cp_refusal`: the all-gather scheme with contiguous chunks); otherwise ``lowered``
+is null and :func:`lower` refuses it naming what is missing, so nothing runs such a plan without its cp
+axis or scheme. Files without the cp fields (written before cp) read as ``cp`` 1.
 """
 from __future__ import annotations
 
@@ -33,14 +34,32 @@ LOWERED_FIELDS = ("plan_ngpus", "tp_size", "pp_size", "schedule", "virtual_stage
                   "num_microbatches", "recompute", "zero", "precision")
 
 
-CP_LOWERING = False  # whether lower() lowers context parallelism (not yet: the compiler has no cp policy here)
-NO_CP_LOWERING = ("context parallelism (cp={cp}, {scheme}) has no compiler lowering yet: the plan cannot be "
-                  "compiled or verified without dropping its cp axis")
+# what the compiler lacks for each scheme it does not lower (cp_tp: all-gather of keys and values, contiguous chunks)
+CP_MISSING = {"ring": "the ring exchange of keys and values (the compiler all-gathers them)",
+              "balanced": "the causally balanced chunk layout (two chunks per rank, i and 2 cp - 1 - i; the compiler "
+                          "splits the sequence in contiguous chunks)"}
+LOWERED_CP = {"cp_scheme": "allgather", "cp_balanced": False}  # the cp plans lower() lowers (constraints that keep a search to them)
+
+
+def cp_refusal(par: Parallel) -> str | None:
+    """Why ``par``'s context parallelism has no compiler lowering (one line naming what is missing), or
+    ``None`` when it lowers (``cp`` 1, or the all-gather scheme over contiguous chunks)."""
+    if par.cp == 1:
+        return None
+    missing = [CP_MISSING[k] for k, bad in (("ring", par.cp_scheme == "ring"), ("balanced", par.cp_balanced)) if bad]
+    if not missing:
+        return None
+    return (f"context parallelism (cp={par.cp}, {par.cp_scheme}{', balanced' if par.cp_balanced else ''}) has no "
+            f"compiler lowering: missing {' and '.join(missing)}; the plan cannot be compiled or verified without "
+            f"changing its cp scheme (cp_scheme='allgather', cp_balanced=False lowers)")
 CP_DEFAULTS = {"cp": 1, "cp_scheme": CP_SCHEMES[0], "cp_balanced": True}  # what a file written before cp means
 
 
 def stage_policy(par: Parallel) -> str:
-    """The per-operator policy of one pipeline stage of ``par``: ``hybrid`` (dp x tp), ``tp`` or ``dp``."""
+    """The per-operator policy of one pipeline stage of ``par``: ``cp_tp`` (dp x cp x tp) with context
+    parallelism, else ``hybrid`` (dp x tp), ``tp`` or ``dp``."""
+    if par.cp > 1:
+        return "cp_tp"
     if par.tp > 1 and par.dp > 1:
         return "hybrid"
     return "tp" if par.tp > 1 else "dp"
@@ -49,10 +68,13 @@ def stage_policy(par: Parallel) -> str:
 def lower(par: Parallel, precision: str = "32-true", **extra) -> tuple[str, ComputeConfig]:
     """``(policy, config)`` the compiler runs for ``par`` on ``par.world`` ranks (``extra``: more
     :class:`ComputeConfig` fields, e.g. ``seed`` or ``profile``). Rank order is Megatron-LM's: tp
-    innermost, then dp, then pipeline stages. A plan with ``cp`` > 1 is a :class:`PlanError`
-    (:data:`NO_CP_LOWERING`)."""
-    if par.cp > 1 and not CP_LOWERING:
-        raise PlanError(NO_CP_LOWERING.format(cp=par.cp, scheme=par.cp_scheme))
+    innermost, then cp, then dp, then pipeline stages. A plan whose cp scheme the compiler lacks is a
+    :class:`PlanError` naming it (:func:`cp_refusal`)."""
+    refusal = cp_refusal(par)
+    if refusal:
+        raise PlanError(refusal)
+    if par.cp > 1:
+        extra = {"cp_size": par.cp, **extra}
     return stage_policy(par), ComputeConfig(
         par.world, tp_size=par.tp, pp_size=par.pp, schedule=par.schedule, virtual_stages=par.virtual_stages,
         sequence_parallel=par.sequence_parallel and par.tp > 1, num_microbatches=par.num_microbatches,
@@ -61,11 +83,11 @@ def lower(par: Parallel, precision: str = "32-true", **extra) -> tuple[str, Comp
 
 def lowered_dict(par: Parallel, precision: str) -> dict | None:
     """What :func:`lower` gives, as JSON: ``{"policy": ..., "config": {field: value}}``; ``None`` for a plan
-    with context parallelism (no lowering yet)."""
-    if par.cp > 1:
+    whose context parallelism has no lowering (:func:`cp_refusal`); ``cp_size`` only where ``cp`` > 1."""
+    if cp_refusal(par):
         return None
     policy, cfg = lower(par, precision)
-    return {"policy": policy, "config": {k: getattr(cfg, k) for k in LOWERED_FIELDS}}
+    return {"policy": policy, "config": {k: getattr(cfg, k) for k in LOWERED_FIELDS + (("cp_size",) if par.cp > 1 else ())}}
 
 
 def architecture_of(model) -> dict | None:

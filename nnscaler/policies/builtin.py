@@ -253,4 +253,7 @@ def random2d(graph: IRGraph, config: ComputeConfig) -> Plan:
                        pick=lambda op, cands: rng.choice(cands))
 
 
+# each axis's option maker (graph, plus sequence_parallel for tp), for policies composed elsewhere (cp_mesh.py)
+AXIS_OPTIONS = {"dp": _dp_options, "cp": _cp_options, "tp": _tp_options}
+
 POLICIES = {"dp": dp, "tp": tp, "cp": cp, "hybrid": hybrid, "hybrid_cp": hybrid_cp, "random": random, "random2d": random2d}

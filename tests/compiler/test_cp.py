@@ -1,4 +1,5 @@
-"""Context parallelism (``cp``, ``hybrid_cp`` in :mod:`nnscaler.policies.builtin`): every operator that
+"""Context parallelism (``cp``, ``hybrid_cp`` in :mod:`nnscaler.policies.builtin`; ``cp_tp``, cp x tp, in
+:mod:`nnscaler.policies.cp_mesh`): every operator that
 carries the tokens' sequence splits it, attention reads keys and values all-gathered (their gradients
 reduce-scattered back), the rotary tables and the causal mask are built whole from global positions
 and cut to the rank's chunk. Proven on transformers' Llama against one device, and two wrong
@@ -76,9 +77,9 @@ def test_llama_trains_like_one_device_under_cp(verify_model):
     assert [r.status for r in rows] == [MATCH] * 4, [(r.status, r.detail) for r in rows]
 
 
-def _mutated(name: str, tmp_path) -> subprocess.CompletedProcess:
+def _mutated(name: str, tmp_path, policy: str = "cp", world: int = 2) -> subprocess.CompletedProcess:
     from tests.mutants.run import shim
-    cmd = [sys.executable, "-m", "verify", "model", "llama", "--policy", "cp", "--world-size", "2", "--steps", "1",
+    cmd = [sys.executable, "-m", "verify", "model", "llama", "--policy", policy, "--world-size", str(world), "--steps", "1",
            "--reports", str(tmp_path / "reports"), "--module", str(shim(tmp_path, name))]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
@@ -95,3 +96,64 @@ def test_a_wrong_context_parallel_program_is_caught_and_localised(mutant, first,
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "MISMATCH" in out.stdout and "first divergent conversion: " in out.stdout, out.stdout[-3000:]
     assert first in out.stdout, out.stdout[-3000:]
+
+
+def test_cp_tp_splits_heads_on_tp_and_the_sequence_on_cp(llama_graph):
+    from nnscaler.policies.cp_mesh import cp_tp
+    seq = batch_identifiers(llama_graph, 1)
+    for cfg, mesh in [(ComputeConfig(4), ((2, 2), ("cp", "tp"))),
+                      (ComputeConfig(8, tp_size=2, cp_size=2), ((2, 2, 2), ("dp", "cp", "tp")))]:
+        plan = cp_tp(llama_graph, cfg)
+        assert (plan.mesh_shape, plan.axis_names) == mesh
+        for op in _matmuls(llama_graph):  # queries' sequence on cp, heads (dim 1 of b h s d) on tp
+            ids = op.bound.inputs[0]
+            assert plan.partition(op).splits[-2:] == ((seq[op.name], 2), (ids[1][0], 2)), (op.name, plan.partition(op))
+            keys = op.layout(plan.partition(op)).inputs[1]  # whole on cp (all-gathered), split by heads on tp
+            assert str(keys[-2]) == "R" and str(keys[-1]).startswith("D1"), (op.name, keys)
+    with pytest.raises(PlanError, match="cp_size 3 x tp_size 2 does not divide plan_ngpus 8"):
+        cp_tp(llama_graph, ComputeConfig(8, tp_size=2, cp_size=3))
+
+
+@pytest.mark.slow
+def test_llama_trains_like_one_device_under_cp_tp(verify_model):
+    rows = verify_model("llama", policies=["cp_tp"], world_sizes=(4,), steps=2)
+    assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
+
+
+@pytest.mark.slow
+def test_cp_tp_kv_gradient_summed_over_the_wrong_axis_is_caught_and_localised(tmp_path):
+    out = _mutated("cp_tp_kv_gradient_wrong_axis", tmp_path, "cp_tp", 4)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "first divergent conversion: " in out.stdout, out.stdout[-3000:]
+    assert "for matmul_3 input 1" in out.stdout and "all_gather_sum_grad(axis 0, dims 2)" in out.stdout, out.stdout[-3000:]
+
+
+def test_ulysses_splits_heads_inside_attention_and_the_sequence_outside(llama_graph):
+    from nnscaler.codegen.emit import conversion_steps
+    from nnscaler.policies.cp_mesh import attention_core, ulysses
+    plan = ulysses(llama_graph, ComputeConfig(2))
+    seq, core = batch_identifiers(llama_graph, 1), attention_core(llama_graph)
+    assert {op.name for op in _matmuls(llama_graph)} <= core  # q k^T and p v of both layers
+    for op in llama_graph.ops:
+        got = plan.partition(op).splits
+        if op.name in core:  # heads (dim 1 of b h s d) on the cp axis
+            assert got == ((op.bound.inputs[0][1][0], 2),), (op.name, got)
+        elif got:  # outside attention: the sequence or nothing (as under cp)
+            assert got[0][0] in (seq[op.name], None), (op.name, got)
+    kinds = [st.kind for st, _ in conversion_steps(llama_graph, plan, 0)]
+    assert kinds.count("all_to_all") >= 8 and "all_gather_sum_grad" not in kinds  # no key/value all-gather
+
+
+def test_a_cp_checkpoint_resumes_under_dp_and_tp():
+    """Every whole-model case reloads its checkpoint under another plan: a cp one under dp (the reload
+    check) and tp on half the ranks (the resume), so the rows of cp_tp/ulysses above include both."""
+    from verify.cases.model import reload_policies
+    from verify.cases.resume import plan_b
+    for policy in ("cp", "cp_tp", "ulysses"):
+        assert reload_policies(policy)[0] == "dp" and plan_b(policy, 4) == ("tp", 2)
+
+
+@pytest.mark.slow
+def test_llama_trains_like_one_device_under_ulysses(verify_model):
+    rows = verify_model("llama", policies=["ulysses"], world_sizes=(2,), steps=2)
+    assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]

@@ -92,20 +92,46 @@ def test_bad_plan_files_are_one_line_and_exit_2(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_a_cp_plan_is_saved_with_its_axis_and_refused_by_name(tmp_path, capsys):
+def test_a_cp_plan_the_compiler_lacks_is_saved_with_its_axis_and_refused_by_name(tmp_path, capsys):
     plan, path = saved_plan(tmp_path, 16, {"tp": 2, "cp": 4, "pp": 2, "cp_scheme": "ring"})
     data = json.loads(path.read_text())
     assert (data["parallel"]["cp"], data["parallel"]["cp_scheme"], data["world_size"]) == (4, "ring", 16)
     assert data["lowered"] is None and load(path).parallel == plan.parallel
-    with pytest.raises(PlanError, match="cp=4, ring.* no compiler lowering"):
+    with pytest.raises(PlanError, match="cp=4, ring, balanced.* no compiler lowering: missing the ring exchange"):
         lower(plan.parallel)
+    with pytest.raises(PlanError, match=r"cp=2, allgather, balanced\) .*missing the causally balanced chunk layout"):
+        lower(Parallel(cp=2, cp_balanced=True))
     assert main(["plan", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and str(path) in err[0] and "context parallelism (cp=4, ring)" in err[0], err
+    assert len(err) == 1 and str(path) in err[0] and "context parallelism (cp=4, ring, balanced)" in err[0], err
     # a file written before cp reads as cp 1
     old = {**data, "world_size": 4, "parallel": {k: v for k, v in data["parallel"].items() if not k.startswith("cp")}}
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert load(tmp_path / "old.json").parallel.cp == 1
+
+
+def test_an_allgather_cp_plan_lowers_to_cp_tp_in_megatrons_order(tmp_path):
+    par = Parallel(tp=2, cp=4, pp=2, dp=2, num_microbatches=2, zero=1, recompute="full", cp_balanced=False)
+    policy, cfg = lower(par, "bf16-mixed")
+    assert policy == "cp_tp" and (cfg.plan_ngpus, cfg.tp_size, cfg.cp_size, cfg.pp_size, cfg.zero) == (32, 2, 4, 2, 1)
+    from nnscaler.policies.cp_mesh import cp_tp_mesh
+    from nnscaler.policies.pipeline import stage_config
+    assert cp_tp_mesh(stage_config(cfg)) == ((2, 4, 2), ("dp", "cp", "tp"))  # tp innermost, then cp, then dp
+    assert cp_tp_mesh(stage_config(lower(Parallel(cp=2, cp_balanced=False))[1])) == ((2,), ("cp",))
+    plan, path = saved_plan(tmp_path, 8, {"tp": 2, "cp": 2, "pp": 2, "cp_scheme": "allgather", "cp_balanced": False})
+    data = json.loads(path.read_text())
+    assert data["lowered"]["policy"] == "cp_tp" and data["lowered"]["config"]["cp_size"] == 2
+    assert "cp_size" not in json.loads(saved_plan(tmp_path, 4, {"tp": 2, "cp": 1}, "nocp.json")[1].read_text()
+                                       )["lowered"]["config"]  # plans without cp save as before
+
+
+@pytest.mark.slow
+def test_a_reduced_cp_plan_keeps_its_axis_and_trains_like_one_device(tmp_path, capsys):
+    # 8 GPUs: tp 2 x cp 4, all-gather, contiguous chunks -> tp2 cp2 at W=4, cp_tp's (cp, tp) mesh
+    _, path = saved_plan(tmp_path, 8, {"tp": 2, "cp": 4, "pp": 1, "cp_scheme": "allgather", "cp_balanced": False})
+    assert main(["plan", str(path), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "cp2-allgather pp1 dp1" in out and "1 match" in out, out[-2000:]  # the cp axis kept, of 2
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@
 
 * parallel degrees: each of tp, cp, pp, dp above 1 becomes 2 (an axis stays an axis, in the same order:
   tp innermost, then cp, dp, pipeline stages), or stays as planned (``as_planned``); cp's scheme and causal
-  balance as planned (``verify plan`` refuses a cp plan until the compiler lowers cp); virtual stages,
+  balance as planned (``verify plan`` refuses a cp scheme the compiler does not lower: ring, balanced chunks); virtual stages,
   the schedule, sequence parallelism, recompute, the ZeRO stage and the precision as planned;
 * micro-batches: as many as planned up to two per pipeline stage (a multiple of pp under an
   interleaved schedule), each of at least the planned size up to 2 sequences per dp rank, more where

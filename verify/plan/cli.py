@@ -7,8 +7,9 @@ the one lowering the cost model assumed), checked to give every block's linears 
 column/row split as the cost model costed them, then trained for a few AdamW steps on real ranks and
 compared with one device like any whole-model case (loss, every gradient and update, checkpoint).
 :func:`prepare` and :func:`plan_rows` are the same on any gang (``verify all`` can run saved plans so).
-Exit 0 match, 1 mismatch or failure, 2 bad input (one line, before any rank starts), a plan with context
-parallelism included (no compiler lowering of cp yet: refused by name, never reduced without its cp axis).
+Exit 0 match, 1 mismatch or failure, 2 bad input (one line, before any rank starts), a plan with a context
+parallelism scheme the compiler does not lower included (refused naming what is missing, never reduced without
+its cp axis or scheme); a cp plan it lowers is reduced keeping its cp degree (2) and scheme and runs as ``cp_tp``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nnscaler.config import ComputeConfig, PlanError
-from nnscaler.cluster.plan import NO_CP_LOWERING, SavedPlan, check_lowering, load
+from nnscaler.cluster.plan import SavedPlan, check_lowering, cp_refusal, load
 
 from verify.config import BadInput, RunConfig
 
@@ -39,11 +40,12 @@ def _label(par) -> str:
 
 
 def refuse_unlowered(saved: SavedPlan) -> None:
-    """A plan with an axis the compiler does not lower yet (context parallelism) is bad input naming its file
-    and the axis as planned, before any reduction: checking it without that axis would verify another plan."""
-    par = saved.parallel
-    if par.cp > 1:
-        raise PlanError(f"{saved.path}: " + NO_CP_LOWERING.format(cp=par.cp, scheme=par.cp_scheme))
+    """A plan with a context-parallel scheme the compiler does not lower (:func:`~nnscaler.cluster.plan.cp_refusal`)
+    is bad input naming its file and what is missing, before any reduction: checking it without that scheme
+    would verify another plan."""
+    refusal = cp_refusal(saved.parallel)
+    if refusal:
+        raise PlanError(f"{saved.path}: " + refusal)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def plan_rows(gang, case: PlanCase, out_dir: str | os.PathLike, steps: int = 3, 
     c = case.config
     cfg = RunConfig(world_sizes=(case.reduced.world,), seeds=(seed,), timeout_s=timeout_s,
                     microbatches=c.num_microbatches, zero=c.zero, recompute=c.recompute, precision=c.precision,
-                    layout=tuple((k, getattr(c, k)) for k in LAYOUT_FIELDS))
+                    layout=tuple((k, getattr(c, k)) for k in LAYOUT_FIELDS + (("cp_size",) if c.cp_size else ())))
     rows = list(run_model(gang, case.ref, (case.policy,), cfg, str(out_dir), steps, used=used))
     for r in rows:
         r.op, r.partition, r.rerun = name, case.label, "" if r.ok else rerun

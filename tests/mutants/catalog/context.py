@@ -1,4 +1,4 @@
-"""Mutants of context parallelism (the ``cp`` policy): the exchanges and the positions of a split
+"""Mutants of context parallelism (the ``cp`` and ``cp_tp`` policies): the exchanges and the positions of a split
 sequence. ``cp`` all-gathers keys and values before attention (``all_gather_sum_grad``: backward
 reduce-scatters their gradients back to the owners) and slices the rotary tables and the causal mask,
 computed whole from global positions, to the rank's chunk (``split`` of a tensor without gradient)."""
@@ -74,3 +74,23 @@ def cp_balanced_keys_out_of_order():
     longer line up with the mask's and the rotary positions'."""
     C = _C()
     patch(C, "from_balanced", lambda x, dim, group, blocks=1: x)
+
+
+@mutant
+def cp_tp_kv_gradient_wrong_axis():
+    """Under ``cp_tp`` (cp x tp), keys/values all-gathered on one mesh axis sum their gradients over the
+    next axis (``(a + 1) % axes``: tp for the cp axis) before keeping this rank's chunk: the other cp
+    ranks' queries' contributions never reach a key's owner, and the tp ranks' different heads are added
+    together. On a one-axis mesh the next axis is the same one (the mutant is then the right program)."""
+    from nnscaler.comm.conversion import Step
+    orig = Step.code
+
+    def code(self, x: str, group: str) -> str:
+        if self.kind != "all_gather_sum_grad" or not (group.startswith("g[") and group.endswith("]")):
+            return orig(self, x, group)
+        a = group[2:-1]
+        wrong = f"g[({a} + 1) % len(g)]"
+        gathered = Step(self.axis, "all_gather", self.dims, self.blocks)
+        return orig(gathered, f"C.grad_all_reduce({x}, {wrong})", group)
+
+    patch(Step, "code", code)

@@ -1,0 +1,105 @@
+"""Context parallelism composed with the other axes: ``cp_tp``, dp x cp x tp on one mesh (Megatron-LM's
+rank order: tp innermost, then cp, then dp). Inside a pipeline stage (``pp2_cp_tp``) it is each stage's
+policy; ZeRO shards over the axes that hold a parameter whole (dp and cp) and recompute applies as under
+any policy. It is what :func:`nnscaler.cluster.plan.lower` runs for a cluster plan with ``cp`` > 1.
+``ulysses``: the sequence split as ``cp`` but attention split by heads, an all-to-all each way.
+
+Attention splits its heads on the tp axis and its queries' sequence on the cp axis; keys and values are
+all-gathered on the cp axis alone (the layout conversion ``D -> R`` on that axis, its backward summing
+their gradients back to the owning chunk), the head split staying in place. Chunks are contiguous (no
+causal balance)."""
+from __future__ import annotations
+
+from ..config import ComputeConfig, PlanError
+from ..ir.graph import IRGraph, IROp, IRTensor
+from ..ir.plan import Plan
+from .builtin import AXIS_OPTIONS, check_batch_divisible, check_sequence_divisible
+from .greedy import plan_greedy
+from .heads import pin_heads, scores
+
+
+def cp_tp_mesh(config: ComputeConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The ``(shape, names)`` of ``cp_tp``'s mesh: tp of ``config.tp_size`` (default 2 where it divides),
+    cp of ``config.cp_size`` (default every rank left), dp the rest; axes of one rank left out (one at least)."""
+    n = config.plan_ngpus
+    t = config.tp_size or (2 if n % 2 == 0 and n > 2 else 1)
+    if n % t:
+        raise PlanError(f"cp_tp: tp_size {t} does not divide plan_ngpus {n}")
+    c = config.cp_size or n // t
+    if n % (t * c):
+        raise PlanError(f"cp_tp: cp_size {c} x tp_size {t} does not divide plan_ngpus {n}")
+    sizes = (("dp", n // (t * c)), ("cp", c), ("tp", t))
+    kept = [(a, s) for a, s in sizes if s > 1] or [("cp", 1)]
+    return tuple(s for _, s in kept), tuple(a for a, _ in kept)
+
+
+def cp_tp(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """dp x cp x tp: the batch split on dp, the sequence on cp (as ``cp``), heads and weights on tp (as
+    ``hybrid``'s tp axis, with ``config.sequence_parallel``; attention and its q/k/v path pinned to their
+    heads as ``tp`` pins them, :mod:`nnscaler.policies.heads`); see the module docstring."""
+    mesh, names = cp_tp_mesh(config)
+    size = dict(zip(names, mesh))
+    check_batch_divisible(graph, size.get("dp", 1), "cp_tp")
+    check_sequence_divisible(graph, size.get("cp", 1), "cp_tp")
+    per_axis = [AXIS_OPTIONS[a](graph, config.sequence_parallel) if a == "tp" else AXIS_OPTIONS[a](graph) for a in names]
+    tp_axis = names.index("tp") if "tp" in names else None
+    pins = pin_heads(graph, size["tp"], scores(graph)) if tp_axis is not None else {}
+
+    def options(op, axis: int, layouts: dict):  # attention by heads on tp (as ``tp`` pins them), carried to the projections
+        if axis == tp_axis and op.name in pins:
+            return [pins[op.name]]
+        return per_axis[axis](op, axis, layouts)
+
+    return plan_greedy(graph, mesh, names, options, "cp_tp")
+
+
+MATMUL = ("matmul", "bmm")
+
+
+def attention_core(graph: IRGraph) -> set[str]:
+    """The operators of each attention from its score product to its value product: the ``q k^T``
+    matmul, what runs on the scores (scale, mask, softmax, dropout) and the ``p v`` matmul (sdpa: itself)."""
+    core: set[str] = set()
+    for s in scores(graph):
+        core.add(s.name)
+        if "scaled_dot_product_attention" in s.overload:
+            continue
+        x = s.inputs[0] if isinstance(s.inputs[0], IRTensor) else None
+        while x is not None and x.producer is not None:  # back to q k^T
+            p = x.producer
+            core.add(p.name)
+            if any(m in p.overload for m in MATMUL):
+                break
+            x = next((i for i in p.inputs if isinstance(i, IRTensor) and i.shape == x.shape), None)
+        y = s.outputs[0]
+        while y is not None:  # on to p v (through casts and dropout; eager attention also returns the weights)
+            c = next((c for c in y.consumers if c.outputs and c.outputs[0] is not None and (
+                any(m in c.overload for m in MATMUL) or c.outputs[0].shape == y.shape)), None)
+            if c is None:
+                break
+            core.add(c.name)
+            if any(m in c.overload for m in MATMUL):
+                break
+            y = c.outputs[0]
+    return core
+
+
+def ulysses(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """Context parallelism by DeepSpeed-Ulysses's exchange: the sequence split on the cp axis
+    everywhere except inside attention (:func:`attention_core`), which splits its heads instead; the
+    layout conversion between the two is an all-to-all of queries, keys and values in and of the
+    attention output back (``D(seq) -> D(heads)``). The heads must divide by ``plan_ngpus``."""
+    n = config.plan_ngpus
+    check_sequence_divisible(graph, n, "ulysses")
+    pins = pin_heads(graph, n, scores(graph))
+    core = attention_core(graph)
+    missing = [op.name for op in graph.ops if op.name in core and not pins.get(op.name)]
+    if missing:
+        raise PlanError(f"ulysses: attention operator {missing[0]} cannot split its heads over {n} ranks "
+                        f"(heads not divisible, or not found)")
+    seq = AXIS_OPTIONS["cp"](graph)
+
+    def options(op: IROp, axis: int, layouts: dict):
+        return [pins[op.name]] if op.name in core else seq(op, axis, layouts)
+
+    return plan_greedy(graph, (n,), ("cp",), options, "ulysses")
