@@ -82,15 +82,29 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
             return [_vocab(op)]
         if op.overload == "aten.embedding.default":  # positions, token types: small, replicated
             return [None]
-        params = set(parameter_identifiers(op))
-        allowed = params | set(sharded_identifiers(op, axis, layouts))
+        params, held = set(parameter_identifiers(op)), set(sharded_identifiers(op, axis, layouts))
+        allowed = params | held
         # the sequence splits no weight matrix's work; an identifier that also splits a parameter
         # (experts, which opzoo.moe.experts ties to the tokens) is model parallelism, not the batch; nor
         # is a batch dim its inputs hold split in blocks (heads merged into the batch, ``(b h)``)
         never = {batch[op.name], seq.get(op.name)} - params - set(held_blocks(op, layouts))
+        never |= _row_split_of_whole(op, params, held)
         return [None, *(i for i in splittable(op.bound) if i in allowed and i not in never)]
 
     return options
+
+
+def _row_split_of_whole(op: IROp, params: set[str], held: set[str]) -> set[str]:
+    """Megatron's column-before-row rule: a weight matrix whose input arrives whole is split by its
+    outputs (column-parallel), never by the dim it contracts (row-parallel), which only follows an
+    input already split there. A row split of a whole input slices it for free but leaves a partial
+    sum to all-reduce, and its input's gradient to gather: two collectives where the column split
+    needs one (a shared expert narrower than the hidden size took two all-reduces per layer).
+    Returns the contracted identifiers of ``op``'s parameters that no input holds split."""
+    if _no_weight_matrix(op):
+        return set()
+    out = {i for dims in op.bound.outputs if dims for ids in dims for i in ids}
+    return {i for i in params if i not in out and i not in held}
 
 
 def _small_weight_math(graph: IRGraph) -> set[str]:
