@@ -109,17 +109,26 @@ def _row_split_of_whole(op: IROp, params: set[str], held: set[str]) -> set[str]:
 
 def _small_weight_math(graph: IRGraph) -> set[str]:
     """Operators computing on parameters alone with no weight matrix among them (``1 + w`` of a
-    Gemma norm, ``w.float()`` of a bias): Megatron keeps norms and biases whole, so these stay whole
+    Gemma norm, ``w.float()`` of a bias, a bias picked per token: :func:`_picked_bias`): Megatron keeps norms and biases whole, so these stay whole
     too. Split, they are free where they run but need an all-gather where their whole-tensor consumer
     (the norm's multiply) reads them: a collective per norm that a myopic choice cannot see."""
     derived: set[int] = set()
     out: set[str] = set()
     for op in graph.ops:
         ins = op.tensor_inputs()
-        if ins and all(t.kind == PARAM and len(t.shape) < 2 or id(t) in derived for t in ins):
+        if ins and (all(t.kind == PARAM and len(t.shape) < 2 or id(t) in derived for t in ins) or _picked_bias(op, ins)):
             out.add(op.name)
             derived.update(id(t) for t in op.outputs)
     return out
+
+
+def _picked_bias(op: IROp, ins: list[IRTensor]) -> bool:
+    """A bias per row of a 2-d parameter picked by integer indices (``b[expert_ids]``: each
+    token's expert's bias): a vector per token, whole as Megatron keeps biases. Split, it splits the
+    hidden dim of a row-parallel output it is added to (a reduce-scatter there, and the residual
+    stream after it split, normalised by an all-reduce and gathered back per layer)."""
+    return (op.overload == "aten.index.Tensor" and ins[0].kind == PARAM and len(ins[0].shape) == 2
+            and all(not t.dtype.is_floating_point for t in ins[1:]))
 
 
 def _no_weight_matrix(op: IROp) -> bool:
