@@ -88,23 +88,29 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
         # (experts, which opzoo.moe.experts ties to the tokens) is model parallelism, not the batch; nor
         # is a batch dim its inputs hold split in blocks (heads merged into the batch, ``(b h)``)
         never = {batch[op.name], seq.get(op.name)} - params - set(held_blocks(op, layouts))
-        never |= _row_split_of_whole(op, params, held)
+        never |= _megatron_pairs(op, params, held)
         return [None, *(i for i in splittable(op.bound) if i in allowed and i not in never)]
 
     return options
 
 
-def _row_split_of_whole(op: IROp, params: set[str], held: set[str]) -> set[str]:
-    """Megatron's column-before-row rule: a weight matrix whose input arrives whole is split by its
-    outputs (column-parallel), never by the dim it contracts (row-parallel), which only follows an
-    input already split there. A row split of a whole input slices it for free but leaves a partial
-    sum to all-reduce, and its input's gradient to gather: two collectives where the column split
-    needs one (a shared expert narrower than the hidden size took two all-reduces per layer).
-    Returns the contracted identifiers of ``op``'s parameters that no input holds split."""
+def _megatron_pairs(op: IROp, params: set[str], held: set[str]) -> set[str]:
+    """Megatron's column-then-row pairing of a weight matrix with the activation it reads, as the
+    identifiers it may not split: fed whole, it splits its outputs (column-parallel), never the dim
+    it contracts with the activation; fed split on that dim, it contracts it split (row-parallel),
+    never gathering its input to split its outputs. A row split of a whole input all-reduces its
+    output and gathers its input's gradient, two collectives where the column split needs one (a
+    shared expert narrower than the hidden size took two all-reduces per layer); a column split of
+    a split input gathers it, and its output too where the residual stream needs it whole."""
     if _no_weight_matrix(op):
         return set()
     out = {i for dims in op.bound.outputs if dims for ids in dims for i in ids}
-    return {i for i in params if i not in out and i not in held}
+    act = {i for x, dims in zip(op.inputs, op.bound.inputs)
+           if isinstance(x, IRTensor) and x.kind != PARAM and dims for ids in dims for i in ids}
+    contracted = {i for i in params if i not in out and i in act}
+    if contracted & held:
+        return {i for i in params if i in out and i not in held}
+    return contracted - held
 
 
 def _small_weight_math(graph: IRGraph) -> set[str]:
