@@ -192,6 +192,18 @@ def dropout(shard, x: torch.Tensor, p: float = 0.5, train: bool = True, *, dims:
     if p == 1:
         return x * torch.zeros((), dtype=x.dtype, device=x.device)
     noise = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
-    index = tuple(slice(shard.offset(d), shard.offset(d) + shard.local(d)) if d in shard.sizes else slice(None)
-                  for d in dims)
-    return x * noise[index]
+    return x * noise[_own(shard, dims)]
+
+
+def _own(shard, dims: tuple[str, ...]) -> tuple:
+    """The index of this rank's slice of a whole tensor whose dims are ``dims``."""
+    return tuple(slice(shard.offset(d), shard.offset(d) + shard.local(d)) if d in shard.sizes else slice(None)
+                 for d in dims)
+
+
+def draw(shard, x: torch.Tensor, *args, fn, dims: tuple[str, ...], **kwargs) -> torch.Tensor:
+    """A random tensor shaped like ``x`` (``fn``: ``aten.rand_like``, ``aten.uniform``, ...) on a shard,
+    as :func:`dropout` draws its mask: the whole tensor drawn on every rank from the same generator
+    state, this rank's slice kept (no communication)."""
+    full = [shard.full(d) if d in shard.sizes else int(d) for d in dims]
+    return fn(torch.empty(full, dtype=x.dtype, device=x.device), *args, **kwargs)[_own(shard, dims)]

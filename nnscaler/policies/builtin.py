@@ -82,30 +82,59 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
             return [_vocab(op)]
         if op.overload == "aten.embedding.default":  # positions, token types: small, replicated
             return [None]
-        params = set(parameter_identifiers(op))
-        allowed = params | set(sharded_identifiers(op, axis, layouts))
+        params, held = set(parameter_identifiers(op)), set(sharded_identifiers(op, axis, layouts))
+        allowed = params | held
         # the sequence splits no weight matrix's work; an identifier that also splits a parameter
         # (experts, which opzoo.moe.experts ties to the tokens) is model parallelism, not the batch; nor
         # is a batch dim its inputs hold split in blocks (heads merged into the batch, ``(b h)``)
         never = {batch[op.name], seq.get(op.name)} - params - set(held_blocks(op, layouts))
+        never |= _megatron_pairs(op, params, held)
         return [None, *(i for i in splittable(op.bound) if i in allowed and i not in never)]
 
     return options
 
 
+def _megatron_pairs(op: IROp, params: set[str], held: set[str]) -> set[str]:
+    """Megatron's column-then-row pairing of a weight matrix with the activation it reads, as the
+    identifiers it may not split: fed whole, it splits its outputs (column-parallel), never the dim
+    it contracts with the activation; fed split on that dim, it contracts it split (row-parallel),
+    never gathering its input to split its outputs. A row split of a whole input all-reduces its
+    output and gathers its input's gradient, two collectives where the column split needs one (a
+    shared expert narrower than the hidden size took two all-reduces per layer); a column split of
+    a split input gathers it, and its output too where the residual stream needs it whole."""
+    if _no_weight_matrix(op):
+        return set()
+    out = {i for dims in op.bound.outputs if dims for ids in dims for i in ids}
+    act = {i for x, dims in zip(op.inputs, op.bound.inputs)
+           if isinstance(x, IRTensor) and x.kind != PARAM and dims for ids in dims for i in ids}
+    contracted = {i for i in params if i not in out and i in act}
+    if contracted & held:
+        return {i for i in params if i in out and i not in held}
+    return contracted - held
+
+
 def _small_weight_math(graph: IRGraph) -> set[str]:
     """Operators computing on parameters alone with no weight matrix among them (``1 + w`` of a
-    Gemma norm, ``w.float()`` of a bias): Megatron keeps norms and biases whole, so these stay whole
+    Gemma norm, ``w.float()`` of a bias, a bias picked per token: :func:`_picked_bias`): Megatron keeps norms and biases whole, so these stay whole
     too. Split, they are free where they run but need an all-gather where their whole-tensor consumer
     (the norm's multiply) reads them: a collective per norm that a myopic choice cannot see."""
     derived: set[int] = set()
     out: set[str] = set()
     for op in graph.ops:
         ins = op.tensor_inputs()
-        if ins and all(t.kind == PARAM and len(t.shape) < 2 or id(t) in derived for t in ins):
+        if ins and (all(t.kind == PARAM and len(t.shape) < 2 or id(t) in derived for t in ins) or _picked_bias(op, ins)):
             out.add(op.name)
             derived.update(id(t) for t in op.outputs)
     return out
+
+
+def _picked_bias(op: IROp, ins: list[IRTensor]) -> bool:
+    """A bias per row of a 2-d parameter picked by integer indices (``b[expert_ids]``: each
+    token's expert's bias): a vector per token, whole as Megatron keeps biases. Split, it splits the
+    hidden dim of a row-parallel output it is added to (a reduce-scatter there, and the residual
+    stream after it split, normalised by an all-reduce and gathered back per layer)."""
+    return (op.overload == "aten.index.Tensor" and ins[0].kind == PARAM and len(ins[0].shape) == 2
+            and all(not t.dtype.is_floating_point for t in ins[1:]))
 
 
 def _no_weight_matrix(op: IROp) -> bool:

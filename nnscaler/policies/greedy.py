@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from ..comm.conversion import conversion, local_fraction
 from ..dimops.layout import Layout, Partial, Replicate, Shard
 from ..dimops.partition import Partition, nested_splits, split_factor, splittable
-from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
+from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor, tensors_in
 from ..ir.plan import Plan
 
 COMPUTE_WEIGHT = 0.05
@@ -164,7 +164,8 @@ def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[s
     fused = fused_blocks(graph)
     made: set = set()  # conversions the program already makes (reused by later consumers)
     grads = graph.carries_grad()
-    for op in graph.ops:
+    late = stored_checks(graph) if pick is None else set()
+    for op in [o for o in graph.ops if o.name not in late] + [o for o in graph.ops if o.name in late]:
         if not op.known:
             for x in op.tensor_inputs():
                 layouts.setdefault(x, everywhere_r)
@@ -189,6 +190,17 @@ def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[s
             if t is not None and out is not None:
                 layouts[t] = out
     return plan
+
+
+def stored_checks(graph: IRGraph) -> set[str]:
+    """Operators that only check a parameter, buffer or constant (``.to(dtype)``'s
+    ``_assert_tensor_metadata``: an output nothing reads). Planned last, they follow the layout the
+    tensor's real reader chose; planned first, they would fix its storage by their own whim (a
+    router's weight stored split by its dtype check, then gathered every step for a router kept whole)."""
+    read = {id(t) for op in graph.ops for t in op.tensor_inputs()} | {id(t) for t in tensors_in(graph.outputs)}
+    return {op.name for op in graph.ops
+            if op.known and op.outputs and all(t is None or id(t) not in read for t in op.outputs)
+            and any(x.kind in (PARAM, BUFFER, CONSTANT) for x in op.tensor_inputs())}
 
 
 def sharded_identifiers(op: IROp, axis: int, layouts: dict) -> list[str]:

@@ -1,6 +1,6 @@
 """Verified example calls of the elementwise rules (:mod:`opzoo.elementwise.rules`), each registered as a zoo
 entry ``rule.<op>.<i>`` by :func:`opzoo.rulekit.register_examples`: unary and binary ops (broadcasting from
-the left and with 1s, 0-d tensors, scalars), casts, dropout.
+the left and with 1s, 0-d tensors, scalars), casts, dropout, random draws shaped like their input.
 
 The harness samples its own lengths from the derived annotations.
 """
@@ -53,3 +53,6 @@ register_examples("aten.floor_divide.default", [(I(64), 2), (T(4, 8), T(8))])
 register_examples("aten.div_.Tensor", [(T(32, 2), T(32, 1))])
 register_examples("aten.mul_.Tensor", [(T(4, 8), 0.5)])
 register_examples("aten.broadcast_tensors.default", [([T(4, 8, 6), T(4, 8, 6)],), ([T(4, 1), T(1, 6)],)])
+register_examples("aten.rand_like.default", [(T(4, 6, 8),)])
+register_examples("aten.uniform.default", [(T(4, 6), 0.9, 1.1)])
+register_examples("aten.exponential.default", [(T(2, 8, 6),)])

@@ -121,6 +121,24 @@ def dropout_rule(call: OpCall):
     return replace(spec, local=partial(K.dropout, dims=tuple(spec.annotation.split("->")[1].split())))
 
 
+DRAWS = ("aten.rand_like.default", "aten.randn_like.default", "aten.uniform.default", "aten.exponential.default",
+         "aten.normal_functional.default", "aten.bernoulli.p")
+
+
+@annotation_rule(*DRAWS)
+def draw_rule(call: OpCall):
+    """``a b, ? -> a b``: a tensor of random numbers shaped like its input (``rand_like``, and the
+    functional forms of ``uniform_``, ``exponential_``, ``normal_``, ``bernoulli_(p)``: a router's
+    jitter, Gumbel noise). Each rank runs :func:`opzoo.kernels.draw`: the whole tensor drawn from
+    the same generator state, its slice kept, so a split draws the numbers one device draws."""
+    spec = pointwise(call)
+    if spec is None or call.tensor(0).shape != call.outputs[0].shape:
+        return None
+    fn = aten_overload(call.overload)
+    return replace(spec, differentiable=False,
+                   local=partial(K.draw, fn=fn, dims=tuple(spec.annotation.split("->")[1].split())))
+
+
 @annotation_rule(*INPLACE_OVERLOADS)
 def inplace_rule(call: OpCall):
     """``x.div_(y)`` as ``x.div(y)``: ``a b, b -> a b`` (the output must have ``x``'s shape)."""

@@ -108,10 +108,32 @@ def slice_rule(call: OpCall):
             else:
                 kwargs["end"] = Size(din[dim])
         return build(call, FAMILY, {0: din}, [din], args=args, kwargs=kwargs)
+    strided = _strided(call, n, start, end, step, names)
+    if strided:
+        din[dim], out = strided
+        args, kwargs = {}, dict(call.kwargs)
+        if end is not None and end != INT_MAX:  # an end at or past the dim's length: to the local end
+            if len(call.args) > 3:
+                args[3] = INT_MAX
+            else:
+                kwargs["end"] = INT_MAX
+        return build(call, FAMILY, {0: din}, [din[:dim] + [out] + din[dim + 1:]], args=args, kwargs=kwargs)
     frozen, out = names.new() + "^", names.dim(_out(call)[dim])
     dout = din[:dim] + [out if out in ("0", "1") else out + "^"] + din[dim + 1:]
     din[dim] = frozen
     return build(call, FAMILY, {0: din}, [dout], sizes={frozen[:-1]: n})
+
+
+def _strided(call: OpCall, n: int, start, end, step, names: Names) -> tuple[str, str] | None:
+    """A strided slice over the whole dim (``x[..., 1::2]``: ``0 <= start < step``, to the end, ``step``
+    dividing ``n``) picks one phase of each group of ``step``: ``(m step) -> m``, ``m`` spatial, each
+    shard the same slice of its own block (an interleaved gate|up projection cut by columns)."""
+    start = 0 if start is None else start + n if start < 0 else start
+    if not (isinstance(step, int) and step > 1 and n % step == 0 and 0 <= start < step
+            and (end is None or end >= n) and n // step > 1):
+        return None
+    m = names.dim(n // step)
+    return f"({m} {step})", m
 
 
 @annotation_rule("aten.select.int")
@@ -130,9 +152,9 @@ def select_rule(call: OpCall):
     return build(call, FAMILY, {0: din}, [din[:dim] + din[dim + 1:]], sizes=known)
 
 
-@annotation_rule("aten.cat.default", "aten.concatenate.default", "aten.stack.default")
+@annotation_rule("aten.cat.default", "aten.concatenate.default", "aten.concat.default", "aten.stack.default")
 def cat_rule(call: OpCall):
-    """``a n^, a m^, ? -> a o^`` (``cat``, ``concatenate``) or ``a b, a b, ? -> a 2 b`` (``stack``):
+    """``a n^, a m^, ? -> a o^`` (``cat``, ``concatenate``, ``concat``) or ``a b, a b, ? -> a 2 b`` (``stack``):
     the list of tensors is flattened in place into separate inputs (see :class:`opzoo.rulekit.Regroup`);
     an empty piece is ``a 0``. A 1-d empty piece beside higher-rank ones (the start of a key/value
     cache, ``cat([torch.tensor([]), k], -2)``, which ``cat`` skips) is ``0`` and passed on as is."""

@@ -38,7 +38,9 @@ def test_tp_splits_the_experts_ffn_of_mixtral():
     experts = [op for op in graph.ops if op.overload == OVERLOAD]
     assert experts and all(plan.partition(op).axis_ids == ("i",) for op in experts), \
         [plan.partition(op) for op in experts]
-    assert plan.summary()["param_fraction_per_rank"] <= 0.55  # 0.89 with the experts whole
+    # 0.89 with the experts whole; 0.56 with the router whole, as Megatron keeps it (fed whole, it may not
+    # split the hidden dim it contracts; its 3 experts do not divide over 2 ranks)
+    assert plan.summary()["param_fraction_per_rank"] <= 0.57
     split, held = sharded_fraction(graph, plan)
     assert split >= 0.95 and held <= 0.55, (split, held)
 

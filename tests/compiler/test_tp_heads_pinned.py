@@ -33,11 +33,13 @@ def test_tp_pins_the_heads_split_the_greedy_missed(arch):
     options = _tp_options(graph)
     before = refine(graph, plan_greedy(graph, (2,), ("tp",), options, "tp"), options)
     attn = scores(graph)
-    assert attn and not any(heads_split(op, before) for op in attn)  # what the greedy alone gives
+    # the greedy alone left these whole until tp paired weight matrices Megatron's way (column when fed
+    # whole, row when fed split): now it splits them too, and the pin must keep them so
+    assert attn
     plan = tp(graph, ComputeConfig(2))
     assert all(heads_split(op, plan) for op in attn)
     fwd = collectives(graph, plan, params=False)[0]
-    assert sum(fwd.values()) < sum(collectives(graph, before, params=False)[0].values())
+    assert sum(fwd.values()) <= sum(collectives(graph, before, params=False)[0].values())
     norms = [op for op in graph.ops if op.overload == "aten.mean.dim" and plan.partition(op).degree > 1]
     assert len(norms) >= 2 * len(attn)  # q and k norms: a partial statistic each
 

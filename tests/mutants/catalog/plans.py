@@ -74,3 +74,25 @@ def rules_lose_frozen_dims():
     import opzoo.nn.rules as nn
     mark = nn.mark
     patch(nn, "mark", lambda dim, marker: dim if marker == "^" else mark(dim, marker))
+
+
+@mutant
+def draw_per_shard():
+    """Random draws shaped like their input (``rand_like``, ``uniform``, ``exponential``) draw only the
+    shard's numbers: each rank's jitter differs from one device's."""
+    import torch
+    import opzoo.kernels as K
+    patch(K, "draw", lambda shard, x, *args, fn, dims, **kwargs: fn(torch.empty_like(x), *args, **kwargs))
+
+
+@mutant
+def strided_slice_read_as_blocks():
+    """A strided whole-dim slice (``x[..., 1::2]``) annotated phase-major, ``(step m) -> m``: each rank's
+    step through its own block is read as if the phases lay in blocks."""
+    import opzoo.slicing.rules as R
+    orig = R._strided
+
+    def blocked(call, n, start, end, step, names):
+        got = orig(call, n, start, end, step, names)
+        return got and (f"({step} {got[1]})", got[1])
+    patch(R, "_strided", blocked)
