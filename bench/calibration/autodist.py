@@ -64,7 +64,6 @@ LONG_RUNS = (("llama3-8b", 64, 16), ("llama3-70b", 512, 128))  # (model, GPUs, g
 L3_STAGE = {"tp": 8, "cp": 16, "pp": 16, "cp_scheme": "allgather"}  # Llama 3's 131k stage (Dubey et al. 2024, Table 4)
 L3_RUNS = ((2048, 16, None), (16384, 128, 0.38))  # (GPUs, global batch, published MFU): 16 sequences per dp rank
 CP_PLANS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results" / "plans_cp"
-CLUSTER_RUNS = (("llama3-8b", (8, 64)), ("llama3-70b", (64, 256, 1024)))  # (model, GPU counts) of the table
 PLANS_DIR = Path(__file__).resolve().parents[2] / "verify" / "plans"  # where `--save` keeps them for verify all
 
 
@@ -78,7 +77,7 @@ def _save(plan, model: str, seq: int, path: Path) -> None:
 def cluster_table(save: str | None = None, measure_memory: bool = False) -> None:
     """``measure_memory``: each plan's peak also measured at real width (bench/calibration/real_memory.py,
     minutes a plan), a plan over the device said so on its own line."""
-    from bench.calibration.llama_models import llama_shape
+    from bench.calibration.llama_models import CLUSTER_RUNS, llama_shape
     from nnscaler.cluster.evidence import claims
     from nnscaler.cluster.search import search
     print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s; "

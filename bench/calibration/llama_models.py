@@ -67,3 +67,6 @@ def llama_shape(name: str, seq: int):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return trace_shape(model, (ids, ids))
+
+
+CLUSTER_RUNS = (("llama3-8b", (8, 64)), ("llama3-70b", (64, 256, 1024)))  # (model, GPU counts) of bench/calibration/autodist.py's table

@@ -291,7 +291,7 @@ def _short(p) -> str:
 
 def plans(skip_published: bool = False, only: list[str] | None = None):
     """``(label, ClusterPlan)`` for every plan ``bench/calibration/autodist.py`` prints."""
-    from bench.calibration.autodist import CLUSTER_RUNS
+    from bench.calibration.llama_models import CLUSTER_RUNS
     from bench.calibration.llama_models import llama_shape
     from nnscaler import ComputeConfig
     from nnscaler.cluster.search import search

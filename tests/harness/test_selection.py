@@ -119,7 +119,7 @@ def test_every_saved_plan_runs_under_full_and_one_cheap_one_by_default(matrix):
 
 
 def test_every_plan_bench_autodist_prints_is_saved():
-    from bench.calibration.autodist import CLUSTER_RUNS
+    from bench.calibration.llama_models import CLUSTER_RUNS
     from bench.calibration.calibrate import load_rows
     from bench.calibration.llama_models import SHAPES
     names = {p.stem for p in saved_plans()}
