@@ -1,8 +1,8 @@
 """torchtitan's matrix: its own Llama 3 debug model (``bench/studies/titan_user.py``) under every configuration
 its parallelisms compose into at W <= 8 here, each trained against one device with the same data by the
 harness's torch-parallelization case (loss, every gradient, each AdamW update, a DCP resume), and its
-Qwen3-MoE debug model under expert parallelism (``tests/fixtures/titan_shipped.py``). Needs torchtitan
-(the test extra installs it).
+Qwen3-MoE debug model (``parallelize_qwen3``) under expert parallelism with FSDP, TP, PP and activation
+checkpointing. Needs torchtitan (the test extra installs it).
 
     python bench/studies/titan_matrix.py [--only NAME ...] [--md reports/titan_matrix.md]
 
@@ -25,7 +25,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 USER = ROOT / "bench" / "studies" / "titan_user.py"
-SHIPPED = ROOT / "tests" / "fixtures" / "titan_shipped.py"
 STEPS = 2
 
 
@@ -73,8 +72,10 @@ MATRIX: tuple[Config, ...] = (
     _u("AC + FSDP x TP+SP", "par_ac", "dp_shard=2,tp=2", sp=True),
     _u("AC + PP 1F1B", "par_ac_1F1B", "pp=2"),
     _u("AC + HSDP x TP+SP", "par_ac", "dp_replicate=2,dp_shard=2,tp=2", sp=True),
-    Config("EP (Qwen3-MoE) x FSDP", f"{SHIPPED}:build_moe", f"{SHIPPED}:moe_ep", "dp_shard=2"),
-    Config("EP (Qwen3-MoE) x FSDP x TP", f"{SHIPPED}:build_moe", f"{SHIPPED}:moe_ep", "dp_shard=2,tp=2"),
+    Config("Qwen3-MoE: FSDP x EP", f"{USER}:build_qwen3", f"{USER}:moe_par", "dp_shard=2"),
+    Config("Qwen3-MoE: FSDP x TP x EP", f"{USER}:build_qwen3", f"{USER}:moe_par", "dp_shard=2,tp=2"),
+    Config("Qwen3-MoE: PP x FSDP x EP", f"{USER}:build_qwen3", f"{USER}:moe_par_1F1B", "pp=2,dp_shard=2"),
+    Config("Qwen3-MoE: AC + FSDP x EP", f"{USER}:build_qwen3", f"{USER}:moe_par_ac", "dp_shard=2"),
 )
 
 

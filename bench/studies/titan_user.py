@@ -69,9 +69,35 @@ def _config(sp: bool) -> Llama3Model.Config:
     return config
 
 
-def _build(seed: int, sp: bool):
+def _qwen3_config(sp: bool, ep: int = 2) -> "Qwen3Model.Config":
+    """torchtitan's Qwen3-MoE debug model, shrunk: 4 layers, 4 experts of width 32, top 2, 2 key/value heads."""
+    from torchtitan.models.common import CosSinRoPE
+    from torchtitan.models.qwen3 import _build_qwen3_moe_layers, _qwen3_norm
+    from torchtitan.models.qwen3.model import Qwen3Model
+    init = {"weight": lambda w: nn.init.normal_(w, std=0.02), "bias": nn.init.zeros_}
+    config = Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=init),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=init),
+        layers=_build_qwen3_moe_layers(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=2, head_dim=16,
+                                       moe_hidden_dim=32, num_experts=4, top_k=2, attn_backend="flex",
+                                       moe_comm_backend="standard",
+                                       rope=CosSinRoPE.Config(dim=16, max_seq_len=64, theta=1000000.0)))
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config.update_from_config(config=SimpleNamespace(parallelism=ParallelismConfig(
+        tensor_parallel_degree=1, expert_parallel_degree=ep, spmd_backend=BACKEND)))  # as torchtitan's own MoE config
+    return config
+
+
+def build_qwen3(seed):
+    """torchtitan's Qwen3-MoE debug model (``parallelize_qwen3``'s), shrunk."""
+    return _build(seed, sp=False, config=_qwen3_config)
+
+
+def _build(seed: int, sp: bool, config=None):
     torch.manual_seed(seed)
-    model = _config(sp).build()
+    model = (config or _config)(sp).build()
     with torch.no_grad():
         model.init_states()
 
@@ -92,9 +118,10 @@ def build_sp(seed):
     return _build(seed, sp=True)
 
 
-def _parallelism(mesh, schedule: str | None = None) -> tuple[ParallelismConfig, dict]:
+def _parallelism(mesh, schedule: str | None = None, moe: bool = False) -> tuple[ParallelismConfig, dict]:
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
-    return ParallelismConfig(data_parallel_replicate_degree=sizes.get("dp_replicate", 1),
+    ep = sizes.get("dp_shard", 1) * sizes.get("tp", 1) if moe else 1  # EP borrows the dp_shard x tp ranks
+    return ParallelismConfig(expert_parallel_degree=ep,data_parallel_replicate_degree=sizes.get("dp_replicate", 1),
                              data_parallel_shard_degree=sizes.get("dp_shard", 1),
                              tensor_parallel_degree=sizes.get("tp", 1), context_parallel_degree=sizes.get("cp", 1),
                              enable_sequence_parallel=sizes.get("tp", 1) > 1,
@@ -103,8 +130,10 @@ def _parallelism(mesh, schedule: str | None = None) -> tuple[ParallelismConfig, 
                              pipeline_parallel_microbatch_size=1, spmd_backend=BACKEND), sizes
 
 
-def _apply(lm: LM, mesh, ac: bool, schedule: str | None):
-    parallelism, sizes = _parallelism(mesh, schedule)
+def _apply(lm: LM, mesh, ac: bool, schedule: str | None, moe: bool = False):
+    from torchtitan.models.qwen3 import parallelize_qwen3
+    parallelism, sizes = _parallelism(mesh, schedule, moe)
+    parallelize = parallelize_qwen3 if moe else parallelize_llama
     set_spmd_backend(BACKEND)
     dims = ParallelDims.from_config(parallelism, world_size=mesh.size())
     training = TrainingConfig(mixed_precision_param="float32")
@@ -112,8 +141,8 @@ def _apply(lm: LM, mesh, ac: bool, schedule: str | None):
     if sizes.get("cp", 1) > 1:
         lm.cp_mesh = dims.get_mesh("cp")
     if "pp" not in sizes:
-        parallelize_llama(lm.model, parallel_dims=dims, training=training, parallelism=parallelism,
-                          compile_config=CompileConfig(), ac_config=ac_config, dump_folder="")
+        parallelize(lm.model, parallel_dims=dims, training=training, parallelism=parallelism,
+                    compile_config=CompileConfig(), ac_config=ac_config, dump_folder="")
         return lm
     dp = sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1)
     local = BATCH // dp
@@ -125,20 +154,25 @@ def _apply(lm: LM, mesh, ac: bool, schedule: str | None):
     return pipeline_llm(lm.model, parallel_dims=dims,
                         training=TrainingConfig(local_batch_size=local, seq_len=SEQ, mixed_precision_param="float32"),
                         parallelism=parallelism, compile_config=CompileConfig(), ac_config=ac_config, dump_folder="",
-                        device=torch.device("cpu"), model_config=_config(sizes.get("tp", 1) > 1),
-                        parallelize_fn=parallelize_llama, loss_fn=loss_fn)
+                        device=torch.device("cpu"),
+                        model_config=(_qwen3_config(False, parallelism.expert_parallel_degree) if moe
+                                      else _config(sizes.get("tp", 1) > 1)),
+                        parallelize_fn=parallelize, loss_fn=loss_fn)
 
 
 def __getattr__(name: str):
     """``par``, ``par_ac``, ``par_<schedule>``, ``par_ac_<schedule>``: torchtitan's parallelization as the mesh
-    says, with or without activation checkpointing, with that pipeline schedule."""
-    if not name.startswith("par"):
+    says, with or without activation checkpointing, with that pipeline schedule; ``moe_par...``: the same by
+    ``parallelize_qwen3``, experts over the dp_shard x tp ranks."""
+    moe = name.startswith("moe_")
+    base = name[len("moe_"):] if moe else name
+    if not base.startswith("par"):
         raise AttributeError(name)
-    rest = name[len("par"):].lstrip("_")
+    rest = base[len("par"):].lstrip("_")
     ac = rest == "ac" or rest.startswith("ac_")
     schedule = rest[3:] if rest.startswith("ac_") else (rest if rest and rest != "ac" else None)
 
     def fn(lm, mesh):
-        return _apply(lm, mesh, ac, schedule)
+        return _apply(lm, mesh, ac, schedule, moe)
     fn.__name__ = name
     return fn
