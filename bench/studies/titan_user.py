@@ -52,14 +52,16 @@ class LM(nn.Module):
         return cross_entropy_loss(self.model(tokens, **kwargs), labels) / labels.numel()
 
 
-def _config(sp: bool) -> Llama3Model.Config:
+def llama_config(sp: bool, layers: int = LAYERS) -> Llama3Model.Config:
+    """torchtitan's Llama 3 debug model config, shrunk, its sharding declared for ``TP`` (with or without sequence
+    parallelism)."""
     init = {"weight": lambda w: nn.init.trunc_normal_(w, std=0.02), "bias": nn.init.zeros_}
     config = Llama3Model.Config(
         dim=DIM, vocab_size=VOCAB,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init={"weight": nn.init.normal_}),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init={"weight": nn.init.ones_}),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=init),
-        layers=_build_llama3_layers(n_layers=LAYERS, dim=DIM, n_heads=HEADS, hidden_dim=4 * DIM,
+        layers=_build_llama3_layers(n_layers=layers, dim=DIM, n_heads=HEADS, hidden_dim=4 * DIM,
                                     rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64, theta=500000),
                                     attn_backend="flex"))
     for layer in config.layers:  # torchtitan's causal SDPA (FlexAttention has no CPU backward)
@@ -69,8 +71,8 @@ def _config(sp: bool) -> Llama3Model.Config:
     return config
 
 
-def _qwen3_config(sp: bool, ep: int = 2) -> "Qwen3Model.Config":
-    """torchtitan's Qwen3-MoE debug model, shrunk: 4 layers, 4 experts of width 32, top 2, 2 key/value heads."""
+def qwen3_config(sp: bool, ep: int = 2, layers: int = LAYERS) -> "Qwen3Model.Config":
+    """torchtitan's Qwen3-MoE debug model, shrunk: 4 experts of width 32, top 2, 2 key/value heads."""
     from torchtitan.models.common import CosSinRoPE
     from torchtitan.models.qwen3 import _build_qwen3_moe_layers, _qwen3_norm
     from torchtitan.models.qwen3.model import Qwen3Model
@@ -79,7 +81,7 @@ def _qwen3_config(sp: bool, ep: int = 2) -> "Qwen3Model.Config":
         vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=init),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=init),
-        layers=_build_qwen3_moe_layers(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=2, head_dim=16,
+        layers=_build_qwen3_moe_layers(n_layers=layers, dim=DIM, n_heads=HEADS, n_kv_heads=2, head_dim=16,
                                        moe_hidden_dim=32, num_experts=4, top_k=2, attn_backend="flex",
                                        moe_comm_backend="standard",
                                        rope=CosSinRoPE.Config(dim=16, max_seq_len=64, theta=1000000.0)))
@@ -92,30 +94,31 @@ def _qwen3_config(sp: bool, ep: int = 2) -> "Qwen3Model.Config":
 
 def build_qwen3(seed):
     """torchtitan's Qwen3-MoE debug model (``parallelize_qwen3``'s), shrunk."""
-    return _build(seed, sp=False, config=_qwen3_config)
+    return build_lm(seed, lambda: qwen3_config(False))
 
 
-def _build(seed: int, sp: bool, config=None):
+def build_lm(seed: int, config, batch_size: int = BATCH):
+    """``(LM, batch)`` of the model ``config()`` makes, seeded, and its token batches of ``batch_size`` rows."""
     torch.manual_seed(seed)
-    model = (config or _config)(sp).build()
+    model = config().build()
     with torch.no_grad():
         model.init_states()
 
     def batch(step):
         g = torch.Generator().manual_seed(100 * seed + step)
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     return LM(model), batch
 
 
 def build(seed):
     """The debug model without sequence parallelism in its sharding declarations."""
-    return _build(seed, sp=False)
+    return build_lm(seed, lambda: llama_config(False))
 
 
 def build_sp(seed):
     """The same model declaring sequence parallelism."""
-    return _build(seed, sp=True)
+    return build_lm(seed, lambda: llama_config(True))
 
 
 def _parallelism(mesh, schedule: str | None = None, moe: bool = False) -> tuple[ParallelismConfig, dict]:
@@ -155,8 +158,8 @@ def _apply(lm: LM, mesh, ac: bool, schedule: str | None, moe: bool = False):
                         training=TrainingConfig(local_batch_size=local, seq_len=SEQ, mixed_precision_param="float32"),
                         parallelism=parallelism, compile_config=CompileConfig(), ac_config=ac_config, dump_folder="",
                         device=torch.device("cpu"),
-                        model_config=(_qwen3_config(False, parallelism.expert_parallel_degree) if moe
-                                      else _config(sizes.get("tp", 1) > 1)),
+                        model_config=(qwen3_config(False, parallelism.expert_parallel_degree) if moe
+                                      else llama_config(sizes.get("tp", 1) > 1)),
                         parallelize_fn=parallelize, loss_fn=loss_fn)
 
 

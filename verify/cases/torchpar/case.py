@@ -26,11 +26,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast
-from verify.judge.dtypes import convert_state, to_dtype
 from verify.cases.fresh import load_like
-from verify.cases.step_checks import LR, step_checks
-from verify.cases.kinks import KinkSides, explainer
-from verify.cases.reference import SharedReference, reference_grads
+from verify.judge.dtypes import to_dtype
+from verify.cases.step_checks import step_checks
+from verify.cases.reference import reference_grads
+from verify.cases.torchpar.steps import ReferenceSteps
 from verify.cases.resume import exact
 from verify.cases.torchpar.build import parallel_model
 from verify.cases.samples import DTYPES
@@ -42,7 +42,6 @@ from verify.cases.torchpar.names import model_state_dict, named_parameters
 from verify.cases.torchpar.ring_cpu import cpu_ring_attention
 from verify.cases.torchpar.fsdp import loss_scale, sum_reductions_on_gloo
 from verify.cases.torchpar.pipeline import pipeline_checks
-from verify.judge.finite import require_finite
 from verify.judge.compare import Check, Float64Fallback, check_tensor
 from verify.judge.verdict import RaisedAfter
 from verify.models.loader import build_model, file_tag
@@ -141,35 +140,12 @@ def _checks(job: dict, groups: GroupCache, crumb=None) -> list[Check]:
                       f"(lacks {lost[:3]}, has {extra[:3]}); return a module with the model's parameter names")]
     initial = whole.state_dict()
     checks = [exact(f"initial {n}", initial.get(n), p.detach()) for n, p in params.items()]
-    shadow = {n: p.detach().clone() for n, p in params.items()}
-    opts = [torch.optim.AdamW(par.module.parameters(), lr=LR)]
-    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
-    fallback = Float64Fallback(dt)
+    steps = ReferenceSteps(ref, ref64, par.module.parameters(), dt)
     for step in range(job["steps"]):
         args = cast(case.batch(step), dt)
-        point = {n: p.detach().clone() for n, p in params.items()}
-        load_whole(par.module, point)
-        loaded = whole.state_dict()
-        bad = [exact(n, loaded[n], t) for n, t in point.items()]
-        bad = [c for c in bad if not c.ok]
-        checks.append(Check(f"load step {step}", 0.0 if not bad else float("inf"), 0.0, not bad,
-                            f"{bad[0].name}: {bad[0].reason}" if bad else ""))
-        ref64.load_state_dict(convert_state(point, torch.float64), strict=False)
-        loss = _step(par, args, mesh, crumb)
-        sides = KinkSides(fallback)  # float64 takes the run's side of a kink where within rounding
-        with sides.record():
-            loss_ref = ref(*args)
-        loss_ref.backward()
-        with fallback, sides.follow():
-            loss64 = ref64(*cast(args, torch.float64))
-            loss64.backward()
-        kw = fallback.bounds()
-        grads, grads64 = reference_grads(params, ref64)
-        require_finite({"loss": loss_ref, "loss64": loss64, "grads": grads, "grads64": grads64}, step)
-        checks.append(check_tensor(f"loss step {step}", loss, loss_ref.detach(), loss64.detach(), **kw))
-        kinks = explainer(step, SharedReference(), lambda: (ref, ref64), lambda m, a: m(*a), args, fallback,  # each rank's own
-                          contextlib.nullcontext)
-        checks += step_checks(whole, grads, grads64, shadow, point, opts, step, fallback.widen, kw, kinks)
+        checks += steps.step(step, args, whole, lambda point: load_whole(par.module, point),
+                             lambda: _step(par, args, mesh, crumb))
+    opts, fallback = steps.opts, steps.fallback
     checks += [Check(f"note: {what}", 0.0, 0.0, True, text) for what, text in
                (("fsdp on gloo", sum_reductions_on_gloo(par.module)), ("fsdp loss scale", loss_scale(par.module, token_degree(mesh))[1]))
                if text]

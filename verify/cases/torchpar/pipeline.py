@@ -17,7 +17,6 @@ one stage, and the stages hold them in the order one device runs them (a stage t
 stages assigned out of order, are named here, before the loss they make wrong)."""
 from __future__ import annotations
 
-import contextlib
 import shutil
 import warnings
 from pathlib import Path
@@ -34,16 +33,15 @@ from torch.distributed.tensor import DTensor
 from verify.api import ParallelizeError, Pipelined
 from verify.cases.batch import cast
 from verify.cases.fresh import load_like
-from verify.cases.kinks import KinkSides, explainer
-from verify.cases.reference import SharedReference, reference_grads
+from verify.judge.dtypes import to_dtype
+from verify.cases.torchpar.steps import ReferenceSteps
+from verify.cases.step_checks import step_checks
+from verify.cases.reference import reference_grads
 from verify.cases.resume import exact
-from verify.cases.step_checks import LR, step_checks
 from verify.cases.torchpar.fsdp import loss_scale
 from verify.cases.torchpar.mesh import dp_slice, loss_axes, token_degree
 from verify.cases.torchpar.names import model_name, model_state_dict, named_parameters
 from verify.judge.compare import Check, Float64Fallback, check_tensor
-from verify.judge.dtypes import convert_state, to_dtype
-from verify.judge.finite import require_finite
 from verify.judge.verdict import RaisedAfter
 from verify.models.loader import build_model, file_tag
 
@@ -228,34 +226,11 @@ def pipeline_checks(job: dict, groups, pipe: Pipelined, mesh, case, ref, dt: tor
     layout = layout_check(rs.stages_held(), call_order(ref, cast(case.batch(0), dt)), rs.prefix)
     initial = rs.state_dict()
     checks = [layout] + [exact(f"initial {n}", initial.get(n), p.detach()) for n, p in params.items()]
-    shadow = {n: p.detach().clone() for n, p in params.items()}
-    opts = [torch.optim.AdamW(rs.parameters(), lr=LR)]
-    opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
-    fallback = Float64Fallback(dt)
+    steps = ReferenceSteps(ref, ref64, rs.parameters(), dt)
     for step in range(job["steps"]):
         args = cast(case.batch(step), dt)
-        point = {n: p.detach().clone() for n, p in params.items()}
-        rs.load(point, load_whole)
-        loaded = rs.state_dict()
-        bad = [c for c in (exact(n, loaded.get(n), t) for n, t in point.items()) if not c.ok]
-        checks.append(Check(f"load step {step}", 0.0 if not bad else float("inf"), 0.0, not bad,
-                            f"{bad[0].name}: {bad[0].reason}" if bad else ""))
-        ref64.load_state_dict(convert_state(point, torch.float64), strict=False)
-        loss = rs.step(args, dt)
-        sides = KinkSides(fallback)
-        with sides.record():
-            loss_ref = ref(*args)
-        loss_ref.backward()
-        with fallback, sides.follow():
-            loss64 = ref64(*cast(args, torch.float64))
-            loss64.backward()
-        kw = fallback.bounds()
-        grads, grads64 = reference_grads(params, ref64)
-        require_finite({"loss": loss_ref, "loss64": loss64, "grads": grads, "grads64": grads64}, step)
-        checks.append(check_tensor(f"loss step {step}", loss, loss_ref.detach(), loss64.detach(), **kw))
-        kinks = explainer(step, SharedReference(), lambda: (ref, ref64), lambda m, a: m(*a), args, fallback,
-                          contextlib.nullcontext)
-        checks += step_checks(rs, grads, grads64, shadow, point, opts, step, fallback.widen, kw, kinks)
+        checks += steps.step(step, args, rs, lambda point: rs.load(point, load_whole), lambda: rs.step(args, dt))
+    opts, fallback = steps.opts, steps.fallback
     checks.append(Check("note: pp", 0.0, 0.0, True, f"{type(pipe.schedule).__name__}, {len(rs.stages_held())} stages "
                         f"over pp={rs.pp}, {pipe.schedule._n_microbatches} micro-batches; {layout.reason}"))
     undivided = loss_scale(pipe.module, token_degree(rs.mesh))[1]
