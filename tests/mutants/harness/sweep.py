@@ -11,18 +11,25 @@ CACHE = "verify/sweep/cache.py"
 SEL = "tests/harness/test_selection.py"
 
 # -- the verdict cache key: every setting that changes a program ----------------------------------------
-# (run setting, owner branch): the recipe fields move into one Recipe object on the recipe branch, whose
-# key iterates the recipe's fields; its tests are expected to kill these too.
-CONTEXT = {"dtype": "", "precision": "recipe", "zero": "recipe", "clip": "recipe", "recompute": "recipe",
-           "grad_reduce_dtype": "recipe", "partition": "", "base": "", "modules": "", "torch": "", "core": ""}
+# run setting -> its path in the key's context: the recipe's settings live in the one Recipe object (its
+# fields under ``context["recipe"]``), the others at the top.
+CONTEXT = {"dtype": ("dtype",), "precision": ("recipe", "precision"), "zero": ("recipe", "zero"),
+           "clip": ("recipe", "clip_grad_norm"), "recompute": ("recipe", "recompute"),
+           "grad_reduce_dtype": ("recipe", "grad_reduce_dtype"), "partition": ("partition",), "base": ("base",),
+           "modules": ("modules",), "torch": ("torch",), "core": ("core",)}
 
 
-def _drop_context(field: str):
+def _drop_context(field: str, path: tuple[str, ...] | None = None):
+    *parents, leaf = path or (field,)
+
     def apply():
         def make(orig):
             def __init__(self, *a, **kw):
                 orig(self, *a, **kw)
-                self.context.pop(field)
+                where = self.context
+                for p in parents:
+                    where = where[p]
+                where.pop(leaf)  # a KeyError here means the key moved: the mutant must follow it
             return __init__
         wrap(_cache().VerdictCache, "__init__", make)
     apply.__name__ = f"cache_key_omits_{field}"
@@ -30,10 +37,10 @@ def _drop_context(field: str):
     return apply
 
 
-for _field, _owner in CONTEXT.items():
-    mutant(f"{CACHE}:VerdictCache.context[{_field}]",
-           [f"{RULES}::test_every_setting_that_changes_a_program_is_in_the_cache_key[{_field}]"], owner=_owner)(
-        _drop_context(_field))
+for _field, _path in CONTEXT.items():
+    mutant(f"{CACHE}:VerdictCache.context[{']['.join(_path)}]",
+           [f"{RULES}::test_every_setting_that_changes_a_program_is_in_the_cache_key[{_field}]"])(
+        _drop_context(_field, _path))
 
 for _field in ("layout", "node"):  # the run config's other program-changing fields, keyed by their own test
     mutant(f"{CACHE}:VerdictCache.context[{_field}]",
