@@ -177,6 +177,23 @@ def test_a_program_that_raises_names_where_it_first_parted(gang, tmp_path, fn, r
     assert how in row.detail, row.detail
 
 
+def test_a_program_that_raises_while_it_is_built_is_not_localised(gang, tmp_path, monkeypatch):
+    """fn(model, mesh) raising on the ranks: the row is the error naming it, and no localiser reruns the case
+    (no step ran, so no module can have parted from one device); a program raising in a step is localised."""
+    from verify.rows import torchpar
+    calls = []
+    real = torchpar.localize_error
+    monkeypatch.setattr(torchpar, "localize_error", lambda *a: calls.append(a) or real(*a))
+    (row,) = run_torchpar(gang, TITAN, f"{USER}:raises_on_the_ranks", parse_mesh("tp"), RunConfig(world_sizes=(2,)),
+                          str(tmp_path), steps=1)
+    assert row.status == ERROR, row.detail
+    assert "fn(model, mesh) on the ranks raised RuntimeError: this setup needs a backend" in row.detail, row.detail
+    assert not calls
+    (row,) = run_torchpar(gang, TITAN, f"{USER}:mislaid_attention_output", parse_mesh("tp"),
+                          RunConfig(world_sizes=(2,)), str(tmp_path), steps=1)
+    assert row.status == ERROR and len(calls) == 1, row.detail
+
+
 def test_strided_shards_are_loaded_piece_by_piece(gang, tmp_path):
     """transformers' tp_plan="auto" on an MoE keeps each expert's packed gate|up as a strided shard (a rank holds
     its half of gate and its half of up): loading the reference point takes each piece where DTensor cuts it, so

@@ -98,6 +98,7 @@ def expected_checks(model: str, steps: int, checkpoint: bool = True) -> list[str
 
 
 RESUME_RAISED = "the checkpoint resume raised"  # verify/cases/torchpar/case.py: training was judged in full
+BUILD_RAISED = "fn(model, mesh) on the ranks raised"  # verify/cases/torchpar/case.py: no step ran, nothing to localise
 
 
 def localize_error(gang: Gang, job: dict, cfg: RunConfig) -> str:
@@ -129,7 +130,7 @@ def run_torchpar(gang: Gang, model: str, fn_ref: str, dims, cfg: RunConfig, gen_
                    "checkpoint": checkpoint}
             answers = gang.run(job, w, cfg.limit_s("model", steps))
             status, detail, checks, tb = judge(answers, expected_checks(model, steps, checkpoint))
-            if status == ERROR and RESUME_RAISED not in detail:
+            if status == ERROR and not any(where in detail for where in (RESUME_RAISED, BUILD_RAISED)):
                 detail += localize_error(gang, job, cfg)
             out = worst([c for c in checks if not c["name"].startswith("grad")], "")
             grad = worst(checks, "grad")

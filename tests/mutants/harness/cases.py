@@ -95,6 +95,14 @@ def raising_program_not_localized():
     patch(torchpar, "localize_error", lambda gang, job, cfg: "")
 
 
+@mutant("verify/rows/torchpar.py:BUILD_RAISED",
+        ["tests/harness/test_torchpar.py::test_a_program_that_raises_while_it_is_built_is_not_localised"])
+def build_error_localized():
+    """A program whose fn(model, mesh) raised on the ranks is rerun by the localiser, which has no step to judge."""
+    from verify.rows import torchpar
+    patch(torchpar, "BUILD_RAISED", "\0never in a row\0")
+
+
 @mutant("verify/cases/torchpar/localize.py:Recorder._late",
         ["tests/harness/test_torchpar.py::test_a_program_that_raises_names_where_it_first_parted[mislaid]"])
 def style_output_unread():

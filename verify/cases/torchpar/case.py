@@ -127,7 +127,10 @@ def _checks(job: dict, groups: GroupCache, crumb=None) -> list[Check]:
     dt = DTYPES[dtype]
     names, sizes = tuple(n for n, _ in job["mesh"]), tuple(s for _, s in job["mesh"])
     mesh = build_mesh(names, sizes, groups)
-    par, (case, ref) = parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
+    try:
+        par, (case, ref) = parallel_model(job["model"], job["parallelize"], job["seed"], dt, mesh)
+    except Exception as exc:  # nothing ran yet: no module to localise (verify/rows/torchpar.py: BUILD_RAISED)
+        raise RaisedAfter([], exc, "fn(model, mesh) on the ranks") from exc
     if isinstance(par, Pipelined):  # stages and a schedule (verify/cases/torchpar/pipeline.py)
         return pipeline_checks(job, groups, par, mesh, case, ref, dt, load_whole)
     whole = Whole(par.module)
