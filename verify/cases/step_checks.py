@@ -82,9 +82,10 @@ def step_checks(pm, grads_ref: dict, grads64: dict, shadow: dict, point: dict, o
     checks = [judge(n, grads.get(n)) for n in grads_ref]
     if kinks is not None:
         checks = kinks(checks, {n: grads.get(n) for n in grads_ref}, judge)
-    for n, t in shadow.items():
-        t.copy_(point[n])
-        t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
+    with torch.no_grad():  # the shadow may be a model's own parameters (a resumed one)
+        for n, t in shadow.items():
+            t.copy_(point[n])
+            t.grad = None if grads.get(n) is None else grads[n].to(t.dtype).clone()
     for opt in opts:
         opt.step()
         opt.zero_grad()

@@ -28,8 +28,6 @@ from nnscaler.runtime.mesh import GroupCache
 from verify.cases.batch import cast
 from verify.cases.fresh import load_like
 from verify.judge.dtypes import to_dtype
-from verify.cases.step_checks import step_checks
-from verify.cases.reference import reference_grads
 from verify.cases.torchpar.steps import ReferenceSteps
 from verify.cases.resume import exact
 from verify.cases.torchpar.build import parallel_model
@@ -42,7 +40,7 @@ from verify.cases.torchpar.names import model_state_dict, named_parameters
 from verify.cases.torchpar.ring_cpu import cpu_ring_attention
 from verify.cases.torchpar.fsdp import loss_scale, sum_reductions_on_gloo
 from verify.cases.torchpar.pipeline import pipeline_checks
-from verify.judge.compare import Check, Float64Fallback, check_tensor
+from verify.judge.compare import Check
 from verify.judge.verdict import RaisedAfter
 from verify.models.loader import build_model, file_tag
 
@@ -143,7 +141,7 @@ def _checks(job: dict, groups: GroupCache, crumb=None) -> list[Check]:
                       f"(lacks {lost[:3]}, has {extra[:3]}); return a module with the model's parameter names")]
     initial = whole.state_dict()
     checks = [exact(f"initial {n}", initial.get(n), p.detach()) for n, p in params.items()]
-    steps = ReferenceSteps(ref, ref64, par.module.parameters(), dt)
+    steps = ReferenceSteps.fresh(ref, ref64, par.module.parameters(), dt)
     for step in range(job["steps"]):
         args = cast(case.batch(step), dt)
         checks += steps.step(step, args, whole, lambda point: load_whole(par.module, point),
@@ -199,19 +197,8 @@ def resume_checks(job: dict, par: Parallelized, opt, mesh, dt: torch.dtype, case
     # one more step from the checkpoint: the resumed run is the reference of the parallel run's
     args = cast(case.batch(steps), dt)
     single64 = load_like(to_dtype(build_model(job["model"], job["seed"]).model, torch.float64), single)
-    params = dict(single.named_parameters())
-    point = {n: p.detach().clone() for n, p in params.items()}
-    loss = _step(par, args, mesh)
-    loss_ref = single(*args)
-    loss_ref.backward()
-    fallback = Float64Fallback(dt)
-    with fallback:
-        loss64 = single64(*cast(args, torch.float64))
-        loss64.backward()
-    kw = fallback.bounds()
-    checks.append(check_tensor(f"resumed on one device: loss step {steps}", loss, loss_ref.detach(), loss64.detach(), **kw))
-    whole = Whole(par.module)
-    with torch.no_grad():  # the resumed model itself is the shadow: its resumed AdamW is fed the parallel gradients
-        resumed = step_checks(whole, *reference_grads(params, single64), params, point, [opt, single_opt], steps, fallback.widen, kw)
+    params = dict(single.named_parameters())  # the resumed model is the shadow, its AdamW fed the parallel gradients
+    resumed = ReferenceSteps(single, single64, dt, [opt, single_opt], params).step(
+        steps, args, Whole(par.module), None, lambda: _step(par, args, mesh))
     return checks + [Check(f"resumed on one device: {c.name}", c.err, c.tol, c.ok, c.reason) for c in resumed]
 

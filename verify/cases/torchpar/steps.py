@@ -21,27 +21,38 @@ from verify.judge.finite import require_finite
 
 class ReferenceSteps:
     """One device's side of the training loop: the reference ``ref`` in the run's dtype ``dt`` and ``ref64``
-    in float64, a shadow copy of the parameters that AdamW steps with the program's gradients, and the
-    optimizers (``opts[0]`` the program's own, over ``own_params``)."""
+    in float64, the ``shadow`` parameters AdamW steps with the program's gradients, and the optimizers ``opts``
+    (the program's own first). :meth:`fresh` starts a run; a resumed model is its own shadow."""
 
-    def __init__(self, ref: torch.nn.Module, ref64: torch.nn.Module, own_params, dt: torch.dtype):
+    def __init__(self, ref: torch.nn.Module, ref64: torch.nn.Module, dt: torch.dtype, opts: list, shadow: dict):
         self.ref, self.ref64 = ref, ref64
         self.params = dict(ref.named_parameters())
-        self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
-        self.opts = [torch.optim.AdamW(own_params, lr=LR)]
-        self.opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), self.shadow.values())]
+        self.shadow, self.opts = shadow, opts
         self.fallback = Float64Fallback(dt)
 
-    def step(self, step: int, args, held, load: Callable[[dict], None], run: Callable[[], torch.Tensor]) -> list[Check]:
+    @classmethod
+    def fresh(cls, ref: torch.nn.Module, ref64: torch.nn.Module, own_params, dt: torch.dtype) -> "ReferenceSteps":
+        """A run from the start: the shadow a copy of ``ref``'s parameters, AdamW over the program's
+        ``own_params``, over ``ref``'s own and over the shadow."""
+        shadow = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        opts = [torch.optim.AdamW(own_params, lr=LR)]
+        opts += [torch.optim.AdamW(ps, lr=LR) for ps in (ref.parameters(), shadow.values())]
+        return cls(ref, ref64, dt, opts, shadow)
+
+    def step(self, step: int, args, held, load: Callable[[dict], None] | None, run: Callable[[], torch.Tensor]
+             ) -> list[Check]:
         """The checks of step ``step`` on the batch ``args``: the reference's parameters loaded into the
-        program (``load``; ``held.state_dict()`` gives them back whole), the program's loss (``run()``) and
-        gradients and update (``held``, as :func:`verify.cases.step_checks.step_checks` reads them)."""
+        program (``load``; ``held.state_dict()`` gives them back whole; ``None`` where the program holds them
+        already, as after a resume), the program's loss (``run()``) and gradients and update (``held``, as
+        :func:`verify.cases.step_checks.step_checks` reads them)."""
         point = {n: p.detach().clone() for n, p in self.params.items()}
-        load(point)
-        loaded = held.state_dict()
-        bad = [c for c in (exact(n, loaded.get(n), t) for n, t in point.items()) if not c.ok]
-        checks = [Check(f"load step {step}", 0.0 if not bad else float("inf"), 0.0, not bad,
-                        f"{bad[0].name}: {bad[0].reason}" if bad else "")]
+        checks = []
+        if load is not None:
+            load(point)
+            loaded = held.state_dict()
+            bad = [c for c in (exact(n, loaded.get(n), t) for n, t in point.items()) if not c.ok]
+            checks.append(Check(f"load step {step}", 0.0 if not bad else float("inf"), 0.0, not bad,
+                                f"{bad[0].name}: {bad[0].reason}" if bad else ""))
         self.ref64.load_state_dict(convert_state(point, torch.float64), strict=False)
         loss = run()
         fallback = self.fallback
