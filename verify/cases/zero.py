@@ -7,7 +7,8 @@ from __future__ import annotations
 from verify.cases.pipeline import is_pipeline_policy
 
 ZERO_BUBBLE = ("pp_zb",)  # pipeline policies on a zero-bubble schedule: no zero 3 (nnscaler refuses it)
-STAGE_DP = {"pp2_dp": 4, "pp2_dp_gpipe": 4, "pp2_hybrid": 8, "pp2_cp_tp": 8}  # pipeline policy -> ranks from which its stages have a dp axis
+STAGE_DP = {"pp2_dp": 4, "pp2_dp_gpipe": 4, "pp2_hybrid": 8, "pp2_cp_tp": 8,
+            "pp2_cp_tp_balanced": 8}  # pipeline policy -> ranks from which its stages have a dp axis
 
 
 def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1) -> bool:
@@ -18,7 +19,7 @@ def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1)
     if replicas > 1:
         return True
     return (policy in ("dp", "cp", "cp_balanced") and plan_ngpus > 1) or (
-        policy in ("hybrid", "hybrid_cp", "hybrid_cp_balanced", "cp_tp") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
+        policy in ("hybrid", "hybrid_cp", "hybrid_cp_balanced", "cp_tp", "cp_tp_balanced") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
 
 
 def zero_refusal(zero: int, policy: str, world_sizes, replicas: int = 1) -> str | None:
