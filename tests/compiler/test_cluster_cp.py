@@ -84,8 +84,8 @@ def test_infeasible_cp_constraints_name_the_nearest_feasible_value(long8b, world
 
 
 def test_bad_cp_constraints_are_one_line():
-    with pytest.raises(PlanError, match="cp_scheme='ulysses': valid 'allgather', 'ring'"):
-        ComputeConfig(8, constraints={"cp_scheme": "ulysses"})
+    with pytest.raises(PlanError, match="cp_scheme='rings': valid 'allgather', 'ring', 'ulysses'"):
+        ComputeConfig(8, constraints={"cp_scheme": "rings"})
     with pytest.raises(PlanError, match="cp_balanced=1: must be True or False"):
         ComputeConfig(8, constraints={"cp_balanced": 1})
 
