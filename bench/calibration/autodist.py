@@ -126,7 +126,8 @@ def long_context_table(save: str | None = None) -> None:
     for name, w, gb in LONG_RUNS:
         t0 = time.perf_counter()
         shape = llama_shape(name, LONG_SEQ)
-        for label, cons in (("all", {}), ("allgather only", {"cp_scheme": "allgather"}), ("no cp", {"cp": 1})):
+        for label, cons in (("all", {}), ("allgather only", {"cp_scheme": "allgather"}),
+                            ("ulysses only", {"cp_scheme": "ulysses", "tp": 1}), ("no cp", {"cp": 1})):
             plan = search(shape, ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=gb,
                                                constraints=cons))
             took = time.perf_counter() - t0
@@ -136,7 +137,8 @@ def long_context_table(save: str | None = None) -> None:
             if label != "no cp":  # the best plan, and the best under Llama 3's scheme
                 out = Path(save) if save else CP_PLANS_DIR
                 out.mkdir(parents=True, exist_ok=True)
-                _save(plan, name, LONG_SEQ, out / f"{name}-{w}-128k{'' if label == 'all' else '-allgather'}.json")
+                tail = {"all": "", "allgather only": "-allgather", "ulysses only": "-ulysses"}[label]
+                _save(plan, name, LONG_SEQ, out / f"{name}-{w}-128k{tail}.json")
             t0 = time.perf_counter()
     print(f"\nLlama 3's long-context stage as a constraint ({', '.join(f'{k} {v}' for k, v in L3_STAGE.items())}), "
           f"llama3-405b at seq {LONG_SEQ}; the rest searched")
