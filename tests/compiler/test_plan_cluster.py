@@ -139,6 +139,22 @@ def test_a_reduced_cp_plan_keeps_its_axis_and_trains_like_one_device(tmp_path, c
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("cons, label, policy", [
+    # 8 GPUs: cp 4 in Llama 3's balanced chunks x dp 2, ZeRO-3 -> cp2 dp2 at W=4 under cp_tp_balanced
+    ({"tp": 1, "cp": 4, "pp": 1, "cp_scheme": "allgather", "cp_balanced": True, "zero": 3},
+     "tp1 cp2-allgather-balanced pp1 dp2", "cp_tp_balanced in each of 1 stage"),
+    # 8 GPUs: Ulysses cp 4 x dp 2, ZeRO-1 -> cp2 dp2 at W=4 under ulysses (dp x cp)
+    ({"tp": 1, "cp": 4, "pp": 1, "cp_scheme": "ulysses", "zero": 1}, "tp1 cp2-ulysses pp1 dp2", "ulysses in each of 1"),
+])
+def test_a_reduced_balanced_or_ulysses_plan_keeps_its_scheme_and_trains_like_one_device(tmp_path, capsys, cons, label,
+                                                                                          policy):
+    _, path = saved_plan(tmp_path, 8, cons)
+    assert main(["plan", str(path), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert label in out and policy in out and "1 match" in out, out[-2000:]
+
+
+@pytest.mark.slow
 def test_a_reduced_plan_trains_like_one_device_and_a_wrong_runtime_is_caught(tmp_path, capsys):
     # 8 GPUs: tp 2 with sequence parallelism x 4 interleaved stages, selective recompute -> tp2 pp2 v2 at W=4
     _, path = saved_plan(tmp_path, 8, {"tp": 2, "pp": 4, "virtual_stages": 2, "sequence_parallel": True,
