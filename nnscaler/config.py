@@ -98,7 +98,7 @@ class ComputeConfig:
 CONSTRAINT_KEYS = ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "recompute", "zero",
         "sequence_parallel", "cp", "cp_scheme", "cp_balanced")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-CP_SCHEMES = ("allgather", "ring")  # context parallelism's key/value exchange (nnscaler.cluster.cost)
+CP_SCHEMES = ("allgather", "ring", "ulysses")  # context parallelism's key/value exchange (nnscaler.cluster.cost)
 
 
 def check_constraints(constraints: dict | None) -> None:

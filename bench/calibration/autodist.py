@@ -17,12 +17,14 @@ beyond the evidence (:mod:`nnscaler.cluster.evidence`); every cluster plan print
 Long context (``--long-context`` alone, or after the cluster table): Llama-3 8B on 64 and 70B on 512 H100 at
 131072 tokens per sequence (32k tokens per GPU per step: 16 and 128 sequences, the latter Llama 3's 16M-token
 batch) searched with context parallelism (goal MFU >= 0.38 counting causal attention, within 80 GiB, plan <
-60 s including the meta trace), also with Llama 3's all-gather scheme only and without cp; then Llama 3's
+60 s including the meta trace), also with Llama 3's all-gather scheme only, with Ulysses only (tp 1: what the
+compiler's ``ulysses`` lowers) and without cp; then Llama 3's
 long-context configuration (tp 8, cp 16, pp 16, all-gather) as a constraint for 405B on 2048 GPUs (dp 1) and
 on 16384 (dp 8, its published row: 38% MFU, held out: never fitted), there also with fused kernels
-(``fusion_fused``, as that stack ran) and no memory limit (the published run ran). The searched plans (best, and
-best with the all-gather scheme) are written to ``bench/results/plans_cp/`` (``--save-cp DIR`` elsewhere): ``python -m verify plan`` refuses a cp
-plan by name until the compiler lowers cp, so they are not in ``verify/plans/``.
+(``fusion_fused``, as that stack ran) and no memory limit (the published run ran). The searched plans (best,
+best with the all-gather scheme, best with Ulysses) are written to ``bench/results/plans_cp/`` (``--save-cp DIR``
+elsewhere): ``python -m verify plan`` checks the all-gather and Ulysses ones reduced and refuses a ring plan by
+name until the compiler has the ring, so they are not in ``verify/plans/``.
 
 ``--save verify/plans`` writes every plan printed (``MODEL-GPUS.json``, ``search-ROW.json``; not the GPT rows,
 whose model ``verify plan`` cannot rebuild reduced) where ``verify all`` runs each reduced (a ``plan`` unit,
@@ -126,7 +128,8 @@ def long_context_table(save: str | None = None) -> None:
     for name, w, gb in LONG_RUNS:
         t0 = time.perf_counter()
         shape = llama_shape(name, LONG_SEQ)
-        for label, cons in (("all", {}), ("allgather only", {"cp_scheme": "allgather"}), ("no cp", {"cp": 1})):
+        for label, cons in (("all", {}), ("allgather only", {"cp_scheme": "allgather"}),
+                            ("ulysses only", {"cp_scheme": "ulysses", "tp": 1}), ("no cp", {"cp": 1})):
             plan = search(shape, ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=gb,
                                                constraints=cons))
             took = time.perf_counter() - t0
@@ -136,7 +139,8 @@ def long_context_table(save: str | None = None) -> None:
             if label != "no cp":  # the best plan, and the best under Llama 3's scheme
                 out = Path(save) if save else CP_PLANS_DIR
                 out.mkdir(parents=True, exist_ok=True)
-                _save(plan, name, LONG_SEQ, out / f"{name}-{w}-128k{'' if label == 'all' else '-allgather'}.json")
+                tail = {"all": "", "allgather only": "-allgather", "ulysses only": "-ulysses"}[label]
+                _save(plan, name, LONG_SEQ, out / f"{name}-{w}-128k{tail}.json")
             t0 = time.perf_counter()
     print(f"\nLlama 3's long-context stage as a constraint ({', '.join(f'{k} {v}' for k, v in L3_STAGE.items())}), "
           f"llama3-405b at seq {LONG_SEQ}; the rest searched")

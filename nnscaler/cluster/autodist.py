@@ -64,8 +64,13 @@ class ClusterStats:
         p = self.cluster.parallel
         if cp_refusal(p):
             return "inside a stage: " + cp_refusal(p)
+        if p.cp > 1 and p.cp_scheme == "ulysses":
+            return (f"inside a stage: policy ulysses; the sequence in {p.cp} contiguous chunks on the cp axis, "
+                    f"attention split by heads on it (all-to-all of q, k, v and the output)")
         if p.cp > 1:
-            return (INSIDE_STAGE.format(policy="cp_tp") + f"; the sequence in {p.cp} contiguous chunks on the cp axis, "
+            chunks = f"{2 * p.cp} chunks, two per rank (causally balanced)" if p.cp_balanced else \
+                f"{p.cp} contiguous chunks"
+            return (INSIDE_STAGE.format(policy=stage_policy(p)) + f"; the sequence in {chunks} on the cp axis, "
                     f"keys and values all-gathered")
         if self.cluster.parallel.tp == 1:
             return "inside a stage: every operator whole on its rank (tp 1, policy dp)"

@@ -11,7 +11,14 @@ sequence's tokens (time, saved activations, tp collectives and pipeline sends al
 attention runs the rank's queries against the whole sequence's keys and values. ``cp_scheme``
 ``"allgather"`` (Llama 3, Dubey et al. 2024 section 3.3.2): all-gather K and V over the cp group before
 each attention forward, again in backward (only the rank's own chunk is kept), and reduce-scatter dK and
-dV; the paper puts the all-gather "in the critical path", so none of it is hidden here. ``"ring"``
+dV; the paper puts the all-gather "in the critical path", so none of it is hidden here. ``"ulysses"``
+(Jacobs et al. 2023, DeepSpeed-Ulysses): attention splits its heads over the cp group instead of the
+sequence, an all-to-all of q, k and v before it and of its output after (``D(seq) -> D(heads)`` and back),
+the same four in backward for their gradients, none hidden (DeepSpeed issues them in the critical path);
+the heads per tp rank must divide by ``cp`` (:func:`ulysses_fits`), keys and values travel with their own
+heads where the key/value heads divide too, else expanded to the query heads (as a GQA model's
+``repeat_kv`` has them before attention); every rank sees the whole causal sequence for its heads, so it
+is balanced by construction. ``"ring"``
 (Liu et al. 2023, ring attention): ``cp - 1`` sends of one K/V chunk (forward) and of K/V plus dK/dV
 (backward), each hidden behind one step's attention compute, only the excess exposed. With
 ``cp_balanced`` (Llama 3's two chunks per rank, ``i`` and ``2 cp - 1 - i``; ring's zig-zag) every rank
@@ -159,6 +166,11 @@ def section_forward(sec: Section, tp: int, sp: bool, scale: float, c: ClusterCon
     return t
 
 
+def ulysses_fits(shape: ModelShape, tp: int, cp: int) -> bool:
+    """Whether Ulysses's head split over ``cp`` ranks divides the query heads each tp rank holds."""
+    return shape.heads % (tp * cp) == 0
+
+
 def causal_share(cp: int, causal: bool, balanced: bool) -> float:
     """The slowest cp rank's attention work over ``1 / cp`` of the whole (1 when balanced or not causal).
     Contiguous chunks: rank ``i``'s queries see ``i + 1/2`` chunks of keys on average, the last one
@@ -196,6 +208,14 @@ def cp_exchange(shape: ModelShape, par: Parallel, profile: DeviceProfile, tokens
     gathered = kv_bytes(shape, tokens_mb, par.tp, act_bytes)
     rpn = profile.ranks_per_node
     across = par.tp * cp > rpn
+    if par.cp_scheme == "ulysses":  # all-to-all of q, k, v and the output (each the rank's tokens, its tp heads)
+        head_dim = shape.hidden // max(1, shape.heads)
+        kv_heads = shape.kv_heads if shape.kv_heads % (par.tp * cp) == 0 else shape.heads
+        per_token = (2 * shape.heads + 2 * kv_heads) * head_dim / par.tp * act_bytes  # q, out, k, v
+        coll = _group_collective(profile, cp, across, max(1, min(cp, rpn // par.tp)))
+        a2a = coll("all_to_all", tokens_mb / cp * per_token)
+        # working: q, k, v and the output in the heads layout, then their gradients (both counted, as the all-gather's)
+        return {"fwd": a2a, "bwd": a2a, "bytes": tokens_mb / cp * per_token}
     if par.cp_scheme == "allgather":  # two attention calls per rank (its two chunks): one launch more each way
         coll = _group_collective(profile, cp, across, max(1, min(cp, rpn // par.tp)))
         ag, rs = coll("all_gather", gathered), coll("reduce_scatter", gathered)
@@ -289,7 +309,7 @@ def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: Cl
     micro-batch size, recompute, context parallelism): the part of :func:`estimate` that reads every
     operator of a section. ``scale``: the rank's part of the traced sample (``/ cp`` already)."""
     tp, recompute = par.tp, par.recompute
-    share = causal_share(par.cp, shape.causal, par.cp_balanced)
+    share = causal_share(par.cp, shape.causal, par.cp_balanced or par.cp_scheme == "ulysses")
     fwd = {name: section_forward(sec, tp, sp, scale, c, profile, ab if name != "post" else LOSS_BYTES, shape.causal,
                                  attention_share=share)
            for name, sec in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}

@@ -86,6 +86,8 @@ def plan_kinds(par) -> set[str]:
         kinds.add("interleaved")
     if par.dp > 1:
         kinds.add("dp")
+    if getattr(par, "cp", 1) > 1:  # context parallelism by its scheme: no fitted run has one yet
+        kinds.add(f"cp-{par.cp_scheme}")
     return kinds
 
 

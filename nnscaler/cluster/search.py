@@ -1,7 +1,8 @@
 """``plan_cluster``: the outer configuration of a real training run, searched jointly on the cluster cost
 model (:mod:`nnscaler.cluster.cost`): tensor parallelism (with or without sequence parallelism),
 pipeline stages (1F1B, or interleaved with virtual stages), micro-batch size and count, data
-parallelism with a ZeRO stage, context parallelism (degree and scheme) and recompute.
+parallelism with a ZeRO stage, context parallelism (degree and scheme: all-gather, ring or Ulysses's all-to-all where the heads divide)
+and recompute.
 
 The model is traced once on the meta device, two of its blocks (:mod:`.trace`), and read as
 repeated blocks (:mod:`nnscaler.cluster.blocks`);
@@ -36,7 +37,7 @@ from ..config import CONSTRAINT_KEYS as KEYS, CP_SCHEMES, RECOMPUTE_CHOICES as R
 from ..cost.summary import human, seconds
 from ..profiles import get_profile
 from .blocks import ModelShape
-from .cost import Estimate, Parallel, estimate
+from .cost import Estimate, Parallel, estimate, ulysses_fits
 from .evidence import claims
 from .plan import FORMAT, architecture_of, lower, lowered_dict
 from .trace import trace_shape
@@ -131,7 +132,8 @@ class ClusterPlan:
 
 def cp_degrees(shape: ModelShape, ranks: int, min_tokens: int = 1) -> list[int]:
     """The context-parallel degrees dividing ``ranks`` that split each sequence into ``2 cp`` equal chunks
-    (the causally balanced layout: two chunks per rank) with at least ``min_tokens`` tokens per rank."""
+    (the causally balanced layout: two chunks per rank) with at least ``min_tokens`` tokens per rank
+    (Ulysses's degrees are further those dividing the heads, :func:`~.cost.ulysses_fits`)."""
     return [d for d in _divisors(ranks) if d == 1 or (shape.seq % (2 * d) == 0 and shape.seq // d >= min_tokens)]
 
 
@@ -149,6 +151,10 @@ def _check_fixed(shape: ModelShape, world: int, cons: dict, global_batch: int) -
             raise PlanError(f"constraint cp={cp}: cp must divide the world size {world}"
                             f"{f' over tp={tp}' if tp else ''} and split the {shape.seq} tokens of a sequence into "
                             f"2 x cp equal chunks; nearest feasible cp: {_nearest(cp, ok)}")
+    if cons.get("cp_scheme") == "ulysses" and cp and tp and not ulysses_fits(shape, tp, cp):
+        ok = [d for d in _divisors(world // tp) if ulysses_fits(shape, tp, d)]
+        raise PlanError(f"constraint cp={cp} with cp_scheme='ulysses': Ulysses splits the {shape.heads // tp} heads "
+                        f"of each tp rank over cp, which must divide them; nearest feasible cp: {_nearest(cp, ok)}")
     cpn = cp or 1
     pp = cons.get("pp")
     if pp is not None:
@@ -197,7 +203,8 @@ def candidates(shape: ModelShape, world: int, global_batch: int, cons: dict, ran
 
 def _candidates(shape: ModelShape, world: int, global_batch: int, cons: dict, tp: int, cp: int, balanced: bool):
     schemes = [cons["cp_scheme"]] if "cp_scheme" in cons else list(CP_SCHEMES) if cp > 1 else [CP_SCHEMES[0]]
-    if world % (tp * cp):
+    schemes = [x for x in schemes if x != "ulysses" or cp == 1 or ulysses_fits(shape, tp, cp)]  # heads over cp
+    if world % (tp * cp) or not schemes:
         return
     sps = [cons["sequence_parallel"]] if "sequence_parallel" in cons else ([False, True] if tp > 1 else [False])
     pps = [cons["pp"]] if "pp" in cons else [d for d in _divisors(world // (tp * cp)) if d <= shape.layers]

@@ -3,13 +3,13 @@ from .builtin import POLICIES, cp, dp, hybrid, hybrid_cp, random, random2d, tp
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan, validate
 from .autodist import autodist
-from .context import cp_balanced, hybrid_cp_balanced
+from .context import cp_balanced, cp_tp_balanced, hybrid_cp_balanced
 from .cp_mesh import cp_tp, ulysses
 
-POLICIES["cp_tp"] = cp_tp
+POLICIES["cp_tp"], POLICIES["cp_tp_balanced"] = cp_tp, cp_tp_balanced
 POLICIES["ulysses"] = ulysses
 POLICIES["autodist"] = autodist
 POLICIES["cp_balanced"], POLICIES["hybrid_cp_balanced"] = cp_balanced, hybrid_cp_balanced
 
-__all__ = ["POLICIES", "autodist", "cp", "cp_balanced", "cp_tp", "dp", "hybrid", "hybrid_cp", "hybrid_cp_balanced", "random", "random2d", "tp", "ulysses", "ComputeConfig", "Plan", "PlanError",
+__all__ = ["POLICIES", "autodist", "cp", "cp_balanced", "cp_tp", "cp_tp_balanced", "dp", "hybrid", "hybrid_cp", "hybrid_cp_balanced", "random", "random2d", "tp", "ulysses", "ComputeConfig", "Plan", "PlanError",
            "validate"]

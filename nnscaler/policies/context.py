@@ -1,4 +1,6 @@
-"""Context parallelism with Llama 3's causal load balancing: ``cp_balanced`` and ``hybrid_cp_balanced``.
+"""Context parallelism with Llama 3's causal load balancing: ``cp_balanced``, ``hybrid_cp_balanced`` and
+``cp_tp_balanced`` (dp x cp x tp, :mod:`nnscaler.policies.cp_mesh`, also each stage's policy of
+``pp2_cp_tp_balanced`` and of a cluster plan with ``cp_balanced``).
 
 ``cp`` cuts the sequence in W contiguous chunks, so under a causal mask the last rank's queries see
 the most keys. Here the sequence is cut in 2W chunks and rank ``r`` holds chunks ``r`` and
@@ -18,6 +20,7 @@ from ..config import ComputeConfig, PlanError
 from ..ir.graph import INPUT, IRGraph
 from ..ir.plan import Plan
 from .builtin import cp, hybrid_cp
+from .cp_mesh import cp_tp, cp_tp_mesh
 
 
 def balance(plan: Plan, axis: int, policy: str) -> Plan:
@@ -49,3 +52,14 @@ def hybrid_cp_balanced(graph: IRGraph, config: ComputeConfig) -> Plan:
     plan = hybrid_cp(graph, config)
     _check_pieces(graph, plan.mesh_shape[1], "hybrid_cp_balanced")
     return balance(plan, 1, "hybrid_cp_balanced")
+
+
+def cp_tp_balanced(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """``cp_tp`` (dp x cp x tp) with the cp axis balanced as in :func:`cp_balanced`: attention's heads stay
+    split on tp while its queries' sequence holds the rank's pair of chunks on cp."""
+    _, names = cp_tp_mesh(config)
+    plan = cp_tp(graph, config)
+    if "cp" not in names:  # one cp rank: nothing to balance
+        return replace(plan, policy="cp_tp_balanced")
+    _check_pieces(graph, plan.mesh_shape[names.index("cp")], "cp_tp_balanced")
+    return balance(plan, names.index("cp"), "cp_tp_balanced")

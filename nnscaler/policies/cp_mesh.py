@@ -88,8 +88,14 @@ def ulysses(graph: IRGraph, config: ComputeConfig) -> Plan:
     """Context parallelism by DeepSpeed-Ulysses's exchange: the sequence split on the cp axis
     everywhere except inside attention (:func:`attention_core`), which splits its heads instead; the
     layout conversion between the two is an all-to-all of queries, keys and values in and of the
-    attention output back (``D(seq) -> D(heads)``). The heads must divide by ``plan_ngpus``."""
-    n = config.plan_ngpus
+    attention output back (``D(seq) -> D(heads)``). The heads must divide by the cp degree:
+    ``config.cp_size`` (default ``plan_ngpus``), the ranks left a dp axis outside it (dp x cp, the batch
+    split on dp as ``hybrid_cp`` splits it; no tp axis)."""
+    n = config.cp_size or config.plan_ngpus
+    if config.plan_ngpus % n:
+        raise PlanError(f"ulysses: cp_size {n} does not divide plan_ngpus {config.plan_ngpus}")
+    dp = config.plan_ngpus // n
+    check_batch_divisible(graph, dp, "ulysses")
     check_sequence_divisible(graph, n, "ulysses")
     pins = pin_heads(graph, n, scores(graph))
     core = attention_core(graph)
@@ -98,8 +104,12 @@ def ulysses(graph: IRGraph, config: ComputeConfig) -> Plan:
         raise PlanError(f"ulysses: attention operator {missing[0]} cannot split its heads over {n} ranks "
                         f"(heads not divisible, or not found)")
     seq = AXIS_OPTIONS["cp"](graph)
+    batch = AXIS_OPTIONS["dp"](graph) if dp > 1 else None
 
     def options(op: IROp, axis: int, layouts: dict):
+        if batch is not None and axis == 0:
+            return batch(op, axis, layouts)
         return [pins[op.name]] if op.name in core else seq(op, axis, layouts)
 
-    return plan_greedy(graph, (n,), ("cp",), options, "ulysses")
+    mesh, names = ((dp, n), ("dp", "cp")) if dp > 1 else ((n,), ("cp",))
+    return plan_greedy(graph, mesh, names, options, "ulysses")

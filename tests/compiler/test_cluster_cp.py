@@ -6,6 +6,7 @@ also checked to be load-bearing: priced wrongly (the exchange free, the imbalanc
 in full), the same checks fail."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -84,8 +85,8 @@ def test_infeasible_cp_constraints_name_the_nearest_feasible_value(long8b, world
 
 
 def test_bad_cp_constraints_are_one_line():
-    with pytest.raises(PlanError, match="cp_scheme='ulysses': valid 'allgather', 'ring'"):
-        ComputeConfig(8, constraints={"cp_scheme": "ulysses"})
+    with pytest.raises(PlanError, match="cp_scheme='rings': valid 'allgather', 'ring', 'ulysses'"):
+        ComputeConfig(8, constraints={"cp_scheme": "rings"})
     with pytest.raises(PlanError, match="cp_balanced=1: must be True or False"):
         ComputeConfig(8, constraints={"cp_balanced": 1})
 
@@ -119,6 +120,38 @@ def test_cp_cost_terms_move_the_right_way(long8b):
     check_cp_terms(long8b)
 
 
+def check_ulysses_terms(shape) -> None:
+    """Ulysses (raises AssertionError otherwise): per block and micro-batch, an all-to-all of the rank's q, k, v and
+    output each way, none hidden; key/value heads expanded to the query heads where they do not divide by cp;
+    dearer across nodes; every rank the whole causal sequence for its heads (no imbalance)."""
+    from nnscaler.cost.comm import collective_time
+    d, m = shape.hidden // shape.heads, 4
+    for c, kv, across in ((8, shape.kv_heads, False), (16, shape.heads, True)):  # 8 kv heads: divide by 8, not 16
+        e = _at(shape, c, cp_scheme="ulysses")
+        msg = shape.seq / c * (2 * shape.heads + 2 * kv) * d * 2  # bf16 q, out, k, v of the rank's tokens
+        nics = dataclasses.replace(H100, inter_beta=min(H100.intra_beta, 8 * H100.inter_beta))  # 8 per node
+        a2a = collective_time("all_to_all", msg, c, nics if across else H100, across)
+        assert e.time["cp_comm"] == pytest.approx(m * shape.layers * 2 * a2a, rel=1e-6), (c, e.time["cp_comm"])
+    within, across_ = _at(shape, 8, cp_scheme="ulysses"), _at(shape, 16, cp_scheme="ulysses")
+    assert across_.time["cp_comm"] > within.time["cp_comm"]  # half the message, but over the NIC
+    unbal = _at(shape, 8, cp_scheme="ulysses", cp_balanced=False)
+    assert unbal.time["compute"] == pytest.approx(within.time["compute"])  # heads split: nothing to balance
+    assert unbal.time["compute"] == pytest.approx(_at(shape, 8, cp_scheme="allgather").time["compute"])  # = balanced
+    assert within.time["cp_comm"] > _at(shape, 8, cp_scheme="ring").time["cp_comm"]  # exposed, a ring hides
+
+
+def test_ulysses_is_priced_and_searched_where_heads_divide(long8b):
+    from nnscaler.cluster.search import candidates
+    check_ulysses_terms(long8b)
+    # 32 heads: tp 8 leaves 4 per rank, so Ulysses takes cp 2 or 4 there, never 8
+    cps = {p.cp for p in candidates(long8b, 64, 16, {"tp": 8}, 8) if p.cp_scheme == "ulysses"}
+    assert cps == {2, 4}, cps
+    assert search(long8b, _cfg(64, 16, cp_scheme="ulysses", tp=1)).parallel.cp_scheme == "ulysses"
+    with pytest.raises(PlanError, match="cp_scheme='ulysses': Ulysses splits the 4 heads of each tp rank over cp.*"
+                                        "nearest feasible cp: 4"):
+        search(long8b, _cfg(64, 16, tp=8, cp=8, cp_scheme="ulysses"))
+
+
 def check_mfu_counts_causal_attention(shape) -> None:
     """MFU: 3 x the forward FLOPs with causal attention at half of ``4 b s^2 d`` per block (raises otherwise)."""
     e = _at(shape, 8, cp_scheme="ring")
@@ -138,6 +171,7 @@ def test_mfu_counts_causal_attention_at_half(long8b):
     ("free_exchange", check_cp_terms),
     ("no_causal_imbalance", check_cp_terms),
     ("no_activation_split", check_cp_terms),
+    ("free_exchange", check_ulysses_terms),
     ("mfu_full_attention", check_mfu_counts_causal_attention),
 ])
 def test_a_weaker_cost_term_fails_the_checks(long8b, monkeypatch, weaken, check):

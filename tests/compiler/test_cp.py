@@ -128,6 +128,31 @@ def test_cp_tp_kv_gradient_summed_over_the_wrong_axis_is_caught_and_localised(tm
     assert "for matmul_3 input 1" in out.stdout and "all_gather_sum_grad(axis 0, dims 2)" in out.stdout, out.stdout[-3000:]
 
 
+@pytest.mark.slow
+def test_llama_trains_like_one_device_under_balanced_cp_tp(verify_model):
+    rows = verify_model("llama", policies=["cp_tp_balanced"], world_sizes=(4,), steps=2)
+    assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
+
+
+def test_cp_tp_balanced_holds_the_balanced_pair_on_cp_and_heads_on_tp(llama_graph):
+    from nnscaler.dimops.layout import Shard
+    from nnscaler.policies.context import cp_tp_balanced
+    plan = cp_tp_balanced(llama_graph, ComputeConfig(4))
+    assert plan.policy == "cp_tp_balanced" and (plan.mesh_shape, plan.axis_names) == ((2, 2), ("cp", "tp"))
+    for op in _matmuls(llama_graph):  # queries: the balanced pair on cp (D2z), heads on tp; keys whole on cp
+        q, k = op.layout(plan.partition(op)).inputs[:2]
+        assert isinstance(q[0], Shard) and q[0].balanced and q[0].dim == 2 and str(q[1]).startswith("D1"), (op.name, q)
+        assert str(k[0]) == "R", (op.name, k)
+
+
+@pytest.mark.slow
+def test_balanced_order_ignored_inside_cp_tp_is_caught_and_localised(tmp_path):
+    out = _mutated("cp_tp_balanced_order_ignored", tmp_path, "cp_tp_balanced", 4)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "first divergent conversion: input_ids RxR -> D1zxR for embedding input 1" in out.stdout, out.stdout[-3000:]
+    assert "split(axis 0, dims 1, balanced)" in out.stdout, out.stdout[-3000:]
+
+
 def test_ulysses_splits_heads_inside_attention_and_the_sequence_outside(llama_graph):
     from nnscaler.codegen.emit import conversion_steps
     from nnscaler.policies.cp_mesh import attention_core, ulysses

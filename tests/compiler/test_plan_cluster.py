@@ -99,8 +99,8 @@ def test_a_cp_plan_the_compiler_lacks_is_saved_with_its_axis_and_refused_by_name
     assert data["lowered"] is None and load(path).parallel == plan.parallel
     with pytest.raises(PlanError, match="cp=4, ring, balanced.* no compiler lowering: missing the ring exchange"):
         lower(plan.parallel)
-    with pytest.raises(PlanError, match=r"cp=2, allgather, balanced\) .*missing the causally balanced chunk layout"):
-        lower(Parallel(cp=2, cp_balanced=True))
+    with pytest.raises(PlanError, match=r"cp=4, ulysses, balanced\) .*missing Ulysses composed with tp"):
+        lower(Parallel(tp=2, cp=4, cp_scheme="ulysses"))
     assert main(["plan", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(path) in err[0] and "context parallelism (cp=4, ring, balanced)" in err[0], err
@@ -121,6 +121,10 @@ def test_an_allgather_cp_plan_lowers_to_cp_tp_in_megatrons_order(tmp_path):
     plan, path = saved_plan(tmp_path, 8, {"tp": 2, "cp": 2, "pp": 2, "cp_scheme": "allgather", "cp_balanced": False})
     data = json.loads(path.read_text())
     assert data["lowered"]["policy"] == "cp_tp" and data["lowered"]["config"]["cp_size"] == 2
+    # causally balanced chunks lower to cp_tp_balanced (pipeline stages included), Ulysses without tp to ulysses
+    assert lower(Parallel(tp=2, cp=4, pp=2, cp_balanced=True))[0] == "cp_tp_balanced"
+    policy, cfg = lower(Parallel(cp=4, pp=2, dp=2, num_microbatches=2, zero=3, cp_scheme="ulysses"))
+    assert policy == "ulysses" and (cfg.plan_ngpus, cfg.tp_size, cfg.cp_size, cfg.pp_size) == (16, 1, 4, 2)
     assert "cp_size" not in json.loads(saved_plan(tmp_path, 4, {"tp": 2, "cp": 1}, "nocp.json")[1].read_text()
                                        )["lowered"]["config"]  # plans without cp save as before
 
@@ -132,6 +136,22 @@ def test_a_reduced_cp_plan_keeps_its_axis_and_trains_like_one_device(tmp_path, c
     assert main(["plan", str(path), "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "cp2-allgather pp1 dp1" in out and "1 match" in out, out[-2000:]  # the cp axis kept, of 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cons, label, policy", [
+    # 8 GPUs: cp 4 in Llama 3's balanced chunks x dp 2, ZeRO-3 -> cp2 dp2 at W=4 under cp_tp_balanced
+    ({"tp": 1, "cp": 4, "pp": 1, "cp_scheme": "allgather", "cp_balanced": True, "zero": 3},
+     "tp1 cp2-allgather-balanced pp1 dp2", "cp_tp_balanced in each of 1 stage"),
+    # 8 GPUs: Ulysses cp 4 x dp 2, ZeRO-1 -> cp2 dp2 at W=4 under ulysses (dp x cp)
+    ({"tp": 1, "cp": 4, "pp": 1, "cp_scheme": "ulysses", "zero": 1}, "tp1 cp2-ulysses pp1 dp2", "ulysses in each of 1"),
+])
+def test_a_reduced_balanced_or_ulysses_plan_keeps_its_scheme_and_trains_like_one_device(tmp_path, capsys, cons, label,
+                                                                                          policy):
+    _, path = saved_plan(tmp_path, 8, cons)
+    assert main(["plan", str(path), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert label in out and policy in out and "1 match" in out, out[-2000:]
 
 
 @pytest.mark.slow

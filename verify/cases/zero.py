@@ -1,5 +1,5 @@
 """Which whole-model cases a ZeRO stage applies to (``--zero``): a plan with a data-parallel mesh
-axis (``dp``, or ``cp``'s sequence axis, which holds every parameter whole; ``hybrid``/``hybrid_cp``/``cp_tp`` where its dp (cp_tp: cp) axis has more than one rank: the harness plans it with
+axis (``dp``, or ``cp``'s (``ulysses``') sequence axis, which holds every parameter whole; ``hybrid``/``hybrid_cp``/``cp_tp`` where its dp (cp_tp: cp) axis has more than one rank: the harness plans it with
 ``tp_size=2``) or data-parallel replicas; a pipeline where each stage has one (``pp2_dp`` on 4 or
 more ranks) or replicas (zero 3 not under a zero-bubble schedule: ``nnscaler`` refuses it)."""
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 from verify.cases.pipeline import is_pipeline_policy
 
 ZERO_BUBBLE = ("pp_zb",)  # pipeline policies on a zero-bubble schedule: no zero 3 (nnscaler refuses it)
-STAGE_DP = {"pp2_dp": 4, "pp2_dp_gpipe": 4, "pp2_hybrid": 8, "pp2_cp_tp": 8}  # pipeline policy -> ranks from which its stages have a dp axis
+STAGE_DP = {"pp2_dp": 4, "pp2_dp_gpipe": 4, "pp2_hybrid": 8, "pp2_cp_tp": 8,
+            "pp2_cp_tp_balanced": 8}  # pipeline policy -> ranks from which its stages have a dp axis
 
 
 def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1) -> bool:
@@ -17,8 +18,8 @@ def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1)
             and (replicas > 1 or plan_ngpus >= STAGE_DP.get(policy, plan_ngpus + 1))
     if replicas > 1:
         return True
-    return (policy in ("dp", "cp", "cp_balanced") and plan_ngpus > 1) or (
-        policy in ("hybrid", "hybrid_cp", "hybrid_cp_balanced", "cp_tp") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
+    return (policy in ("dp", "cp", "cp_balanced", "ulysses") and plan_ngpus > 1) or (
+        policy in ("hybrid", "hybrid_cp", "hybrid_cp_balanced", "cp_tp", "cp_tp_balanced") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
 
 
 def zero_refusal(zero: int, policy: str, world_sizes, replicas: int = 1) -> str | None:

@@ -9,7 +9,8 @@ compared with one device like any whole-model case (loss, every gradient and upd
 :func:`prepare` and :func:`plan_rows` are the same on any gang (``verify all`` can run saved plans so).
 Exit 0 match, 1 mismatch or failure, 2 bad input (one line, before any rank starts), a plan with a context
 parallelism scheme the compiler does not lower included (refused naming what is missing, never reduced without
-its cp axis or scheme); a cp plan it lowers is reduced keeping its cp degree (2) and scheme and runs as ``cp_tp``.
+its cp axis or scheme); a cp plan it lowers is reduced keeping its cp degree (2), scheme and balance and runs as
+``cp_tp``, ``cp_tp_balanced`` or ``ulysses`` (its label says ``-balanced`` for Llama 3's chunk order).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ LAYOUT_FIELDS = ("tp_size", "pp_size", "schedule", "virtual_stages", "sequence_p
 
 
 def _label(par) -> str:
-    return (f"tp{par.tp}{'+sp' if par.sequence_parallel else ''}{f' cp{par.cp}-{par.cp_scheme}' if par.cp > 1 else ''} "
+    balanced = "-balanced" if par.cp_balanced and par.cp_scheme != "ulysses" else ""
+    return (f"tp{par.tp}{'+sp' if par.sequence_parallel else ''}{f' cp{par.cp}-{par.cp_scheme}{balanced}' if par.cp > 1 else ''} "
             f"pp{par.pp}"
             f"{f' v{par.virtual_stages}' if par.virtual_stages > 1 else ''} dp{par.dp} mbs{par.micro_batch_size}"
             f"x{par.num_microbatches} zero{par.zero} recompute={par.recompute}")

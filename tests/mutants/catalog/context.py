@@ -94,3 +94,21 @@ def cp_tp_kv_gradient_wrong_axis():
         return orig(gathered, f"C.grad_all_reduce({x}, {wrong})", group)
 
     patch(Step, "code", code)
+
+
+@mutant
+def cp_tp_balanced_order_ignored():
+    """``cp_tp_balanced`` (cp x tp): on the cp axis of a mesh of several axes (a group smaller than the world),
+    tensors are cut in contiguous chunks, ignoring the balanced chunk order (rank r: chunks r and 2W-1-r),
+    while keys and values gathered from them are still put back as if balanced: the keys' order and the
+    tokens' positions no longer agree. On a one-axis mesh (``cp_balanced``) the mutant is the right program."""
+    import torch.distributed as dist
+    C = _C()
+    orig = C.to_balanced
+
+    def to_balanced(x, dim, group, blocks=1):
+        if group is not None and C._size(group) < dist.get_world_size():
+            return x
+        return orig(x, dim, group, blocks)
+
+    patch(C, "to_balanced", to_balanced)
