@@ -38,6 +38,9 @@ class ClusterConstants:
     part of a micro-batch's backward that hides data-parallel collectives; ``zero3_overlap``: the part of the
     step behind which ZeRO-3 (FSDP) prefetches its parameter gathers and reduce-scatters; ``pp_exposed``: the same for
     pipeline sends; ``usable``: the part of device memory plans may fill (allocator, NCCL, CUDA context).
+    ``weight_casts``: bf16-mixed keeps, per micro-batch in flight, the bf16 copy autocast casts of each fp32 weight
+    for its backward (what the code nnscaler emits does); False for stacks that compute with bf16 parameters
+    (Megatron-LM's bf16 weights beside fp32 main weights, FSDP's bf16 gathers), used only for published runs.
     """
 
     peak: float  # dense bf16 FLOP/s, datasheet
@@ -54,6 +57,7 @@ class ClusterConstants:
     zero3_overlap: float = 0.3
     pp_exposed: float = 0.5
     usable: float = 0.9
+    weight_casts: bool = True  # bf16-mixed saves autocast's bf16 weight copies per micro-batch (calibration rows: off)
     fitted: str = ""
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:

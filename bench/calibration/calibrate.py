@@ -81,12 +81,14 @@ def published_seconds(row: dict, shape) -> float:
 def row_profile(row: dict, profiles: dict | None = None):
     """The row's device profile; a stack with fused kernels gets its own memory-bound traffic."""
     prof = (profiles or PROFILES)[row["device"]]
-    c = prof.cluster
+    # the published stacks compute with bf16 parameters (Megatron-LM's bf16 weights beside fp32 main weights,
+    # FSDP's bf16 param_dtype gathers): no per-micro-batch bf16 copies of fp32 weights saved for backward
+    c = dataclasses.replace(prof.cluster, weight_casts=False)
     if row["kernels"] == "fused":
         c = dataclasses.replace(c, fusion=c.fusion_fused)
     if row.get("attention") == "materialized":
         c = dataclasses.replace(c, score_passes=c.score_passes_materialized)
-    prof = dataclasses.replace(prof, cluster=c) if c is not prof.cluster else prof
+    prof = dataclasses.replace(prof, cluster=c)
     if row.get("mem_bw_tbs"):  # the source's memory bandwidth, achievable at the profile's fraction (BUS-like 0.8)
         prof = dataclasses.replace(prof, mem_bw=0.8 * float(row["mem_bw_tbs"]) * 1e12)
     return prof

@@ -351,7 +351,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     key = (tp, sp, par.micro_batch_size, par.recompute, cp, par.cp_scheme if cp > 1 else "", par.cp_balanced)
     costs = memo.get(key) if memo is not None else None
     if costs is None:
-        costs = _micro_batch(shape, par, sp, scale, c, profile, ab, tokens_mb, precision == "bf16-mixed")
+        costs = _micro_batch(shape, par, sp, scale, c, profile, ab, tokens_mb,
+                             precision == "bf16-mixed" and c.weight_casts)
         if memo is not None:
             memo[key] = costs
     tp_time, rc = costs["tp_time"], costs["rc"]
