@@ -41,6 +41,9 @@ class ClusterConstants:
     ``weight_casts``: bf16-mixed keeps, per micro-batch in flight, the bf16 copy autocast casts of each fp32 weight
     for its backward (what the code nnscaler emits does); False for stacks that compute with bf16 parameters
     (Megatron-LM's bf16 weights beside fp32 main weights, FSDP's bf16 gathers), used only for published runs.
+    ``sac_alternate_linears``: what ``selective`` recompute recomputes. False (nnscaler's, Megatron-LM's): the
+    attention core. True (torchtitan's per-op selective AC, used only for its published runs): every second linear of
+    a block in execution order and every memory-bound operator, the attention kernel's output saved.
     """
 
     peak: float  # dense bf16 FLOP/s, datasheet
@@ -58,6 +61,7 @@ class ClusterConstants:
     pp_exposed: float = 0.5
     usable: float = 0.9
     weight_casts: bool = True  # bf16-mixed saves autocast's bf16 weight copies per micro-batch (calibration rows: off)
+    sac_alternate_linears: bool = False  # selective recompute as torchtitan's per-op AC (its calibration rows)
     fitted: str = ""
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:

@@ -60,11 +60,17 @@ def constraints(row: dict) -> dict:
         if row[k]:
             out[k] = int(row[k])
     if row["recompute"]:
-        out["recompute"] = row["recompute"]
+        out["recompute"] = recompute_of(row)
     if row["sequence_parallel"]:
         out["sequence_parallel"] = row["sequence_parallel"] == "True"
     out["cp"] = int(row.get("cp") or 1)  # no row of the CSV ran context parallelism (no cp column: 1)
     return out
+
+
+def recompute_of(row: dict) -> str:
+    """The row's recompute as the planner names it (torchtitan's per-op selective AC is ``selective``, its saved set
+    set by :func:`row_profile`)."""
+    return "selective" if row["recompute"] == "selective-op" else row["recompute"]
 
 
 def published_seconds(row: dict, shape) -> float:
@@ -83,7 +89,7 @@ def row_profile(row: dict, profiles: dict | None = None):
     prof = (profiles or PROFILES)[row["device"]]
     # the published stacks compute with bf16 parameters (Megatron-LM's bf16 weights beside fp32 main weights,
     # FSDP's bf16 param_dtype gathers): no per-micro-batch bf16 copies of fp32 weights saved for backward
-    c = dataclasses.replace(prof.cluster, weight_casts=False)
+    c = dataclasses.replace(prof.cluster, weight_casts=False, sac_alternate_linears=row["recompute"] == "selective-op")
     if row["kernels"] == "fused":
         c = dataclasses.replace(c, fusion=c.fusion_fused)
     if row.get("attention") == "materialized":
@@ -273,7 +279,7 @@ def row_kinds(row: dict) -> set[str]:
     if row["zero"] and dp > 1:
         kinds.add(f"zero{row['zero']}")
     if row["recompute"]:
-        kinds.add(f"recompute-{row['recompute']}")
+        kinds.add(f"recompute-{recompute_of(row)}")
     return kinds
 
 
