@@ -13,7 +13,8 @@ rows that ran fused kernels.
 ``--holdout``: leave-one-source-out (:mod:`bench.calibration.holdout`): the constants of :data:`GRID` fitted on
 every source but one, that source's rows estimated with them; per row, per source and overall held-out error, the
 Spearman rank correlation inside each ablation series (goals: every row within +-15%, median within 8%, Spearman
->= 0.9 in each series of 3 or more rows; pairs are printed with how far apart they were published), and the evidence block ``nnscaler/cluster/evidence.py`` keeps (results: bench/results/calibrate_holdout.md).
+>= 0.9 in each series of 3 or more rows; pairs are printed with how far apart they were published), and the
+evidence block ``nnscaler/cluster/evidence.py`` keeps (results: bench/results/calibrate_holdout.md).
 
 Published step time: ``global_batch * seq / (gpus * tokens_per_gpu)``, or for rows published as model
 TFLOP/s per GPU ``model FLOPs per step / (gpus * TFLOP/s)`` with the model FLOPs counted on our trace
