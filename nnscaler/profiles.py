@@ -58,6 +58,7 @@ class ClusterConstants:
     score_passes_materialized: float = 0.0  # ``score_passes`` of a stack that writes the scores (calibration rows)
     sp_comm: float = 1.0  # sequence-parallel tp collectives vs the all-reduces they replace (gloo: no reduce-scatter)
     zero3_overlap: float = 0.3
+    zero3_overlap_across: float | None = None  # ``zero3_overlap`` of a ZeRO-3 group that leaves its node (None: same)
     pp_exposed: float = 0.5
     usable: float = 0.9
     weight_casts: bool = True  # bf16-mixed saves autocast's bf16 weight copies per micro-batch (calibration rows: off)

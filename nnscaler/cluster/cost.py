@@ -414,7 +414,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     # backward, ZeRO-1 its reduce-scatter behind the last micro-batch's backward and its all-gather behind the next
     # step's first forward (Megatron-LM's overlapped gradient reduce and parameter gather), ZeRO-0 all-reduce buckets
     # behind the last micro-batch's backward
-    hide = (c.zero3_overlap * m * t_mb if par.zero >= 3 else
+    z3 = c.zero3_overlap if c.zero3_overlap_across is None or not dp_across else c.zero3_overlap_across
+    hide = (z3 * m * t_mb if par.zero >= 3 else
             c.dp_overlap * (m * t_mb * BACKWARD / (1 + BACKWARD) if par.zero == 2 else
                             t_mb if par.zero == 1 else t_mb * BACKWARD / (1 + BACKWARD)))
     dp_exposed = max(0.0, dp_comm - hide)
