@@ -189,7 +189,7 @@ GRID = {"a100_matmul_max": (0.9,), "h100_gemm": ("published", "kernels"), "atten
 # zero3_overlap holds inside a node (NVLink copies run by the SMs, competing with the GEMMs): MPT's 8-GPU rows hide
 # almost nothing, torchtitan's 64-128-GPU rows and its 405B (one FSDP rank per node) 20-30% of the step.
 # Pruned to the values some fold chose on the 720-point grid of the first 40-row run (fusion 3, dp_overlap 0.9,
-# fusion_fused 1-2): every fold had chosen the same values of those, so the pruning moves no fold's choice.
+# fusion_fused 1-2): no fold on that grid chose any of the values left out.
 # score_passes_materialized is counted, not fitted (only SC21's rows could fit it, so a fold without them could not):
 # Megatron-LM 2021's attention forward writes the scores (batched GEMM), reads and writes them in the fused
 # scale-mask-softmax, reads them and writes them and a mask in dropout, reads them in the second GEMM: ~6 passes

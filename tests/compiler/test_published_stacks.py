@@ -1,4 +1,5 @@
-"""The cluster cost model's terms for the stacks of published runs (bench/published_runs.csv), off for the code
+"""The cluster cost model's terms fitted or set for the stacks of published runs (bench/published_runs.csv): ZeRO-3
+overlap inside a node and across nodes; and, off for the code
 nnscaler emits: torchtitan's per-op selective activation checkpointing (``sac_alternate_linears``) and bf16
 parameters without autocast's per-micro-batch weight copies (``weight_casts``); on a small Llama traced on meta."""
 from __future__ import annotations
@@ -64,3 +65,14 @@ def test_bf16_parameters_keep_no_weight_copies_per_micro_batch(shape):
     assert cast.step_seconds == kept.step_seconds  # a memory term only
     full = est(shape, H100, recompute="full")  # recomputed blocks keep no copies either way
     assert full.memory["activations"] < cast.memory["activations"]
+
+
+def test_zero3_hides_behind_compute_by_where_its_group_runs(shape):
+    """``zero3_overlap`` inside a node, ``zero3_overlap_across`` for a group that leaves it (None: the same)."""
+    inside = with_constants(zero3_overlap=0.0, zero3_overlap_across=0.9)
+    same = with_constants(zero3_overlap=0.0)
+    one_node = est(shape, inside, dp=8, micro_batch_size=1, num_microbatches=4)
+    assert one_node.time["dp_comm"] == est(shape, same, dp=8, micro_batch_size=1, num_microbatches=4).time["dp_comm"] > 0
+    par = Parallel(dp=16, zero=3, micro_batch_size=1, num_microbatches=4)
+    two = [estimate(shape, par, p, "bf16-mixed", global_batch=64).time["dp_comm"] for p in (same, inside)]
+    assert two[0] > two[1] >= 0.0  # 16 ranks on two nodes of 8: the group leaves its node
