@@ -36,8 +36,16 @@ class ClusterConstants:
     a batched GEMM, a fused scale-mask-softmax, dropout, a second GEMM), used only for published runs of such stacks.
     ``tp_exposed``: the part of tensor-parallel collectives not hidden behind compute; ``dp_overlap``: the
     part of a micro-batch's backward that hides data-parallel collectives; ``zero3_overlap``: the part of the
-    step behind which ZeRO-3 (FSDP) prefetches its parameter gathers and reduce-scatters; ``pp_exposed``: the same for
+    step behind which ZeRO-3 (FSDP) prefetches its parameter gathers and reduce-scatters when its group stays inside a
+    node (NVLink copies run by the SMs, competing with the GEMMs), ``zero3_overlap_across`` when the group leaves it
+    (NIC-driven transfers; None: the same); ``pp_exposed``: the same for
     pipeline sends; ``usable``: the part of device memory plans may fill (allocator, NCCL, CUDA context).
+    ``weight_casts``: bf16-mixed keeps, per micro-batch in flight, the bf16 copy autocast casts of each fp32 weight
+    for its backward (what the code nnscaler emits does); False for stacks that compute with bf16 parameters
+    (Megatron-LM's bf16 weights beside fp32 main weights, FSDP's bf16 gathers), used only for published runs.
+    ``sac_alternate_linears``: what ``selective`` recompute recomputes. False (nnscaler's, Megatron-LM's): the
+    attention core. True (torchtitan's per-op selective AC, used only for its published runs): every second linear of
+    a block in execution order and every memory-bound operator, the attention kernel's output saved.
     """
 
     peak: float  # dense bf16 FLOP/s, datasheet
@@ -52,8 +60,11 @@ class ClusterConstants:
     score_passes_materialized: float = 0.0  # ``score_passes`` of a stack that writes the scores (calibration rows)
     sp_comm: float = 1.0  # sequence-parallel tp collectives vs the all-reduces they replace (gloo: no reduce-scatter)
     zero3_overlap: float = 0.3
+    zero3_overlap_across: float | None = None  # ``zero3_overlap`` of a ZeRO-3 group that leaves its node (None: same)
     pp_exposed: float = 0.5
     usable: float = 0.9
+    weight_casts: bool = True  # bf16-mixed saves autocast's bf16 weight copies per micro-batch (calibration rows: off)
+    sac_alternate_linears: bool = False  # selective recompute as torchtitan's per-op AC (its calibration rows)
     fitted: str = ""
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
@@ -102,21 +113,26 @@ _GIB = 2**30
 MFU = 0.5  # fraction of peak matmul throughput large training runs achieve (Megatron-LM reports 40-55%)
 BUS = 0.8  # fraction of link bandwidth NCCL's ring collectives reach (nccl-tests busbw)
 
-# Fitted by ``python bench/calibration/calibrate.py --holdout`` (its "fitted on every row" line) against the 34 rows of
+# Fitted by ``python bench/calibration/calibrate.py --holdout`` (its "fitted on every row" line) against the 40 rows of
 # bench/published_runs.csv (Megatron-LM SC'21 Table 1 on 32-3,072 A100; Megatron-Core r0.8.0 on 48-6,144 H100; Llama 3
-# 405B on 8k/16k H100; torchtitan Llama 2/3 on 64 A100 and 8-256 H100): a grid over the A100 matmul_max, the H100
-# GEMM curve (the first fit's 0.9 / 60, or the one fitted to bench/results/h100_kernels.csv: chosen), attention,
-# fusion, fusion_fused, dp_overlap, zero3_overlap and tp_exposed, minimising the mean, then the worst |log(estimate
-# / published step time)|; score_passes_materialized counted (6), not fitted. Every leave-one-source-out fold picks
-# these same constants; held out: median 5.9%, 30/34 rows within 15% (bench/results/calibrate_holdout.md).
+# 405B on 8k/16k H100; torchtitan Llama 2/3 on 64 A100 and 8-256 H100; MosaicML MPT 7B/13B on 8 A100): a grid over the
+# A100 matmul_max, the H100 GEMM curve (the first fit's 0.9 / 60, or the one fitted to bench/results/h100_kernels.csv:
+# chosen), attention, fusion, fusion_fused, dp_overlap, zero3_overlap inside a node (0: FSDP on one NVLink node hides
+# nothing, MPT's micro-batch series) and across nodes (zero3_overlap_across 0.2; one constant 0.3 before) and
+# tp_exposed, minimising the mean, then the worst |log(estimate / published step time)|; score_passes_materialized
+# counted (6), not fitted. Held out (leave one source out): median 5.2%, 37/40 rows within 15%
+# (bench/results/calibrate_holdout.md).
 _FIT = ("fitted by bench/calibration/calibrate.py --holdout against bench/published_runs.csv (grid on matmul_max, "
-        "attention, fusion, fusion_fused, dp_overlap, zero3_overlap, tp_exposed; H100 GEMM curve from measured kernels)")
+        "attention, fusion, fusion_fused, dp_overlap, zero3_overlap inside / across nodes, tp_exposed; H100 GEMM curve "
+        "from measured kernels)")
 CALIBRATED = {
     "a100": ClusterConstants(peak=312e12, matmul_max=0.90, matmul_half=60.0, attention=0.40, fusion=3.0,
-                             tp_exposed=1.0, dp_overlap=0.9, zero3_overlap=0.3, fusion_fused=2.0,
+                             tp_exposed=1.0, dp_overlap=0.9, zero3_overlap=0.0, zero3_overlap_across=0.2,
+                             fusion_fused=2.0,
                              score_passes_materialized=6.0, fitted=_FIT),
     "h100": ClusterConstants(peak=989.4e12, matmul_max=0.766, matmul_half=140.4, attention=0.367, fusion=3.0,
-                             tp_exposed=1.0, dp_overlap=0.9, zero3_overlap=0.3, fusion_fused=2.0,
+                             tp_exposed=1.0, dp_overlap=0.9, zero3_overlap=0.0, zero3_overlap_across=0.2,
+                             fusion_fused=2.0,
                              score_passes_materialized=6.0, fitted=_FIT),
 }
 

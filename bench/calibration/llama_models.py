@@ -2,7 +2,7 @@
 name; Llama shapes from the Llama 2 and Llama 3 model cards (hidden, ffn, layers, heads, kv heads, vocab), GPT
 shapes (hidden, layers, heads, vocab; a GELU MLP of 4 x hidden, learned positions, untied head:
 ``verify.models.nanogpt``) from the published runs that used them (``bench/published_runs.csv``: [SC21] the table-1 script of
-Megatron-LM's SC'21 examples, [MC] Megatron-LM's README model table)."""
+Megatron-LM's SC'21 examples, [MC] Megatron-LM's README model table, [MPT] llm-foundry's benchmark tables)."""
 from __future__ import annotations
 
 import warnings
@@ -28,6 +28,10 @@ GPT_SHAPES = {
     "gpt-mc-70b": (8192, 84, 64, 131072), "gpt-mc-119b": (10240, 92, 80, 131072),
     "gpt-mc-177b": (12288, 96, 96, 131072), "gpt-mc-314b": (16384, 96, 128, 131072),
     "gpt-mc-462b": (18432, 112, 144, 131072),
+    # [MPT] MosaicML's MPT-7B and MPT-13B (d_model, n_layers, n_heads, vocab 50,368 of llm-foundry's yamls; the
+    # benchmark table's NumParams at seq 2048, 6,658,859,008 and 12,853,954,560, is 12 L d^2 + (vocab + seq) d within
+    # 0.03%: learned positions, like this GPT's)
+    "gpt-mpt-7b": (4096, 32, 32, 50368), "gpt-mpt-13b": (5120, 40, 40, 50368),
 }
 
 

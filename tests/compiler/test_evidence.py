@@ -56,17 +56,53 @@ def test_a_claim_beyond_the_best_published_run_is_flagged():
     assert held_out_error(FITTED) == pytest.approx((0.075, 0.10))
 
 
-def test_the_plan_report_carries_the_evidence_lines():
+@pytest.fixture(scope="module")
+def small_llama():
     import warnings
 
-    from nnscaler import ComputeConfig
-    from nnscaler.cluster.search import search, trace_shape
+    from nnscaler.cluster.search import trace_shape
     from tests.fixtures.llama_meta import meta_llama
     pytest.importorskip("transformers")
     model, batch = meta_llama(2048, 5632, 2048, 32000)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        shape = trace_shape(model, batch)
+        return trace_shape(model, batch)
+
+
+def test_the_record_is_the_held_out_error_the_results_report():
+    """The calibration line's figure is the one bench/results/calibrate_holdout.md reports (pasted together)."""
+    import re
+    text = (CSV.parents[1] / "bench" / "results" / "calibrate_holdout.md").read_text()
+    found = re.search(r"median held-out \\\|error\\\| <= 8% \| \*\*([0-9.]+)%\*\* over (\d+) rows", text)
+    median, rows = found.groups()
+    assert int(rows) == len(RUNS)
+    assert f"{100 * held_out_error()[0]:.1f}" == median
+
+
+def test_the_plan_report_says_when_it_claims_beyond_the_evidence(small_llama, monkeypatch):
+    """A plan whose MFU is above the best published run at its scale by more than the held-out error says so in
+    its report (the published runs here: one at MFU 10%, so any plan is beyond it); one within it does not."""
+    import functools
+    import importlib
+
+    from nnscaler import ComputeConfig
+    S = importlib.import_module("nnscaler.cluster.search")  # the module (the package exports a function of its name)
+    low = (Run("slow", "h100", 8, frozenset({"dp", "zero1", "recompute-none"}), 0.10, 0.05),)
+    monkeypatch.setattr(S, "claims", functools.partial(claims, runs=low))
+    plan = S.search(small_llama, ComputeConfig(8, profile="h100", precision="bf16-mixed", global_batch=16))
+    assert plan.best.mfu > 0.105
+    beyond = [ln for ln in plan.report().splitlines() if ln.startswith("claim beyond evidence")]
+    assert len(beyond) == 1 and "(slow, 8 GPUs, MFU 10.0%)" in beyond[0] and "held-out error (5.0%)" in beyond[0]
+    high = (Run("fast", "h100", 8, frozenset({"dp", "zero1", "recompute-none"}), plan.best.mfu, 0.05),)
+    monkeypatch.setattr(S, "claims", functools.partial(claims, runs=high))
+    assert "claim beyond evidence" not in S.search(small_llama, ComputeConfig(8, profile="h100", precision="bf16-mixed",
+                                                                             global_batch=16)).report()
+
+
+def test_the_plan_report_carries_the_evidence_lines(small_llama):
+    from nnscaler import ComputeConfig
+    from nnscaler.cluster.search import search
+    shape = small_llama
     far = max(r.gpus for r in RUNS if r.device == "h100") * 4
     plan = search(shape, ComputeConfig(far, profile="h100", precision="bf16-mixed", global_batch=far))
     report = plan.report()
