@@ -12,8 +12,9 @@ The file (:meth:`ClusterPlan.save <nnscaler.cluster.search.ClusterPlan.save>`, r
 ``architecture`` (a ``transformers`` model's class and config, enough to rebuild the model at another
 size) and ``lowered`` (the policy and config fields :func:`lower` gives). A plan with context
 parallelism (``cp`` > 1) saves with its ``cp``, ``cp_scheme`` and ``cp_balanced`` in ``parallel``; it
-lowers to ``cp_tp`` (dp x cp x tp inside a stage, :mod:`nnscaler.policies.cp_mesh`) where the compiler
-has its scheme (:func:`cp_refusal`: the all-gather scheme with contiguous chunks); otherwise ``lowered``
+lowers to ``cp_tp`` (dp x cp x tp inside a stage, :mod:`nnscaler.policies.cp_mesh`) or, for the ring
+scheme, ``cp_tp_ring`` / ``cp_tp_ring_balanced`` (:mod:`nnscaler.policies.ring`) where the compiler
+has its scheme (:func:`cp_refusal`: all-gather with contiguous chunks, ring with either); otherwise ``lowered``
 is null and :func:`lower` refuses it naming what is missing, so nothing runs such a plan without its cp
 axis or scheme. Files without the cp fields (written before cp) read as ``cp`` 1.
 """
@@ -34,19 +35,20 @@ LOWERED_FIELDS = ("plan_ngpus", "tp_size", "pp_size", "schedule", "virtual_stage
                   "num_microbatches", "recompute", "zero", "precision")
 
 
-# what the compiler lacks for each scheme it does not lower (cp_tp: all-gather of keys and values, contiguous chunks)
-CP_MISSING = {"ring": "the ring exchange of keys and values (the compiler all-gathers them)",
-              "balanced": "the causally balanced chunk layout (two chunks per rank, i and 2 cp - 1 - i; the compiler "
+# what the compiler lacks for each scheme it does not lower (cp_tp: all-gather of keys and values, contiguous chunks;
+# cp_tp_ring / cp_tp_ring_balanced: the ring exchange, either chunk layout)
+CP_MISSING = {"balanced": "the causally balanced chunk layout (two chunks per rank, i and 2 cp - 1 - i; the compiler "
                           "splits the sequence in contiguous chunks)"}
 LOWERED_CP = {"cp_scheme": "allgather", "cp_balanced": False}  # the cp plans lower() lowers (constraints that keep a search to them)
 
 
 def cp_refusal(par: Parallel) -> str | None:
     """Why ``par``'s context parallelism has no compiler lowering (one line naming what is missing), or
-    ``None`` when it lowers (``cp`` 1, or the all-gather scheme over contiguous chunks)."""
+    ``None`` when it lowers (``cp`` 1, the all-gather scheme over contiguous chunks, the ring scheme)."""
     if par.cp == 1:
         return None
-    missing = [CP_MISSING[k] for k, bad in (("ring", par.cp_scheme == "ring"), ("balanced", par.cp_balanced)) if bad]
+    ring = par.cp_scheme == "ring"  # lowers to cp_tp_ring (balanced or not): nnscaler/policies/ring.py
+    missing = [CP_MISSING[k] for k, bad in (("balanced", par.cp_balanced and not ring),) if bad]
     if not missing:
         return None
     return (f"context parallelism (cp={par.cp}, {par.cp_scheme}{', balanced' if par.cp_balanced else ''}) has no "
@@ -58,6 +60,8 @@ CP_DEFAULTS = {"cp": 1, "cp_scheme": CP_SCHEMES[0], "cp_balanced": True}  # what
 def stage_policy(par: Parallel) -> str:
     """The per-operator policy of one pipeline stage of ``par``: ``cp_tp`` (dp x cp x tp) with context
     parallelism, else ``hybrid`` (dp x tp), ``tp`` or ``dp``."""
+    if par.cp > 1 and par.cp_scheme == "ring":
+        return "cp_tp_ring_balanced" if par.cp_balanced else "cp_tp_ring"
     if par.cp > 1:
         return "cp_tp"
     if par.tp > 1 and par.dp > 1:

@@ -7,8 +7,8 @@ keys and values all carry the sequence ``s`` (a mask: its rows ``s``, its key co
 run by the partition-aware kernel :func:`nnscaler.runtime.ring.ring_attention` that exchanges keys and
 values around the ring of the ranks splitting ``s``. An attention is
 
-* ``scaled_dot_product_attention`` of 4-d q, k, v of one length, no dropout, no grouped heads (its mask,
-  ``is_causal`` and scale become the kernel's score mods), or
+* ``scaled_dot_product_attention`` of 4-d q, k, v of one length, no dropout (grouped query heads with
+  ``enable_gqa``; its mask, ``is_causal`` and scale become the kernel's score mods), or
 * eager attention: ``q @ k^T``, scales (``mul``/``div`` by a number), an additive mask (``add``) or a
   ``masked_fill``, ``softmax`` over the keys, dtype casts, a dropout of 0 and ``@ v`` (transformers' eager
   attention, a hand-written one), every step read by the next only (dtype asserts on the way dropped).
@@ -107,9 +107,11 @@ def _sdpa(op: IROp):
     mask = op.kwargs.get("attn_mask", rest[0])
     dropout, causal = op.kwargs.get("dropout_p", rest[1] or 0.0), op.kwargs.get("is_causal", rest[2] or False)
     scale = op.kwargs.get("scale", rest[3])
-    if dropout or op.kwargs.get("enable_gqa") or not all(isinstance(t, IRTensor) and len(t.shape) == 4 for t in (q, k, v)):
+    if dropout or not all(isinstance(t, IRTensor) and len(t.shape) == 4 for t in (q, k, v)):
         return None
-    if k.shape != q.shape[:-1] + (k.shape[-1],) or v.shape[:-1] != q.shape[:-1]:
+    gqa = op.kwargs.get("enable_gqa", False) and q.shape[1] != k.shape[1] and q.shape[1] % k.shape[1] == 0
+    if k.shape[-2] != q.shape[-2] or k.shape[-1] != q.shape[-1] or v.shape[:-1] != k.shape[:-1] \
+            or k.shape[0] != q.shape[0] or (k.shape[1] != q.shape[1] and not gqa):
         return None
     mods: list = [("mul", float(scale if scale is not None else 1 / math.sqrt(q.shape[-1])))]
     masks = []
@@ -123,21 +125,24 @@ def _sdpa(op: IROp):
     return [op], q, k, v, masks, tuple(mods)
 
 
-def _annotation(q: IRTensor, masks: list[IRTensor], keys_transposed: bool) -> str:
-    lead = ["b", "h"]
+def _annotation(q: IRTensor, k: IRTensor, masks: list[IRTensor], keys_transposed: bool) -> str:
+    """Queries, keys, values and masks on one sequence ``s`` (a mask's key columns ``t^`` whole); grouped
+    query heads ``(h g)`` over the key heads ``h``."""
+    heads = "(h g)" if q.shape[1] != k.shape[1] else "h"
+    lead = ["b", heads]
     k = "b h d^ s" if keys_transposed else "b h s d^"
     ms = []
     for m in masks:
         full = lead + ["s", "t^"]
         dims = [full[len(full) - len(m.shape) + i] if n != 1 else "1" for i, n in enumerate(m.shape)]
         ms.append(" ".join(dims))
-    return ", ".join(["b h s d^", k, "b h s e", *ms]) + " -> b h s e"
+    return ", ".join([f"b {heads} s d^", k, "b h s e", *ms]) + f" -> b {heads} s e"
 
 
 def _fuse(graph: IRGraph, found, index: int) -> IROp:
     ops, q, k, v, masks, mods = found
     kt = ops[0].overload in _MATMUL
-    anno = _annotation(q, masks, kt)
+    anno = _annotation(q, k, masks, kt)
     kw = {"mods": mods, "keys_transposed": kt}
     spec = OpSpec.create("ring_attention", anno, partial(attention, **kw), family="nn",
                          local=partial(ring_attention, ident="s", **kw),

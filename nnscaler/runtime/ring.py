@@ -127,6 +127,17 @@ class Ring:
             r.wait()
 
 
+def _rep(x: torch.Tensor, g: int) -> torch.Tensor:
+    """Grouped-query attention: each key head read by ``g`` query heads in a row (sdpa's ``enable_gqa``),
+    expanded per block so that the ring carries the compact keys."""
+    return x if g == 1 else x.repeat_interleave(g, dim=-3)
+
+
+def _fold(x: torch.Tensor, g: int) -> torch.Tensor:
+    """The gradient of :func:`_rep`: the ``g`` query heads' shares summed to their key head."""
+    return x if g == 1 else x.unflatten(-3, (-1, g)).sum(-2)
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -157,7 +168,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, chunks_of, mods, *masks):
         cd = _compute_dtype(q)
-        out_dtype = q.dtype
+        out_dtype, g = q.dtype, q.shape[-3] // k.shape[-3]
         with torch.autocast(q.device.type, enabled=False):
             qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
             mine = chunks_of(ring.rank)
@@ -173,7 +184,7 @@ class RingAttention(torch.autograd.Function):
                 theirs = chunks_of(src)
                 at = 0
                 for kp in theirs:
-                    kb, vb = cur[0][..., at:at + kp[1], :], cur[1][..., at:at + kp[1], :]
+                    kb, vb = _rep(cur[0][..., at:at + kp[1], :], g), _rep(cur[1][..., at:at + kp[1], :], g)
                     at += kp[1]
                     for qp, row in zip(mine, rows):
                         if hidden(mods, masks, qp, kp, row):
@@ -187,13 +198,13 @@ class RingAttention(torch.autograd.Function):
             out = acc / l
             lse = torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + torch.log(l)
         ctx.save_for_backward(qc, kc, vc, out, lse, *masks)
-        ctx.ring, ctx.chunks_of, ctx.mods, ctx.dtypes = ring, chunks_of, mods, (q.dtype, k.dtype, v.dtype)
+        ctx.ring, ctx.chunks_of, ctx.mods, ctx.dtypes, ctx.g = ring, chunks_of, mods, (q.dtype, k.dtype, v.dtype), g
         return out.to(out_dtype)
 
     @staticmethod
     def backward(ctx, dout):
         qc, kc, vc, out, lse, *masks = ctx.saved_tensors
-        ring, chunks_of, mods = ctx.ring, ctx.chunks_of, ctx.mods
+        ring, chunks_of, mods, g = ctx.ring, ctx.chunks_of, ctx.mods, ctx.g
         scale = scale_of(mods)
         with torch.autocast(qc.device.type, enabled=False):
             do = dout.to(qc.dtype)
@@ -209,7 +220,7 @@ class RingAttention(torch.autograd.Function):
                 at = 0
                 for kp in chunks_of(src):
                     ks = slice(at, at + kp[1])
-                    kb, vb = cur[0][..., ks, :], cur[1][..., ks, :]
+                    kb, vb = _rep(cur[0][..., ks, :], g), _rep(cur[1][..., ks, :], g)
                     at += kp[1]
                     for qp, row in zip(mine, rows):
                         if hidden(mods, masks, qp, kp, row):
@@ -218,10 +229,10 @@ class RingAttention(torch.autograd.Function):
                         qb = qc[..., sl, :]
                         s = scores(qb, kb, mods, masks, qp, kp, row)
                         p = torch.exp(s - lse[..., sl, :])
-                        grads[1][..., ks, :] += p.transpose(-1, -2) @ do[..., sl, :]
+                        grads[1][..., ks, :] += _fold(p.transpose(-1, -2) @ do[..., sl, :], g)
                         ds = p * (do[..., sl, :] @ vb.transpose(-1, -2) - delta[..., sl, :]) * scale
                         dq[..., sl, :] += ds @ kb
-                        grads[0][..., ks, :] += ds.transpose(-1, -2) @ qb
+                        grads[0][..., ks, :] += _fold(ds.transpose(-1, -2) @ qb, g)
                 Ring.wait(reqs)
                 grads = pass_grads(ring, grads, step)
                 cur = nxt if nxt is not None else cur
@@ -256,7 +267,7 @@ def attention(q, k, v, *masks, mods=(), keys_transposed: bool = False):
     """The same attention on one device (the operator's unsplit meaning), with ``math`` only."""
     if keys_transposed:
         k = k.transpose(-1, -2)
-    n = k.shape[-2]
-    s = scores(q, k, mods, masks, (0, q.shape[-2]), (0, n), 0)
-    return (torch.softmax(s, -1, dtype=_compute_dtype(q)).to(q.dtype) @ v)
+    n, g = k.shape[-2], q.shape[-3] // k.shape[-3]
+    s = scores(q, _rep(k, g), mods, masks, (0, q.shape[-2]), (0, n), 0)
+    return (torch.softmax(s, -1, dtype=_compute_dtype(q)).to(q.dtype) @ _rep(v, g))
 

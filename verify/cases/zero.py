@@ -17,6 +17,8 @@ def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1)
             and (replicas > 1 or plan_ngpus >= STAGE_DP.get(policy, plan_ngpus + 1))
     if replicas > 1:
         return True
+    if policy.startswith(("cp_ring", "cp_tp_ring")):  # the ring scheme: as cp / cp_tp
+        policy = "cp" if policy.startswith("cp_ring") else "cp_tp"
     return (policy in ("dp", "cp", "cp_balanced") and plan_ngpus > 1) or (
         policy in ("hybrid", "hybrid_cp", "hybrid_cp_balanced", "cp_tp") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
 
