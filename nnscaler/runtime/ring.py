@@ -115,8 +115,9 @@ class Ring:
         """Send ``tensors`` to the next rank and receive as many from the previous; returns the
         pending requests and the receive buffers (valid after :meth:`wait`)."""
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        bufs = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=nxt, tag=tag + i)
+        tensors = [t.contiguous() for t in tensors]  # gloo sends and receives dense buffers
+        bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=nxt, tag=tag + i)
                for i, t in enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, b, group=self.group, group_peer=prv, tag=tag + i) for i, b in enumerate(bufs)]
         return dist.batch_isend_irecv(ops), bufs
