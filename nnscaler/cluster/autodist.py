@@ -64,6 +64,10 @@ class ClusterStats:
         p = self.cluster.parallel
         if cp_refusal(p):
             return "inside a stage: " + cp_refusal(p)
+        if p.cp > 1 and p.cp_scheme == "ring":
+            return (INSIDE_STAGE.format(policy=stage_policy(p)) + f"; the sequence in {p.cp} "
+                    f"{'balanced' if p.cp_balanced else 'contiguous'} chunks on the cp axis, keys and values exchanged "
+                    f"around the ring")
         if p.cp > 1:
             return (INSIDE_STAGE.format(policy="cp_tp") + f"; the sequence in {p.cp} contiguous chunks on the cp axis, "
                     f"keys and values all-gathered")
