@@ -28,7 +28,7 @@ import torch
 
 from ..config import ComputeConfig, PlanError
 from ..dimops.binding import bind
-from ..ir.graph import IRGraph, IROp, IRTensor
+from ..ir.graph import PARAM, IRGraph, IROp, IRTensor
 from ..ir.plan import Plan
 from ..ops.spec import OpSpec
 from ..runtime.ring import attention, ring_attention
@@ -48,7 +48,7 @@ def _only(t: IRTensor) -> IROp | None:
     return users[0] if len(users) == 1 else None
 
 
-def _eager(mm: IROp, outputs: set):
+def _eager(mm: IROp, outputs: set, grads: set):
     """``(ops, q, kT, v, masks, mods)`` when ``mm`` (``q @ k^T``) starts an eager attention (see the
     module docstring), else ``None``."""
     q, kt = mm.inputs[:2]
@@ -74,10 +74,10 @@ def _eager(mm: IROp, outputs: set):
             return None
         if not soft and ov in ("aten.mul.Tensor", "aten.div.Tensor") and isinstance(args[1], (int, float)):
             mods.append(("mul" if "mul" in ov else "div", float(args[1])))
-        elif not soft and ov == "aten.add.Tensor" and isinstance(args[1], IRTensor) and _maskable(args[1], x):
+        elif not soft and ov == "aten.add.Tensor" and isinstance(args[1], IRTensor) and _maskable(args[1], x, grads):
             mods.append(("add", len(masks)))
             masks.append(args[1])
-        elif not soft and ov == "aten.masked_fill.Scalar" and isinstance(args[1], IRTensor) and _maskable(args[1], x):
+        elif not soft and ov == "aten.masked_fill.Scalar" and isinstance(args[1], IRTensor) and _maskable(args[1], x, grads):
             mods.append(("fill", len(masks), float(args[2])))
             masks.append(args[1])
         elif not soft and ov in ("aten.softmax.int", "aten._softmax.default") and args[1] in (-1, 3):
@@ -89,16 +89,28 @@ def _eager(mm: IROp, outputs: set):
         x = nxt.outputs[0]
 
 
-def _maskable(m: IRTensor, scores: IRTensor) -> bool:
-    """A mask of the scores that needs no gradient and broadcasts from the right: key columns whole."""
-    if m.dtype.is_floating_point and m.producer is None and m.kind != "constant":
-        return False  # a parameter or an input that might learn: not a mask
+def learned(graph: IRGraph) -> set[IRTensor]:
+    """Floating tensors computed from a parameter through differentiable operators: a score bias made of
+    them (T5's relative positions, ALiBi slopes that learn) is not a mask, since the kernel gives masks no
+    gradient. (Tensors read from the batch or from an earlier pipeline stage count as masks.)"""
+    out = {t for t in graph.params if t.dtype.is_floating_point}
+    for op in graph.ops:
+        if (op.spec is None or op.spec.differentiable) and any(x in out for x in op.tensor_inputs()):
+            out.update(t for t in op.outputs if t is not None and t.dtype.is_floating_point)
+    return out
+
+
+def _maskable(m: IRTensor, scores: IRTensor, grads: set[IRTensor] = frozenset()) -> bool:
+    """A mask of the scores that needs no gradient (not in ``grads``, :func:`learned`) and broadcasts from
+    the right: key columns whole."""
+    if m.kind == PARAM or m in grads:
+        return False
     n = len(scores.shape)
     return (len(m.shape) <= n and m.shape[-1] == scores.shape[-1]
             and all(a in (1, b) for a, b in zip(m.shape[::-1], scores.shape[::-1])))
 
 
-def _sdpa(op: IROp):
+def _sdpa(op: IROp, grads: set):
     """``(ops, q, k, v, masks, mods)`` for a self-attention ``scaled_dot_product_attention`` the kernel runs."""
     if op.overload != _SDPA or not op.known:
         return None
@@ -116,7 +128,7 @@ def _sdpa(op: IROp):
     mods: list = [("mul", float(scale if scale is not None else 1 / math.sqrt(q.shape[-1])))]
     masks = []
     if isinstance(mask, IRTensor):
-        if not _maskable(mask, IRTensor("scores", q.shape[:-1] + (k.shape[-2],), q.dtype)):
+        if not _maskable(mask, IRTensor("scores", q.shape[:-1] + (k.shape[-2],), q.dtype), grads):
             return None
         mods.append(("keep", 0) if mask.dtype == torch.bool else ("add", 0))
         masks.append(mask)
@@ -171,11 +183,12 @@ def ring_sites(graph: IRGraph) -> list[IROp]:
     """Rebind every attention the ring kernel runs (module docstring) to one ring operator; returns them
     (those already rebound included)."""
     outputs = {t for t in graph.outputs if isinstance(t, IRTensor)}
+    grads = learned(graph)
     done = [op for op in graph.ops if op.overload == OVERLOAD]
     for op in list(graph.ops):
         if op not in graph.ops:
             continue
-        found = _sdpa(op) if op.overload == _SDPA else (_eager(op, outputs) if op.overload in _MATMUL else None)
+        found = _sdpa(op, grads) if op.overload == _SDPA else (_eager(op, outputs, grads) if op.overload in _MATMUL else None)
         if found is not None:
             done.append(_fuse(graph, found, len(done)))
     return done

@@ -70,6 +70,32 @@ def test_the_masks_fixtures_ring_both_attentions_and_a_model_without_attention_i
         choose_plan(mlp, "cp_ring", ComputeConfig(2))
 
 
+class _Biased(torch.nn.Module):
+    """Self-attention whose scores get an additive term: a learned bias (``learn``: a parameter through a
+    ``2 *``) or a causal mask built from positions."""
+
+    def __init__(self, learn: bool):
+        super().__init__()
+        self.learn, self.qkv = learn, torch.nn.Linear(8, 24)
+        self.bias = torch.nn.Parameter(torch.zeros(1, 1, 8, 8))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4).unbind(0)
+        i = torch.arange(8)
+        extra = 2 * self.bias if self.learn else torch.where(i[None, :] <= i[:, None], 0.0, float("-inf"))
+        return ((q @ k.transpose(-1, -2) * 0.5 + extra).softmax(-1) @ v).sum()
+
+
+def test_a_learned_score_bias_is_not_a_mask():
+    """The kernel gives masks no gradient: a score term computed from a parameter keeps its attention
+    (all-gathered), one built from positions is rebound to the ring."""
+    from nnscaler.policies.ring import ring_sites
+    from verify.models.registry import ModelCase
+    for learn, rings in ((True, 0), (False, 1)):
+        graph = _trace(ModelCase(_Biased(learn), lambda step: (torch.randn(2, 8, 8),)))
+        assert len(ring_sites(graph)) == rings, learn
+
+
 @pytest.mark.parametrize("kind", ["causal", "window", "documents", "additive"])
 def test_the_kernel_unsplit_is_attention(kind):
     """One rank (no group): the ring kernel and its gradients equal softmax attention in float64."""
