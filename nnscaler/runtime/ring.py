@@ -171,21 +171,21 @@ class RingAttention(torch.autograd.Function):
         cd = _compute_dtype(q)
         out_dtype, g = q.dtype, q.shape[-3] // k.shape[-3]
         with torch.autocast(q.device.type, enabled=False):
-            qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
+            qc = q.to(cd)  # keys and values travel in their own dtype (bf16 under bf16-mixed), blocks compute in cd
             mine = chunks_of(ring.rank)
             rows = [sum(c for _, c in mine[:i]) for i in range(len(mine))]
             shape = qc.shape[:-1] + (1,)
             m = torch.full(shape, NEG, dtype=cd, device=q.device)
             l = torch.zeros(shape, dtype=cd, device=q.device)
-            acc = torch.zeros(qc.shape[:-1] + (vc.shape[-1],), dtype=cd, device=q.device)
-            cur = [kc, vc]
+            acc = torch.zeros(qc.shape[:-1] + (v.shape[-1],), dtype=cd, device=q.device)
+            cur = [k, v]
             for step in range(ring.size):
                 src = (ring.rank - step) % ring.size
                 reqs, nxt = ring.post(cur, 10) if step < ring.size - 1 else ([], None)  # next exchange first
                 theirs = chunks_of(src)
                 at = 0
                 for kp in theirs:
-                    kb, vb = _rep(cur[0][..., at:at + kp[1], :], g), _rep(cur[1][..., at:at + kp[1], :], g)
+                    kb, vb = (_rep(x[..., at:at + kp[1], :].to(cd), g) for x in cur)
                     at += kp[1]
                     for qp, row in zip(mine, rows):
                         if hidden(mods, masks, qp, kp, row):
@@ -198,13 +198,13 @@ class RingAttention(torch.autograd.Function):
                 cur = nxt if nxt is not None else cur
             out = acc / l
             lse = torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + torch.log(l)
-        ctx.save_for_backward(qc, kc, vc, out, lse, *masks)
+        ctx.save_for_backward(qc, k, v, out, lse, *masks)
         ctx.ring, ctx.chunks_of, ctx.mods, ctx.dtypes, ctx.g = ring, chunks_of, mods, (q.dtype, k.dtype, v.dtype), g
         return out.to(out_dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        qc, kc, vc, out, lse, *masks = ctx.saved_tensors
+        qc, k, v, out, lse, *masks = ctx.saved_tensors
         ring, chunks_of, mods, g = ctx.ring, ctx.chunks_of, ctx.mods, ctx.g
         scale = scale_of(mods)
         with torch.autocast(qc.device.type, enabled=False):
@@ -213,15 +213,16 @@ class RingAttention(torch.autograd.Function):
             mine = chunks_of(ring.rank)
             rows = [sum(c for _, c in mine[:i]) for i in range(len(mine))]
             dq = torch.zeros_like(qc)
-            cur = [kc, vc]
-            grads = [torch.zeros_like(kc), torch.zeros_like(vc)]  # dK, dV of the keys held: they travel with them
+            cur = [k, v]
+            # dK, dV of the keys held, accumulated in cd: they travel with them
+            grads = [torch.zeros_like(k, dtype=qc.dtype), torch.zeros_like(v, dtype=qc.dtype)]
             for step in range(ring.size):
                 src = (ring.rank - step) % ring.size
                 reqs, nxt = ring.post(cur, 20) if step < ring.size - 1 else ([], None)
                 at = 0
                 for kp in chunks_of(src):
                     ks = slice(at, at + kp[1])
-                    kb, vb = _rep(cur[0][..., ks, :], g), _rep(cur[1][..., ks, :], g)
+                    kb, vb = (_rep(x[..., ks, :].to(qc.dtype), g) for x in cur)
                     at += kp[1]
                     for qp, row in zip(mine, rows):
                         if hidden(mods, masks, qp, kp, row):
