@@ -70,6 +70,24 @@ def test_the_masks_fixtures_ring_both_attentions_and_a_model_without_attention_i
         choose_plan(mlp, "cp_ring", ComputeConfig(2))
 
 
+def test_causal_sdpa_splits_its_sequence_on_the_ring():
+    """nanoGPT's ``sdpa(is_causal=True)`` (its annotation freezes the queries' sequence, so ``cp`` runs it whole):
+    rebound with the causal mask by global positions, the queries' sequence split in the balanced order."""
+    from nnscaler.compile.plan import choose_plan
+    from verify.models.registry import MODELS
+    graph = _trace(MODELS["nanogpt"](0))
+    plan = choose_plan(graph, "cp_ring_balanced", ComputeConfig(2))
+    rings = [op for op in graph.ops if op.overload == "ring.scaled_dot_product_attention"]
+    assert len(rings) == 2 and all(plan.partition(op).label == "s=2z" for op in rings)
+    assert rings[0].spec.local.keywords["mods"][1:] == (("causal",),)
+
+
+@pytest.mark.slow
+def test_nanogpt_trains_like_one_device_under_the_ring(verify_model):
+    rows = verify_model("nanogpt", policies=["cp_ring_balanced"], world_sizes=(2,), steps=2)
+    assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
+
+
 class _Biased(torch.nn.Module):
     """Self-attention whose scores get an additive term: a learned bias (``learn``: a parameter through a
     ``2 *``) or a causal mask built from positions."""
