@@ -3,16 +3,18 @@ free of torch so ``python -m verify --help`` answers at once. Each mirrors a reg
 torch; ``tests/harness/test_cli_startup.py`` checks that they agree."""
 
 POLICY_NAMES = ("dp", "tp", "cp", "hybrid", "hybrid_cp", "random", "random2d", "cp_tp", "cp_tp_balanced", "ulysses",
-                "autodist", "cp_balanced", "hybrid_cp_balanced")
+                "autodist", "cp_balanced", "hybrid_cp_balanced", "cp_ring", "cp_ring_balanced", "cp_tp_ring",
+                "cp_tp_ring_balanced")
 """``nnscaler.policies.POLICIES``, in its order."""
 
 SEQUENCE_POLICIES = ("cp", "hybrid_cp", "cp_balanced", "hybrid_cp_balanced", "cp_tp", "cp_tp_balanced", "ulysses",
-                     "pp2_cp_tp", "pp2_cp_tp_balanced")
+                     "pp2_cp_tp", "pp2_cp_tp_balanced", "cp_ring", "cp_ring_balanced", "cp_tp_ring",
+                     "cp_tp_ring_balanced", "pp2_cp_tp_ring")
 """Policies that split the tokens' sequence (context parallelism): run only where named (``--policy cp``),
 not by ``verify all`` nor by ``verify model`` without ``--policy`` (many models have no sequence)."""
 
 PIPELINE_NAMES = ("pp", "pp_gpipe", "pp2_tp", "pp2_tp_gpipe", "pp2_dp", "pp2_dp_gpipe", "pp2_random", "pp2_hybrid",
-                  "pp_interleaved", "pp_zb", "pp2_cp_tp", "pp2_cp_tp_balanced")
+                  "pp_interleaved", "pp_zb", "pp2_cp_tp", "pp2_cp_tp_balanced", "pp2_cp_tp_ring")
 """``nnscaler.policies.pipeline.PIPELINE_POLICIES``, in its order."""
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")

@@ -67,6 +67,10 @@ class ClusterStats:
         if p.cp > 1 and p.cp_scheme == "ulysses":
             return (f"inside a stage: policy ulysses; the sequence in {p.cp} contiguous chunks on the cp axis, "
                     f"attention split by heads on it (all-to-all of q, k, v and the output)")
+        if p.cp > 1 and p.cp_scheme == "ring":
+            return (INSIDE_STAGE.format(policy=stage_policy(p)) + f"; the sequence in {p.cp} "
+                    f"{'balanced' if p.cp_balanced else 'contiguous'} chunks on the cp axis, keys and values exchanged "
+                    f"around the ring")
         if p.cp > 1:
             chunks = f"{2 * p.cp} chunks, two per rank (causally balanced)" if p.cp_balanced else \
                 f"{p.cp} contiguous chunks"

@@ -304,7 +304,8 @@ class Emitter:
         factors = {i: f for i, f in p.splits if i is not None}
         indices = {i: c[a] for a, (i, _) in enumerate(p.splits) if i is not None}
         groups = "{" + ", ".join(f"{i!r}: g[{a}]" for a, (i, _) in enumerate(p.splits) if i is not None) + "}"
-        return f"ShardContext({literal(dict(op.bound.sizes))}, {literal(factors)}, {literal(indices)}, {groups})"
+        balanced = f", balanced={literal(tuple(p.balanced))}" if p.balanced else ""  # context parallelism's order
+        return f"ShardContext({literal(dict(op.bound.sizes))}, {literal(factors)}, {literal(indices)}, {groups}{balanced})"
 
     def _arg(self, x: Any, fetch) -> str:
         if isinstance(x, IRTensor):

@@ -17,6 +17,7 @@ stages, the policy that partitions each stage over its own ranks, and the schedu
 ``pp2_cp_tp``        2 stages, each ``cp_tp`` (cp x tp, :mod:`nnscaler.policies.cp_mesh`) over world/2 ranks,
                      1F1B: at world size 8, pp2 x cp2 x tp2 (run where named, as ``cp``)
 ``pp2_cp_tp_balanced`` the same with each stage ``cp_tp_balanced`` (Llama 3's causally balanced chunks)
+``pp2_cp_tp_ring``   the same with each stage ``cp_tp_ring_balanced`` (ring exchange, balanced chunks)
 ===================  ==========================================================================
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ PIPELINE_POLICIES = {
     "pp_zb": PipelinePolicy(None, "dp", "InterleavedZeroBubble"),
     "pp2_cp_tp": PipelinePolicy(2, "cp_tp", "1F1B"),
     "pp2_cp_tp_balanced": PipelinePolicy(2, "cp_tp_balanced", "1F1B"),
+    "pp2_cp_tp_ring": PipelinePolicy(2, "cp_tp_ring_balanced", "1F1B"),
 }
 # what verify all sweeps: each mesh of the issue under 1F1B and GPipe, random stage plans, and the
 # interleaved schedules (pp2_* need world size 4; a model with fewer layers than stages is skipped)

@@ -32,6 +32,7 @@ class ShardContext:
     factors: Mapping[str, int] = field(default_factory=dict)  # split identifiers only
     indices: Mapping[str, int] = field(default_factory=dict)  # this rank's chunk along each
     groups: Mapping[str, Any] = field(default_factory=dict)  # the process group along each
+    balanced: tuple[str, ...] = ()  # split identifiers held in context parallelism's balanced order
 
     @classmethod
     def of(cls, bound: BoundAnno, partition: Partition, mesh: RankMesh) -> "ShardContext":
@@ -41,7 +42,7 @@ class ShardContext:
                 factors[ident] = partition.mesh_shape[axis]
                 indices[ident] = mesh.coords[axis]
                 groups[ident] = mesh.groups[axis]
-        return cls(dict(bound.sizes), factors, indices, groups)
+        return cls(dict(bound.sizes), factors, indices, groups, tuple(partition.balanced))
 
     def factor(self, ident: str) -> int:
         return self.factors.get(ident, 1)

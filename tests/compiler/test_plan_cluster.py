@@ -93,17 +93,15 @@ def test_bad_plan_files_are_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_a_cp_plan_the_compiler_lacks_is_saved_with_its_axis_and_refused_by_name(tmp_path, capsys):
-    plan, path = saved_plan(tmp_path, 16, {"tp": 2, "cp": 4, "pp": 2, "cp_scheme": "ring"})
+    plan, path = saved_plan(tmp_path, 16, {"tp": 2, "cp": 4, "pp": 2, "cp_scheme": "ulysses"})
     data = json.loads(path.read_text())
-    assert (data["parallel"]["cp"], data["parallel"]["cp_scheme"], data["world_size"]) == (4, "ring", 16)
+    assert (data["parallel"]["cp"], data["parallel"]["cp_scheme"], data["world_size"]) == (4, "ulysses", 16)
     assert data["lowered"] is None and load(path).parallel == plan.parallel
-    with pytest.raises(PlanError, match="cp=4, ring, balanced.* no compiler lowering: missing the ring exchange"):
-        lower(plan.parallel)
     with pytest.raises(PlanError, match=r"cp=4, ulysses, balanced\) .*missing Ulysses composed with tp"):
-        lower(Parallel(tp=2, cp=4, cp_scheme="ulysses"))
+        lower(plan.parallel)
     assert main(["plan", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and str(path) in err[0] and "context parallelism (cp=4, ring, balanced)" in err[0], err
+    assert len(err) == 1 and str(path) in err[0] and "context parallelism (cp=4, ulysses, balanced)" in err[0], err
     # a file written before cp reads as cp 1
     old = {**data, "world_size": 4, "parallel": {k: v for k, v in data["parallel"].items() if not k.startswith("cp")}}
     (tmp_path / "old.json").write_text(json.dumps(old))
@@ -125,6 +123,9 @@ def test_an_allgather_cp_plan_lowers_to_cp_tp_in_megatrons_order(tmp_path):
     assert lower(Parallel(tp=2, cp=4, pp=2, cp_balanced=True))[0] == "cp_tp_balanced"
     policy, cfg = lower(Parallel(cp=4, pp=2, dp=2, num_microbatches=2, zero=3, cp_scheme="ulysses"))
     assert policy == "ulysses" and (cfg.plan_ngpus, cfg.tp_size, cfg.cp_size, cfg.pp_size) == (16, 1, 4, 2)
+    # the ring scheme lowers to cp_tp_ring, balanced chunks or not (nnscaler/policies/ring.py)
+    assert lower(Parallel(tp=2, cp=4, pp=2, cp_scheme="ring", cp_balanced=True))[0] == "cp_tp_ring_balanced"
+    assert lower(Parallel(cp=4, dp=2, cp_scheme="ring", cp_balanced=False))[0] == "cp_tp_ring"
     assert "cp_size" not in json.loads(saved_plan(tmp_path, 4, {"tp": 2, "cp": 1}, "nocp.json")[1].read_text()
                                        )["lowered"]["config"]  # plans without cp save as before
 

@@ -42,7 +42,7 @@ def test_answers_without_torch(args, code, out):
 
 
 @pytest.mark.parametrize("args, line", [
-    (["model", "nanogpt", "--policy", "nosuch"], "unknown policy 'nosuch'; built-in: autodist, cp, cp_balanced, cp_tp, cp_tp_balanced"),
+    (["model", "nanogpt", "--policy", "nosuch"], "unknown policy 'nosuch'; built-in: autodist, cp, cp_balanced, cp_ring, cp_ring_balanced"),
     (["model", "nanogpt", "--policy", "tp", "nofile.py:plan"], "policy 'nofile.py:plan': nofile.py is not a Python file"),
     (["model", "nosuchmodel"], "unknown model 'nosuchmodel'; known: bert,"),
     (["model", "nanogpt@x"], "unknown model 'nanogpt@x'"),

@@ -8,7 +8,7 @@ from verify.cases.pipeline import is_pipeline_policy
 
 ZERO_BUBBLE = ("pp_zb",)  # pipeline policies on a zero-bubble schedule: no zero 3 (nnscaler refuses it)
 STAGE_DP = {"pp2_dp": 4, "pp2_dp_gpipe": 4, "pp2_hybrid": 8, "pp2_cp_tp": 8,
-            "pp2_cp_tp_balanced": 8}  # pipeline policy -> ranks from which its stages have a dp axis
+            "pp2_cp_tp_balanced": 8, "pp2_cp_tp_ring": 8}  # pipeline policy -> ranks from which its stages have a dp axis
 
 
 def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1) -> bool:
@@ -18,6 +18,8 @@ def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1)
             and (replicas > 1 or plan_ngpus >= STAGE_DP.get(policy, plan_ngpus + 1))
     if replicas > 1:
         return True
+    if policy.startswith(("cp_ring", "cp_tp_ring")):  # the ring scheme: as cp / cp_tp
+        policy = "cp" if policy.startswith("cp_ring") else "cp_tp"
     return (policy in ("dp", "cp", "cp_balanced", "ulysses") and plan_ngpus > 1) or (
         policy in ("hybrid", "hybrid_cp", "hybrid_cp_balanced", "cp_tp", "cp_tp_balanced") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
 

@@ -1,6 +1,6 @@
 """The mutants: name -> a function that monkeypatches one small bug into the compiler or runtime,
 one module per family (``collectives``, ``grad_sync``, ``module``, ``plans``, ``conversions``,
-``microbatch``, ``context``, ``frees``; the registry and :func:`patch` in ``_base``). Each is applied on import of a shim
+``microbatch``, ``context``, ``frees``, ``ring``; the registry and :func:`patch` in ``_base``). Each is applied on import of a shim
 ``--module`` file (see ``run.py``), in the parent and in every rank, before anything is compiled. Each
 is meant to change results on some built-in model and plan; one that survives the full ``verify all``
 is either a blind spot of the harness or a path no built-in model reaches (say so in the runner's report).
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 # each family registers its mutants on import, in this order (the runner's default order)
-from . import collectives, grad_sync, module, plans, conversions, microbatch, context, frees  # noqa: F401,I001
+from . import collectives, grad_sync, module, plans, conversions, microbatch, context, frees, ring  # noqa: F401,I001
 from ._base import MUTANTS, apply, mutant, patch  # noqa: F401
 
 # -- applying a mutant for one case only (tests on a shared rank gang) --------------------------------
@@ -23,7 +23,8 @@ PATCHED_MODULES = ("nnscaler.runtime.collectives", "nnscaler.runtime.grad_sync",
                    "nnscaler.runtime.grad_steps",
                    "nnscaler.runtime.module", "nnscaler.runtime.mesh", "nnscaler.codegen.emit",
                    "nnscaler.dimops.partition", "opzoo.kernels", "nnscaler.checkpoint.pipeline",
-                   "nnscaler.checkpoint.layout", "nnscaler.checkpoint.format", "nnscaler.checkpoint.sharded")
+                   "nnscaler.checkpoint.layout", "nnscaler.checkpoint.format", "nnscaler.checkpoint.sharded",
+                   "nnscaler.runtime.ring")
 
 
 @contextmanager

@@ -1,0 +1,183 @@
+"""Context parallelism by ring exchange (``cp_ring``, ``cp_ring_balanced``, ``cp_tp_ring``: :mod:`nnscaler.policies.ring`,
+kernel :mod:`nnscaler.runtime.ring`): attention rebound to one ring operator whose queries, keys and values stay
+split on the sequence; the kernel on real gloo ranks against one device (``tests/fixtures/ring_ranks.py``), three
+wrong rings caught there and, as compiler mutants (``tests/mutants/catalog/ring.py``), caught and localised on
+transformers' Llama; Llama and the masks fixtures (sliding window by sdpa, packed documents by matmul) trained
+against one device."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import opzoo  # noqa: F401
+from nnscaler.config import PlanError
+from nnscaler.policies import ComputeConfig
+from nnscaler.runtime import ring as R
+from nnscaler.runtime.partitioned import ShardContext
+from tests.conftest import ROOT
+from verify.judge.verdict import MATCH
+
+pytest.importorskip("transformers")
+
+MASKS = "tests/fixtures/cp_masks.py"
+
+
+def _trace(case):
+    from nnscaler.compile.plan import trace_model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace_model(case.model, case.batch(0), None, registry=None, strict=False)
+
+
+def _llama():
+    from verify.models.registry import MODELS
+    import verify.models.hf  # noqa: F401
+    return _trace(MODELS["llama"](0))
+
+
+def test_attention_is_rebound_to_the_ring_with_keys_split_on_the_sequence():
+    from nnscaler.codegen.emit import emit_program
+    from nnscaler.compile.plan import choose_plan
+    graph = _llama()
+    plan = choose_plan(graph, "cp_ring_balanced", ComputeConfig(2))
+    rings = [op for op in graph.ops if op.overload == "ring.scaled_dot_product_attention"]
+    assert len(rings) == 2 and plan.note == "cp_ring_balanced: 2 attention(s) on the ring", plan.note
+    assert not [op for op in graph.ops if op.overload in ("aten.softmax.int", "aten.matmul.default")]
+    for op in rings:  # q, k^T, v and the output on the balanced split of s; the mask's key columns whole
+        assert op.spec.annotation == "b h s d^, b h d^ s, b h s e, b 1 s t^ -> b h s e"
+        lay = op.layout(plan.partition(op))
+        assert [str(q[0]) for q in lay.inputs] == ["D2z", "D3z", "D2z", "D2z"] and str(lay.outputs[0][0]) == "D2z"
+    code = "\n".join(emit_program(graph, plan, 1).lines)
+    assert code.count("nnscaler.runtime.ring.ring_attention(ShardContext(") == 2 and "balanced=('s',)" in code
+    assert "mods=(('mul', 0.3535533905932738), ('add', 0)), keys_transposed=True" in code
+
+
+def test_the_masks_fixtures_ring_both_attentions_and_a_model_without_attention_is_refused():
+    from nnscaler.compile.plan import choose_plan
+    from nnscaler.policies.ring import ring_sites
+    from tests.fixtures import cp_masks
+    for builder, mods in (("build_window", (("mul", 0.25), ("keep", 0))), ("build_packed", (("div", 4.0), ("fill", 0, float("-inf"))))):
+        graph = _trace(getattr(cp_masks, builder)(0))
+        sites = ring_sites(graph)
+        assert len(sites) == 2 and sites[0].spec.local.keywords["mods"] == mods, (builder, sites[0].spec.local.keywords)
+    from verify.models.registry import MODELS
+    mlp = _trace(MODELS["bucketed_mlp"](0))
+    with pytest.raises(PlanError, match="cp_ring: no self-attention the ring kernel runs"):
+        choose_plan(mlp, "cp_ring", ComputeConfig(2))
+
+
+def test_causal_sdpa_splits_its_sequence_on_the_ring():
+    """nanoGPT's ``sdpa(is_causal=True)`` (its annotation freezes the queries' sequence, so ``cp`` runs it whole):
+    rebound with the causal mask by global positions, the queries' sequence split in the balanced order."""
+    from nnscaler.compile.plan import choose_plan
+    from verify.models.registry import MODELS
+    graph = _trace(MODELS["nanogpt"](0))
+    plan = choose_plan(graph, "cp_ring_balanced", ComputeConfig(2))
+    rings = [op for op in graph.ops if op.overload == "ring.scaled_dot_product_attention"]
+    assert len(rings) == 2 and all(plan.partition(op).label == "s=2z" for op in rings)
+    assert rings[0].spec.local.keywords["mods"][1:] == (("causal",),)
+
+
+@pytest.mark.slow
+def test_nanogpt_trains_like_one_device_under_the_ring(verify_model):
+    rows = verify_model("nanogpt", policies=["cp_ring_balanced"], world_sizes=(2,), steps=2)
+    assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
+
+
+class _Biased(torch.nn.Module):
+    """Self-attention whose scores get an additive term: a learned bias (``learn``: a parameter through a
+    ``2 *``) or a causal mask built from positions."""
+
+    def __init__(self, learn: bool):
+        super().__init__()
+        self.learn, self.qkv = learn, torch.nn.Linear(8, 24)
+        self.bias = torch.nn.Parameter(torch.zeros(1, 1, 8, 8))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4).unbind(0)
+        i = torch.arange(8)
+        extra = 2 * self.bias if self.learn else torch.where(i[None, :] <= i[:, None], 0.0, float("-inf"))
+        return ((q @ k.transpose(-1, -2) * 0.5 + extra).softmax(-1) @ v).sum()
+
+
+def test_a_learned_score_bias_is_not_a_mask():
+    """The kernel gives masks no gradient: a score term computed from a parameter keeps its attention
+    (all-gathered), one built from positions is rebound to the ring."""
+    from nnscaler.policies.ring import ring_sites
+    from verify.models.registry import ModelCase
+    for learn, rings in ((True, 0), (False, 1)):
+        graph = _trace(ModelCase(_Biased(learn), lambda step: (torch.randn(2, 8, 8),)))
+        assert len(ring_sites(graph)) == rings, learn
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "documents", "additive"])
+def test_the_kernel_unsplit_is_attention(kind):
+    """One rank (no group): the ring kernel and its gradients equal softmax attention in float64."""
+    from tests.fixtures.ring_ranks import B, D, H, N, masks
+    mods, ms = masks(kind)
+    g = torch.Generator().manual_seed(1)
+    q, k, v, cot = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(4))
+    a = [x.clone().requires_grad_() for x in (q, k, v)]
+    b = [x.clone().requires_grad_() for x in (q, k, v)]
+    y = R.ring_attention(ShardContext({"s": N}), *a, *ms, ident="s", mods=mods)
+    ref = R.attention(*b, *ms, mods=mods)
+    (y * cot).sum().backward()
+    (ref * cot).sum().backward()
+    assert (y - ref).abs().max() < 1e-12 and all((x.grad - z.grad).abs().max() < 1e-12 for x, z in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_ring_on_gloo_ranks_equals_one_device(world):
+    from tests.fixtures.ring_ranks import check
+    worst = check(world)
+    assert len(worst) == 16  # float32 / float64 x causal, window, documents, additive x contiguous / balanced
+    for key, errs in worst.items():
+        assert max(errs) < (2e-6 if "float32" in key else 1e-13), (key, errs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutant, caught", [
+    ("no_return", (2, 3)),  # the keys' and values' gradients end one rank off: dk, dv wrong
+    ("mask_offset", (1,)),  # every block reads the first chunk's mask columns: dq wrong (windows, documents, Llama's)
+    ("merge_weights", (0, 1, 2)),  # the running output not rescaled: out, dq, dk wrong
+])
+def test_a_wrong_ring_is_caught_on_gloo_ranks(mutant, caught):
+    from tests.fixtures.ring_ranks import check
+    worst = check(2, mutant)
+    if mutant == "mask_offset":  # a causal mask by positions has no mask tensor to misread
+        assert max(worst["float64 causal balanced"]) < 1e-13
+    for i in caught:
+        assert max(e[i] for e in worst.values()) > 1e-2, (mutant, i, worst)
+
+
+@pytest.mark.slow
+def test_llama_trains_like_one_device_under_the_ring(verify_model):
+    rows = verify_model("llama", policies=["cp_ring", "cp_ring_balanced"], world_sizes=(2, 4), steps=2)
+    assert [r.status for r in rows] == [MATCH] * 4, [(r.status, r.detail) for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("builder", ["build_window", "build_packed"])
+def test_masked_models_train_like_one_device_under_the_ring(verify_model, builder):
+    rows = verify_model(f"{MASKS}:{builder}", policies=["cp_ring_balanced"], world_sizes=(4,), steps=2)
+    assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutant, policy, first", [
+    ("ring_kv_gradient_not_returned", "cp_ring", "first divergent operator: ring_attention_1"),
+    ("ring_mask_ignores_chunk_offset", "cp_ring_balanced", "first divergent operator: ring_attention "),
+    ("ring_merge_wrong_weights", "cp_ring", "first divergent operator: ring_attention "),
+])
+def test_a_wrong_ring_program_is_caught_and_localised(mutant, policy, first, tmp_path):
+    from tests.mutants.run import shim
+    cmd = [sys.executable, "-m", "verify", "model", "llama", "--policy", policy, "--world-size", "2", "--steps", "1",
+           "--reports", str(tmp_path / "reports"), "--module", str(shim(tmp_path, mutant))]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1 and "MISMATCH" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert first in out.stdout, out.stdout[-3000:]
