@@ -41,7 +41,11 @@ def cp_tp(graph: IRGraph, config: ComputeConfig) -> Plan:
     size = dict(zip(names, mesh))
     check_batch_divisible(graph, size.get("dp", 1), "cp_tp")
     check_sequence_divisible(graph, size.get("cp", 1), "cp_tp")
-    per_axis = [AXIS_OPTIONS[a](graph, config.sequence_parallel) if a == "tp" else AXIS_OPTIONS[a](graph) for a in names]
+    # sequence parallelism on tp splits the sequence of norms and residuals, which the cp axis holds split already
+    # (one dimension is split on one axis here): with cp, tp offers Megatron's choices without it, as costed (a
+    # norm's weight split by hidden instead made the MLP row-parallel, nnscaler.cluster.plan.check_lowering)
+    sp = config.sequence_parallel and size.get("cp", 1) == 1
+    per_axis = [AXIS_OPTIONS[a](graph, sp) if a == "tp" else AXIS_OPTIONS[a](graph) for a in names]
     tp_axis = names.index("tp") if "tp" in names else None
     pins = pin_heads(graph, size["tp"], scores(graph)) if tp_axis is not None else {}
 

@@ -130,6 +130,16 @@ def test_an_allgather_cp_plan_lowers_to_cp_tp_in_megatrons_order(tmp_path):
                                        )["lowered"]["config"]  # plans without cp save as before
 
 
+def test_a_cp_plan_with_tp_and_sp_is_compiled_as_costed(tmp_path):
+    """tp2+sp x cp: the cp axis holds the sequence, so tp's options leave sequence parallelism out and the MLP
+    stays column-then-row as costed (with sp offered, a norm's weight split by hidden made gate_proj row-parallel)."""
+    from verify.plan.cli import prepare
+    _, path = saved_plan(tmp_path, 8, {"tp": 2, "cp": 4, "pp": 1, "cp_scheme": "allgather", "cp_balanced": False})
+    case = prepare(path, tmp_path)
+    assert case.policy == "cp_tp" and case.reduced.parallel.sequence_parallel
+    assert case.problems == (), case.problems
+
+
 @pytest.mark.slow
 def test_a_reduced_cp_plan_keeps_its_axis_and_trains_like_one_device(tmp_path, capsys):
     # 8 GPUs: tp 2 x cp 4, all-gather, contiguous chunks -> tp2 cp2 at W=4, cp_tp's (cp, tp) mesh
