@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from ..codegen.emit import emit_program
 from ..dimops.layout import Partial, Shard
 from ..ir.graph import PARAM, IRGraph, IROp, IRTensor
 
@@ -38,8 +39,10 @@ def reason(t: IRTensor, before, step, reader: IROp | None) -> str:
     q = before[step.axis] if step.axis < len(before) else None
     if prod is not None and prod.overload == "aten.embedding.default" and kind == "all_reduce":
         return f"{MEGATRON} vocabulary-parallel embedding: its partial rows summed"
-    if reader is None or (reader.overload or "").startswith("aten.cross_entropy"):
-        return f"{MEGATRON} vocabulary-parallel loss: {kind} of {pname}"
+    if reader is None:
+        return f"{MEGATRON} output made whole: {kind} of {pname} (the loss's partial sums)"
+    if reader.overload.startswith(("aten.cross_entropy", "aten.nll_loss")):
+        return f"{MEGATRON} loss over split classes: {kind} of {pname}"
     if kind == "all_reduce" and isinstance(q, Partial):
         if any(s in pname for s in STATISTICS) and t.shape and t.shape[-1] == 1:
             return (f"norm over a split hidden dim: its statistics ({pname}, {math.prod(t.shape)} elements) "
@@ -65,7 +68,6 @@ def forward_causes(graph: IRGraph, plan, rank: int = 0) -> list[str]:
     gathers left out, as :func:`nnscaler.policies.tp_check.collectives` counts with ``params=False``):
     ``N x <kind> for <reader> of <producer>: <reason> (<the reader's first source line>)``, the causes
     Megatron's plan shares last."""
-    from ..codegen.emit import emit_program
     e = emit_program(graph, plan, rank)
     params = set(graph.params)
     count: Counter = Counter()

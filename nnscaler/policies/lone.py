@@ -14,10 +14,14 @@ Attention stays Megatron's: :func:`nnscaler.policies.heads.pin_heads` pins the p
 """
 from __future__ import annotations
 
+from ..dimops.grammar import FROZEN
 from ..dimops.partition import split_factor
 from ..ir.graph import PARAM, IRGraph, IROp, IRTensor
 
 DEPTH = 24  # operators followed from a projection's output (views, element-wise math, residual adds)
+# projections whose output dims a weight's rows name (experts' kernels tie their experts to the tokens: no columns)
+DENSE = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.matmul.default", "aten.convolution.default",
+         "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
 LOSS = ("aten.cross_entropy_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss.default")
 
 
@@ -30,7 +34,7 @@ def lone_columns(graph: IRGraph) -> dict[str, set[str]]:
     whole, by an operator with no weight matrix, before a weight matrix contracts it."""
     out: dict[str, set[str]] = {}
     for op in graph.ops:
-        if not op.known or not _weight_matrix(op) or not op.outputs or op.outputs[0] is None:
+        if not op.known or op.overload not in DENSE or not _weight_matrix(op) or not op.outputs or op.outputs[0] is None:
             continue
         dims = op.bound.outputs[0]
         params = {i for x, d in zip(op.inputs, op.bound.inputs)
@@ -43,8 +47,9 @@ def lone_columns(graph: IRGraph) -> dict[str, set[str]]:
 
 
 def _reduced_whole(t: IRTensor, dim: int) -> bool:
-    """Whether dim ``dim`` of ``t``, split, reaches an operator with no weight matrix that reduces it
-    (the identifier it carries there is missing from its outputs) before any weight matrix reads it."""
+    """Whether dim ``dim`` of ``t``, split, reaches an operator with no weight matrix that reads it
+    whole (frozen there) or reduces it (the identifier it carries there is missing from its outputs)
+    before any weight matrix reads it."""
     todo, seen = [(t, dim)], set()
     while todo and len(seen) < DEPTH:
         x, d = todo.pop()
@@ -60,6 +65,8 @@ def _reduced_whole(t: IRTensor, dim: int) -> bool:
                 if xin is not x or dims is None or d >= len(dims):
                     continue
                 i = split_factor(dims[d], 1, r.bound)
+                if r.bound.markers.get(i) == FROZEN:
+                    return True  # read whole (a layer norm's, a softmax's last dim)
                 outs = [(o, k) for o, od in zip(r.outputs, r.bound.outputs) if o is not None and od
                         for k, ids in enumerate(od) if i in ids]
                 if not outs and any(o is not None for o in r.outputs):
