@@ -100,7 +100,8 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
 
 
 def _relaid(op: IROp, axis: int, layouts: dict) -> set[str]:
-    """Identifiers an operator with no weight matrix may not split on ``axis``: those that would
+    """Identifiers an operator with no weight matrix that contracts nothing (a view, element-wise math;
+    not a matmul reading a transposed weight) may not split on ``axis``: those that would
     re-lay out an input held split there on another dim (an all-to-all), or scatter an input held
     partial there (a reduce-scatter, where Megatron all-reduces: sequence parallelism aside, its tp
     keeps the residual stream whole). A view of an MoE layer's token-split output that split the
@@ -108,7 +109,7 @@ def _relaid(op: IROp, axis: int, layouts: dict) -> set[str]:
     expert's partial output, left the residual stream split by hidden to the end, every norm after it
     all-reducing its statistics and the head gathering it (3 collectives for 1)."""
     out: set[str] = set()
-    if not _no_weight_matrix(op):
+    if not _no_weight_matrix(op) or "+" in op.bound.markers.values():  # views and element-wise math only
         return out
     for x, dims in zip(op.inputs, op.bound.inputs):
         lay = layouts.get(x) if isinstance(x, IRTensor) else None
