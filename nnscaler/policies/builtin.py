@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random as _random
 
-from ..dimops.layout import Partial, Shard
 from ..dimops.partition import prefix_size, split_factor, splittable
 from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
 from .heads import pin_heads, scores
@@ -63,7 +62,8 @@ def _dp_options(graph: IRGraph):
 def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
     """Megatron's choices: split a dim of the op's parameters, or follow a split its inputs already
     have; never the batch (that is data parallelism). With ``sequence_parallel``, operators without
-    a weight matrix (norms, dropout, residual adds) may also split the sequence."""
+    a weight matrix (norms, dropout, residual adds) may also split the sequence. A column split with no
+    row partner is never offered (:mod:`nnscaler.policies.lone`)."""
     batch = batch_identifiers(graph)
     seq = batch_identifiers(graph, 1) if sequence_parallel else {}
     small = _small_weight_math(graph)
@@ -92,35 +92,9 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
         # is a batch dim its inputs hold split in blocks (heads merged into the batch, ``(b h)``)
         never = {batch[op.name], seq.get(op.name)} - params - set(held_blocks(op, layouts))
         never |= _megatron_pairs(op, params, held) | lone.get(op.name, set())
-        never |= _relaid(op, axis, layouts)
         return [None, *(i for i in splittable(op.bound) if i in allowed and i not in never)]
 
-    options.never = _relaid  # refine offers more than the options: never these (nnscaler/policies/refine.py)
     return options
-
-
-def _relaid(op: IROp, axis: int, layouts: dict) -> set[str]:
-    """Identifiers an operator with no weight matrix that contracts nothing (a view, element-wise math;
-    not a matmul reading a transposed weight) may not split on ``axis``: those that would
-    re-lay out an input held split there on another dim (an all-to-all), or scatter an input held
-    partial there (a reduce-scatter, where Megatron all-reduces: sequence parallelism aside, its tp
-    keeps the residual stream whole). A view of an MoE layer's token-split output that split the
-    hidden dim instead of gathering the tokens, or a residual add that reduce-scattered a shared
-    expert's partial output, left the residual stream split by hidden to the end, every norm after it
-    all-reducing its statistics and the head gathering it (3 collectives for 1)."""
-    out: set[str] = set()
-    if not _no_weight_matrix(op) or "+" in op.bound.markers.values():  # views and element-wise math only
-        return out
-    for x, dims in zip(op.inputs, op.bound.inputs):
-        lay = layouts.get(x) if isinstance(x, IRTensor) else None
-        if lay is None or dims is None:
-            continue
-        if isinstance(lay[axis], Partial):
-            out |= {i for ids in dims for i in ids}
-        elif isinstance(lay[axis], Shard) and lay[axis].dim < len(dims):
-            mine = set(dims[lay[axis].dim])  # the identifiers of the dim it holds split
-            out |= {i for ids in dims for i in ids if i not in mine}
-    return out
 
 
 def _megatron_pairs(op: IROp, params: set[str], held: set[str]) -> set[str]:
@@ -217,8 +191,6 @@ def tp(graph: IRGraph, config: ComputeConfig) -> Plan:
 
     def pinned(op: IROp, axis: int, layouts: dict):  # attention by heads, carried to the projections
         return [pins[op.name]] if op.name in pins else options(op, axis, layouts)
-
-    pinned.never = lambda op, axis, layouts: set() if op.name in pins else _relaid(op, axis, layouts)
 
     return refine(graph, plan_greedy(graph, (config.plan_ngpus,), ("tp",), pinned, "tp"), pinned)
 

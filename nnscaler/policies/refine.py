@@ -149,15 +149,11 @@ class _State:
         new dim of an ``expand``: each rank makes its own part, its inputs stay as they are). The
         forward pass offered only what the inputs already had split; an operator the policy pins,
         such as a vocabulary-parallel embedding, gains nothing."""
-        never = getattr(options, "never", None)  # what the policy never offers, whatever a consumer wants
-
         def more(op: IROp, axis: int, layouts: dict):
             base = list(options(op, axis, layouts))
             read = {i for dims in op.bound.inputs if dims for ids in dims for i in ids}
-            barred = never(op, axis, layouts) if never is not None else set()
             for i in self._demanded(op, axis):
-                if i not in base and i not in barred and (
-                        i not in read or i in options(op, axis, self._as_if_split(op, axis, i, layouts))):
+                if i not in base and (i not in read or i in options(op, axis, self._as_if_split(op, axis, i, layouts))):
                     base.append(i)
             return base
         return more

@@ -4,11 +4,11 @@
 - a reader whose chain of layout steps starts with an earlier reader's goes on from that reader's
   variable (a post-norm model's embedding all-reduced once for its column-parallel projection and
   its residual add, not twice: OLMo-2/3, FlexOlmo);
-- a column split with no row partner stays whole (a projection whose split output a norm or a top-k
-  reduces whole: Swin's patch merging, MLA's down projections, routers, a shared expert's down
-  projection after a gate and up kept whole);
-- an operator with no weight matrix never re-lays an input out by all-to-all nor scatters a partial
-  one (an MoE layer's token-split output gathered, not turned into a residual stream split by hidden);
+- a column split with no row partner stays whole (a projection whose split output a layer norm, a
+  softmax or a top-k reads whole: Swin's patch merging and patch embedding, routers; a down projection
+  ahead of an RMS norm: MLA's; one added to a stream it does not make: a shared expert's down
+  projection after a gate and up kept whole), while a widening one ahead of a sub-norm keeps its split
+  (BitNet: the norm's statistics all-reduced);
 - ``Plan.report()`` says why each forward collective is issued, one line per cause.
 Each rule is checked on a small model of its own (against one device on 2 ranks) and on zoo models."""
 from __future__ import annotations
@@ -120,3 +120,32 @@ def test_the_plan_report_says_why_each_forward_collective():
     assert len(norm) == 1 and norm[0].startswith("4 x all_reduce"), causes  # q and k norms of 2 layers
     assert causes[-1].startswith("1 x all_reduce: Megatron's")  # Megatron's own come last
     assert "forward collectives by cause" in plan.report() and norm[0] in plan.report()
+
+
+class SubNorm(nn.Module):
+    """BitNet's MLP: an RMS norm over the split intermediate between the column and row projections."""
+
+    def __init__(self, d: int = 128):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = F.silu(self.gate(x)) * self.up(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (x + self.down(h)).square().mean()
+
+
+def test_a_widening_projection_ahead_of_a_sub_norm_keeps_its_split():
+    graph, plan = _plan(SubNorm(), (torch.randn(4, 8, 128),))
+    split = [plan.partition(op).axis_ids[0] for op in graph.ops if op.overload == "aten.linear.default"]
+    assert split == ["n", "n", "k"], split
+    assert collectives(graph, plan, params=False)[0] == {"all_reduce": 2}  # the statistics, down's output
+
+
+@pytest.mark.slow
+def test_held_out_zoo_models_now_meet_the_bar():
+    """Not tuned for (over the bar before these rules, W=2): MoE models with shared experts and MLA."""
+    for arch in ("glm4_moe_lite", "exaone_moe", "qwen2_moe", "solar_open", "laguna"):
+        graph, plan = _zoo(arch)
+        fwd = sum(collectives(graph, plan, params=False)[0].values())
+        assert fwd <= 2 * layer_runs(graph) + 4, (arch, fwd)
