@@ -149,3 +149,12 @@ def test_held_out_zoo_models_now_meet_the_bar():
         graph, plan = _zoo(arch)
         fwd = sum(collectives(graph, plan, params=False)[0].values())
         assert fwd <= 2 * layer_runs(graph) + 4, (arch, fwd)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["olmo2", "deepseek_v3", "swin"])
+def test_zoo_models_planned_by_the_rules_train_like_one_device(verify_model, arch):
+    """The shared embedding all-reduce (OLMo-2), a shared expert's down projection and MLA's down
+    projections kept whole (DeepSeek-V3), patch merging and patch embedding kept whole (Swin)."""
+    rows = verify_model(f"zoo:{arch}", policies=["tp"], world_sizes=(2,), steps=2)
+    assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
