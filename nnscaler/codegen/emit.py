@@ -103,9 +103,16 @@ class Emitter:
         self.layouts: dict[IRTensor, Layout] = {}
         self.var: dict[IRTensor, str] = {}
         self.cache: dict[tuple, str] = {}
+        # (tensor, steps taken from its layout) -> (variable, layout): a reader whose chain of steps
+        # starts with an earlier reader's goes on from there (the embedding's all-reduce made once for
+        # the residual add, read whole, and the column-parallel projection, whose chain adds the
+        # backward all-reduce of Megatron's f); the instrumented mode keeps one chain per reader
+        self.taken: dict[tuple, tuple[str, Layout]] = {}
         self.fresh = 0
         self.collectives = 0
         self.steps: list[tuple[IRTensor, Layout, Step]] = []  # (tensor, its layout before, step): the cost model reads them
+        self.readers: list[IROp | None] = []  # per step, the operator it feeds (None: an output or a buffer write)
+        self.reader: IROp | None = None
         self.synced = synced_params(graph, plan)
         self.grads = graph.carries_grad()  # tensors whose conversions need backward collectives
         self.shards: list[StateShard] = []
@@ -126,6 +133,11 @@ class Emitter:
                      for st in steps if not (st.kind == "grad_all_reduce" and st.axis == sync)]
         name, cur = self.var[t], self.layouts[t]
         chain = ""
+        done = 0
+        if not self.probe:  # start from the longest chain of steps an earlier reader already took
+            done = next((k for k in range(len(steps), 0, -1) if (t, tuple(steps[:k])) in self.taken), 0)
+            if done:
+                name, cur = self.taken[(t, tuple(steps[:done]))]
         if self.probe:  # the chain's own alias of its source: the gradient back through this chain alone
             chain = f"{t.name}#{len(self.chain_of) + 1}"
             sync = self.synced.get(t)
@@ -135,14 +147,16 @@ class Emitter:
             self.lines.append(f"    {src} = probe.conversion({chain!r}, {t.name!r}, {name}, {layout_str(cur)!r}, "
                               f"{held_grad_layout(cur, self.plan.mesh_shape, sync)!r}, {literal(info)})")
             name = src
-        for step in steps:
+        for k, step in enumerate(steps[done:], done + 1):
             self.steps.append((t, cur, step))
+            self.readers.append(self.reader)
             cur = step_layout(cur, step)
             self.fresh += 1
             new = f"{t.name}__{self.fresh}"
             self.lines.append(f"    {new} = {step.code(name, f'g[{step.axis}]')}")
             self.collectives += step.kind not in ("split", "to_partial")
             name = new
+            self.taken[(t, tuple(steps[:k]))] = (name, cur)
         self.cache[key] = name
         if self.probe:
             self.chain_of[name] = chain
@@ -199,7 +213,9 @@ class Emitter:
 
     def op(self, op: IROp) -> None:
         start = len(self.lines)
+        self.reader = op
         self._op(op)
+        self.reader = None
         self.spans.append((op, start, len(self.lines)))
 
     def _op(self, op: IROp) -> None:

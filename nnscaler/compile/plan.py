@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ComputeConfig, PlanError, PlanWarning
+from ..cost.causes import forward_causes
 from ..cost.estimate import analyze
 from ..profiles import get_profile
 from ..cost.summary import human, param_fraction
@@ -78,6 +79,7 @@ def attach_stats(plan: Plan, graph: IRGraph, config: ComputeConfig, steps: list 
     plan.stats = analyze(graph, plan, get_profile(config.profile), config.replicas, steps, config.zero,
                          config.recompute, config.recompute_modules)
     plan.stats.replicated_ops = [(r.op.name, r.op.overload, r.reason) for r in replicated_operators(graph, plan)]
+    plan.stats.causes = lambda: forward_causes(graph, plan)
     plan.stats.guards = list(dict.fromkeys(op.source for op in graph.ops if op.overload == GUARD))
     plan.stats.inferred = sorted({(op.spec.name, op.spec.annotation) for op in graph.ops
                                   if op.spec is not None and op.spec.family == "inferred"})

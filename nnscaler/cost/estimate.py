@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..codegen.emit import emit_program, shard_slices, stored_layouts, synced_params
 from ..dimops.layout import Layout, Shard, layout_str
@@ -39,6 +40,8 @@ class PlanStats:
     guards: list[str] = field(default_factory=list)  # the model's lines whose data-dependent branch or size the trace fixed
     zero: int = 0  # the ZeRO stage costed
     zero_ranks: int = 1  # the ranks each parameter's ZeRO state is sharded over (the dp axis x the replicas)
+    # () -> one line per cause of the forward collectives (nnscaler/cost/causes.py), made when a report asks
+    causes: Callable[[], list[str]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def step_seconds(self) -> float:

@@ -138,6 +138,10 @@ def report(plan, s) -> str:
     if inferred:
         parts += ["", f"annotations inferred by probing (no rule; verified like every plan by the harness): {len(inferred)}"]
         parts += [f"  {n}: {a}" for n, a in inferred]
+    causes = s.causes() if getattr(s, "causes", None) is not None and w > 1 else []
+    if causes:  # nnscaler/cost/causes.py: why each forward collective, one line per cause
+        parts += ["", "forward collectives by cause (plan rank 0; those Megatron's plan also issues last):"]
+        parts += [f"  {c}" for c in causes]
     if plan.note:
         parts += ["", plan.note]
     return "\n".join(parts) + "\n"

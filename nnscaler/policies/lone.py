@@ -1,0 +1,109 @@
+"""Column splits with no row partner, for ``tp``: a projection whose split output dim an operator
+reads whole (a layer norm, a softmax, a top-k: frozen there) before any weight matrix contracts it,
+or a down projection (fewer outputs than inputs) whose split output dim a norm's statistics reduce.
+
+Megatron splits a weight matrix by columns only to pair it with a row-parallel one (or attention by
+heads) that contracts the split; a projection whose output a norm or a router's top-k reads whole
+stays whole on every rank ("duplicated": DeepSeek's MLA down projections ahead of their RMS norms, a
+router). Split by columns, it costs a collective per use where it has no partner: an all-gather of
+its output for a norm (Swin's patch merging and patch embedding ahead of their layer norms), or a
+row-parallel partner after the norm all-reducing what was small), or one added to a stream it does not
+make (a shared expert's down projection, left column-split after a gate and up kept whole, added to the
+residual stream: the stream split by hidden to the end, each norm after it all-reducing its statistics
+and the head gathering it back). A widening projection whose split
+output a norm's statistics reduce on the way to its partner keeps its split (BitNet's sub-norms
+between column and row: the statistics all-reduced, one small collective). The cross-entropy loss is
+not such a reader: Megatron's vocabulary-parallel loss reads its logits split. Attention stays
+Megatron's: :func:`nnscaler.policies.heads.pin_heads` pins the projections by heads (QK-norm over the
+whole projection then all-reduces its statistics), whatever this rule says.
+"""
+from __future__ import annotations
+
+import math
+
+from ..dimops.grammar import FROZEN
+from ..dimops.partition import split_factor
+from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
+
+DEPTH = 24  # operators followed from a projection's output (views, element-wise math, residual adds)
+# projections whose output dims a weight's rows name (experts' kernels tie their experts to the tokens: no columns)
+DENSE = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.matmul.default", "aten.convolution.default",
+         "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
+ADDS = ("aten.add.Tensor", "aten.sub.Tensor", "aten.add_.Tensor")
+STORED = (PARAM, BUFFER, CONSTANT)
+LOSS = ("aten.cross_entropy_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss.default")
+
+
+def _weight_matrix(op: IROp) -> bool:
+    return any(isinstance(x, IRTensor) and x.kind == PARAM and len(x.shape) >= 2 for x in op.inputs)
+
+
+def lone_columns(graph: IRGraph) -> dict[str, set[str]]:
+    """Per weight-matrix operator, the output identifiers (columns) whose split would be reduced
+    whole, by an operator with no weight matrix, before a weight matrix contracts it."""
+    out: dict[str, set[str]] = {}
+    for op in graph.ops:
+        if not op.known or op.overload not in DENSE or not _weight_matrix(op) or not op.outputs or op.outputs[0] is None:
+            continue
+        dims = op.bound.outputs[0]
+        params = {i for x, d in zip(op.inputs, op.bound.inputs)
+                  if isinstance(x, IRTensor) and x.kind == PARAM and d for ids in d for i in ids}
+        for d, ids in enumerate(dims or ()):
+            i = split_factor(ids, 1, op.bound)
+            why = _reduced_whole(op.outputs[0], d) if i in params else None
+            if why == "whole" or why == "reduced" and _narrowing(op):
+                out.setdefault(op.name, set()).add(i)
+    return out
+
+
+def _descendants(t: IRTensor, limit: int = 4 * DEPTH) -> set[int]:
+    """Ids of the tensors computed from ``t`` (up to ``limit`` operators down)."""
+    out, todo, ops = {id(t)}, [t], 0
+    while todo and ops < limit:
+        for r in todo.pop().consumers:
+            ops += 1
+            for o in r.outputs:
+                if o is not None and id(o) not in out:
+                    out.add(id(o))
+                    todo.append(o)
+    return out
+
+
+def _narrowing(op: IROp) -> bool:
+    """Whether the projection's weight has fewer outputs than inputs (a down projection)."""
+    w = next(x for x in op.inputs if isinstance(x, IRTensor) and x.kind == PARAM and len(x.shape) >= 2)
+    return w.shape[0] < math.prod(w.shape[1:])
+
+
+def _reduced_whole(t: IRTensor, dim: int) -> str | None:
+    """Whether dim ``dim`` of ``t``, split, reaches an operator with no weight matrix that reads it
+    whole (frozen there) or reduces it (the identifier it carries there is missing from its outputs)
+    before any weight matrix reads it."""
+    mine = _descendants(t)
+    todo, seen, reduced = [(t, dim)], set(), None
+    while todo and len(seen) < DEPTH:
+        x, d = todo.pop()
+        if (id(x), d) in seen:
+            continue
+        seen.add((id(x), d))
+        for r in x.consumers:
+            if not r.known:
+                continue
+            if r.overload in LOSS or _weight_matrix(r):
+                continue  # a partner (or the vocabulary-parallel loss): the column split pays off there
+            for xin, dims in zip(r.inputs, r.bound.inputs):
+                if xin is not x or dims is None or d >= len(dims):
+                    continue
+                i = split_factor(dims[d], 1, r.bound)
+                if r.overload in ADDS and any(isinstance(y, IRTensor) and y is not x and y.kind not in STORED
+                                              and y.shape == x.shape and id(y) not in mine for y in r.inputs):
+                    return "whole"  # added to a stream it does not make (a residual): the stream would split
+                if r.bound.markers.get(i) == FROZEN:
+                    return "whole"  # read whole (a layer norm's, a softmax's last dim)
+                outs = [(o, k) for o, od in zip(r.outputs, r.bound.outputs) if o is not None and od
+                        for k, ids in enumerate(od) if i in ids]
+                if not outs and any(o is not None for o in r.outputs):
+                    reduced = "reduced"  # a norm's statistics (the tensor itself may go on to a partner)
+                todo += outs
+    return reduced
+
