@@ -23,6 +23,7 @@ from .arange_index import per_row_index
 from .branches import BranchError, Guard, specialise
 from .heads import heads_outer
 from .rows import batch_major_rows
+from .strided import dense_as_strided
 from .match import derive
 
 _KINDS = {InputKind.PARAMETER: PARAM, InputKind.BUFFER: BUFFER, InputKind.USER_INPUT: INPUT,
@@ -95,6 +96,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     rewrites = batch_major_rows(ep.graph)  # rows merged batch-second (nn.MultiheadAttention): batch first
     rewrites += heads_outer(ep.graph)  # heads merged into the batch (nn.MultiheadAttention): a dim of their own
     rewrites += per_row_index(ep.graph)  # x[arange(B)[:, None..], j] (transformers' masks): a per-row lookup
+    rewrites += dense_as_strided(ep.graph)  # as_strided of a transposed view (Longformer): of a contiguous copy
     if rewrites:
         ep.graph_module.recompile()
     kinds = {s.arg.name: (_KINDS.get(s.kind, CONSTANT), s.target or "") for s in ep.graph_signature.input_specs

@@ -70,3 +70,28 @@ def test_shrunk_configs_keep_grouped_kv_heads_and_latent_attention_its_own(arch,
         assert cfg.qk_head_dim == cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     with torch.no_grad():
         assert torch.isfinite(case.model(*case.batch(0)))
+
+
+@pytest.mark.parametrize("arch, extra", [("git", "pixel_values"), ("xmod", "lang_ids"), ("longt5", "attention_mask"),
+                                         ("voxtral_realtime", "input_features"), ("gpt2", None)])
+def test_a_text_model_gets_the_inputs_its_forward_needs_from_its_signature(arch, extra):
+    """``verify/models/zoo_inputs.py``: a model that does not run on ids and labels alone as exported (GIT's loss
+    assumes its image; LongT5 makes its mask only when not compiled) gets its forward's derived input; one that
+    does gets none."""
+    from verify.models.zoo import build
+    from verify.models.zoo_inputs import _runs
+    case = build(arch, 0)
+    assert case.model.names == ("input_ids", "labels") + ((extra,) if extra else ()), case.model.names
+    ids, labels, *rest = case.batch(0)
+    assert _runs(case.model.model, {"input_ids": ids, "labels": labels}) == (extra is None)
+    with torch.no_grad():
+        assert torch.isfinite(case.model(*case.batch(1)))
+
+
+def test_a_classifier_that_computes_no_loss_is_trained_on_the_cross_entropy_of_its_logits():
+    from verify.models.zoo import build
+    case = build("pp_lcnet", 0)
+    x, labels = case.batch(0)
+    with torch.no_grad():
+        logits = case.model.model(pixel_values=x)[0]
+        assert torch.equal(case.model(x, labels), torch.nn.functional.cross_entropy(logits, labels))

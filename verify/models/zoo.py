@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from verify.models.registry import ModelCase, tokens
+from verify.models.zoo_inputs import extra_inputs, make
 
 PREFIX = "zoo:"
 BATCH, SEQ, LABELS, IMAGE, CLIP = 4, 8, 4, 32, 3200
@@ -157,14 +158,20 @@ def _by_suffix(key: str, kv_heads: int | None) -> int | None:
 
 
 class NamedLoss(nn.Module):
-    """``model(**dict(zip(names, args))).loss`` as a module of positional tensors."""
+    """``model(**dict(zip(names, args))).loss`` as a module of positional tensors; a model that computes
+    no loss (a classifier whose forward takes no labels: PP-LCNet) gets the cross-entropy of its first
+    output (its logits) against the ``labels``."""
 
     def __init__(self, model: nn.Module, names: tuple[str, ...]):
         super().__init__()
         self.model, self.names = model, names
 
     def forward(self, *args):
-        return self.model(**dict(zip(self.names, args))).loss
+        given = dict(zip(self.names, args))
+        out = self.model(**given)
+        if getattr(out, "loss", None) is None and "labels" in given:
+            return nn.functional.cross_entropy(out[0], given["labels"])
+        return out.loss
 
 
 TEXT = "text"  # sequence classification: built only when asked (``build(arch, kind=TEXT)``)
@@ -212,13 +219,17 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
             return tokens(vocab - 3, (BATCH, SEQ), 100 * seed + step) + 3, torch.randint(0, LABELS, (BATCH,), generator=g)
         return ModelCase(NamedLoss(model.train(), ("input_ids", "labels")), batch)
     if kind in ("causal", "masked", "seq2seq"):
-        def batch(step: int):
+        def text(step: int):
             ids = tokens(vocab - 3, (BATCH, SEQ), 100 * seed + step) + 3
             labels = ids.clone() if kind != "seq2seq" else tokens(vocab - 3, (BATCH, SEQ), 100 * seed + step + 50) + 3
             if kind == "masked":  # predict every other position only
                 labels[:, ::2] = -100
             return ids, labels
-        return ModelCase(NamedLoss(model.train(), ("input_ids", "labels")), batch)
+        extra = extra_inputs(model, cfg, dict(zip(("input_ids", "labels"), text(0))))  # an image, audio, language
+
+        def batch(step: int):
+            return *text(step), *make(extra, torch.Generator().manual_seed(100 * seed + step + 70)).values()
+        return ModelCase(NamedLoss(model.train(), ("input_ids", "labels", *extra)), batch)
     shape = _input_shape(model, cfg, kind)
     name = model.main_input_name
 
