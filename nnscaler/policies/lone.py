@@ -23,7 +23,7 @@ import math
 
 from ..dimops.grammar import FROZEN
 from ..dimops.partition import split_factor
-from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
+from ..ir.graph import BUFFER, CONSTANT, INPUT, PARAM, IRGraph, IROp, IRTensor
 
 DEPTH = 24  # operators followed from a projection's output (views, element-wise math, residual adds)
 # projections whose output dims a weight's rows name (experts' kernels tie their experts to the tokens: no columns)
@@ -96,7 +96,8 @@ def _reduced_whole(t: IRTensor, dim: int) -> str | None:
                     continue
                 i = split_factor(dims[d], 1, r.bound)
                 if r.overload in ADDS and any(isinstance(y, IRTensor) and y is not x and y.kind not in STORED
-                                              and y.shape == x.shape and id(y) not in mine for y in r.inputs):
+                                              and y.shape == x.shape and id(y) not in mine and _streams(y)
+                                              for y in r.inputs):
                     return "whole"  # added to a stream it does not make (a residual): the stream would split
                 if r.bound.markers.get(i) == FROZEN:
                     return "whole"  # read whole (a layer norm's, a softmax's last dim)
@@ -107,3 +108,18 @@ def _reduced_whole(t: IRTensor, dim: int) -> str | None:
                 todo += outs
     return reduced
 
+
+def _streams(t: IRTensor, limit: int = 4 * DEPTH) -> bool:
+    """Whether ``t`` carries the batch: made from a model input within ``limit`` producers (a residual stream
+    does; a buffer's running statistic, ``ema * 0.5`` beside ``batch_mean * 0.5``, is state, not a stream)."""
+    seen, todo = set(), [t]
+    while todo and len(seen) < limit:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.kind == INPUT:
+            return True
+        if x.producer is not None:
+            todo += [i for i in x.producer.inputs if isinstance(i, IRTensor)]
+    return len(seen) >= limit  # too far back to tell: a stream, as before
