@@ -376,6 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("--extrapolate", action="store_true",
                     help=f"compile each chunk at {LOW} and {HIGH} blocks and extrapolate linearly (faster)")
     ap.add_argument("--out", help="also write the table to this Markdown file")
+    ap.add_argument("--json", help="also write each plan's configuration, measured and estimated bytes to this file")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     lines = ["GiB per rank, measured (rank 0 of the first and, pipelined, the last stage: the larger) / estimated "
@@ -384,6 +385,7 @@ def main(argv=None) -> int:
              "; over the device: measured peak above the plan's budget (`Estimate.budget`)", "", HEADER]
     print("\n".join(lines), flush=True)
     worst_all, n = 0.0, 0
+    rows: dict = {}
     for label, plan in plans(args.skip_published, args.plans):
         t0 = time.perf_counter()
         try:
@@ -392,6 +394,11 @@ def main(argv=None) -> int:
             line = f"| {label} | {_short(plan.parallel)} | error: {type(exc).__name__}: {str(exc)[:160]} | | | | | | |"
         else:
             est = estimated(plan)
+            rows[label] = {"parallel": plan.parallel.as_dict(), "measured": got, "estimated": est,
+                           "budget": plan.best.budget}
+            if args.json:
+                import json
+                Path(args.json).write_text(json.dumps(rows, indent=1))
             line = row(label, plan, got, est)
             worst_all = max(worst_all, worst(got, est))
             n += 1
