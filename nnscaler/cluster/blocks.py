@@ -67,6 +67,7 @@ class OpFacts:
     saved_whole: float = 0.0  # ... that stay whole on every tp rank (split only by sequence parallelism)
     saved_fp32: float = 0.0  # of ``saved``, the elements bf16-mixed keeps in fp32 (``_AUTOCAST_FP32``)
     saved_whole_fp32: float = 0.0  # of ``saved_whole``, likewise
+    saved_gathered: float = 0.0  # elements kept whole on every tp rank even under sequence parallelism (bf16)
     split: bool = False  # split over tp (inside a tensor-parallel region)
     tokens: bool = False  # has the sequence dim (sequence parallelism can split it)
     core: bool = False  # the attention core: what selective recompute recomputes
@@ -272,12 +273,21 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
             keep = [t for t in floating if any(id(o) in grad for o in ins if o is not t)]
         else:
             keep = [t for t in floating if id(t) in grad] if base in _SAVES_INPUTS else []
-        if op.overload == _SDPA and len(floating) > 3:  # the attention mask: kept for backward, gradient or not
-            keep += [t for t in floating[3:] if t not in keep]
+        if op.overload == _SDPA and len(acts) > 3:  # the attention mask (bf16 in the program): kept, gradient or not
+            for t in acts[3:]:
+                if seq in t.shape and root.get(id(t), id(t)) not in kept:
+                    f.saved_whole += _elements(t)
         if base in _SAVES_OUTPUT and any(id(t) in grad for t in ins):
             keep += [o for o in outs if o.dtype.is_floating_point]
         for t in keep:
             r = root.get(id(t), id(t))
+            if low and id(t) in wide and id(t) not in split and seq in t.shape:
+                # autocast casts an fp32 activation afresh for each bf16 operator reading it (q, k and v, gate and
+                # up: five bf16 copies of a Llama block's normed input), and a column-parallel linear keeps the
+                # input it read: under sequence parallelism the all-gathered whole sequence (measured:
+                # bench/results/real_memory.md)
+                f.saved_gathered += _elements(t)
+                continue
             if r in kept or seq not in t.shape:
                 continue
             kept.add(r)

@@ -221,6 +221,7 @@ def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: floa
             continue
         total += (o.saved / tp + o.saved_whole / (tp if sp else 1)) * scale * act_bytes
         total += (o.saved_fp32 / tp + o.saved_whole_fp32 / (tp if sp else 1)) * scale * (wide - act_bytes)
+        total += o.saved_gathered * scale * min(act_bytes, 2)  # a bf16 cast (the whole precision's width otherwise)
     return total
 
 
@@ -442,6 +443,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     body = act_stage0 if pp == 1 else act_last  # the blocks' saved tensors on the stage holding the head
     moments = [  # (saved, working, buffers, gradients) at each moment
         (body + head_saved, head_working, fixed + gather_head, grads_fwd),
+        # the loss's backward: the picked logits' gradient, a zeros tensor and its scatter-add, beside its saved tensors
+        (body + head_saved, 2 * head_working, fixed, grads_fwd),
         (body, working, fixed + gather_blocks, grads_b)]
     if pp > 1:
         moments.append((act_stage0, working, fixed + gather_blocks, grads_b))
