@@ -67,7 +67,8 @@ class OpFacts:
     saved_whole: float = 0.0  # ... that stay whole on every tp rank (split only by sequence parallelism)
     saved_fp32: float = 0.0  # of ``saved``, the elements bf16-mixed keeps in fp32 (``_AUTOCAST_FP32``)
     saved_whole_fp32: float = 0.0  # of ``saved_whole``, likewise
-    saved_gathered: float = 0.0  # elements kept whole on every tp rank even under sequence parallelism (bf16)
+    saved_gathered: float = 0.0  # bf16-mixed: autocast's copies, whole on every tp rank even under sequence parallelism
+    saved_shared: float = 0.0  # of ``saved_whole``, what those copies replace (one fp32 tensor, counted once)
     split: bool = False  # split over tp (inside a tensor-parallel region)
     tokens: bool = False  # has the sequence dim (sequence parallelism can split it)
     core: bool = False  # the attention core: what selective recompute recomputes
@@ -273,10 +274,8 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
             keep = [t for t in floating if any(id(o) in grad for o in ins if o is not t)]
         else:
             keep = [t for t in floating if id(t) in grad] if base in _SAVES_INPUTS else []
-        if op.overload == _SDPA and len(acts) > 3:  # the attention mask (bf16 in the program): kept, gradient or not
-            for t in acts[3:]:
-                if seq in t.shape and root.get(id(t), id(t)) not in kept:
-                    f.saved_whole += _elements(t)
+        if op.overload == _SDPA and len(acts) > 3:  # bf16-mixed: the attention mask's bf16 cast, kept for backward
+            f.saved_gathered += sum(_elements(t) for t in acts[3:] if seq in t.shape)
         if base in _SAVES_OUTPUT and any(id(t) in grad for t in ins):
             keep += [o for o in outs if o.dtype.is_floating_point]
         for t in keep:
@@ -287,7 +286,8 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
                 # input it read: under sequence parallelism the all-gathered whole sequence (measured:
                 # bench/results/real_memory.md)
                 f.saved_gathered += _elements(t)
-                continue
+                if r not in kept:
+                    f.saved_shared += _elements(t)
             if r in kept or seq not in t.shape:
                 continue
             kept.add(r)

@@ -221,7 +221,8 @@ def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: floa
             continue
         total += (o.saved / tp + o.saved_whole / (tp if sp else 1)) * scale * act_bytes
         total += (o.saved_fp32 / tp + o.saved_whole_fp32 / (tp if sp else 1)) * scale * (wide - act_bytes)
-        total += o.saved_gathered * scale * min(act_bytes, 2)  # a bf16 cast (the whole precision's width otherwise)
+        if fp32_bytes is not None:  # bf16-mixed: autocast's bf16 copies in place of the one tensor they copy
+            total += (o.saved_gathered - o.saved_shared / (tp if sp else 1)) * scale * act_bytes
     return total
 
 
