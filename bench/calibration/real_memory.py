@@ -90,6 +90,25 @@ def llama_config(name: str, seq: int, blocks: int, width_scale: int = 1):
                        attn_implementation="sdpa", use_cache=False)
 
 
+def tracker_class():
+    """``MemTracker`` that does not count ZeRO 2/3's ``.grad`` placeholders (``ShardGrad``: a wrapper of the
+    parameter's shape with no data, ``nnscaler/runtime/shard_grad.py``): torch's tracker takes their storage's
+    nominal size for gradient bytes (measured: the whole model's fp32 gradients again, 30 GiB on Llama-3 8B), which
+    no device allocates."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from nnscaler.runtime.shard_grad import is_placeholder
+
+    class Tracker(MemTracker):
+        def _track(self, reftype, t):
+            if not is_placeholder(t):
+                super()._track(reftype, t)
+
+        def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+            return set() if is_placeholder(t) else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+    return Tracker
+
+
 def _storages(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (fake tensors too: by storage object, not address)."""
     seen, total = set(), 0
@@ -148,14 +167,13 @@ def schedule(pp: int, stage: int, v: int, m: int) -> list[tuple[str, int, int]]:
 
 
 def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int | list[int], m_eff: int,
-                  width_scale: int = 1, fake: bool = True) -> dict:
+                  width_scale: int = 1, fake: bool = True, tracker=None) -> dict:
     """Rank 0 of pipeline stage ``stage`` of ``par`` with ``blocks`` layers per chunk (or each chunk's), compiled on fake tensors
     (``fake=False``: real ones, to check the fake measurement at a small size) and run through two training
     steps of ``m_eff`` micro-batches: measured bytes (``KEYS``)."""
     import contextlib
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import opzoo  # noqa: F401  (the operator annotations)
@@ -180,7 +198,7 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
                            recompute=par.recompute, zero=par.zero if dp > 1 else 0, precision=precision)
     policy = "tp" if tp > 1 else "dp"
     graphs: dict = {}
-    tracker = MemTracker()
+    tracker = tracker if tracker is not None else tracker_class()()  # a labelling one: bench/calibration/peak_breakdown.py
     modules, opts = [], []
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -211,6 +229,7 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
                 outs: dict = {}
                 for kind_, c, mb in ops:
                     pm = modules[c]
+                    tracker.phase = f"{kind_}{c}.{mb}"  # what the tracker is running (read by a labelling tracker)
                     if kind_ == "F":
                         tracker.memory_tracking.pop(pm, None)  # a chunk called again: a new micro-batch, not a new iteration
                         x = ids if kinds[c][0] else torch.zeros(mbs, seq, cfg.hidden_size, requires_grad=True)
@@ -224,6 +243,7 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
                         out.backward(torch.ones_like(out) if out.dim() == 0 else torch.empty_like(out))
                         del out
                 grads = sum(_storages(pm.grad_tensors()) for pm in modules)
+                tracker.phase = "step"
                 for o in opts:
                     o.step()
                     o.zero_grad(set_to_none=True)
@@ -356,6 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("--extrapolate", action="store_true",
                     help=f"compile each chunk at {LOW} and {HIGH} blocks and extrapolate linearly (faster)")
     ap.add_argument("--out", help="also write the table to this Markdown file")
+    ap.add_argument("--json", help="also write each plan's configuration, measured and estimated bytes to this file")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     lines = ["GiB per rank, measured (rank 0 of the first and, pipelined, the last stage: the larger) / estimated "
@@ -364,6 +385,7 @@ def main(argv=None) -> int:
              "; over the device: measured peak above the plan's budget (`Estimate.budget`)", "", HEADER]
     print("\n".join(lines), flush=True)
     worst_all, n = 0.0, 0
+    rows: dict = {}
     for label, plan in plans(args.skip_published, args.plans):
         t0 = time.perf_counter()
         try:
@@ -372,6 +394,11 @@ def main(argv=None) -> int:
             line = f"| {label} | {_short(plan.parallel)} | error: {type(exc).__name__}: {str(exc)[:160]} | | | | | | |"
         else:
             est = estimated(plan)
+            rows[label] = {"parallel": plan.parallel.as_dict(), "measured": got, "estimated": est,
+                           "budget": plan.best.budget}
+            if args.json:
+                import json
+                Path(args.json).write_text(json.dumps(rows, indent=1))
             line = row(label, plan, got, est)
             worst_all = max(worst_all, worst(got, est))
             n += 1

@@ -41,6 +41,16 @@ _SAVES_OUTPUT = ("scaled_dot_product_attention", "rsqrt", "sigmoid", "tanh", "so
 # products: the gradient of one operand needs the others, so an operand is kept only when another one needs a
 # gradient (``q * cos`` of rotary embeddings keeps ``cos``, not ``q``); the rest keep an input needing a gradient
 _PRODUCTS = ("linear", "mul", "div", "matmul", "bmm", "baddbmm", "addmm")
+# bf16-mixed (torch.autocast): the operators autocast computes in bf16 (a saved input of theirs is its bf16 cast) and
+# those it computes in fp32; every other operator computes in the widest dtype of its floating inputs, fp32 parameters
+# (master weights) included, and a model's explicit cast (``x.to(torch.float32)``, the trace's only float dtype) is
+# fp32. So the residual stream from an fp32 embedding, the norms and rotary products stay fp32 (4 bytes a saved
+# element): measured at real width on fake tensors, Llama-3 8B saves 1.41 GiB a block where 2 bytes an element gave
+# 1.16 (bench/results/real_memory.md)
+_AUTOCAST_LOW = ("linear", "matmul", "bmm", "baddbmm", "addmm", "mm", "scaled_dot_product_attention", "conv")
+_AUTOCAST_FP32 = ("pow", "rsqrt", "exp", "log", "softmax", "_softmax", "log_softmax", "layer_norm", "native_layer_norm",
+                  "rms_norm", "cross_entropy_loss", "nll_loss", "sum", "prod", "cumsum", "norm", "reciprocal",
+                  "softplus", "mse_loss")
 
 
 @dataclass
@@ -55,6 +65,10 @@ class OpFacts:
     elements: float = 0.0  # elements read and written (memory-bound operators)
     saved: float = 0.0  # elements it keeps for backward that tensor parallelism splits
     saved_whole: float = 0.0  # ... that stay whole on every tp rank (split only by sequence parallelism)
+    saved_fp32: float = 0.0  # of ``saved``, the elements bf16-mixed keeps in fp32 (``_AUTOCAST_FP32``)
+    saved_whole_fp32: float = 0.0  # of ``saved_whole``, likewise
+    saved_gathered: float = 0.0  # bf16-mixed: autocast's copies, whole on every tp rank even under sequence parallelism
+    saved_shared: float = 0.0  # of ``saved_whole``, what those copies replace (one fp32 tensor, counted once)
     split: bool = False  # split over tp (inside a tensor-parallel region)
     tokens: bool = False  # has the sequence dim (sequence parallelism can split it)
     core: bool = False  # the attention core: what selective recompute recomputes
@@ -181,6 +195,7 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
     split: set[int] = set()  # ids of tensors split over tp
     owned: set[int] = set()
     kept: set[int] = set()  # ids of tensors counted as saved once
+    wide: set[int] = {id(t) for t in graph.inputs + graph.params if t.dtype.is_floating_point}  # fp32 under bf16-mixed
     grad = _needs_grad(graph)
     root: dict[int, int] = {}  # a view's id -> the id of the tensor it views
     hidden = 0
@@ -206,6 +221,9 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
                 root[id(o)] = root.get(id(acts[0]), id(acts[0])) if acts else id(o)
             if in_split:
                 split.update(id(o) for o in outs)
+            short = op.overload.removeprefix("aten.")
+            if short.startswith(("to.", "_to_copy")) or any(id(t) in wide for t in acts):
+                wide.update(id(o) for o in outs if o.dtype.is_floating_point)  # a view keeps its dtype; a cast: fp32
             f.split = in_split
             return f
         if op.overload == _LINEAR and params:
@@ -248,21 +266,41 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
                 split.update(id(o) for o in outs)
         base = op.overload.removeprefix("aten.").split(".")[0]
         floating = [t for t in acts if t.dtype.is_floating_point]
+        low = any(base.startswith(a) for a in _AUTOCAST_LOW)
+        if not low and (base in _AUTOCAST_FP32 or base in ("to", "_to_copy")
+                        or any(id(t) in wide for t in ins if t.dtype.is_floating_point)):
+            wide.update(id(o) for o in outs if o.dtype.is_floating_point)
         if base in _PRODUCTS:
             keep = [t for t in floating if any(id(o) in grad for o in ins if o is not t)]
         else:
             keep = [t for t in floating if id(t) in grad] if base in _SAVES_INPUTS else []
+        if op.overload == _SDPA and len(acts) > 3:  # bf16-mixed: the attention mask's bf16 cast, kept for backward
+            f.saved_gathered += sum(_elements(t) for t in acts[3:] if seq in t.shape)
         if base in _SAVES_OUTPUT and any(id(t) in grad for t in ins):
             keep += [o for o in outs if o.dtype.is_floating_point]
         for t in keep:
             r = root.get(id(t), id(t))
+            if low and id(t) in wide and id(t) not in split and seq in t.shape:
+                # autocast casts an fp32 activation afresh for each bf16 operator reading it (q, k and v, gate and
+                # up: five bf16 copies of a Llama block's normed input), and a column-parallel linear keeps the
+                # input it read: under sequence parallelism the all-gathered whole sequence (measured:
+                # bench/results/real_memory.md)
+                f.saved_gathered += _elements(t)
+                if r not in kept:
+                    f.saved_shared += _elements(t)
             if r in kept or seq not in t.shape:
                 continue
             kept.add(r)
+            fp32 = id(t) in wide and not low  # a bf16 operator saves its input's bf16 cast
+            # the loss kernel (opzoo/kernels.py ``cross_entropy``, Megatron's vocabulary-parallel form) keeps the
+            # exp of the shifted logits as well as the logits: twice their elements (measured, Llama-3 8B's head)
+            n = _elements(t) * (2 if base == "cross_entropy_loss" else 1)
             if id(t) in split:
-                f.saved += _elements(t)
+                f.saved += n
+                f.saved_fp32 += n if fp32 else 0
             else:
-                f.saved_whole += _elements(t)
+                f.saved_whole += n
+                f.saved_whole_fp32 += n if fp32 else 0
         f.core = f.split and not params and any("Attention" in s for s in op.scope_types)
         return f
 

@@ -230,13 +230,19 @@ def cp_exchange(shape: ModelShape, par: Parallel, profile: DeviceProfile, tokens
     return {"fwd": fwd, "bwd": bwd, "bytes": 2 * chunk}
 
 
-def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: float, drop_core: bool = False) -> float:
-    """Bytes of activations one forward of ``sec`` leaves saved on one rank."""
+def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: float, drop_core: bool = False,
+                  fp32_bytes: float | None = None) -> float:
+    """Bytes of activations one forward of ``sec`` leaves saved on one rank; ``fp32_bytes`` (bf16-mixed: 4): the
+    bytes of an element autocast keeps in fp32 (``OpFacts.saved_fp32``: the residual stream, norms, rotary)."""
     total = 0.0
+    wide = act_bytes if fp32_bytes is None else fp32_bytes
     for o in sec.ops:
         if drop_core and o.core:
             continue
         total += (o.saved / tp + o.saved_whole / (tp if sp else 1)) * scale * act_bytes
+        total += (o.saved_fp32 / tp + o.saved_whole_fp32 / (tp if sp else 1)) * scale * (wide - act_bytes)
+        if fp32_bytes is not None:  # bf16-mixed: autocast's bf16 copies in place of the one tensor they copy
+            total += (o.saved_gathered - o.saved_shared / (tp if sp else 1)) * scale * act_bytes
     return total
 
 
@@ -346,11 +352,13 @@ def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: Cl
     # recomputed (measured at real width on fake tensors: bench/calibration/real_memory.py; 112 MiB per
     # 4096 x 14336 weight of Llama-3 8B, kept until its backward)
     casts = shape.block.params(tp) * ab if weight_casts else 0.0
-    full_act = section_saved(shape.block, tp, sp, scale, ab) + casts
-    if recompute == "full":
-        per_layer_act, working = act_el_bytes / (tp if sp else 1), full_act
+    wide = 4 if weight_casts else None  # bf16-mixed: what autocast keeps in fp32 saved at 4 bytes (OpFacts.saved_fp32)
+    full_act = section_saved(shape.block, tp, sp, scale, ab, fp32_bytes=wide) + casts
+    if recompute == "full":  # each block's input: bf16-mixed's residual stream is fp32 (measured 0.25 GiB a 70B block)
+        per_layer_act, working = act_el_bytes * (wide or ab) / ab / (tp if sp else 1), full_act
     elif recompute == "selective":
-        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True) + casts, 0.0
+        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True, fp32_bytes=wide) + \
+            casts, 0.0
     else:
         per_layer_act, working = full_act, 0.0
     working += cpx["bytes"] * 2  # the gathered K and V, then their gradients before the reduce-scatter
@@ -359,8 +367,12 @@ def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: Cl
             "per_layer": fwd["block"] * (1 + BACKWARD) + tp_time["block"] + rc["block"] + cp_block,
             "pre_t": fwd["pre"] * (1 + BACKWARD) + tp_time["pre"], "post_t": fwd["post"] * (1 + BACKWARD) + tp_time["post"],
             "per_layer_act": per_layer_act, "working": working,
-            "pre_act": section_saved(shape.pre, tp, sp, scale, ab),
-            "post_act": section_saved(shape.post, tp, sp, scale, LOSS_BYTES),
+            "pre_act": section_saved(shape.pre, tp, sp, scale, ab, fp32_bytes=wide),
+            # bf16-mixed: the head's saved tensors by their dtypes, and its weight's bf16 copy (as a block's casts)
+            "post_act": (section_saved(shape.post, tp, sp, scale, ab, fp32_bytes=wide) + shape.post.params(tp) * ab
+                         if weight_casts else section_saved(shape.post, tp, sp, scale, LOSS_BYTES)),
+            # the loss's transient at the end of the forward: the shifted logits, fp32, before their exp (opzoo/kernels.py)
+            "post_working": tokens_mb / par.cp * shape.vocab / tp * LOSS_BYTES,
             "params": (shape.pre.params(tp), shape.block.params(tp), shape.post.params(tp))}
 
 
@@ -447,22 +459,41 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     compute = m * t_mb - recompute - tp_exposed_t - cp_exposed_t
     total = m * t_mb + bubble + pp_comm + dp_exposed + optimizer
     # --- activations ----------------------------------------------------------------------------------------
+    # saved activations (``activations``), and what is alive beside them at the peak (``working``, ``buffers``), taken
+    # at two moments (measured at real width on fake tensors: bench/results/real_memory.md): the end of the forward of
+    # the stage holding the head (every block's saved tensors, the head's, the loss's fp32 transient; ZeRO 3: the head's
+    # gathered weight), and a block's backward (a recomputed block's whole activations, after the head's backward freed
+    # its saved tensors; ZeRO 3: two gathered blocks). ZeRO 3 gathers the fp32 master weights (``pb``: the program
+    # casts each where it reads it) and keeps the last two buckets (nnscaler/runtime/zero3.py, KEEP). Under ZeRO 2/3
+    # with one micro-batch no gradient exists yet at the end of the forward.
     per_layer_act, working = costs["per_layer_act"], costs["working"]
     flight = in_flight(pp, 0, m, v)
     act_stage0 = flight * (counts[0] if v == 1 else max(counts) * v) * per_layer_act + flight * costs["pre_act"]
-    act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * min(1, m) + costs["post_act"]
-    activations = (act_stage0 + costs["post_act"] if pp == 1 else max(act_stage0, act_last)) + working
-    buffers = shape.buffers_bytes + 2 * BUCKET_BYTES
-    if par.zero >= 3 and shard > 1:
-        buffers += 2 * block_p * ab
-    peak = params_b + grads_b + optim_b + activations + buffers
+    act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * min(1, m)
+    head_saved, head_working = costs["post_act"], costs["post_working"]
+    zero3 = par.zero >= 3 and shard > 1
+    fixed = shape.buffers_bytes + 2 * BUCKET_BYTES
+    gather_blocks, gather_head = (2 * block_p * pb, post_p * pb) if zero3 else (0.0, 0.0)
+    grads_fwd = 0.0 if par.zero >= 2 and m == 1 else grads_b
+    body = act_stage0 if pp == 1 else act_last  # the blocks' saved tensors on the stage holding the head
+    moments = [  # (saved, working, buffers, gradients) at each moment
+        (body + head_saved, head_working, fixed + gather_head, grads_fwd),
+        # the loss's backward: the picked logits' gradient, a zeros tensor and its scatter-add, beside its saved tensors
+        (body + head_saved, 2 * head_working, fixed, grads_fwd),
+        (body, working, fixed + gather_blocks, grads_b)]
+    if pp > 1:
+        moments.append((act_stage0, working, fixed + gather_blocks, grads_b))
+    activations = max(x[0] for x in moments)  # the most saved at once (what the measurement compares)
+    _, working, buffers, _ = peak_at = max(moments, key=sum)  # the peak moment's transient and buffers
+    at_peak = sum(peak_at)
+    peak = params_b + optim_b + at_peak
     tokens = global_batch * shape.seq
     mfu = model_flops(shape, global_batch) / (total * par.world * peak_flops)
     times = {"compute": compute, "recompute": recompute, "tp_comm": tp_exposed_t, "cp_comm": cp_exposed_t,
              "pp_comm": pp_comm,
              "dp_comm": dp_exposed, "bubble": bubble, "optimizer": optimizer, "total": total}
     memory = {"params": params_b, "grads": grads_b, "optimizer": optim_b, "activations": activations,
-              "buffers": buffers, "peak": peak}
+              "working": working, "buffers": buffers, "peak": peak}
     return Estimate(par, times, memory, mfu, tokens / total,
                     budget if budget is not None else c.usable * profile.memory)
 

@@ -39,12 +39,15 @@ def take(full: torch.Tensor, slices: Sequence[tuple]) -> torch.Tensor:
 
 def block_of(name: str) -> str:
     """The model block a parameter belongs to: its name up to the first numbered module (``h.0``,
-    ``layers.3``), else its first module (``wte``, ``lm_head``): zero 3 gathers a block at a time."""
+    ``layers.3``), else the module that holds it (``model.embed_tokens``, ``model.norm``, ``lm_head``): zero 3
+    gathers a block at a time. Not the first module: Llama's embedding and final norm (both under ``model``)
+    then shared a bucket, so the final norm regathered the whole embedding in forward and again in backward
+    (measured: 2 GiB a rank on Llama-3 8B, ``bench/results/real_memory.md``)."""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():
             return ".".join(parts[:i + 1])
-    return parts[0] if len(parts) > 1 else ""
+    return ".".join(parts[:-1])
 
 
 class ParallelModule(torch.nn.Module):

@@ -31,6 +31,19 @@ _KINDS = {InputKind.PARAMETER: PARAM, InputKind.BUFFER: BUFFER, InputKind.USER_I
 
 
 
+def _without_weights(ep):
+    """``ep`` holding meta tensors in place of the model's parameters and buffers: the graph keeps the exported
+    program for its structure (casts, saved tensors: :mod:`nnscaler.compile.precision`, :mod:`nnscaler.cost.saved`),
+    and the compiled module keeps the graph; holding the model's own weights there kept the whole unsharded model
+    alive on every rank for the module's lifetime (measured: the fp32 weights of Llama-3 8B, 30 GiB a rank under
+    ZeRO 3, ``bench/results/real_memory.md``). Nothing reads the values after the trace."""
+    def meta(v):
+        m = torch.empty_like(v, device="meta")
+        return torch.nn.Parameter(m, requires_grad=v.requires_grad) if isinstance(v, torch.nn.Parameter) else m
+    ep._state_dict = {k: meta(v) if isinstance(v, torch.Tensor) else v for k, v in ep.state_dict.items()}
+    return ep
+
+
 class Tracer(Protocol):
     """What ``parallelize`` traces a model with: :func:`trace`'s signature."""
 
@@ -229,8 +242,8 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     constants = [t for t in ins if t.kind == CONSTANT]
     ins = [t for t in ins if t.kind != CONSTANT]
     graph = IRGraph(ops, ins, params, buffers + constants, outputs,
-                    {t.target: ep.constants[t.target] for t in constants if t.target in ep.constants}, exported=ep,
-                    writes=writes)
+                    {t.target: ep.constants[t.target] for t in constants if t.target in ep.constants},
+                    exported=_without_weights(ep), writes=writes)
     if specialised:
         lines = list(dict.fromkeys(specialised))
         warnings.warn(f"{type(model).__name__} branches on or sizes tensors by its data: traced for the sample "
