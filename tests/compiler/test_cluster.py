@@ -13,7 +13,7 @@ from nnscaler.cluster.cost import Parallel, bubble_fraction, estimate, in_flight
 from nnscaler.profiles import get_profile
 from nnscaler.cluster.search import plan_cluster, search, trace_shape
 
-from tests.fixtures.llama_meta import meta_llama
+from tests.fixtures.llama_meta import meta_shape
 
 H100 = get_profile("h100")
 
@@ -21,10 +21,7 @@ H100 = get_profile("h100")
 @pytest.fixture(scope="module")
 def shape():
     pytest.importorskip("transformers")
-    model, batch = meta_llama(2048, 5632, 2048, 32000)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trace_shape(model, batch)
+    return meta_shape(2048, 5632, 2048, 32000)
 
 
 def est(shape, **kw):
