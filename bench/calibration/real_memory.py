@@ -198,7 +198,7 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
                            recompute=par.recompute, zero=par.zero if dp > 1 else 0, precision=precision)
     policy = "tp" if tp > 1 else "dp"
     graphs: dict = {}
-    tracker = tracker if tracker is not None else tracker_class()()  # a labelling one: bench/calibration/peak_breakdown.py
+    tracker = tracker if tracker is not None else tracker_class()()  # or a labelling subclass of it (tags each storage with its operator and step)
     modules, opts = [], []
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")
