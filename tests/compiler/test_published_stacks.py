@@ -1,4 +1,4 @@
-"""The cluster cost model's terms fitted or set on the stacks of published runs (bench/published_runs.csv): ZeRO-3
+"""The cluster cost model's terms fitted or set on the stacks of published runs (nnscaler/cluster/published_runs.csv): ZeRO-3
 overlap inside a node and across nodes; and, off for the code nnscaler emits, torchtitan's per-op selective activation
 checkpointing (``sac_alternate_linears``) and bf16 parameters without autocast's per-micro-batch weight copies
 (``weight_casts``); on a small Llama traced on meta."""
