@@ -25,7 +25,10 @@ class ClusterConstants:
     A GEMM of ``m x k`` by ``k x n`` runs at ``matmul_max * I / (I + matmul_half)`` of ``peak``, where
     ``I = 1 / (1/m + 1/n + 1/k)`` is its arithmetic intensity in FLOP per byte of bf16 operands (a
     smoothed roofline: small or skinny GEMMs are bound by memory, large ones saturate at
-    ``matmul_max``); fused attention runs at ``attention`` of peak (half its scores skipped when causal).
+    ``matmul_max``); fused attention runs at ``attention * F / (F + attention_half)`` of peak (half its scores skipped
+    when causal), ``F`` the full-score forward FLOPs of one call on one rank (batch x heads x queries x keys x head
+    dim x 4): short sequences and few heads per rank leave the kernel's tiles underfilled (measured H100 flash
+    attention: 0.15 of peak at 4,096 tokens and 4 heads, 0.45 at 8,192 and 16; ``attention_half`` 0: a constant).
     Memory-bound operators move ``fusion`` times the bytes their inputs and outputs hold at the compute
     dtype: eager PyTorch (the code nnscaler emits) upcasts norms to fp32 and runs one kernel per operator;
     ``fusion_fused`` is the same for stacks with fused kernels (Megatron-LM, Llama 3's), used only to hold
@@ -35,10 +38,10 @@ class ClusterConstants:
     emits); ``score_passes_materialized`` is the fitted value for stacks that write the scores (Megatron-LM 2021:
     a batched GEMM, a fused scale-mask-softmax, dropout, a second GEMM), used only for published runs of such stacks.
     ``tp_exposed``: the part of tensor-parallel collectives not hidden behind compute; ``dp_overlap``: the
-    part of a micro-batch's backward that hides data-parallel collectives; ``zero3_overlap``: the part of the
-    step behind which ZeRO-3 (FSDP) prefetches its parameter gathers and reduce-scatters when its group stays inside a
-    node (NVLink copies run by the SMs, competing with the GEMMs), ``zero3_overlap_across`` when the group leaves it
-    (NIC-driven transfers; None: the same); ``pp_exposed``: the same for
+    part of a micro-batch's backward that hides data-parallel collectives; ``zero3_overlap``: the part of
+    ZeRO-3's (FSDP's) parameter gathers and reduce-scatters its prefetch hides behind compute (at most the step's
+    compute) when its group stays inside a node (NVLink copies run by the SMs, competing with the GEMMs),
+    ``zero3_overlap_across`` when the group leaves it (NIC-driven transfers; None: the same); ``pp_exposed``: the same for
     pipeline sends; ``usable``: the part of device memory plans may fill (allocator, NCCL, CUDA context).
     ``weight_casts``: bf16-mixed keeps, per micro-batch in flight, the bf16 copy autocast casts of each fp32 weight
     for its backward (what the code nnscaler emits does); False for stacks that compute with bf16 parameters
@@ -56,6 +59,7 @@ class ClusterConstants:
     tp_exposed: float
     dp_overlap: float
     fusion_fused: float = 1.0  # ``fusion`` of a stack with fused kernels (calibration rows that ran one)
+    attention_half: float = 0.0  # full-score forward FLOPs of one attention call at half ``attention`` (0: constant)
     score_passes: float = 0.0  # attention score passes through memory per forward (0: flash attention)
     score_passes_materialized: float = 0.0  # ``score_passes`` of a stack that writes the scores (calibration rows)
     sp_comm: float = 1.0  # sequence-parallel tp collectives vs the all-reduces they replace (gloo: no reduce-scatter)
@@ -66,6 +70,10 @@ class ClusterConstants:
     weight_casts: bool = True  # bf16-mixed saves autocast's bf16 weight copies per micro-batch (calibration rows: off)
     sac_alternate_linears: bool = False  # selective recompute as torchtitan's per-op AC (its calibration rows)
     fitted: str = ""
+
+    def attention_efficiency(self, flops: float) -> float:
+        """The fraction of peak an attention call of ``flops`` full-score forward FLOPs runs at."""
+        return self.attention * flops / (flops + self.attention_half) if self.attention_half else self.attention
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """Fraction of ``peak`` a GEMM of these dims reaches (see the class docstring)."""
@@ -113,25 +121,26 @@ _GIB = 2**30
 MFU = 0.5  # fraction of peak matmul throughput large training runs achieve (Megatron-LM reports 40-55%)
 BUS = 0.8  # fraction of link bandwidth NCCL's ring collectives reach (nccl-tests busbw)
 
-# Fitted by ``python bench/calibration/calibrate.py --holdout`` (its "fitted on every row" line) against the 40 rows of
-# bench/published_runs.csv (Megatron-LM SC'21 Table 1 on 32-3,072 A100; Megatron-Core r0.8.0 on 48-6,144 H100; Llama 3
-# 405B on 8k/16k H100; torchtitan Llama 2/3 on 64 A100 and 8-256 H100; MosaicML MPT 7B/13B on 8 A100): a grid over the
-# A100 matmul_max, the H100 GEMM curve (the first fit's 0.9 / 60, or the one fitted to bench/results/h100_kernels.csv:
-# chosen), attention, fusion, fusion_fused, dp_overlap, zero3_overlap inside a node (0: FSDP on one NVLink node hides
-# nothing, MPT's micro-batch series) and across nodes (zero3_overlap_across 0.2; one constant 0.3 before) and
-# tp_exposed, minimising the mean, then the worst |log(estimate / published step time)|; score_passes_materialized
-# counted (6), not fitted. Held out (leave one source out): median 5.2%, 37/40 rows within 15%
-# (bench/results/calibrate_holdout.md).
-_FIT = ("fitted by bench/calibration/calibrate.py --holdout against bench/published_runs.csv (grid on matmul_max, "
+# Fitted by ``python bench/calibration/calibrate.py --holdout`` (its "fitted on every row" line) against the 41 rows of
+# nnscaler/cluster/published_runs.csv (Megatron-LM SC'21 Table 1 on 32-3,072 A100; Megatron-Core r0.8.0 on 48-6,144
+# H100; Llama 3 405B on 8k/16k H100 and its 128k stage; torchtitan Llama 2/3 on 64 A100 and 8-256 H100; MosaicML MPT
+# 7B/13B on 8 A100): a grid over the A100 matmul_max, the H100 GEMM curve (the first fit's 0.9 / 60, or the one fitted
+# to bench/results/h100_kernels.csv with its attention curve, 0.482 of peak at half for 64 GFLOP calls: chosen),
+# attention, fusion, fusion_fused, dp_overlap, the part of ZeRO-3's traffic its prefetch hides inside a node (0.1) and
+# across nodes (0.5), and tp_exposed, minimising the mean, then the worst |log(estimate / published step time)|;
+# score_passes_materialized counted (6), not fitted. Held out (leave one source out): median 4.2%, 38/41 rows within
+# 15% (bench/results/calibrate_holdout.md).
+_FIT = ("fitted by bench/calibration/calibrate.py --holdout against nnscaler/cluster/published_runs.csv (grid on matmul_max, "
         "attention, fusion, fusion_fused, dp_overlap, zero3_overlap inside / across nodes, tp_exposed; H100 GEMM curve "
         "from measured kernels)")
 CALIBRATED = {
     "a100": ClusterConstants(peak=312e12, matmul_max=0.90, matmul_half=60.0, attention=0.40, fusion=3.0,
-                             tp_exposed=1.0, dp_overlap=0.9, zero3_overlap=0.0, zero3_overlap_across=0.2,
+                             tp_exposed=1.0, dp_overlap=0.9, zero3_overlap=0.1, zero3_overlap_across=0.5,
                              fusion_fused=2.0,
                              score_passes_materialized=6.0, fitted=_FIT),
-    "h100": ClusterConstants(peak=989.4e12, matmul_max=0.766, matmul_half=140.4, attention=0.367, fusion=3.0,
-                             tp_exposed=1.0, dp_overlap=0.9, zero3_overlap=0.0, zero3_overlap_across=0.2,
+    "h100": ClusterConstants(peak=989.4e12, matmul_max=0.766, matmul_half=140.4, attention=0.482,
+                             attention_half=64e9, fusion=3.0,
+                             tp_exposed=1.0, dp_overlap=0.9, zero3_overlap=0.1, zero3_overlap_across=0.5,
                              fusion_fused=2.0,
                              score_passes_materialized=6.0, fitted=_FIT),
 }

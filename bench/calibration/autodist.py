@@ -5,7 +5,7 @@ Cluster (``nnscaler.cluster.search``, H100 profile, bf16-mixed): Llama-3 8B on 8
 the chosen configuration and estimated MFU (goal >= 0.40, planning < 60 s each; MFU counts causal attention
 at half its scores since context parallelism joined the search, so the same step time reads ~3% lower; where
 the search takes cp, the best plan without it follows, and that is the one ``--save`` writes); then for every row of
-``bench/published_runs.csv`` the unconstrained search against the published configuration on the same cost
+``nnscaler/cluster/published_runs.csv`` the unconstrained search against the published configuration on the same cost
 model (goal: never slower), with the cost model's held-out error on that row and whether the search's claim lies
 beyond the evidence (:mod:`nnscaler.cluster.evidence`); every cluster plan prints its evidence lines.
 
@@ -171,7 +171,7 @@ def long_context_table(save: str | None = None) -> None:
 
 
 def published_table(save: str | None = None) -> None:
-    from bench.calibration.calibrate import config, load_rows, partly_published, shapes_for
+    from bench.calibration.calibrate import config, load_rows, row_plan, shapes_for
     from bench.calibration.llama_models import SHAPES
     from nnscaler.cluster.evidence import RUNS, claims
     from nnscaler.cluster.search import search
@@ -187,7 +187,7 @@ def published_table(save: str | None = None) -> None:
     wins = 0
     for r in rows:
         shape = shapes[(r["model"], int(r["seq"]))]
-        pub = search(shape, config(r, fit_memory=partly_published(r)), r["model"])  # as bench/calibration/calibrate.py
+        pub = row_plan(r, shape)  # as bench/calibration/calibrate.py
         # the published run ran: the search may use as much memory as our estimate of it says it took
         budget = max(int(0.9 * float(r["memory_gib"]) * 2**30), int(pub.best.memory["peak"]))
         mine = search(shape, config(r, cons={}, budget=budget), r["model"])

@@ -1,6 +1,6 @@
 """The cluster cost model against measured kernels and published measured runs: first the H100 kernel
 table (``bench/results/h100_kernels.csv``: the GEMM curve and flash attention, fitted by
-``bench/calibration/kernel_fit.py``), then estimated vs published step time per row of ``bench/published_runs.csv``.
+``bench/calibration/kernel_fit.py``), then estimated vs published step time per row of ``nnscaler/cluster/published_runs.csv``.
 With ``--fit``, the grid search that fitted the other constants in ``nnscaler/profiles.py``
 (``CALIBRATED``): the H100 kernel constants (matmul_max, matmul_half, attention) held at their fit to the
 measured kernels, the A100's matmul_max and attention (no kernels measured there), fusion and dp_overlap
@@ -14,12 +14,15 @@ rows that ran fused kernels.
 every source but one, that source's rows estimated with them; per row, per source and overall held-out error, the
 Spearman rank correlation inside each ablation series (goals: every row within +-15%, median within 8%, Spearman
 >= 0.9 in each series of 3 or more rows; pairs are printed with how far apart they were published), and the
-evidence block ``nnscaler/cluster/evidence.py`` keeps (results: bench/results/calibrate_holdout.md).
+evidence columns ``nnscaler/cluster/evidence.py`` reads (``mfu``, ``held_out``; ``--write`` writes them into the
+CSV; results: bench/results/calibrate_holdout.md).
 
 Published step time: ``global_batch * seq / (gpus * tokens_per_gpu)``, or for rows published as model
 TFLOP/s per GPU ``model FLOPs per step / (gpus * TFLOP/s)`` with the model FLOPs counted on our trace
-(3 x forward, attention in full). Estimated: the cost model on the published configuration; fields the
-source did not publish are completed by the search (the best completion that fits the run's memory).
+(3 x forward, attention in full; ``tflops_per_gpu_causal``: causal attention at half its scores, as
+``nnscaler.cluster.cost.model_flops`` and Llama 3's MFU count them). Estimated: the cost model on the published configuration; fields the
+source did not publish are completed by the search (the best completion that fits the run's memory; where none
+does by our memory estimate, the fastest: :func:`row_plan`).
 Goal: every row within +-20%, median within 10%.
 
 Last, the cost model on this machine (:mod:`bench.calibration.cpu_gloo`): estimated vs measured step time on the
@@ -41,18 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.calibration import cpu_gloo, holdout, kernel_fit  # noqa: E402
 from bench.calibration.llama_models import llama_shape  # noqa: E402
-from nnscaler import ComputeConfig  # noqa: E402
-from nnscaler.cluster.cost import BACKWARD  # noqa: E402
+from nnscaler import ComputeConfig, PlanError  # noqa: E402
+from nnscaler.cluster.cost import BACKWARD, model_flops  # noqa: E402
 from nnscaler.profiles import CALIBRATED, PROFILES  # noqa: E402
+from nnscaler.cluster.evidence import CSV, load_rows, recompute_of, row_kinds  # noqa: E402
 from nnscaler.cluster.search import search  # noqa: E402
 
-CSV = Path(__file__).resolve().parents[1] / "published_runs.csv"
 INT_KEYS = ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "zero")
-
-
-def load_rows(path: Path = CSV) -> list[dict]:
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    return list(csv.DictReader(lines))
 
 
 def constraints(row: dict) -> dict:
@@ -64,14 +62,10 @@ def constraints(row: dict) -> dict:
         out["recompute"] = recompute_of(row)
     if row["sequence_parallel"]:
         out["sequence_parallel"] = row["sequence_parallel"] == "True"
-    out["cp"] = int(row.get("cp") or 1)  # no row of the CSV ran context parallelism (no cp column: 1)
+    out["cp"] = int(row.get("cp") or 1)  # blank: no context parallelism
+    if row.get("cp_scheme"):
+        out["cp_scheme"] = row["cp_scheme"]
     return out
-
-
-def recompute_of(row: dict) -> str:
-    """The row's recompute as the planner names it (torchtitan's per-op selective AC is ``selective``, its saved set
-    set by :func:`row_profile`)."""
-    return "selective" if row["recompute"] == "selective-op" else row["recompute"]
 
 
 def published_seconds(row: dict, shape) -> float:
@@ -79,6 +73,8 @@ def published_seconds(row: dict, shape) -> float:
     value = float(row["value"])
     if row["metric"] == "tokens_per_gpu":
         return gb * shape.seq / (gpus * value)
+    if row["metric"] == "tflops_per_gpu_causal":  # causal attention at half its scores (cost.model_flops, as MFU)
+        return model_flops(shape, gb) / (gpus * value * 1e12)
     flops = (1 + BACKWARD) * shape.fwd_flops / shape.batch * gb
     if row["metric"] == "tflops_per_gpu_recompute":  # the rate counts the forward full recompute repeats
         flops *= (2 + BACKWARD) / (1 + BACKWARD)
@@ -127,11 +123,24 @@ def shapes_for(rows: list[dict]) -> dict:
     return cache
 
 
+def row_plan(r: dict, shape, profiles=None):
+    """The row's plan: its published configuration, the fields it did not publish completed by the search within the
+    run's device memory. Where no completion fits by our memory estimate, the run itself shows that one did (our
+    estimate is not that stack's: Llama 3 trained 8k sequences without recompute by freeing each stage's inputs
+    and outputs early, Dubey et al. 2024 section 3.3.2), so the completion is the fastest one without the bound."""
+    try:
+        return search(shape, config(r, fit_memory=partly_published(r), profiles=profiles), r["model"])
+    except PlanError:
+        if not partly_published(r):
+            raise
+        return search(shape, config(r, fit_memory=False, profiles=profiles), r["model"])
+
+
 def errors(rows, shapes, profiles=None) -> list[tuple[dict, float, float, object]]:
     out = []
     for r in rows:
         shape = shapes[(r["model"], int(r["seq"]))]
-        plan = search(shape, config(r, fit_memory=partly_published(r), profiles=profiles), r["model"])
+        plan = row_plan(r, shape, profiles)
         out.append((r, plan.best.step_seconds, published_seconds(r, shape), plan))
     return out
 
@@ -179,7 +188,7 @@ def fit(rows, shapes) -> None:
 # ("kernels", with its attention constant). a100 keeps matmul_half 60 (no A100 kernels measured)
 GRID = {"a100_matmul_max": (0.9,), "h100_gemm": ("published", "kernels"), "attention": (0.4, 0.55),
         "fusion": (3.0,), "fusion_fused": (1.0, 2.0), "dp_overlap": (0.9,),
-        "zero3_overlap": (0.0, 0.1, 0.2, 0.3), "zero3_overlap_across": (0.1, 0.2, 0.3, 0.6),
+        "zero3_overlap": (0.0, 0.1, 0.2, 0.3), "zero3_overlap_across": (0.3, 0.4, 0.5, 0.6),
         "tp_exposed": (0.5, 1.0, 1.5),
         "score_passes_materialized": (6.0,)}
 # zero3_overlap reaches down to 0 (FSDP's gathers and reduce-scatters all exposed): the 34-row fit ended on the old
@@ -222,8 +231,9 @@ def error_table(rows, shapes, points) -> dict[str, dict]:
     return table
 
 
-def run_holdout(rows, shapes) -> None:
-    """Leave-one-source-out (:mod:`bench.calibration.holdout`): per row, source, series and overall."""
+def run_holdout(rows, shapes, write: bool = False) -> None:
+    """Leave-one-source-out (:mod:`bench.calibration.holdout`): per row, source, series and overall; ``write``: the
+    evidence columns (``mfu``, ``held_out``) written into the published runs' CSV."""
     points = grid_points()
     print(f"leave-one-source-out over {len(rows)} published rows from {len({r['source'] for r in rows})} sources; "
           f"grid of {len(points)} constant sets ({', '.join(f'{k} {v}' for k, v in GRID.items())})", flush=True)
@@ -264,31 +274,36 @@ def run_holdout(rows, shapes) -> None:
         goal = ("  (goal >= 0.9)" if rho >= 0.9 else "  (goal >= 0.9: NOT met)") if len(names) >= 3 else \
             f"  (a pair, not a series of >= 3: published {gap:.1f}% apart)"
         print(f"  {k[0]} on {k[2]} {k[1]}: {len(names)} rows ({', '.join(names)}): Spearman {rho:+.2f}{goal}")
-    print("\nevidence block for nnscaler/cluster/evidence.py (RUNS):")
+    print(f"\nevidence (the mfu and held_out columns of {CSV.name}, nnscaler.cluster.evidence):")
+    record = {}
     for r in rows:
         shape = shapes[(r["model"], int(r["seq"]))]
-        flops = (1 + BACKWARD) * shape.fwd_flops / shape.batch * int(r["global_batch"])
-        mfu = flops / (published_seconds(r, shape) * int(r["gpus"]) * PROFILES[r["device"]].cluster.peak)
-        print(f'    _r("{r["name"]}", "{r["device"]}", {r["gpus"]}, "{" ".join(sorted(row_kinds(r)))}", {mfu:.4f}, '
-              f'{holdout.rel(held[r["name"]]):+.4f}),')
+        mfu = model_flops(shape, int(r["global_batch"])) / (published_seconds(r, shape) * int(r["gpus"]) *
+                                                            PROFILES[r["device"]].cluster.peak)
+        record[r["name"]] = (f"{mfu:.4f}", f"{holdout.rel(held[r['name']]):+.4f}")
+        print(f'    {r["name"]:<30} {r["device"]} {r["gpus"]:>5}  {" ".join(sorted(row_kinds(r))):<45} mfu '
+              f'{record[r["name"]][0]}  held out {record[r["name"]][1]}')
+    if write:
+        write_record(record)
+        print(f"written to {CSV}")
 
 
-def row_kinds(row: dict) -> set[str]:
-    """The parallelism kinds a published row's published fields name (as ``nnscaler.cluster.evidence`` does)."""
-    kinds = set()
-    tp, pp, dp = (int(row[k]) if row[k] else 1 for k in ("tp", "pp", "dp"))
-    kinds |= {"tp"} if tp > 1 else set()
-    kinds |= {"pp"} if pp > 1 else set()
-    kinds |= {"dp"} if dp > 1 else set()
-    if row["sequence_parallel"] == "True" and tp > 1:
-        kinds.add("sp")
-    if row["virtual_stages"] and int(row["virtual_stages"]) > 1:
-        kinds.add("interleaved")
-    if row["zero"] and dp > 1:
-        kinds.add(f"zero{row['zero']}")
-    if row["recompute"]:
-        kinds.add(f"recompute-{recompute_of(row)}")
-    return kinds
+def write_record(record: dict[str, tuple[str, str]], path: Path = CSV) -> None:
+    """Set the ``mfu`` and ``held_out`` columns of ``path``'s rows named in ``record`` (the header lines kept)."""
+    out, header = [], None
+    for ln in path.read_text().splitlines():
+        if not ln.strip() or ln.startswith("#"):
+            out.append(ln)
+            continue
+        fields = next(csv.reader([ln]))
+        if header is None:
+            header = fields
+        elif fields[0] in record:
+            row = dict(zip(header, fields))
+            row["mfu"], row["held_out"] = record[fields[0]]
+            fields = [row[k] for k in header]
+        out.append(",".join(fields))
+    path.write_text("\n".join(out) + "\n")
 
 
 def main() -> None:
@@ -296,6 +311,8 @@ def main() -> None:
     ap.add_argument("--fit", action="store_true", help="grid-search matmul_max, attention, fusion, dp_overlap")
     ap.add_argument("--holdout", action="store_true",
                     help="leave-one-source-out: fit on the other sources, report each source's rows (no cpu table)")
+    ap.add_argument("--write", action="store_true",
+                    help="--holdout: write each row's measured MFU and held-out error into the published runs' CSV")
     ap.add_argument("--cpu-only", action="store_true", help="only the cpu-gloo table (measured here)")
     ap.add_argument("--skip-cpu", action="store_true", help="leave out the cpu-gloo table")
     ap.add_argument("--steps", type=int, default=6, help="cpu-gloo: measured steps per configuration")
@@ -307,7 +324,7 @@ def main() -> None:
         return
     if args.holdout:
         rows = load_rows()
-        run_holdout(rows, shapes_for(rows))
+        run_holdout(rows, shapes_for(rows), args.write)
         return
     kernels = kernel_fit.load()
     print(kernel_fit.table(dataclasses.replace(CALIBRATED["h100"], fitted=""), kernel_fit.fit(CALIBRATED["h100"],

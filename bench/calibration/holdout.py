@@ -1,4 +1,4 @@
-"""Leave-one-source-out validation of the cluster cost model against ``bench/published_runs.csv``.
+"""Leave-one-source-out validation of the cluster cost model against ``nnscaler/cluster/published_runs.csv``.
 
 The fitted constants are chosen on a grid: every grid point's log error ``log(estimate / published)`` on every
 row is computed once (:func:`error_table`), so a fold's fit (the point with the smallest mean, then worst,

@@ -1,7 +1,7 @@
 """Llama-shaped and GPT-shaped models on the meta device (no weights allocated) for the cluster benchmarks, by
 name; Llama shapes from the Llama 2 and Llama 3 model cards (hidden, ffn, layers, heads, kv heads, vocab), GPT
 shapes (hidden, layers, heads, vocab; a GELU MLP of 4 x hidden, learned positions, untied head:
-``verify.models.nanogpt``) from the published runs that used them (``bench/published_runs.csv``: [SC21] the table-1 script of
+``verify.models.nanogpt``) from the published runs that used them (``nnscaler/cluster/published_runs.csv``: [SC21] the table-1 script of
 Megatron-LM's SC'21 examples, [MC] Megatron-LM's README model table, [MPT] llm-foundry's benchmark tables)."""
 from __future__ import annotations
 

@@ -157,7 +157,8 @@ def section_forward(sec: Section, tp: int, sp: bool, scale: float, c: ClusterCon
             k, n = (k, n / tp) if o.column else (k / tp, n)
             t += o.flops * scale / tp / (c.peak * c.gemm_efficiency(m, n, k))
         elif o.kind == "attention":
-            t += o.flops * scale * attention_share / div * (0.5 if causal else 1.0) / (c.peak * c.attention)
+            call = o.flops * scale * attention_share / div  # one call's full-score FLOPs on this rank
+            t += call * (0.5 if causal else 1.0) / (c.peak * c.attention_efficiency(call))
             t += c.score_passes * o.scores * scale * attention_share * act_bytes / div / profile.mem_bw  # scores in
             # memory (no flash attention), a split attention's share of them
         else:
@@ -442,12 +443,14 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
             dp_comm = m * dp_coll("reduce_scatter", grad_bytes) + dp_coll("all_gather", stage_params * pb)
         else:  # gather parameters for forward and backward, reduce-scatter gradients, every micro-batch
             dp_comm = m * (2 * dp_coll("all_gather", stage_params * ab) + dp_coll("reduce_scatter", grad_bytes))
-    # what hides the collectives: ZeRO-3 prefetches across the whole step, ZeRO-2 reduce-scatters behind every
+    # what hides the collectives: ZeRO-3 prefetches across the whole step and hides a fixed part of its own traffic
+    # (``zero3_overlap``: the first gather and the last reduce-scatter have nothing to hide behind, and the transfers
+    # slow the GEMMs they overlap), at most the whole compute of the step; ZeRO-2 reduce-scatters behind every
     # backward, ZeRO-1 its reduce-scatter behind the last micro-batch's backward and its all-gather behind the next
     # step's first forward (Megatron-LM's overlapped gradient reduce and parameter gather), ZeRO-0 all-reduce buckets
     # behind the last micro-batch's backward
     z3 = c.zero3_overlap if c.zero3_overlap_across is None or not dp_across else c.zero3_overlap_across
-    hide = (z3 * m * t_mb if par.zero >= 3 else
+    hide = (min(z3 * dp_comm, m * t_mb) if par.zero >= 3 else
             c.dp_overlap * (m * t_mb * BACKWARD / (1 + BACKWARD) if par.zero == 2 else
                             t_mb if par.zero == 1 else t_mb * BACKWARD / (1 + BACKWARD)))
     dp_exposed = max(0.0, dp_comm - hide)

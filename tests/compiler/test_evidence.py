@@ -1,4 +1,4 @@
-"""Plans bounded by evidence (nnscaler/cluster/evidence.py): the record matches bench/published_runs.csv, and a
+"""Plans bounded by evidence (nnscaler/cluster/evidence.py): the record is nnscaler/cluster/published_runs.csv, and a
 plan's report says when its estimate extrapolates or claims more than the best published run by more than the
 held-out error."""
 from __future__ import annotations
@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 from nnscaler.cluster.cost import Parallel
-from nnscaler.cluster.evidence import RUNS, Run, claims, held_out_error
-
-CSV = Path(__file__).resolve().parents[2] / "bench" / "published_runs.csv"
+from nnscaler.cluster.evidence import CSV, RUNS, Run, claims, held_out_error, load_runs
 
 FITTED = (Run("small", "h100", 8, frozenset({"dp", "zero3", "recompute-selective"}), 0.40, 0.05),
           Run("big", "h100", 512, frozenset({"tp", "sp", "pp", "dp", "zero1", "recompute-full"}), 0.45, -0.10))
@@ -19,14 +17,32 @@ FSDP = Parallel(dp=8, zero=3, recompute="selective")
 
 
 def test_the_record_is_the_published_table():
+    """Every published row carries its evidence (written by calibrate.py --holdout --write), and the measured MFU
+    written is the published rate's where the row was published as one (a stale column fails here)."""
     rows = list(csv.DictReader(ln for ln in CSV.read_text().splitlines() if ln.strip() and not ln.startswith("#")))
     assert [r.name for r in RUNS] == [r["name"] for r in rows]
     for run, row in zip(RUNS, rows):
         assert (run.device, run.gpus) == (row["device"], int(row["gpus"]))
         assert 0.1 < run.mfu < 0.8 and abs(run.held_out) < 1.0
-        if row["metric"] == "tflops_per_gpu":  # MFU is the rate over the dense bf16 peak
+        if row["metric"] in ("tflops_per_gpu", "tflops_per_gpu_causal"):  # MFU is the rate over the dense bf16 peak
             peak = {"a100": 312.0, "h100": 989.4}[row["device"]]
             assert abs(run.mfu - float(row["value"]) / peak) < 0.02, run.name
+        assert ("tp" in run.kinds) == (int(row["tp"] or 1) > 1) and ("cp-allgather" in run.kinds) == (
+            int(row["cp"] or 1) > 1), run.name
+
+
+def test_the_record_is_read_from_the_table(tmp_path):
+    """evidence.py keeps no copy of the table: what the CSV says is what it loads; rows without evidence are left out."""
+    text = CSV.read_text().splitlines()
+    head = next(i for i, ln in enumerate(text) if ln.startswith("name,"))
+    cols = text[head].split(",")
+    first = dict(zip(cols, text[head + 1].split(",")))
+    first.update(name="probe", gpus="24", mfu="0.5", held_out="-0.25")
+    blank = {**first, "name": "blank", "held_out": ""}
+    (tmp_path / "runs.csv").write_text("\n".join(["# header", text[head]] + [",".join(r[c] for c in cols)
+                                                                             for r in (first, blank)]))
+    (run,) = load_runs(tmp_path / "runs.csv")
+    assert (run.name, run.gpus, run.mfu, run.held_out) == ("probe", 24, 0.5, -0.25)
 
 
 def test_a_plan_inside_the_range_says_so_and_no_more():
@@ -72,7 +88,7 @@ def small_llama():
 def test_the_record_is_the_held_out_error_the_results_report():
     """The calibration line's figure is the one bench/results/calibrate_holdout.md reports (pasted together)."""
     import re
-    text = (CSV.parents[1] / "bench" / "results" / "calibrate_holdout.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "bench" / "results" / "calibrate_holdout.md").read_text()
     found = re.search(r"median held-out \\\|error\\\| <= 8% \| \*\*([0-9.]+)%\*\* over (\d+) rows", text)
     median, rows = found.groups()
     assert int(rows) == len(RUNS)
