@@ -55,6 +55,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..runtime.grad_sync import BUCKET_BYTES
+from ..runtime.zero import IN_FLIGHT as ZERO_IN_FLIGHT
+from ..runtime.zero3 import KEEP as ZERO3_KEEP
 from .blocks import ModelShape, Section
 from ..cost.comm import collective_time
 from ..cost.compute import BACKWARD, OPTIMIZER_TRAFFIC
@@ -473,16 +475,26 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     head_saved, head_working = costs["post_act"], costs["post_working"]
     zero3 = par.zero >= 3 and shard > 1
     fixed = shape.buffers_bytes + 2 * BUCKET_BYTES
-    gather_blocks, gather_head = (2 * block_p * pb, post_p * pb) if zero3 else (0.0, 0.0)
+    # ZeRO 3 in a block's backward: a bucket is one weight once it reaches BUCKET_BYTES (nnscaler/runtime/zero.py),
+    # so what is gathered at once is a few weights, not whole blocks: the KEEP buckets the (recomputed) forward's
+    # cache holds, one regathered for a saved weight's backward, and the IN_FLIGHT packed fp32 gradient of the bucket
+    # being reduce-scattered, each at most the block's largest weight (fp32). Measured at real width on fake tensors
+    # (Llama-2 70B, ZeRO 3, full recompute: 2.9 GiB live at the backward's peak where two whole fp32 blocks, 6.4 GiB,
+    # were counted; bench/results/real_memory.md)
+    largest = max((o.params / (tp if o.params_split else 1) for o in shape.block.ops), default=0.0)
+    bucket = max(largest * pb, BUCKET_BYTES)
+    gather_blocks, gather_head = ((ZERO3_KEEP + 1 + ZERO_IN_FLIGHT) * bucket, post_p * pb) if zero3 else (0.0, 0.0)
+    # under ZeRO 2/3 with one micro-batch no gradient exists yet at the end of the forward, nor at the first block's
+    # backward (the moment with every block's saved tensors): the blocks' gradient shards come as their backward runs
     grads_fwd = 0.0 if par.zero >= 2 and m == 1 else grads_b
     body = act_stage0 if pp == 1 else act_last  # the blocks' saved tensors on the stage holding the head
     moments = [  # (saved, working, buffers, gradients) at each moment
         (body + head_saved, head_working, fixed + gather_head, grads_fwd),
         # the loss's backward: the picked logits' gradient, a zeros tensor and its scatter-add, beside its saved tensors
         (body + head_saved, 2 * head_working, fixed, grads_fwd),
-        (body, working, fixed + gather_blocks, grads_b)]
+        (body, working, fixed + gather_blocks, grads_fwd)]
     if pp > 1:
-        moments.append((act_stage0, working, fixed + gather_blocks, grads_b))
+        moments.append((act_stage0, working, fixed + gather_blocks, grads_fwd))
     activations = max(x[0] for x in moments)  # the most saved at once (what the measurement compares)
     _, working, buffers, _ = peak_at = max(moments, key=sum)  # the peak moment's transient and buffers
     at_peak = sum(peak_at)
