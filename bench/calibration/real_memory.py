@@ -225,14 +225,26 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
             grads = acts = 0
             flight: dict = {}  # saved bytes of each forward whose backward has not run
             Saved = _saved_counter()
+            # torch's PipelineStage (nnscaler/runtime/pipeline.py) allocates, for every micro-batch of the step and
+            # for the whole run, a receive buffer of each chunk's input (a leaf that requires grad, whole, at the
+            # residual stream's dtype) unless the chunk is the model's first, and of its output's gradient unless it
+            # is the model's last; the input's gradient accumulates on its buffer until the next step clears it
+            dtype = hidden.dtype  # what the chunk was traced with: the residual stream's dtype (fp32 under bf16-mixed)
+            with fm:
+                recv = {(c, mb): torch.zeros(mbs, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
+                        for c in range(v) if not kinds[c][0] for mb in range(m_eff)}
+                recv_grad = {(c, mb): torch.zeros(mbs, seq, cfg.hidden_size, dtype=dtype)
+                             for c in range(v) if not kinds[c][1] for mb in range(m_eff)}
             for _step in range(2):
                 outs: dict = {}
+                for x in recv.values():  # the stage's clear_runtime_states at the start of a step
+                    x.grad = None
                 for kind_, c, mb in ops:
                     pm = modules[c]
                     tracker.phase = f"{kind_}{c}.{mb}"  # what the tracker is running (read by a labelling tracker)
                     if kind_ == "F":
                         tracker.memory_tracking.pop(pm, None)  # a chunk called again: a new micro-batch, not a new iteration
-                        x = ids if kinds[c][0] else torch.zeros(mbs, seq, cfg.hidden_size, requires_grad=True)
+                        x = ids if kinds[c][0] else recv[(c, mb)]
                         with Saved(pm.param_tensors()) as saved:
                             outs[(c, mb)] = pm(x, ids)
                         flight[(c, mb)] = saved.bytes
@@ -240,8 +252,9 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
                     else:
                         flight.pop((c, mb))
                         out = outs.pop((c, mb))
-                        out.backward(torch.ones_like(out) if out.dim() == 0 else torch.empty_like(out))
+                        out.backward(torch.ones_like(out) if out.dim() == 0 else recv_grad[(c, mb)])
                         del out
+                    x = None
                 grads = sum(_storages(pm.grad_tensors()) for pm in modules)
                 tracker.phase = "step"
                 for o in opts:
@@ -254,7 +267,7 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
     peak = got["peak"] = snap["Total"]
     got["at_peak"] = {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}  # the tracker's kinds
     got["held"] = peak - got["params"] - got["grads"] - got["optimizer"]  # everything else at the peak
-    del modules, opts
+    del modules, opts, recv, recv_grad
     gc.collect()
     dist.destroy_process_group()
     return got
@@ -269,6 +282,12 @@ def _counts(plan) -> list[int]:
     return next(iter(memo.values()))["split"][plan.parallel.pp * plan.parallel.virtual_stages][0]
 
 
+def microbatches_run(par) -> int:
+    """Micro-batches a step runs in the measurement: the plan's, cut to ``pp + 1`` (``2 pp`` interleaved), by when
+    the in-flight peak is reached (every micro-batch when there are fewer)."""
+    return min(par.num_microbatches, 2 * par.pp if par.virtual_stages > 1 else par.pp + 1)
+
+
 def measure_plan(plan, stage: int, extrapolate: bool = False, width_scale: int = 1, name=None) -> dict:
     """Stage ``stage`` of cluster plan ``plan`` measured (bytes per ``KEYS`` and ``held``): at its real block
     count, or (``extrapolate``) at ``LOW`` and ``HIGH`` blocks per chunk, extrapolated linearly."""
@@ -276,7 +295,7 @@ def measure_plan(plan, stage: int, extrapolate: bool = False, width_scale: int =
     counts = _counts(plan)
     v = par.virtual_stages
     chunks = [counts[c * par.pp + stage] for c in range(v)]  # chunk c of stage s: model chunk c pp + s
-    m_eff = min(par.num_microbatches, 2 * par.pp if par.virtual_stages > 1 else par.pp + 1)
+    m_eff = microbatches_run(par)
     model, seq = name or plan.model, plan.shape.seq
     if not extrapolate or max(chunks) <= LOW + 1:
         return measure_stage(model, par, plan.precision, seq, stage, chunks, m_eff, width_scale)
@@ -300,10 +319,18 @@ def estimated(plan) -> dict:
     fp32 weights kept for backward, and every saved tensor at 2 bytes), while the program compiled here keeps fp32
     master weights under autocast: its configuration is estimated again with the device's own profile (what
     ``plan_cluster`` uses; the same figures for a plan searched with it). Without this, Llama-3 8B at seq 8192
-    (``search-tt-a100-llama3-8b``) read 51.2 GiB of saved activations against 88.2 measured."""
+    (``search-tt-a100-llama3-8b``) read 51.2 GiB of saved activations against 88.2 measured.
+    Pipelined, at the micro-batches the measurement runs (:func:`microbatches_run`): the runtime's receive buffers
+    grow with the step's micro-batches (``nnscaler.cluster.cost.stage_boundaries``), and the figures are compared on
+    the same step; the planner's own peak at the plan's micro-batches is ``plan.best.memory["peak"]``."""
+    import dataclasses
+
     from nnscaler.cluster.cost import estimate
     from nnscaler.profiles import get_profile
-    e = estimate(plan.shape, plan.parallel, get_profile(plan.profile), plan.precision, plan.global_batch)
+    par = plan.parallel
+    if par.pp > 1:
+        par = dataclasses.replace(par, num_microbatches=microbatches_run(par))
+    e = estimate(plan.shape, par, get_profile(plan.profile), plan.precision, plan.global_batch)
     return {k: e.memory[k] for k in KEYS}
 
 

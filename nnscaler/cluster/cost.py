@@ -127,9 +127,33 @@ class Estimate:
 
 def in_flight(pp: int, stage: int, m: int, v: int = 1) -> float:
     """Micro-batches of activations stage ``stage`` holds at its peak under 1F1B (``v`` = 1) or
-    interleaved 1F1B (``v`` virtual stages, in units of the stage's whole layers)."""
-    base = min(pp - stage, m)
-    return base * (1 + (pp - 1) / (pp * v)) if v > 1 else float(base)
+    interleaved 1F1B (``v`` virtual stages, in units of the stage's whole layers): the chunk forwards of
+    torch's ``ScheduleInterleaved1F1B`` warm-up, ``2 (pp - 1 - stage) + (v - 1) pp``, and the one more its
+    steady state runs before a backward, never more than the ``m v`` there are (stage 0:
+    ``pp (1 + (pp - 1) / (pp v))``, Korthikanti et al. 2022; the last stage ``((v - 1) pp + 1) / v``)."""
+    if v == 1:
+        return float(min(pp - stage, m))
+    return min(m * v, 2 * (pp - 1 - stage) + (v - 1) * pp + 1) / v
+
+
+def stage_boundaries(pp: int, stage: int, m: int, v: int, whole: float) -> float:
+    """Bytes stage ``stage`` holds at its peak for the tensors it exchanges with its neighbours (``whole``: one
+    micro-batch's activation between blocks, whole: the runtime passes whole tensors to every rank of a stage,
+    sequence parallelism or not, at the residual stream's dtype). torch's ``PipelineStage``
+    (nnscaler/runtime/pipeline.py) allocates, once for every micro-batch of the step and for the whole run, a
+    receive buffer of each chunk's input (not the model's first chunk) and of each chunk's output gradient (not the
+    last); the received input's gradient accumulates on its buffer until the next step; each chunk's output is kept
+    until its backward. At the end of the steady state (the last forward): every buffer, the chunk forwards in flight,
+    and the input gradients of the backwards run so far (measured at real width on fake tensors:
+    bench/results/real_memory.md)."""
+    if pp == 1:
+        return 0.0
+    n_in = v - (1 if stage == 0 else 0)  # chunks that receive their input
+    n_out = v - (1 if stage == pp - 1 else 0)  # chunks that send an output (and receive its gradient)
+    chunks = in_flight(pp, stage, m, v) * v  # chunk forwards whose backward has not run
+    outputs = chunks * n_out / v
+    input_grads = max(0.0, m * v - chunks) * n_in / v
+    return whole * (m * (n_in + n_out) + outputs + input_grads)
 
 
 def bubble_fraction(pp: int, m: int, v: int = 1) -> float:
@@ -375,7 +399,11 @@ def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: Cl
                          if weight_casts else section_saved(shape.post, tp, sp, scale, LOSS_BYTES)),
             # the loss's transient at the end of the forward: the shifted logits, fp32, before their exp (opzoo/kernels.py)
             "post_working": tokens_mb / par.cp * shape.vocab / tp * LOSS_BYTES,
-            "params": (shape.pre.params(tp), shape.block.params(tp), shape.post.params(tp))}
+            "params": (shape.pre.params(tp), shape.block.params(tp), shape.post.params(tp)),
+            # a stage's input and output, the residual stream (fp32 under bf16-mixed), as nnscaler's runtime holds them
+            # (stage_boundaries); not counted for the published stacks (weight_casts off), which send and keep them
+            # otherwise (Megatron-LM: one buffer per send, split under sequence parallelism)
+            "boundary_bytes": wide or (ab if c.weight_casts else 0)}
 
 
 def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision: str, global_batch: int,
@@ -471,7 +499,11 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     per_layer_act, working = costs["per_layer_act"], costs["working"]
     flight = in_flight(pp, 0, m, v)
     act_stage0 = flight * (counts[0] if v == 1 else max(counts) * v) * per_layer_act + flight * costs["pre_act"]
-    act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * min(1, m)
+    act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * in_flight(pp, pp - 1, m, v)
+    # the tensors a pipeline stage exchanges, whole, at the residual stream's dtype (fp32 under bf16-mixed: the
+    # embedding's output is fp32), on the first and the last stage
+    whole = tokens_mb / cp * shape.hidden * costs["boundary_bytes"]
+    bound0, bound_last = (stage_boundaries(pp, s, m, v, whole) for s in (0, pp - 1))
     head_saved, head_working = costs["post_act"], costs["post_working"]
     zero3 = par.zero >= 3 and shard > 1
     fixed = shape.buffers_bytes + 2 * BUCKET_BYTES
@@ -489,12 +521,12 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     grads_fwd = 0.0 if par.zero >= 2 and m == 1 else grads_b
     body = act_stage0 if pp == 1 else act_last  # the blocks' saved tensors on the stage holding the head
     moments = [  # (saved, working, buffers, gradients) at each moment
-        (body + head_saved, head_working, fixed + gather_head, grads_fwd),
+        (body + head_saved, head_working, fixed + gather_head + bound_last, grads_fwd),
         # the loss's backward: the picked logits' gradient, a zeros tensor and its scatter-add, beside its saved tensors
-        (body + head_saved, 2 * head_working, fixed, grads_fwd),
-        (body, working, fixed + gather_blocks, grads_fwd)]
+        (body + head_saved, 2 * head_working, fixed + bound_last, grads_fwd),
+        (body, working, fixed + gather_blocks + bound_last, grads_fwd)]
     if pp > 1:
-        moments.append((act_stage0, working, fixed + gather_blocks, grads_fwd))
+        moments.append((act_stage0, working, fixed + gather_blocks + bound0, grads_fwd))
     activations = max(x[0] for x in moments)  # the most saved at once (what the measurement compares)
     _, working, buffers, _ = peak_at = max(moments, key=sum)  # the peak moment's transient and buffers
     at_peak = sum(peak_at)
