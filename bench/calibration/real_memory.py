@@ -34,6 +34,7 @@ whose measured peak exceeds the device's budget is flagged in the table (``over 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import tempfile
@@ -340,12 +341,21 @@ def compare(got: dict, est: dict) -> dict:
 
 
 def _short(p) -> str:
-    return (f"tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} v{p.virtual_stages} dp{p.dp} "
+    return (f"tp{p.tp}{'+sp' if p.sequence_parallel else ''}{f' cp{p.cp}' if p.cp > 1 else ''} pp{p.pp} "
+            f"v{p.virtual_stages} dp{p.dp} "
             f"mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} {p.recompute}")
 
 
+def without_cp(plan, search_again):
+    """``plan``, or where it takes context parallelism the best plan without (``search_again(constraints)``): the
+    measurement compiles each chunk without a cp split (``measure_stage`` reads no ``cp``), so a cp plan measured as
+    it is would be another program (twice the tokens per rank at cp 2; its ZeRO shards over dp only)."""
+    return plan if plan.parallel.cp == 1 else search_again({"cp": 1})
+
+
 def plans(skip_published: bool = False, only: list[str] | None = None):
-    """``(label, ClusterPlan)`` for every plan ``bench/calibration/autodist.py`` prints."""
+    """``(label, ClusterPlan)`` for every plan ``bench/calibration/autodist.py`` prints (a cp plan: the best one
+    without cp, :func:`without_cp`)."""
     from bench.calibration.llama_models import CLUSTER_RUNS
     from bench.calibration.llama_models import llama_shape
     from nnscaler import ComputeConfig
@@ -357,8 +367,9 @@ def plans(skip_published: bool = False, only: list[str] | None = None):
             if only and label not in only:
                 continue
             shape = shape or llama_shape(name, 4096)
-            yield label, search(shape, ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w),
-                                name)
+            cfg = ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w)
+            yield label, without_cp(search(shape, cfg, name),
+                                    lambda cons: search(shape, dataclasses.replace(cfg, constraints=cons), name))
     if skip_published:
         return
     from bench.calibration.calibrate import config, load_rows, partly_published, shapes_for
@@ -368,7 +379,8 @@ def plans(skip_published: bool = False, only: list[str] | None = None):
         shape = shapes[(r["model"], int(r["seq"]))]
         pub = search(shape, config(r, fit_memory=partly_published(r)), r["model"])
         budget = max(int(0.9 * float(r["memory_gib"]) * 2**30), int(pub.best.memory["peak"]))
-        yield f"search-{r['name']}", search(shape, config(r, cons={}, budget=budget), r["model"])
+        yield f"search-{r['name']}", without_cp(search(shape, config(r, cons={}, budget=budget), r["model"]),
+                                                lambda cons: search(shape, config(r, cons=cons, budget=budget), r["model"]))
 
 
 def _gib(x: float) -> str:

@@ -454,13 +454,20 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
                        post_p + counts[-1] * block_p * (1 if v == 1 else v), layers_max * block_p)
     if pp == 1:  # one stage holds the embedding and the head both (Llama-3 8B: measured 0.93 of the bytes
         stage_params = pre_p + post_p + layers_max * block_p  # without the head, bench/calibration/real_memory.py)
+    # the parameters a rank holds (memory): each stage's own chunks, ``counts[c pp + s]`` for its v chunks, where the
+    # time terms above take every chunk at the largest chunk's blocks (measured at real width on fake tensors: the
+    # interleaved Llama-3 405B plans read 1.02-1.04 of their state, bench/results/real_memory.md)
+    stage_blocks = [sum(counts[c * pp + s] for c in range(v)) for s in range(pp)]
+    held_params = (pre_p + post_p + stage_blocks[0] * block_p if pp == 1 else
+                   max(pre_p + stage_blocks[0] * block_p, post_p + stage_blocks[-1] * block_p,
+                       max(stage_blocks) * block_p))
     # gradients are reduced, and ZeRO shards, over the dp x cp ranks that hold the same parameters
     shard = par.shards
     dp_across = tp * shard > profile.ranks_per_node
     dp_coll = _group_collective(profile, shard, dp_across, max(1, min(shard, profile.ranks_per_node // tp)))
-    params_b = stage_params * pb / (shard if par.zero >= 3 else 1)
-    grads_b = stage_params * gb / (shard if par.zero >= 2 else 1)
-    optim_b = stage_params * ob / (shard if par.zero >= 1 else 1)
+    params_b = held_params * pb / (shard if par.zero >= 3 else 1)
+    grads_b = held_params * gb / (shard if par.zero >= 2 else 1)
+    optim_b = held_params * ob / (shard if par.zero >= 1 else 1)
     grad_bytes = stage_params * grad_reduce_bytes
     dp_comm = 0.0
     if shard > 1:
@@ -498,8 +505,8 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     # with one micro-batch no gradient exists yet at the end of the forward.
     per_layer_act, working = costs["per_layer_act"], costs["working"]
     flight = in_flight(pp, 0, m, v)
-    act_stage0 = flight * (counts[0] if v == 1 else max(counts) * v) * per_layer_act + flight * costs["pre_act"]
-    act_last = counts[-1] * (1 if v == 1 else v) * per_layer_act * in_flight(pp, pp - 1, m, v)
+    act_stage0 = flight * stage_blocks[0] * per_layer_act + flight * costs["pre_act"]
+    act_last = stage_blocks[-1] * per_layer_act * in_flight(pp, pp - 1, m, v)
     # the tensors a pipeline stage exchanges, whole, at the residual stream's dtype (fp32 under bf16-mixed: the
     # embedding's output is fp32), on the first and the last stage
     whole = tokens_mb / cp * shape.hidden * costs["boundary_bytes"]
