@@ -13,16 +13,22 @@ training steps of its recipe (precision, ZeRO over dp, recompute, sequence paral
   program (policy ``tp``, ``dp`` replicas over the data-parallel ranks, as ``nnscaler.cluster.plan.lower``
   gives inside a stage);
 - the pipeline schedule is driven here, not by ``torch.distributed.pipelining`` (whose sends need a real
-  group): the rank's forwards and backwards in 1F1B or interleaved 1F1B order (Megatron-LM's warm-up of
-  ``2 (pp - 1 - s) + (v - 1) pp`` chunk forwards), a stage's output backpropagated with an empty cotangent;
-  micro-batches per step cut to ``pp + 1`` (``2 pp`` interleaved): the in-flight peak is reached by then;
+  group): the rank's forwards and backwards in the order of torch's ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``
+  (a warm-up of ``2 (pp - 1 - s) + (v - 1) pp`` chunk forwards; ``tests/compiler/test_pipeline_memory.py`` holds
+  the order to torch's), with what torch's ``PipelineStage`` holds: a receive buffer of each chunk's input (not the
+  model's first chunk) and of its output's gradient (not the last) for every micro-batch, for the whole run, each
+  input's gradient kept on its buffer until the next step, each output until its backward; micro-batches per step
+  cut to ``pp + 1`` (``2 pp`` interleaved): the in-flight peak is reached by then (the estimate compared is taken at
+  the same count, :func:`estimated`);
+- a plan with context parallelism is measured as the best plan without it (:func:`without_cp`);
 - depth: every chunk at its real block count; ``--extrapolate`` compiles it at 2 and 4 blocks and
   extrapolates linearly (exact here: Llama-3 8B at 2, 3, 4, 8 blocks grows by the same bytes a block, and
   the 32-block run gives the same figures; at 1 block the peak falls elsewhere, in the head's backward).
 
 Measured (bytes of rank 0): parameters (ZeRO 3: the shards), gradients (after the last backward) and
 optimizer state (after the step) from the live storages; saved activations in flight: the storages autograd
-keeps for backward (``nnscaler.runtime.recompute.SavedActivations``, parameters left out), summed over the
+keeps for backward (``nnscaler.runtime.recompute.SavedActivations``, parameters and the pipeline's receive buffers
+left out: those are held whatever autograd saves), summed over the
 micro-batches whose backward has not run, at most; peak: the tracker's peak over both steps; ``held``: peak
 minus the state, i.e. everything else alive at the peak (saved activations, intermediates still referenced,
 gradient buffers of a step in progress). Estimate: :func:`nnscaler.cluster.cost.estimate` as the planner
@@ -246,7 +252,7 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
                     if kind_ == "F":
                         tracker.memory_tracking.pop(pm, None)  # a chunk called again: a new micro-batch, not a new iteration
                         x = ids if kinds[c][0] else recv[(c, mb)]
-                        with Saved(pm.param_tensors()) as saved:
+                        with Saved([*pm.param_tensors(), *recv.values()]) as saved:  # the received inputs: buffers
                             outs[(c, mb)] = pm(x, ids)
                         flight[(c, mb)] = saved.bytes
                         acts = max(acts, sum(flight.values()))

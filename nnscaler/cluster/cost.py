@@ -37,9 +37,11 @@ Memory per rank (the most loaded stage):
   params, which then gather two blocks at a time into ``buffers``);
   activations: saved elements per block (split ones / tp, the rest / tp only under sequence parallelism)
   times the blocks in flight: a 1F1B stage ``s`` holds ``min(pp - s, m)`` micro-batches, stage 0 the
-  most; interleaving with ``v`` virtual stages multiplies that by ``1 + (pp - 1) / (pp v)`` (Korthikanti
-  et al. 2022); ``full`` recompute keeps only each block's input plus one block's working set,
-  ``selective`` drops the attention core's outputs.
+  most; interleaving with ``v`` virtual stages holds torch's warm-up of chunk forwards (:func:`in_flight`;
+  stage 0: ``1 + (pp - 1) / (pp v)`` times as many, Korthikanti et al. 2022); ``full`` recompute keeps only each
+  block's input plus one block's working set, ``selective`` drops the attention core's outputs; a pipeline
+  stage also holds the tensors it exchanges, whole, with a receive buffer per micro-batch
+  (:func:`stage_boundaries`).
 MFU: model FLOPs of a step (3 x forward: backward counted as twice the forward) over ``world x peak x step
 time``, where the forward counts causal attention at half its ``s^2`` score and value products (the FLOPs
 a causal kernel does), as Llama 3's MFU figures do; the model FLOPs do not depend on the plan.

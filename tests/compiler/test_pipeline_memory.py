@@ -82,3 +82,23 @@ def test_torchs_stage_keeps_a_receive_buffer_per_micro_batch(fake_pp):
     assert stage_boundaries(3, 1, m, 1, whole) >= 2 * m * whole
     assert stage_boundaries(3, 0, m, 1, whole) < stage_boundaries(3, 1, m, 1, whole)
     assert stage_boundaries(1, 0, m, 1, whole) == 0
+
+
+def test_the_estimate_holds_the_receive_buffers_of_every_micro_batch():
+    """A pipelined plan's peak grows with the step's micro-batches by the receive buffers (inputs and output
+    gradients, whole fp32 under bf16-mixed) beyond the in-flight peak."""
+    from nnscaler.cluster.cost import Parallel, estimate
+    from nnscaler.profiles import get_profile
+    from tests.fixtures.llama_meta import meta_shape
+    shape = meta_shape(256, 896, 256, 1024)
+    h100 = get_profile("h100")
+
+    def peak(**kw):
+        return estimate(shape, Parallel(**kw), h100, "bf16-mixed", 64).memory
+
+    whole = shape.seq * shape.hidden * 4
+    a, b = peak(pp=4, dp=2, num_microbatches=8), peak(pp=4, dp=2, num_microbatches=16)
+    # stage 0 of four receives no input: 8 more gradient buffers, and the input gradients it keeps are none
+    assert b["peak"] - a["peak"] == pytest.approx(8 * whole, rel=0.02)
+    assert a["buffers"] >= stage_boundaries(4, 0, 8, 1, whole)
+    assert peak(pp=1, dp=8, num_microbatches=8)["buffers"] < a["buffers"] - 8 * whole  # no pipeline, no boundary
