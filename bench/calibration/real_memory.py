@@ -13,16 +13,22 @@ training steps of its recipe (precision, ZeRO over dp, recompute, sequence paral
   program (policy ``tp``, ``dp`` replicas over the data-parallel ranks, as ``nnscaler.cluster.plan.lower``
   gives inside a stage);
 - the pipeline schedule is driven here, not by ``torch.distributed.pipelining`` (whose sends need a real
-  group): the rank's forwards and backwards in 1F1B or interleaved 1F1B order (Megatron-LM's warm-up of
-  ``2 (pp - 1 - s) + (v - 1) pp`` chunk forwards), a stage's output backpropagated with an empty cotangent;
-  micro-batches per step cut to ``pp + 1`` (``2 pp`` interleaved): the in-flight peak is reached by then;
+  group): the rank's forwards and backwards in the order of torch's ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``
+  (a warm-up of ``2 (pp - 1 - s) + (v - 1) pp`` chunk forwards; ``tests/compiler/test_pipeline_memory.py`` holds
+  the order to torch's), with what torch's ``PipelineStage`` holds: a receive buffer of each chunk's input (not the
+  model's first chunk) and of its output's gradient (not the last) for every micro-batch, for the whole run, each
+  input's gradient kept on its buffer until the next step, each output until its backward; micro-batches per step
+  cut to ``pp + 1`` (``2 pp`` interleaved): the in-flight peak is reached by then (the estimate compared is taken at
+  the same count, :func:`estimated`);
+- a plan with context parallelism is measured as the best plan without it (:func:`without_cp`);
 - depth: every chunk at its real block count; ``--extrapolate`` compiles it at 2 and 4 blocks and
   extrapolates linearly (exact here: Llama-3 8B at 2, 3, 4, 8 blocks grows by the same bytes a block, and
   the 32-block run gives the same figures; at 1 block the peak falls elsewhere, in the head's backward).
 
 Measured (bytes of rank 0): parameters (ZeRO 3: the shards), gradients (after the last backward) and
 optimizer state (after the step) from the live storages; saved activations in flight: the storages autograd
-keeps for backward (``nnscaler.runtime.recompute.SavedActivations``, parameters left out), summed over the
+keeps for backward (``nnscaler.runtime.recompute.SavedActivations``, parameters and the pipeline's receive buffers
+left out: those are held whatever autograd saves), summed over the
 micro-batches whose backward has not run, at most; peak: the tracker's peak over both steps; ``held``: peak
 minus the state, i.e. everything else alive at the peak (saved activations, intermediates still referenced,
 gradient buffers of a step in progress). Estimate: :func:`nnscaler.cluster.cost.estimate` as the planner
@@ -34,6 +40,7 @@ whose measured peak exceeds the device's budget is flagged in the table (``over 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import tempfile
@@ -225,23 +232,36 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
             grads = acts = 0
             flight: dict = {}  # saved bytes of each forward whose backward has not run
             Saved = _saved_counter()
+            # torch's PipelineStage (nnscaler/runtime/pipeline.py) allocates, for every micro-batch of the step and
+            # for the whole run, a receive buffer of each chunk's input (a leaf that requires grad, whole, at the
+            # residual stream's dtype) unless the chunk is the model's first, and of its output's gradient unless it
+            # is the model's last; the input's gradient accumulates on its buffer until the next step clears it
+            dtype = hidden.dtype  # what the chunk was traced with: the residual stream's dtype (fp32 under bf16-mixed)
+            with fm:
+                recv = {(c, mb): torch.zeros(mbs, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
+                        for c in range(v) if not kinds[c][0] for mb in range(m_eff)}
+                recv_grad = {(c, mb): torch.zeros(mbs, seq, cfg.hidden_size, dtype=dtype)
+                             for c in range(v) if not kinds[c][1] for mb in range(m_eff)}
             for _step in range(2):
                 outs: dict = {}
+                for x in recv.values():  # the stage's clear_runtime_states at the start of a step
+                    x.grad = None
                 for kind_, c, mb in ops:
                     pm = modules[c]
                     tracker.phase = f"{kind_}{c}.{mb}"  # what the tracker is running (read by a labelling tracker)
                     if kind_ == "F":
                         tracker.memory_tracking.pop(pm, None)  # a chunk called again: a new micro-batch, not a new iteration
-                        x = ids if kinds[c][0] else torch.zeros(mbs, seq, cfg.hidden_size, requires_grad=True)
-                        with Saved(pm.param_tensors()) as saved:
+                        x = ids if kinds[c][0] else recv[(c, mb)]
+                        with Saved([*pm.param_tensors(), *recv.values()]) as saved:  # the received inputs: buffers
                             outs[(c, mb)] = pm(x, ids)
                         flight[(c, mb)] = saved.bytes
                         acts = max(acts, sum(flight.values()))
                     else:
                         flight.pop((c, mb))
                         out = outs.pop((c, mb))
-                        out.backward(torch.ones_like(out) if out.dim() == 0 else torch.empty_like(out))
+                        out.backward(torch.ones_like(out) if out.dim() == 0 else recv_grad[(c, mb)])
                         del out
+                    x = None
                 grads = sum(_storages(pm.grad_tensors()) for pm in modules)
                 tracker.phase = "step"
                 for o in opts:
@@ -254,7 +274,7 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
     peak = got["peak"] = snap["Total"]
     got["at_peak"] = {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}  # the tracker's kinds
     got["held"] = peak - got["params"] - got["grads"] - got["optimizer"]  # everything else at the peak
-    del modules, opts
+    del modules, opts, recv, recv_grad
     gc.collect()
     dist.destroy_process_group()
     return got
@@ -269,6 +289,12 @@ def _counts(plan) -> list[int]:
     return next(iter(memo.values()))["split"][plan.parallel.pp * plan.parallel.virtual_stages][0]
 
 
+def microbatches_run(par) -> int:
+    """Micro-batches a step runs in the measurement: the plan's, cut to ``pp + 1`` (``2 pp`` interleaved), by when
+    the in-flight peak is reached (every micro-batch when there are fewer)."""
+    return min(par.num_microbatches, 2 * par.pp if par.virtual_stages > 1 else par.pp + 1)
+
+
 def measure_plan(plan, stage: int, extrapolate: bool = False, width_scale: int = 1, name=None) -> dict:
     """Stage ``stage`` of cluster plan ``plan`` measured (bytes per ``KEYS`` and ``held``): at its real block
     count, or (``extrapolate``) at ``LOW`` and ``HIGH`` blocks per chunk, extrapolated linearly."""
@@ -276,7 +302,7 @@ def measure_plan(plan, stage: int, extrapolate: bool = False, width_scale: int =
     counts = _counts(plan)
     v = par.virtual_stages
     chunks = [counts[c * par.pp + stage] for c in range(v)]  # chunk c of stage s: model chunk c pp + s
-    m_eff = min(par.num_microbatches, 2 * par.pp if par.virtual_stages > 1 else par.pp + 1)
+    m_eff = microbatches_run(par)
     model, seq = name or plan.model, plan.shape.seq
     if not extrapolate or max(chunks) <= LOW + 1:
         return measure_stage(model, par, plan.precision, seq, stage, chunks, m_eff, width_scale)
@@ -295,8 +321,24 @@ def measured(plan, extrapolate: bool = False, width_scale: int = 1, name=None) -
 
 
 def estimated(plan) -> dict:
-    """The planner's bytes per ``KEYS``."""
-    return {k: plan.best.memory[k] for k in KEYS}
+    """The planner's bytes per ``KEYS`` for the program measured, nnscaler's. A published row's plan was searched
+    with that stack's profile (``bench/calibration/calibrate.py`` ``row_profile``: bf16 weights, so no bf16 copies of
+    fp32 weights kept for backward, and every saved tensor at 2 bytes), while the program compiled here keeps fp32
+    master weights under autocast: its configuration is estimated again with the device's own profile (what
+    ``plan_cluster`` uses; the same figures for a plan searched with it). Without this, Llama-3 8B at seq 8192
+    (``search-tt-a100-llama3-8b``) read 51.2 GiB of saved activations against 88.2 measured.
+    Pipelined, at the micro-batches the measurement runs (:func:`microbatches_run`): the runtime's receive buffers
+    grow with the step's micro-batches (``nnscaler.cluster.cost.stage_boundaries``), and the figures are compared on
+    the same step; the planner's own peak at the plan's micro-batches is ``plan.best.memory["peak"]``."""
+    import dataclasses
+
+    from nnscaler.cluster.cost import estimate
+    from nnscaler.profiles import get_profile
+    par = plan.parallel
+    if par.pp > 1:
+        par = dataclasses.replace(par, num_microbatches=microbatches_run(par))
+    e = estimate(plan.shape, par, get_profile(plan.profile), plan.precision, plan.global_batch)
+    return {k: e.memory[k] for k in KEYS}
 
 
 def compare(got: dict, est: dict) -> dict:
@@ -305,12 +347,21 @@ def compare(got: dict, est: dict) -> dict:
 
 
 def _short(p) -> str:
-    return (f"tp{p.tp}{'+sp' if p.sequence_parallel else ''} pp{p.pp} v{p.virtual_stages} dp{p.dp} "
+    return (f"tp{p.tp}{'+sp' if p.sequence_parallel else ''}{f' cp{p.cp}' if p.cp > 1 else ''} pp{p.pp} "
+            f"v{p.virtual_stages} dp{p.dp} "
             f"mbs{p.micro_batch_size} x{p.num_microbatches} zero{p.zero} {p.recompute}")
 
 
+def without_cp(plan, search_again):
+    """``plan``, or where it takes context parallelism the best plan without (``search_again(constraints)``): the
+    measurement compiles each chunk without a cp split (``measure_stage`` reads no ``cp``), so a cp plan measured as
+    it is would be another program (twice the tokens per rank at cp 2; its ZeRO shards over dp only)."""
+    return plan if plan.parallel.cp == 1 else search_again({"cp": 1})
+
+
 def plans(skip_published: bool = False, only: list[str] | None = None):
-    """``(label, ClusterPlan)`` for every plan ``bench/calibration/autodist.py`` prints."""
+    """``(label, ClusterPlan)`` for every plan ``bench/calibration/autodist.py`` prints (a cp plan: the best one
+    without cp, :func:`without_cp`)."""
     from bench.calibration.llama_models import CLUSTER_RUNS
     from bench.calibration.llama_models import llama_shape
     from nnscaler import ComputeConfig
@@ -322,8 +373,9 @@ def plans(skip_published: bool = False, only: list[str] | None = None):
             if only and label not in only:
                 continue
             shape = shape or llama_shape(name, 4096)
-            yield label, search(shape, ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w),
-                                name)
+            cfg = ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w)
+            yield label, without_cp(search(shape, cfg, name),
+                                    lambda cons: search(shape, dataclasses.replace(cfg, constraints=cons), name))
     if skip_published:
         return
     from bench.calibration.calibrate import config, load_rows, partly_published, shapes_for
@@ -333,7 +385,8 @@ def plans(skip_published: bool = False, only: list[str] | None = None):
         shape = shapes[(r["model"], int(r["seq"]))]
         pub = search(shape, config(r, fit_memory=partly_published(r)), r["model"])
         budget = max(int(0.9 * float(r["memory_gib"]) * 2**30), int(pub.best.memory["peak"]))
-        yield f"search-{r['name']}", search(shape, config(r, cons={}, budget=budget), r["model"])
+        yield f"search-{r['name']}", without_cp(search(shape, config(r, cons={}, budget=budget), r["model"]),
+                                                lambda cons: search(shape, config(r, cons=cons, budget=budget), r["model"]))
 
 
 def _gib(x: float) -> str:
