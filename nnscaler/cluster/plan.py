@@ -41,7 +41,6 @@ LOWERED_FIELDS = ("plan_ngpus", "tp_size", "pp_size", "schedule", "virtual_stage
 # all-to-all of q, k, v and the output, dp x cp without tp)
 CP_MISSING = {"ulysses_tp": "Ulysses composed with tp (the compiler's ulysses policy splits the heads on its cp axis "
                             "alone, dp x cp, no tp axis)"}
-LOWERED_CP = {"cp_scheme": "allgather"}  # the cp plans lower() lowers (constraints that keep a search to them)
 
 
 def cp_refusal(par: Parallel) -> str | None:
@@ -56,6 +55,12 @@ def cp_refusal(par: Parallel) -> str | None:
     return (f"context parallelism (cp={par.cp}, {par.cp_scheme}{', balanced' if par.cp_balanced else ''}) has no "
             f"compiler lowering: missing {' and '.join(missing)}; the plan cannot be compiled or verified without "
             f"changing its cp scheme (cp_scheme='allgather' lowers)")
+
+
+def lowers(par: Parallel) -> bool:
+    """Whether the compiler lowers ``par`` (:func:`cp_refusal` has nothing against it): what a search for a
+    plan to compile admits (:func:`nnscaler.cluster.autodist.parallelize`)."""
+    return cp_refusal(par) is None
 CP_DEFAULTS = {"cp": 1, "cp_scheme": CP_SCHEMES[0], "cp_balanced": True}  # what a file written before cp means
 
 
