@@ -65,8 +65,9 @@ class ClusterStats:
         if cp_refusal(p):
             return "inside a stage: " + cp_refusal(p)
         if p.cp > 1 and p.cp_scheme == "ulysses":
-            return (f"inside a stage: policy ulysses; the sequence in {p.cp} contiguous chunks on the cp axis, "
-                    f"attention split by heads on it (all-to-all of q, k, v and the output)")
+            within = " inside each tp rank's heads" if p.tp > 1 else ""
+            return (f"inside a stage: policy {stage_policy(p)}; the sequence in {p.cp} contiguous chunks on the cp "
+                    f"axis, attention split by heads on it{within} (all-to-all of q, k, v and the output)")
         if p.cp > 1 and p.cp_scheme == "ring":
             return (INSIDE_STAGE.format(policy=stage_policy(p)) + f"; the sequence in {p.cp} "
                     f"{'balanced' if p.cp_balanced else 'contiguous'} chunks on the cp axis, keys and values exchanged "
