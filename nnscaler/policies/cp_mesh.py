@@ -13,6 +13,7 @@ causal balance)."""
 from __future__ import annotations
 
 from ..config import ComputeConfig, PlanError
+from ..dimops.partition import splittable
 from ..ir.graph import IRGraph, IROp, IRTensor
 from ..ir.plan import Plan
 from .builtin import AXIS_OPTIONS, check_batch_divisible, check_sequence_divisible
@@ -155,13 +156,19 @@ def cp_tp_ulysses(graph: IRGraph, config: ComputeConfig) -> Plan:
                         f"must divide by cp={n} (or heads not found)")
     pins = pin_heads(graph, tp, att) if tp > 1 else {}
     per_axis = {a: AXIS_OPTIONS[a](graph, False) if a == "tp" else AXIS_OPTIONS[a](graph) for a in names}
+    # dtype asserts on attention's scores (eager attention's softmax output) check them where they are, in the
+    # heads layout: offered every split, the greedy keeps the layout they arrive in (no all-to-all of S^2 scores)
+    checks = {c.name for op in graph.ops if op.name in core for t in op.outputs if t is not None
+              for c in t.consumers if c.overload == "aten._assert_tensor_metadata.default"}
 
     def options(op: IROp, axis: int, layouts: dict):
         name = names[axis]
         if name == "cp" and op.name in core:
             return [both[op.name]]
+        if name == "cp" and op.name in checks:
+            return [None, *splittable(op.bound)]
         if name == "tp" and op.name in pins:
             return [pins[op.name]]
         return per_axis[name](op, axis, layouts)
 
-    return plan_greedy(graph, mesh, names, options, "cp_tp_ulysses", nested=core)
+    return plan_greedy(graph, mesh, names, options, "cp_tp_ulysses", nested=core | checks)
