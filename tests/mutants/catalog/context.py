@@ -112,3 +112,19 @@ def cp_tp_balanced_order_ignored():
         return orig(x, dim, group, blocks)
 
     patch(C, "to_balanced", to_balanced)
+
+
+@mutant
+def ulysses_all_to_all_wrong_group():
+    """``cp_tp_ulysses``: the all-to-all between sequence and heads runs over the group of the mesh axis below
+    the one it converts (tp's, where cp is the innermost axis) instead of its own: each rank swaps its
+    sequence chunk for heads with the ranks holding the other heads, not the other chunks."""
+    from nnscaler.comm import conversion
+    orig = conversion.Step.code
+
+    def code(self, x: str, group: str) -> str:
+        if self.kind == "all_to_all" and self.axis > 0 and group == f"g[{self.axis}]":
+            group = f"g[{self.axis - 1}]"
+        return orig(self, x, group)
+
+    patch(conversion.Step, "code", code)
