@@ -165,6 +165,9 @@ def test_a_reduced_cp_plan_keeps_its_axis_and_trains_like_one_device(tmp_path, c
      "tp1 cp2-allgather-balanced pp1 dp2", "cp_tp_balanced in each of 1 stage"),
     # 8 GPUs: Ulysses cp 4 x dp 2, ZeRO-1 -> cp2 dp2 at W=4 under ulysses (dp x cp)
     ({"tp": 1, "cp": 4, "pp": 1, "cp_scheme": "ulysses", "zero": 1}, "tp1 cp2-ulysses pp1 dp2", "ulysses in each of 1"),
+    # 8 GPUs: Ulysses under tp, tp 2 x cp 4 -> tp2 cp2 at W=4 under cp_tp_ulysses (dp x tp x cp)
+    ({"tp": 2, "cp": 4, "pp": 1, "cp_scheme": "ulysses", "sequence_parallel": False}, "tp2 cp2-ulysses pp1 dp1",
+     "cp_tp_ulysses in each of 1"),
 ])
 def test_a_reduced_balanced_or_ulysses_plan_keeps_its_scheme_and_trains_like_one_device(tmp_path, capsys, cons, label,
                                                                                           policy):
