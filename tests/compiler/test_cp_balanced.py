@@ -5,9 +5,6 @@ documents: ``tests/fixtures/cp_masks.py``) trained against one device; wrong var
 ``tests/mutants/catalog/context.py``) caught and localised."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import warnings
 
 import pytest
 import torch
@@ -18,24 +15,12 @@ from nnscaler.config import PlanError
 from nnscaler.dimops.layout import Replicate, Shard, balanced_order, join_blocks, shard_indices
 from nnscaler.dimops.partition import Partition
 from nnscaler.policies import POLICIES, ComputeConfig
-from tests.conftest import ROOT
-from verify.judge.verdict import MATCH
-
-FIXTURE = "tests/fixtures/cp_masks.py"
-
-
-def _graph(builder: str):
-    from nnscaler.compile.plan import trace_model
-    from tests.fixtures import cp_masks
-    case = getattr(cp_masks, builder)(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trace_model(case.model, case.batch(0), None, registry=None, strict=False)
+from tests.fixtures.cp_runs import MASKS as FIXTURE, check_masked, masked_graph, run_mutated
 
 
 @pytest.fixture(scope="module")
 def graphs():
-    return {b: _graph(b) for b in ("build_window", "build_packed")}
+    return {b: masked_graph(b) for b in ("build_window", "build_packed")}
 
 
 @pytest.mark.parametrize("n, blocks", [(2, 1), (4, 1), (2, 3)])
@@ -149,17 +134,11 @@ def test_cp_balanced_refuses_a_sequence_without_two_chunks_per_rank(graphs):
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", ["build_window", "build_packed"])
 def test_masked_models_train_like_one_device_under_balanced_cp(verify_model, builder):
-    rows = verify_model(f"{FIXTURE}:{builder}", policies=["cp", "cp_balanced", "hybrid_cp_balanced"],
-                        world_sizes=(2, 4), steps=2)
-    assert [r.status for r in rows] == [MATCH] * 6, [(r.status, r.detail) for r in rows]
+    check_masked(verify_model, builder, ["cp", "cp_balanced", "hybrid_cp_balanced"], (2, 4))
 
 
-def _mutated(name: str, builder: str, tmp_path) -> subprocess.CompletedProcess:
-    from tests.mutants.run import shim
-    cmd = [sys.executable, "-m", "verify", "model", f"{FIXTURE}:{builder}", "--policy", "cp_balanced",
-           "--world-size", "2", "--steps", "1", "--reports", str(tmp_path / "reports"),
-           "--module", str(shim(tmp_path, name))]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _mutated(name: str, builder: str, tmp_path):
+    return run_mutated(name, f"{FIXTURE}:{builder}", "cp_balanced", 2, tmp_path)
 
 
 @pytest.mark.slow

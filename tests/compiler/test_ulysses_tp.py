@@ -5,16 +5,12 @@ ZeRO and recompute), refused by name where a tp rank's heads do not divide by cp
 all-to-all over the tp group, ``tests/mutants/catalog/context.py``) caught and localised."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from nnscaler.config import PlanError
 from nnscaler.policies import ComputeConfig
 from nnscaler.policies.cp_mesh import attention_core, cp_tp_ulysses
-from tests.compiler.test_cp import _llama
-from tests.conftest import ROOT
+from tests.fixtures.cp_runs import run_mutated, traced
 from verify.judge.verdict import MATCH
 
 pytest.importorskip("transformers")
@@ -22,7 +18,9 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def llama_graph():
-    return _llama()
+    from verify.models.registry import MODELS
+    import verify.models.hf  # noqa: F401
+    return traced(MODELS["llama"](0))
 
 
 def test_attention_splits_its_heads_on_tp_then_on_cp_and_is_reached_by_one_all_to_all(llama_graph):
@@ -65,11 +63,7 @@ def test_llama_trains_like_one_device_under_ulysses_with_tp(verify_model, fields
 
 @pytest.mark.slow
 def test_an_all_to_all_over_the_wrong_group_is_caught_and_localised(tmp_path):
-    from tests.mutants.run import shim
-    cmd = [sys.executable, "-m", "verify", "model", "llama", "--policy", "cp_tp_ulysses", "--world-size", "4",
-           "--steps", "1", "--reports", str(tmp_path / "reports"),
-           "--module", str(shim(tmp_path, "ulysses_all_to_all_wrong_group"))]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_mutated("ulysses_all_to_all_wrong_group", "llama", "cp_tp_ulysses", 4, tmp_path)
     assert out.returncode == 1 and "MISMATCH" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     assert "first divergent conversion: " in out.stdout and "for matmul input 0" in out.stdout, out.stdout[-3000:]
     assert "all_to_all(axis 1, dims 2,1)" in out.stdout, out.stdout[-3000:]
