@@ -161,7 +161,7 @@ def _fuse(graph: IRGraph, found, index: int) -> IROp:
     anno = _annotation(q, k, masks, kt)
     kw = {"mods": mods, "keys_transposed": kt}
     spec = OpSpec.create("ring_attention", anno, partial(attention, **kw), family="nn",
-                         local=partial(ring_attention, ident="s", **kw),
+                         local=partial(ring_attention, ident="s", **kw), exchange=(("s", (1, 2)),),
                          doc="attention over a split sequence, keys and values exchanged around the ring")
     inputs = [q, k, v, *masks]
     out = ops[-1].outputs[0]

@@ -165,3 +165,21 @@ def test_a_wrong_ring_program_is_caught_and_localised(mutant, policy, first, tmp
     out = run_mutated(mutant, "llama", policy, 2, tmp_path)
     assert out.returncode == 1 and "MISMATCH" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     assert first in out.stdout, out.stdout[-3000:]
+
+
+def test_the_plan_report_lists_the_rings_sends():
+    """The ring's key/value ``batch_isend_irecv`` (inside its kernel) in the plan's collectives: over W ranks, W-1
+    sends of the rank's K and V forward per attention, W-1 of them and W of their gradients backward."""
+    from nnscaler.compile.plan import attach_stats, choose_plan
+    from nnscaler.cost.summary import collective_table
+    for policy, world, kv_bytes in (("cp_ring", 2, 2 * 4 * 4 * 4 * 8 * 4), ("cp_ring_balanced", 4, 2 * 4 * 4 * 2 * 8 * 4)):
+        graph = _llama()
+        plan = attach_stats(choose_plan(graph, policy, ComputeConfig(world)), graph, ComputeConfig(world))
+        table = collective_table(plan.stats)
+        fwd, bwd = table["forward"]["send_recv"], table["backward"]["send_recv"]
+        assert (fwd["count"], bwd["count"]) == (2 * (world - 1), 2 * (2 * world - 1)), (policy, table)
+        assert fwd["bytes"] == 2 * (world - 1) * kv_bytes, (policy, fwd)  # K, V (repeated: 4 heads), s/W rows
+        assert "send_recv" in plan.report() and f"(+{2 * (world - 1)} coupled) fwd" in plan.one_line()
+    cp_plan = _llama()
+    assert "send_recv" not in str(collective_table(attach_stats(choose_plan(cp_plan, "cp", ComputeConfig(2)), cp_plan,
+                                                                ComputeConfig(2)).stats))  # all-gathers, no ring
