@@ -19,6 +19,7 @@ from ..ir.plan import Plan
 from .builtin import AXIS_OPTIONS, check_batch_divisible, check_sequence_divisible
 from .greedy import plan_greedy
 from .heads import pin_heads, scores
+from .masks import rows_per_chunk
 
 
 def cp_tp_mesh(config: ComputeConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -57,7 +58,10 @@ def cp_tp(graph: IRGraph, config: ComputeConfig) -> Plan:
             return [pins[op.name]]
         return per_axis[axis](op, axis, layouts)
 
-    return plan_greedy(graph, mesh, names, options, "cp_tp")
+    plan = plan_greedy(graph, mesh, names, options, "cp_tp")
+    for axis in [names.index(a) for a in ("cp", "dp") if a in names]:  # masks per chunk (their batch rows too)
+        plan = rows_per_chunk(graph, plan, axis)
+    return plan
 
 
 MATMUL = ("matmul", "bmm")

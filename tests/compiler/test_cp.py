@@ -79,7 +79,8 @@ def _mutated(name: str, tmp_path, policy: str = "cp", world: int = 2):
     # keys/values' gradient never summed back to their owner: the all-gather before p @ v is named
     ("cp_kv_gradient_not_reduced", "steps: all_gather_sum_grad(axis 0, dims 2);"),
     # rotary tables and the causal mask cut to chunk 0 on every rank: positions not shifted per chunk
-    ("cp_positions_not_shifted", "apply_rotary_pos_emb(query_states, key_states, cos, sin)"),
+    # (masks and rotary tables are built per chunk from the positions: the cut is on the positions)
+    ("cp_positions_not_shifted", "unsqueeze R -> D1 for "),
 ])
 def test_a_wrong_context_parallel_program_is_caught_and_localised(mutant, first, tmp_path):
     out = _mutated(mutant, tmp_path)

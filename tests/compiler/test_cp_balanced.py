@@ -144,9 +144,10 @@ def _mutated(name: str, builder: str, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mutant, builder, first", [
     # rotary tables computed whole cut in contiguous chunks while the tokens are balanced
-    ("cp_balanced_positions_contiguous", "build_window", "split(axis 0, dims 2, balanced)"),
+    # (masks and rotary tables are built per chunk from the positions: the cut is on the positions, arange)
+    ("cp_balanced_positions_contiguous", "build_window", "arange R -> D0z for unsqueeze input 0"),
     # the sliding-window mask's rows not shifted per chunk: every chunk gets the first chunk's rows
-    ("cp_window_mask_not_shifted", "build_window", "R -> D0z for scaled_dot_product_attention input 3"),
+    ("cp_window_mask_not_shifted", "build_window", "split(axis 0, dims 0, balanced)"),
     # gathered keys/values left in the ranks' order: key columns out of line with mask and positions
     ("cp_balanced_keys_out_of_order", "build_window", "all_gather_sum_grad(axis 0, dims 2, balanced)"),
 ])
@@ -168,3 +169,35 @@ def test_state_read_by_tokens_is_stored_whole_under_balanced_cp_and_cut_on_use(g
     assert (str(lay["cp"][0]), str(lay["cp_balanced"][0])) == ("D1", "R"), lay
     src = generate(g, POLICIES["cp_balanced"](g, ComputeConfig(2)), 0)[0]
     assert "C.split(C.to_balanced(p['pos'], 1, g[0]), 1, g[0])" in src
+
+
+@pytest.mark.parametrize("policy, world", [("cp", 2), ("cp_balanced", 4), ("hybrid_cp_balanced", 4), ("cp_ring_balanced", 4),
+                                           ("cp_tp", 4)])
+def test_masks_are_built_per_chunk_from_the_positions(policy, world):
+    """Causal, sliding-window and packed-document masks (and rotary tables) are built by each rank for its own
+    rows (``nnscaler/policies/masks.py``): no conversion cuts a tensor with two sequence-long dims (O(S^2) built
+    whole, as before); the cut is on the positions (O(S)). Without the pass the masks are cut whole."""
+    from nnscaler.codegen.emit import emit_program
+    from nnscaler.compile.plan import choose_plan
+    from verify.models.registry import MODELS
+    import verify.models.hf  # noqa: F401
+    from tests.fixtures.cp_runs import traced
+    for name, graph in (("window", masked_graph("build_window")), ("packed", masked_graph("build_packed")),
+                        ("llama", traced(MODELS["llama"](0)))):
+        seq = next(t for t in graph.inputs if len(t.shape) > 1).shape[1]
+
+        def square_cuts(plan, g):
+            return [t.name for t, _, step in emit_program(g, plan, 0).steps
+                    if step.kind == "split" and sum(n == seq for n in t.shape) >= 2]
+
+        g = graph.copy()
+        assert not square_cuts(choose_plan(g, policy, ComputeConfig(world)), g), (name, policy)
+        import nnscaler.policies.builtin as B
+        import nnscaler.policies.cp_mesh as M
+        kept = (B.rows_per_chunk, M.rows_per_chunk)
+        try:  # the greedy's plan without the pass cuts the masks whole: the assertion above can fail
+            B.rows_per_chunk = M.rows_per_chunk = lambda graph, plan, axis: plan
+            g = graph.copy()
+            assert square_cuts(POLICIES[policy](g, ComputeConfig(world)), g), (name, policy)
+        finally:
+            B.rows_per_chunk, M.rows_per_chunk = kept
