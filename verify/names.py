@@ -3,11 +3,12 @@ free of torch so ``python -m verify --help`` answers at once. Each mirrors a reg
 torch; ``tests/harness/test_cli_startup.py`` checks that they agree."""
 
 POLICY_NAMES = ("dp", "tp", "cp", "hybrid", "hybrid_cp", "random", "random2d", "cp_tp", "cp_tp_balanced", "ulysses",
-                "autodist", "cp_balanced", "hybrid_cp_balanced", "cp_ring", "cp_ring_balanced", "cp_tp_ring",
+                "cp_tp_ulysses", "autodist", "cp_balanced", "hybrid_cp_balanced", "cp_ring", "cp_ring_balanced", "cp_tp_ring",
                 "cp_tp_ring_balanced")
 """``nnscaler.policies.POLICIES``, in its order."""
 
 SEQUENCE_POLICIES = ("cp", "hybrid_cp", "cp_balanced", "hybrid_cp_balanced", "cp_tp", "cp_tp_balanced", "ulysses",
+                     "cp_tp_ulysses",
                      "pp2_cp_tp", "pp2_cp_tp_balanced", "cp_ring", "cp_ring_balanced", "cp_tp_ring",
                      "cp_tp_ring_balanced", "pp2_cp_tp_ring")
 """Policies that split the tokens' sequence (context parallelism): run only where named (``--policy cp``),

@@ -30,7 +30,7 @@ from ..compile.plan import plan_model as plan_operators
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan, Policy
 from ..profiles import get_profile
-from .plan import LOWERED_CP, architecture_of, cp_refusal, stage_policy
+from .plan import architecture_of, cp_refusal, lowers, stage_policy
 from .search import ClusterPlan, search
 from .trace import block_stack, trace_shape
 
@@ -65,8 +65,9 @@ class ClusterStats:
         if cp_refusal(p):
             return "inside a stage: " + cp_refusal(p)
         if p.cp > 1 and p.cp_scheme == "ulysses":
-            return (f"inside a stage: policy ulysses; the sequence in {p.cp} contiguous chunks on the cp axis, "
-                    f"attention split by heads on it (all-to-all of q, k, v and the output)")
+            within = " inside each tp rank's heads" if p.tp > 1 else ""
+            return (f"inside a stage: policy {stage_policy(p)}; the sequence in {p.cp} contiguous chunks on the cp "
+                    f"axis, attention split by heads on it{within} (all-to-all of q, k, v and the output)")
         if p.cp > 1 and p.cp_scheme == "ring":
             return (INSIDE_STAGE.format(policy=stage_policy(p)) + f"; the sequence in {p.cp} "
                     f"{'balanced' if p.cp_balanced else 'contiguous'} chunks on the cp axis, keys and values exchanged "
@@ -125,8 +126,9 @@ def cluster_scale(model: torch.nn.Module, config: ComputeConfig) -> bool | None:
     return None if _cluster_profile(config) and block_stack(model) is not None else False
 
 
-def _search(model, sample_args, sample_kwargs, config: ComputeConfig, required: bool) -> Plan | None:
-    """The cluster search's plan, or ``None`` when the model is not one it reads and ``required`` is false."""
+def _search(model, sample_args, sample_kwargs, config: ComputeConfig, required: bool, admit=None) -> Plan | None:
+    """The cluster search's plan, or ``None`` when the model is not one it reads and ``required`` is false
+    (``admit``: :func:`~nnscaler.cluster.search.search`'s filter of configurations)."""
     t0 = time.perf_counter()
     try:
         shape = trace_shape(model, sample_args, sample_kwargs)
@@ -135,7 +137,7 @@ def _search(model, sample_args, sample_kwargs, config: ComputeConfig, required: 
             raise
         return None
     arch = architecture_of(model)
-    cluster = search(shape, config, arch["transformers"] if arch else type(model).__name__)
+    cluster = search(shape, config, arch["transformers"] if arch else type(model).__name__, admit)
     cluster.architecture = arch
     cluster.seconds = time.perf_counter() - t0  # the whole planning, trace included (as plan_cluster)
     return as_plan(cluster)
@@ -192,25 +194,32 @@ def lowered(plan: Plan, config: ComputeConfig) -> tuple[str, ComputeConfig]:
     return policy, dataclasses.replace(cfg, recipe=dataclasses.replace(cfg.recipe, **kept))
 
 
+def lowering(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
+             sample_kwargs: Mapping[str, Any] | None = None) -> tuple[str | Policy, ComputeConfig]:
+    """``(policy, config)`` :func:`parallelize` compiles: a cluster-scale ``"autodist"`` request searched and
+    lowered (see :func:`parallelize`), any other request as given."""
+    wanted = cluster_scale(model, config) if policy == "autodist" else False
+    if wanted is False:
+        return policy, config
+    cons = config.constraints or {}
+    admit = None if "cp_scheme" in cons else lowers  # a plan to compile: what the compiler lowers
+    x = sample_args[0] if sample_args else None
+    if config.global_batch is None and isinstance(x, torch.Tensor) and x.dim() >= 2:
+        config = dataclasses.replace(config, global_batch=int(x.shape[0]))
+    plan = _search(model, sample_args, sample_kwargs, config, required=bool(wanted), admit=admit)
+    return (policy, config) if plan is None else lowered(plan, config)
+
+
 def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
                 **options) -> torch.nn.Module:
     """:func:`nnscaler.compile.parallelize.parallelize` (``options``: its keywords), with ``"autodist"``
     planning at every scale: a cluster-scale request is searched as :func:`plan_model` does and the
     program compiled for what its plan lowers to (:func:`lowered`: pipeline stages, micro-batches,
-    ZeRO, recompute, precision; Megatron-LM's template inside a stage); context parallelism is left out of
-    that search to the schemes the compiler lowers (:data:`~nnscaler.cluster.plan.LOWERED_CP`) unless ``constraints``
-    name cp or its scheme (a scheme it lacks is then refused by name). ``sample_args`` is the batch the
+    ZeRO, recompute, precision, the cp scheme's policy; Megatron-LM's template inside a stage); that search
+    admits only the configurations the compiler lowers (:func:`~nnscaler.cluster.plan.lowers`, from
+    :func:`~nnscaler.cluster.plan.cp_refusal`: every cp scheme it accepts) unless ``constraints`` name the
+    cp scheme (one it lacks is then refused by name). ``sample_args`` is the batch the
     module is called with, across its ranks, so ``global_batch`` defaults to its batch here (not to the
     sample's batch on every rank, as in :func:`plan_model`)."""
-    wanted = cluster_scale(model, config) if policy == "autodist" else False
-    if wanted is not False:
-        cons = config.constraints or {}
-        if not {"cp", *LOWERED_CP} & set(cons):  # a plan to compile: only the cp schemes the compiler has
-            config = dataclasses.replace(config, constraints={**cons, **LOWERED_CP})
-        x = sample_args[0] if sample_args else None
-        if config.global_batch is None and isinstance(x, torch.Tensor) and x.dim() >= 2:
-            config = dataclasses.replace(config, global_batch=int(x.shape[0]))
-        plan = _search(model, sample_args, options.get("sample_kwargs"), config, required=bool(wanted))
-        if plan is not None:
-            policy, config = lowered(plan, config)
+    policy, config = lowering(model, sample_args, policy, config, options.get("sample_kwargs"))
     return compile_program(model, sample_args, policy, config, **options)

@@ -13,9 +13,9 @@ The file (:meth:`ClusterPlan.save <nnscaler.cluster.search.ClusterPlan.save>`, r
 size) and ``lowered`` (the policy and config fields :func:`lower` gives). A plan with context
 parallelism (``cp`` > 1) saves with its ``cp``, ``cp_scheme`` and ``cp_balanced`` in ``parallel``; it
 lowers to ``cp_tp`` (dp x cp x tp inside a stage, :mod:`nnscaler.policies.cp_mesh`), ``cp_tp_balanced``
-(:mod:`nnscaler.policies.context`), ``ulysses``, or for the ring scheme ``cp_tp_ring`` / ``cp_tp_ring_balanced``
-(:mod:`nnscaler.policies.ring`) where the compiler has its scheme (:func:`cp_refusal`: the all-gather scheme over
-contiguous or balanced chunks, the ring over either, Ulysses without tp); otherwise ``lowered``
+(:mod:`nnscaler.policies.context`), ``ulysses`` / ``cp_tp_ulysses`` (Ulysses without / with tp), or for the ring
+scheme ``cp_tp_ring`` / ``cp_tp_ring_balanced`` (:mod:`nnscaler.policies.ring`) where the compiler has its scheme
+(:func:`cp_refusal`: every scheme today); otherwise ``lowered``
 is null and :func:`lower` refuses it naming what is missing, so nothing runs such a plan without its cp
 axis or scheme. Files without the cp fields (written before cp) read as ``cp`` 1.
 """
@@ -36,38 +36,44 @@ LOWERED_FIELDS = ("plan_ngpus", "tp_size", "pp_size", "schedule", "virtual_stage
                   "num_microbatches", "recompute", "zero", "precision")
 
 
-# what the compiler lacks for each cp plan it does not lower (cp_tp / cp_tp_balanced: all-gather of keys and values,
-# contiguous or balanced chunks; cp_tp_ring / cp_tp_ring_balanced: the ring exchange, either chunk layout; ulysses:
-# all-to-all of q, k, v and the output, dp x cp without tp)
-CP_MISSING = {"ulysses_tp": "Ulysses composed with tp (the compiler's ulysses policy splits the heads on its cp axis "
-                            "alone, dp x cp, no tp axis)"}
-LOWERED_CP = {"cp_scheme": "allgather"}  # the cp plans lower() lowers (constraints that keep a search to them)
+# what the compiler lacks for each cp plan it does not lower, by key (none today: cp_tp / cp_tp_balanced: all-gather
+# of keys and values, contiguous or balanced chunks; cp_tp_ring / cp_tp_ring_balanced: the ring exchange, either chunk
+# layout; ulysses (dp x cp) and cp_tp_ulysses (dp x tp x cp): all-to-all of q, k, v and the output)
+CP_MISSING: dict[str, str] = {}
 
 
 def cp_refusal(par: Parallel) -> str | None:
     """Why ``par``'s context parallelism has no compiler lowering (one line naming what is missing), or
     ``None`` when it lowers (``cp`` 1, the all-gather scheme over contiguous or balanced chunks, the ring
-    scheme over either, Ulysses without tp)."""
+    scheme over either, Ulysses with or without tp: every scheme of :data:`~nnscaler.config.CP_SCHEMES` today;
+    a scheme named in :data:`CP_MISSING` would be refused)."""
     if par.cp == 1:
         return None
-    missing = [CP_MISSING[k] for k, bad in (("ulysses_tp", par.cp_scheme == "ulysses" and par.tp > 1),) if bad]
+    missing = [CP_MISSING[k] for k in CP_MISSING if k == par.cp_scheme]
     if not missing:
         return None
     return (f"context parallelism (cp={par.cp}, {par.cp_scheme}{', balanced' if par.cp_balanced else ''}) has no "
             f"compiler lowering: missing {' and '.join(missing)}; the plan cannot be compiled or verified without "
             f"changing its cp scheme (cp_scheme='allgather' lowers)")
+
+
+def lowers(par: Parallel) -> bool:
+    """Whether the compiler lowers ``par`` (:func:`cp_refusal` has nothing against it): what a search for a
+    plan to compile admits (:func:`nnscaler.cluster.autodist.parallelize`)."""
+    return cp_refusal(par) is None
 CP_DEFAULTS = {"cp": 1, "cp_scheme": CP_SCHEMES[0], "cp_balanced": True}  # what a file written before cp means
 
 
 def stage_policy(par: Parallel) -> str:
     """The per-operator policy of one pipeline stage of ``par``: with context parallelism ``cp_tp`` (dp x cp x
     tp), ``cp_tp_balanced`` (its chunks causally balanced), ``cp_tp_ring`` / ``cp_tp_ring_balanced`` (the ring
-    scheme) or ``ulysses`` (dp x cp, heads split inside attention), else ``hybrid`` (dp x tp), ``tp`` or ``dp``."""
+    scheme), ``ulysses`` (dp x cp, heads split inside attention) or ``cp_tp_ulysses`` (the same under tp), else
+    ``hybrid`` (dp x tp), ``tp`` or ``dp``."""
     if par.cp > 1 and par.cp_scheme == "ring":
         return "cp_tp_ring_balanced" if par.cp_balanced else "cp_tp_ring"
     if par.cp > 1:
         if par.cp_scheme == "ulysses":
-            return "ulysses"
+            return "cp_tp_ulysses" if par.tp > 1 else "ulysses"
         return "cp_tp_balanced" if par.cp_balanced else "cp_tp"
     if par.tp > 1 and par.dp > 1:
         return "hybrid"

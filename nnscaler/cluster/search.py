@@ -29,7 +29,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -242,8 +242,10 @@ def _candidates(shape: ModelShape, world: int, global_batch: int, cons: dict, tp
                                 yield Parallel(tp, pp, dp, mbs, m, v, sp, zero, rc, cp, scheme, balanced)
 
 
-def search(shape: ModelShape, config: ComputeConfig, name: str = "model") -> ClusterPlan:
-    """The fastest configuration that fits the memory budget (see the module docstring)."""
+def search(shape: ModelShape, config: ComputeConfig, name: str = "model",
+           admit: Callable[[Parallel], bool] | None = None) -> ClusterPlan:
+    """The fastest configuration that fits the memory budget (see the module docstring); ``admit``: only the
+    configurations it accepts are considered (a compile's search: those the compiler lowers)."""
     profile = get_profile(config.profile or "h100")
     if profile.cluster is None:
         raise PlanError(f"profile {profile.name!r} has no cluster constants; cluster plans need one of: "
@@ -260,6 +262,8 @@ def search(shape: ModelShape, config: ComputeConfig, name: str = "model") -> Clu
     considered = feasible = 0
     memo: dict = {}  # each (tp, sp, micro-batch size, recompute) costs its sections once
     for par in candidates(shape, world, gb, cons, profile.ranks_per_node):
+        if admit is not None and not admit(par):
+            continue
         e = estimate(shape, par, profile, config.precision, gb, budget, grad_bytes, memo)
         considered += 1
         if least is None or e.memory["peak"] < least.memory["peak"]:

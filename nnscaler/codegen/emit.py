@@ -317,8 +317,11 @@ class Emitter:
     def _shard(self, op: IROp, p) -> str:
         self.imports.add("from nnscaler.runtime.partitioned import ShardContext")
         c = coords(self.rank, self.plan.mesh_shape)
-        factors = {i: f for i, f in p.splits if i is not None}
-        indices = {i: c[a] for a, (i, _) in enumerate(p.splits) if i is not None}
+        factors = {i: p.factor(i) for i, _ in p.splits if i is not None}  # an identifier on two axes: both
+        indices: dict = {}
+        for a, (i, f) in enumerate(p.splits):  # nested: the lower axis's chunk, then the higher's inside it
+            if i is not None:
+                indices[i] = indices.get(i, 0) * f + c[a]
         groups = "{" + ", ".join(f"{i!r}: g[{a}]" for a, (i, _) in enumerate(p.splits) if i is not None) + "}"
         balanced = f", balanced={literal(tuple(p.balanced))}" if p.balanced else ""  # context parallelism's order
         return f"ShardContext({literal(dict(op.bound.sizes))}, {literal(factors)}, {literal(indices)}, {groups}{balanced})"

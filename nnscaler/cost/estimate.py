@@ -16,7 +16,8 @@ from .compute import op_time, optimizer_time
 from ..profiles import DeviceProfile
 from .saved import saved_bytes
 from . import summary as printing
-from .steps import (OPTIMIZER_STATES, Collective, carries_grad, coupled_collectives, local_nbytes, nbytes,
+from .steps import (OPTIMIZER_STATES, Collective, carries_grad, coupled_collectives, exchange_collectives,
+                    local_nbytes, nbytes,
                     step_collectives)
 
 @dataclass
@@ -90,6 +91,7 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, ste
     for t, before, step in steps:
         colls += step_collectives(t, before, step, mesh, names, profile)
     colls += coupled_collectives(graph, plan, profile)
+    colls += exchange_collectives(graph, plan, profile)  # ring attention's sends (inside its kernel)
     dp = zero_axis(names, mesh)
     zero_ranks = (mesh[dp] if dp is not None else 1) * replicas if zero else 1
     by_axis: dict[int, list[int]] = defaultdict(list)

@@ -92,3 +92,32 @@ def coupled_collectives(graph, plan, profile: DeviceProfile) -> list[Collective]
             out.append(Collective(phase, kind, names[axis] if axis < len(names) else "?", f, size,
                                   runtime_time(kind, size, f, profile, across), op.name, coupled=True))
     return out
+
+
+def exchange_collectives(graph, plan, profile: DeviceProfile) -> list[Collective]:
+    """The sends operators issue inside their own kernels around a ring where ``plan`` splits an identifier their
+    spec declares exchanged (:attr:`nnscaler.ops.spec.OpSpec.exchange`: ring attention's keys and values over the
+    ranks splitting the sequence): over ``f`` ranks, forward ``f - 1`` steps each sending the rank's piece of those
+    inputs to the next rank (one ``batch_isend_irecv``, ``send_recv`` here), backward ``f - 1`` such steps of the
+    inputs again and ``f`` of their gradients (the last ending at their owner). Each step is priced as one hop
+    (latency plus its bytes over the link), none of it hidden behind the attention it overlaps."""
+    out = []
+    mesh, names = plan.mesh_shape, plan.axis_names
+    for op in graph.ops:
+        for ident, positions in (getattr(op.spec, "exchange", ()) if op.known else ()):
+            part = plan.partition(op)
+            lay = op.layout(part)
+            for axis, split in enumerate(part.axis_ids):
+                f = part.mesh_shape[axis]
+                if split != ident or f < 2:
+                    continue
+                sent = [x for x in (op.inputs[i] for i in positions) if isinstance(x, IRTensor)]
+                size = sum(local_nbytes(x, lay.inputs[i], part.mesh_shape) for i, x in zip(positions, sent))
+                alpha, beta = profile.link(axis < len(mesh) and spans_nodes(mesh, axis, profile))
+                hop = alpha + size / beta
+                axis_name = names[axis] if axis < len(names) else "?"
+                steps = [("forward", f - 1), ("backward", f - 1)] + \
+                    ([("backward", f)] if any(carries_grad(x) for x in sent) else [])
+                for phase, n in steps:
+                    out += [Collective(phase, "send_recv", axis_name, f, size, hop, op.name, coupled=True)] * n
+    return out

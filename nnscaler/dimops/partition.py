@@ -51,7 +51,9 @@ class Partition:
         return ids + ((None,) if len(self.mesh_shape) > len(ids) else ())
 
     def factor(self, ident: str) -> int:
-        return dict(s for s in self.splits if s[0] is not None).get(ident, 1)
+        """How many pieces ``ident`` is cut in: its factor, or the product of its factors where several axes
+        split it (a nested split, the lower axis first: :func:`repeated`)."""
+        return math.prod(f for i, f in self.splits if i == ident and i is not None)
 
     def block_count(self, ident: str) -> int:
         """In how many equal blocks ``ident`` is cut before each block is split (1: plainly split)."""
@@ -88,14 +90,19 @@ class Partition:
             if int(factor) < 2:
                 raise AnnotationError(f"partition {text!r}: split factor of {name.strip()!r} must be at least 2, got {factor}")
             splits.append((None if name.strip() == "~" else name.strip(), int(factor)))
-        named = [n for n, _ in splits if n is not None]
-        if len(set(named)) != len(named):
-            raise AnnotationError(f"partition {text!r}: an identifier is split twice; give each one factor")
         p = cls(tuple(splits), world_size, tuple(blocks), tuple(balanced))
         if world_size % math.prod(f for _, f in splits):
             raise AnnotationError(f"partition {text!r}: the axes multiply to {math.prod(f for _, f in splits)}, "
                                   f"which does not divide world size {world_size}")
         return p
+
+
+def repeated(partition: Partition) -> set[str]:
+    """Identifiers ``partition`` splits on more than one axis: a nested split of their dim, the lower mesh axis
+    cutting it first and each higher one cutting the piece it is given (the layouts' convention,
+    :mod:`nnscaler.comm.conversion`). Ulysses under tp cuts attention's heads on tp, then on cp."""
+    named = [i for i, _ in partition.splits if i is not None]
+    return {i for i in named if named.count(i) > 1}
 
 
 def coords(rank: int, shape: Sequence[int]) -> tuple[int, ...]:
@@ -194,8 +201,10 @@ def check_partition(bound: BoundAnno, partition: Partition) -> None:
     """Raise :class:`AnnotationError` unless ``partition`` is in the partition space of ``bound``."""
     allowed = set(splittable(bound))
     named = [i for i, _ in partition.splits if i is not None]
-    if len(set(named)) != len(named):
-        raise AnnotationError(f"partition {partition.label!r}: an identifier is split twice; give each one factor")
+    twice = repeated(partition)
+    if twice & (set(partition.balanced) | {i for i, _ in partition.blocks}):
+        raise AnnotationError(f"partition {partition.label!r}: {sorted(twice)[0]!r} is split on two axes and in blocks "
+                              f"or the balanced order; a split in blocks must be its dim's only split")
     for ident, f in partition.splits:
         if ident is None:
             continue
@@ -205,6 +214,7 @@ def check_partition(bound: BoundAnno, partition: Partition) -> None:
         if f < 2:
             raise AnnotationError(f"partition {partition.label!r}: split factor of {ident!r} must be at least 2")
         k = partition.block_count(ident) * (2 if ident in partition.balanced else 1)
+        f = partition.factor(ident)  # every axis splitting it
         if bound.sizes[ident] % (f * k):
             raise AnnotationError(f"partition {partition.label!r}: {ident!r} has length {bound.sizes[ident]}, "
                                   f"not divisible by {f * k}" + (f" ({f} ranks x {k} blocks)" if k > 1 else ""))
@@ -228,7 +238,7 @@ def local_sizes(bound: BoundAnno, partition: Partition) -> dict[str, int]:
     sizes = dict(bound.sizes)
     for ident, f in partition.splits:
         if ident is not None:
-            sizes[ident] //= f
+            sizes[ident] //= f  # an identifier split on two axes: by both
     return sizes
 
 

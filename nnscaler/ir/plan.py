@@ -94,3 +94,8 @@ def validate(plan: Plan, graph: IRGraph, config: ComputeConfig) -> None:
 
 
 Policy = Callable[[IRGraph, ComputeConfig], Plan]
+"""A policy: a :class:`Plan` naming the operators of the graph it is given. It may rewrite that graph in place
+(the ring policies rebind each attention to one operator, :mod:`nnscaler.policies.ring`; every other built-in
+policy only reads it): its plan names the rewritten operators, so the caller compiles the graph it handed in,
+which is its own (a fresh trace, or :meth:`~nnscaler.ir.graph.IRGraph.copy` of a cached one), as
+``apply_precision`` also writes into it. A caller planning one graph under several policies gives each a copy."""

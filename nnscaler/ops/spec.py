@@ -148,6 +148,10 @@ class OpSpec:
     # identifiers whose split makes ``local`` issue one collective of its own per call (forward, and
     # one in the backward): statistics over a split batch (batch norm); counted apart in plan reports
     coupled: tuple[str, ...] = ()
+    # ``(identifier, input positions)``: a split of the identifier makes ``local`` pass those inputs rank to rank
+    # around the ring of its mesh axis, one send per step (ring attention's keys and values, their gradients back
+    # in the backward); counted in plan reports as ``send_recv`` (:func:`nnscaler.cost.steps.exchange_collectives`)
+    exchange: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # identifiers ``local`` reads in any order (the rows of a reduced loss: a sum and a count): a
     # split of one may follow blocks its input holds (:func:`nnscaler.policies.greedy.held_blocks`);
     # ``local`` indexes contiguous chunks of every other split identifier

@@ -10,6 +10,7 @@ from .heads import pin_heads, scores
 
 from .greedy import held_blocks, parameter_identifiers, plan_greedy, sharded_identifiers
 from .refine import refine
+from .masks import rows_per_chunk
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan
 
@@ -207,9 +208,10 @@ def cp(graph: IRGraph, config: ComputeConfig) -> Plan:
     """Context parallelism (all-gather scheme, contiguous chunks): the sequence of every operator
     that has one split in ``plan_ngpus`` contiguous blocks; positions, masks and the loss follow
     from the annotations (a causal mask built from positions is sliced to the rank's queries, the
-    loss reduced over every token). Keys and values are all-gathered before attention."""
+    loss reduced over every token). Keys and values are all-gathered before attention. Masks are built per
+    chunk (each rank its rows: :func:`~nnscaler.policies.masks.rows_per_chunk`)."""
     check_sequence_divisible(graph, config.plan_ngpus, "cp")
-    return plan_greedy(graph, (config.plan_ngpus,), ("cp",), _cp_options(graph), "cp")
+    return rows_per_chunk(graph, plan_greedy(graph, (config.plan_ngpus,), ("cp",), _cp_options(graph), "cp"), 0)
 
 
 def check_sequence_divisible(graph: IRGraph, ranks: int, policy: str) -> None:
@@ -257,7 +259,8 @@ def hybrid_cp(graph: IRGraph, config: ComputeConfig) -> Plan:
     def options(op: IROp, axis: int, layouts: dict):
         return dp_opts(op, axis, layouts) if axis == 0 else cp_opts(op, axis, layouts)
 
-    return plan_greedy(graph, (d, c), ("dp", "cp"), options, "hybrid_cp")
+    plan = rows_per_chunk(graph, plan_greedy(graph, (d, c), ("dp", "cp"), options, "hybrid_cp"), 1)
+    return rows_per_chunk(graph, plan, 0)  # the masks' batch rows too
 
 
 def random(graph: IRGraph, config: ComputeConfig) -> Plan:

@@ -2,7 +2,9 @@
 rank order: tp innermost, then cp, then dp). Inside a pipeline stage (``pp2_cp_tp``) it is each stage's
 policy; ZeRO shards over the axes that hold a parameter whole (dp and cp) and recompute applies as under
 any policy. It is what :func:`nnscaler.cluster.plan.lower` runs for a cluster plan with ``cp`` > 1.
-``ulysses``: the sequence split as ``cp`` but attention split by heads, an all-to-all each way.
+``ulysses``: the sequence split as ``cp`` but attention split by heads, an all-to-all each way;
+``cp_tp_ulysses``: the same under tp (dp x tp x cp), attention's heads split on tp and then, inside each tp
+rank's heads, on cp.
 
 Attention splits its heads on the tp axis and its queries' sequence on the cp axis; keys and values are
 all-gathered on the cp axis alone (the layout conversion ``D -> R`` on that axis, its backward summing
@@ -11,11 +13,13 @@ causal balance)."""
 from __future__ import annotations
 
 from ..config import ComputeConfig, PlanError
+from ..dimops.partition import splittable
 from ..ir.graph import IRGraph, IROp, IRTensor
 from ..ir.plan import Plan
 from .builtin import AXIS_OPTIONS, check_batch_divisible, check_sequence_divisible
 from .greedy import plan_greedy
 from .heads import pin_heads, scores
+from .masks import rows_per_chunk
 
 
 def cp_tp_mesh(config: ComputeConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -54,7 +58,10 @@ def cp_tp(graph: IRGraph, config: ComputeConfig) -> Plan:
             return [pins[op.name]]
         return per_axis[axis](op, axis, layouts)
 
-    return plan_greedy(graph, mesh, names, options, "cp_tp")
+    plan = plan_greedy(graph, mesh, names, options, "cp_tp")
+    for axis in [names.index(a) for a in ("cp", "dp") if a in names]:  # masks per chunk (their batch rows too)
+        plan = rows_per_chunk(graph, plan, axis)
+    return plan
 
 
 MATMUL = ("matmul", "bmm")
@@ -117,3 +124,55 @@ def ulysses(graph: IRGraph, config: ComputeConfig) -> Plan:
 
     mesh, names = ((dp, n), ("dp", "cp")) if dp > 1 else ((n,), ("cp",))
     return plan_greedy(graph, mesh, names, options, "ulysses")
+
+
+def ulysses_tp_mesh(config: ComputeConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The ``(shape, names)`` of ``cp_tp_ulysses``'s mesh: dp, tp, cp (cp innermost: the heads attention holds
+    are cut on tp first and each tp rank's heads on cp, the nesting convention of
+    :mod:`nnscaler.comm.conversion`, so the all-to-all stays inside one tp rank's heads); degrees as
+    :func:`cp_tp_mesh`'s, axes of one rank left out."""
+    shape, names = cp_tp_mesh(config)
+    size = dict(zip(names, shape))
+    kept = [(a, size[a]) for a in ("dp", "tp", "cp") if a in size]
+    return tuple(s for _, s in kept), tuple(a for a, _ in kept)
+
+
+def cp_tp_ulysses(graph: IRGraph, config: ComputeConfig) -> Plan:
+    """Ulysses under tp: dp x tp x cp (:func:`ulysses_tp_mesh`). Outside attention every operator is planned
+    as ``cp_tp`` plans it (the sequence on cp, heads and weights on tp, Megatron's column- then row-parallel
+    projections); inside attention (:func:`attention_core`) the heads are split on tp and, nested inside each
+    tp rank's heads, on cp, so queries, keys and values reach it by one all-to-all on the cp axis
+    (sequence -> heads, ``D(seq) -> D(heads)``, within the tp rank's heads) and the output leaves by the
+    reverse one. Each tp rank's heads (query and key/value heads) must divide by the cp degree: refused by
+    name otherwise. Sequence parallelism on tp is off (the cp axis splits the sequence already)."""
+    mesh, names = ulysses_tp_mesh(config)
+    size = dict(zip(names, mesh))
+    tp, n = size.get("tp", 1), size.get("cp", 1)
+    check_batch_divisible(graph, size.get("dp", 1), "cp_tp_ulysses")
+    check_sequence_divisible(graph, n, "cp_tp_ulysses")
+    att = scores(graph)
+    core = attention_core(graph)
+    both = pin_heads(graph, tp * n, att)
+    missing = [op.name for op in graph.ops if op.name in core and not both.get(op.name)]
+    if missing:
+        raise PlanError(f"cp_tp_ulysses: attention operator {missing[0]} cannot split its heads over tp x cp = "
+                        f"{tp} x {n} ranks: the heads of each of the {tp} tp ranks (query and key/value heads) "
+                        f"must divide by cp={n} (or heads not found)")
+    pins = pin_heads(graph, tp, att) if tp > 1 else {}
+    per_axis = {a: AXIS_OPTIONS[a](graph, False) if a == "tp" else AXIS_OPTIONS[a](graph) for a in names}
+    # dtype asserts on attention's scores (eager attention's softmax output) check them where they are, in the
+    # heads layout: offered every split, the greedy keeps the layout they arrive in (no all-to-all of S^2 scores)
+    checks = {c.name for op in graph.ops if op.name in core for t in op.outputs if t is not None
+              for c in t.consumers if c.overload == "aten._assert_tensor_metadata.default"}
+
+    def options(op: IROp, axis: int, layouts: dict):
+        name = names[axis]
+        if name == "cp" and op.name in core:
+            return [both[op.name]]
+        if name == "cp" and op.name in checks:
+            return [None, *splittable(op.bound)]
+        if name == "tp" and op.name in pins:
+            return [pins[op.name]]
+        return per_axis[name](op, axis, layouts)
+
+    return plan_greedy(graph, mesh, names, options, "cp_tp_ulysses", nested=core | checks)

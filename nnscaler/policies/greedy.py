@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 from ..comm.conversion import conversion, local_fraction
 from ..dimops.layout import Layout, Partial, Replicate, Shard
@@ -62,11 +62,12 @@ def fused_blocks(graph: IRGraph) -> dict[str, dict[str, int]]:
 
 
 def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layouts: dict,
-               blocks: dict[str, int] | None = None) -> list[Partition]:
-    """Every partition of ``op`` on the mesh: one identifier (or None) per axis, each at most once,
-    each dividing its length, drawn from the policy's options for that axis; an identifier in
-    ``blocks`` is cut in that many blocks where its length allows (never for an operator with a
-    partition-aware kernel, which indexes contiguous chunks)."""
+               blocks: dict[str, int] | None = None, nested: bool = False) -> list[Partition]:
+    """Every partition of ``op`` on the mesh: one identifier (or None) per axis, each at most once
+    (``nested``: an identifier may be split on several axes, each cutting the piece the lower one gives,
+    :func:`~nnscaler.dimops.partition.repeated`), each dividing its length, drawn from the policy's options
+    for that axis; an identifier in ``blocks`` is cut in that many blocks where its length allows (never for
+    an operator with a partition-aware kernel, which indexes contiguous chunks)."""
     ok = set(splittable(op.bound))
     blocks = {} if op.spec.local is not None else (blocks or {})
     held = held_blocks(op, layouts)
@@ -79,7 +80,7 @@ def candidates(op: IROp, mesh_shape: Sequence[int], options: AxisOptions, layout
             continue
         per_axis.append([i for i in options(op, axis, layouts)
                          if i is None or (i in ok and op.bound.sizes[i] % f == 0)] or [None])
-    out = _combinations(op, mesh_shape, per_axis, blocks, held)
+    out = _combinations(op, mesh_shape, per_axis, blocks, held, nested)
     if not out:  # every axis offers only the same identifier (a square logits' loss, n x n): leave axes whole too
         out = _combinations(op, mesh_shape, [axis + [None] if None not in axis else axis for axis in per_axis],
                             blocks, held)
@@ -100,19 +101,25 @@ def held_blocks(op: IROp, layouts: dict) -> dict[str, int]:
 
 
 def _combinations(op: IROp, mesh_shape: Sequence[int], per_axis: list[list], blocks: dict[str, int],
-                  held: dict[str, int] | None = None) -> list[Partition]:
-    """A partition per choice of one option per axis, each identifier used once and never two
-    factors of one merged dim; an identifier in ``held`` also in its blocks (both variants)."""
+                  held: dict[str, int] | None = None, nested: bool = False) -> list[Partition]:
+    """A partition per choice of one option per axis, each identifier used once (``nested``: or on several
+    axes, its length divided by all of them, never in blocks) and never two factors of one merged dim; an
+    identifier in ``held`` also in its blocks (both variants)."""
     out = []
     for combo in itertools.product(*per_axis):
         named = [i for i in combo if i is not None]
-        if len(set(named)) != len(named) or nested_splits(op.bound, named) is not None:
+        if nested_splits(op.bound, named) is not None:
+            continue
+        twice = {i for i in named if named.count(i) > 1}
+        if twice and (not nested or any(op.bound.sizes[i] % math.prod(f for j, f in zip(combo, mesh_shape) if j == i)
+                                        for i in twice)):
             continue
         cut = tuple((i, blocks[i]) for i, f in zip(combo, mesh_shape)
-                    if i in blocks and op.bound.sizes[i] % (f * blocks[i]) == 0)
+                    if i in blocks and i not in twice and op.bound.sizes[i] % (f * blocks[i]) == 0)
         out.append(Partition(tuple(zip(combo, mesh_shape)), math.prod(mesh_shape), cut))
         follow = tuple((i, held[i]) for i, f in zip(combo, mesh_shape)
-                       if i in (held or {}) and i not in blocks and op.bound.sizes[i] % (f * held[i]) == 0)
+                       if i in (held or {}) and i not in blocks and i not in twice
+                       and op.bound.sizes[i] % (f * held[i]) == 0)
         if follow:
             out.append(Partition(out[-1].splits, out[-1].world_size, cut + follow))
     return out
@@ -156,8 +163,10 @@ def _partial_outputs(op: IROp, p: Partition) -> int:
 
 
 def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], options: AxisOptions,
-                policy: str, pick: Callable[[IROp, list[Partition]], Partition] | None = None) -> Plan:
-    """Plan every known operator greedily in program order (``pick`` overrides the choice)."""
+                policy: str, pick: Callable[[IROp, list[Partition]], Partition] | None = None,
+                nested: Collection[str] = ()) -> Plan:
+    """Plan every known operator greedily in program order (``pick`` overrides the choice; the operators named
+    in ``nested`` may split one identifier on several axes, :func:`candidates`)."""
     plan = Plan(mesh_shape, axis_names, policy=policy)
     everywhere_r = tuple(Replicate() for _ in mesh_shape)
     layouts: dict[IRTensor, Layout] = {t: everywhere_r for t in graph.inputs}
@@ -173,7 +182,7 @@ def plan_greedy(graph: IRGraph, mesh_shape: tuple[int, ...], axis_names: tuple[s
                 if t is not None:
                     layouts[t] = everywhere_r
             continue
-        cands = candidates(op, mesh_shape, options, layouts, fused.get(op.name))
+        cands = candidates(op, mesh_shape, options, layouts, fused.get(op.name), op.name in nested)
         if pick is not None:
             best = pick(op, cands)
         else:  # on a tie, the partition leaving fewer partial sums (column- before row-split)

@@ -15,9 +15,13 @@ values around the ring of the ranks splitting ``s``. An attention is
 
 Other attentions keep their operators, and their all-gather, which :func:`ring_note` names. Unsplit, the
 kernel is plain attention, so the rebinding changes what ranks exchange, never what the program computes.
-The policies rebind the graph they are given (a compile's own graph or its copy), then plan as ``cp``,
-``cp_balanced`` or ``cp_tp`` do; the kernel reads the balanced order from its
-:class:`~nnscaler.runtime.partitioned.ShardContext`.
+The policies rebind the graph they are given in place, then plan as ``cp``, ``cp_balanced`` or ``cp_tp`` do;
+the kernel reads the balanced order from its :class:`~nnscaler.runtime.partitioned.ShardContext`. In place is
+the contract of a policy that rewrites (:data:`nnscaler.ir.plan.Policy`): the plan names the ring operators,
+which exist only in the rebound graph, and the compiler compiles the graph it handed the policy (its own trace
+or a copy of a cached one); a copy here would leave the caller a graph the plan does not fit. Rebinding is
+idempotent (:func:`ring_sites` counts the ring operators already there), so planning one graph twice is safe;
+a caller planning one graph under other policies too gives the ring a copy (``IRGraph.copy``).
 """
 from __future__ import annotations
 
@@ -157,7 +161,7 @@ def _fuse(graph: IRGraph, found, index: int) -> IROp:
     anno = _annotation(q, k, masks, kt)
     kw = {"mods": mods, "keys_transposed": kt}
     spec = OpSpec.create("ring_attention", anno, partial(attention, **kw), family="nn",
-                         local=partial(ring_attention, ident="s", **kw),
+                         local=partial(ring_attention, ident="s", **kw), exchange=(("s", (1, 2)),),
                          doc="attention over a split sequence, keys and values exchanged around the ring")
     inputs = [q, k, v, *masks]
     out = ops[-1].outputs[0]

@@ -9,6 +9,10 @@
   written ``+o``, is then held by one rank); spatial extents are frozen (a split would need halos).
 * dropout is only registered where it is the identity (``p=0`` or eval mode): random masks differ
   between a whole tensor and its shards.
+* ``ring.scaled_dot_product_attention`` (the operator the ring policies rebind attention to,
+  :mod:`nnscaler.policies.ring`): queries, keys and values on one sequence ``s``, split by the ring kernel
+  :func:`nnscaler.runtime.ring.ring_attention` (keys and values passed rank to rank); registered causal, with a
+  boolean mask (its key columns ``t^`` whole, no gradient) and with keys transposed (eager ``q @ k^T``).
 """
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from nnscaler import Index, register_op
+from nnscaler import Index, Mask, register_op
+
+from nnscaler.runtime.ring import attention as _ring_whole, ring_attention as _ring_local
 
 from .. import kernels as K
 
@@ -41,6 +47,22 @@ _reg("sdpa_mask_bcast", "b h s d^, b h t^ d^, b h t^ e, s t^ -> b h s e", F.scal
      _SDPA)
 _reg("sdpa_scale", "b h s d^, b h t^ d^, b h t^ e -> b h s e", F.scaled_dot_product_attention, _SDPA,
      kwargs={"scale": 0.3})
+
+
+
+def _ring(name, annotation, mods, keys_transposed=False, **options):
+    kw = {"mods": mods, "keys_transposed": keys_transposed}
+    register_op(annotation, name, family=FAMILY, local=partial(_ring_local, ident="s", **kw), exchange=(("s", (1, 2)),),
+                doc="ring.scaled_dot_product_attention: attention over a split sequence, keys and values around the "
+                    "ring", **options)(partial(_ring_whole, **kw))
+
+
+# entries of operators the compiler makes itself (the ring policies' rebinding), which no trace yields: no ATen overload
+COMPILER_OWN = ("ring_sdpa_causal", "ring_sdpa_keep", "ring_eager_causal")
+_ring("ring_sdpa_causal", "b h s d^, b h s d^, b h s e -> b h s e", (("mul", 0.25), ("causal",)))
+_ring("ring_sdpa_keep", "b h s d^, b h s d^, b h s e, b 1 s t^ -> b h s e", (("mul", 0.25), ("keep", 0)),
+      inputs={3: Mask(0.9)}, sizes={"s": 8, "t": 8})
+_ring("ring_eager_causal", "b h s d^, b h d^ s, b h s e -> b h s e", (("div", 2.0), ("causal",)), keys_transposed=True)
 
 _CONV1 = {"l": 9, "k": 3}
 _reg("conv1d", "n c+ l^, o c+ k^, +o -> n o m^", F.conv1d, "aten.conv1d.default", sizes=_CONV1)

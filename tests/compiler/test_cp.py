@@ -6,9 +6,6 @@ and cut to the rank's chunk. Proven on transformers' Llama against one device, a
 variants of the exchanges (mutants in ``tests/mutants/catalog/context.py``) caught and localised."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import warnings
 
 import pytest
 
@@ -16,20 +13,16 @@ import opzoo  # noqa: F401
 from nnscaler.config import PlanError
 from nnscaler.policies import ComputeConfig
 from nnscaler.policies.builtin import batch_identifiers, cp, hybrid_cp
-from tests.conftest import ROOT
+from tests.fixtures.cp_runs import run_mutated, traced
 from verify.judge.verdict import MATCH
 
 pytest.importorskip("transformers")
 
 
 def _llama():
-    from nnscaler.compile.plan import trace_model
     from verify.models.registry import MODELS
     import verify.models.hf  # noqa: F401
-    case = MODELS["llama"](0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trace_model(case.model, case.batch(0), None, registry=None, strict=False)
+    return traced(MODELS["llama"](0))
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +70,8 @@ def test_llama_trains_like_one_device_under_cp(verify_model):
     assert [r.status for r in rows] == [MATCH] * 4, [(r.status, r.detail) for r in rows]
 
 
-def _mutated(name: str, tmp_path, policy: str = "cp", world: int = 2) -> subprocess.CompletedProcess:
-    from tests.mutants.run import shim
-    cmd = [sys.executable, "-m", "verify", "model", "llama", "--policy", policy, "--world-size", str(world), "--steps", "1",
-           "--reports", str(tmp_path / "reports"), "--module", str(shim(tmp_path, name))]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _mutated(name: str, tmp_path, policy: str = "cp", world: int = 2):
+    return run_mutated(name, "llama", policy, world, tmp_path)
 
 
 @pytest.mark.slow
@@ -89,7 +79,8 @@ def _mutated(name: str, tmp_path, policy: str = "cp", world: int = 2) -> subproc
     # keys/values' gradient never summed back to their owner: the all-gather before p @ v is named
     ("cp_kv_gradient_not_reduced", "steps: all_gather_sum_grad(axis 0, dims 2);"),
     # rotary tables and the causal mask cut to chunk 0 on every rank: positions not shifted per chunk
-    ("cp_positions_not_shifted", "apply_rotary_pos_emb(query_states, key_states, cos, sin)"),
+    # (masks and rotary tables are built per chunk from the positions: the cut is on the positions)
+    ("cp_positions_not_shifted", "unsqueeze R -> D1 for "),
 ])
 def test_a_wrong_context_parallel_program_is_caught_and_localised(mutant, first, tmp_path):
     out = _mutated(mutant, tmp_path)

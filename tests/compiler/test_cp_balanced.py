@@ -5,9 +5,6 @@ documents: ``tests/fixtures/cp_masks.py``) trained against one device; wrong var
 ``tests/mutants/catalog/context.py``) caught and localised."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import warnings
 
 import pytest
 import torch
@@ -18,24 +15,12 @@ from nnscaler.config import PlanError
 from nnscaler.dimops.layout import Replicate, Shard, balanced_order, join_blocks, shard_indices
 from nnscaler.dimops.partition import Partition
 from nnscaler.policies import POLICIES, ComputeConfig
-from tests.conftest import ROOT
-from verify.judge.verdict import MATCH
-
-FIXTURE = "tests/fixtures/cp_masks.py"
-
-
-def _graph(builder: str):
-    from nnscaler.compile.plan import trace_model
-    from tests.fixtures import cp_masks
-    case = getattr(cp_masks, builder)(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trace_model(case.model, case.batch(0), None, registry=None, strict=False)
+from tests.fixtures.cp_runs import MASKS as FIXTURE, check_masked, masked_graph, run_mutated
 
 
 @pytest.fixture(scope="module")
 def graphs():
-    return {b: _graph(b) for b in ("build_window", "build_packed")}
+    return {b: masked_graph(b) for b in ("build_window", "build_packed")}
 
 
 @pytest.mark.parametrize("n, blocks", [(2, 1), (4, 1), (2, 3)])
@@ -149,25 +134,20 @@ def test_cp_balanced_refuses_a_sequence_without_two_chunks_per_rank(graphs):
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", ["build_window", "build_packed"])
 def test_masked_models_train_like_one_device_under_balanced_cp(verify_model, builder):
-    rows = verify_model(f"{FIXTURE}:{builder}", policies=["cp", "cp_balanced", "hybrid_cp_balanced"],
-                        world_sizes=(2, 4), steps=2)
-    assert [r.status for r in rows] == [MATCH] * 6, [(r.status, r.detail) for r in rows]
+    check_masked(verify_model, builder, ["cp", "cp_balanced", "hybrid_cp_balanced"], (2, 4))
 
 
-def _mutated(name: str, builder: str, tmp_path) -> subprocess.CompletedProcess:
-    from tests.mutants.run import shim
-    cmd = [sys.executable, "-m", "verify", "model", f"{FIXTURE}:{builder}", "--policy", "cp_balanced",
-           "--world-size", "2", "--steps", "1", "--reports", str(tmp_path / "reports"),
-           "--module", str(shim(tmp_path, name))]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _mutated(name: str, builder: str, tmp_path):
+    return run_mutated(name, f"{FIXTURE}:{builder}", "cp_balanced", 2, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mutant, builder, first", [
     # rotary tables computed whole cut in contiguous chunks while the tokens are balanced
-    ("cp_balanced_positions_contiguous", "build_window", "split(axis 0, dims 2, balanced)"),
+    # (masks and rotary tables are built per chunk from the positions: the cut is on the positions, arange)
+    ("cp_balanced_positions_contiguous", "build_window", "arange R -> D0z for unsqueeze input 0"),
     # the sliding-window mask's rows not shifted per chunk: every chunk gets the first chunk's rows
-    ("cp_window_mask_not_shifted", "build_window", "R -> D0z for scaled_dot_product_attention input 3"),
+    ("cp_window_mask_not_shifted", "build_window", "split(axis 0, dims 0, balanced)"),
     # gathered keys/values left in the ranks' order: key columns out of line with mask and positions
     ("cp_balanced_keys_out_of_order", "build_window", "all_gather_sum_grad(axis 0, dims 2, balanced)"),
 ])
@@ -189,3 +169,35 @@ def test_state_read_by_tokens_is_stored_whole_under_balanced_cp_and_cut_on_use(g
     assert (str(lay["cp"][0]), str(lay["cp_balanced"][0])) == ("D1", "R"), lay
     src = generate(g, POLICIES["cp_balanced"](g, ComputeConfig(2)), 0)[0]
     assert "C.split(C.to_balanced(p['pos'], 1, g[0]), 1, g[0])" in src
+
+
+@pytest.mark.parametrize("policy, world", [("cp", 2), ("cp_balanced", 4), ("hybrid_cp_balanced", 4), ("cp_ring_balanced", 4),
+                                           ("cp_tp", 4)])
+def test_masks_are_built_per_chunk_from_the_positions(policy, world):
+    """Causal, sliding-window and packed-document masks (and rotary tables) are built by each rank for its own
+    rows (``nnscaler/policies/masks.py``): no conversion cuts a tensor with two sequence-long dims (O(S^2) built
+    whole, as before); the cut is on the positions (O(S)). Without the pass the masks are cut whole."""
+    from nnscaler.codegen.emit import emit_program
+    from nnscaler.compile.plan import choose_plan
+    from verify.models.registry import MODELS
+    import verify.models.hf  # noqa: F401
+    from tests.fixtures.cp_runs import traced
+    for name, graph in (("window", masked_graph("build_window")), ("packed", masked_graph("build_packed")),
+                        ("llama", traced(MODELS["llama"](0)))):
+        seq = next(t for t in graph.inputs if len(t.shape) > 1).shape[1]
+
+        def square_cuts(plan, g):
+            return [t.name for t, _, step in emit_program(g, plan, 0).steps
+                    if step.kind == "split" and sum(n == seq for n in t.shape) >= 2]
+
+        g = graph.copy()
+        assert not square_cuts(choose_plan(g, policy, ComputeConfig(world)), g), (name, policy)
+        import nnscaler.policies.builtin as B
+        import nnscaler.policies.cp_mesh as M
+        kept = (B.rows_per_chunk, M.rows_per_chunk)
+        try:  # the greedy's plan without the pass cuts the masks whole: the assertion above can fail
+            B.rows_per_chunk = M.rows_per_chunk = lambda graph, plan, axis: plan
+            g = graph.copy()
+            assert square_cuts(POLICIES[policy](g, ComputeConfig(world)), g), (name, policy)
+        finally:
+            B.rows_per_chunk, M.rows_per_chunk = kept

@@ -142,3 +142,46 @@ def test_parallelize_autodist_at_cluster_scale_compiles_what_the_plan_lowers_to(
     for reference, loss, kind, _ in out.values():
         assert kind == "ParallelModule" and loss == pytest.approx(reference, rel=1e-4)
     assert "plan tp" in (tmp_path / "plan_report.txt").read_text()
+
+
+def test_a_compile_searches_every_cp_scheme_the_compiler_lowers():
+    """``parallelize``'s search admits every configuration :func:`~nnscaler.cluster.plan.cp_refusal` accepts (no
+    second list of schemes): a long sequence without a named cp scheme lowers to the cost model's fastest one,
+    here the ring's, not only the all-gather's; every plan it may pick lowers."""
+    pytest.importorskip("transformers")
+    from nnscaler.cluster.autodist import lowering
+    from nnscaler.cluster.plan import cp_refusal, lowers
+    from nnscaler.cluster.search import search
+    from nnscaler.cluster.trace import trace_shape
+    model, ids = _tiny_llama(), torch.zeros(1, 16384, dtype=torch.long)
+    config = ComputeConfig(4, profile="h100", global_batch=1, constraints={"tp": 1, "pp": 1, "zero": 0})
+    policy, cfg = lowering(model, (ids, ids), "autodist", config)
+    assert policy == "cp_tp_ring_balanced" and (cfg.tp_size, cfg.cp_size) == (1, 4), (policy, cfg)
+    best = search(trace_shape(model, (ids, ids), None), config, "llama").best.parallel  # the unfiltered search agrees
+    assert lowers(best) and cp_refusal(best) is None and best.cp_scheme == "ring"
+
+
+def _cp_rank(rank, world, directory, cons):
+    from nnscaler import parallelize
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    reference = _tiny_llama()(ids, ids).item()
+    config = ComputeConfig(world, profile="h100", constraints=cons)
+    pm = parallelize(model, (ids, ids), "autodist", config, gen_savedir=directory, verify=False)
+    return reference, pm.train_step(ids, ids).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,cons,policy", [
+    (2, {"cp": 2, "tp": 1, "pp": 1, "zero": 0, "recompute": "none"}, "ulysses"),
+    (2, {"cp": 2, "tp": 1, "pp": 1, "zero": 0, "recompute": "none", "cp_scheme": "ring"}, "cp_tp_ring_balanced"),
+    (4, {"cp": 2, "tp": 2, "pp": 1, "zero": 0, "recompute": "none"}, "cp_tp_ulysses")])
+def test_parallelize_autodist_compiles_a_ulysses_or_ring_plan_like_one_device(tmp_path, world, cons, policy):
+    """A cp request the search lowers to Ulysses (its scheme unnamed: the cost model's pick, with tp too) or to
+    the ring compiles and its loss on gloo ranks is the single device's."""
+    pytest.importorskip("transformers")
+    from verify.runner.spawn import run_ranks
+    out = run_ranks(_cp_rank, world, str(tmp_path), cons, timeout_s=300)
+    for reference, loss in out.values():
+        assert loss == pytest.approx(reference, rel=1e-4)
+    assert (tmp_path / "plan_report.txt").read_text().startswith(f"plan {policy} on mesh")

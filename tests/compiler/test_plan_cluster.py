@@ -92,12 +92,17 @@ def test_bad_plan_files_are_one_line_and_exit_2(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_a_cp_plan_the_compiler_lacks_is_saved_with_its_axis_and_refused_by_name(tmp_path, capsys):
+def test_a_ulysses_plan_under_tp_lowers_and_a_scheme_the_compiler_lacks_is_refused_by_name(tmp_path, capsys,
+                                                                                            monkeypatch):
     plan, path = saved_plan(tmp_path, 16, {"tp": 2, "cp": 4, "pp": 2, "cp_scheme": "ulysses"})
     data = json.loads(path.read_text())
     assert (data["parallel"]["cp"], data["parallel"]["cp_scheme"], data["world_size"]) == (4, "ulysses", 16)
-    assert data["lowered"] is None and load(path).parallel == plan.parallel
-    with pytest.raises(PlanError, match=r"cp=4, ulysses, balanced\) .*missing Ulysses composed with tp"):
+    assert data["lowered"]["policy"] == "cp_tp_ulysses" and load(path).parallel == plan.parallel
+    assert data["lowered"]["config"]["tp_size"] == 2 and data["lowered"]["config"]["cp_size"] == 4
+    # the refusal stays wired for a scheme the compiler would lack (none today: CP_MISSING is empty)
+    import nnscaler.cluster.plan as cluster_plan
+    monkeypatch.setitem(cluster_plan.CP_MISSING, "ulysses", "Ulysses's all-to-all")
+    with pytest.raises(PlanError, match=r"cp=4, ulysses, balanced\) .*missing Ulysses's all-to-all"):
         lower(plan.parallel)
     assert main(["plan", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -119,10 +124,14 @@ def test_an_allgather_cp_plan_lowers_to_cp_tp_in_megatrons_order(tmp_path):
     plan, path = saved_plan(tmp_path, 8, {"tp": 2, "cp": 2, "pp": 2, "cp_scheme": "allgather", "cp_balanced": False})
     data = json.loads(path.read_text())
     assert data["lowered"]["policy"] == "cp_tp" and data["lowered"]["config"]["cp_size"] == 2
-    # causally balanced chunks lower to cp_tp_balanced (pipeline stages included), Ulysses without tp to ulysses
+    # causally balanced chunks lower to cp_tp_balanced (pipeline stages included), Ulysses without tp to ulysses,
+    # with tp to cp_tp_ulysses (dp x tp x cp: cp innermost, each tp rank's heads cut on cp)
     assert lower(Parallel(tp=2, cp=4, pp=2, cp_balanced=True))[0] == "cp_tp_balanced"
     policy, cfg = lower(Parallel(cp=4, pp=2, dp=2, num_microbatches=2, zero=3, cp_scheme="ulysses"))
     assert policy == "ulysses" and (cfg.plan_ngpus, cfg.tp_size, cfg.cp_size, cfg.pp_size) == (16, 1, 4, 2)
+    policy, cfg = lower(Parallel(tp=2, cp=4, pp=2, dp=2, num_microbatches=2, zero=1, cp_scheme="ulysses"))
+    from nnscaler.policies.cp_mesh import ulysses_tp_mesh
+    assert policy == "cp_tp_ulysses" and ulysses_tp_mesh(stage_config(cfg)) == ((2, 2, 4), ("dp", "tp", "cp"))
     # the ring scheme lowers to cp_tp_ring, balanced chunks or not (nnscaler/policies/ring.py)
     assert lower(Parallel(tp=2, cp=4, pp=2, cp_scheme="ring", cp_balanced=True))[0] == "cp_tp_ring_balanced"
     assert lower(Parallel(cp=4, dp=2, cp_scheme="ring", cp_balanced=False))[0] == "cp_tp_ring"
@@ -156,6 +165,9 @@ def test_a_reduced_cp_plan_keeps_its_axis_and_trains_like_one_device(tmp_path, c
      "tp1 cp2-allgather-balanced pp1 dp2", "cp_tp_balanced in each of 1 stage"),
     # 8 GPUs: Ulysses cp 4 x dp 2, ZeRO-1 -> cp2 dp2 at W=4 under ulysses (dp x cp)
     ({"tp": 1, "cp": 4, "pp": 1, "cp_scheme": "ulysses", "zero": 1}, "tp1 cp2-ulysses pp1 dp2", "ulysses in each of 1"),
+    # 8 GPUs: Ulysses under tp, tp 2 x cp 4 -> tp2 cp2 at W=4 under cp_tp_ulysses (dp x tp x cp)
+    ({"tp": 2, "cp": 4, "pp": 1, "cp_scheme": "ulysses", "sequence_parallel": False}, "tp2 cp2-ulysses pp1 dp1",
+     "cp_tp_ulysses in each of 1"),
 ])
 def test_a_reduced_balanced_or_ulysses_plan_keeps_its_scheme_and_trains_like_one_device(tmp_path, capsys, cons, label,
                                                                                           policy):

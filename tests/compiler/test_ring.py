@@ -6,9 +6,6 @@ transformers' Llama; Llama and the masks fixtures (sliding window by sdpa, packe
 against one device."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import warnings
 
 import pytest
 import torch
@@ -18,19 +15,11 @@ from nnscaler.config import PlanError
 from nnscaler.policies import ComputeConfig
 from nnscaler.runtime import ring as R
 from nnscaler.runtime.partitioned import ShardContext
-from tests.conftest import ROOT
+from tests.fixtures.cp_runs import check_masked, masked_graph, run_mutated, traced as _trace
 from verify.judge.verdict import MATCH
 
 pytest.importorskip("transformers")
 
-MASKS = "tests/fixtures/cp_masks.py"
-
-
-def _trace(case):
-    from nnscaler.compile.plan import trace_model
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trace_model(case.model, case.batch(0), None, registry=None, strict=False)
 
 
 def _llama():
@@ -59,9 +48,8 @@ def test_attention_is_rebound_to_the_ring_with_keys_split_on_the_sequence():
 def test_the_masks_fixtures_ring_both_attentions_and_a_model_without_attention_is_refused():
     from nnscaler.compile.plan import choose_plan
     from nnscaler.policies.ring import ring_sites
-    from tests.fixtures import cp_masks
     for builder, mods in (("build_window", (("mul", 0.25), ("keep", 0))), ("build_packed", (("div", 4.0), ("fill", 0, float("-inf"))))):
-        graph = _trace(getattr(cp_masks, builder)(0))
+        graph = masked_graph(builder)
         sites = ring_sites(graph)
         assert len(sites) == 2 and sites[0].spec.local.keywords["mods"] == mods, (builder, sites[0].spec.local.keywords)
     from verify.models.registry import MODELS
@@ -164,8 +152,7 @@ def test_llama_trains_like_one_device_under_the_ring(verify_model):
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", ["build_window", "build_packed"])
 def test_masked_models_train_like_one_device_under_the_ring(verify_model, builder):
-    rows = verify_model(f"{MASKS}:{builder}", policies=["cp_ring_balanced"], world_sizes=(4,), steps=2)
-    assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
+    check_masked(verify_model, builder, ["cp_ring_balanced"], (4,))
 
 
 @pytest.mark.slow
@@ -175,9 +162,24 @@ def test_masked_models_train_like_one_device_under_the_ring(verify_model, builde
     ("ring_merge_wrong_weights", "cp_ring", "first divergent operator: ring_attention "),
 ])
 def test_a_wrong_ring_program_is_caught_and_localised(mutant, policy, first, tmp_path):
-    from tests.mutants.run import shim
-    cmd = [sys.executable, "-m", "verify", "model", "llama", "--policy", policy, "--world-size", "2", "--steps", "1",
-           "--reports", str(tmp_path / "reports"), "--module", str(shim(tmp_path, mutant))]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_mutated(mutant, "llama", policy, 2, tmp_path)
     assert out.returncode == 1 and "MISMATCH" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     assert first in out.stdout, out.stdout[-3000:]
+
+
+def test_the_plan_report_lists_the_rings_sends():
+    """The ring's key/value ``batch_isend_irecv`` (inside its kernel) in the plan's collectives: over W ranks, W-1
+    sends of the rank's K and V forward per attention, W-1 of them and W of their gradients backward."""
+    from nnscaler.compile.plan import attach_stats, choose_plan
+    from nnscaler.cost.summary import collective_table
+    for policy, world, kv_bytes in (("cp_ring", 2, 2 * 4 * 4 * 4 * 8 * 4), ("cp_ring_balanced", 4, 2 * 4 * 4 * 2 * 8 * 4)):
+        graph = _llama()
+        plan = attach_stats(choose_plan(graph, policy, ComputeConfig(world)), graph, ComputeConfig(world))
+        table = collective_table(plan.stats)
+        fwd, bwd = table["forward"]["send_recv"], table["backward"]["send_recv"]
+        assert (fwd["count"], bwd["count"]) == (2 * (world - 1), 2 * (2 * world - 1)), (policy, table)
+        assert fwd["bytes"] == 2 * (world - 1) * kv_bytes, (policy, fwd)  # K, V (repeated: 4 heads), s/W rows
+        assert "send_recv" in plan.report() and f"(+{2 * (world - 1)} coupled) fwd" in plan.one_line()
+    cp_plan = _llama()
+    assert "send_recv" not in str(collective_table(attach_stats(choose_plan(cp_plan, "cp", ComputeConfig(2)), cp_plan,
+                                                                ComputeConfig(2)).stats))  # all-gathers, no ring

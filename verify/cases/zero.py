@@ -1,5 +1,5 @@
 """Which whole-model cases a ZeRO stage applies to (``--zero``): a plan with a data-parallel mesh
-axis (``dp``, or ``cp``'s (``ulysses``') sequence axis, which holds every parameter whole; ``hybrid``/``hybrid_cp``/``cp_tp`` where its dp (cp_tp: cp) axis has more than one rank: the harness plans it with
+axis (``dp``, or ``cp``'s (``ulysses``') sequence axis, which holds every parameter whole; ``hybrid``/``hybrid_cp``/``cp_tp``/``cp_tp_ulysses`` where its dp (cp_tp: cp) axis has more than one rank: the harness plans it with
 ``tp_size=2``) or data-parallel replicas; a pipeline where each stage has one (``pp2_dp`` on 4 or
 more ranks) or replicas (zero 3 not under a zero-bubble schedule: ``nnscaler`` refuses it)."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1)
     if policy.startswith(("cp_ring", "cp_tp_ring")):  # the ring scheme: as cp / cp_tp
         policy = "cp" if policy.startswith("cp_ring") else "cp_tp"
     return (policy in ("dp", "cp", "cp_balanced", "ulysses") and plan_ngpus > 1) or (
-        policy in ("hybrid", "hybrid_cp", "hybrid_cp_balanced", "cp_tp", "cp_tp_balanced") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
+        policy in ("hybrid", "hybrid_cp", "hybrid_cp_balanced", "cp_tp", "cp_tp_balanced", "cp_tp_ulysses") and plan_ngpus >= 4 and plan_ngpus % 2 == 0)
 
 
 def zero_refusal(zero: int, policy: str, world_sizes, replicas: int = 1) -> str | None:

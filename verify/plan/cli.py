@@ -10,7 +10,8 @@ compared with one device like any whole-model case (loss, every gradient and upd
 Exit 0 match, 1 mismatch or failure, 2 bad input (one line, before any rank starts), a plan with a context
 parallelism scheme the compiler does not lower included (refused naming what is missing, never reduced without
 its cp axis or scheme); a cp plan it lowers is reduced keeping its cp degree (2), scheme and balance and runs as
-``cp_tp``, ``cp_tp_balanced`` or ``ulysses`` (its label says ``-balanced`` for Llama 3's chunk order).
+``cp_tp``, ``cp_tp_balanced``, ``cp_tp_ring(_balanced)``, ``ulysses`` or ``cp_tp_ulysses`` (its label says
+``-balanced`` for Llama 3's chunk order).
 """
 from __future__ import annotations
 

@@ -20,24 +20,31 @@ def cp_kv_gradient_not_reduced():
 
 @mutant
 def cp_positions_not_shifted():
-    """A floating or boolean tensor computed whole without gradient (rotary tables, a causal mask) is
-    cut to chunk 0 on every rank: each rank's tokens take the first chunk's positions (token ids,
-    integers, are still split right)."""
+    """A floating or boolean tensor computed whole without gradient (rotary tables, a causal mask), or the
+    positions they are built from per chunk, is cut to chunk 0 on every rank: each rank's tokens take the
+    first chunk's positions (token ids, integers of the batch's shape, are still split right)."""
     C = _C()
     orig = C.split
 
     def split(x, dim, group, blocks=1):
-        if group is None or x.requires_grad or not (x.is_floating_point() or x.dtype == torch.bool):
+        if group is None or not _whole_no_grad(x):
             return orig(x, dim, group, blocks)
         return C._piece(x, dim, C._size(group), blocks, 0)
 
     patch(C, "split", split)
 
 
+def _positions(x: torch.Tensor) -> bool:
+    """Positions the program made itself (``arange``, ``position_ids``: integers of one dim or (1, seq); token ids
+    and positions read from a sample batch of several rows are (batch, seq)): masks and rotary tables are built
+    per chunk from them (:mod:`nnscaler.policies.masks`)."""
+    return (x.dim() == 1 or (x.dim() == 2 and x.shape[0] == 1)) and not x.is_floating_point() and x.dtype != torch.bool
+
+
 def _whole_no_grad(x: torch.Tensor) -> bool:
-    """A tensor the program computed whole from positions alone: rotary tables, masks (token ids and
-    positions read from the batch are integers)."""
-    return not x.requires_grad and (x.is_floating_point() or x.dtype == torch.bool)
+    """A tensor the program computed whole from positions alone: rotary tables, masks, the positions themselves
+    (token ids and positions read from the batch are integers of two dims)."""
+    return not x.requires_grad and (x.is_floating_point() or x.dtype == torch.bool or _positions(x))
 
 
 @mutant
@@ -52,14 +59,14 @@ def cp_balanced_positions_contiguous():
 
 @mutant
 def cp_window_mask_not_shifted():
-    """``cp_balanced``: a boolean mask computed whole (sliding window, causal) gives every chunk the
-    rows of the first chunk, as if each chunk's queries sat at positions 0..L-1: the window is not
-    shifted per chunk."""
+    """``cp_balanced``: a boolean mask computed whole (sliding window, causal), or the positions a mask is
+    built from per chunk, gives every chunk the rows of the first chunk, as if each chunk's queries sat at
+    positions 0..L-1: the window is not shifted per chunk."""
     C = _C()
     orig = C.to_balanced
 
     def to_balanced(x, dim, group, blocks=1):
-        if x.dtype != torch.bool or group is None:
+        if not (x.dtype == torch.bool or _positions(x)) or group is None:
             return orig(x, dim, group, blocks)
         piece = x.shape[dim] // (2 * C._size(group) * blocks)
         return x.index_select(dim, torch.arange(x.shape[dim], device=x.device) % piece)
@@ -112,3 +119,19 @@ def cp_tp_balanced_order_ignored():
         return orig(x, dim, group, blocks)
 
     patch(C, "to_balanced", to_balanced)
+
+
+@mutant
+def ulysses_all_to_all_wrong_group():
+    """``cp_tp_ulysses``: the all-to-all between sequence and heads runs over the group of the mesh axis below
+    the one it converts (tp's, where cp is the innermost axis) instead of its own: each rank swaps its
+    sequence chunk for heads with the ranks holding the other heads, not the other chunks."""
+    from nnscaler.comm import conversion
+    orig = conversion.Step.code
+
+    def code(self, x: str, group: str) -> str:
+        if self.kind == "all_to_all" and self.axis > 0 and group == f"g[{self.axis}]":
+            group = f"g[{self.axis - 1}]"
+        return orig(self, x, group)
+
+    patch(conversion.Step, "code", code)
