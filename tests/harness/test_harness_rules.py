@@ -364,7 +364,10 @@ def test_the_reduced_plan_keeps_every_field_of_the_saved_one():
     assert got.num_microbatches > 1 and got.num_microbatches % got.pp == 0
     assert reduce_parallel(dataclasses.replace(saved, zero=2)).zero == 2
     cp = reduce_parallel(dataclasses.replace(saved, cp=16, cp_scheme="ring", cp_balanced=False))
-    assert (cp.cp, cp.cp_scheme, cp.cp_balanced, cp.world) == (2, "ring", False, 16)  # the cp axis kept, of 2
+    assert (cp.cp, cp.cp_scheme, cp.cp_balanced) == (2, "ring", False)  # the cp axis kept, of 2
+    # four axes would need 16 ranks: dp (the same program on other rows) gives way, the others are kept
+    assert (cp.tp, cp.cp, cp.pp, cp.dp, cp.world) == (2, 2, 2, 1, 8)
+    assert reduce_parallel(dataclasses.replace(saved, cp=16), as_planned=True).world == 4 * 16 * 4 * 4
     assert reduce_parallel(dataclasses.replace(saved, cp=4)).cp_balanced
 
 

@@ -20,7 +20,7 @@ from verify.runner.worker import load_modules
 from verify.sweep.cache import ROOT, VerdictCache
 from verify.sweep.selection import Unit
 
-PLAN = "verify/plans/llama3-8b-8.json"
+PLAN = "verify/plans/llama3-70b-64.json"
 UNITS = {  # unit -> its label before the kinds answered it (verify/sweep/selection.py's UNIT_LABELS)
     Unit("op", "nn.linear", world_sizes=(2, 4), seeds=(0,)): "nn.linear",
     Unit("model", "nanogpt", "tp", (2,), (1,), 4, 1, False, False): "model:nanogpt tp mb4 W=2 seed 1 no-resume",
@@ -29,7 +29,7 @@ UNITS = {  # unit -> its label before the kinds answered it (verify/sweep/select
     Unit("model", "nanogpt", "pp2_dp", (4,), (0,), 4, 1, True, True, 2):
         "model:nanogpt pp2_dp mb4 bf16-mixed zero3 clip1 recompute=full W=4 seed 0",
     Unit("torchpar", "fsdp_tp", world_sizes=(4,), seeds=(0,)): "torchpar:fsdp_tp W=4",
-    Unit("plan", PLAN, world_sizes=(2,), seeds=(0,)): "plan:llama3-8b-8 W=2 seed 0",
+    Unit("plan", PLAN, world_sizes=(2,), seeds=(0,)): "plan:llama3-70b-64 W=2 seed 0",
 }
 CFG = RunConfig(world_sizes=(2, 4), modules=("/x/m.py",), recipe=Recipe(precision="bf16-mixed", zero=1, clip_grad_norm=0.5))
 

@@ -3,7 +3,9 @@
 :func:`reduce` keeps the plan's structure and shrinks its sizes:
 
 * parallel degrees: each of tp, cp, pp, dp above 1 becomes 2 (an axis stays an axis, in the same order:
-  tp innermost, then cp, dp, pipeline stages), or stays as planned (``as_planned``); cp's scheme and causal
+  tp innermost, then cp, dp, pipeline stages), or stays as planned (``as_planned``); where all four are
+  above 1 (16 ranks), dp becomes 1 (:data:`REDUCED_WORLD`): its ranks run the same program on other rows
+  of the batch, and the three axes whose programs differ are kept; cp's scheme and causal
   balance as planned (``verify plan`` refuses a cp scheme the compiler does not lower: ring, balanced chunks); virtual stages,
   the schedule, sequence parallelism, recompute, the ZeRO stage and the precision as planned;
 * micro-batches: as many as planned up to two per pipeline stage (a multiple of pp under an
@@ -38,6 +40,7 @@ from verify.models.common import LossOf, causal_lm
 from verify.models.registry import ModelCase, tokens
 
 REDUCED_DEGREE = 2
+REDUCED_WORLD = 8  # the most ranks a reduced plan takes (this project's machines run 8); dp gives way first
 SEQ = 8
 HEAD_DIM = 8
 VOCAB_PER_HIDDEN = 4  # a vocabulary well above the width, as in real models (the head then splits by vocabulary)
@@ -47,6 +50,8 @@ MAX_PARAMS = 20_000_000  # a plan file whose model is larger is a real plan: ver
 def reduce_parallel(par: Parallel, as_planned: bool = False) -> Parallel:
     """``par`` with its degrees shrunk (see the module docstring) and micro-batches to match."""
     tp, cp, pp, dp = (d if as_planned else min(d, REDUCED_DEGREE) for d in (par.tp, par.cp, par.pp, par.dp))
+    if not as_planned and tp * cp * pp * dp > REDUCED_WORLD:
+        dp = 1  # the one axis whose ranks run the same program (see the module docstring)
     m = min(par.num_microbatches, 2 * pp)
     if pp > 1:
         m = max(pp, -(-m // pp) * pp)

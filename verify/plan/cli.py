@@ -88,9 +88,10 @@ def prepare(path: str | os.PathLike, out_dir: str | os.PathLike, as_planned: boo
         raise BadInput(f"the plan runs on {red.world} ranks{' as planned' if as_planned else ' reduced to 2 per axis'}, "
                        f"the torchrun job has {ranks}: start torchrun with {red.world} ranks in all")
     if ranks is None and red.world > max_ranks():
+        smaller = "leave out --as-planned to verify it at 2 per axis, or " if as_planned else ""
         raise BadInput(f"the plan needs {red.world} ranks, more than this machine runs ({max_ranks()}); "
-                       f"leave out --as-planned to verify it at 2 per axis, or verify it at its size on a cluster "
-                       f"(torchrun ... -m verify.cluster plan PATH --as-planned)")
+                       f"{smaller}verify it at its size on a cluster (torchrun ... -m verify.cluster plan PATH "
+                       f"--as-planned)")
     with warnings.catch_warnings():  # the plan's own warnings are the report's, not the check's
         warnings.simplefilter("ignore")
         problems = check_lowering(case.model, case.batch(0), red.parallel, config.precision)

@@ -35,7 +35,7 @@ ZOO = ("vit", "albert", "distilbert", "t5", "bart", "wav2vec2", "hubert", "swin"
 ZOO_DEFAULT = ("vit",)  # the default's: one cheap non-language model
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = Path(__file__).resolve().parents[1] / "plans"  # the plans bench/calibration/autodist.py prints (`--save verify/plans`)
-DEFAULT_PLANS = ("llama3-8b-8",)  # the default sample's: one cheap plan (dp x ZeRO-3 reduced to W=2)
+DEFAULT_PLANS = ("llama3-70b-64",)  # the default sample's: one cheap plan (dp x ZeRO-3 reduced to W=2)
 TWO_D_POLICIES = ("hybrid", "random2d")  # their mesh is 2-D at W=4 (1-D at W=2)
 NO_RESUME_STEPS = 2
 """Steps of the default's model units that do not resume: AdamW's first step (no moments yet) and one
