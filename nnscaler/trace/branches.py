@@ -82,11 +82,21 @@ def specialising() -> Iterator[list]:
     decided on garbage (measured: a linear layer's ``h.sum() > 0`` took either branch at random).
     Its ``.data`` (a plain tensor of the same storage) is what gets copied here.
 
+    The real values also leave tensor constants no operator reads (I-BERT's ``assert
+    x_max.isnan().sum() == 0``: the assertion's constant, its lift dropped), on which torch's
+    constant lifting (``torch._export.passes.lift_constants_pass._unused_constant``) stops with a
+    ``StopIteration``; such a constant is removed here, as that pass removes an unused lifted one.
+
     Yields the list of the guards decided, ``(expression, value)``, filled as the trace runs (see
     :func:`unchecked`)."""
+    import torch._export.passes.lift_constants_pass as lifting
     import torch._functorch.config as functorch_config
     import torch._subclasses.meta_utils as meta_utils
     copy, clone = meta_utils._safe_copy, meta_utils._safe_clone
+    unused = lifting._unused_constant
+
+    def unused_or_unread(node: torch.fx.Node) -> Any:
+        return [node] if not node.users else unused(node)
 
     def plain(src: Any) -> Any:
         return src.data if type(src) is torch.nn.Parameter else src
@@ -100,7 +110,8 @@ def specialising() -> Iterator[list]:
     try:
         with functorch_config.patch(fake_tensor_propagate_real_tensors=True), \
                 mock.patch.object(meta_utils, "_safe_copy", lambda dst, src: copy(dst, plain(src))), \
-                mock.patch.object(meta_utils, "_safe_clone", lambda src: clone(plain(src))):
+                mock.patch.object(meta_utils, "_safe_clone", lambda src: clone(plain(src))), \
+                mock.patch.object(lifting, "_unused_constant", unused_or_unread):
             yield decisions.decided
     finally:
         shapes.handlers = handlers
