@@ -54,11 +54,14 @@ def whole_extreme(shard, x: torch.Tensor, *, op: str, idents: tuple[str, ...]) -
     if not groups:
         return out
     v = out.to(torch.int64)  # (gloo reduces no bool)
-    v = v if op == "max" else -v
+    return (_max_over(v, groups) if op == "max" else -_max_over(-v, groups)).to(out.dtype)
+
+
+def _max_over(v: torch.Tensor, groups: list) -> torch.Tensor:
+    """The element-wise maximum of ``v`` over every group of ``groups`` in turn (one all-reduce each)."""
     for g in groups:
         v = allmax(v, g)
-    v = v if op == "max" else -v
-    return v.to(out.dtype)
+    return v
 
 
 def shift(x: torch.Tensor, dim: int, group) -> torch.Tensor:
