@@ -12,7 +12,8 @@
   splits, and :func:`opzoo.kernels.whole_extreme` reduces the rank's shard, then all ranks' results
   in one all-reduce (MAX; MIN as the MAX of the negation) per split identifier, which the spec names
   ``coupled`` (counted apart in plan reports, as batch norm's statistics are). A floating tensor's
-  ``max()`` keeps no rule (its gradient goes to one element of one rank's shard).
+  ``max()``/``min()`` has every dim frozen (read whole, the plain op: its gradient goes to the
+  maximal elements, as on one device), so that no integer example entry ever answers for it.
 """
 from __future__ import annotations
 
@@ -113,13 +114,15 @@ _EXTREME = {"aten.max.default": "max", "aten.min.default": "min", "aten.any.defa
 
 @annotation_rule(*_EXTREME)
 def whole_extreme_rule(call: OpCall):
-    """``a b -> `` on an integer or boolean tensor: the extreme of each shard, then of the shards'
-    (one all-reduce per split identifier, ``coupled``)."""
+    """``a b -> 1`` on an integer or boolean tensor: the extreme of each shard, then of the shards'
+    (one all-reduce per split identifier, ``coupled``); ``a^ b^ -> 1`` on a floating one."""
     x = call.tensor(0)
-    if not usable(call) or x.ndim == 0 or x.dtype.is_floating_point or x.dtype.is_complex:
+    if not usable(call) or x.ndim == 0 or x.dtype.is_complex:
         return None
     names = Names()
     din = [names.dim(n) for n in x.shape]
+    if x.dtype.is_floating_point:
+        return build(call, FAMILY, {0: [d if d == "1" else mark(d, "^") for d in din]}, [[]])
     idents = tuple(d for d in din if d != "1")
     op = _EXTREME[call.overload]
     local = partial(K.whole_extreme, op=op, idents=idents)

@@ -25,11 +25,12 @@ from verify.rows.run import run_op
 OVERLOADS = ("aten.max.default", "aten.min.default", "aten.any.default", "aten.all.default")
 
 
-def test_the_rule_splits_every_dim_and_declines_floating_tensors():
+def test_the_rule_splits_every_dim_and_keeps_floating_tensors_whole():
     spec = whole_extreme_rule(make_call("aten.any.default", (B(4, 1, 8),)))
     assert spec.annotation == "a 1 b -> 1" and spec.coupled == ("a", "b") and not spec.differentiable
     assert whole_extreme_rule(make_call("aten.max.default", (I(4, 8),))).coupled == ("a", "b")
-    assert whole_extreme_rule(make_call("aten.max.default", (T(4, 8),))) is None  # its gradient: one rank's element
+    floating = whole_extreme_rule(make_call("aten.max.default", (T(4, 8),)))  # its gradient: the maximal elements
+    assert floating.annotation == "a^ b^ -> 1" and not floating.coupled and floating.differentiable
 
 
 def test_examples_match_and_a_per_shard_reduction_is_caught():
@@ -38,8 +39,9 @@ def test_examples_match_and_a_per_shard_reduction_is_caught():
     with Gang(4, [str(FIXTURES / "wrong_rule_families.py")], (2, 4)) as gang:
         for overload in OVERLOADS:
             for name in EXAMPLES[overload]:
-                rows = list(run_op(gang, DEFAULT_REGISTRY.get(name), cfg))
-                assert any(split_ids(r.partition) for r in rows)
+                spec = DEFAULT_REGISTRY.get(name)
+                rows = list(run_op(gang, spec, cfg))
+                assert any(split_ids(r.partition) for r in rows) == bool(spec.coupled)  # floating: read whole
                 for row in rows:
                     assert row.status == MATCH, (name, row.partition, row.status, row.detail)
         for name, idents in WRONG_EXTREME.items():
