@@ -43,6 +43,27 @@ def allmax(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+def whole_extreme(shard, x: torch.Tensor, *, op: str, idents: tuple[str, ...]) -> torch.Tensor:
+    """``max()``/``min()``/``any()``/``all()`` of the whole integer or boolean tensor whose shard is
+    ``x`` (``op``: ``"max"`` for max and any, ``"min"`` for min and all): the shard's, then the
+    maximum (of the negation, for ``"min"``) over the group of each split identifier of ``idents``."""
+    fn = {(torch.bool, "max"): torch.any, (torch.bool, "min"): torch.all}.get((x.dtype, op),
+                                                                             torch.max if op == "max" else torch.min)
+    out = fn(x)
+    groups = [g for g in (shard.group(i) for i in idents) if g is not None]
+    if not groups:
+        return out
+    v = out.to(torch.int64)  # (gloo reduces no bool)
+    return (_max_over(v, groups) if op == "max" else -_max_over(-v, groups)).to(out.dtype)
+
+
+def _max_over(v: torch.Tensor, groups: list) -> torch.Tensor:
+    """The element-wise maximum of ``v`` over every group of ``groups`` in turn (one all-reduce each)."""
+    for g in groups:
+        v = allmax(v, g)
+    return v
+
+
 def shift(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The max over ``dim`` across ``group`` (keepdim, detached), 0 where it is not finite: the
     usual shift before ``exp`` that keeps all ``-inf`` rows at ``-inf`` instead of NaN."""

@@ -2,7 +2,8 @@
 
 An identifier of the inputs that no output holds and that carries neither ``+`` nor ``^`` is consumed
 by the operator (a sum, a mean, a norm); a spatial split of it leaves each rank with a different
-result and nothing to combine them. ``verify.lint`` adds the checks that run the function.
+result and nothing to combine them, unless the spec names it ``coupled`` (its kernel combines the
+ranks' results itself: a whole ``max()`` all-reduced). ``verify.lint`` adds the checks that run the function.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def lint_static(spec: OpSpec) -> list[Finding]:
     for t in anno.inputs:  # an identifier twice in one tensor (``l l``: a diagonal) is never split
         names = [i.name for d in t.dims for i in d.idents if not (i.is_number or i.is_star)]
         ones |= {n for n in names if names.count(n) > 1}
-    for ident in sorted(_named(anno, anno.inputs) - outs - hidden - ones):
+    for ident in sorted(_named(anno, anno.inputs) - outs - hidden - ones - set(spec.coupled)):
         if markers.get(ident) == SPATIAL:
             found.append(Finding(spec.name, ident, "consumed", (
                 f"identifier {ident!r} is in the inputs of {spec.annotation!r} but in no output, and it is marked "

@@ -82,11 +82,16 @@ def specialising() -> Iterator[list]:
     decided on garbage (measured: a linear layer's ``h.sum() > 0`` took either branch at random).
     Its ``.data`` (a plain tensor of the same storage) is what gets copied here.
 
+    ``t.data`` of an activation (I-BERT's ``x_act.data.min()``) is read as ``t.detach()`` here (the
+    same values, no gradient): under real-tensor propagation torch records ``.data`` as a constant
+    holding a fake tensor, and refuses the program (or stops lifting it with a ``StopIteration``).
+
     Yields the list of the guards decided, ``(expression, value)``, filled as the trace runs (see
     :func:`unchecked`)."""
     import torch._functorch.config as functorch_config
     import torch._subclasses.meta_utils as meta_utils
     copy, clone = meta_utils._safe_copy, meta_utils._safe_clone
+    data = torch.Tensor.data
 
     def plain(src: Any) -> Any:
         return src.data if type(src) is torch.nn.Parameter else src
@@ -100,7 +105,8 @@ def specialising() -> Iterator[list]:
     try:
         with functorch_config.patch(fake_tensor_propagate_real_tensors=True), \
                 mock.patch.object(meta_utils, "_safe_copy", lambda dst, src: copy(dst, plain(src))), \
-                mock.patch.object(meta_utils, "_safe_clone", lambda src: clone(plain(src))):
+                mock.patch.object(meta_utils, "_safe_clone", lambda src: clone(plain(src))), \
+                mock.patch.object(torch.Tensor, "data", property(torch.Tensor.detach, data.__set__)):
             yield decisions.decided
     finally:
         shapes.handlers = handlers

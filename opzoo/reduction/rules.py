@@ -6,13 +6,22 @@
   (local sum over the FULL count of the reduced identifiers);
 * ``softmax``/``log_softmax`` and ``cumsum``: the dim they run along is frozen (``^``), every
   other dim spatial;
-* ``var``/``std``: the reduced dims are frozen (not a sum of per-shard parts), the others spatial.
+* ``var``/``std``: the reduced dims are frozen (not a sum of per-shard parts), the others spatial;
+* ``max``/``min``/``any``/``all`` over every element of an integer or boolean tensor (no gradient:
+  XLM's ``lengths.max()``, FSMT's ``padding_mask.any()``, read by a data-dependent guard): every dim
+  splits, and :func:`opzoo.kernels.whole_extreme` reduces the rank's shard, then all ranks' results
+  in one all-reduce (MAX; MIN as the MAX of the negation) per split identifier, which the spec names
+  ``coupled`` (counted apart in plan reports, as batch norm's statistics are). A floating tensor's
+  ``max()``/``min()`` has every dim frozen (read whole, the plain op: its gradient goes to the
+  maximal elements, as on one device), so that no integer example entry ever answers for it.
 """
 from __future__ import annotations
 
 from functools import partial
 
-from nnscaler.ops import OpCall, annotation_rule
+import torch
+
+from nnscaler.ops import Index, Mask, OpCall, annotation_rule
 
 from .. import kernels as K
 from ..rulekit import Names, build, mark, norm_dim, usable
@@ -97,3 +106,28 @@ def spread_rule(call: OpCall):
     din = [names.dim(n) for n in x.shape]
     dout = [("1" if d in red else n) for d, n in enumerate(din) if keepdim or d not in red]
     return build(call, FAMILY, {0: [mark(n, "^") if d in red else n for d, n in enumerate(din)]}, [dout])
+
+
+RARE = 0.15  # the share of the value that decides a boolean tensor's any (true) or all (false), in samples
+_EXTREME = {"aten.max.default": "max", "aten.min.default": "min", "aten.any.default": "max", "aten.all.default": "min"}
+
+
+@annotation_rule(*_EXTREME)
+def whole_extreme_rule(call: OpCall):
+    """``a b -> 1`` on an integer or boolean tensor: the extreme of each shard, then of the shards'
+    (one all-reduce per split identifier, ``coupled``); ``a^ b^ -> 1`` on a floating one."""
+    x = call.tensor(0)
+    if not usable(call) or x.ndim == 0 or x.dtype.is_complex:
+        return None
+    names = Names()
+    din = [names.dim(n) for n in x.shape]
+    if x.dtype.is_floating_point:
+        return build(call, FAMILY, {0: [d if d == "1" else mark(d, "^") for d in din]}, [[]])
+    idents = tuple(d for d in din if d != "1")
+    op = _EXTREME[call.overload]
+    local = partial(K.whole_extreme, op=op, idents=idents)
+    # sample values whose extreme a shard often lacks (a check that can fail): few trues (any), few falses (all)
+    values = (Mask(RARE if op == "max" else 1 - RARE) if x.dtype == torch.bool
+              else Index(1000, str(x.dtype).removeprefix("torch.")))
+    return build(call, FAMILY, {0: din}, [[]], local=local, coupled=idents, differentiable=False,
+                 inputs={0: values})

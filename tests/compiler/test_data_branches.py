@@ -143,3 +143,31 @@ def test_deberta_v2s_classifier_plans_and_matches_one_device_under_dp_and_tp():
         rows = list(run_model(gang, f"{FIXTURES / 'deberta_cls.py'}:build", ("dp", "tp"), RunConfig(world_sizes=(2,)),
                               tmp, steps=2))
     assert [r.status for r in rows] == [MATCH, MATCH], [(r.status, r.detail) for r in rows]
+
+
+class _NanCheck(torch.nn.Module):
+    """I-BERT's activation range check (``transformers/models/ibert/quant_modules.py``): a statistic
+    read through ``.data`` and an ``assert`` on it (a data-dependent guard whose constant no
+    operator reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.l(x)
+        top = h.data.max()
+        assert top.isnan().sum() == 0, "NaN detected"
+        return h.sum()
+
+
+def test_a_guard_on_a_statistic_read_through_data_is_traced_and_checked():
+    """Under torch's real-tensor propagation ``.data`` became a constant holding a fake tensor and
+    the assertion's constant stopped torch's constant lifting: the model was refused (I-BERT)."""
+    model = _NanCheck()
+    x = torch.randn(2, 4)
+    graph, said = _trace(model, x)
+    assert any(op.overload == GUARD for op in graph.ops) and len(said) == 1 and "top.isnan()" in said[0], said
+    src = generate(graph, choose_plan(graph, "dp", ComputeConfig(2)), 0)[0]
+    asserts = [line for line in src.splitlines() if "torch.ops.aten._assert_scalar.default(" in line]
+    assert asserts and all("top.isnan().sum() == 0" in a for a in asserts), asserts

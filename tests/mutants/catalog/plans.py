@@ -96,3 +96,11 @@ def strided_slice_read_as_blocks():
         got = orig(call, n, start, end, step, names)
         return got and (f"({step} {got[1]})", got[1])
     patch(R, "_strided", blocked)
+
+
+@mutant
+def whole_extreme_per_shard():
+    """A whole ``max()``/``min()``/``any()``/``all()`` of an integer or boolean tensor split by its rule
+    keeps each rank's shard result (no all-reduce): XLM's ``lengths.max()`` guard reads one rank's rows."""
+    import opzoo.kernels as K
+    patch(K, "_max_over", lambda v, groups: v)
