@@ -52,7 +52,7 @@ def reduced_batch_not_divisible():
 
 
 @mutant("verify/plan/cli.py:refuse_unlowered",
-        ["tests/compiler/test_plan_cluster.py::test_a_cp_plan_the_compiler_lacks_is_saved_with_its_axis_and_refused_by_name"])
+        ["tests/compiler/test_plan_cluster.py::test_a_ulysses_plan_under_tp_lowers_and_a_scheme_the_compiler_lacks_is_refused_by_name"])
 def verify_plan_takes_a_cp_plan():
     """``verify plan`` no longer refuses a context-parallel plan of a scheme the compiler lacks up front (it reaches the reduction and the
     lowering, whose message names neither the file nor the planned degree)."""
