@@ -2,7 +2,7 @@
 the real-size measurement drives torch's interleaved 1F1B order, the estimate's micro-batches in flight are that
 schedule's, and torch's ``PipelineStage`` (what ``nnscaler/runtime/pipeline.py`` builds) allocates a receive buffer of
 the stage's input and of its output's gradient for every micro-batch of the step, which
-``nnscaler.cluster.cost.stage_boundaries`` counts."""
+``nnscaler.cluster.memory.stage_boundaries`` counts."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,7 @@ from torch.distributed.pipelining.schedules import _ComputationType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from bench.calibration.real_memory import schedule
-from nnscaler.cluster.cost import in_flight, stage_boundaries
+from nnscaler.cluster.memory import in_flight, stage_boundaries
 
 
 @pytest.fixture
