@@ -93,7 +93,20 @@ def micro_batch_saved(shape: ModelShape, par, sp: bool, scale: float, ab: int, t
     else:
         per_layer_act, working = full_act, 0.0
     working += cp_bytes * 2  # the gathered K and V, then their gradients before the reduce-scatter
+    # nnscaler's program (not counted for the published stacks, ``stack_casts`` off), measured at real width on fake
+    # tensors (bench/results/real_memory.md, labelled by bench/calibration/memory_labels.py): each chunk forward keeps
+    # its own causal mask (``seq^2`` bools a sequence, the rank's query rows) and rotary tables (cos and sin, fp32), and
+    # its first block's input is not saved apart: it is a view of the chunk's received input (a boundary) or, on the
+    # model's first chunk, of the embedding's output, kept whole (before any sequence-parallel split) at the residual
+    # stream's dtype per micro-batch in flight
+    rows = tokens_mb / par.cp
+    first_input = rows * shape.hidden * (wide or ab) / (tp if sp else 1)
+    mask = rows * shape.seq if shape.causal else 0.0
+    rotary = 2 * rows * (shape.hidden // max(1, shape.heads)) * 4
+    chunk_act = mask + rotary - first_input if stack_casts else 0.0
+    embed_act = rows * shape.hidden * (wide or ab) if stack_casts else 0.0
     return {
+        "chunk_act": chunk_act, "embed_act": embed_act,
         "per_layer_act": per_layer_act, "working": working,
         "pre_act": section_saved(shape.pre, tp, sp, scale, ab, fp32_bytes=wide),
         # bf16-mixed: the head's saved tensors by their dtypes, and its weight's bf16 copy (as a block's casts)
@@ -135,8 +148,9 @@ def rank_memory(shape: ModelShape, par, costs: dict, counts: list[int], pb: int,
     # with one micro-batch no gradient exists yet at the end of the forward.
     per_layer_act, working = costs["per_layer_act"], costs["working"]
     flight = in_flight(pp, 0, m, v)
-    act_stage0 = flight * stage_blocks[0] * per_layer_act + flight * costs["pre_act"]
-    act_last = stage_blocks[-1] * per_layer_act * in_flight(pp, pp - 1, m, v)
+    chunk = costs["chunk_act"] * v  # a stage's chunks' own tensors (masks, rotary; first inputs not apart), per micro-batch
+    act_stage0 = flight * (stage_blocks[0] * per_layer_act + costs["pre_act"] + costs["embed_act"] + chunk)
+    act_last = (stage_blocks[-1] * per_layer_act + chunk) * in_flight(pp, pp - 1, m, v)
     # the tensors a pipeline stage exchanges, whole, at the residual stream's dtype (fp32 under bf16-mixed: the
     # embedding's output is fp32), on the first and the last stage
     whole = tokens_mb / cp * shape.hidden * costs["boundary_bytes"]
