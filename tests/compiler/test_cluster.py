@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nnscaler import ComputeConfig, PlanError
-from nnscaler.cluster.cost import Parallel, bubble_fraction, estimate, in_flight, layer_split
+from nnscaler.cluster.cost import Parallel, bubble_fraction, estimate, layer_split
+from nnscaler.cluster.memory import in_flight
 from nnscaler.profiles import get_profile
 from nnscaler.cluster.search import plan_cluster, search, trace_shape
 
@@ -234,7 +235,7 @@ def test_saved_activations_per_block_are_what_autograd_saves():
     pytest.importorskip("transformers")
     import opzoo  # noqa: F401
     from transformers import LlamaConfig, LlamaForCausalLM
-    from nnscaler.cluster.cost import section_saved
+    from nnscaler.cluster.memory import section_saved
     from verify.cases.memory import SavedActivations
     from verify.models.common import LossOf
     torch.manual_seed(0)
