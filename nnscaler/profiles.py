@@ -49,6 +49,10 @@ class ClusterConstants:
     ``sac_alternate_linears``: what ``selective`` recompute recomputes. False (nnscaler's, Megatron-LM's): the
     attention core. True (torchtitan's per-op selective AC, used only for its published runs): every second linear of
     a block in execution order and every memory-bound operator, the attention kernel's output saved.
+    ``tp_comm_overlap``: the stack pipelines its sequence-parallel all-gathers and reduce-scatters with the GEMMs in tp
+    chunks (Megatron-Core's ``--tp-comm-overlap``, Transformer Engine userbuffers): one chunk of tp stays exposed, so
+    ``tp_exposed`` counts 1/tp of them (counted, not fitted: no other source ran it). The code nnscaler emits does not
+    overlap them, so plans never set it; used only for published runs that state it.
     """
 
     peak: float  # dense bf16 FLOP/s, datasheet
@@ -69,6 +73,7 @@ class ClusterConstants:
     usable: float = 0.9
     weight_casts: bool = True  # bf16-mixed saves autocast's bf16 weight copies per micro-batch (calibration rows: off)
     sac_alternate_linears: bool = False  # selective recompute as torchtitan's per-op AC (its calibration rows)
+    tp_comm_overlap: bool = False  # sequence-parallel tp collectives pipelined with the GEMMs (Megatron-Core's rows)
     fitted: str = ""
 
     def attention_efficiency(self, flops: float) -> float:
