@@ -133,7 +133,7 @@ BUS = 0.8  # fraction of link bandwidth NCCL's ring collectives reach (nccl-test
 # to bench/results/h100_kernels.csv with its attention curve, 0.482 of peak at half for 64 GFLOP calls: chosen),
 # attention, fusion, fusion_fused, dp_overlap, the part of ZeRO-3's traffic its prefetch hides inside a node (0.1) and
 # across nodes (0.5), and tp_exposed, minimising the mean, then the worst |log(estimate / published step time)|;
-# score_passes_materialized counted (6), not fitted. Held out (leave one source out): median 4.2%, 38/41 rows within
+# score_passes_materialized counted (6), not fitted. Held out (leave one source out): median 4.8%, 39/41 rows within
 # 15% (bench/results/calibrate_holdout.md).
 _FIT = ("fitted by bench/calibration/calibrate.py --holdout against nnscaler/cluster/published_runs.csv (grid on matmul_max, "
         "attention, fusion, fusion_fused, dp_overlap, zero3_overlap inside / across nodes, tp_exposed; H100 GEMM curve "
