@@ -225,6 +225,12 @@ def sac_recomputed(sec: Section) -> Section:
     return Section([o for o in sec.ops if id(o) in again or o.kind == "memory"])
 
 
+def tp_overlap_exposed(tp: int, sp: bool, overlap: bool) -> float:
+    """The share of a block's tp collectives left exposed: 1/tp when the stack pipelines its sequence-parallel
+    all-gathers and reduce-scatters with the GEMMs in tp chunks (the first chunk's transfer waits), else 1."""
+    return 1.0 / tp if overlap and sp and tp > 1 else 1.0
+
+
 def _tp_collectives(sec: Section) -> tuple[int, int]:
     return sum(o.tp_collectives for o in sec.ops), sum(o.tp_bwd_collectives for o in sec.ops)
 
@@ -305,6 +311,7 @@ def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: Cl
     act_el_bytes = tokens_mb / par.cp * shape.hidden * ab  # one activation between blocks, on one cp rank
     intra = tp <= profile.ranks_per_node
     ar = collective_time("all_reduce", act_el_bytes, tp, profile, not intra) * c.tp_exposed * (c.sp_comm if sp else 1.0)
+    ar *= tp_overlap_exposed(tp, sp, c.tp_comm_overlap)
     tp_f = {n: _tp_collectives(s) for n, s in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
     tp_time = {n: (f + b) * ar for n, (f, b) in tp_f.items()}
     if recompute == "full":  # the forward again, its all-gather of K and V included

@@ -64,6 +64,22 @@ def test_tensor_and_sequence_parallelism(shape):
     assert tp4.time["tp_comm"] > 0 == tp1.time["tp_comm"]
 
 
+def test_tp_comm_overlap_hides_all_but_one_chunk_only_when_the_stack_overlaps(shape):
+    # Megatron-Core's --tp-comm-overlap (its published rows): the sp collectives pipelined with the GEMMs in tp chunks
+    import dataclasses
+    assert H100.cluster.tp_comm_overlap is False  # off for plans: the code nnscaler emits does not overlap them
+    over = dataclasses.replace(H100, cluster=dataclasses.replace(H100.cluster, tp_comm_overlap=True))
+
+    def pair(**kw):
+        par = Parallel(**{"dp": 2, **kw})
+        return [estimate(shape, par, prof, "bf16-mixed", global_batch=2) for prof in (H100, over)]
+    off, on = pair(tp=4, sequence_parallel=True)
+    assert on.time["tp_comm"] == pytest.approx(off.time["tp_comm"] / 4) and on.step_seconds < off.step_seconds
+    for kw in ({"tp": 1}, {"tp": 4}):  # tp 1, or tp without sequence parallelism: nothing changes
+        off, on = pair(**kw)
+        assert on.time == off.time
+
+
 def test_cpu_gloo_plans_clusters_and_pays_for_sequence_parallelism(shape):
     # the cpu-gloo profile plans clusters too; its sequence-parallel collectives cost more than the all-reduces
     cpu = get_profile("cpu-gloo")
