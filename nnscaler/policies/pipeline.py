@@ -18,6 +18,8 @@ stages, the policy that partitions each stage over its own ranks, and the schedu
                      1F1B: at world size 8, pp2 x cp2 x tp2 (run where named, as ``cp``)
 ``pp2_cp_tp_balanced`` the same with each stage ``cp_tp_balanced`` (Llama 3's causally balanced chunks)
 ``pp2_cp_tp_ring``   the same with each stage ``cp_tp_ring_balanced`` (ring exchange, balanced chunks)
+``pp2_cp_tp_ulysses`` the same with each stage ``cp_tp_ulysses`` (Ulysses all-to-all on cp, heads on tp):
+                     at world size 4, pp2 x cp2 Ulysses; at 8, pp2 x tp2 x cp2
 ===================  ==========================================================================
 """
 from __future__ import annotations
@@ -53,6 +55,7 @@ PIPELINE_POLICIES = {
     "pp2_cp_tp": PipelinePolicy(2, "cp_tp", "1F1B"),
     "pp2_cp_tp_balanced": PipelinePolicy(2, "cp_tp_balanced", "1F1B"),
     "pp2_cp_tp_ring": PipelinePolicy(2, "cp_tp_ring_balanced", "1F1B"),
+    "pp2_cp_tp_ulysses": PipelinePolicy(2, "cp_tp_ulysses", "1F1B"),
 }
 # what verify all sweeps: each mesh of the issue under 1F1B and GPipe, random stage plans, and the
 # interleaved schedules (pp2_* need world size 4; a model with fewer layers than stages is skipped)
