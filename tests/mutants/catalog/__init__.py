@@ -24,7 +24,7 @@ PATCHED_MODULES = ("nnscaler.runtime.collectives", "nnscaler.runtime.grad_sync",
                    "nnscaler.runtime.module", "nnscaler.runtime.mesh", "nnscaler.codegen.emit",
                    "nnscaler.dimops.partition", "opzoo.kernels", "nnscaler.checkpoint.pipeline",
                    "nnscaler.checkpoint.layout", "nnscaler.checkpoint.format", "nnscaler.checkpoint.sharded",
-                   "nnscaler.runtime.ring", "nnscaler.comm.conversion", "nnscaler.compile.pipeline")
+                   "nnscaler.runtime.ring", "nnscaler.comm.conversion")
 
 
 @contextmanager

@@ -135,24 +135,3 @@ def ulysses_all_to_all_wrong_group():
         return orig(self, x, group)
 
     patch(conversion.Step, "code", code)
-
-
-@mutant
-def pp_cp_stage_chunk_to_wrong_rank():
-    """A context-parallel pipeline (``pp2_cp_tp_ulysses``, ``pp2_cp_*``): the ranks of every stage after the first
-    run the program of the mirrored cp rank (plan rank ``k - 1 - r``), so the activations of sequence chunk ``r``
-    that stage ``s`` sends across the boundary reach the program of chunk ``k - 1 - r`` (its labels, its
-    positions): a stage boundary that pairs the cp chunks wrongly."""
-    import torch.distributed as dist
-    from nnscaler.compile import pipeline as CP
-    orig = CP.emit_program
-
-    def emit_program(graph, plan, rank, **kw):
-        k = 1
-        for s in plan.mesh_shape:
-            k *= s
-        if k > 1 and dist.is_initialized() and dist.get_rank() >= k:  # not the first stage (no replicas)
-            rank = k - 1 - rank
-        return orig(graph, plan, rank, **kw)
-
-    patch(CP, "emit_program", emit_program)
