@@ -57,3 +57,15 @@ def verify_plan_takes_a_cp_plan():
     """``verify plan`` no longer refuses a context-parallel plan of a scheme the compiler lacks up front (it reaches the reduction and the
     lowering, whose message names neither the file nor the planned degree)."""
     patch(_plan_cli(), "refuse_unlowered", lambda saved: None)
+
+
+@mutant(f"{REDUCED}:REDUCED_WORLD", [KEPT])
+def reduced_world_uncapped():
+    """A reduced plan takes 2 ranks per axis whatever their number: four axes ask for 16 ranks, more than run here."""
+    patch(_reduced(), "REDUCED_WORLD", 10 ** 6)
+
+
+@mutant(f"{REDUCED}:REDUCED_VIRTUAL", [KEPT])
+def reduced_virtual_uncapped():
+    """A reduced plan keeps every virtual stage (the 405B plans' 8 ran out of memory here)."""
+    patch(_reduced(), "REDUCED_VIRTUAL", 10 ** 6)

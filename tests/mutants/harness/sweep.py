@@ -214,3 +214,10 @@ def merge_ignores_settings():
             return {**meta, "config": None}, rows
         return _load
     wrap(_merge(), "_load", make)
+
+
+@mutant("verify/sweep/selection.py:SEQUENCE_MODELS",
+        [f"{SEL}::test_every_context_parallel_policy_runs_once_on_the_sequence_models_and_leaves_the_rest_as_it_was"])
+def sequence_models_none():
+    """``verify all`` trains no model under a context-parallel policy: no long-sequence program is verified."""
+    patch(_selection(), "SEQUENCE_MODELS", ())
