@@ -277,6 +277,7 @@ def _refine(names: Names, a: list[int], b: list[int], fa: list[list[str]], fb: l
 # --- verified examples ------------------------------------------------------------------------------
 EXAMPLES_FAMILY = "rules"
 EXAMPLES: dict[str, list[str]] = {}  # overload -> names of its registered examples
+_CALLS: dict[str, tuple[str, "ex"]] = {}  # example name -> (overload, its call), to derive it again
 
 
 def T(*shape: int, dtype: torch.dtype = torch.float32) -> TensorMeta:
@@ -358,4 +359,21 @@ def register_examples(overload: str, calls: Iterable[ex | tuple]) -> list[str]:
         name = f"rule.{short_name(overload)}.{len(names)}"
         DEFAULT_REGISTRY.add(replace(spec, name=name, family=EXAMPLES_FAMILY))
         names.append(name)
+        _CALLS[name] = (overload, c)
     return names
+
+
+def rederive_examples() -> list[str]:
+    """Derive every registered example again with the rules as they stand now (each was derived once, when
+    its family was imported): a rule changed later (a rule added ``first``, a mutant of the catalogue) then
+    reaches the operator cases too. Returns the names whose annotation changed."""
+    changed = []
+    for name, (overload, c) in _CALLS.items():
+        spec = derive(make_call(overload, c.args, c.kwargs))
+        if spec is None:
+            raise ValueError(f"no rule annotates the example {name} any more")
+        new = replace(spec, name=name, family=EXAMPLES_FAMILY)
+        if new.annotation != DEFAULT_REGISTRY.get(name).annotation:
+            changed.append(name)
+        DEFAULT_REGISTRY.rederive(new)
+    return changed

@@ -10,12 +10,14 @@ POLICY_NAMES = ("dp", "tp", "cp", "hybrid", "hybrid_cp", "random", "random2d", "
 SEQUENCE_POLICIES = ("cp", "hybrid_cp", "cp_balanced", "hybrid_cp_balanced", "cp_tp", "cp_tp_balanced", "ulysses",
                      "cp_tp_ulysses",
                      "pp2_cp_tp", "pp2_cp_tp_balanced", "cp_ring", "cp_ring_balanced", "cp_tp_ring",
-                     "cp_tp_ring_balanced", "pp2_cp_tp_ring")
-"""Policies that split the tokens' sequence (context parallelism): run only where named (``--policy cp``),
-not by ``verify all`` nor by ``verify model`` without ``--policy`` (many models have no sequence)."""
+                     "cp_tp_ring_balanced", "pp2_cp_tp_ring", "pp2_cp_tp_ulysses")
+"""Policies that split the tokens' sequence (context parallelism): ``verify all`` runs them on the models with a
+sequence to split (``verify.sweep.selection.SEQUENCE_MODELS``); ``verify model`` only where named (``--policy cp``:
+many models have no sequence)."""
 
 PIPELINE_NAMES = ("pp", "pp_gpipe", "pp2_tp", "pp2_tp_gpipe", "pp2_dp", "pp2_dp_gpipe", "pp2_random", "pp2_hybrid",
-                  "pp_interleaved", "pp_zb", "pp2_cp_tp", "pp2_cp_tp_balanced", "pp2_cp_tp_ring")
+                  "pp_interleaved", "pp_zb", "pp2_cp_tp", "pp2_cp_tp_balanced", "pp2_cp_tp_ring",
+                  "pp2_cp_tp_ulysses")
 """``nnscaler.policies.pipeline.PIPELINE_POLICIES``, in its order."""
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")

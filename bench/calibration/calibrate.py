@@ -86,7 +86,8 @@ def row_profile(row: dict, profiles: dict | None = None):
     prof = (profiles or PROFILES)[row["device"]]
     # the published stacks compute with bf16 parameters (Megatron-LM's bf16 weights beside fp32 main weights,
     # FSDP's bf16 param_dtype gathers): no per-micro-batch bf16 copies of fp32 weights saved for backward
-    c = dataclasses.replace(prof.cluster, weight_casts=False, sac_alternate_linears=row["recompute"] == "selective-op")
+    c = dataclasses.replace(prof.cluster, weight_casts=False, sac_alternate_linears=row["recompute"] == "selective-op",
+                            tp_comm_overlap=row.get("tp_overlap") == "True")
     if row["kernels"] == "fused":
         c = dataclasses.replace(c, fusion=c.fusion_fused)
     if row.get("attention") == "materialized":

@@ -328,7 +328,7 @@ def estimated(plan) -> dict:
     ``plan_cluster`` uses; the same figures for a plan searched with it). Without this, Llama-3 8B at seq 8192
     (``search-tt-a100-llama3-8b``) read 51.2 GiB of saved activations against 88.2 measured.
     Pipelined, at the micro-batches the measurement runs (:func:`microbatches_run`): the runtime's receive buffers
-    grow with the step's micro-batches (``nnscaler.cluster.cost.stage_boundaries``), and the figures are compared on
+    grow with the step's micro-batches (``nnscaler.cluster.memory.stage_boundaries``), and the figures are compared on
     the same step; the planner's own peak at the plan's micro-batches is ``plan.best.memory["peak"]``."""
     import dataclasses
 

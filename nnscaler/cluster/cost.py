@@ -31,17 +31,7 @@ short sequences is priced optimistically. Parameters and gradients do
 not change with cp; ZeRO shards over ``dp x cp`` and the gradients are reduced over ``dp x cp`` (every cp
 rank holds gradients of its own tokens), as Megatron-LM's distributed optimizer and Llama 3's FSDP do.
 
-Memory per rank (the most loaded stage):
-  params / grads / optimizer: bytes per parameter by precision (``BYTES``), divided by ``tp`` where
-  tensor parallelism splits them, by ``dp`` for the state ZeRO shards (1: optimizer, 2: + grads, 3: +
-  params, which then gather two blocks at a time into ``buffers``);
-  activations: saved elements per block (split ones / tp, the rest / tp only under sequence parallelism)
-  times the blocks in flight: a 1F1B stage ``s`` holds ``min(pp - s, m)`` micro-batches, stage 0 the
-  most; interleaving with ``v`` virtual stages holds torch's warm-up of chunk forwards (:func:`in_flight`;
-  stage 0: ``1 + (pp - 1) / (pp v)`` times as many, Korthikanti et al. 2022); ``full`` recompute keeps only each
-  block's input plus one block's working set, ``selective`` drops the attention core's outputs; a pipeline
-  stage also holds the tensors it exchanges, whole, with a receive buffer per micro-batch
-  (:func:`stage_boundaries`).
+Memory per rank: :mod:`nnscaler.cluster.memory`.
 MFU: model FLOPs of a step (3 x forward: backward counted as twice the forward) over ``world x peak x step
 time``, where the forward counts causal attention at half its ``s^2`` score and value products (the FLOPs
 a causal kernel does), as Llama 3's MFU figures do; the model FLOPs do not depend on the plan.
@@ -56,10 +46,8 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
-from ..runtime.grad_sync import BUCKET_BYTES
-from ..runtime.zero import IN_FLIGHT as ZERO_IN_FLIGHT
-from ..runtime.zero3 import KEEP as ZERO3_KEEP
 from .blocks import ModelShape, Section
+from .memory import LOSS_BYTES, micro_batch_saved, rank_memory
 from ..cost.comm import collective_time
 from ..cost.compute import BACKWARD, OPTIMIZER_TRAFFIC
 from ..profiles import ClusterConstants, DeviceProfile
@@ -67,7 +55,6 @@ from ..profiles import ClusterConstants, DeviceProfile
 # bytes per parameter (params, grads, optimizer state) and per activation element, by precision; bf16-mixed
 # keeps fp32 master weights, gradients and AdamW state and computes in bf16 (nnscaler.runtime.precision)
 BYTES = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "bf16-true": (2, 2, 4, 2)}
-LOSS_BYTES = 4  # the loss (log-softmax over the vocabulary) runs in fp32 under autocast
 SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 
@@ -125,37 +112,6 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return self.memory["peak"] <= self.budget
-
-
-def in_flight(pp: int, stage: int, m: int, v: int = 1) -> float:
-    """Micro-batches of activations stage ``stage`` holds at its peak under 1F1B (``v`` = 1) or
-    interleaved 1F1B (``v`` virtual stages, in units of the stage's whole layers): the chunk forwards of
-    torch's ``ScheduleInterleaved1F1B`` warm-up, ``2 (pp - 1 - stage) + (v - 1) pp``, and the one more its
-    steady state runs before a backward, never more than the ``m v`` there are (stage 0:
-    ``pp (1 + (pp - 1) / (pp v))``, Korthikanti et al. 2022; the last stage ``((v - 1) pp + 1) / v``)."""
-    if v == 1:
-        return float(min(pp - stage, m))
-    return min(m * v, 2 * (pp - 1 - stage) + (v - 1) * pp + 1) / v
-
-
-def stage_boundaries(pp: int, stage: int, m: int, v: int, whole: float) -> float:
-    """Bytes stage ``stage`` holds at its peak for the tensors it exchanges with its neighbours (``whole``: one
-    micro-batch's activation between blocks, whole: the runtime passes whole tensors to every rank of a stage,
-    sequence parallelism or not, at the residual stream's dtype). torch's ``PipelineStage``
-    (nnscaler/runtime/pipeline.py) allocates, once for every micro-batch of the step and for the whole run, a
-    receive buffer of each chunk's input (not the model's first chunk) and of each chunk's output gradient (not the
-    last); the received input's gradient accumulates on its buffer until the next step; each chunk's output is kept
-    until its backward. At the end of the steady state (the last forward): every buffer, the chunk forwards in flight,
-    and the input gradients of the backwards run so far (measured at real width on fake tensors:
-    bench/results/real_memory.md)."""
-    if pp == 1:
-        return 0.0
-    n_in = v - (1 if stage == 0 else 0)  # chunks that receive their input
-    n_out = v - (1 if stage == pp - 1 else 0)  # chunks that send an output (and receive its gradient)
-    chunks = in_flight(pp, stage, m, v) * v  # chunk forwards whose backward has not run
-    outputs = chunks * n_out / v
-    input_grads = max(0.0, m * v - chunks) * n_in / v
-    return whole * (m * (n_in + n_out) + outputs + input_grads)
 
 
 def bubble_fraction(pp: int, m: int, v: int = 1) -> float:
@@ -259,22 +215,6 @@ def cp_exchange(shape: ModelShape, par: Parallel, profile: DeviceProfile, tokens
     return {"fwd": fwd, "bwd": bwd, "bytes": 2 * chunk}
 
 
-def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: float, drop_core: bool = False,
-                  fp32_bytes: float | None = None) -> float:
-    """Bytes of activations one forward of ``sec`` leaves saved on one rank; ``fp32_bytes`` (bf16-mixed: 4): the
-    bytes of an element autocast keeps in fp32 (``OpFacts.saved_fp32``: the residual stream, norms, rotary)."""
-    total = 0.0
-    wide = act_bytes if fp32_bytes is None else fp32_bytes
-    for o in sec.ops:
-        if drop_core and o.core:
-            continue
-        total += (o.saved / tp + o.saved_whole / (tp if sp else 1)) * scale * act_bytes
-        total += (o.saved_fp32 / tp + o.saved_whole_fp32 / (tp if sp else 1)) * scale * (wide - act_bytes)
-        if fp32_bytes is not None:  # bf16-mixed: autocast's bf16 copies in place of the one tensor they copy
-            total += (o.saved_gathered - o.saved_shared / (tp if sp else 1)) * scale * act_bytes
-    return total
-
-
 def sac_recomputed(sec: Section) -> Section:
     """The operators of ``sec`` that torchtitan's per-op selective activation checkpointing recomputes in backward
     (its policy: of the block's matmuls in execution order the first, third, ... are saved, the second, fourth, ...
@@ -283,6 +223,12 @@ def sac_recomputed(sec: Section) -> Section:
     linears = [o for o in sec.ops if o.kind == "linear"]
     again = {id(o) for o in linears[1::2]}
     return Section([o for o in sec.ops if id(o) in again or o.kind == "memory"])
+
+
+def tp_overlap_exposed(tp: int, sp: bool, overlap: bool) -> float:
+    """The share of a block's tp collectives left exposed: 1/tp when the stack pipelines its sequence-parallel
+    all-gathers and reduce-scatters with the GEMMs in tp chunks (the first chunk's transfer waits), else 1."""
+    return 1.0 / tp if overlap and sp and tp > 1 else 1.0
 
 
 def _tp_collectives(sec: Section) -> tuple[int, int]:
@@ -365,6 +311,7 @@ def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: Cl
     act_el_bytes = tokens_mb / par.cp * shape.hidden * ab  # one activation between blocks, on one cp rank
     intra = tp <= profile.ranks_per_node
     ar = collective_time("all_reduce", act_el_bytes, tp, profile, not intra) * c.tp_exposed * (c.sp_comm if sp else 1.0)
+    ar *= tp_overlap_exposed(tp, sp, c.tp_comm_overlap)
     tp_f = {n: _tp_collectives(s) for n, s in (("pre", shape.pre), ("block", shape.block), ("post", shape.post))}
     tp_time = {n: (f + b) * ar for n, (f, b) in tp_f.items()}
     if recompute == "full":  # the forward again, its all-gather of K and V included
@@ -376,37 +323,13 @@ def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: Cl
                                        attention_share=share)}
     else:
         rc = {"block": 0.0}
-    # bf16-mixed casts every fp32 weight to bf16 where it is read, and the linear keeps that copy for its
-    # backward: 2 bytes per (tp-split) block parameter per micro-batch in flight, unless the block is
-    # recomputed (measured at real width on fake tensors: bench/calibration/real_memory.py; 112 MiB per
-    # 4096 x 14336 weight of Llama-3 8B, kept until its backward)
-    casts = shape.block.params(tp) * ab if weight_casts else 0.0
-    wide = 4 if weight_casts else None  # bf16-mixed: what autocast keeps in fp32 saved at 4 bytes (OpFacts.saved_fp32)
-    full_act = section_saved(shape.block, tp, sp, scale, ab, fp32_bytes=wide) + casts
-    if recompute == "full":  # each block's input: bf16-mixed's residual stream is fp32 (measured 0.25 GiB a 70B block)
-        per_layer_act, working = act_el_bytes * (wide or ab) / ab / (tp if sp else 1), full_act
-    elif recompute == "selective":
-        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True, fp32_bytes=wide) + \
-            casts, 0.0
-    else:
-        per_layer_act, working = full_act, 0.0
-    working += cpx["bytes"] * 2  # the gathered K and V, then their gradients before the reduce-scatter
+    saved = micro_batch_saved(shape, par, sp, scale, ab, tokens_mb, weight_casts, c.weight_casts, cpx["bytes"])
     cp_block = cpx["fwd"] + cpx["bwd"]
     return {"fwd": fwd, "tp_time": tp_time, "rc": rc, "cp_time": cp_block,
             "per_layer": fwd["block"] * (1 + BACKWARD) + tp_time["block"] + rc["block"] + cp_block,
             "pre_t": fwd["pre"] * (1 + BACKWARD) + tp_time["pre"], "post_t": fwd["post"] * (1 + BACKWARD) + tp_time["post"],
-            "per_layer_act": per_layer_act, "working": working,
-            "pre_act": section_saved(shape.pre, tp, sp, scale, ab, fp32_bytes=wide),
-            # bf16-mixed: the head's saved tensors by their dtypes, and its weight's bf16 copy (as a block's casts)
-            "post_act": (section_saved(shape.post, tp, sp, scale, ab, fp32_bytes=wide) + shape.post.params(tp) * ab
-                         if weight_casts else section_saved(shape.post, tp, sp, scale, LOSS_BYTES)),
-            # the loss's transient at the end of the forward: the shifted logits, fp32, before their exp (opzoo/kernels.py)
-            "post_working": tokens_mb / par.cp * shape.vocab / tp * LOSS_BYTES,
             "params": (shape.pre.params(tp), shape.block.params(tp), shape.post.params(tp)),
-            # a stage's input and output, the residual stream (fp32 under bf16-mixed), as nnscaler's runtime holds them
-            # (stage_boundaries); not counted for the published stacks (weight_casts off), which send and keep them
-            # otherwise (Megatron-LM: one buffer per send, split under sequence parallelism)
-            "boundary_bytes": wide or (ab if c.weight_casts else 0)}
+            **saved}
 
 
 def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision: str, global_batch: int,
@@ -457,20 +380,10 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
                        post_p + counts[-1] * block_p * (1 if v == 1 else v), layers_max * block_p)
     if pp == 1:  # one stage holds the embedding and the head both (Llama-3 8B: measured 0.93 of the bytes
         stage_params = pre_p + post_p + layers_max * block_p  # without the head, bench/calibration/real_memory.py)
-    # the parameters a rank holds (memory): each stage's own chunks, ``counts[c pp + s]`` for its v chunks, where the
-    # time terms above take every chunk at the largest chunk's blocks (measured at real width on fake tensors: the
-    # interleaved Llama-3 405B plans read 1.02-1.04 of their state, bench/results/real_memory.md)
-    stage_blocks = [sum(counts[c * pp + s] for c in range(v)) for s in range(pp)]
-    held_params = (pre_p + post_p + stage_blocks[0] * block_p if pp == 1 else
-                   max(pre_p + stage_blocks[0] * block_p, post_p + stage_blocks[-1] * block_p,
-                       max(stage_blocks) * block_p))
     # gradients are reduced, and ZeRO shards, over the dp x cp ranks that hold the same parameters
     shard = par.shards
     dp_across = tp * shard > profile.ranks_per_node
     dp_coll = _group_collective(profile, shard, dp_across, max(1, min(shard, profile.ranks_per_node // tp)))
-    params_b = held_params * pb / (shard if par.zero >= 3 else 1)
-    grads_b = held_params * gb / (shard if par.zero >= 2 else 1)
-    optim_b = held_params * ob / (shard if par.zero >= 1 else 1)
     grad_bytes = stage_params * grad_reduce_bytes
     dp_comm = 0.0
     if shard > 1:
@@ -500,56 +413,12 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     cp_exposed_t = m * costs["cp_time"] * max(counts) * v
     compute = m * t_mb - recompute - tp_exposed_t - cp_exposed_t
     total = m * t_mb + bubble + pp_comm + dp_exposed + optimizer
-    # --- activations ----------------------------------------------------------------------------------------
-    # saved activations (``activations``), and what is alive beside them at the peak (``working``, ``buffers``), taken
-    # at two moments (measured at real width on fake tensors: bench/results/real_memory.md): the end of the forward of
-    # the stage holding the head (every block's saved tensors, the head's, the loss's fp32 transient; ZeRO 3: the head's
-    # gathered weight), and a block's backward (a recomputed block's whole activations, after the head's backward freed
-    # its saved tensors; ZeRO 3: two gathered blocks). ZeRO 3 gathers the fp32 master weights (``pb``: the program
-    # casts each where it reads it) and keeps the last two buckets (nnscaler/runtime/zero3.py, KEEP). Under ZeRO 2/3
-    # with one micro-batch no gradient exists yet at the end of the forward.
-    per_layer_act, working = costs["per_layer_act"], costs["working"]
-    flight = in_flight(pp, 0, m, v)
-    act_stage0 = flight * stage_blocks[0] * per_layer_act + flight * costs["pre_act"]
-    act_last = stage_blocks[-1] * per_layer_act * in_flight(pp, pp - 1, m, v)
-    # the tensors a pipeline stage exchanges, whole, at the residual stream's dtype (fp32 under bf16-mixed: the
-    # embedding's output is fp32), on the first and the last stage
-    whole = tokens_mb / cp * shape.hidden * costs["boundary_bytes"]
-    bound0, bound_last = (stage_boundaries(pp, s, m, v, whole) for s in (0, pp - 1))
-    head_saved, head_working = costs["post_act"], costs["post_working"]
-    zero3 = par.zero >= 3 and shard > 1
-    fixed = shape.buffers_bytes + 2 * BUCKET_BYTES
-    # ZeRO 3 in a block's backward: a bucket is one weight once it reaches BUCKET_BYTES (nnscaler/runtime/zero.py),
-    # so what is gathered at once is a few weights, not whole blocks: the KEEP buckets the (recomputed) forward's
-    # cache holds, one regathered for a saved weight's backward, and the IN_FLIGHT packed fp32 gradient of the bucket
-    # being reduce-scattered, each at most the block's largest weight (fp32). Measured at real width on fake tensors
-    # (Llama-2 70B, ZeRO 3, full recompute: 2.9 GiB live at the backward's peak where two whole fp32 blocks, 6.4 GiB,
-    # were counted; bench/results/real_memory.md)
-    largest = max((o.params / (tp if o.params_split else 1) for o in shape.block.ops), default=0.0)
-    bucket = max(largest * pb, BUCKET_BYTES)
-    gather_blocks, gather_head = ((ZERO3_KEEP + 1 + ZERO_IN_FLIGHT) * bucket, post_p * pb) if zero3 else (0.0, 0.0)
-    # under ZeRO 2/3 with one micro-batch no gradient exists yet at the end of the forward, nor at the first block's
-    # backward (the moment with every block's saved tensors): the blocks' gradient shards come as their backward runs
-    grads_fwd = 0.0 if par.zero >= 2 and m == 1 else grads_b
-    body = act_stage0 if pp == 1 else act_last  # the blocks' saved tensors on the stage holding the head
-    moments = [  # (saved, working, buffers, gradients) at each moment
-        (body + head_saved, head_working, fixed + gather_head + bound_last, grads_fwd),
-        # the loss's backward: the picked logits' gradient, a zeros tensor and its scatter-add, beside its saved tensors
-        (body + head_saved, 2 * head_working, fixed + bound_last, grads_fwd),
-        (body, working, fixed + gather_blocks + bound_last, grads_fwd)]
-    if pp > 1:
-        moments.append((act_stage0, working, fixed + gather_blocks + bound0, grads_fwd))
-    activations = max(x[0] for x in moments)  # the most saved at once (what the measurement compares)
-    _, working, buffers, _ = peak_at = max(moments, key=sum)  # the peak moment's transient and buffers
-    at_peak = sum(peak_at)
-    peak = params_b + optim_b + at_peak
+    memory = rank_memory(shape, par, costs, counts, pb, gb, ob, tokens_mb)
     tokens = global_batch * shape.seq
     mfu = model_flops(shape, global_batch) / (total * par.world * peak_flops)
     times = {"compute": compute, "recompute": recompute, "tp_comm": tp_exposed_t, "cp_comm": cp_exposed_t,
              "pp_comm": pp_comm,
              "dp_comm": dp_exposed, "bubble": bubble, "optimizer": optimizer, "total": total}
-    memory = {"params": params_b, "grads": grads_b, "optimizer": optim_b, "activations": activations,
-              "working": working, "buffers": buffers, "peak": peak}
     return Estimate(par, times, memory, mfu, tokens / total,
                     budget if budget is not None else c.usable * profile.memory)
 

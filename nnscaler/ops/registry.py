@@ -91,6 +91,15 @@ class OpRegistry:
         self._ops[spec.name] = spec
         return spec
 
+    def rederive(self, spec: OpSpec) -> OpSpec:
+        """Put ``spec`` in place of the registered operator of its name (an example derived again by
+        :func:`opzoo.rulekit.rederive_examples` after its rules changed)."""
+        self._load()
+        if spec.name not in self._ops:
+            raise UnknownOpError(f"unknown operator {spec.name!r}: nothing to derive again")
+        self._ops[spec.name] = spec
+        return spec
+
     def get(self, name: str) -> OpSpec:
         self._load()
         try:

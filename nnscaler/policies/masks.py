@@ -73,15 +73,8 @@ def rows_per_chunk(graph: IRGraph, plan: Plan, axis: int) -> Plan:
         ident = dims[want.dim][0]
         if ident not in splittable(p.bound) or p.bound.markers.get(ident) == VALUE or ident in part.axis_ids:
             continue
-        splits = list(part.splits)
-        splits[axis] = (ident, f)
-        new = replace(part, splits=tuple(splits),
-                      balanced=part.balanced + ((ident,) if want.balanced and ident not in part.balanced else ()))
-        try:
-            check_partition(p.bound, new)
-        except AnnotationError:
-            continue
-        if p.layout(new).outputs[0][axis] != want:
+        new = _split_on(p.bound, part, axis, ident, f, want)
+        if new is None or p.layout(new).outputs[0][axis] != want:
             continue
         checks = {c.name: _follow(c, parts.get(c.name), axis, want, f) for c in t.consumers if c.overload == ASSERT}
         if None in checks.values():
@@ -99,12 +92,17 @@ def _follow(check: IROp, part, axis: int, want: Shard, f: int):
     ident = dims[want.dim][0]
     if part.axis_ids[axis] not in (None, ident) or ident not in splittable(check.bound):
         return None
+    return _split_on(check.bound, part, axis, ident, f, want)
+
+
+def _split_on(bound, part, axis: int, ident: str, f: int, want: Shard):
+    """``part`` with ``ident`` split ``f`` ways on ``axis`` (balanced as ``want`` is), or ``None`` where ``bound`` refuses it."""
     splits = list(part.splits)
     splits[axis] = (ident, f)
     new = replace(part, splits=tuple(splits),
                   balanced=part.balanced + ((ident,) if want.balanced and ident not in part.balanced else ()))
     try:
-        check_partition(check.bound, new)
+        check_partition(bound, new)
     except AnnotationError:
         return None
     return new

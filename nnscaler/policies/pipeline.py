@@ -15,9 +15,11 @@ stages, the policy that partitions each stage over its own ranks, and the schedu
 ``pp_interleaved``   two stages per rank (2 x world stages), interleaved 1F1B
 ``pp_zb``            two stages per rank, interleaved zero-bubble (input and weight gradients apart)
 ``pp2_cp_tp``        2 stages, each ``cp_tp`` (cp x tp, :mod:`nnscaler.policies.cp_mesh`) over world/2 ranks,
-                     1F1B: at world size 8, pp2 x cp2 x tp2 (run where named, as ``cp``)
+                     1F1B: at world size 4, pp2 x cp2; at 8, pp2 x cp2 x tp2 (run where named, as ``cp``)
 ``pp2_cp_tp_balanced`` the same with each stage ``cp_tp_balanced`` (Llama 3's causally balanced chunks)
 ``pp2_cp_tp_ring``   the same with each stage ``cp_tp_ring_balanced`` (ring exchange, balanced chunks)
+``pp2_cp_tp_ulysses`` the same with each stage ``cp_tp_ulysses`` (Ulysses all-to-all on cp, heads on tp):
+                     at world size 4, pp2 x cp2 Ulysses; at 8, pp2 x tp2 x cp2
 ===================  ==========================================================================
 """
 from __future__ import annotations
@@ -53,6 +55,7 @@ PIPELINE_POLICIES = {
     "pp2_cp_tp": PipelinePolicy(2, "cp_tp", "1F1B"),
     "pp2_cp_tp_balanced": PipelinePolicy(2, "cp_tp_balanced", "1F1B"),
     "pp2_cp_tp_ring": PipelinePolicy(2, "cp_tp_ring_balanced", "1F1B"),
+    "pp2_cp_tp_ulysses": PipelinePolicy(2, "cp_tp_ulysses", "1F1B"),
 }
 # what verify all sweeps: each mesh of the issue under 1F1B and GPipe, random stage plans, and the
 # interleaved schedules (pp2_* need world size 4; a model with fewer layers than stages is skipped)
@@ -72,10 +75,17 @@ def applies(policy: str, world_size: int) -> bool:
 
 
 def pipeline_config(policy, config: ComputeConfig) -> tuple[Any, ComputeConfig]:
-    """``(stage policy, config)``: a pipeline policy's name sets ``pp_size`` and the schedule."""
+    """``(stage policy, config)``: a pipeline policy's name sets ``pp_size`` and the schedule. A context-parallel
+    stage (``pp2_cp_*``) keeps a cp axis of 2 ranks at least: ``tp_size`` gives way where the stage's ranks would
+    all go to tp (at world size 4, tp 2 left each 2-rank stage no cp: pp2 x cp2 instead)."""
     if isinstance(policy, str) and policy in PIPELINE_POLICIES:
         p = PIPELINE_POLICIES[policy]
-        return p.stage_policy, dataclasses.replace(config, pp_size=p.pp(config.plan_ngpus), schedule=p.schedule)
+        pp = p.pp(config.plan_ngpus)
+        tp = config.tp_size
+        k = config.plan_ngpus // pp
+        if p.stage_policy.startswith("cp_") and k // (tp or k) < 2:
+            tp = max(1, k // 2)
+        return p.stage_policy, dataclasses.replace(config, pp_size=pp, schedule=p.schedule, tp_size=tp)
     return policy, config
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nnscaler import ComputeConfig, PlanError
-from nnscaler.cluster.cost import Parallel, bubble_fraction, estimate, in_flight, layer_split
+from nnscaler.cluster.cost import Parallel, bubble_fraction, estimate, layer_split
+from nnscaler.cluster.memory import in_flight
 from nnscaler.profiles import get_profile
 from nnscaler.cluster.search import plan_cluster, search, trace_shape
 
@@ -61,6 +62,22 @@ def test_tensor_and_sequence_parallelism(shape):
     assert tp4.memory["params"] < 0.3 * tp1.memory["params"]
     assert sp4.memory["activations"] < tp4.memory["activations"] < tp1.memory["activations"]
     assert tp4.time["tp_comm"] > 0 == tp1.time["tp_comm"]
+
+
+def test_tp_comm_overlap_hides_all_but_one_chunk_only_when_the_stack_overlaps(shape):
+    # Megatron-Core's --tp-comm-overlap (its published rows): the sp collectives pipelined with the GEMMs in tp chunks
+    import dataclasses
+    assert H100.cluster.tp_comm_overlap is False  # off for plans: the code nnscaler emits does not overlap them
+    over = dataclasses.replace(H100, cluster=dataclasses.replace(H100.cluster, tp_comm_overlap=True))
+
+    def pair(**kw):
+        par = Parallel(**{"dp": 2, **kw})
+        return [estimate(shape, par, prof, "bf16-mixed", global_batch=2) for prof in (H100, over)]
+    off, on = pair(tp=4, sequence_parallel=True)
+    assert on.time["tp_comm"] == pytest.approx(off.time["tp_comm"] / 4) and on.step_seconds < off.step_seconds
+    for kw in ({"tp": 1}, {"tp": 4}):  # tp 1, or tp without sequence parallelism: nothing changes
+        off, on = pair(**kw)
+        assert on.time == off.time
 
 
 def test_cpu_gloo_plans_clusters_and_pays_for_sequence_parallelism(shape):
@@ -234,7 +251,7 @@ def test_saved_activations_per_block_are_what_autograd_saves():
     pytest.importorskip("transformers")
     import opzoo  # noqa: F401
     from transformers import LlamaConfig, LlamaForCausalLM
-    from nnscaler.cluster.cost import section_saved
+    from nnscaler.cluster.memory import section_saved
     from verify.cases.memory import SavedActivations
     from verify.models.common import LossOf
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import warnings
 import pytest
 
 from nnscaler import ComputeConfig, PlanError
-from nnscaler.cluster import cost
+from nnscaler.cluster import cost, memory
 from nnscaler.cluster.cost import Parallel, attention_flops, estimate
 from nnscaler.cluster.search import search, trace_shape
 from nnscaler.profiles import get_profile
@@ -180,8 +180,8 @@ def test_a_weaker_cost_term_fails_the_checks(long8b, monkeypatch, weaken, check)
     elif weaken == "no_causal_imbalance":
         monkeypatch.setattr(cost, "causal_share", lambda cp, causal, balanced: 1.0)
     elif weaken == "no_activation_split":
-        orig = cost.section_saved
-        monkeypatch.setattr(cost, "section_saved", lambda sec, tp, sp, scale, *a, **k: orig(sec, tp, sp, 1 / 4, *a, **k))
+        orig = memory.section_saved
+        monkeypatch.setattr(memory, "section_saved", lambda sec, tp, sp, scale, *a, **k: orig(sec, tp, sp, 1 / 4, *a, **k))
     else:
         monkeypatch.setattr(cost, "model_flops",
                             lambda shape, gb: 3 * shape.fwd_flops / shape.batch * gb)

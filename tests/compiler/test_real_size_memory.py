@@ -85,7 +85,7 @@ def test_bf16_mixed_keeps_the_residual_stream_in_fp32():
     """The block reader marks what autocast keeps in fp32 (norm inputs, the residual) and not what a bf16
     operator saves (a linear's input is its bf16 cast); the estimate counts the former at 4 bytes."""
     import opzoo  # noqa: F401
-    from nnscaler.cluster.cost import section_saved
+    from nnscaler.cluster.memory import section_saved
     from nnscaler.cluster.trace import trace_shape
     from bench.calibration.real_memory import llama_config
     from transformers import LlamaForCausalLM

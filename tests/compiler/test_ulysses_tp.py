@@ -2,7 +2,8 @@
 on tp and, inside each tp rank's heads, on cp (one identifier split on two mesh axes, nested), reached by one
 all-to-all on the cp axis each way. Proven on transformers' Llama against one device (float32, bf16-mixed,
 ZeRO and recompute), refused by name where a tp rank's heads do not divide by cp, and a wrong variant (the
-all-to-all over the tp group, ``tests/mutants/catalog/context.py``) caught and localised."""
+all-to-all over the tp group, ``tests/mutants/catalog/context.py``) caught and localised. ``pp2_cp_tp_ulysses``
+runs it in each of two pipeline stages (W=4: pp2 x cp2 Ulysses)."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from nnscaler.config import PlanError
 from nnscaler.policies import ComputeConfig
 from nnscaler.policies.cp_mesh import attention_core, cp_tp_ulysses
+from nnscaler.policies.pipeline import pipeline_config, stage_config
 from tests.fixtures.cp_runs import run_mutated, traced
 from verify.judge.verdict import MATCH
 
@@ -67,3 +69,18 @@ def test_an_all_to_all_over_the_wrong_group_is_caught_and_localised(tmp_path):
     assert out.returncode == 1 and "MISMATCH" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     assert "first divergent conversion: " in out.stdout and "for matmul input 0" in out.stdout, out.stdout[-3000:]
     assert "all_to_all(axis 1, dims 2,1)" in out.stdout, out.stdout[-3000:]
+
+
+@pytest.mark.parametrize("world, mesh", [(4, ((2,), ("cp",))), (8, ((2, 2), ("tp", "cp")))])
+def test_each_pipeline_stage_is_ulysses_on_its_own_ranks(llama_graph, world, mesh):
+    policy, config = pipeline_config("pp2_cp_tp_ulysses", ComputeConfig(world))
+    assert (policy, config.pp_size) == ("cp_tp_ulysses", 2)
+    plan = cp_tp_ulysses(llama_graph, stage_config(config))
+    assert (plan.mesh_shape, plan.axis_names) == mesh
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields", [{}, {"precision": "bf16-mixed", "recompute": "full"}])
+def test_llama_trains_like_one_device_under_pipelined_ulysses(verify_model, fields):
+    rows = verify_model("llama", policies=["pp2_cp_tp_ulysses"], world_sizes=(4,), steps=2, **fields)
+    assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]

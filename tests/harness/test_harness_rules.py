@@ -369,6 +369,10 @@ def test_the_reduced_plan_keeps_every_field_of_the_saved_one():
     assert (cp.tp, cp.cp, cp.pp, cp.dp, cp.world) == (2, 2, 2, 1, 8)
     assert reduce_parallel(dataclasses.replace(saved, cp=16), as_planned=True).world == 4 * 16 * 4 * 4
     assert reduce_parallel(dataclasses.replace(saved, cp=4)).cp_balanced
+    # a plan interleaving 8 virtual stages (the 405B plans) stays interleaved, with 2: 8 ran out of memory here
+    v8 = reduce_parallel(dataclasses.replace(saved, virtual_stages=8))
+    assert (v8.virtual_stages, v8.schedule) == (2, "Interleaved1F1B")
+    assert reduce_parallel(dataclasses.replace(saved, virtual_stages=8), as_planned=True).virtual_stages == 8
 
 
 def test_the_reduced_plan_keeps_the_precision_and_a_batch_every_rank_divides(tmp_path):

@@ -89,6 +89,23 @@ def test_a_stage_transfer_in_bf16_where_the_trace_says_fp32_is_named(one_rank):
     assert _names(record, _Stages()) == []
 
 
+def test_ring_attentions_own_exchange_in_bf16_is_not_taken_for_a_stage_transfer(one_rank):
+    """Ring attention rotates keys and values with P2P ops of its own (``nnscaler/runtime/ring.py``), in the compute
+    dtype: under a pipeline they are not stage boundaries (a ring x pp plan was a false MISMATCH); a P2P op from
+    anywhere else still is."""
+    from nnscaler.runtime import ring
+    where = {"dist": dist, "torch": torch}
+    exec(compile("def post(t):\n    return dist.P2POp(dist.isend, t, 0)\n", ring.__file__, "exec"), where)
+    record = PrecisionRecord.of(MIXED)
+    with record:
+        where["post"](torch.ones(2, dtype=torch.bfloat16))
+    assert _names(record, _Stages()) == [] and any(p[0].startswith("ring exchange") for p in record.places)
+    with record:
+        dist.P2POp(dist.isend, torch.ones(2, dtype=torch.bfloat16), 0)
+    assert _names(record, _Stages()) == ["precision: pipeline stage transfer (send) in bfloat16, the recipe "
+                                         "promises the traced float32"]
+
+
 def test_autocast_fp32_operator_run_in_bf16_and_a_narrower_loss_are_named():
     record = PrecisionRecord.of(MIXED)
     target = torch.zeros(4, dtype=torch.long)

@@ -70,3 +70,4 @@ def test_dropout_split_per_shard_is_caught_in_the_model_and_at_the_operator():
     assert "1 cases, 1 MISMATCH" in out, out[-3000:]
     out = _verify("op", "shard_draw_dropout", "--world-size", "2", "--module", str(WRONG))
     assert "3 cases, 1 match, 2 MISMATCH" in out, out[-3000:]  # only the replicated run draws one device's mask
+

@@ -209,3 +209,22 @@ def test_the_fingerprint_names_the_selection():
     us = [Unit("op", "relu"), Unit("op", "linear")]
     assert fingerprint(us) == fingerprint(list(us)) != fingerprint(us[::-1])
     assert Counter(len(fingerprint([u])) for u in us) == Counter({16: 2})
+
+
+def test_every_context_parallel_policy_runs_once_on_the_sequence_models_and_leaves_the_rest_as_it_was():
+    """``verify all`` verifies each cp policy (and cp pipeline) on :data:`SEQUENCE_MODELS`, the two-axis ones at
+    the largest world size; adding them changes no other unit of the sample."""
+    from nnscaler.policies import POLICIES as ALL
+    from verify.names import SEQUENCE_POLICIES
+    from verify.sweep.selection import SEQUENCE_MODELS
+    full = full_units([], MODEL_NAMES, list(ALL), (2, 4), (0,), RANDOM_SEEDS, [4], [], True)
+    default = default_units(full, MODEL_NAMES, list(ALL), (2, 4), RANDOM_SEEDS)
+    cp = [u for u in default if u.policy in SEQUENCE_POLICIES]
+    assert sorted(u.policy for u in cp) == sorted(SEQUENCE_POLICIES)
+    assert all(u.name in SEQUENCE_MODELS for u in cp)
+    assert all(u.world_sizes == (4,) for u in cp if "tp" in u.policy or "hybrid" in u.policy)
+    assert not any(u.policy in SEQUENCE_POLICIES for u in full if u.name not in SEQUENCE_MODELS)
+    plain = [p for p in ALL if p not in SEQUENCE_POLICIES]
+    base_full = full_units([], MODEL_NAMES, plain, (2, 4), (0,), RANDOM_SEEDS, [4], [], True)
+    base = default_units(base_full, MODEL_NAMES, plain, (2, 4), RANDOM_SEEDS)
+    assert [u for u in default if u.policy not in SEQUENCE_POLICIES] == base

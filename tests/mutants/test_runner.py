@@ -34,3 +34,22 @@ def test_the_first_failing_row_is_named_in_the_results_table(tmp_path):
     text = out.read_text()
     assert "| a | killed | model:nanogpt W=4 tp seed 0: MISMATCH, grad a/b" in text
     assert "| b | survived |  | 99 |" in text and "Kill rate: 1/2 = 50%." in text
+
+
+def test_a_mutated_rule_reaches_the_operator_cases_derived_at_import():
+    """The catalogue's examples are derived when opzoo is imported, before the runner's shim applies a mutant:
+    applying one derives them again, so an operator case runs the mutated rule (here a strided slice read as
+    blocks, which only a model reached before). In a child process: the mutant stays applied there."""
+    import subprocess
+    import sys
+    code = ("from opzoo.rulekit import EXAMPLES\n"
+            "from nnscaler.ops import DEFAULT_REGISTRY\n"
+            "names = [n for n in EXAMPLES['aten.slice.Tensor'] if '2)' in DEFAULT_REGISTRY.get(n).annotation]\n"
+            "from tests.mutants.catalog import apply\n"
+            "apply('strided_slice_read_as_blocks')\n"
+            "print(sorted(DEFAULT_REGISTRY.get(n).annotation for n in names))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    annotations = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307  (our own child's printed list)
+    assert annotations and all("(2 " in a for a in annotations), annotations

@@ -43,7 +43,8 @@ _ORIGINS = {"grad_sync.py": ("gradient {fn} of bucket {i}", True),
             "collectives.py": ("layout conversion {fn}", False),
             "clip.py": ("gradient-norm {fn}", False),
             "microbatch.py": ("loss {fn}", False),
-            "merge.py": ("checkpoint {fn}", False)}
+            "merge.py": ("checkpoint {fn}", False),
+            "ring.py": ("ring exchange {fn}", False)}
 _GRADIENT_FNS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter")
 
 
@@ -161,8 +162,12 @@ class PrecisionRecord:
         class RecordedP2POp(p2p):  # torch's pipelining sends and receives through batched P2P ops
             def __init__(self, op, tensor, *args, **kwargs):
                 super().__init__(op, tensor, *args, **kwargs)
-                record._note(f"pipeline stage transfer ({'send' if op is dist.isend else 'recv'})", tensor,
-                             transfer=True)
+                place = record._place("send" if op is dist.isend else "recv")
+                if place[0].startswith("ring exchange"):  # ring attention's own rotation of keys and values:
+                    record._note(place, tensor)  # activations in the compute dtype, judged as the program's
+                else:
+                    record._note(f"pipeline stage transfer ({'send' if op is dist.isend else 'recv'})", tensor,
+                                 transfer=True)
         self._undo.append((dist, "P2POp", p2p))
         dist.P2POp = RecordedP2POp
         self._mode = _Narrow(autocast_fp32_ops(self.device_type), torch.float32, self.autocast)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from verify.cases.pipeline import is_pipeline_policy
 
 ZERO_BUBBLE = ("pp_zb",)  # pipeline policies on a zero-bubble schedule: no zero 3 (nnscaler refuses it)
-STAGE_DP = {"pp2_dp": 4, "pp2_dp_gpipe": 4, "pp2_hybrid": 8, "pp2_cp_tp": 8,
-            "pp2_cp_tp_balanced": 8, "pp2_cp_tp_ring": 8}  # pipeline policy -> ranks from which its stages have a dp axis
+STAGE_DP = {"pp2_dp": 4, "pp2_dp_gpipe": 4, "pp2_hybrid": 8, "pp2_cp_tp": 4,
+            "pp2_cp_tp_balanced": 4, "pp2_cp_tp_ring": 4, "pp2_cp_tp_ulysses": 4}  # pipeline policy -> ranks from which its stages have a dp axis (pp2_cp_*: the cp axis, 2 ranks at W=4)
 
 
 def zero_applies(policy: str, plan_ngpus: int, replicas: int = 1, zero: int = 1) -> bool:

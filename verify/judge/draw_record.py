@@ -121,6 +121,18 @@ class _Recording(TorchDispatchMode):
         return out
 
 
+class _Replaying(TorchDispatchMode):
+    def __init__(self, record: "DrawRecord"):
+        super().__init__()
+        self.record = record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if may_draw(func):
+            return self.record.redraw(func, args, kwargs, lambda: func(*args, **kwargs))
+        return func(*args, **kwargs)
+
+
 class DrawRecord:
     """The draws of a case's runs in the dtype under test, by generator state and operator, and the
     calls of its float64 reference that could not draw alike (module docstring)."""
@@ -133,6 +145,12 @@ class DrawRecord:
     def recording(self) -> contextlib.AbstractContextManager:
         """A dispatch mode that records every draw of the block (the single-device run in the dtype under test)."""
         return _Recording(self)
+
+    def replaying(self) -> contextlib.AbstractContextManager:
+        """A dispatch mode that draws every call of the block as the recorded run did (:meth:`redraw`), and
+        runs every other call as it is: a float64 reference that needs nothing else of
+        :class:`verify.judge.compare.Float64Fallback` (an operator case's)."""
+        return _Replaying(self)
 
     def problem(self, text: str) -> None:
         if text not in self.problems:

@@ -6,8 +6,10 @@
   tp innermost, then cp, dp, pipeline stages), or stays as planned (``as_planned``); where all four are
   above 1 (16 ranks), dp becomes 1 (:data:`REDUCED_WORLD`): its ranks run the same program on other rows
   of the batch, and the three axes whose programs differ are kept; cp's scheme and causal
-  balance as planned (``verify plan`` refuses a cp scheme the compiler does not lower: ring, balanced chunks); virtual stages,
-  the schedule, sequence parallelism, recompute, the ZeRO stage and the precision as planned;
+  balance as planned (``verify plan`` refuses a cp scheme the compiler does not lower: ring, balanced chunks); the
+  schedule, sequence parallelism, recompute, the ZeRO stage and the precision as planned; virtual stages as planned up
+  to :data:`REDUCED_VIRTUAL` (2: an interleaved plan stays interleaved; the 405B plans' 8, with the micro-batches and
+  layers they bring, ran out of this machine's memory);
 * micro-batches: as many as planned up to two per pipeline stage (a multiple of pp under an
   interleaved schedule), each of at least the planned size up to 2 sequences per dp rank, more where
   the world size needs a batch it divides (the checkpoint is also reloaded under plain ``dp``);
@@ -41,6 +43,7 @@ from verify.models.registry import ModelCase, tokens
 
 REDUCED_DEGREE = 2
 REDUCED_WORLD = 8  # the most ranks a reduced plan takes (this project's machines run 8); dp gives way first
+REDUCED_VIRTUAL = 2  # the most virtual stages a reduced plan keeps (still interleaved where the plan is)
 SEQ = 8
 HEAD_DIM = 8
 VOCAB_PER_HIDDEN = 4  # a vocabulary well above the width, as in real models (the head then splits by vocabulary)
@@ -52,6 +55,7 @@ def reduce_parallel(par: Parallel, as_planned: bool = False) -> Parallel:
     tp, cp, pp, dp = (d if as_planned else min(d, REDUCED_DEGREE) for d in (par.tp, par.cp, par.pp, par.dp))
     if not as_planned and tp * cp * pp * dp > REDUCED_WORLD:
         dp = 1  # the one axis whose ranks run the same program (see the module docstring)
+    v = par.virtual_stages if as_planned else min(par.virtual_stages, REDUCED_VIRTUAL)
     m = min(par.num_microbatches, 2 * pp)
     if pp > 1:
         m = max(pp, -(-m // pp) * pp)
@@ -59,7 +63,7 @@ def reduce_parallel(par: Parallel, as_planned: bool = False) -> Parallel:
     mbs = min(par.micro_batch_size, 2)
     mbs = math.lcm(dp * mbs, world) // dp  # the batch divides over every rank (the reload under dp)
     return dataclasses.replace(par, tp=tp, cp=cp, pp=pp, dp=dp, num_microbatches=m, micro_batch_size=mbs,
-                               zero=par.zero if dp * cp > 1 else 0)
+                               virtual_stages=v, zero=par.zero if dp * cp > 1 else 0)
 
 
 def _hf_config(arch: dict):

@@ -8,7 +8,6 @@ import importlib.util
 import tempfile
 import time
 
-from verify.names import SEQUENCE_POLICIES
 from verify.sweep.cache import VerdictCache
 from verify.rows.torchpar_builtin import CASES as TORCH_CASES
 from verify.cases.zero import zero_applies
@@ -32,7 +31,7 @@ def _selection(args, cfg, specs, models, torch_cases) -> tuple[list, list]:
     """(the units this run runs, the whole selection they are cut from): the default sample or
     ``--full``'s matrix (:mod:`verify.sweep.selection`), then ``--shard``'s share."""
     recipes = cfg.recipe == Recipe()  # the recipe units run only where the run sets no recipe of its own
-    policies = [p for p in POLICIES if p not in SEQUENCE_POLICIES]  # cp runs where named
+    policies = list(POLICIES)  # the cp ones on verify.sweep.selection.SEQUENCE_MODELS only
     full = full_units([s.name for s in specs], models, policies, cfg.world_sizes, cfg.seeds,
                       list(dict.fromkeys(args.random_seeds)), args.microbatches,
                       [c for c in torch_cases if c.world_size in cfg.world_sizes], recipes, _zoo(args),

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Sequence
 
 from verify.config import RECIPE  # noqa: F401  (verify all's sample recipe, its recipe units')
-from verify.cases.pipeline import PIPELINE_MICROBATCHES, PIPELINE_MODELS, SWEPT, pipeline_applies
+from verify.cases.pipeline import (PIPELINE_MICROBATCHES, PIPELINE_MODELS, PIPELINE_POLICIES, SWEPT, pipeline_applies,
+                                   pipeline_microbatches)
 from verify.rows.replicas import ALL_REPLICAS, replica_world_sizes
-from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, TWO_D_RESUME
+from verify.names import MICROBATCH_POLICIES, SEEDED_POLICIES, SEQUENCE_POLICIES, TWO_D_RESUME
 from verify.kinds import KINDS, kind_class
 RECIPE_MODELS = ("nanogpt", "llama")  # the default sample's recipe units (--full: every model)
 FIRST = ("weightnorm_mlp", "bucketed_mlp", "padded_gpt")  # the fastest models: their units run first
@@ -30,6 +31,10 @@ REPLICA_MODELS = FIRST + ("llama",)  # the default's tp replicas units (bucketed
 BLOCKED_MODELS = ("nanogpt", "clip_tiny", "gpt2", "gpt2_v96")
 """Models with a fused projection (one weight holding q, k and v) that tp splits in blocks: their
 checkpoints take the blocked-piece path (gathered whole on its axis when saved, cut when loaded)."""
+SEQUENCE_MODELS = ("llama",)
+"""The built-in models the context-parallel policies (:data:`~verify.names.SEQUENCE_POLICIES`) train under: a
+causal language model with rotary positions, whose sequence every cp scheme splits (the others have none to split,
+or one too short)."""
 ZOO = ("vit", "albert", "distilbert", "t5", "bart", "wav2vec2", "hubert", "swin", "resnet", "gpt_bigcode",
        "olmo2", "olmoe")  # --full's zoo:<model_type> units (verify.models.zoo), over the kinds bench/studies/zoo.py sweeps
 ZOO_DEFAULT = ("vit",)  # the default's: one cheap non-language model
@@ -85,8 +90,13 @@ def full_units(ops: Sequence[str], models: Sequence[str], policies: Sequence[str
     def seeds_of(p):
         return random_seeds if p in SEEDED_POLICIES else seeds
 
+    sequence = [p for p in policies if p in SEQUENCE_POLICIES]  # on the models with a sequence to split
+    policies = [p for p in policies if p not in SEQUENCE_POLICIES]
     out = [Unit("op", n, world_sizes=tuple(world_sizes), seeds=tuple(seeds)) for n in ops]
     out += [_model(m, p, w, s) for m in models for p in policies for s in seeds_of(p) for w in world_sizes]
+    sequence += [p for p in PIPELINE_POLICIES if p in SEQUENCE_POLICIES] if sequence else []  # and their pipelines
+    out += [_model(m, p, w, s, pipeline_microbatches(p, 1)) for m in models if m in SEQUENCE_MODELS
+            for p in sequence for s in seeds for w in world_sizes if pipeline_applies(p, w, m, 0)]
     out += [_model(m, p, w, s, k) for k in dict.fromkeys(microbatches) if k > 1 for m in models
             for p in MICROBATCH_POLICIES for s in seeds for w in world_sizes]
     out += [_model(m, p, w, s, PIPELINE_MICROBATCHES) for m in models if m in PIPELINE_MODELS for p in SWEPT
@@ -196,6 +206,8 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
     * the micro-batch sweep: each model once, under dp or tp by turns (the fast models at each world
       size, the others at the smallest);
     * each pipeline schedule once, on the pipeline models by turns, and each world size where it runs;
+    * each context-parallel policy once on :data:`SEQUENCE_MODELS` (as the policies above; its pipelines at
+      the world sizes they run at);
     * replicas: tp replicas on :data:`REPLICA_MODELS`, the pp replicas on one pipeline model;
     * each recipe unit kind (dp at each world size, hybrid, tp replicas) once, :data:`RECIPE_MODELS` by
       turns (``full`` has them on every model);
@@ -204,6 +216,8 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
     * every unit of a kind outside the matrix (:func:`kind_units`).
     """
     W = list(world_sizes)
+    sequence = [p for p in policies if p in SEQUENCE_POLICIES]
+    policies = [p for p in policies if p not in SEQUENCE_POLICIES]
     models = sorted(models, key=lambda m: (m not in FIRST, FIRST.index(m) if m in FIRST else 0))
     ok = {_same(u) for u in full}
     pick: list[Unit] = []
@@ -225,6 +239,12 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
             if cands:
                 resume = p == _resume_policy(i, m, policies, W)  # each model resumes under one policy, by turns
                 chosen.append(_variant(cands[0], resume))
+    for j, p in enumerate(sequence):  # a mesh of two axes at the largest W, the others alternating
+        w = max(W) if ("tp" in p or "hybrid" in p) else W[j % len(W)]
+        cands = [u for u in full if u.kind == "model" and u.policy == p and u.microbatches == 1]
+        cands.sort(key=lambda u: (u.world_sizes != (w,), u.seeds))
+        if cands:
+            chosen.append(_variant(cands[0], j % 2 == 0))
     resumed = {(u.policy, u.world_sizes) for u in chosen if u.checkpoint}
     for k, u in enumerate(chosen):  # and each (policy, world size) resumes somewhere
         if (u.policy, u.world_sizes) not in resumed:
@@ -263,6 +283,9 @@ def default_units(full: Sequence[Unit], models: Sequence[str], policies: Sequenc
                         and u.world_sizes not in seen and (p not in SEEDED_POLICIES or u.seeds[0] == random_seeds[k % len(random_seeds)]):
                     take(_variant(u, not seen))  # one resume per schedule
                     seen.add(u.world_sizes)
+    for u in full:  # the context-parallel pipelines (their micro-batches are the pipeline's), each resuming once
+        if u.kind == "model" and u.policy in SEQUENCE_POLICIES and u.microbatches > 1:
+            take(_variant(u, not any(v.policy == u.policy for v in pick)))
     reps = [u for u in full if u.kind == "model" and u.replicas > 1 and not u.recipe]
     for m in REPLICA_MODELS:  # replica sync is the models' own code path: the fast ones, and one HF model
         take(next((u for u in reps if u.name == m and u.policy == "tp"), None))

@@ -46,3 +46,5 @@ def applied(name: str) -> Iterator[None]:
             for k, v in before.items():
                 if now.get(k) is not v:
                     setattr(t, k, v)
+        from opzoo.rulekit import rederive_examples  # the examples as the restored rules derive them
+        rederive_examples()

@@ -18,6 +18,8 @@ def apply(name: str) -> None:
     if name not in MUTANTS:
         raise KeyError(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
     MUTANTS[name]()
+    from opzoo.rulekit import rederive_examples  # the operator cases' examples, derived at import, see a mutated rule
+    rederive_examples()
 
 
 def patch(owner, attr: str, value) -> None:

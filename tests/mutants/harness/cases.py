@@ -60,6 +60,16 @@ def draws_not_replayed():
     patch(_draws(), "same_draws", lambda seed, step: contextlib.nullcontext())
 
 
+@mutant("verify/judge/draw_record.py:DrawRecord.replaying",
+        ["tests/harness/test_draws_in_process.py::"
+         "test_a_draw_split_per_shard_is_caught_at_the_operator_and_the_right_kernel_is_bound_at_rounding"])
+def op_reference_draws_in_float64():
+    """An operator case's float64 reference draws its own float64 numbers: the bound grows to the size of the
+    draws, and a kernel that draws only its shard's numbers matches."""
+    from verify.judge import draw_record
+    patch(draw_record.DrawRecord, "replaying", lambda self: contextlib.nullcontext())
+
+
 @mutant("verify/judge/verdict.py:check_deterministic",
         ["tests/harness/test_draws_in_process.py::test_micro_batches_leave_a_model_that_draws_unverifiable"],
         owner="draws")
