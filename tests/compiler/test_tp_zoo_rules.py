@@ -158,3 +158,24 @@ def test_zoo_models_planned_by_the_rules_train_like_one_device(verify_model, arc
     projections kept whole (DeepSeek-V3), patch merging and patch embedding kept whole (Swin)."""
     rows = verify_model(f"zoo:{arch}", policies=["tp"], world_sizes=(2,), steps=2)
     assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
+
+
+class Regression(nn.Module):
+    """A prediction minus its target, squared and summed to the loss: the sum goes on into no weight."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, y):
+        return (self.proj(x) - y).square().mean()
+
+
+def test_a_prediction_minus_its_target_is_not_a_residual_and_keeps_its_column_split():
+    """The lone-column rule keeps whole a projection added to a stream it does not make (a residual), but
+    a loss target subtracted from a prediction is not one: the column split costs one scalar all-reduce
+    (the harness's wrong-annotation models rely on it)."""
+    g = torch.Generator().manual_seed(0)
+    graph, plan = _plan(Regression(), (torch.randn(4, 8, 64, generator=g), torch.randn(4, 8, 64, generator=g)))
+    (proj,) = [op for op in graph.ops if op.overload == "aten.linear.default"]
+    assert plan.partition(proj).axis_ids[0] is not None, plan.report()
