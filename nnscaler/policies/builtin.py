@@ -7,7 +7,7 @@ import random as _random
 from ..dimops.partition import prefix_size, split_factor, splittable
 from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
 from .heads import pin_heads, scores
-
+from .lone import lone_columns
 from .greedy import held_blocks, parameter_identifiers, plan_greedy, sharded_identifiers
 from .refine import refine
 from .masks import rows_per_chunk
@@ -68,7 +68,7 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
     batch = batch_identifiers(graph)
     seq = batch_identifiers(graph, 1) if sequence_parallel else {}
     small = _small_weight_math(graph)
-
+    lone = lone_columns(graph)
 
     def options(op: IROp, axis: int, layouts: dict):
         if op.name in small:
@@ -92,7 +92,7 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
         # (experts, which opzoo.moe.experts ties to the tokens) is model parallelism, not the batch; nor
         # is a batch dim its inputs hold split in blocks (heads merged into the batch, ``(b h)``)
         never = {batch[op.name], seq.get(op.name)} - params - set(held_blocks(op, layouts))
-        never |= _megatron_pairs(op, params, held)
+        never |= _megatron_pairs(op, params, held) | lone.get(op.name, set())
         return [None, *(i for i in splittable(op.bound) if i in allowed and i not in never)]
 
     return options

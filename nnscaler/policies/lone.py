@@ -97,7 +97,7 @@ def _reduced_whole(t: IRTensor, dim: int) -> str | None:
                 i = split_factor(dims[d], 1, r.bound)
                 if r.overload in ADDS and any(isinstance(y, IRTensor) and y is not x and y.kind not in STORED
                                               and y.shape == x.shape and id(y) not in mine and _streams(y)
-                                              for y in r.inputs):
+                                              for y in r.inputs) and _goes_on(r.outputs[0]):
                     return "whole"  # added to a stream it does not make (a residual): the stream would split
                 if r.bound.markers.get(i) == FROZEN:
                     return "whole"  # read whole (a layer norm's, a softmax's last dim)
@@ -107,6 +107,28 @@ def _reduced_whole(t: IRTensor, dim: int) -> str | None:
                     reduced = "reduced"  # a norm's statistics (the tensor itself may go on to a partner)
                 todo += outs
     return reduced
+
+
+def _goes_on(t: IRTensor, limit: int = 4 * DEPTH) -> bool:
+    """Whether the sum ``t`` goes on into the model: a weight matrix or an operator reading a dim whole
+    (a norm, a softmax) computes from it within ``limit`` operators. A residual stream does; a
+    prediction minus its target (``(proj(x) - y) ** 2``, reduced to the loss by sums) does not, and
+    there the column split costs one scalar all-reduce, no more than keeping the projection whole."""
+    seen, todo = set(), [t]
+    while todo and len(seen) < limit:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        for r in x.consumers:
+            if not r.known:
+                return True  # cannot tell: a stream, as before
+            if r.overload in LOSS:
+                continue
+            if _weight_matrix(r) or FROZEN in r.bound.markers.values():
+                return True
+            todo += [o for o in r.outputs if o is not None]
+    return len(seen) >= limit  # too far down to tell: a stream, as before
 
 
 def _streams(t: IRTensor, limit: int = 4 * DEPTH) -> bool:

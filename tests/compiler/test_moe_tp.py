@@ -39,8 +39,9 @@ def test_tp_splits_the_experts_ffn_of_mixtral():
     assert experts and all(plan.partition(op).axis_ids == ("i",) for op in experts), \
         [plan.partition(op) for op in experts]
     # 0.89 with the experts whole; 0.56 with the router whole, as Megatron keeps it (fed whole, it may not
-    # split the hidden dim it contracts; its 3 experts do not divide over 2 ranks)
-    assert plan.summary()["param_fraction_per_rank"] <= 0.57
+    # split the hidden dim it contracts; its 3 experts do not divide over 2 ranks); 0.574 with the one key head's
+    # projection also whole (fewer kv heads than ranks: replicated, as Megatron does, since the lone-column rule)
+    assert plan.summary()["param_fraction_per_rank"] <= 0.58
     split, held = sharded_fraction(graph, plan)
     assert split >= 0.95 and held <= 0.55, (split, held)
 
