@@ -98,11 +98,13 @@ def _floating_dtypes(tree) -> tuple:
                  for x in tree_flatten(tree)[0])
 
 
-class _Recording(TorchDispatchMode):
+class _OfRecord(TorchDispatchMode):
     def __init__(self, record: "DrawRecord"):
         super().__init__()
         self.record = record
 
+
+class _Recording(_OfRecord):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not may_draw(func):
@@ -121,11 +123,7 @@ class _Recording(TorchDispatchMode):
         return out
 
 
-class _Replaying(TorchDispatchMode):
-    def __init__(self, record: "DrawRecord"):
-        super().__init__()
-        self.record = record
-
+class _Replaying(_OfRecord):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if may_draw(func):
