@@ -242,7 +242,24 @@ def hybrid(graph: IRGraph, config: ComputeConfig) -> Plan:
     def options(op: IROp, axis: int, layouts: dict):
         return dp_opts(op, axis, layouts) if axis == 0 else tp_opts(op, axis, layouts)
 
-    return plan_greedy(graph, (d, t), ("dp", "tp"), options, "hybrid")
+    plan = plan_greedy(graph, (d, t), ("dp", "tp"), options, "hybrid")
+    if t == 1:
+        return plan
+    pins = pin_heads(graph, t, scores(graph))  # the tp axis splits attention by heads as ``tp`` does
+    if all(_tp_split(plan.partition(op)) == pins[op.name] for op in graph.ops if op.name in pins):
+        return plan
+
+    def pinned(op: IROp, axis: int, layouts: dict):
+        if axis == 1 and op.name in pins:
+            return [pins[op.name]]
+        return options(op, axis, layouts)
+
+    return plan_greedy(graph, (d, t), ("dp", "tp"), pinned, "hybrid")
+
+
+def _tp_split(partition) -> str | None:
+    """The identifier a 2-D (dp, tp) partition splits on its tp axis (``None``: whole there)."""
+    return partition.splits[1][0] if len(partition.splits) > 1 else None
 
 
 def hybrid_cp(graph: IRGraph, config: ComputeConfig) -> Plan:

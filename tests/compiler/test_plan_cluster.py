@@ -61,12 +61,30 @@ def test_the_compiler_splits_what_the_cost_model_costed(tmp_path):
     assert check_lowering(case.model, case.batch(0), Parallel(tp=2, sequence_parallel=True)) == []
     wrong = check_lowering(case.model, case.batch(0), Parallel(tp=2), policy="random")
     assert wrong and all("planned" in w for w in wrong)
-    # the harness's own tiny Llama (eager attention, a vocabulary of 101): tp keeps attention whole, so the
-    # cost model's Megatron costing does not describe it, and the check says where
+    # the harness's own tiny Llama (a vocabulary of 101, prime): its embedding stays whole, so the cost
+    # model's Megatron costing does not describe it, and the check says where
     odd = llama(0, 32)
     found = check_lowering(odd.model, odd.batch(0), Parallel(tp=2, dp=2))
-    assert any("q_proj) costed column-parallel (weight D0 on tp), planned R" in w for w in found), found
     assert any("embed_tokens) costed vocabulary-parallel" in w for w in found), found
+    assert not any("q_proj" in w for w in found), found  # hybrid's tp axis splits attention by heads, as tp does
+
+
+def test_hybrid_splits_one_head_per_rank_by_heads(tmp_path):
+    """A multi-head (kv = heads) plan reduced to 2 heads on tp 2 (Llama-2-13B's saved plans): the
+    greedy alone keeps the attention whole under ``hybrid``; the head pins ``tp`` uses carry to
+    hybrid's tp axis, so the projections are split as costed."""
+    import opzoo  # noqa: F401
+    from verify.models.saved_plan import build_case, write_reduced
+    _, path = saved_plan(tmp_path, 8, {"tp": 2, "pp": 1, "dp": 4})
+    data = json.loads(path.read_text())
+    cfg = data["architecture"]["config"]
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]  # multi-head: reduced to max(tp, 2) = 2 heads
+    path.write_text(json.dumps(data))
+    red = write_reduced(load(path), tmp_path)
+    assert json.loads(red.read_text())["architecture"]["config"]["num_attention_heads"] == 2
+    case = build_case(str(red), 0)
+    assert check_lowering(case.model, case.batch(0), Parallel(tp=2, dp=2)) == []
+    assert check_lowering(case.model, case.batch(0), Parallel(tp=2, dp=2, sequence_parallel=True)) == []
 
 
 def test_bad_plan_files_are_one_line_and_exit_2(tmp_path, capsys):
