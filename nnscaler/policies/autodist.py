@@ -240,7 +240,9 @@ def _add_shared(g: Shared, offset: list[int], classes, n: int, rows: list, costs
 
 
 def _heaviest(graph: IRGraph) -> IROp | None:
-    known = [op for op in graph.ops if op.known]
+    """The operator of most FLOPs among those with a dim to split at all: one whose every dim is frozen (a
+    boolean-mask ``index_put``: xmod's adapters) stays whole at every world size, so it tells none apart."""
+    known = [op for op in graph.ops if op.known and splittable(op.bound)]
     return max(known, key=lambda op: op_flops(op, None)[0], default=None)
 
 

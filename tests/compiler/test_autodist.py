@@ -115,6 +115,21 @@ def test_a_world_size_the_dims_cannot_divide_names_the_closest():
         plan_graph(g, "autodist", ComputeConfig(7))
 
 
+def test_an_operator_frozen_in_every_dim_does_not_decide_the_world_size():
+    """xmod's boolean-mask ``index_put`` (every dim ``^``, its heaviest operator by FLOPs) splits at no degree;
+    the world-size check reads the heaviest operator that splits at all, and autodist plans the model."""
+    from nnscaler.dimops.partition import splittable
+    from nnscaler.policies.autodist import _heaviest
+    from verify.models.zoo import build
+    case = build("xmod", 0)
+    g = _graph(case.model, case.batch(0))
+    frozen = [op for op in g.ops if op.known and op.overload == "aten.index_put.default" and not splittable(op.bound)]
+    assert frozen, "xmod's adapter selection is no longer a frozen index_put: pick another model for this test"
+    assert splittable(_heaviest(g).bound)
+    plan = plan_graph(g, "autodist", ComputeConfig(2))
+    assert any(p.splits for p in plan.partitions.values())
+
+
 def test_solver_that_stops_early_reports_its_status():
     g = _meta_gpt(width=128, batch=8, seq=64)
     batch = batch_identifiers(g)
