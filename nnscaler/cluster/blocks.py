@@ -69,6 +69,7 @@ class OpFacts:
     saved_whole_fp32: float = 0.0  # of ``saved_whole``, likewise
     saved_gathered: float = 0.0  # bf16-mixed: autocast's copies, whole on every tp rank even under sequence parallelism
     saved_shared: float = 0.0  # of ``saved_whole``, what those copies replace (one fp32 tensor, counted once)
+    mask_bias: float = 0.0  # bf16-mixed: torch's attention with a mask keeps a bf16 bias of it per call (not the ring's)
     split: bool = False  # split over tp (inside a tensor-parallel region)
     tokens: bool = False  # has the sequence dim (sequence parallelism can split it)
     core: bool = False  # the attention core: what selective recompute recomputes
@@ -275,7 +276,7 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
         else:
             keep = [t for t in floating if id(t) in grad] if base in _SAVES_INPUTS else []
         if op.overload == _SDPA and len(acts) > 3:  # bf16-mixed: the attention mask's bf16 cast, kept for backward
-            f.saved_gathered += sum(_elements(t) for t in acts[3:] if seq in t.shape)
+            f.mask_bias += sum(_elements(t) for t in acts[3:] if seq in t.shape)
         if base in _SAVES_OUTPUT and any(id(t) in grad for t in ins):
             keep += [o for o in outs if o.dtype.is_floating_point]
         for t in keep:

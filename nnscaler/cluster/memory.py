@@ -55,9 +55,11 @@ def stage_boundaries(pp: int, stage: int, m: int, v: int, whole: float) -> float
 
 
 def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: float, drop_core: bool = False,
-                  fp32_bytes: float | None = None) -> float:
+                  fp32_bytes: float | None = None, ring: bool = False) -> float:
     """Bytes of activations one forward of ``sec`` leaves saved on one rank; ``fp32_bytes`` (bf16-mixed: 4): the
-    bytes of an element autocast keeps in fp32 (``OpFacts.saved_fp32``: the residual stream, norms, rotary)."""
+    bytes of an element autocast keeps in fp32 (``OpFacts.saved_fp32``: the residual stream, norms, rotary).
+    ``ring``: attention runs as context parallelism's ring (nnscaler/runtime/ring.py), which reads the mask the
+    model built, as it is, in every block: no per-call bias of it (``OpFacts.mask_bias``) as torch's attention keeps."""
     total = 0.0
     wide = act_bytes if fp32_bytes is None else fp32_bytes
     for o in sec.ops:
@@ -67,6 +69,7 @@ def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: floa
         total += (o.saved_fp32 / tp + o.saved_whole_fp32 / (tp if sp else 1)) * scale * (wide - act_bytes)
         if fp32_bytes is not None:  # bf16-mixed: autocast's bf16 copies in place of the one tensor they copy
             total += (o.saved_gathered - o.saved_shared / (tp if sp else 1)) * scale * act_bytes
+            total += 0.0 if ring else o.mask_bias * scale * act_bytes
     return total
 
 
@@ -84,11 +87,13 @@ def micro_batch_saved(shape: ModelShape, par, sp: bool, scale: float, ab: int, t
     # 4096 x 14336 weight of Llama-3 8B, kept until its backward)
     casts = shape.block.params(tp) * ab if weight_casts else 0.0
     wide = 4 if weight_casts else None  # bf16-mixed: what autocast keeps in fp32 saved at 4 bytes (OpFacts.saved_fp32)
-    full_act = section_saved(shape.block, tp, sp, scale, ab, fp32_bytes=wide) + casts
+    ring = par.cp > 1 and par.cp_scheme == "ring"
+    full_act = section_saved(shape.block, tp, sp, scale, ab, fp32_bytes=wide, ring=ring) + casts
     if recompute == "full":  # each block's input: bf16-mixed's residual stream is fp32 (measured 0.25 GiB a 70B block)
         per_layer_act, working = act_el_bytes * (wide or ab) / ab / (tp if sp else 1), full_act
     elif recompute == "selective":
-        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True, fp32_bytes=wide) + \
+        per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True, fp32_bytes=wide,
+                                                     ring=ring) + \
             casts, 0.0
     else:
         per_layer_act, working = full_act, 0.0
