@@ -103,3 +103,31 @@ def test_bf16_mixed_keeps_the_residual_stream_in_fp32():
     plain = section_saved(shape.block, 1, False, 1.0, 2)
     mixed = section_saved(shape.block, 1, False, 1.0, 2, fp32_bytes=4)
     assert mixed > 1.1 * plain
+
+
+def test_the_mask_bias_is_counted_for_torchs_attention_and_not_for_the_ring():
+    """torch's attention with an explicit mask keeps a bias of it per call (per layer); context parallelism's
+    ring (nnscaler/runtime/ring.py) reads the model's mask as it is: the same plan under the ring scheme saves
+    ``layers x mask_bias`` fewer bytes, and nothing else differs."""
+    import dataclasses
+    import opzoo  # noqa: F401
+    from nnscaler.cluster.cost import Parallel, estimate
+    from nnscaler.cluster.trace import trace_shape
+    from nnscaler.profiles import PROFILES
+    from bench.calibration.real_memory import llama_config
+    from transformers import LlamaForCausalLM
+    from verify.models.common import LossOf
+    with torch.device("meta"):
+        model = LossOf(LlamaForCausalLM(llama_config("llama3-8b", SEQ, 2, 128)))
+        ids = torch.zeros(1, SEQ, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shape = trace_shape(model, (ids, ids))
+    bias = [o.mask_bias for o in shape.block.ops if o.mask_bias]
+    assert len(bias) == 1 and bias[0] == SEQ * SEQ  # the one attention's (1, 1, seq, seq) mask
+    par = Parallel(tp=2, dp=2, cp=2, micro_batch_size=1, num_microbatches=2, sequence_parallel=True, zero=1,
+                   recompute="none", cp_scheme="allgather")
+    gathered = estimate(shape, par, PROFILES["h100"], "bf16-mixed", 4)
+    ring = estimate(shape, dataclasses.replace(par, cp_scheme="ring"), PROFILES["h100"], "bf16-mixed", 4)
+    per_rank = shape.layers * SEQ * SEQ / par.cp * 2  # bf16 bytes, one micro-batch in flight
+    assert gathered.memory["activations"] - ring.memory["activations"] == pytest.approx(per_rank, rel=1e-6)
