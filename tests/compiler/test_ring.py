@@ -183,3 +183,21 @@ def test_the_plan_report_lists_the_rings_sends():
     cp_plan = _llama()
     assert "send_recv" not in str(collective_table(attach_stats(choose_plan(cp_plan, "cp", ComputeConfig(2)), cp_plan,
                                                                 ComputeConfig(2)).stats))  # all-gathers, no ring
+
+
+def test_the_ring_keeps_the_models_mask_not_a_bias_per_call():
+    """Under bf16 autocast the ring saves the boolean mask it was given (the same storage, for every layer
+    that reads it), never a bf16 bias of it as torch's masked attention does: the memory estimate's
+    ``OpFacts.mask_bias`` is not counted under the ring scheme (nnscaler/cluster/memory.py)."""
+    from nnscaler.runtime.ring import Chunks, Ring, RingAttention
+    n = 8
+    q, k, v = (torch.randn(1, 2, n, 4, requires_grad=True) for _ in range(3))
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        out = RingAttention.apply(q, k, v, Ring(None), Chunks(1, n, False), (("mul", 0.5), ("keep", 0)), mask)
+    square = [t for t in saved if t.shape[-2:] == (n, n)]
+    assert square and all(t.dtype == torch.bool and t.data_ptr() == mask.data_ptr() for t in square)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
