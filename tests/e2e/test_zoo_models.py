@@ -4,6 +4,8 @@ unknown type is one line and exit 2; ``verify all`` runs a sample of them (``--f
 (the default)."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -95,3 +97,18 @@ def test_a_classifier_that_computes_no_loss_is_trained_on_the_cross_entropy_of_i
     with torch.no_grad():
         logits = case.model.model(pixel_values=x)[0]
         assert torch.equal(case.model(x, labels), torch.nn.functional.cross_entropy(logits, labels))
+
+
+def test_the_builders_probe_writes_nothing_the_case_starts_from():
+    """The probe that finds a text model's inputs runs a forward in eval mode; RWKV's eval forward divides its
+    output weights in place and flags them rescaled, so its next training forward would write them back (a
+    parameter write the compiler refuses). The probe runs on a copy: the built model is as constructed."""
+    import transformers.models.rwkv.modeling_rwkv as R
+    from nnscaler.trace.build import trace
+    from verify.models.zoo import build
+    case = build("rwkv", 0)
+    rwkv = next(m for m in case.model.modules() if isinstance(m, R.RwkvModel))
+    assert rwkv.training and not rwkv.layers_are_rescaled
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trace(case.model, case.batch(0))  # no StateWriteError: the forward writes no parameter

@@ -12,6 +12,8 @@ loss DeBERTa-v2 computes with ``if label_index.size(0) > 0:``), a kind the sweep
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -289,10 +291,11 @@ def _input_shape(model: nn.Module, cfg, kind: str) -> tuple[int, ...]:
                  (BATCH, mel, 2 * getattr(cfg, "max_source_positions", 32)),
                  (BATCH, 32, getattr(cfg, "feature_size", mel))]
     errors = []
+    probe = copy.deepcopy(model)  # what the probe's forward writes (running statistics) stays off the case's model
     for shape in cands:
         try:
             with torch.no_grad():
-                model(**{model.main_input_name: torch.randn(shape), "labels": torch.zeros(BATCH, dtype=torch.long)})
+                probe(**{model.main_input_name: torch.randn(shape), "labels": torch.zeros(BATCH, dtype=torch.long)})
             return shape
         except Exception as exc:  # noqa: BLE001  (the next usual shape)
             errors.append(f"{shape}: {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}")

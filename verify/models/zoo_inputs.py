@@ -6,6 +6,8 @@ speech LM's encoder needs its audio (Voxtral-realtime: ``input_features``), an a
 as ``torch.export`` runs it."""
 from __future__ import annotations
 
+import copy
+
 import inspect
 import itertools
 from unittest import mock
@@ -45,20 +47,19 @@ DERIVED = ("attention_mask", "pixel_values", "input_features", "lang_ids")
 
 
 def _runs(model: nn.Module, given: dict, exported: bool = True) -> bool:
-    """Whether ``model`` runs on ``given`` to a finite loss (or none), in eval mode: the probe writes no
-    state (running statistics) the case then starts from; ``exported``: as under ``torch.export``
+    """Whether ``model`` runs on ``given`` to a finite loss (or none), in eval mode, run on a copy: whatever
+    the probe's forward writes (running statistics, RWKV's rescaled weights and its ``layers_are_rescaled``
+    flag) never reaches the model the case starts from; ``exported``: as under ``torch.export``
     (``torch.compiler.is_compiling()`` true: transformers leaves out what it fills in eagerly)."""
-    training = model.training
     try:
+        probe = copy.deepcopy(model).eval()
         with torch.no_grad(), mock.patch.object(torch.compiler, "is_compiling", lambda: exported), \
                 mock.patch.object(torch.compiler, "is_exporting", lambda: exported):
-            out = model.eval()(**given)
+            out = probe(**given)
         loss = getattr(out, "loss", None)
         return loss is None or bool(torch.isfinite(loss))
     except Exception:  # noqa: BLE001  (another candidate)
         return False
-    finally:
-        model.train(training)
 
 
 def extra_inputs(model: nn.Module, cfg, given: dict) -> dict[str, Spec]:
