@@ -206,7 +206,11 @@ def _candidates(shape: ModelShape, world: int, global_batch: int, cons: dict, tp
     schemes = [x for x in schemes if x != "ulysses" or cp == 1 or ulysses_fits(shape, tp, cp)]  # heads over cp
     if world % (tp * cp) or not schemes:
         return
-    sps = [cons["sequence_parallel"]] if "sequence_parallel" in cons else ([False, True] if tp > 1 else [False])
+    # sequence parallelism where the compiler runs it: the context-parallel policies keep norms and dropout whole on
+    # the tp axis (nnscaler/policies/cp_mesh.py), so with cp it is priced only where a constraint asks for it
+    # (measured: an 8B 128k plan priced with it at 68.6 GiB peaked at 80.5, bench/results/real_memory.md)
+    sps = [cons["sequence_parallel"]] if "sequence_parallel" in cons else ([False, True] if tp > 1 and cp == 1
+                                                                           else [False])
     pps = [cons["pp"]] if "pp" in cons else [d for d in _divisors(world // (tp * cp)) if d <= shape.layers]
     for pp in pps:
         if world % (tp * cp * pp):

@@ -58,6 +58,17 @@ def test_the_search_splits_no_finer_than_the_measured_attention_but_a_constraint
     assert plan.parallel.cp == 64
 
 
+def test_sequence_parallelism_is_priced_with_cp_only_where_asked(long8b):
+    """The context-parallel policies run no sequence parallelism (norms whole on tp), so the search prices it
+    with cp only under a constraint asking for it; without cp it is searched as before."""
+    from nnscaler.cluster.search import candidates
+    offered = list(candidates(long8b, 64, 16, {}, 8))
+    assert any(p.sequence_parallel for p in offered if p.cp == 1 and p.tp > 1)
+    assert not any(p.sequence_parallel for p in offered if p.cp > 1)
+    asked = list(candidates(long8b, 64, 16, {"sequence_parallel": True, "cp": 16, "tp": 2}, 8))
+    assert asked and all(p.sequence_parallel and p.cp == 16 for p in asked)
+
+
 def test_llama3_long_context_stage_evaluates_as_a_constraint(long8b):
     fixed = {"tp": 8, "cp": 16, "pp": 16, "dp": 1, "micro_batch_size": 1, "num_microbatches": 16,
              "virtual_stages": 2, "recompute": "full", "zero": 1, "sequence_parallel": True,
