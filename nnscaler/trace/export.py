@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .segments import NotSegments, fixed_segments
 from .branches import DECIDED, data_dependent, needs_values, specialising, unchecked
 from .checkpoints import refusal, watch_checkpoints
 from .functions import refusal as function_refusal
@@ -194,6 +195,21 @@ def rewritten(model: torch.nn.Module, rewrites: Sequence) -> Any:
                 del module.forward
 
 
+def _export(model: torch.nn.Module, args: Sequence[Any], kwargs: dict):
+    """``torch.export.export`` (non-strict) with splits by data-made sizes traced fixed-shape
+    (:mod:`.segments`), or as written where a segment meets an operator that is not row-wise."""
+    try:
+        with fixed_segments():
+            return torch.export.export(model, tuple(args), kwargs, strict=False)
+    except Exception as exc:  # noqa: BLE001  (torch may wrap it: the cause chain says)
+        seen = exc
+        while seen is not None and not isinstance(seen, NotSegments):
+            seen = seen.__cause__ or seen.__context__
+        if seen is None:
+            raise
+    return torch.export.export(model, tuple(args), kwargs, strict=False)
+
+
 def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
                  rewrites: Sequence = (), leaves: bool = True):
     """``torch.export.export(model, args, kwargs, strict=False)`` (with the module ``rewrites`` of
@@ -213,7 +229,7 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
         with contextlib.redirect_stderr(captured), watch_checkpoints(checkpoints), rewritten(model, rewrites):
             first = None  # torch.export's own data-dependent error: what a model it cannot specialise ends with
             try:
-                ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+                ep = _export(model, args, kwargs)
                 again = needs_values(ep)  # data-dependent sizes: the plan takes the sample's (.branches)
             except Exception as exc:  # noqa: BLE001  (a guard on data: decided on the sample, checked at run time)
                 if not data_dependent(exc):
@@ -226,7 +242,7 @@ def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[st
                 checkpoints.clear()
                 try:
                     with specialising() as decided:
-                        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+                        ep = _export(model, args, kwargs)
                 except Exception:  # noqa: BLE001  (torch's real-tensor trace failing: the first error says more)
                     if first is None:
                         raise
