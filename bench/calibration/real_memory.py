@@ -191,9 +191,10 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
     from nnscaler.trace.build import trace
 
     tp, dp, pp, v, mbs = par.tp, par.dp, par.pp, par.virtual_stages, par.micro_batch_size
+    cp = getattr(par, "cp", 1)
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * dp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp * dp)
     per_chunk = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks] * v
     cfg = llama_config(name, seq, per_chunk[0], width_scale)
     fm = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -201,9 +202,16 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
     with fm:
         ids = torch.zeros(mbs, seq, dtype=torch.long)
         hidden = torch.zeros(mbs, seq, cfg.hidden_size)
-    config = ComputeConfig(tp, runtime_ngpus=tp * dp, tp_size=tp, sequence_parallel=par.sequence_parallel and tp > 1,
-                           recompute=par.recompute, zero=par.zero if dp > 1 else 0, precision=precision)
-    policy = "tp" if tp > 1 else "dp"
+    # a cp plan: the stage's policy as the lowering runs it (``nnscaler.cluster.plan.stage_policy``: dp x cp x tp), one
+    # copy of the plan on the stage's tp x cp ranks, ZeRO over the dp replicas
+    extra = {"cp_size": cp} if cp > 1 else {}
+    config = ComputeConfig(tp * cp, runtime_ngpus=tp * cp * dp, tp_size=tp, sequence_parallel=par.sequence_parallel and tp > 1,
+                           recompute=par.recompute, zero=par.zero if dp > 1 else 0, precision=precision, **extra)
+    if cp > 1:
+        from nnscaler.cluster.plan import stage_policy
+        policy = stage_policy(par)
+    else:
+        policy = "tp" if tp > 1 else "dp"
     graphs: dict = {}
     tracker = tracker if tracker is not None else tracker_class()()  # or a labelling subclass of it (tags each storage with its operator and step)
     modules, opts = [], []
