@@ -20,7 +20,9 @@ training steps of its recipe (precision, ZeRO over dp, recompute, sequence paral
   input's gradient kept on its buffer until the next step, each output until its backward; micro-batches per step
   cut to ``pp + 1`` (``2 pp`` interleaved): the in-flight peak is reached by then (the estimate compared is taken at
   the same count, :func:`estimated`);
-- a plan with context parallelism is measured as the best plan without it (:func:`without_cp`);
+- a plan with context parallelism is measured as the best plan without it (:func:`without_cp`); called with a
+  cp plan, :func:`measure_stage` compiles the stage's cp policy itself (on fake tensors the ring's test of a
+  masked-out block is the causal rule by positions: fake masks hold no values);
 - depth: every chunk at its real block count; ``--extrapolate`` compiles it at 2 and 4 blocks and
   extrapolates linearly (exact here: Llama-3 8B at 2, 3, 4, 8 blocks grows by the same bytes a block, and
   the 32-block run gives the same figures; at 1 block the peak falls elsewhere, in the head's backward).
@@ -40,6 +42,7 @@ whose measured peak exceeds the device's budget is flagged in the table (``over 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import sys
@@ -191,9 +194,10 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
     from nnscaler.trace.build import trace
 
     tp, dp, pp, v, mbs = par.tp, par.dp, par.pp, par.virtual_stages, par.micro_batch_size
+    cp = getattr(par, "cp", 1)
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * dp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp * dp)
     per_chunk = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks] * v
     cfg = llama_config(name, seq, per_chunk[0], width_scale)
     fm = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -201,13 +205,20 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
     with fm:
         ids = torch.zeros(mbs, seq, dtype=torch.long)
         hidden = torch.zeros(mbs, seq, cfg.hidden_size)
-    config = ComputeConfig(tp, runtime_ngpus=tp * dp, tp_size=tp, sequence_parallel=par.sequence_parallel and tp > 1,
-                           recompute=par.recompute, zero=par.zero if dp > 1 else 0, precision=precision)
-    policy = "tp" if tp > 1 else "dp"
+    # a cp plan: the stage's policy as the lowering runs it (``nnscaler.cluster.plan.stage_policy``: dp x cp x tp), one
+    # copy of the plan on the stage's tp x cp ranks, ZeRO over the dp replicas
+    extra = {"cp_size": cp} if cp > 1 else {}
+    config = ComputeConfig(tp * cp, runtime_ngpus=tp * cp * dp, tp_size=tp, sequence_parallel=par.sequence_parallel and tp > 1,
+                           recompute=par.recompute, zero=par.zero if dp > 1 else 0, precision=precision, **extra)
+    if cp > 1:
+        from nnscaler.cluster.plan import stage_policy
+        policy = stage_policy(par)
+    else:
+        policy = "tp" if tp > 1 else "dp"
     graphs: dict = {}
     tracker = tracker if tracker is not None else tracker_class()()  # or a labelling subclass of it (tags each storage with its operator and step)
     modules, opts = [], []
-    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")
         for c, kind in enumerate(kinds):
             with fm:
@@ -218,6 +229,12 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
                 g = trace(model, args)  # tensors of bf16-mixed found once per kind, before the program is built
                 apply_precision(g, precision)
                 saved_per_op(g)
+                if cp > 1:  # a cp policy rewrites its graph (the ring's attention, casts): its saved tensors found here
+                    from nnscaler.compile.plan import choose_plan
+                    planned = g.copy()
+                    choose_plan(planned, policy, config)
+                    apply_precision(planned, precision)  # as parallelize does: after the policy
+                    saved_per_op(planned)
                 graphs[kind] = g
             with fm, tracker:  # the rank's state is built under the tracker: every byte it allocates is seen
                 pm = parallelize(model, args, policy, config, gen_savedir=f"{d}/c{c}", verify=False,
@@ -226,6 +243,9 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
             modules.append(pm)
             del model
         gc.collect()
+        if cp > 1 and fake:  # the ring skips a block its masks hide by reading them, which fake tensors cannot say:
+            import nnscaler.runtime.ring as ring  # the causal mask's rule by positions instead (the same blocks)
+            stack.enter_context(_patched(ring, "hidden", _causal_hidden))
         with fm, tracker:
             tracker.track_external(*modules)
             ops = schedule(pp, stage, v, m_eff)
@@ -278,6 +298,21 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
     gc.collect()
     dist.destroy_process_group()
     return got
+
+
+def _causal_hidden(mods, masks, qpos, kpos, row) -> bool:
+    """``nnscaler.runtime.ring.hidden`` for a causal model on fake tensors: a block wholly above the diagonal."""
+    return kpos[0] > qpos[0] + qpos[1] - 1
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, fn):
+    kept = getattr(module, name)
+    setattr(module, name, fn)
+    try:
+        yield
+    finally:
+        setattr(module, name, kept)
 
 
 def _counts(plan) -> list[int]:

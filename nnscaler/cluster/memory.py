@@ -73,6 +73,17 @@ def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: floa
     return total
 
 
+def mask_elements(seq: int, tokens_mb: int, par) -> float:
+    """Elements (bools) of the causal mask one rank builds for one micro-batch of ``tokens_mb`` tokens in sequences of
+    ``seq``: the mask is built from positions with a broadcast head dim (transformers' ``sdpa_mask``), so the rank
+    builds the query rows its attention reads against every key column. All-gather and ring cp read the rank's
+    ``1 / cp`` of the rows (``nnscaler/policies/masks.py`` builds them per chunk); Ulysses attends every query of the
+    rank's heads, and a mask with one head cannot be split by heads, so each rank builds it whole. Checked against the
+    compiled programs: ``tests/compiler/test_cp_mask_memory.py``."""
+    rows = tokens_mb if par.cp > 1 and par.cp_scheme == "ulysses" else tokens_mb / par.cp
+    return rows * seq
+
+
 def micro_batch_saved(shape: ModelShape, par, sp: bool, scale: float, ab: int, tokens_mb: int,
                       weight_casts: bool, stack_casts: bool, cp_bytes: float) -> dict:
     """What one micro-batch leaves saved per section and needs beside it, under (tp, sequence parallelism,
@@ -100,13 +111,13 @@ def micro_batch_saved(shape: ModelShape, par, sp: bool, scale: float, ab: int, t
     working += cp_bytes * 2  # the gathered K and V, then their gradients before the reduce-scatter
     # nnscaler's program (not counted for the published stacks, ``stack_casts`` off), measured at real width on fake
     # tensors (bench/results/real_memory.md, labelled by bench/calibration/memory_labels.py): each chunk forward keeps
-    # its own causal mask (``seq^2`` bools a sequence, the rank's query rows) and rotary tables (cos and sin, fp32), and
-    # its first block's input is not saved apart: it is a view of the chunk's received input (a boundary) or, on the
+    # its own causal mask (``seq^2`` bools a sequence, the rank's query rows: :func:`mask_elements`) and rotary tables
+    # (cos and sin, fp32), and its first block's input is not saved apart: it is a view of the chunk's received input (a boundary) or, on the
     # model's first chunk, of the embedding's output, kept whole (before any sequence-parallel split) at the residual
     # stream's dtype per micro-batch in flight
     rows = tokens_mb / par.cp
     first_input = rows * shape.hidden * (wide or ab) / (tp if sp else 1)
-    mask = rows * shape.seq if shape.causal else 0.0
+    mask = mask_elements(shape.seq, tokens_mb, par) if shape.causal else 0.0
     rotary = 2 * rows * (shape.hidden // max(1, shape.heads)) * 4
     chunk_act = mask + rotary - first_input if stack_casts else 0.0
     embed_act = rows * shape.hidden * (wide or ab) if stack_casts else 0.0
