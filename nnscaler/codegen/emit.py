@@ -16,6 +16,7 @@ from ..ops.registry import DEFAULT_REGISTRY
 from ..ops.spec import resolve
 from ..trace.amp import converts_to
 from ..ir.plan import Plan
+from .coalesce import FORWARD_KINDS, Candidate, schedule
 from .probe import conversion_info, held_grad_layout, use_grad_layout
 from .frees import free_dead
 from .recompute import wrap
@@ -94,7 +95,7 @@ class Emitter:
     ``steps`` between layouts (which the cost model reads: the program is emitted once per plan)."""
 
     def __init__(self, graph: IRGraph, plan: Plan, rank: int, probe: bool = False, recompute: str = "none",
-                 recompute_modules=None):
+                 recompute_modules=None, groups=()):
         self.graph, self.plan, self.rank, self.probe = graph, plan, rank, probe
         self.recompute, self.recompute_modules = recompute, recompute_modules  # see codegen/recompute.py
         self.spans: list[tuple[IROp, int, int]] = []  # each operator's lines (its conversions included)
@@ -119,11 +120,19 @@ class Emitter:
         self.chain_of: dict[str, str] = {}  # instrumented mode: a converted variable -> its conversion chain
         self.uses = 0  # instrumented mode: tensors read so far by the operator being emitted
         self.converted: dict[IRTensor, torch.dtype] = {}  # bf16-mixed: tensors a dropped dtype assert converts
+        # coalescing (codegen/coalesce.py): the all-reduces starting a chain; per operator reading a
+        # tensor through a forward collective (new or taken), the operators that issued them; the same
+        # per cache key and taken chain (the last one); each (tensor, step) of a group -> its group
+        self.candidates: list[Candidate] = []
+        self.through: dict[IROp, list[IROp]] = {}
+        self.origin: dict[tuple, IROp] = {}
+        self.group_of = {m: g for g in groups for m in g}
 
     def fetch(self, t: IRTensor, want: Layout, axis_ids) -> str:
         """The variable holding ``t`` in layout ``want`` for a consumer splitting ``axis_ids``."""
         key = (t, want, tuple(axis_ids))
         if key in self.cache:
+            self._through(self.origin.get(key))
             return self.cache[key]
         steps, _ = conversion(self.layouts[t], want, axis_ids, self.plan.mesh_shape, t.shape, t in self.grads)
         if t in self.synced:  # its gradient is summed in buckets after backward instead
@@ -131,6 +140,8 @@ class Emitter:
             steps = [replace(st, kind="all_gather")
                      if st.kind == "all_gather_sum_grad" and st.axis == sync else st
                      for st in steps if not (st.kind == "grad_all_reduce" and st.axis == sync)]
+        if steps and (t, steps[0]) in self.group_of and (t, (steps[0],)) not in self.taken:
+            self._coalesced(self.group_of[(t, steps[0])])
         name, cur = self.var[t], self.layouts[t]
         chain = ""
         done = 0
@@ -138,6 +149,7 @@ class Emitter:
             done = next((k for k in range(len(steps), 0, -1) if (t, tuple(steps[:k])) in self.taken), 0)
             if done:
                 name, cur = self.taken[(t, tuple(steps[:done]))]
+        origin = self.origin.get((t, tuple(steps[:done])))  # where the taken part's last collective was issued
         if self.probe:  # the chain's own alias of its source: the gradient back through this chain alone
             chain = f"{t.name}#{len(self.chain_of) + 1}"
             sync = self.synced.get(t)
@@ -148,6 +160,8 @@ class Emitter:
                               f"{held_grad_layout(cur, self.plan.mesh_shape, sync)!r}, {literal(info)})")
             name = src
         for k, step in enumerate(steps[done:], done + 1):
+            if k == 1 and step.kind == "all_reduce" and self.reader is not None and not self.probe:
+                self.candidates.append(Candidate(t, step, self.reader))
             self.steps.append((t, cur, step))
             self.readers.append(self.reader)
             cur = step_layout(cur, step)
@@ -157,10 +171,42 @@ class Emitter:
             self.collectives += step.kind not in ("split", "to_partial")
             name = new
             self.taken[(t, tuple(steps[:k]))] = (name, cur)
+            if step.kind in FORWARD_KINDS:
+                origin = self.reader
+            if origin is not None:
+                self.origin[(t, tuple(steps[:k]))] = origin
         self.cache[key] = name
+        if origin is not None:
+            self.origin[key] = origin
+        self._through(origin)
         if self.probe:
             self.chain_of[name] = chain
         return name
+
+    def _through(self, origin: IROp | None) -> None:
+        """The operator being emitted reads a tensor whose last forward collective ``origin`` issued."""
+        if origin is not None and self.reader is not None:
+            self.through.setdefault(self.reader, []).append(origin)
+
+    def _coalesced(self, group) -> None:
+        """One ``C.all_reduce_coalesced`` for the members of ``group`` (each a tensor and the
+        all-reduce starting its chain) not summed yet, taken as those chains' first steps; the later
+        members' steps marked ``coalesced`` (they ride in the first one's collective)."""
+        members = [(t, st) for t, st in group if t in self.layouts and (t, (st,)) not in self.taken]
+        if len(members) < 2:
+            return
+        news = []
+        for i, (t, st) in enumerate(members):
+            self.steps.append((t, self.layouts[t], replace(st, coalesced=True) if i else st))
+            self.readers.append(self.reader)
+            self.fresh += 1
+            news.append(f"{t.name}__{self.fresh}")
+            self.taken[(t, (st,))] = (news[-1], step_layout(self.layouts[t], st))
+            if self.reader is not None:
+                self.origin[(t, (st,))] = self.reader
+        names = ", ".join(self.var[t] for t, _ in members)
+        self.lines.append(f"    {', '.join(news)}, = C.all_reduce_coalesced([{names}], g[{members[0][1].axis}])")
+        self.collectives += 1
 
     def read(self, reader: str, t: IRTensor, want: Layout, axis_ids) -> str:
         """:meth:`fetch`, and in instrumented mode the use handed to ``probe.use`` (``reader``: the
@@ -338,8 +384,22 @@ class Emitter:
 def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False, recompute: str = "none",
                  recompute_modules=None) -> Emitter:
     """Emit plan rank ``rank``'s body: its lines, conversion ``steps`` and state ``shards``;
-    ``recompute``/``recompute_modules`` (``ComputeConfig``'s) wrap regions when it is rendered."""
-    e = Emitter(graph, plan, rank, probe, recompute, recompute_modules)
+    ``recompute``/``recompute_modules`` (``ComputeConfig``'s) wrap regions when it is rendered.
+    Independent all-reduces on one axis ready at one point are summed in one collective
+    (``nnscaler/codegen/coalesce.py``): the program is emitted once, its operators rescheduled, and
+    emitted again; not in the instrumented mode (one chain per reader) nor where regions are
+    recomputed (their lines must stay their own)."""
+    e = _emit(graph, plan, rank, graph.ops, probe, recompute, recompute_modules)
+    if probe or recompute != "none" or any(op.checkpoint is not None for op in graph.ops):
+        return e
+    order, groups = schedule(graph.ops, e.candidates, e.through)
+    return _emit(graph, plan, rank, order, probe, recompute, recompute_modules, groups) if groups else e
+
+
+def _emit(graph: IRGraph, plan: Plan, rank: int, ops: list[IROp], probe: bool, recompute: str, recompute_modules,
+          groups=()) -> Emitter:
+    """One emission of the program, its operators in ``ops``' order, ``groups`` summed together."""
+    e = Emitter(graph, plan, rank, probe, recompute, recompute_modules, groups)
     stored = stored_layouts(graph, plan)
     shards = e.shards
     for t, lay in stored.items():
@@ -353,7 +413,7 @@ def emit_program(graph: IRGraph, plan: Plan, rank: int, probe: bool = False, rec
     for w in graph.writes:  # read as forward found it: the write at the end would change what backward saved
         e.var[w.buffer] = f"{w.buffer.name}__in"
         e.lines.append(f"    {w.buffer.name}__in = p[{w.buffer.target or w.buffer.name!r}].clone()  # written in forward")
-    for op in graph.ops:
+    for op in ops:
         e.op(op)
     none = tuple(None for _ in plan.mesh_shape)
     e.uses = 0

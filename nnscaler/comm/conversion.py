@@ -63,6 +63,7 @@ class Step:
     dims: tuple[int, ...] = ()
     blocks: int = 1  # split / all_gather / reduce_scatter of one factor of a fused dim
     balanced: bool = False  # ... of a dim held in the balanced order of context parallelism (``D1z``)
+    coalesced: bool = False  # an all_reduce riding in an earlier one's collective (nnscaler/codegen/coalesce.py)
 
     def code(self, x: str, group: str) -> str:
         """The Python expression the generated program uses for this step."""

@@ -73,7 +73,7 @@ def forward_causes(graph: IRGraph, plan, rank: int = 0) -> list[str]:
     count: Counter = Counter()
     first: dict = {}
     for (t, before, step), reader in zip(e.steps, e.readers):
-        if step.kind not in FORWARD or t in params:
+        if step.kind not in FORWARD or t in params or step.coalesced:  # summed in an earlier step's collective
             continue
         key = (step.kind.replace("all_gather_sum_grad", "all_gather"), reason(t, before, step, reader))
         count[key] += 1

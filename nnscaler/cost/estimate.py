@@ -16,8 +16,8 @@ from .compute import op_time, optimizer_time
 from ..profiles import DeviceProfile
 from .saved import saved_bytes
 from . import summary as printing
-from .steps import (OPTIMIZER_STATES, Collective, carries_grad, coupled_collectives, exchange_collectives,
-                    local_nbytes, nbytes,
+from .steps import (OPTIMIZER_STATES, Collective, carries_grad, coalesced_into, coupled_collectives,
+                    exchange_collectives, local_nbytes, nbytes,
                     step_collectives)
 
 @dataclass
@@ -88,8 +88,15 @@ def analyze(graph: IRGraph, plan, profile: DeviceProfile, replicas: int = 1, ste
     steps = emit_program(graph, plan, 0).steps if steps is None else steps
     ranks_here = min(world * replicas, profile.ranks_per_node)
     colls = []
+    lead = None  # where the forward collective of a coalesced group is (its later members ride in it)
     for t, before, step in steps:
-        colls += step_collectives(t, before, step, mesh, names, profile)
+        made = step_collectives(t, before, step, mesh, names, profile)
+        if step.coalesced and lead is not None:
+            colls[lead] = coalesced_into(colls[lead], made[0], mesh, step.axis, profile)
+            made = made[1:]
+        elif made and made[0].phase == "forward":
+            lead = len(colls)
+        colls += made
     colls += coupled_collectives(graph, plan, profile)
     colls += exchange_collectives(graph, plan, profile)  # ring attention's sends (inside its kernel)
     dp = zero_axis(names, mesh)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..dimops.layout import Layout, Shard
 from ..ir.graph import ACTIVATION, PARAM, IRTensor
@@ -61,6 +61,13 @@ def step_collectives(t: IRTensor, before: Layout, step, mesh_shape, axis_names, 
         out.append(Collective(phase, kind, axis_names[step.axis], f, size,
                               runtime_time(kind, size, f, profile, across, share), t.name))
     return out
+
+
+def coalesced_into(lead: Collective, extra: Collective, mesh_shape, axis: int, profile: DeviceProfile) -> Collective:
+    """``lead`` carrying ``extra``'s bytes too: one call for both (``nnscaler/codegen/coalesce.py``)."""
+    size = lead.nbytes + extra.nbytes
+    return replace(lead, nbytes=size, seconds=runtime_time(lead.kind, size, lead.ranks, profile,
+                                                           spans_nodes(mesh_shape, axis, profile)))
 
 
 def coupled_splits(graph, plan):

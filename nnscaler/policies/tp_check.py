@@ -28,7 +28,7 @@ def collectives(graph: IRGraph, plan: Plan, rank: int = 0, params: bool = True) 
     fwd, bwd = Counter(), Counter()
     keep = None if params else {t for t in graph.params}
     for step, grad, t in conversion_steps(graph, plan, rank, tensors=True):
-        if keep is not None and t in keep:
+        if keep is not None and t in keep or step.coalesced:  # summed in an earlier step's one collective
             continue
         if step.kind in FORWARD:
             fwd[_RENAME.get(step.kind, step.kind)] += 1

@@ -15,6 +15,7 @@ function            forward                    backward
 ``all_gather_sum_grad`` D -> R, consumed split  reduce-scatter (sum partial grads)
 ``all_to_all``      D(a) -> D(b)                D(b) -> D(a)
 ``all_to_all_v``    rows to the ranks of counts the rows back
+``all_reduce_coalesced`` several V -> R: one sum  identity
 ==================  =========================  ===========================
 
 A split in the balanced order of context parallelism (``D1z``, see
@@ -225,6 +226,30 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group is None:
         return x
     return _AllReduce.apply(x, group) if _differentiable(x) else _sum(x, group)
+
+
+def _offsets(sizes: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each of ``sizes`` elements laid end to end in one flat buffer."""
+    out, at = [], 0
+    for n in sizes:
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+def all_reduce_coalesced(xs: list[torch.Tensor], group) -> tuple[torch.Tensor, ...]:
+    """:func:`all_reduce` of each of ``xs`` (independent partial values on one group), in one
+    collective per dtype: flattened, concatenated, summed once, split back at each one's offsets
+    and reshaped. Built of differentiable ops around :func:`all_reduce`: backward is the identity."""
+    if group is None:
+        return tuple(xs)
+    out: list = [None] * len(xs)
+    for dtype in dict.fromkeys(x.dtype for x in xs):  # one buffer per dtype (autocast may mix them)
+        idx = [i for i, x in enumerate(xs) if x.dtype == dtype]
+        flat = all_reduce(torch.cat([xs[i].reshape(-1) for i in idx]), group)
+        for i, (a, b) in zip(idx, _offsets([xs[i].numel() for i in idx])):
+            out[i] = flat[a:b].view(xs[i].shape)
+    return tuple(out)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Mutants of the differentiable collectives (``nnscaler/runtime/collectives.py``)."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -156,3 +158,15 @@ def split_ignores_blocks():
     C = _C()
     orig = C._chunk
     patch(C, "_chunk", lambda x, dim, group, blocks=1: orig(x, dim, group, 1))
+
+
+@mutant
+def all_reduce_coalesced_wrong_offsets():
+    """The coalesced all-reduce cuts the flat sum back as if the tensors were laid end to end in reverse
+    order: each member gets another's statistics (where sizes are equal) or a misaligned slice."""
+    C = _C()
+
+    def offsets(sizes):
+        ends = list(itertools.accumulate(reversed(sizes)))[::-1]
+        return [(end - n, end) for n, end in zip(sizes, ends)]
+    patch(C, "_offsets", offsets)
