@@ -378,15 +378,13 @@ def plans(skip_published: bool = False, only: list[str] | None = None):
                                     lambda cons: search(shape, dataclasses.replace(cfg, constraints=cons), name))
     if skip_published:
         return
-    from bench.calibration.calibrate import config, load_rows, partly_published, shapes_for
+    from bench.calibration.calibrate import load_rows, row_search, shapes_for
     rows = [r for r in load_rows() if not only or f"search-{r['name']}" in only]
     shapes = shapes_for(rows)
     for r in rows:
-        shape = shapes[(r["model"], int(r["seq"]))]
-        pub = search(shape, config(r, fit_memory=partly_published(r)), r["model"])
-        budget = max(int(0.9 * float(r["memory_gib"]) * 2**30), int(pub.best.memory["peak"]))
-        yield f"search-{r['name']}", without_cp(search(shape, config(r, cons={}, budget=budget), r["model"]),
-                                                lambda cons: search(shape, config(r, cons=cons, budget=budget), r["model"]))
+        shape = shapes[(r["model"], int(r["seq"]))]  # the rows' plans as bench/calibration/autodist.py prints them
+        yield f"search-{r['name']}", without_cp(row_search(r, shape)[1],
+                                                lambda cons: row_search(r, shape, cons=cons)[1])
 
 
 def _gib(x: float) -> str:
