@@ -173,6 +173,7 @@ def long_context_table(save: str | None = None) -> None:
 def published_table(save: str | None = None) -> None:
     from bench.calibration.calibrate import load_rows, row_search, shapes_for
     from bench.calibration.llama_models import SHAPES
+    from bench.calibration.real_memory import device_bytes
     from nnscaler.cluster.evidence import RUNS, claims
     rows = load_rows()
     shapes = shapes_for(rows)
@@ -196,6 +197,9 @@ def published_table(save: str | None = None) -> None:
         print(f"{r['name']:<30} {a:>12.3f}s {b:>8.3f}s {b / a:>6.2f} {h:>8}  {'yes' if b <= a else 'NO':>10}  {ev:<9} "
               f"{_conf(p)}", flush=True)
         wins += b <= a
+        if mine.best.memory["peak"] > device_bytes(mine, float(r["memory_gib"])):  # its budget is the run's, not the device
+            print(f"{'':<30} estimated peak {human(mine.best.memory['peak'])}/rank: OVER THE DEVICE "
+                  f"({human(device_bytes(mine, float(r['memory_gib'])))} usable), a plan that does not fit", flush=True)
         if save and cp_refusal(mine.parallel):  # verify plan refuses a cp scheme the compiler lacks: the best plan without cp
             mine = row_search(r, shape, cons={"cp": 1})[1]
             print(f"{'  saved without cp':<30} {'':>13} {mine.best.step_seconds:>8.3f}s  {_conf(mine.parallel)}")

@@ -33,7 +33,8 @@ micro-batches whose backward has not run, at most; peak: the tracker's peak over
 minus the state, i.e. everything else alive at the peak (saved activations, intermediates still referenced,
 gradient buffers of a step in progress). Estimate: :func:`nnscaler.cluster.cost.estimate` as the planner
 reports it (each term the larger of the first and the last stage). Goal: every ratio within 10%. A plan
-whose measured peak exceeds the device's budget is flagged in the table (``over the device``).
+whose measured peak exceeds the usable part of its device's memory is flagged in the table (``over the device``),
+whatever budget the search was given (:func:`device_bytes`).
 
     python bench/calibration/real_memory.py [--plans llama3-8b-8 ...] [--skip-published] [--extrapolate] [--out FILE]
 """
@@ -360,8 +361,8 @@ def without_cp(plan, search_again):
 
 
 def plans(skip_published: bool = False, only: list[str] | None = None):
-    """``(label, ClusterPlan)`` for every plan ``bench/calibration/autodist.py`` prints (a cp plan: the best one
-    without cp, :func:`without_cp`)."""
+    """``(label, ClusterPlan, device GiB or None)`` for every plan ``bench/calibration/autodist.py`` prints (a cp plan:
+    the best one without cp, :func:`without_cp`; the device's memory: a published row's, None for the profile's)."""
     from bench.calibration.llama_models import CLUSTER_RUNS
     from bench.calibration.llama_models import llama_shape
     from nnscaler import ComputeConfig
@@ -375,7 +376,7 @@ def plans(skip_published: bool = False, only: list[str] | None = None):
             shape = shape or llama_shape(name, 4096)
             cfg = ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w)
             yield label, without_cp(search(shape, cfg, name),
-                                    lambda cons: search(shape, dataclasses.replace(cfg, constraints=cons), name))
+                                    lambda cons: search(shape, dataclasses.replace(cfg, constraints=cons), name)), None
     if skip_published:
         return
     from bench.calibration.calibrate import load_rows, row_search, shapes_for
@@ -384,7 +385,7 @@ def plans(skip_published: bool = False, only: list[str] | None = None):
     for r in rows:
         shape = shapes[(r["model"], int(r["seq"]))]  # the rows' plans as bench/calibration/autodist.py prints them
         yield f"search-{r['name']}", without_cp(row_search(r, shape)[1],
-                                                lambda cons: row_search(r, shape, cons=cons)[1])
+                                                lambda cons: row_search(r, shape, cons=cons)[1]), float(r["memory_gib"])
 
 
 def _gib(x: float) -> str:
@@ -396,22 +397,34 @@ def worst(got: dict, est: dict) -> float:
     return max(abs(r - 1) for r in compare(got, est).values())
 
 
-def over_device(plan, got: dict) -> bool:
-    """Whether the measured peak exceeds the plan's memory budget (the device's, less its reserve)."""
-    return got["peak"] > plan.best.budget
+def device_bytes(plan, memory_gib: float | None = None) -> float:
+    """What a plan may fill on its device: the profile's ``usable`` part of the device's memory (``memory_gib``: a
+    published row's own device, e.g. 96 GiB H100s), whatever memory budget the search was given. A published row's
+    search is allowed the memory our estimate says that run took (``calibrate.row_search``), which can be above the
+    device (Llama 3 405B: 124 GiB): judged against that budget such a plan would always "fit"."""
+    from nnscaler.profiles import get_profile
+    prof = get_profile(plan.profile) if isinstance(plan.profile, str) else plan.profile
+    return prof.cluster.usable * (memory_gib * GiB if memory_gib else prof.memory)
 
 
-def device_line(plan, got: dict) -> str:
+def over_device(plan, got: dict, memory_gib: float | None = None) -> bool:
+    """Whether the measured peak exceeds what the plan's device holds (:func:`device_bytes`)."""
+    return got["peak"] > device_bytes(plan, memory_gib)
+
+
+def device_line(plan, got: dict, memory_gib: float | None = None) -> str:
     """One line on the measured peak against the estimate and the device (``OVER THE DEVICE`` when over)."""
     head = (f"measured peak {_gib(got['peak'])} GiB/rank (estimate {_gib(plan.best.memory['peak'])}, "
-            f"budget {_gib(plan.best.budget)})")
-    return f"{head}: OVER THE DEVICE, this plan does not fit" if over_device(plan, got) else f"{head}: fits"
+            f"device {_gib(device_bytes(plan, memory_gib))}, search budget {_gib(plan.best.budget)})")
+    return (f"{head}: OVER THE DEVICE, this plan does not fit" if over_device(plan, got, memory_gib)
+            else f"{head}: fits")
 
 
-def row(label: str, plan, got: dict, est: dict) -> str:
+def row(label: str, plan, got: dict, est: dict, memory_gib: float | None = None) -> str:
     ratio = compare(got, est)
     cells = " | ".join(f"{_gib(got[k])} / {_gib(est[k])} = {ratio[k]:.2f}" for k in KEYS)
-    over = " **over the device**" if over_device(plan, got) else ""
+    over = (f" **over the device** ({_gib(device_bytes(plan, memory_gib))} GiB usable)"
+            if over_device(plan, got, memory_gib) else "")
     return (f"| {label} | {_short(plan.parallel)} | {cells} | {_gib(got['held'])} | "
             f"{100 * worst(got, est):.0f}%{over} |")
 
@@ -433,11 +446,11 @@ def main(argv=None) -> int:
     lines = ["GiB per rank, measured (rank 0 of the first and, pipelined, the last stage: the larger) / estimated "
              "(`nnscaler.cluster.cost.estimate`) = ratio; "
              f"{f'{LOW} and {HIGH} blocks per chunk, extrapolated' if args.extrapolate else 'every stage at its real depth'}"
-             "; over the device: measured peak above the plan's budget (`Estimate.budget`)", "", HEADER]
+             "; over the device: measured peak above the usable part of the device's memory (`device_bytes`)", "", HEADER]
     print("\n".join(lines), flush=True)
     worst_all, n = 0.0, 0
     rows: dict = {}
-    for label, plan in plans(args.skip_published, args.plans):
+    for label, plan, memory_gib in plans(args.skip_published, args.plans):
         t0 = time.perf_counter()
         try:
             got = measured(plan, args.extrapolate)
@@ -446,11 +459,11 @@ def main(argv=None) -> int:
         else:
             est = estimated(plan)
             rows[label] = {"parallel": plan.parallel.as_dict(), "measured": got, "estimated": est,
-                           "budget": plan.best.budget}
+                           "budget": plan.best.budget, "device": device_bytes(plan, memory_gib)}
             if args.json:
                 import json
                 Path(args.json).write_text(json.dumps(rows, indent=1))
-            line = row(label, plan, got, est)
+            line = row(label, plan, got, est, memory_gib)
             worst_all = max(worst_all, worst(got, est))
             n += 1
         print(line + f"  <!-- {time.perf_counter() - t0:.0f} s -->", flush=True)

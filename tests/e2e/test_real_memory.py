@@ -81,3 +81,17 @@ def test_a_plan_over_the_device_is_said_so(small_plan):
     assert device_line(plan, got).endswith(": fits"), device_line(plan, got)
     over = device_line(plan, {**got, "peak": plan.best.budget + 1})
     assert "OVER THE DEVICE" in over, over
+
+
+def test_a_plan_over_the_device_is_said_so_whatever_its_search_budget(small_plan):
+    """A published row's search is allowed the memory our estimate says that run took (``calibrate.row_search``:
+    124 GiB a rank for Llama 3 405B on 80 GiB H100s): the device, not that budget, decides what fits."""
+    from bench.calibration.real_memory import device_bytes, device_line, over_device
+    plan, got = small_plan
+    device = 0.9 * 80 * 2**30  # h100's usable part
+    assert device_bytes(plan) == device and device_bytes(plan, 96) == 0.9 * 96 * 2**30
+    raised = dataclasses.replace(plan, best=dataclasses.replace(plan.best, budget=2.0 ** 60))
+    big = {**got, "peak": device + 2**30}
+    assert over_device(raised, big) and "OVER THE DEVICE" in device_line(raised, big)
+    assert not over_device(raised, big, memory_gib=96)  # the row's own 96 GiB device holds it
+    assert device_line(raised, got).endswith(": fits")
