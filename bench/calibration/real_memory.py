@@ -7,6 +7,7 @@ real widths on fake tensors (``FakeTensorMode``: shapes, no storage) and a fake 
 training steps of its recipe (precision, ZeRO over dp, recompute, sequence parallelism; AdamW) under
 ``torch.distributed._tools.mem_tracker.MemTracker``:
 
+- the stages measured are the first, the last and the fullest middle stage (:func:`stages_measured`);
 - the stage is built directly from the plan's layer split: its ``v`` chunks (interleaved 1F1B) of the
   stage's blocks, the first stage's first chunk with the embedding, the last stage's last chunk with the
   final norm, the vocabulary head and the loss (``pp`` 1: the whole model); each chunk is one compiled
@@ -313,10 +314,28 @@ def measure_plan(plan, stage: int, extrapolate: bool = False, width_scale: int =
     return {k: low[k] + extra * (high[k] - low[k]) for k in KEYS + ("held",)}
 
 
+def stages_measured(plan) -> list[int]:
+    """The stages the estimate takes its maxima from (:func:`stages_of`, on the plan's layer split)."""
+    pp = plan.parallel.pp
+    return [0] if pp == 1 else stages_of(_counts(plan), pp, plan.parallel.virtual_stages)
+
+
+def stages_of(counts: list[int], pp: int, v: int) -> list[int]:
+    """Of a ``pp x v`` split (``counts[c pp + s]`` blocks in chunk ``c`` of stage ``s``): the first stage and,
+    pipelined, the last (each moment's saved tensors and buffers are the larger of the two), and a middle stage
+    holding more blocks than both where one does (the parameters, gradients and optimizer state are the most any stage
+    holds, ``memory.rank_memory``: Llama-3 405B over pp 16 puts 8 blocks on the middle stages, 7 on the first and
+    the last)."""
+    if pp == 1:
+        return [0]
+    blocks = [sum(counts[c * pp + s] for c in range(v)) for s in range(pp)]
+    fullest = max(range(1, pp - 1), key=lambda s: blocks[s], default=0)
+    return [0, pp - 1] + ([fullest] if blocks[fullest] > max(blocks[0], blocks[-1]) else [])
+
+
 def measured(plan, extrapolate: bool = False, width_scale: int = 1, name=None) -> dict:
-    """Per ``KEYS``, the most over the stages the estimate takes its maxima from (the first and, under
-    pipelining, the last: the estimate's memory terms are each the larger of the two)."""
-    stages = [0] + ([plan.parallel.pp - 1] if plan.parallel.pp > 1 else [])
+    """Per ``KEYS``, the most over the stages the estimate takes its maxima from (:func:`stages_measured`)."""
+    stages = stages_measured(plan)
     got = [measure_plan(plan, s, extrapolate, width_scale, name) for s in stages]
     return {k: max(g[k] for g in got) for k in KEYS + ("held",)}
 
@@ -443,7 +462,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write each plan's configuration, measured and estimated bytes to this file")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
-    lines = ["GiB per rank, measured (rank 0 of the first and, pipelined, the last stage: the larger) / estimated "
+    lines = ["GiB per rank, measured (rank 0 of the first and, pipelined, the last and the fullest middle stage: the largest) / estimated "
              "(`nnscaler.cluster.cost.estimate`) = ratio; "
              f"{f'{LOW} and {HIGH} blocks per chunk, extrapolated' if args.extrapolate else 'every stage at its real depth'}"
              "; over the device: measured peak above the usable part of the device's memory (`device_bytes`)", "", HEADER]

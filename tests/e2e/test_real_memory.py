@@ -95,3 +95,25 @@ def test_a_plan_over_the_device_is_said_so_whatever_its_search_budget(small_plan
     assert over_device(raised, big) and "OVER THE DEVICE" in device_line(raised, big)
     assert not over_device(raised, big, memory_gib=96)  # the row's own 96 GiB device holds it
     assert device_line(raised, got).endswith(": fits")
+
+
+def test_the_fullest_middle_stage_is_measured_where_it_holds_more():
+    """The estimate's state is the most any stage holds (``memory.rank_memory``); the first and the last stage of a
+    split that puts fewer blocks there (Llama-3 405B's 126 over pp 16: 7, 8 x 14, 7) hold less than a middle one."""
+    from bench.calibration.real_memory import stages_of
+    assert stages_of([7] + [8] * 14 + [7], 16, 1) == [0, 15, 1]
+    assert stages_of([8] * 14 + [7, 7], 16, 1) == [0, 15]  # the first holds as much as any
+    assert stages_of([2, 2, 1, 2] + [2, 2, 2, 1], 4, 2) == [0, 3]  # per stage 4, 4, 3, 3
+    assert stages_of([1, 2, 2, 1] + [1, 2, 1, 1], 4, 2) == [0, 3, 1]  # per stage 2, 4, 3, 2
+    assert stages_of([80], 1, 1) == [0]
+
+
+@pytest.mark.slow  # ~20-60 s: the 405B rows' searches
+def test_the_published_rows_plans_are_all_built():
+    """Every published row's plan is measured: a row whose published configuration fits only without the memory bound
+    (Llama 3 405B: tp8 pp16 dp64 without recompute, over our 72 GiB estimate) is completed as the calibration does
+    (``calibrate.row_plan``), not stopped in a ``PlanError``."""
+    from bench.calibration.real_memory import plans
+    names = ["search-llama3-405b-8k", "search-llama3-405b-16k"]
+    got = {label: plan for label, plan, _ in plans(only=names)}
+    assert sorted(got) == sorted(names) and all(p.parallel.cp == 1 for p in got.values())
