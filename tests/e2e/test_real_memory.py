@@ -117,3 +117,20 @@ def test_the_published_rows_plans_are_all_built():
     names = ["search-llama3-405b-8k", "search-llama3-405b-16k"]
     got = {label: plan for label, plan, _ in plans(only=names)}
     assert sorted(got) == sorted(names) and all(p.parallel.cp == 1 for p in got.values())
+
+
+def test_the_measurement_takes_the_stage_holding_the_most_blocks():
+    """The estimate's parameters, gradients and optimizer state are the most any stage holds; where a middle stage
+    holds more blocks than the first and the last (8 blocks over pp 5: 1, 2, 2, 2, 1), it is measured too (the 405B
+    plans' parameters read 1.09 of the first and the last stage's when it was not)."""
+    from bench.calibration.real_memory import _counts, stages_measured
+    from nnscaler.cluster.search import search
+    from tests.fixtures.llama_meta import meta_shape
+    shape = meta_shape(256, 896, 256, 1024)
+    for pp in (1, 4, 5):
+        plan = search(shape, ComputeConfig(2 * pp, profile="h100", precision="bf16-mixed", global_batch=16 * pp,
+                                           constraints={"pp": pp, "tp": 1, "virtual_stages": 1, "cp": 1}), "x")
+        blocks = _counts(plan)
+        got = stages_measured(plan)
+        assert got[:2] == [0, pp - 1][:min(pp, 2)], got
+        assert max(blocks[s] for s in got) == max(blocks), (pp, blocks, got)
