@@ -137,6 +137,18 @@ def row_plan(r: dict, shape, profiles=None):
         return search(shape, config(r, fit_memory=False, profiles=profiles), r["model"])
 
 
+def row_search(r: dict, shape, profiles=None, cons: dict | None = None):
+    """``(published, search)``: the row's plan (:func:`row_plan`: its published configuration, completed without the
+    memory bound where no completion fits) and the unconstrained search (or under ``cons``) against it, allowed as much
+    memory as our estimate says the published run took (the run ran) or 90% of the device, the larger. Both
+    ``bench/calibration/autodist.py`` (the table) and ``bench/calibration/real_memory.py`` (the plans it measures) read
+    the rows' plans here, so the two cannot drift apart (they did: the second searched the published row within the
+    device's memory and stopped at the 405B rows, whose completion fits only without the bound)."""
+    pub = row_plan(r, shape, profiles)
+    budget = max(int(0.9 * float(r["memory_gib"]) * 2**30), int(pub.best.memory["peak"]))
+    return pub, search(shape, config(r, cons=cons or {}, budget=budget, profiles=profiles), r["model"])
+
+
 def errors(rows, shapes, profiles=None) -> list[tuple[dict, float, float, object]]:
     out = []
     for r in rows:

@@ -7,6 +7,7 @@ real widths on fake tensors (``FakeTensorMode``: shapes, no storage) and a fake 
 training steps of its recipe (precision, ZeRO over dp, recompute, sequence parallelism; AdamW) under
 ``torch.distributed._tools.mem_tracker.MemTracker``:
 
+- the stages measured are the first, the last and the fullest middle stage (:func:`stages_measured`);
 - the stage is built directly from the plan's layer split: its ``v`` chunks (interleaved 1F1B) of the
   stage's blocks, the first stage's first chunk with the embedding, the last stage's last chunk with the
   final norm, the vocabulary head and the loss (``pp`` 1: the whole model); each chunk is one compiled
@@ -35,7 +36,8 @@ micro-batches whose backward has not run, at most; peak: the tracker's peak over
 minus the state, i.e. everything else alive at the peak (saved activations, intermediates still referenced,
 gradient buffers of a step in progress). Estimate: :func:`nnscaler.cluster.cost.estimate` as the planner
 reports it (each term the larger of the first and the last stage). Goal: every ratio within 10%. A plan
-whose measured peak exceeds the device's budget is flagged in the table (``over the device``).
+whose measured peak exceeds the usable part of its device's memory is flagged in the table (``over the device``),
+whatever budget the search was given (:func:`device_bytes`).
 
     python bench/calibration/real_memory.py [--plans llama3-8b-8 ...] [--skip-published] [--extrapolate] [--out FILE]
 """
@@ -347,10 +349,28 @@ def measure_plan(plan, stage: int, extrapolate: bool = False, width_scale: int =
     return {k: low[k] + extra * (high[k] - low[k]) for k in KEYS + ("held",)}
 
 
+def stages_measured(plan) -> list[int]:
+    """The stages the estimate takes its maxima from (:func:`stages_of`, on the plan's layer split)."""
+    pp = plan.parallel.pp
+    return [0] if pp == 1 else stages_of(_counts(plan), pp, plan.parallel.virtual_stages)
+
+
+def stages_of(counts: list[int], pp: int, v: int) -> list[int]:
+    """Of a ``pp x v`` split (``counts[c pp + s]`` blocks in chunk ``c`` of stage ``s``): the first stage and,
+    pipelined, the last (each moment's saved tensors and buffers are the larger of the two), and a middle stage
+    holding more blocks than both where one does (the parameters, gradients and optimizer state are the most any stage
+    holds, ``memory.rank_memory``: Llama-3 405B over pp 16 puts 8 blocks on the middle stages, 7 on the first and
+    the last)."""
+    if pp == 1:
+        return [0]
+    blocks = [sum(counts[c * pp + s] for c in range(v)) for s in range(pp)]
+    fullest = max(range(1, pp - 1), key=lambda s: blocks[s], default=0)
+    return [0, pp - 1] + ([fullest] if blocks[fullest] > max(blocks[0], blocks[-1]) else [])
+
+
 def measured(plan, extrapolate: bool = False, width_scale: int = 1, name=None) -> dict:
-    """Per ``KEYS``, the most over the stages the estimate takes its maxima from (the first and, under
-    pipelining, the last: the estimate's memory terms are each the larger of the two)."""
-    stages = [0] + ([plan.parallel.pp - 1] if plan.parallel.pp > 1 else [])
+    """Per ``KEYS``, the most over the stages the estimate takes its maxima from (:func:`stages_measured`)."""
+    stages = stages_measured(plan)
     got = [measure_plan(plan, s, extrapolate, width_scale, name) for s in stages]
     return {k: max(g[k] for g in got) for k in KEYS + ("held",)}
 
@@ -395,8 +415,8 @@ def without_cp(plan, search_again):
 
 
 def plans(skip_published: bool = False, only: list[str] | None = None):
-    """``(label, ClusterPlan)`` for every plan ``bench/calibration/autodist.py`` prints (a cp plan: the best one
-    without cp, :func:`without_cp`)."""
+    """``(label, ClusterPlan, device GiB or None)`` for every plan ``bench/calibration/autodist.py`` prints (a cp plan:
+    the best one without cp, :func:`without_cp`; the device's memory: a published row's, None for the profile's)."""
     from bench.calibration.llama_models import CLUSTER_RUNS
     from bench.calibration.llama_models import llama_shape
     from nnscaler import ComputeConfig
@@ -410,18 +430,16 @@ def plans(skip_published: bool = False, only: list[str] | None = None):
             shape = shape or llama_shape(name, 4096)
             cfg = ComputeConfig(w, profile="h100", precision="bf16-mixed", global_batch=2 * w)
             yield label, without_cp(search(shape, cfg, name),
-                                    lambda cons: search(shape, dataclasses.replace(cfg, constraints=cons), name))
+                                    lambda cons: search(shape, dataclasses.replace(cfg, constraints=cons), name)), None
     if skip_published:
         return
-    from bench.calibration.calibrate import config, load_rows, partly_published, shapes_for
+    from bench.calibration.calibrate import load_rows, row_search, shapes_for
     rows = [r for r in load_rows() if not only or f"search-{r['name']}" in only]
     shapes = shapes_for(rows)
     for r in rows:
-        shape = shapes[(r["model"], int(r["seq"]))]
-        pub = search(shape, config(r, fit_memory=partly_published(r)), r["model"])
-        budget = max(int(0.9 * float(r["memory_gib"]) * 2**30), int(pub.best.memory["peak"]))
-        yield f"search-{r['name']}", without_cp(search(shape, config(r, cons={}, budget=budget), r["model"]),
-                                                lambda cons: search(shape, config(r, cons=cons, budget=budget), r["model"]))
+        shape = shapes[(r["model"], int(r["seq"]))]  # the rows' plans as bench/calibration/autodist.py prints them
+        yield f"search-{r['name']}", without_cp(row_search(r, shape)[1],
+                                                lambda cons: row_search(r, shape, cons=cons)[1]), float(r["memory_gib"])
 
 
 def _gib(x: float) -> str:
@@ -433,22 +451,34 @@ def worst(got: dict, est: dict) -> float:
     return max(abs(r - 1) for r in compare(got, est).values())
 
 
-def over_device(plan, got: dict) -> bool:
-    """Whether the measured peak exceeds the plan's memory budget (the device's, less its reserve)."""
-    return got["peak"] > plan.best.budget
+def device_bytes(plan, memory_gib: float | None = None) -> float:
+    """What a plan may fill on its device: the profile's ``usable`` part of the device's memory (``memory_gib``: a
+    published row's own device, e.g. 96 GiB H100s), whatever memory budget the search was given. A published row's
+    search is allowed the memory our estimate says that run took (``calibrate.row_search``), which can be above the
+    device (Llama 3 405B: 124 GiB): judged against that budget such a plan would always "fit"."""
+    from nnscaler.profiles import get_profile
+    prof = get_profile(plan.profile) if isinstance(plan.profile, str) else plan.profile
+    return prof.cluster.usable * (memory_gib * GiB if memory_gib else prof.memory)
 
 
-def device_line(plan, got: dict) -> str:
+def over_device(plan, got: dict, memory_gib: float | None = None) -> bool:
+    """Whether the measured peak exceeds what the plan's device holds (:func:`device_bytes`)."""
+    return got["peak"] > device_bytes(plan, memory_gib)
+
+
+def device_line(plan, got: dict, memory_gib: float | None = None) -> str:
     """One line on the measured peak against the estimate and the device (``OVER THE DEVICE`` when over)."""
     head = (f"measured peak {_gib(got['peak'])} GiB/rank (estimate {_gib(plan.best.memory['peak'])}, "
-            f"budget {_gib(plan.best.budget)})")
-    return f"{head}: OVER THE DEVICE, this plan does not fit" if over_device(plan, got) else f"{head}: fits"
+            f"device {_gib(device_bytes(plan, memory_gib))}, search budget {_gib(plan.best.budget)})")
+    return (f"{head}: OVER THE DEVICE, this plan does not fit" if over_device(plan, got, memory_gib)
+            else f"{head}: fits")
 
 
-def row(label: str, plan, got: dict, est: dict) -> str:
+def row(label: str, plan, got: dict, est: dict, memory_gib: float | None = None) -> str:
     ratio = compare(got, est)
     cells = " | ".join(f"{_gib(got[k])} / {_gib(est[k])} = {ratio[k]:.2f}" for k in KEYS)
-    over = " **over the device**" if over_device(plan, got) else ""
+    over = (f" **over the device** ({_gib(device_bytes(plan, memory_gib))} GiB usable)"
+            if over_device(plan, got, memory_gib) else "")
     return (f"| {label} | {_short(plan.parallel)} | {cells} | {_gib(got['held'])} | "
             f"{100 * worst(got, est):.0f}%{over} |")
 
@@ -467,14 +497,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write each plan's configuration, measured and estimated bytes to this file")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
-    lines = ["GiB per rank, measured (rank 0 of the first and, pipelined, the last stage: the larger) / estimated "
+    lines = ["GiB per rank, measured (rank 0 of the first and, pipelined, the last and the fullest middle stage: the largest) / estimated "
              "(`nnscaler.cluster.cost.estimate`) = ratio; "
              f"{f'{LOW} and {HIGH} blocks per chunk, extrapolated' if args.extrapolate else 'every stage at its real depth'}"
-             "; over the device: measured peak above the plan's budget (`Estimate.budget`)", "", HEADER]
+             "; over the device: measured peak above the usable part of the device's memory (`device_bytes`)", "", HEADER]
     print("\n".join(lines), flush=True)
     worst_all, n = 0.0, 0
     rows: dict = {}
-    for label, plan in plans(args.skip_published, args.plans):
+    for label, plan, memory_gib in plans(args.skip_published, args.plans):
         t0 = time.perf_counter()
         try:
             got = measured(plan, args.extrapolate)
@@ -483,11 +513,11 @@ def main(argv=None) -> int:
         else:
             est = estimated(plan)
             rows[label] = {"parallel": plan.parallel.as_dict(), "measured": got, "estimated": est,
-                           "budget": plan.best.budget}
+                           "budget": plan.best.budget, "device": device_bytes(plan, memory_gib)}
             if args.json:
                 import json
                 Path(args.json).write_text(json.dumps(rows, indent=1))
-            line = row(label, plan, got, est)
+            line = row(label, plan, got, est, memory_gib)
             worst_all = max(worst_all, worst(got, est))
             n += 1
         print(line + f"  <!-- {time.perf_counter() - t0:.0f} s -->", flush=True)

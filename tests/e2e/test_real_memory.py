@@ -81,3 +81,56 @@ def test_a_plan_over_the_device_is_said_so(small_plan):
     assert device_line(plan, got).endswith(": fits"), device_line(plan, got)
     over = device_line(plan, {**got, "peak": plan.best.budget + 1})
     assert "OVER THE DEVICE" in over, over
+
+
+def test_a_plan_over_the_device_is_said_so_whatever_its_search_budget(small_plan):
+    """A published row's search is allowed the memory our estimate says that run took (``calibrate.row_search``:
+    124 GiB a rank for Llama 3 405B on 80 GiB H100s): the device, not that budget, decides what fits."""
+    from bench.calibration.real_memory import device_bytes, device_line, over_device
+    plan, got = small_plan
+    device = 0.9 * 80 * 2**30  # h100's usable part
+    assert device_bytes(plan) == device and device_bytes(plan, 96) == 0.9 * 96 * 2**30
+    raised = dataclasses.replace(plan, best=dataclasses.replace(plan.best, budget=2.0 ** 60))
+    big = {**got, "peak": device + 2**30}
+    assert over_device(raised, big) and "OVER THE DEVICE" in device_line(raised, big)
+    assert not over_device(raised, big, memory_gib=96)  # the row's own 96 GiB device holds it
+    assert device_line(raised, got).endswith(": fits")
+
+
+def test_the_fullest_middle_stage_is_measured_where_it_holds_more():
+    """The estimate's state is the most any stage holds (``memory.rank_memory``); the first and the last stage of a
+    split that puts fewer blocks there (Llama-3 405B's 126 over pp 16: 7, 8 x 14, 7) hold less than a middle one."""
+    from bench.calibration.real_memory import stages_of
+    assert stages_of([7] + [8] * 14 + [7], 16, 1) == [0, 15, 1]
+    assert stages_of([8] * 14 + [7, 7], 16, 1) == [0, 15]  # the first holds as much as any
+    assert stages_of([2, 2, 1, 2] + [2, 2, 2, 1], 4, 2) == [0, 3]  # per stage 4, 4, 3, 3
+    assert stages_of([1, 2, 2, 1] + [1, 2, 1, 1], 4, 2) == [0, 3, 1]  # per stage 2, 4, 3, 2
+    assert stages_of([80], 1, 1) == [0]
+
+
+@pytest.mark.slow  # ~20-60 s: the 405B rows' searches
+def test_the_published_rows_plans_are_all_built():
+    """Every published row's plan is measured: a row whose published configuration fits only without the memory bound
+    (Llama 3 405B: tp8 pp16 dp64 without recompute, over our 72 GiB estimate) is completed as the calibration does
+    (``calibrate.row_plan``), not stopped in a ``PlanError``."""
+    from bench.calibration.real_memory import plans
+    names = ["search-llama3-405b-8k", "search-llama3-405b-16k"]
+    got = {label: plan for label, plan, _ in plans(only=names)}
+    assert sorted(got) == sorted(names) and all(p.parallel.cp == 1 for p in got.values())
+
+
+def test_the_measurement_takes_the_stage_holding_the_most_blocks():
+    """The estimate's parameters, gradients and optimizer state are the most any stage holds; where a middle stage
+    holds more blocks than the first and the last (8 blocks over pp 5: 1, 2, 2, 2, 1), it is measured too (the 405B
+    plans' parameters read 1.09 of the first and the last stage's when it was not)."""
+    from bench.calibration.real_memory import _counts, stages_measured
+    from nnscaler.cluster.search import search
+    from tests.fixtures.llama_meta import meta_shape
+    shape = meta_shape(256, 896, 256, 1024)
+    for pp in (1, 4, 5):
+        plan = search(shape, ComputeConfig(2 * pp, profile="h100", precision="bf16-mixed", global_batch=16 * pp,
+                                           constraints={"pp": pp, "tp": 1, "virtual_stages": 1, "cp": 1}), "x")
+        blocks = _counts(plan)
+        got = stages_measured(plan)
+        assert got[:2] == [0, pp - 1][:min(pp, 2)], got
+        assert max(blocks[s] for s in got) == max(blocks), (pp, blocks, got)
