@@ -52,6 +52,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -247,7 +248,7 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
         gc.collect()
         if cp > 1 and fake:  # the ring skips a block its masks hide by reading them, which fake tensors cannot say:
             import nnscaler.runtime.ring as ring  # the causal mask's rule by positions instead (the same blocks)
-            stack.enter_context(_patched(ring, "hidden", _causal_hidden))
+            stack.enter_context(mock.patch.object(ring, "hidden", _causal_hidden))
         with fm, tracker:
             tracker.track_external(*modules)
             ops = schedule(pp, stage, v, m_eff)
@@ -305,16 +306,6 @@ def measure_stage(name, par, precision: str, seq: int, stage: int, blocks: int |
 def _causal_hidden(mods, masks, qpos, kpos, row) -> bool:
     """``nnscaler.runtime.ring.hidden`` for a causal model on fake tensors: a block wholly above the diagonal."""
     return kpos[0] > qpos[0] + qpos[1] - 1
-
-
-@contextlib.contextmanager
-def _patched(module, name: str, fn):
-    kept = getattr(module, name)
-    setattr(module, name, fn)
-    try:
-        yield
-    finally:
-        setattr(module, name, kept)
 
 
 def _counts(plan) -> list[int]:

@@ -81,11 +81,9 @@ def test_the_measurement_does_not_count_grad_placeholders():
     del g, real
 
 
-def test_bf16_mixed_keeps_the_residual_stream_in_fp32():
-    """The block reader marks what autocast keeps in fp32 (norm inputs, the residual) and not what a bf16
-    operator saves (a linear's input is its bf16 cast); the estimate counts the former at 4 bytes."""
+def _meta_llama_shape():
+    """Llama-3 8B's widths, 2 blocks, at ``SEQ`` tokens, traced on meta tensors into the planner's block shape."""
     import opzoo  # noqa: F401
-    from nnscaler.cluster.memory import section_saved
     from nnscaler.cluster.trace import trace_shape
     from bench.calibration.real_memory import llama_config
     from transformers import LlamaForCausalLM
@@ -96,6 +94,14 @@ def test_bf16_mixed_keeps_the_residual_stream_in_fp32():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         shape = trace_shape(model, (ids, ids))
+    return shape
+
+
+def test_bf16_mixed_keeps_the_residual_stream_in_fp32():
+    """The block reader marks what autocast keeps in fp32 (norm inputs, the residual) and not what a bf16
+    operator saves (a linear's input is its bf16 cast); the estimate counts the former at 4 bytes."""
+    from nnscaler.cluster.memory import section_saved
+    shape = _meta_llama_shape()
     ops = shape.block.ops
     assert sum(o.saved_fp32 + o.saved_whole_fp32 for o in ops) > 0
     assert all(o.saved_fp32 + o.saved_whole_fp32 == 0 for o in ops if o.kind == "linear")
@@ -110,19 +116,9 @@ def test_the_mask_bias_is_counted_for_torchs_attention_and_not_for_the_ring():
     ring (nnscaler/runtime/ring.py) reads the model's mask as it is: the same plan under the ring scheme saves
     ``layers x mask_bias`` fewer bytes, and nothing else differs."""
     import dataclasses
-    import opzoo  # noqa: F401
     from nnscaler.cluster.cost import Parallel, estimate
-    from nnscaler.cluster.trace import trace_shape
     from nnscaler.profiles import PROFILES
-    from bench.calibration.real_memory import llama_config
-    from transformers import LlamaForCausalLM
-    from verify.models.common import LossOf
-    with torch.device("meta"):
-        model = LossOf(LlamaForCausalLM(llama_config("llama3-8b", SEQ, 2, 128)))
-        ids = torch.zeros(1, SEQ, dtype=torch.long)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        shape = trace_shape(model, (ids, ids))
+    shape = _meta_llama_shape()
     bias = [o.mask_bias for o in shape.block.ops if o.mask_bias]
     assert len(bias) == 1 and bias[0] == SEQ * SEQ  # the one attention's (1, 1, seq, seq) mask
     par = Parallel(tp=2, dp=2, cp=2, micro_batch_size=1, num_microbatches=2, sequence_parallel=True, zero=1,
