@@ -161,7 +161,8 @@ def test_a_cp_plan_with_tp_and_sp_is_compiled_as_costed(tmp_path):
     """tp2+sp x cp: the cp axis holds the sequence, so tp's options leave sequence parallelism out and the MLP
     stays column-then-row as costed (with sp offered, a norm's weight split by hidden made gate_proj row-parallel)."""
     from verify.plan.cli import prepare
-    _, path = saved_plan(tmp_path, 8, {"tp": 2, "cp": 4, "pp": 1, "cp_scheme": "allgather", "cp_balanced": False})
+    _, path = saved_plan(tmp_path, 8, {"tp": 2, "cp": 4, "pp": 1, "cp_scheme": "allgather", "cp_balanced": False,
+                                       "sequence_parallel": True})  # asked for: the search offers sp with cp no more
     case = prepare(path, tmp_path)
     assert case.policy == "cp_tp" and case.reduced.parallel.sequence_parallel
     assert case.problems == (), case.problems
