@@ -12,8 +12,6 @@ loss DeBERTa-v2 computes with ``if label_index.size(0) > 0:``), a kind the sweep
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 
@@ -227,12 +225,13 @@ def build(arch: str, seed: int = 0, kv_heads: int | None = TINY["num_key_value_h
             if kind == "masked":  # predict every other position only
                 labels[:, ::2] = -100
             return ids, labels
-        extra = extra_inputs(model, cfg, dict(zip(("input_ids", "labels"), text(0))))  # an image, audio, language
+        # probed on a model built apart: what a probe's forward writes (RWKV's eval rescaling) stays off the case's
+        extra = extra_inputs(_construct(auto, cfg), cfg, dict(zip(("input_ids", "labels"), text(0))))  # an image, audio, language
 
         def batch(step: int):
             return *text(step), *make(extra, torch.Generator().manual_seed(100 * seed + step + 70)).values()
         return ModelCase(NamedLoss(model.train(), ("input_ids", "labels", *extra)), batch)
-    shape = _input_shape(model, cfg, kind)
+    shape = _input_shape(_construct(auto, cfg), cfg, kind)  # probed on a model built apart, as above
     name = model.main_input_name
 
     def batch(step: int):
@@ -291,11 +290,10 @@ def _input_shape(model: nn.Module, cfg, kind: str) -> tuple[int, ...]:
                  (BATCH, mel, 2 * getattr(cfg, "max_source_positions", 32)),
                  (BATCH, 32, getattr(cfg, "feature_size", mel))]
     errors = []
-    probe = copy.deepcopy(model)  # what the probe's forward writes (running statistics) stays off the case's model
     for shape in cands:
         try:
             with torch.no_grad():
-                probe(**{model.main_input_name: torch.randn(shape), "labels": torch.zeros(BATCH, dtype=torch.long)})
+                model(**{model.main_input_name: torch.randn(shape), "labels": torch.zeros(BATCH, dtype=torch.long)})
             return shape
         except Exception as exc:  # noqa: BLE001  (the next usual shape)
             errors.append(f"{shape}: {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}")

@@ -6,8 +6,6 @@ speech LM's encoder needs its audio (Voxtral-realtime: ``input_features``), an a
 as ``torch.export`` runs it."""
 from __future__ import annotations
 
-import copy
-
 import inspect
 import itertools
 from unittest import mock
@@ -47,15 +45,14 @@ DERIVED = ("attention_mask", "pixel_values", "input_features", "lang_ids")
 
 
 def _runs(model: nn.Module, given: dict, exported: bool = True) -> bool:
-    """Whether ``model`` runs on ``given`` to a finite loss (or none), in eval mode, run on a copy: whatever
-    the probe's forward writes (running statistics, RWKV's rescaled weights and its ``layers_are_rescaled``
-    flag) never reaches the model the case starts from; ``exported``: as under ``torch.export``
-    (``torch.compiler.is_compiling()`` true: transformers leaves out what it fills in eagerly)."""
+    """Whether ``model`` (a probe built apart from the case's model: whatever its forward writes, running statistics
+    or RWKV's rescaled weights and ``layers_are_rescaled`` flag, never reaches the case) runs on ``given`` to a finite
+    loss (or none), in eval mode; ``exported``: as under ``torch.export`` (``torch.compiler.is_compiling()`` true:
+    transformers leaves out what it fills in eagerly)."""
     try:
-        probe = copy.deepcopy(model).eval()
         with torch.no_grad(), mock.patch.object(torch.compiler, "is_compiling", lambda: exported), \
                 mock.patch.object(torch.compiler, "is_exporting", lambda: exported):
-            out = probe(**given)
+            out = model.eval()(**given)
         loss = getattr(out, "loss", None)
         return loss is None or bool(torch.isfinite(loss))
     except Exception:  # noqa: BLE001  (another candidate)
