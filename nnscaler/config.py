@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .profiles import ProfileError, get_profile
-from .recipe import Recipe, RecipeError, with_recipe
+from .recipe import RECOMPUTE as RECOMPUTE_CHOICES, Recipe, RecipeError, with_recipe
 from .runtime.precision import bf16_supported, device_type
 from .runtime.schedules import SCHEDULES, canonical_schedule, stages_per_rank
 
@@ -97,7 +97,6 @@ class ComputeConfig:
 
 CONSTRAINT_KEYS = ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "recompute", "zero",
         "sequence_parallel", "cp", "cp_scheme", "cp_balanced")
-RECOMPUTE_CHOICES = ("none", "selective", "full")
 CP_SCHEMES = ("allgather", "ring", "ulysses")  # context parallelism's key/value exchange (nnscaler.cluster.cost)
 
 

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 
-RECOMPUTE = ("none", "full", "selective")
+RECOMPUTE = ("none", "selective", "full", "full-except-core")  # nnscaler.codegen.recompute
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # PyTorch Lightning's names (nnscaler.runtime.precision)
 
 
@@ -46,8 +46,9 @@ class Recipe:
     :mod:`nnscaler.runtime.zero`): 0 off, 1 optimizer state sharded, 2 gradients too
     (reduce-scattered), 3 parameters too (gathered per block). ``clip_grad_norm``: a max norm
     ``train_step`` clips the whole model's gradient norm to (:mod:`nnscaler.runtime.clip`).
-    ``recompute`` (:mod:`nnscaler.codegen.recompute`): "none", "full" (each block) or "selective" (the
-    attention core) on torch.utils.checkpoint; ``recompute_modules`` names the blocks "full" recomputes.
+    ``recompute`` (:mod:`nnscaler.codegen.recompute`): "none", "full" (each block), "selective" (the
+    attention core) or "full-except-core" (each block but its attention core) on torch.utils.checkpoint;
+    ``recompute_modules`` names the blocks "full" recomputes.
     ``bucket_bytes``: the size of gradient-sync buckets (None: ``nnscaler.runtime.grad_sync.BUCKET_BYTES``).
 
     The fields' order is the order of a row's label and of a rerun line's flags."""
@@ -73,7 +74,8 @@ class Recipe:
         flag="--clip-grad-norm", commands=("model", "all"), metavar="MAX", label="clip{:g}",
         after_replicas=True)
     recompute: str = _option(
-        "none", "activation recompute: none (default), full (each block), selective (attention core)",
+        "none", "activation recompute: none (default), full (each block), selective (attention core), "
+                "full-except-core (each block but its attention core)",
         flag="--recompute", commands=("model", "all"), metavar="MODE", label="recompute={}",
         after_replicas=True)
     grad_reduce_dtype: str | None = _option(

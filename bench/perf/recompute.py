@@ -1,4 +1,4 @@
-"""Saved activations under ``recompute`` none / full / selective on a 4-layer nanoGPT (one rank, gloo),
+"""Saved activations under ``recompute`` none / full / selective / full-except-core on a 4-layer nanoGPT (one rank, gloo),
 measured with ``torch.autograd.graph.saved_tensors_hooks`` (:class:`nnscaler.runtime.recompute.SavedActivations`),
 and whether the gradients stay identical. ``python bench/perf/recompute.py [--layers 4] [--width 64] [--json]``
 prints one line per mode with the bytes and the ratio against ``none``."""
@@ -19,7 +19,7 @@ from nnscaler.runtime.recompute import SavedActivations
 from verify.models.nanogpt import GPT, GPTConfig
 
 
-def measure(layers: int = 4, width: int = 64, seq: int = 32, batch: int = 8, modes=("none", "full", "selective"),
+def measure(layers: int = 4, width: int = 64, seq: int = 32, batch: int = 8, modes=("none", "full", "selective", "full-except-core"),
             policy: str = "dp") -> dict:
     """``{mode: {"bytes": saved bytes, "grads_equal": bool}}`` (gradients compared with ``none``'s)."""
     if not dist.is_initialized():

@@ -316,6 +316,8 @@ def _micro_batch(shape: ModelShape, par: Parallel, sp: bool, scale: float, c: Cl
     tp_time = {n: (f + b) * ar for n, (f, b) in tp_f.items()}
     if recompute == "full":  # the forward again, its all-gather of K and V included
         rc = {n: fwd[n] + tp_f[n][0] * ar + cpx["fwd"] for n in ("block",)}
+    elif recompute == "full-except-core":  # the forward again but its attention kernels (and so no K/V exchange)
+        rc = {"block": fwd["block"] - attn + tp_f["block"][0] * ar}
     elif recompute == "selective" and c.sac_alternate_linears:
         rc = {"block": section_forward(sac_recomputed(shape.block), tp, sp, scale, c, profile, ab, shape.causal)}
     elif recompute == "selective":

@@ -102,6 +102,13 @@ def micro_batch_saved(shape: ModelShape, par, sp: bool, scale: float, ab: int, t
     full_act = section_saved(shape.block, tp, sp, scale, ab, fp32_bytes=wide, ring=ring) + casts
     if recompute == "full":  # each block's input: bf16-mixed's residual stream is fp32 (measured 0.25 GiB a 70B block)
         per_layer_act, working = act_el_bytes * (wide or ab) / ab / (tp if sp else 1), full_act
+    elif recompute == "full-except-core":  # the block's input, and what its attention kernel keeps (its q, k, v
+        # and output are the regions' outputs and input: kept once, nnscaler/codegen/recompute.py); a block's whole
+        # activations again while its regions are recomputed
+        kernel = Section([o for o in shape.block.ops if o.kind == "attention"])
+        per_layer_act = act_el_bytes * (wide or ab) / ab / (tp if sp else 1) + \
+            section_saved(kernel, tp, sp, scale, ab, fp32_bytes=wide, ring=ring)
+        working = full_act
     elif recompute == "selective":
         per_layer_act, working = section_saved(shape.block, tp, sp, scale, ab, drop_core=True, fp32_bytes=wide,
                                                      ring=ring) + \

@@ -12,6 +12,11 @@ Which operators form a region comes from the model module each one ran in (``IRO
 * ``"selective"``: the attention core only (Megatron-LM's selective recompute): the operators of an
   attention module (its class or name says ``attn``/``attention``) that read no parameter (the
   projections stay out), as runs holding a softmax, an attention kernel or a matmul.
+* ``"full-except-core"``: each block as ``"full"`` but its attention kernels left out (of each run
+  ``"selective"`` recomputes, its first softmax/attention/matmul operator to its last), so the block is
+  two regions, before and after them: at long sequences the kernel holds most of a block's FLOPs (and,
+  under context parallelism, its exchange) while what it keeps for backward (its inputs and output, which
+  are the regions' output and input) is a few activations wide; the linears, norms and MLP are recomputed.
 
 Whatever the mode, the operators of each ``torch.utils.checkpoint`` call the model makes itself
 (``IROp.checkpoint``, :mod:`nnscaler.trace.checkpoints`) form a region of their own where the mode puts
@@ -37,6 +42,7 @@ _ATTN = re.compile(r"attn|attention", re.I)
 _CORE = re.compile(r"softmax|scaled_dot_product|flash|efficient_attention|matmul|bmm|baddbmm")
 
 
+EXCEPT_CORE = "full-except-core"
 HAND = "torch.utils.checkpoint #"  # the key prefix of a region the model's own checkpoint call made
 
 
@@ -49,7 +55,7 @@ def region_key(op: IROp, mode: str, modules: Sequence[str] | None = None) -> str
 
 
 def _mode_key(op: IROp, mode: str, modules: Sequence[str] | None = None) -> str | None:
-    if mode == "full":
+    if mode in ("full", EXCEPT_CORE):
         for path in op.scope:
             if modules is not None:
                 if any(path == m or path.startswith(m + ".") for m in modules):
@@ -69,9 +75,16 @@ def _mode_key(op: IROp, mode: str, modules: Sequence[str] | None = None) -> str 
 def regions(spans: list[tuple[IROp, int, int]], mode: str, modules: Sequence[str] | None = None
             ) -> list[tuple[str, int, int]]:
     """``(key, first line, end line)`` of each run of consecutive operators with one region key."""
+    if mode == EXCEPT_CORE:  # kept: each core's attention kernels and what runs between them (not its views)
+        kernels = [a for op, a, _ in spans if _CORE.search(op.overload)]
+        core = [(min(inside), max(inside)) for k, s, e in regions(spans, "selective") if not k.startswith(HAND)
+                for inside in [[a for a in kernels if s <= a < e]]]
+        kept = {a for _, a, _ in spans if any(s <= a <= e for s, e in core)}
+        keys = [region_key(op, "none") if a in kept else region_key(op, "full", modules) for op, a, _ in spans]
+    else:
+        keys = [region_key(op, mode, modules) for op, _, _ in spans]
     out: list[tuple[str, int, int]] = []
-    for op, start, end in spans:
-        key = region_key(op, mode, modules)
+    for key, (op, start, end) in zip(keys, spans):
         if key is None:
             continue
         if out and out[-1][0] == key and out[-1][2] == start:
@@ -116,7 +129,7 @@ def wrap(lines: list[str], spans: list[tuple[IROp, int, int]], mode: str, params
         return lines, 0
     if not any(not k.startswith(HAND) for k, _, _ in found) and mode != "none":
         what = "no block (no child of an nn.ModuleList or nn.Sequential; name them with recompute_modules=)" \
-            if mode == "full" else "no attention core (no module named attn/attention with a softmax or attention op)"
+            if mode in ("full", EXCEPT_CORE) else "no attention core (no module named attn/attention with a softmax or attention op)"
         warnings.warn(f"recompute={mode!r}: the program has {what}; nothing is recomputed"
                       + (" but the model's own torch.utils.checkpoint calls" if found else ""), RecomputeWarning,
                       stacklevel=2)

@@ -198,16 +198,21 @@ class RingAttention(torch.autograd.Function):
                 cur = nxt if nxt is not None else cur
             out = acc / l
             lse = torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + torch.log(l)
-        ctx.save_for_backward(qc, k, v, out, lse, *masks)
+        res = out.to(out_dtype)
+        # what a flash kernel keeps: the queries as they came and the output as returned (the tensors the program
+        # holds anyway, so nothing is kept twice: recompute="full-except-core" keeps exactly these), recast in
+        # backward; the output's row sums there read its rounding as FlashAttention's bf16 output does
+        ctx.save_for_backward(q, k, v, res, lse, *masks)
         ctx.ring, ctx.chunks_of, ctx.mods, ctx.dtypes, ctx.g = ring, chunks_of, mods, (q.dtype, k.dtype, v.dtype), g
-        return out.to(out_dtype)
+        return res
 
     @staticmethod
     def backward(ctx, dout):
-        qc, k, v, out, lse, *masks = ctx.saved_tensors
+        q, k, v, res, lse, *masks = ctx.saved_tensors
         ring, chunks_of, mods, g = ctx.ring, ctx.chunks_of, ctx.mods, ctx.g
         scale = scale_of(mods)
-        with torch.autocast(qc.device.type, enabled=False):
+        with torch.autocast(q.device.type, enabled=False):
+            qc, out = q.to(_compute_dtype(q)), res.to(_compute_dtype(q))
             do = dout.to(qc.dtype)
             delta = (do * out).sum(-1, keepdim=True)
             mine = chunks_of(ring.rank)
