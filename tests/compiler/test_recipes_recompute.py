@@ -54,6 +54,18 @@ def test_full_recomputes_each_block_and_selective_each_attention_core():
     compile(full, "full", "exec"), compile(sel, "sel", "exec")
 
 
+def test_full_except_core_recomputes_each_block_around_its_attention_kernel():
+    """Two regions a block, before and after the attention kernel; the kernel in neither (its q, k, v and output are
+    the regions' outputs and input); the projections and the MLP recomputed."""
+    src = _program("full-except-core")
+    assert src.count("= checkpoint(_recompute_") == 8 and src.count("# recompute (full-except-core): h.3") == 2
+    regions = [body.split("= checkpoint(")[0] for body in src.split("def _recompute_")[1:]]
+    assert not any("aten.scaled_dot_product_attention" in r for r in regions)
+    assert "scaled_dot_product_attention" in src
+    assert sum(r.count("aten.linear") for r in regions) == 4 * 4  # c_attn, c_proj, c_fc, c_proj of each block
+    compile(src, "exc", "exec")
+
+
 def test_a_recompute_module_that_runs_nothing_is_refused_and_no_block_warns():
     from nnscaler.codegen.recompute import RecomputeWarning
     from nnscaler.config import PlanError
@@ -73,15 +85,17 @@ def test_full_recompute_cuts_saved_activations_3x_with_identical_gradients():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["none"]["bytes"] >= 3 * res["full"]["bytes"], res
     assert res["full"]["grads_equal"] and res["selective"]["grads_equal"], res
+    assert res["full-except-core"]["grads_equal"], res
     assert res["selective"]["bytes"] <= res["none"]["bytes"]
+    assert res["full"]["bytes"] < res["full-except-core"]["bytes"] < res["none"]["bytes"] / 2, res
 
 
 def test_recompute_matches_one_device_under_dp_tp_and_a_pipeline():
     with Gang(2, (), (2,)) as g, tempfile.TemporaryDirectory() as tmp:
-        rows = [row for mode in ("full", "selective") for p in ("dp", "tp", "pp")
+        rows = [row for mode in ("full", "selective", "full-except-core") for p in ("dp", "tp", "pp")
                 for row in run_model(g, "nanogpt", (p,), RunConfig(world_sizes=(2,), recompute=mode, clip_grad_norm=1.0),
                                      tmp, steps=2, checkpoint=False)]
-    assert [r.status for r in rows] == [MATCH] * 6, [(r.partition, r.detail) for r in rows]
+    assert [r.status for r in rows] == [MATCH] * 9, [(r.partition, r.detail) for r in rows]
 
 
 class _Block(nn.Module):

@@ -201,3 +201,24 @@ def test_the_ring_keeps_the_models_mask_not_a_bias_per_call():
     assert square and all(t.dtype == torch.bool and t.data_ptr() == mask.data_ptr() for t in square)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_the_ring_keeps_its_queries_and_output_as_they_are():
+    """Under bf16 autocast the ring keeps the bf16 queries it was given and the bf16 output it returned (the same
+    storages, as a flash kernel does), not float32 copies: ``recompute="full-except-core"`` keeps a block's kernel
+    inputs and output once (the memory estimate counts them once, nnscaler/cluster/memory.py)."""
+    from nnscaler.runtime.ring import Chunks, Ring, RingAttention
+    n = 8
+    q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = RingAttention.apply(q, k, v, Ring(None), Chunks(1, n, False), (("mul", 0.5), ("causal",)))
+    wide = [t for t in saved if t.shape == q.shape]
+    assert {t.data_ptr() for t in wide} == {q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()}, \
+        [(t.dtype, t.shape) for t in saved]
+    assert all(t.dtype == torch.bfloat16 for t in wide)
+    out.float().sum().backward()
+    ref_q = q.detach().float().requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(ref_q, k.detach().float(), v.detach().float(), is_causal=True)
+    ref.sum().backward()
+    torch.testing.assert_close(q.grad.float(), ref_q.grad, atol=3e-2, rtol=3e-2)
