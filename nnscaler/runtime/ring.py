@@ -257,12 +257,24 @@ class Chunks:
         return pieces(index, self.ranks, self.n, self.balanced)
 
 
+def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``xs`` as ``torch.autocast`` hands them to the attention this kernel stands for (sdpa is on its
+    lower-precision list: floating inputs cast to the autocast dtype, so the output comes out in it too);
+    as they are outside autocast. A ``torch.autograd.Function`` gets no autocast casts of its own."""
+    dev = xs[0].device.type
+    if not torch.is_autocast_enabled(dev):
+        return xs
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(x.to(dt) if x.is_floating_point() else x for x in xs)
+
+
 def ring_attention(shard, q, k, v, *masks, ident: str = "s", mods=(), keys_transposed: bool = False):
     """Attention of this rank's queries over every key, keys and values exchanged on the ring of the
     ranks that split ``ident`` (the sequence); ``k`` is ``k^T`` (keys last) when ``keys_transposed``.
     Works unsplit too (one rank: plain attention in blocks of one)."""
     if keys_transposed:
         k = k.transpose(-1, -2)
+    q, k, v = autocast_inputs(q, k, v)
     ring = Ring(shard.group(ident))
     balanced = ident in getattr(shard, "balanced", ())
     chunks = Chunks(ring.size, shard.full(ident), balanced)
@@ -274,6 +286,7 @@ def attention(q, k, v, *masks, mods=(), keys_transposed: bool = False):
     """The same attention on one device (the operator's unsplit meaning), with ``math`` only."""
     if keys_transposed:
         k = k.transpose(-1, -2)
+    q, k, v = autocast_inputs(q, k, v)
     n, g = k.shape[-2], q.shape[-3] // k.shape[-3]
     s = scores(q, _rep(k, g), mods, masks, (0, q.shape[-2]), (0, n), 0)
     return (torch.softmax(s, -1, dtype=_compute_dtype(q)).to(q.dtype) @ _rep(v, g))

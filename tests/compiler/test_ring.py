@@ -222,3 +222,22 @@ def test_the_ring_keeps_its_queries_and_output_as_they_are():
     ref = torch.nn.functional.scaled_dot_product_attention(ref_q, k.detach().float(), v.detach().float(), is_causal=True)
     ref.sum().backward()
     torch.testing.assert_close(q.grad.float(), ref_q.grad, atol=3e-2, rtol=3e-2)
+
+
+def test_the_ring_casts_its_inputs_as_autocast_casts_attention():
+    """Under bf16 autocast the attention the ring stands for gets bf16 q, k and v (sdpa is on autocast's
+    lower-precision list) and returns bf16; the ring does the same, so it keeps bf16 q, k, v and output for
+    backward (what the memory estimate counts), not the float32 q and k rotary hands it; outside autocast it keeps
+    its inputs' dtype."""
+    n = 8
+    q, k, v = (torch.randn(1, 2, n, 4, requires_grad=True) for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        y = R.ring_attention(ShardContext({"s": n}), q, k, v, ident="s", mods=(("mul", 0.5), ("causal",)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    assert [t.dtype for t in saved if t.shape == q.shape] == [torch.bfloat16] * 4
+    torch.testing.assert_close(y.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert R.ring_attention(ShardContext({"s": n}), q, k, v, ident="s", mods=(("causal",),)).dtype == torch.float32
