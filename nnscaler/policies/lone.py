@@ -35,9 +35,10 @@ DENSE = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.m
 ADDS = ("aten.add.Tensor", "aten.sub.Tensor", "aten.add_.Tensor")
 STORED = (PARAM, BUFFER, CONSTANT)
 LOSS = ("aten.cross_entropy_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss.default")
-# cuts of a dim into parts (a fused projection's slices: Mamba's z|xBC|dt, a fused q|k|v): no reader of the whole
+# cuts of a dim into parts and joins of parts (a fused projection's slices: Mamba's z|xBC|dt, Qwen3-Next's
+# q|k|v|z cut and q|k|v joined again for its conv): no reader of the whole
 CUTS = ("aten.split_with_sizes.default", "aten.split.Tensor", "aten.slice.Tensor", "aten.select.int",
-        "aten.narrow.default", "aten.chunk.default", "aten.unbind.int")
+        "aten.narrow.default", "aten.chunk.default", "aten.unbind.int", "aten.cat.default")
 
 
 def _weight_matrix(op: IROp) -> bool:

@@ -1,6 +1,6 @@
 """Column splits of a fused projection cut into parts (Mamba-2's ``in_proj`` split into z | xBC | dt,
 Zamba's, Qwen3-Next's ``in_proj_qkvz``): the lone-column rule (:mod:`nnscaler.policies.lone`) follows
-each part to its own reader instead of taking the cut (``split_with_sizes``, ``slice``, ``select``)
+each part to its own reader instead of taking the cut (``split_with_sizes``, ``slice``, ``select``, a ``cat`` of parts)
 for a reader of the whole, and tells a sum of two paths of one projection (a chunked scan's
 ``y_diag + y_off``, however long) from a residual stream the projection does not make. Under the
 weaker rule tp kept these projections whole: Mamba-2's block parameters went from 99% split to 3%."""
@@ -41,6 +41,19 @@ class FusedCut(nn.Module):
         return (x + self.down(F.silu(self.mix(z)) * u)).square().mean()
 
 
+class JoinedParts(nn.Module):
+    """A fused projection cut into parts and two of them joined again for one reader (Qwen3-Next's
+    q | k | v | z cut, q | k | v concatenated for its convolution), the third a gate."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.fused, self.down = nn.Linear(d, 3 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        q, k, z = self.fused(x).split([64, 64, 64], -1)
+        return (x + self.down(torch.cat([q, k], -1) * F.silu(z).repeat(1, 1, 2))).square().mean()
+
+
 class LongSum(nn.Module):
     """Two paths of one projection summed after a long chain (a chunked scan's diagonal and
     off-diagonal blocks), then a row partner and the residual stream."""
@@ -66,12 +79,17 @@ def fused_cut(seed: int):
     return FusedCut(), lambda step: _batch(seed, step)
 
 
+def joined_parts(seed: int):
+    torch.manual_seed(seed)
+    return JoinedParts(), lambda step: _batch(seed, step)
+
+
 def long_sum(seed: int):
     torch.manual_seed(seed)
     return LongSum(), lambda step: _batch(seed, step)
 
 
-@pytest.mark.parametrize("build", [fused_cut, long_sum])
+@pytest.mark.parametrize("build", [fused_cut, joined_parts, long_sum])
 def test_a_fused_or_long_path_projection_keeps_its_column_split(build):
     model, batch = build(0)
     graph, plan = _plan(model, batch(0))
@@ -97,7 +115,7 @@ def test_a_cut_part_read_whole_by_a_norm_still_keeps_the_projection_whole():
     assert _fused(graph).name in lone_columns(graph)
 
 
-@pytest.mark.parametrize("build", [fused_cut, long_sum])
+@pytest.mark.parametrize("build", [fused_cut, joined_parts, long_sum])
 def test_the_split_fused_projection_trains_like_one_device(verify_model, build):
     rows = verify_model(build, policies=["tp"], world_sizes=(2,), steps=2)
     assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
