@@ -13,7 +13,10 @@ residual stream: the stream split by hidden to the end, each norm after it all-r
 and the head gathering it back). A widening projection whose split
 output a norm's statistics reduce on the way to its partner keeps its split (BitNet's sub-norms
 between column and row: the statistics all-reduced, one small collective). The cross-entropy loss is
-not such a reader: Megatron's vocabulary-parallel loss reads its logits split. Attention stays
+not such a reader: Megatron's vocabulary-parallel loss reads its logits split, nor is a cut of the dim into
+parts (a fused projection's ``split_with_sizes``/``slice``: Mamba-2's z | xBC | dt): each part is followed to
+its own readers. A sum of two paths of the projection itself (a chunked scan's diagonal and off-diagonal
+blocks, however long) is no residual stream it does not make. Attention stays
 Megatron's: :func:`nnscaler.policies.heads.pin_heads` pins the projections by heads (QK-norm over the
 whole projection then all-reduces its statistics), whatever this rule says.
 """
@@ -32,6 +35,10 @@ DENSE = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.m
 ADDS = ("aten.add.Tensor", "aten.sub.Tensor", "aten.add_.Tensor")
 STORED = (PARAM, BUFFER, CONSTANT)
 LOSS = ("aten.cross_entropy_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss.default")
+# cuts of a dim into parts and joins of parts (a fused projection's slices: Mamba's z|xBC|dt, Qwen3-Next's
+# q|k|v|z cut and q|k|v joined again for its conv): no reader of the whole
+CUTS = ("aten.split_with_sizes.default", "aten.split.Tensor", "aten.slice.Tensor", "aten.select.int",
+        "aten.narrow.default", "aten.chunk.default", "aten.unbind.int", "aten.cat.default")
 
 
 def _weight_matrix(op: IROp) -> bool:
@@ -56,17 +63,19 @@ def lone_columns(graph: IRGraph) -> dict[str, set[str]]:
     return out
 
 
-def _descendants(t: IRTensor, limit: int = 4 * DEPTH) -> set[int]:
-    """Ids of the tensors computed from ``t`` (up to ``limit`` operators down)."""
-    out, todo, ops = {id(t)}, [t], 0
-    while todo and ops < limit:
-        for r in todo.pop().consumers:
-            ops += 1
-            for o in r.outputs:
-                if o is not None and id(o) not in out:
-                    out.add(id(o))
-                    todo.append(o)
-    return out
+def _made_from(y: IRTensor, t: IRTensor) -> bool:
+    """Whether ``y`` is computed from ``t`` (``t`` among its ancestors, however far back: Mamba's chunked
+    scan adds two long paths from one projection)."""
+    seen, todo = set(), [y]
+    while todo:
+        x = todo.pop()
+        if x is t:
+            return True
+        if id(x) in seen or x.producer is None:
+            continue
+        seen.add(id(x))
+        todo += [i for i in x.producer.inputs if isinstance(i, IRTensor)]
+    return False
 
 
 def _narrowing(op: IROp) -> bool:
@@ -79,7 +88,6 @@ def _reduced_whole(t: IRTensor, dim: int) -> str | None:
     """Whether dim ``dim`` of ``t``, split, reaches an operator with no weight matrix that reads it
     whole (frozen there) or reduces it (the identifier it carries there is missing from its outputs)
     before any weight matrix reads it."""
-    mine = _descendants(t)
     todo, seen, reduced = [(t, dim)], set(), None
     while todo and len(seen) < DEPTH:
         x, d = todo.pop()
@@ -96,9 +104,13 @@ def _reduced_whole(t: IRTensor, dim: int) -> str | None:
                     continue
                 i = split_factor(dims[d], 1, r.bound)
                 if r.overload in ADDS and any(isinstance(y, IRTensor) and y is not x and y.kind not in STORED
-                                              and y.shape == x.shape and id(y) not in mine and _streams(y)
+                                              and y.shape == x.shape and not _made_from(y, t) and _streams(y)
                                               for y in r.inputs) and _goes_on(r.outputs[0]):
                     return "whole"  # added to a stream it does not make (a residual): the stream would split
+                if r.overload in CUTS and r.bound.markers.get(i) == FROZEN:
+                    # each part goes on on its own (the dim where it kept it); a part selected out ends here
+                    todo += [(o, d) for o in r.outputs if o is not None and len(o.shape) == len(x.shape)]
+                    continue
                 if r.bound.markers.get(i) == FROZEN:
                     return "whole"  # read whole (a layer norm's, a softmax's last dim)
                 outs = [(o, k) for o, od in zip(r.outputs, r.bound.outputs) if o is not None and od
