@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from bench.calibration.real_memory import compare, estimated, llama_config, measure_stage, measured, worst
+from bench.calibration.fake_stage import llama_config, measure_stage, measured
+from bench.calibration.real_memory import compare, estimated, worst
 from nnscaler import ComputeConfig
 from nnscaler.cluster.cost import Parallel
 
@@ -100,7 +101,7 @@ def test_a_plan_over_the_device_is_said_so_whatever_its_search_budget(small_plan
 def test_the_fullest_middle_stage_is_measured_where_it_holds_more():
     """The estimate's state is the most any stage holds (``memory.rank_memory``); the first and the last stage of a
     split that puts fewer blocks there (Llama-3 405B's 126 over pp 16: 7, 8 x 14, 7) hold less than a middle one."""
-    from bench.calibration.real_memory import stages_of
+    from bench.calibration.fake_stage import stages_of
     assert stages_of([7] + [8] * 14 + [7], 16, 1) == [0, 15, 1]
     assert stages_of([8] * 14 + [7, 7], 16, 1) == [0, 15]  # the first holds as much as any
     assert stages_of([2, 2, 1, 2] + [2, 2, 2, 1], 4, 2) == [0, 3]  # per stage 4, 4, 3, 3
@@ -123,7 +124,7 @@ def test_the_measurement_takes_the_stage_holding_the_most_blocks():
     """The estimate's parameters, gradients and optimizer state are the most any stage holds; where a middle stage
     holds more blocks than the first and the last (8 blocks over pp 5: 1, 2, 2, 2, 1), it is measured too (the 405B
     plans' parameters read 1.09 of the first and the last stage's when it was not)."""
-    from bench.calibration.real_memory import _counts, stages_measured
+    from bench.calibration.fake_stage import _counts, stages_measured
     from nnscaler.cluster.search import search
     from tests.fixtures.llama_meta import meta_shape
     shape = meta_shape(256, 896, 256, 1024)
