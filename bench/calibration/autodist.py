@@ -101,7 +101,8 @@ def cluster_table(save: str | None = None, measure_memory: bool = False) -> None
             for line in claims(plan.profile, w, plan.parallel, e.mfu):
                 print(f"{'':<11} {line}")
             if measure_memory:
-                from bench.calibration.real_memory import device_line, measured
+                from bench.calibration.fake_stage import measured
+                from bench.calibration.real_memory import device_line
                 print(f"{'':<11} {device_line(plan, measured(plan, extrapolate=True))}", flush=True)
             if cp_refusal(plan.parallel):  # verify plan refuses a cp scheme the compiler lacks: the best plan without cp
                 plan = search(shapes[name], dataclasses.replace(cfg, constraints={"cp": 1}))

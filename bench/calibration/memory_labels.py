@@ -1,6 +1,6 @@
 """What one rank holds at its memory peak, by the operator that allocated each storage and the schedule step.
 
-A :func:`bench.calibration.real_memory.tracker_class` ``MemTracker`` that labels every storage it sees with the
+A :func:`bench.calibration.fake_stage.tracker_class` ``MemTracker`` that labels every storage it sees with the
 operator that made it and the step of the pipeline schedule running then (``F<chunk>.<micro-batch>``,
 ``B<chunk>.<micro-batch>``, ``step``: ``measure_stage`` sets ``tracker.phase``), and keeps the live set at the peak
 (re-taken each time the peak grows by more than ``SNAP_STEP`` of the last one taken: the set printed is within that
@@ -29,7 +29,7 @@ def labelled_tracker():
     from torch.distributed._tools.common_utils import get_untyped_storages
     from torch.utils.weak import WeakIdKeyDictionary
 
-    from bench.calibration.real_memory import tracker_class
+    from bench.calibration.fake_stage import tracker_class
 
     class Labelled(tracker_class()):
         def __init__(self):
@@ -111,11 +111,12 @@ def main(argv=None) -> int:
     ap.add_argument("--set", nargs="*", default=[], help="constraints KEY=VALUE (tp, pp, dp, zero, recompute, ...)")
     ap.add_argument("--stage", type=int, default=0)
     ap.add_argument("--blocks", type=int, nargs="*", help="blocks per chunk (default: the plan's, at most 2)")
-    ap.add_argument("--m", type=int, help="micro-batches run (default: as real_memory.measure_plan)")
+    ap.add_argument("--m", type=int, help="micro-batches run (default: as fake_stage.microbatches_run)")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
-    from bench.calibration import real_memory as rm
+    from bench.calibration import fake_stage as fs
+    from bench.calibration.real_memory import _short
     from bench.calibration.llama_models import llama_shape
     from nnscaler import ComputeConfig
     from nnscaler.cluster.search import search
@@ -125,13 +126,13 @@ def main(argv=None) -> int:
                                                                    global_batch=args.batch, constraints=cons,
                                                                    mem_budget=2 ** 60), args.model)
     par = plan.parallel
-    counts = rm._counts(plan)
+    counts = fs._counts(plan)
     chunks = args.blocks or [min(2, counts[c * par.pp + args.stage]) for c in range(par.virtual_stages)]
-    m_eff = args.m or min(par.num_microbatches, 2 * par.pp if par.virtual_stages > 1 else par.pp + 1)
+    m_eff = args.m or fs.microbatches_run(par)
     tracker = labelled_tracker()()
-    got = rm.measure_stage(args.model, par, plan.precision, args.seq, args.stage, chunks, m_eff, tracker=tracker)
-    print(f"{rm._short(par)}  stage {args.stage}, blocks per chunk {chunks}, {m_eff} micro-batches")
-    print("measured: " + ", ".join(f"{k} {got[k] / GiB:.2f}" for k in rm.KEYS + ("held",)) + " GiB")
+    got = fs.measure_stage(args.model, par, plan.precision, args.seq, args.stage, chunks, m_eff, tracker=tracker)
+    print(f"{_short(par)}  stage {args.stage}, blocks per chunk {chunks}, {m_eff} micro-batches")
+    print("measured: " + ", ".join(f"{k} {got[k] / GiB:.2f}" for k in fs.KEYS + ("held",)) + " GiB")
     print(summary(tracker.at_peak, args.top))
     for kind, (total, live) in sorted(tracker.by_kind.items()):
         print(f"\n== the most alive while a phase {kind}... ran: {total / GiB:.2f} GiB")

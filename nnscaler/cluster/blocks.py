@@ -199,6 +199,7 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
     wide: set[int] = {id(t) for t in graph.inputs + graph.params if t.dtype.is_floating_point}  # fp32 under bf16-mixed
     grad = _needs_grad(graph)
     root: dict[int, int] = {}  # a view's id -> the id of the tensor it views
+    root_el: dict[int, float] = {}  # a viewed tensor's id -> its elements (a saved view keeps its base's storage)
     hidden = 0
     heads = kv = 0
     vocab = 0
@@ -220,6 +221,8 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
         if _is_alias(op):
             for o in outs:  # a view is the tensor it views (saved once)
                 root[id(o)] = root.get(id(acts[0]), id(acts[0])) if acts else id(o)
+            if acts and id(acts[0]) not in root:
+                root_el[id(acts[0])] = float(_elements(acts[0]))
             if in_split:
                 split.update(id(o) for o in outs)
             short = op.overload.removeprefix("aten.")
@@ -292,10 +295,14 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
             if r in kept or seq not in t.shape:
                 continue
             kept.add(r)
-            fp32 = id(t) in wide and not low  # a bf16 operator saves its input's bf16 cast
+            # a bf16 operator saves its input's bf16 cast; one autocast runs in fp32 saves its input's fp32 cast
+            # (nanoGPT's loss on bf16 logits keeps them in fp32: measured at real width, bench/results/real_memory.md)
+            fp32 = not low and (id(t) in wide or base in _AUTOCAST_FP32)
             # the loss kernel (opzoo/kernels.py ``cross_entropy``, Megatron's vocabulary-parallel form) keeps the
-            # exp of the shifted logits as well as the logits: twice their elements (measured, Llama-3 8B's head)
-            n = _elements(t) * (2 if base == "cross_entropy_loss" else 1)
+            # exp of the shifted logits as well as the logits: twice their elements (measured, Llama-3 8B's head).
+            # A saved slice keeps the whole storage it views (q, k and v split from one fused projection: all three);
+            # a view larger than its base (an expand, copied by the reshape after it: repeated kv heads) its own
+            n = max(root_el.get(r, 0.0), _elements(t)) * (2 if base == "cross_entropy_loss" else 1)
             if id(t) in split:
                 f.saved += n
                 f.saved_fp32 += n if fp32 else 0

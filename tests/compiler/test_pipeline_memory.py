@@ -13,7 +13,7 @@ from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _ComputationType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from bench.calibration.real_memory import schedule
+from bench.calibration.fake_stage import schedule
 from nnscaler.cluster.memory import in_flight, stage_boundaries
 
 

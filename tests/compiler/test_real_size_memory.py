@@ -22,7 +22,7 @@ SEQ = 32
 
 
 def _llama():
-    from bench.calibration.real_memory import Chunk, llama_config
+    from bench.calibration.fake_stage import Chunk, llama_config
     return Chunk(llama_config("llama3-8b", SEQ, 2, 128), True, True)
 
 
@@ -68,7 +68,7 @@ def test_the_final_norm_has_a_zero3_bucket_of_its_own(fake_group):
 
 
 def test_the_measurement_does_not_count_grad_placeholders():
-    from bench.calibration.real_memory import tracker_class
+    from bench.calibration.fake_stage import tracker_class
     from nnscaler.runtime.shard_grad import ShardGrad
     p = torch.nn.Parameter(torch.zeros(256, 256))
     tracker = tracker_class()()
@@ -85,7 +85,7 @@ def _meta_llama_shape():
     """Llama-3 8B's widths, 2 blocks, at ``SEQ`` tokens, traced on meta tensors into the planner's block shape."""
     import opzoo  # noqa: F401
     from nnscaler.cluster.trace import trace_shape
-    from bench.calibration.real_memory import llama_config
+    from bench.calibration.fake_stage import llama_config
     from transformers import LlamaForCausalLM
     from verify.models.common import LossOf
     with torch.device("meta"):

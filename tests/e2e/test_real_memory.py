@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from bench.calibration.real_memory import compare, estimated, llama_config, measure_stage, measured, worst
+from bench.calibration.fake_stage import llama_config, measure_stage, measured
+from bench.calibration.real_memory import compare, estimated, worst
 from nnscaler import ComputeConfig
 from nnscaler.cluster.cost import Parallel
 
@@ -100,7 +101,7 @@ def test_a_plan_over_the_device_is_said_so_whatever_its_search_budget(small_plan
 def test_the_fullest_middle_stage_is_measured_where_it_holds_more():
     """The estimate's state is the most any stage holds (``memory.rank_memory``); the first and the last stage of a
     split that puts fewer blocks there (Llama-3 405B's 126 over pp 16: 7, 8 x 14, 7) hold less than a middle one."""
-    from bench.calibration.real_memory import stages_of
+    from bench.calibration.fake_stage import stages_of
     assert stages_of([7] + [8] * 14 + [7], 16, 1) == [0, 15, 1]
     assert stages_of([8] * 14 + [7, 7], 16, 1) == [0, 15]  # the first holds as much as any
     assert stages_of([2, 2, 1, 2] + [2, 2, 2, 1], 4, 2) == [0, 3]  # per stage 4, 4, 3, 3
@@ -123,7 +124,7 @@ def test_the_measurement_takes_the_stage_holding_the_most_blocks():
     """The estimate's parameters, gradients and optimizer state are the most any stage holds; where a middle stage
     holds more blocks than the first and the last (8 blocks over pp 5: 1, 2, 2, 2, 1), it is measured too (the 405B
     plans' parameters read 1.09 of the first and the last stage's when it was not)."""
-    from bench.calibration.real_memory import _counts, stages_measured
+    from bench.calibration.fake_stage import _counts, stages_measured
     from nnscaler.cluster.search import search
     from tests.fixtures.llama_meta import meta_shape
     shape = meta_shape(256, 896, 256, 1024)
@@ -134,3 +135,58 @@ def test_the_measurement_takes_the_stage_holding_the_most_blocks():
         got = stages_measured(plan)
         assert got[:2] == [0, pp - 1][:min(pp, 2)], got
         assert max(blocks[s] for s in got) == max(blocks), (pp, blocks, got)
+
+
+GPT, GPT_NARROW = "gpt-mc-1.7b", 8  # Megatron-Core's GPT 1.7B widths / 8 (heads 2: tp 2 splits its attention)
+
+
+@pytest.fixture(scope="module")
+def small_gpt_plan():
+    """A pipelined cluster plan of a narrow GPT row model (``verify.models.nanogpt``, as the GPT rows' shapes are traced:
+    ``bench/calibration/llama_models.py``) on 8 ranks (tp 2 x pp 2 x dp 2, ZeRO 1), measured stage by stage."""
+    import opzoo  # noqa: F401
+
+    from bench.calibration.fake_stage import gpt_config
+    from nnscaler.cluster.search import plan_cluster
+    from verify.models.nanogpt import GPT as NanoGPT
+    with torch.device("meta"):
+        model = NanoGPT(gpt_config(GPT, SEQ, 4, GPT_NARROW))
+        ids = torch.zeros(1, SEQ, dtype=torch.long)
+    cons = {"tp": 2, "pp": 2, "dp": 2, "micro_batch_size": 1, "num_microbatches": 4, "virtual_stages": 1,
+            "sequence_parallel": True, "zero": 1, "recompute": "none"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_cluster(model, (ids, ids), ComputeConfig(8, profile="h100", precision="bf16-mixed", global_batch=8,
+                                                              constraints=cons))
+        return plan, measured(plan, width_scale=GPT_NARROW, name=GPT)
+
+
+def test_a_gpt_row_is_measured_on_the_gpt_its_shape_was_costed_on(small_gpt_plan):
+    """The GPT rows (Megatron-LM SC'21, Megatron-Core, MPT) are measured on nanoGPT's GPT cut into chunks
+    (``fake_stage.model_chunk``), not on a Llama of their widths, and the estimate holds on it: the state, and the
+    saved activations (0.73 before the estimate counted the whole fused q, k, v projection the attention's three views
+    keep, and the loss's fp32 cast of bf16 logits: ``nnscaler.cluster.blocks``)."""
+    from bench.calibration.fake_stage import model_chunk
+    plan, got = small_gpt_plan
+    ratio = compare(got, estimated(plan))
+    for key in STATE + ("activations",):
+        assert abs(ratio[key] - 1) <= 0.05, (key, ratio)
+    with torch.device("meta"):
+        chunk = model_chunk(GPT, SEQ, 2, True, False, GPT_NARROW)[0]
+        llama = model_chunk("llama3-8b", SEQ, 2, True, False, 16)[0]
+    assert type(chunk).__name__ == "GPTChunk" and type(llama).__name__ == "Chunk"
+    names = {n.split(".")[-2] for n, _ in chunk.named_parameters()}
+    assert {"wte", "wpe", "c_attn", "c_fc"} <= names and "lm_head" not in names
+
+
+@pytest.mark.slow  # ~30 s: two compiles and steps, fake and real
+def test_fake_tensors_measure_what_real_ones_hold_on_a_gpt_stage():
+    """A middle GPT stage (hidden states in and out, no embedding or head) under ZeRO 3 and full recompute."""
+    par = Parallel(tp=2, pp=3, dp=2, micro_batch_size=1, num_microbatches=4, sequence_parallel=True, zero=3,
+                   recompute="full")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fake = measure_stage(GPT, par, "bf16-mixed", SEQ, 1, BLOCKS, 4, GPT_NARROW, fake=True)
+        real = measure_stage(GPT, par, "bf16-mixed", SEQ, 1, BLOCKS, 4, GPT_NARROW, fake=False)
+    for key in ("params", "grads", "optimizer", "activations", "peak"):
+        assert fake[key] == real[key] > 0, key
