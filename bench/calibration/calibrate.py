@@ -129,12 +129,22 @@ def row_plan(r: dict, shape, profiles=None):
     run's device memory. Where no completion fits by our memory estimate, the run itself shows that one did (our
     estimate is not that stack's: Llama 3 trained 8k sequences without recompute by freeing each stage's inputs
     and outputs early, Dubey et al. 2024 section 3.3.2), so the completion is the fastest one without the bound."""
+    cons = constraints(r)
+    if "sequence_parallel" not in cons and cons.get("tp", 1) > 1 and cons["cp"] > 1:
+        # the search prices sp under cp only where asked (nnscaler's cp policies run none on their tp axis); the
+        # stack that published the run may have run it: its completion is the better of the two
+        return min((_completed(r, shape, {**cons, "sequence_parallel": sp}, profiles) for sp in (False, True)),
+                   key=lambda plan: plan.best.step_seconds)
+    return _completed(r, shape, cons, profiles)
+
+
+def _completed(r: dict, shape, cons: dict, profiles=None):
     try:
-        return search(shape, config(r, fit_memory=partly_published(r), profiles=profiles), r["model"])
+        return search(shape, config(r, cons=cons, fit_memory=partly_published(r), profiles=profiles), r["model"])
     except PlanError:
         if not partly_published(r):
             raise
-        return search(shape, config(r, fit_memory=False, profiles=profiles), r["model"])
+        return search(shape, config(r, cons=cons, fit_memory=False, profiles=profiles), r["model"])
 
 
 def row_search(r: dict, shape, profiles=None, cons: dict | None = None):
