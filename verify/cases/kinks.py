@@ -61,6 +61,18 @@ def _points(func, args, kwargs) -> tuple | None:
     return None
 
 
+def _off_kink(func, at: float, tiny: float, dtype, args, kwargs) -> float:
+    """The step off a value exactly on a kink to the side whose derivative differs from the kink point's own: above
+    where both do (relu's is 0 there: above; clamp(min=)'s passes the gradient there: below)."""
+    def slope(v: float) -> float:
+        t = torch.tensor(v, dtype=dtype, requires_grad=True)
+        with torch.enable_grad():
+            func(t, *args[1:], **kwargs).backward()
+        return float(t.grad)
+    here = slope(at)
+    return tiny if slope(at + tiny) != here or slope(at - tiny) == here else -tiny
+
+
 def _distance(func, args, kwargs) -> tuple[str, torch.Tensor] | None:
     """``(kind, signed distance to the nearest kink)`` of a kink call on floating tensors; None otherwise."""
     x = args[0] if args else None
@@ -122,10 +134,12 @@ class KinkFlip(TorchFunctionMode):
         mask[self.index] = True
         mask = mask.reshape(d.shape)
         self.flipped = True
-        if kind == "one":  # mirror across the kink; a value exactly on it goes just above
+        if kind == "one":  # mirror across the kink; a value exactly on it goes to a side whose slope differs
             x = args[0]
             tiny = torch.finfo(x.dtype).eps * max(float(x.detach().abs().max()), 1.0)
-            other = torch.where(d != 0, x.detach() - 2 * d, x.detach() + tiny)
+            on = float(x.detach().flatten()[self.index])
+            step = _off_kink(func, on, tiny, x.dtype, args, kwargs) if float(d.flatten()[self.index]) == 0 else tiny
+            other = torch.where(d != 0, x.detach() - 2 * d, x.detach() + step)
             return func(x + (torch.where(mask, other, x.detach()) - x.detach()), *args[1:], **kwargs)
         if kind == "pair":  # the other of the two wins
             return torch.where(mask, _PAIR[func](*args, **kwargs), func(*args, **kwargs))
