@@ -24,18 +24,23 @@ def small_plan():
     import opzoo  # noqa: F401
     from transformers import LlamaForCausalLM
 
-    from nnscaler.cluster.search import plan_cluster
     from verify.models.common import LossOf
     with torch.device("meta"):
         model = LossOf(LlamaForCausalLM(llama_config("llama3-8b", SEQ, BLOCKS, NARROW)))
         ids = torch.zeros(1, SEQ, dtype=torch.long)
-    cons = {"tp": 2, "pp": 1, "dp": 4, "micro_batch_size": 1, "num_microbatches": 2, "virtual_stages": 1,
-            "sequence_parallel": True, "zero": 1, "recompute": "none"}
+    return _measured_plan(model, ids, {"tp": 2, "pp": 1, "dp": 4, "num_microbatches": 2}, NARROW, "llama3-8b")
+
+
+def _measured_plan(model, ids, layout: dict, scale: int, name: str):
+    """``model`` planned on 8 ranks under ``layout`` (mbs 1, sequence parallel, ZeRO 1, no recompute), measured."""
+    from nnscaler.cluster.search import plan_cluster
+    cons = {"micro_batch_size": 1, "virtual_stages": 1, "sequence_parallel": True, "zero": 1, "recompute": "none",
+            **layout}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = plan_cluster(model, (ids, ids), ComputeConfig(8, profile="h100", precision="bf16-mixed", global_batch=8,
                                                               constraints=cons))
-        return plan, measured(plan, width_scale=NARROW, name="llama3-8b")
+        return plan, measured(plan, width_scale=scale, name=name)
 
 
 @pytest.mark.slow  # ~15-30 s: two compiles and steps, fake and real
@@ -147,18 +152,11 @@ def small_gpt_plan():
     import opzoo  # noqa: F401
 
     from bench.calibration.fake_stage import gpt_config
-    from nnscaler.cluster.search import plan_cluster
     from verify.models.nanogpt import GPT as NanoGPT
     with torch.device("meta"):
         model = NanoGPT(gpt_config(GPT, SEQ, 4, GPT_NARROW))
         ids = torch.zeros(1, SEQ, dtype=torch.long)
-    cons = {"tp": 2, "pp": 2, "dp": 2, "micro_batch_size": 1, "num_microbatches": 4, "virtual_stages": 1,
-            "sequence_parallel": True, "zero": 1, "recompute": "none"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = plan_cluster(model, (ids, ids), ComputeConfig(8, profile="h100", precision="bf16-mixed", global_batch=8,
-                                                              constraints=cons))
-        return plan, measured(plan, width_scale=GPT_NARROW, name=GPT)
+    return _measured_plan(model, ids, {"tp": 2, "pp": 2, "dp": 2, "num_microbatches": 4}, GPT_NARROW, GPT)
 
 
 def test_a_gpt_row_is_measured_on_the_gpt_its_shape_was_costed_on(small_gpt_plan):
