@@ -407,7 +407,9 @@ def estimate(shape: ModelShape, par: Parallel, profile: DeviceProfile, precision
     hide = (min(z3 * dp_comm, m * t_mb) if par.zero >= 3 else
             c.dp_overlap * (m * t_mb * BACKWARD / (1 + BACKWARD) if par.zero == 2 else
                             t_mb if par.zero == 1 else t_mb * BACKWARD / (1 + BACKWARD)))
-    dp_exposed = max(0.0, dp_comm - hide)
+    hidden = min(dp_comm, hide)
+    # ZeRO-3's fitted overlap already nets out the slowdown of the compute it overlaps; ZeRO 0-2 pay it here
+    dp_exposed = dp_comm - hidden + (c.overlap_slowdown * hidden if par.zero < 3 else 0.0)
     optimizer = OPTIMIZER_TRAFFIC * stage_params * 4 / (shard if par.zero >= 1 else 1) / profile.mem_bw
     # the slowest stage's m micro-batches, broken down (its recompute and exposed tp collectives apart)
     recompute = m * rc["block"] * max(counts) * v
