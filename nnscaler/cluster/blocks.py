@@ -70,6 +70,15 @@ class OpFacts:
     saved_gathered: float = 0.0  # bf16-mixed: autocast's copies, whole on every tp rank even under sequence parallelism
     saved_shared: float = 0.0  # of ``saved_whole``, what those copies replace (one fp32 tensor, counted once)
     mask_bias: float = 0.0  # bf16-mixed: torch's attention with a mask keeps a bf16 bias of it per call (not the ring's)
+    # of ``saved``, broadcast views wider than their base (grouped-query attention's repeated kv heads): the reshape
+    # after the expand copies them while a rank holds several of the base's heads, and is a view of the base's storage
+    # once it holds one (``repeat_heads`` <= tp); ``_base``: their bases' elements; ``_cast``: the part bf16-mixed
+    # casts afresh from fp32 for a bf16 operator (a cast of a broadcast view is dense: its own elements, copied)
+    saved_repeat: float = 0.0
+    saved_repeat_base: float = 0.0
+    saved_repeat_cast: float = 0.0
+    saved_repeat_cast_base: float = 0.0
+    repeat_heads: int = 0
     split: bool = False  # split over tp (inside a tensor-parallel region)
     tokens: bool = False  # has the sequence dim (sequence parallelism can split it)
     core: bool = False  # the attention core: what selective recompute recomputes
@@ -303,6 +312,15 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
             # A saved slice keeps the whole storage it views (q, k and v split from one fused projection: all three);
             # a view larger than its base (an expand, copied by the reshape after it: repeated kv heads) its own
             n = max(root_el.get(r, 0.0), _elements(t)) * (2 if base == "cross_entropy_loss" else 1)
+            if id(t) in split and r != id(t) and _elements(t) > root_el.get(r, 0.0) and len(t.shape) == 4:
+                cast = low and id(t) in wide  # bf16-mixed copies it (dense) whatever tp
+                f.repeat_heads = f.repeat_heads or _kv_heads(t)
+                if cast:
+                    f.saved_repeat_cast += n
+                    f.saved_repeat_cast_base += root_el.get(r, 0.0)
+                else:
+                    f.saved_repeat += n
+                    f.saved_repeat_base += root_el.get(r, 0.0)
             if id(t) in split:
                 f.saved += n
                 f.saved_fp32 += n if fp32 else 0

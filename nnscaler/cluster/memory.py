@@ -66,6 +66,11 @@ def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: floa
         if drop_core and o.core:
             continue
         total += (o.saved / tp + o.saved_whole / (tp if sp else 1)) * scale * act_bytes
+        if o.repeat_heads and tp >= o.repeat_heads:  # one head of the base a rank: the repeat is a view of it
+            views, bases = o.saved_repeat, o.saved_repeat_base
+            if fp32_bytes is None:  # no autocast: nothing casts them afresh
+                views, bases = views + o.saved_repeat_cast, bases + o.saved_repeat_cast_base
+            total -= (views / tp - bases / o.repeat_heads) * scale * act_bytes
         total += (o.saved_fp32 / tp + o.saved_whole_fp32 / (tp if sp else 1)) * scale * (wide - act_bytes)
         if fp32_bytes is not None:  # bf16-mixed: autocast's bf16 copies in place of the one tensor they copy
             total += (o.saved_gathered - o.saved_shared / (tp if sp else 1)) * scale * act_bytes
