@@ -87,7 +87,7 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
         if op.overload == "aten.embedding.default":  # positions, token types: small, replicated
             return [None]
         params, held = set(parameter_identifiers(op)), set(sharded_identifiers(op, axis, layouts))
-        allowed = params | held
+        allowed = held if _no_weight_matrix(op) else params | held  # a norm's, a bias's, a scale's vector follows
         # the sequence splits no weight matrix's work; an identifier that also splits a parameter
         # (experts, which opzoo.moe.experts ties to the tokens) is model parallelism, not the batch; nor
         # is a batch dim its inputs hold split in blocks (heads merged into the batch, ``(b h)``)
