@@ -7,7 +7,7 @@ import random as _random
 from ..dimops.partition import prefix_size, split_factor, splittable
 from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
 from .heads import pin_heads, scores
-from .lone import lone_columns
+from .lone import DENSE, lone_columns
 from .greedy import held_blocks, parameter_identifiers, plan_greedy, sharded_identifiers
 from .refine import refine
 from .masks import rows_per_chunk
@@ -142,7 +142,7 @@ def _table_projections(graph: IRGraph) -> set[str]:
     for op in graph.ops:
         if any(id(t) in streamed for t in op.tensor_inputs()):
             streamed.update(id(t) for t in op.outputs if t is not None)
-        elif not _no_weight_matrix(op) and op.overload not in ("aten.embedding.default", "aten.cross_entropy_loss.default"):
+        elif op.overload in DENSE and not _no_weight_matrix(op):
             out.add(op.name)
     return out
 
