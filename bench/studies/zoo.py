@@ -84,7 +84,7 @@ def extra(graph, dp, tp, out: dict) -> None:
     from nnscaler.compile.plan import plan_graph
     from nnscaler.config import ComputeConfig
     from nnscaler.policies.coverage import replicated_operators
-    from nnscaler.policies.tp_check import collectives, layer_of, layer_runs
+    from nnscaler.policies.tp_check import collectives, layer_paths, layer_runs
     out["attn"], out["attn_split"] = attention_split(graph, tp)
     try:
         one = dp.summary()["memory_one_device"]["peak"]
@@ -96,7 +96,7 @@ def extra(graph, dp, tp, out: dict) -> None:
             raise
         out["auto_error"] = zoo_sweep.first_line(exc)
     out["layers"] = layer_runs(graph)  # a shared layer (ALBERT) counts once per run
-    out["block_params"] = any(layer_of(t.target or t.name) is not None for t in graph.params)
+    out["block_params"] = any(layer_paths([t.target or t.name for t in graph.params]).values())
     reasons = Counter(f"{r.op.overload.removeprefix('aten.')} ({r.reason})" for r in replicated_operators(graph, dp))
     out["whole_why"] = [f"{k} x{v}" if v > 1 else k for k, v in reasons.most_common()]
 

@@ -7,7 +7,7 @@ import random as _random
 from ..dimops.partition import prefix_size, split_factor, splittable
 from ..ir.graph import INPUT, PARAM, IRGraph, IROp, IRTensor
 from .heads import pin_heads, scores
-from .lone import lone_columns
+from .lone import DENSE, lone_columns
 from .greedy import held_blocks, parameter_identifiers, plan_greedy, sharded_identifiers
 from .refine import refine
 from .masks import rows_per_chunk
@@ -67,7 +67,7 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
     row partner is never offered (:mod:`nnscaler.policies.lone`)."""
     batch = batch_identifiers(graph)
     seq = batch_identifiers(graph, 1) if sequence_parallel else {}
-    small = _small_weight_math(graph)
+    small = _small_weight_math(graph) | _table_projections(graph)
     lone = lone_columns(graph)
 
     def options(op: IROp, axis: int, layouts: dict):
@@ -87,7 +87,7 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
         if op.overload == "aten.embedding.default":  # positions, token types: small, replicated
             return [None]
         params, held = set(parameter_identifiers(op)), set(sharded_identifiers(op, axis, layouts))
-        allowed = params | held
+        allowed = held if _no_weight_matrix(op) else params | held  # a norm's, a bias's, a scale's vector follows
         # the sequence splits no weight matrix's work; an identifier that also splits a parameter
         # (experts, which opzoo.moe.experts ties to the tokens) is model parallelism, not the batch; nor
         # is a batch dim its inputs hold split in blocks (heads merged into the batch, ``(b h)``)
@@ -129,6 +129,21 @@ def _small_weight_math(graph: IRGraph) -> set[str]:
         if ins and (all(t.kind == PARAM and len(t.shape) < 2 or id(t) in derived for t in ins) or _picked_bias(op, ins)):
             out.add(op.name)
             derived.update(id(t) for t in op.outputs)
+    return out
+
+
+def _table_projections(graph: IRGraph) -> set[str]:
+    """Weight-matrix operators none of whose inputs is computed from a model input: a projection of a
+    fixed table (Swin-V2's continuous position bias MLP over its coordinate grid), the same on every
+    rank whatever the batch. Megatron keeps such a table's MLP whole; split by columns, its output
+    was gathered for a second projection that split the heads (an all-gather per layer)."""
+    streamed: set[int] = {id(t) for t in graph.inputs if t.kind == INPUT}
+    out: set[str] = set()
+    for op in graph.ops:
+        if any(id(t) in streamed for t in op.tensor_inputs()):
+            streamed.update(id(t) for t in op.outputs if t is not None)
+        elif op.overload in DENSE and not _no_weight_matrix(op):
+            out.add(op.name)
     return out
 
 

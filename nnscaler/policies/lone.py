@@ -88,17 +88,16 @@ def _reduced_whole(t: IRTensor, dim: int) -> str | None:
     """Whether dim ``dim`` of ``t``, split, reaches an operator with no weight matrix that reads it
     whole (frozen there) or reduces it (the identifier it carries there is missing from its outputs)
     before any weight matrix reads it."""
-    todo, seen, reduced = [(t, dim)], set(), None
+    todo, seen, reduced, partner, onward = [(t, dim)], set(), None, False, False
     while todo and len(seen) < DEPTH:
         x, d = todo.pop()
         if (id(x), d) in seen:
             continue
         seen.add((id(x), d))
         for r in x.consumers:
-            if not r.known:
+            if not r.known or r.overload in LOSS or _weight_matrix(r):
+                partner = True  # a partner (or the vocabulary-parallel loss, or cannot tell): the split pays off there
                 continue
-            if r.overload in LOSS or _weight_matrix(r):
-                continue  # a partner (or the vocabulary-parallel loss): the column split pays off there
             for xin, dims in zip(r.inputs, r.bound.inputs):
                 if xin is not x or dims is None or d >= len(dims):
                     continue
@@ -117,7 +116,10 @@ def _reduced_whole(t: IRTensor, dim: int) -> str | None:
                         for k, ids in enumerate(od) if i in ids]
                 if not outs and any(o is not None for o in r.outputs):
                     reduced = "reduced"  # a norm's statistics (the tensor itself may go on to a partner)
+                    onward = onward or any(_goes_on(o) for o in r.outputs if o is not None)
                 todo += outs
+    if reduced and onward and not partner and not todo:
+        return "whole"  # reduced away on every path into the model, no partner anywhere (an indexer's heads summed)
     return reduced
 
 

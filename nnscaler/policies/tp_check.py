@@ -55,24 +55,54 @@ def layer_of(name: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
+SIBLING = re.compile(r"\.(\w+)\.(\d+)\.")  # any list of modules: XLM's attentions.3, ffns.3, layer_norm1.3
+
+
+def layer_paths(names: list[str]) -> dict[str, str | None]:
+    """Per parameter name, the path of the transformer layer it belongs to (``....layers.3.``), if any.
+    A model with no list of layers whose layer is split over sibling lists, one per component, all of
+    one length (XLM, FlauBERT: ``attentions.i``, ``layer_norm1.i``, ``ffns.i``, ``layer_norm2.i``) has
+    layer ``i`` in each: its path is the parent's with ``#i``."""
+    out = {}
+    for n in names:
+        m = LAYER.search("." + n)
+        out[n] = m.string[:m.end()] if m else None
+    if any(out.values()):
+        return out
+    lists: dict[str, dict[str, set[str]]] = {}  # parent -> list -> its indices
+    for n in names:
+        m = SIBLING.search("." + n)
+        if m:
+            lists.setdefault(m.string[:m.start()], {}).setdefault(m.group(1), set()).add(m.group(2))
+    per = {p: ls for p, ls in lists.items() if len(ls) >= 2 and len({frozenset(i) for i in ls.values()}) == 1
+           and len(next(iter(ls.values()))) >= 2}
+    for n in names:
+        m = SIBLING.search("." + n)
+        if m and m.string[:m.start()] in per:
+            out[n] = f"{m.string[:m.start()]}.#{m.group(2)}."
+    return out
+
+
 def layer_runs(graph: IRGraph) -> int:
     """Layers the model runs: a layer counted as often as each of its parameters is read (the fewest
     readers among them: a weight also read by a dtype assert does not count twice). ALBERT's one
     shared layer, read by every layer: one set of weights, ``num_hidden_layers`` runs."""
     runs: dict[str, int] = {}
     readers = Counter(id(t) for op in graph.ops for t in {id(x): x for x in op.tensor_inputs()}.values())
+    paths = layer_paths([t.target or t.name for t in graph.params])
     for t in graph.params:
-        m = LAYER.search("." + (t.target or t.name))
-        i = m and m.string[:m.end()]  # the layer's path: an encoder's blocks.0 is not a decoder's layers.0
+        i = paths[t.target or t.name]  # the layer's path: an encoder's blocks.0 is not a decoder's layers.0
         if i and readers[id(t)]:
             runs[i] = min(runs.get(i, readers[id(t)]), readers[id(t)])
     return sum(runs.values())
 
 
-def sharded_fraction(graph: IRGraph, plan: Plan, select: Callable[[str], bool] = lambda n: layer_of(n) is not None
-                     ) -> tuple[float, float]:
-    """Of the parameters whose name ``select`` accepts (default: those inside transformer layers):
-    (fraction of their elements stored split, fraction of their bytes each rank holds)."""
+def sharded_fraction(graph: IRGraph, plan: Plan, select: Callable[[str], bool] | None = None) -> tuple[float, float]:
+    """Of the parameters whose name ``select`` accepts (default: those inside transformer layers,
+    :func:`layer_paths`): (fraction of their elements stored split, fraction of their bytes each rank holds)."""
+    if select is None:
+        paths = layer_paths([t.target or t.name for t in graph.params])
+        select = lambda n: paths.get(n) is not None  # noqa: E731
     stored = stored_layouts(graph, plan)
     total = split = held = 0
     for t in graph.params:
