@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nnscaler.codegen.emit import emit_program
-from nnscaler.compile.plan import plan_graph, trace_model
-from nnscaler.config import ComputeConfig
 from nnscaler.cost.causes import forward_causes
 from nnscaler.policies.tp_check import collectives, layer_runs
 from verify.judge.verdict import MATCH
+
+from tests.fixtures.batches import tp_plan
 
 
 class RMSNorm(nn.Module):
@@ -68,9 +68,7 @@ def qk_norm(seed: int):
 
 
 def _plan():
-    model, batch = qk_norm(0)
-    graph = trace_model(model, batch(0), None, registry=None, strict=False)
-    return graph, plan_graph(graph, "tp", ComputeConfig(2))
+    return tp_plan(qk_norm)
 
 
 def test_qk_norm_statistics_are_summed_in_one_collective_per_layer():

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nnscaler.compile.plan import plan_graph, trace_model
-from nnscaler.config import ComputeConfig
 from nnscaler.policies.lone import lone_columns
 from nnscaler.policies.tp_check import collectives
 from verify.judge.verdict import MATCH
+
+from tests.fixtures.batches import randn_batches, tp_plan
 
 D, H, DH, T = 128, 4, 32, 8
 
@@ -41,13 +41,11 @@ class Indexer(nn.Module):
 
 def indexer(seed: int):
     torch.manual_seed(seed)
-    return Indexer(), lambda step: (torch.randn(4, T, D, generator=torch.Generator().manual_seed(10 * seed + step)),)
+    return Indexer(), randn_batches(seed, 4, T, D)
 
 
 def test_the_index_projection_stays_whole_and_its_sum_needs_no_collective():
-    model, batch = indexer(0)
-    graph = trace_model(model, batch(0), None, registry=None, strict=False)
-    plan = plan_graph(graph, "tp", ComputeConfig(2))
+    graph, plan = tp_plan(indexer)
     wq = next(op for op in graph.ops if op.overload == "aten.linear.default")
     assert wq.name in lone_columns(graph)
     assert plan.partition(wq).axis_ids[0] is None, plan.report()

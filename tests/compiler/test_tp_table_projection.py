@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nnscaler.compile.plan import plan_graph, trace_model
-from nnscaler.config import ComputeConfig
 from nnscaler.policies.tp_check import collectives
 from verify.judge.verdict import MATCH
+
+from tests.fixtures.batches import randn_batches, tp_plan
 
 T, D, H = 8, 64, 4
 
@@ -42,13 +42,11 @@ class TableBias(nn.Module):
 
 def table_bias(seed: int):
     torch.manual_seed(seed)
-    return TableBias(), lambda step: (torch.randn(4, T, D, generator=torch.Generator().manual_seed(10 * seed + step)),)
+    return TableBias(), randn_batches(seed, 4, T, D)
 
 
 def test_the_table_mlp_stays_whole_and_gathers_nothing():
-    model, batch = table_bias(0)
-    graph = trace_model(model, batch(0), None, registry=None, strict=False)
-    plan = plan_graph(graph, "tp", ComputeConfig(2))
+    graph, plan = tp_plan(table_bias)
     fwd = collectives(graph, plan, params=False)[0]
     assert fwd["all_gather"] == 0 and sum(fwd.values()) <= 3, (fwd, plan.report())  # an all-reduce per layer, the loss
     first = [op for op in graph.ops if op.overload == "aten.linear.default" and op.inputs[0].shape[-1] == 2]

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from nnscaler.compile.plan import plan_graph, trace_model
-from nnscaler.config import ComputeConfig
 from nnscaler.policies.tp_check import collectives
 from verify.judge.verdict import MATCH
+
+from tests.fixtures.batches import tp_plan
 
 
 class LayerScale(nn.Module):
@@ -40,9 +40,7 @@ def layer_scale(seed: int):
 
 
 def test_a_layer_scale_keeps_the_row_parallel_output_whole():
-    model, batch = layer_scale(0)
-    graph = trace_model(model, batch(0), None, registry=None, strict=False)
-    plan = plan_graph(graph, "tp", ComputeConfig(2))
+    graph, plan = tp_plan(layer_scale)
     fwd = collectives(graph, plan, params=False)[0]
     # one all-reduce per block's row-parallel output (the head's columns gathered for the loss: one more)
     assert fwd["reduce_scatter"] == 0 and sum(fwd.values()) <= 3, (fwd, plan.report())
