@@ -42,7 +42,7 @@ def test_the_default_samples_plan_trains_like_one_device(tmp_path):
     assert failed[0].rerun == f"python -m verify plan {bad}"
 
 
-THREE_D = "search-tt-a100-llama2-70b-full"  # tp 4 x pp 8 (v 2) x dp 2: tp2+sp pp2 v2 dp2 zero1 on 8 ranks, ~75 s here
+THREE_D = "search-tt-a100-llama2-70b-sel"  # tp 4 x pp 2 (v 4) x dp 8: tp2+sp pp2 v2 dp2 zero1 on 8 ranks, ~75 s here
 
 
 @pytest.mark.skipif(max_ranks() < 8, reason="this machine runs fewer than 8 ranks")
