@@ -30,7 +30,7 @@ from ..compile.plan import plan_model as plan_operators
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Plan, Policy
 from ..profiles import get_profile
-from .plan import architecture_of, cp_refusal, lowers, stage_policy
+from .plan import architecture_of, cp_refusal, stage_policy
 from .search import ClusterPlan, search
 from .trace import block_stack, trace_shape
 
@@ -126,9 +126,9 @@ def cluster_scale(model: torch.nn.Module, config: ComputeConfig) -> bool | None:
     return None if _cluster_profile(config) and block_stack(model) is not None else False
 
 
-def _search(model, sample_args, sample_kwargs, config: ComputeConfig, required: bool, admit=None) -> Plan | None:
+def _search(model, sample_args, sample_kwargs, config: ComputeConfig, required: bool, refuse=None) -> Plan | None:
     """The cluster search's plan, or ``None`` when the model is not one it reads and ``required`` is false
-    (``admit``: :func:`~nnscaler.cluster.search.search`'s filter of configurations)."""
+    (``refuse``: :func:`~nnscaler.cluster.search.search`'s filter of configurations)."""
     t0 = time.perf_counter()
     try:
         shape = trace_shape(model, sample_args, sample_kwargs)
@@ -137,7 +137,7 @@ def _search(model, sample_args, sample_kwargs, config: ComputeConfig, required: 
             raise
         return None
     arch = architecture_of(model)
-    cluster = search(shape, config, arch["transformers"] if arch else type(model).__name__, admit)
+    cluster = search(shape, config, arch["transformers"] if arch else type(model).__name__, refuse)
     cluster.architecture = arch
     cluster.seconds = time.perf_counter() - t0  # the whole planning, trace included (as plan_cluster)
     return as_plan(cluster)
@@ -202,11 +202,11 @@ def lowering(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | P
     if wanted is False:
         return policy, config
     cons = config.constraints or {}
-    admit = None if "cp_scheme" in cons else lowers  # a plan to compile: what the compiler lowers
+    refuse = None if "cp_scheme" in cons else cp_refusal  # a plan to compile: what the compiler lowers
     x = sample_args[0] if sample_args else None
     if config.global_batch is None and isinstance(x, torch.Tensor) and x.dim() >= 2:
         config = dataclasses.replace(config, global_batch=int(x.shape[0]))
-    plan = _search(model, sample_args, sample_kwargs, config, required=bool(wanted), admit=admit)
+    plan = _search(model, sample_args, sample_kwargs, config, required=bool(wanted), refuse=refuse)
     return (policy, config) if plan is None else lowered(plan, config)
 
 
@@ -216,8 +216,8 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     planning at every scale: a cluster-scale request is searched as :func:`plan_model` does and the
     program compiled for what its plan lowers to (:func:`lowered`: pipeline stages, micro-batches,
     ZeRO, recompute, precision, the cp scheme's policy; Megatron-LM's template inside a stage); that search
-    admits only the configurations the compiler lowers (:func:`~nnscaler.cluster.plan.lowers`, from
-    :func:`~nnscaler.cluster.plan.cp_refusal`: every cp scheme it accepts) unless ``constraints`` name the
+    admits only the configurations the compiler lowers (:func:`~nnscaler.cluster.plan.cp_refusal`: every cp
+    scheme it accepts, no sequence parallelism under cp) unless ``constraints`` name the
     cp scheme (one it lacks is then refused by name). ``sample_args`` is the batch the
     module is called with, across its ranks, so ``global_batch`` defaults to its batch here (not to the
     sample's batch on every rank, as in :func:`plan_model`)."""

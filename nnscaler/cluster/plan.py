@@ -46,9 +46,16 @@ def cp_refusal(par: Parallel) -> str | None:
     """Why ``par``'s context parallelism has no compiler lowering (one line naming what is missing), or
     ``None`` when it lowers (``cp`` 1, the all-gather scheme over contiguous or balanced chunks, the ring
     scheme over either, Ulysses with or without tp: every scheme of :data:`~nnscaler.config.CP_SCHEMES` today;
-    a scheme named in :data:`CP_MISSING` would be refused)."""
+    a scheme named in :data:`CP_MISSING` would be refused; sequence parallelism on tp only over contiguous
+    chunks, nested inside each cp chunk)."""
     if par.cp == 1:
         return None
+    if par.sequence_parallel and par.tp > 1 and (par.cp_balanced or par.cp_scheme == "ulysses"):
+        return (f"sequence parallelism under context parallelism (tp={par.tp} +sp, cp={par.cp} {par.cp_scheme}"
+                f"{', balanced' if par.cp_balanced and par.cp_scheme != 'ulysses' else ''}) has no compiler lowering: "
+                f"a sequence split on tp nested inside balanced chunks or heads split on cp has no layout; the plan "
+                f"cannot be compiled or verified as costed (sequence_parallel=False, or cp_balanced=False with the "
+                f"allgather or ring scheme, lowers)")
     missing = [CP_MISSING[k] for k in CP_MISSING if k == par.cp_scheme]
     if not missing:
         return None

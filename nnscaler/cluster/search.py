@@ -206,9 +206,10 @@ def _candidates(shape: ModelShape, world: int, global_batch: int, cons: dict, tp
     schemes = [x for x in schemes if x != "ulysses" or cp == 1 or ulysses_fits(shape, tp, cp)]  # heads over cp
     if world % (tp * cp) or not schemes:
         return
-    # sequence parallelism where the compiler runs it: the context-parallel policies keep norms and dropout whole on
-    # the tp axis (nnscaler/policies/cp_mesh.py), so with cp it is priced only where a constraint asks for it
-    # (measured: an 8B 128k plan priced with it at 68.6 GiB peaked at 80.5, bench/results/real_memory.md)
+    # sequence parallelism with cp is priced only where a constraint asks for it: the compiler runs it over contiguous
+    # chunks alone (nnscaler/policies/cp_mesh.py; balanced chunks and Ulysses refuse it, plan.cp_refusal), and its
+    # memory there is not measured at real size (an 8B 128k plan priced with it peaked 12 GiB over while the cp
+    # policies still ran it as no sp, bench/results/real_memory.md)
     sps = [cons["sequence_parallel"]] if "sequence_parallel" in cons else ([False, True] if tp > 1 and cp == 1
                                                                            else [False])
     pps = [cons["pp"]] if "pp" in cons else [d for d in _divisors(world // (tp * cp)) if d <= shape.layers]
@@ -247,9 +248,10 @@ def _candidates(shape: ModelShape, world: int, global_batch: int, cons: dict, tp
 
 
 def search(shape: ModelShape, config: ComputeConfig, name: str = "model",
-           admit: Callable[[Parallel], bool] | None = None) -> ClusterPlan:
-    """The fastest configuration that fits the memory budget (see the module docstring); ``admit``: only the
-    configurations it accepts are considered (a compile's search: those the compiler lowers)."""
+           refuse: Callable[[Parallel], str | None] | None = None) -> ClusterPlan:
+    """The fastest configuration that fits the memory budget (see the module docstring); ``refuse``: why a
+    configuration is not considered, ``None`` to consider it (a compile's search: what the compiler does not
+    lower, :func:`~nnscaler.cluster.plan.cp_refusal`); where it refuses every one, its reason is the error."""
     profile = get_profile(config.profile or "h100")
     if profile.cluster is None:
         raise PlanError(f"profile {profile.name!r} has no cluster constants; cluster plans need one of: "
@@ -264,9 +266,12 @@ def search(shape: ModelShape, config: ComputeConfig, name: str = "model",
     best: Estimate | None = None
     least: Estimate | None = None
     considered = feasible = 0
+    refused: str | None = None  # the first refusal, said if every configuration is refused
     memo: dict = {}  # each (tp, sp, micro-batch size, recompute) costs its sections once
     for par in candidates(shape, world, gb, cons, profile.ranks_per_node):
-        if admit is not None and not admit(par):
+        reason = refuse(par) if refuse is not None else None
+        if reason:
+            refused = refused or reason
             continue
         e = estimate(shape, par, profile, config.precision, gb, budget, grad_bytes, memo)
         considered += 1
@@ -276,6 +281,8 @@ def search(shape: ModelShape, config: ComputeConfig, name: str = "model",
             feasible += 1
             if best is None or e.step_seconds < best.step_seconds:
                 best = e
+    if considered == 0 and refused:
+        raise PlanError(f"no configuration of {world} ranks under constraints {cons} can be compiled: {refused}")
     if considered == 0:
         raise PlanError(f"no configuration of {world} ranks satisfies constraints {cons} with global batch {gb} "
                         f"(tp must divide {shape.heads} heads, tp x cp x pp x dp = {world}, dp divide the batch)")

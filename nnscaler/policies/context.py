@@ -20,7 +20,7 @@ from ..config import ComputeConfig, PlanError
 from ..ir.graph import INPUT, IRGraph
 from ..ir.plan import Plan
 from .builtin import cp, hybrid_cp
-from .cp_mesh import cp_tp, cp_tp_mesh
+from .cp_mesh import cp_tp, cp_tp_mesh, refuse_sp_under_cp
 
 
 def balance(plan: Plan, axis: int, policy: str) -> Plan:
@@ -57,7 +57,8 @@ def hybrid_cp_balanced(graph: IRGraph, config: ComputeConfig) -> Plan:
 def cp_tp_balanced(graph: IRGraph, config: ComputeConfig) -> Plan:
     """``cp_tp`` (dp x cp x tp) with the cp axis balanced as in :func:`cp_balanced`: attention's heads stay
     split on tp while its queries' sequence holds the rank's pair of chunks on cp."""
-    _, names = cp_tp_mesh(config)
+    mesh, names = cp_tp_mesh(config)
+    refuse_sp_under_cp(config, dict(zip(names, mesh)), "cp_tp_balanced")
     plan = cp_tp(graph, config)
     if "cp" not in names:  # one cp rank: nothing to balance
         return replace(plan, policy="cp_tp_balanced")

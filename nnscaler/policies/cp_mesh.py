@@ -16,7 +16,7 @@ from ..config import ComputeConfig, PlanError
 from ..dimops.partition import splittable
 from ..ir.graph import IRGraph, IROp, IRTensor
 from ..ir.plan import Plan
-from .builtin import AXIS_OPTIONS, check_batch_divisible, check_sequence_divisible
+from .builtin import AXIS_OPTIONS, _no_weight_matrix as no_weight_matrix, batch_identifiers, check_batch_divisible, check_sequence_divisible
 from .greedy import plan_greedy
 from .heads import pin_heads, scores
 from .masks import rows_per_chunk
@@ -37,6 +37,24 @@ def cp_tp_mesh(config: ComputeConfig) -> tuple[tuple[int, ...], tuple[str, ...]]
     return tuple(s for _, s in kept), tuple(a for a, _ in kept)
 
 
+def sp_ops(graph: IRGraph) -> set[str]:
+    """The operators sequence parallelism splits by the sequence on tp (no weight matrix, a sequence dim apart
+    from the batch's): under cp their sequence is split on cp, then again on tp inside each cp chunk."""
+    batch, seq = batch_identifiers(graph), batch_identifiers(graph, 1)
+    return {op.name for op in graph.ops if op.known and seq.get(op.name) is not None
+            and seq[op.name] != batch[op.name] and no_weight_matrix(op)}
+
+
+def refuse_sp_under_cp(config: ComputeConfig, size: dict[str, int], policy: str) -> None:
+    """A :class:`PlanError` for ``sequence_parallel`` with both cp and tp above 1 where the sequence is held in
+    the balanced order or split by heads inside attention (Ulysses): a split nested inside those has no layout
+    (:func:`~nnscaler.dimops.partition.check_partition`), so such a plan would run without sp, unlike it was costed."""
+    if config.sequence_parallel and size.get("cp", 1) > 1 and size.get("tp", 1) > 1:
+        raise PlanError(f"{policy}: sequence_parallel with cp_size {size['cp']} > 1 is not lowered (a sequence split on "
+                        f"tp nested inside {'heads split' if 'ulysses' in policy else 'balanced chunks'} on cp has no "
+                        f"layout): set sequence_parallel=False, or use contiguous chunks (cp_tp, cp_tp_ring)")
+
+
 def cp_tp(graph: IRGraph, config: ComputeConfig) -> Plan:
     """dp x cp x tp: the batch split on dp, the sequence on cp (as ``cp``), heads and weights on tp (as
     ``hybrid``'s tp axis, with ``config.sequence_parallel``; attention and its q/k/v path pinned to their
@@ -45,10 +63,10 @@ def cp_tp(graph: IRGraph, config: ComputeConfig) -> Plan:
     size = dict(zip(names, mesh))
     check_batch_divisible(graph, size.get("dp", 1), "cp_tp")
     check_sequence_divisible(graph, size.get("cp", 1), "cp_tp")
-    # sequence parallelism on tp splits the sequence of norms and residuals, which the cp axis holds split already
-    # (one dimension is split on one axis here): with cp, tp offers Megatron's choices without it, as costed (a
-    # norm's weight split by hidden instead made the MLP row-parallel, nnscaler.cluster.plan.check_lowering)
-    sp = config.sequence_parallel and size.get("cp", 1) == 1
+    # sequence parallelism on tp splits the sequence of norms and residuals, which the cp axis holds split already:
+    # there the tp axis cuts each cp chunk again (a nested split of the sequence, sp_ops); the rest of tp offers
+    # Megatron's choices (a norm's weight split by hidden instead made the MLP row-parallel, check_lowering)
+    sp = config.sequence_parallel
     per_axis = [AXIS_OPTIONS[a](graph, sp) if a == "tp" else AXIS_OPTIONS[a](graph) for a in names]
     tp_axis = names.index("tp") if "tp" in names else None
     pins = pin_heads(graph, size["tp"], scores(graph)) if tp_axis is not None else {}
@@ -58,7 +76,8 @@ def cp_tp(graph: IRGraph, config: ComputeConfig) -> Plan:
             return [pins[op.name]]
         return per_axis[axis](op, axis, layouts)
 
-    plan = plan_greedy(graph, mesh, names, options, "cp_tp")
+    nested = sp_ops(graph) if sp and size.get("cp", 1) > 1 else ()
+    plan = plan_greedy(graph, mesh, names, options, "cp_tp", nested=nested)
     for axis in [names.index(a) for a in ("cp", "dp") if a in names]:  # masks per chunk (their batch rows too)
         plan = rows_per_chunk(graph, plan, axis)
     return plan
@@ -144,10 +163,11 @@ def cp_tp_ulysses(graph: IRGraph, config: ComputeConfig) -> Plan:
     tp rank's heads, on cp, so queries, keys and values reach it by one all-to-all on the cp axis
     (sequence -> heads, ``D(seq) -> D(heads)``, within the tp rank's heads) and the output leaves by the
     reverse one. Each tp rank's heads (query and key/value heads) must divide by the cp degree: refused by
-    name otherwise. Sequence parallelism on tp is off (the cp axis splits the sequence already)."""
+    name otherwise. Sequence parallelism on tp is refused (the cp axis splits the sequence already)."""
     mesh, names = ulysses_tp_mesh(config)
     size = dict(zip(names, mesh))
     tp, n = size.get("tp", 1), size.get("cp", 1)
+    refuse_sp_under_cp(config, size, "cp_tp_ulysses")
     check_batch_divisible(graph, size.get("dp", 1), "cp_tp_ulysses")
     check_sequence_divisible(graph, n, "cp_tp_ulysses")
     att = scores(graph)

@@ -116,13 +116,27 @@ def _combinations(op: IROp, mesh_shape: Sequence[int], per_axis: list[list], blo
             continue
         cut = tuple((i, blocks[i]) for i, f in zip(combo, mesh_shape)
                     if i in blocks and i not in twice and op.bound.sizes[i] % (f * blocks[i]) == 0)
-        out.append(Partition(tuple(zip(combo, mesh_shape)), math.prod(mesh_shape), cut))
+        p = Partition(tuple(zip(combo, mesh_shape)), math.prod(mesh_shape), cut)
+        if twice and _nested_in_blocks(op, p):
+            continue
+        out.append(p)
         follow = tuple((i, held[i]) for i, f in zip(combo, mesh_shape)
                        if i in (held or {}) and i not in blocks and i not in twice
                        and op.bound.sizes[i] % (f * held[i]) == 0)
         if follow:
             out.append(Partition(out[-1].splits, out[-1].world_size, cut + follow))
     return out
+
+
+def _nested_in_blocks(op: IROp, p: Partition) -> bool:
+    """Whether a dim ``p`` splits on several axes is, on some tensor, a merged dim split in blocks (``(b s)``
+    split by ``s``): a layout cannot cut a split in blocks again (:mod:`nnscaler.comm.conversion`)."""
+    lay = op.layout(p)
+    for one in [*lay.inputs, *lay.outputs]:
+        shards = [q for q in one or () if isinstance(q, Shard)]
+        if any(q.blocks > 1 and sum(o.dim == q.dim for o in shards) > 1 for q in shards):
+            return True
+    return False
 
 
 def numel(t: IRTensor) -> int:

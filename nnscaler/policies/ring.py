@@ -234,6 +234,9 @@ def cp_tp_ring(graph: IRGraph, config: ComputeConfig) -> Plan:
 
 def cp_tp_ring_balanced(graph: IRGraph, config: ComputeConfig) -> Plan:
     """``cp_tp_ring`` with the cp axis in the balanced order."""
+    from .cp_mesh import cp_tp_mesh, refuse_sp_under_cp
+    mesh, names = cp_tp_mesh(config)
+    refuse_sp_under_cp(config, dict(zip(names, mesh)), "cp_tp_ring_balanced")
     plan = cp_tp_ring(graph, config)
     if "cp" not in plan.axis_names:
         return plan

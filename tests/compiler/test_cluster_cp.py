@@ -239,3 +239,28 @@ def test_a_weaker_cost_term_fails_the_checks(long8b, monkeypatch, weaken, check)
                             lambda shape, gb: 3 * shape.fwd_flops / shape.batch * gb)
     with pytest.raises(AssertionError):
         check(long8b)
+
+
+def test_sequence_parallelism_under_balanced_cp_is_refused_by_name_and_lowers_over_contiguous_chunks(long8b):
+    """sp on tp cuts each cp chunk again (``test_cp.py``); inside balanced chunks or Ulysses' heads that nested split
+    has no layout: a plan costed so (Llama 3's published 128k stage) does not lower, and the compile's search never
+    picks it and says why where the constraints leave nothing else (such a plan once lowered to a program without
+    sp, and verified). Over contiguous chunks it lowers, sp and all."""
+    from nnscaler.cluster.plan import cp_refusal, lower
+    from nnscaler.cluster.search import search
+    cons = {"tp": 2, "cp": 16, "pp": 1, "sequence_parallel": True, "cp_scheme": "allgather"}
+    par = search(long8b, _cfg(64, 16, **cons)).parallel  # priced, as a published configuration is
+    assert par.sequence_parallel and par.cp == 16 and par.cp_balanced
+    assert "sequence parallelism under context parallelism" in cp_refusal(par)
+    with pytest.raises(PlanError, match="sequence parallelism under context parallelism"):
+        lower(par)
+    with pytest.raises(PlanError, match="can be compiled: sequence parallelism under context parallelism"):
+        search(long8b, _cfg(64, 16, **cons), refuse=cp_refusal)
+    for scheme in ("ulysses",):
+        assert cp_refusal(dataclasses.replace(par, cp_scheme=scheme, cp=4)) is not None
+    contiguous = dataclasses.replace(par, cp_balanced=False)
+    assert cp_refusal(contiguous) is None
+    policy, cfg = lower(contiguous)
+    assert policy == "cp_tp" and cfg.sequence_parallel and cfg.cp_size == 16
+    ring = dataclasses.replace(contiguous, cp_scheme="ring")
+    assert cp_refusal(ring) is None and lower(ring)[0] == "cp_tp_ring"

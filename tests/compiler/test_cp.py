@@ -173,3 +173,23 @@ def test_a_cp_checkpoint_resumes_under_dp_and_tp():
 def test_llama_trains_like_one_device_under_ulysses(verify_model):
     rows = verify_model("llama", policies=["ulysses"], world_sizes=(2,), steps=2)
     assert [r.status for r in rows] == [MATCH], [(r.status, r.detail) for r in rows]
+
+
+def test_sequence_parallelism_under_cp_cuts_each_cp_chunk_again_on_tp(llama_graph):
+    """cp_tp with sp: the norms (no weight matrix) split their sequence on cp and, nested inside each chunk, on tp
+    (Megatron's sp under cp); the projections keep it on cp alone. Inside balanced chunks or Ulysses' heads that
+    nested split has no layout: those policies refuse rather than run without sp (they once did, silently)."""
+    from nnscaler.policies.context import cp_tp_balanced
+    from nnscaler.policies.cp_mesh import cp_tp, cp_tp_ulysses
+    from nnscaler.policies.ring import cp_tp_ring_balanced
+    seq = batch_identifiers(llama_graph, 1)
+    plan = cp_tp(llama_graph, ComputeConfig(4, tp_size=2, cp_size=2, sequence_parallel=True))
+    norms = [op for op in llama_graph.ops if op.overload == "aten.pow.Tensor_Scalar"]
+    assert norms and all(plan.partition(op).splits == ((seq[op.name], 2), (seq[op.name], 2)) for op in norms)
+    for op in _matmuls(llama_graph):  # attention as without sp: queries' sequence on cp, heads on tp
+        assert plan.partition(op).splits[0] == (seq[op.name], 2)
+    plain = cp_tp(llama_graph, ComputeConfig(4, tp_size=2, cp_size=2))
+    assert all(plain.partition(op).splits[1][0] != seq[op.name] for op in norms)
+    for policy in (cp_tp_balanced, cp_tp_ring_balanced, cp_tp_ulysses):
+        with pytest.raises(PlanError, match="sequence_parallel with cp_size 2 > 1 is not lowered"):
+            policy(llama_graph, ComputeConfig(4, tp_size=2, cp_size=2, sequence_parallel=True))

@@ -157,15 +157,34 @@ def test_an_allgather_cp_plan_lowers_to_cp_tp_in_megatrons_order(tmp_path):
                                        )["lowered"]["config"]  # plans without cp save as before
 
 
-def test_a_cp_plan_with_tp_and_sp_is_compiled_as_costed(tmp_path):
-    """tp2+sp x cp: the cp axis holds the sequence, so tp's options leave sequence parallelism out and the MLP
-    stays column-then-row as costed (with sp offered, a norm's weight split by hidden made gate_proj row-parallel)."""
+def test_a_cp_plan_with_tp_is_compiled_as_costed_and_one_with_sp_refused(tmp_path):
+    """tp2 x cp: the cp axis holds the sequence, and tp's options never split a weight by it: the MLP stays
+    column-then-row as costed (with sp offered, a norm's weight split by hidden made gate_proj row-parallel); with
+    sp over contiguous chunks likewise; a plan with sp under balanced chunks is refused by name (it once lowered
+    to a program without sp, and verified)."""
     from verify.plan.cli import prepare
-    _, path = saved_plan(tmp_path, 8, {"tp": 2, "cp": 4, "pp": 1, "cp_scheme": "allgather", "cp_balanced": False,
-                                       "sequence_parallel": True})  # asked for: the search offers sp with cp no more
+    cons = {"tp": 2, "cp": 4, "pp": 1, "cp_scheme": "allgather", "cp_balanced": False}
+    _, path = saved_plan(tmp_path, 8, cons)
     case = prepare(path, tmp_path)
-    assert case.policy == "cp_tp" and case.reduced.parallel.sequence_parallel
+    assert case.policy == "cp_tp" and not case.reduced.parallel.sequence_parallel
     assert case.problems == (), case.problems
+    (tmp_path / "sp").mkdir()
+    _, path = saved_plan(tmp_path / "sp", 8, {**cons, "cp_balanced": True, "sequence_parallel": True})
+    with pytest.raises(Exception, match="sequence parallelism under context parallelism .* has no compiler lowering"):
+        prepare(path, tmp_path / "sp")
+    (tmp_path / "contiguous").mkdir()
+    _, path = saved_plan(tmp_path / "contiguous", 8, {**cons, "sequence_parallel": True})
+    case = prepare(path, tmp_path / "contiguous")
+    assert case.policy == "cp_tp" and case.reduced.parallel.sequence_parallel and case.problems == (), case.problems
+
+
+def test_a_reduced_cp_plan_with_sequence_parallelism_trains_like_one_device(tmp_path, capsys):
+    # 8 GPUs: tp 2 +sp x cp 4, contiguous chunks -> tp2+sp cp2 at W=4: norms split on cp and again on tp
+    _, path = saved_plan(tmp_path, 8, {"tp": 2, "cp": 4, "pp": 1, "cp_scheme": "allgather", "cp_balanced": False,
+                                       "sequence_parallel": True})
+    assert main(["plan", str(path), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tp2+sp cp2-allgather pp1 dp1" in out and "1 match" in out, out[-2000:]
 
 
 @pytest.mark.slow

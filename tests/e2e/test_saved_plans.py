@@ -42,21 +42,32 @@ def test_the_default_samples_plan_trains_like_one_device(tmp_path):
     assert failed[0].rerun == f"python -m verify plan {bad}"
 
 
-THREE_D = "search-tt-a100-llama2-70b-sel"  # tp 4 x pp 2 (v 4) x dp 8: tp2+sp pp2 v2 dp2 zero1 on 8 ranks, ~75 s here
+def _three_axis_plan() -> tuple[Path, dict]:
+    """A saved plan with tp, pp and dp all above 1 (no cp), chosen by what it holds, not by its file name (the
+    plans move when the search does): the fewest blocks, interleaved stages first."""
+    plans = [(p, json.loads(p.read_text())) for p in saved_plans()]
+    three = [(p, d) for p, d in plans if all(d["parallel"][a] > 1 for a in ("tp", "pp", "dp"))
+             and d["parallel"].get("cp", 1) == 1]
+    if not three:
+        pytest.fail("no saved plan in verify/plans has tp, pp and dp all above 1")
+    path, plan = min(three, key=lambda x: (x[1]["blocks"], x[1]["parallel"]["virtual_stages"] == 1, x[0].name))
+    return path, plan["parallel"]
 
 
 @pytest.mark.skipif(max_ranks() < 8, reason="this machine runs fewer than 8 ranks")
 def test_a_tp_pp_dp_plan_runs_on_a_gang_of_eight_of_its_own(tmp_path):
     """``verify all --full``'s sweep gang has 2 or 4 ranks; a plan with tp, pp and dp all above 1 keeps its
     three axes only at 8, so its unit starts a gang of its own and never the sweep's."""
-    unit, = wide_plan_units([PLANS / f"{THREE_D}.json"], (2, 4), (0,))
+    path, par = _three_axis_plan()
+    unit, = wide_plan_units([path], (2, 4), (0,))
     assert unit.world_sizes == (8,)
     sweep = LazyGang(lambda: Gang(4, (), (2, 4)))
     with sweep:
         rows, used = _rows(sweep, unit, tmp_path, RunConfig(world_sizes=(2, 4)))
     assert sweep.starts == 0
     assert len(rows) == 1 and rows[0].ok, rows
-    assert rows[0].world_size == 8 and "tp2+sp pp2 v2 dp2" in rows[0].partition, rows[0].partition
+    three = f"tp2{'+sp' if par['sequence_parallel'] else ''} pp2{' v2' if par['virtual_stages'] > 1 else ''} dp2"
+    assert rows[0].world_size == 8 and three in rows[0].partition, (three, rows[0].partition)
     assert "aten.linear.default" in used.ops
 
 
