@@ -11,8 +11,11 @@ beyond the evidence (:mod:`nnscaler.cluster.evidence`); every cluster plan print
 
     python bench/calibration/autodist.py [--skip-published] [--save DIR] [--operators] [--long-context] [--measure-memory]
 
-``--measure-memory``: each cluster plan's peak per rank also measured at real width on fake tensors
-(:mod:`bench.calibration.real_memory`), and a plan whose measured peak is over the device says so.
+Every plan printed (cluster and published rows) says its memory per rank measured at real width on fake tensors
+as on record (``bench/results/real_memory.json``, :mod:`bench.calibration.memory_record`, written by
+:mod:`bench.calibration.real_memory`) against today's estimate, or that it has none in this configuration, and a
+plan whose measured peak is over the device says so; each table ends with how many are measured and within 10%.
+``--measure-memory``: each cluster plan measured now (and recorded).
 
 Long context (``--long-context`` alone, or after the cluster table): Llama-3 8B on 64 and 70B on 512 H100 at
 131072 tokens per sequence (32k tokens per GPU per step: 16 and 128 sequences, the latter Llama 3's 16M-token
@@ -78,14 +81,17 @@ def _save(plan, model: str, seq: int, path: Path) -> None:
 
 
 def cluster_table(save: str | None = None, measure_memory: bool = False) -> None:
-    """``measure_memory``: each plan's peak also measured at real width (bench/calibration/real_memory.py,
-    minutes a plan), a plan over the device said so on its own line."""
+    """Each plan's memory as measured at real width on record (bench/calibration/memory_record.py) against its
+    estimate, or why there is none; ``measure_memory``: each plan measured now and recorded (minutes a plan)."""
     from bench.calibration.llama_models import CLUSTER_RUNS, llama_shape
     from nnscaler.cluster.evidence import claims
     from nnscaler.cluster.search import search
     print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s; "
           "the first plan of each model includes its meta trace, the others reuse it)")
     print(f"{'model':<11} {'GPUs':>5} {'plan s':>7} {'MFU':>6} {'step':>8} {'peak/rank':>10}  configuration")
+    from bench.calibration.memory_record import memory_line
+    from bench.calibration.real_memory import without_cp
+    measured_ok: list = []
     shapes: dict = {}
     for name, worlds in CLUSTER_RUNS:
         for w in worlds:
@@ -100,10 +106,15 @@ def cluster_table(save: str | None = None, measure_memory: bool = False) -> None
                   f"{human(e.memory['peak']):>10}  {_conf(plan.parallel)}", flush=True)
             for line in claims(plan.profile, w, plan.parallel, e.mfu):
                 print(f"{'':<11} {line}")
+            label, kept = f"{name}-{w}", without_cp(plan, lambda cons: search(shapes[name], dataclasses.replace(
+                cfg, constraints=cons)))  # the plan bench/calibration/real_memory.py measures under this label
             if measure_memory:
                 from bench.calibration.fake_stage import measured
-                from bench.calibration.real_memory import device_line
-                print(f"{'':<11} {device_line(plan, measured(plan, extrapolate=True))}", flush=True)
+                from bench.calibration.memory_record import put
+                put(label, kept, measured(kept, extrapolate=True), True)
+            line, ratio = memory_line(label, kept)
+            print(f"{'':<11} {line}", flush=True)
+            measured_ok.append(ratio)
             if cp_refusal(plan.parallel):  # verify plan refuses a cp scheme the compiler lacks: the best plan without cp
                 plan = search(shapes[name], dataclasses.replace(cfg, constraints={"cp": 1}))
                 e = plan.best
@@ -111,6 +122,18 @@ def cluster_table(save: str | None = None, measure_memory: bool = False) -> None
                       f"{human(e.memory['peak']):>10}  {_conf(plan.parallel)}{'  (saved)' if save else ''}", flush=True)
             if save:  # each plan as a file `python -m verify plan` checks
                 _save(plan, name, 4096, Path(save) / f"{name}-{w}.json")
+    print(memory_summary(measured_ok))
+
+
+def memory_summary(ratios: list) -> str:
+    """How many plans have their memory measured at real size in their current configuration, how many within
+    the goal (10%), and the worst."""
+    got = [r for r in ratios if r is not None]
+    head = f"memory measured at real size: {len(got)}/{len(ratios)} plans in their current configuration"
+    if not got:
+        return head
+    return (f"{head}, {sum(r <= 0.10 for r in got)} within 10% of the estimate (goal: every plan), worst "
+            f"{100 * max(got):.0f}%")
 
 
 def _conf(p) -> str:
@@ -175,8 +198,10 @@ def long_context_table(save: str | None = None) -> None:
 def published_table(save: str | None = None) -> None:
     from bench.calibration.calibrate import load_rows, row_search, shapes_for
     from bench.calibration.llama_models import SHAPES
-    from bench.calibration.real_memory import device_bytes
+    from bench.calibration.memory_record import memory_line
+    from bench.calibration.real_memory import device_bytes, without_cp
     from nnscaler.cluster.evidence import RUNS, claims
+    measured_ok: list = []
     rows = load_rows()
     shapes = shapes_for(rows)
     held = {r.name: r.held_out for r in RUNS}
@@ -202,6 +227,10 @@ def published_table(save: str | None = None) -> None:
         if mine.best.memory["peak"] > device_bytes(mine, float(r["memory_gib"])):  # its budget is the run's, not the device
             print(f"{'':<30} estimated peak {human(mine.best.memory['peak'])}/rank: OVER THE DEVICE "
                   f"({human(device_bytes(mine, float(r['memory_gib'])))} usable), a plan that does not fit", flush=True)
+        kept = without_cp(mine, lambda cons: row_search(r, shape, cons=cons)[1])  # as real_memory.py measures it
+        line, ratio = memory_line(f"search-{r['name']}", kept, float(r["memory_gib"]))
+        print(f"{'':<30} {line}", flush=True)
+        measured_ok.append(ratio)
         if save and cp_refusal(mine.parallel):  # verify plan refuses a cp scheme the compiler lacks: the best plan without cp
             mine = row_search(r, shape, cons={"cp": 1})[1]
             print(f"{'  saved without cp':<30} {'':>13} {mine.best.step_seconds:>8.3f}s  {_conf(mine.parallel)}")
@@ -211,6 +240,7 @@ def published_table(save: str | None = None) -> None:
           "than the held-out error (nnscaler.cluster.evidence); extrap. = outside the calibrated range")
     print(f"never lose to the experts: {wins}/{len(rows)} rows (the search's estimate no slower than the published "
           f"configuration's)")
+    print(memory_summary(measured_ok))
 
 
 def main() -> None:

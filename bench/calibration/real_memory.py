@@ -13,6 +13,9 @@ whose measured peak exceeds the usable part of its device's memory is flagged in
 whatever budget the search was given (:func:`device_bytes`).
 
     python bench/calibration/real_memory.py [--plans llama3-8b-8 ...] [--skip-published] [--extrapolate] [--out FILE]
+
+Each plan measured is recorded in ``bench/results/real_memory.json`` (:mod:`bench.calibration.memory_record`; not with
+``--no-record``), which ``bench/calibration/autodist.py`` reads.
 """
 from __future__ import annotations
 
@@ -147,6 +150,9 @@ def main(argv=None) -> int:
                     help=f"compile each chunk at {LOW} and {HIGH} blocks and extrapolate linearly (faster)")
     ap.add_argument("--out", help="also write the table to this Markdown file")
     ap.add_argument("--json", help="also write each plan's configuration, measured and estimated bytes to this file")
+    ap.add_argument("--no-record", action="store_true",
+                    help="do not record the measurements in bench/results/real_memory.json (bench/calibration/memory_record.py, "
+                         "which bench/calibration/autodist.py reads)")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     lines = ["GiB per rank, measured (rank 0 of the first and, pipelined, the last and the fullest middle stage: the largest) / estimated "
@@ -164,6 +170,9 @@ def main(argv=None) -> int:
             line = f"| {label} | {_short(plan.parallel)} | error: {type(exc).__name__}: {str(exc)[:160]} | | | | | | |"
         else:
             est = estimated(plan)
+            if not args.no_record:
+                from bench.calibration.memory_record import put
+                put(label, plan, got, args.extrapolate)
             rows[label] = {"parallel": plan.parallel.as_dict(), "measured": got, "estimated": est,
                            "budget": plan.best.budget, "device": device_bytes(plan, memory_gib)}
             if args.json:
