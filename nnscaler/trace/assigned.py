@@ -37,8 +37,7 @@ def submodule_assignments(model: torch.nn.Module) -> Iterator[None]:
                     raise TypeError(f"forward assigns buffer {name} of {type(module).__name__} a tensor of shape "
                                     f"{tuple(new.shape)} and {new.dtype}, where it held {tuple(held.shape)} and "
                                     f"{held.dtype}: a compiled program writes a buffer in place")
-                with torch.no_grad():
-                    held.copy_(new.detach())
+                held.copy_(new)  # (torch's own aten.copy_ for the root's: a write of the value the model's line made)
                 module._buffers[name] = held
         first.clear()
 
