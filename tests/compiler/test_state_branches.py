@@ -89,6 +89,16 @@ def test_the_state_branch_trains_equal_to_one_device_under_dp_and_tp_and_a_kept_
     assert all("after step 1" in r.detail or "step 1" in r.detail for r in rows), [r.detail for r in rows]
 
 
+def test_a_pipeline_stage_whose_state_guard_fails_refuses_naming_the_line():
+    """Pipeline stages are traced once: the second step raises on every rank, naming the line and why."""
+    from verify.judge.verdict import MATCH
+    from verify.runner.gang import Gang
+    with Gang(2, (), (2,)) as gang:
+        (row,) = _rows(gang, "build", ("pp",), steps=2)
+    assert row.status != MATCH and STATE_LINE in row.detail, (row.status, row.detail)
+    assert "a pipeline stage's program is traced once" in row.detail, row.detail
+
+
 def test_replicas_whose_inputs_take_different_sides_of_a_data_branch_all_raise_naming_the_line():
     from verify.config import RunConfig
     from verify.rows.replicas import run_replicas
