@@ -64,6 +64,11 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     :class:`nnscaler.runtime.pipeline.PipelineModule` (train with its ``train_step``); ``verify`` then
     checks every stage's plan.
 
+    A model that branches on its own state (a buffer's value: I-BERT's ``QuantAct``) gets a program per
+    branch: when the branch the trace took stops holding, the module traces ``model`` again on its current
+    state, plans it alike and runs that program on the same parameters (:mod:`.respecialise`); such a
+    module keeps a reference to ``model`` for it (no other does).
+
     ``tracer``: what traces the model, called as :func:`nnscaler.trace.build.trace` is (default: that);
     a caller compiling one model under several plans may hand back a graph it traced before, on a
     copy (:meth:`~nnscaler.ir.graph.IRGraph.copy`), as ``verify``'s per-rank trace cache does.

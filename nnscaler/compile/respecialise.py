@@ -144,9 +144,14 @@ class Respecialiser:
         before = getattr(module.plan.stats, "respecialised", []) if module.plan.stats is not None else []
         plan.stats.respecialised = [*before, f"{failed.where} ({failed.text} failed)"]
         if self.report:
-            warnings.warn(f"{self.label}: the guard at {failed.where} failed at run time ({failed.text} no longer "
-                          f"holds on the model's state): traced again on the current state and input, planned by "
-                          f"{self.name}, and run on the same parameters (program {self.made + 1} of this module, "
-                          f"kept for that branch)", RespecialisedWarning, stacklevel=4)
+            path = failed.where.partition(": ")[0]
+            file, _, line = path.rpartition(":")
+            message = (f"{self.label}: the guard at {failed.where} failed at run time ({failed.text} no longer holds "
+                       f"on the model's state): traced again on the current state and input, planned by {self.name}, "
+                       f"and run on the same parameters (program {self.made + 1} of this module, kept for that branch)")
+            if line.isdigit():  # said at the model's line, as the trace's SpecialisedBranchWarning is
+                warnings.warn_explicit(message, RespecialisedWarning, file, int(line))
+            else:
+                warnings.warn(message, RespecialisedWarning, stacklevel=2)
             write_report(plan, self.directory)
         return program, plan, graph

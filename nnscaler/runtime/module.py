@@ -74,6 +74,8 @@ class ParallelModule(torch.nn.Module):
     ``num_microbatches`` of them with gradient accumulation. ``recipe``: the training recipe
     (:class:`~nnscaler.recipe.Recipe`: precision, micro-batches, buckets, clipping); ``zero``: this rank's
     ZeRO layout (:class:`~nnscaler.compile.zero.ZeroSpec`), made from ``recipe.zero`` and the plan.
+    A guard of the program on the model's state that fails (a branch on a buffer that flips during
+    training) switches it to the program of the other branch, on the same parameters (:meth:`_next_program`).
     """
 
     def __init__(self, program: types.ModuleType, full_state: Mapping[str, torch.Tensor], mesh: RankMesh,
