@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..codegen.emit import Emitter, emit_program
+from ..codegen.emit import Emitter, emit_program, stored_layouts
 from ..config import ComputeConfig, PlanWarning
 from ..ir.graph import GUARD, IRGraph
 from ..ir.plan import Plan, Policy
@@ -130,7 +130,10 @@ class Respecialiser:
                                   registry=self.registry, strict=self.strict)
         # each tensor held as the running program holds it (the policy may want another split of it for this
         # branch): the module's parameters, and with them the optimizer's state, carry over piece for piece
-        plan.held = {n: tuple(entry[1]) for n, entry in module._program.STATE.items()}
+        # (only where they differ: a branch flipping back makes its first program again, the same text)
+        wants = {t.target or t.name: tuple(str(q) for q in lay) for t, lay in stored_layouts(graph, plan).items()}
+        plan.held = {n: tuple(entry[1]) for n, entry in module._program.STATE.items()
+                     if n in wants and wants[n] != tuple(entry[1])}
         verify_on_ranks(graph, plan, self.config, self.verify, self.verifier, self.groups, self.user_groups,
                         self.verify_cache)
         self.made += 1

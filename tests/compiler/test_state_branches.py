@@ -151,3 +151,44 @@ def test_the_respecialised_module_keeps_its_parameters_and_counts_the_branch_in_
         assert model.act.lo.abs().max() == 0  # the model handed to parallelize is left as it was
     finally:
         torch.distributed.destroy_process_group()
+
+
+class _Parity(torch.nn.Module):
+    """A branch on a step counter's parity: it flips at every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        h = self.lin(x)
+        if self.steps % 2 == 1:
+            h = h * 2
+        return h.pow(2).mean()
+
+
+def test_a_branch_flipping_every_step_is_traced_once_per_branch():
+    """Programs are kept per (program, failed guard): after each branch was made once, flipping back and
+    forth traces nothing (``Respecialiser.made``), and the losses are the single-device model's."""
+    import os
+    from nnscaler import parallelize
+    model, ref = _Parity(), _Parity()
+    ref.load_state_dict(model.state_dict())
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 2000), "RANK": "0",
+                       "WORLD_SIZE": "1"})
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        x = torch.randn(4, 8)
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = parallelize(model, (x,), "dp", ComputeConfig(1), gen_savedir=tmp, verify=False)
+            programs = set()
+            for _ in range(6):
+                torch.testing.assert_close(pm(x), ref(x))
+                programs.add(pm._program.__name__)
+        assert len(programs) == 2 and pm.respecialise.made == 2, (programs, pm.respecialise.made)
+        assert int(pm.state_dict()["steps"]) == 6
+    finally:
+        torch.distributed.destroy_process_group()
