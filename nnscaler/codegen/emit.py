@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..comm.conversion import Step, conversion, step_layout
-from ..dimops.layout import Layout, Partial, Replicate, layout_str, piece
+from ..dimops.layout import Layout, Partial, Replicate, Shard, layout_str, piece
 from ..dimops.partition import axis_groups, coords, local_sizes
 from ..ir.graph import BUFFER, CONSTANT, GUARD, PARAM, BufferWrite, IRGraph, IROp, IRTensor
 from ..ops.registry import DEFAULT_REGISTRY
@@ -50,6 +50,10 @@ def stored_layouts(graph: IRGraph, plan: Plan) -> dict[IRTensor, Layout]:
                                for q in want)
     for t in graph.params + graph.buffers:
         out.setdefault(t, whole)
+    for t in out if plan.held else ():  # held where the plan says (a respecialised program: its predecessor's pieces)
+        lay = plan.held.get(t.target or t.name)
+        if lay is not None:
+            out[t] = tuple(Shard.parse(q) if q.startswith("D") else Replicate() for q in lay)
     return out
 
 
@@ -80,7 +84,9 @@ def synced_params(graph: IRGraph, plan: Plan) -> dict[IRTensor, int]:
             if x in star and star[x] != axes:
                 other.add(x)
             star.setdefault(x, axes)
-    return {t: next(iter(axes)) for t, axes in star.items() if len(axes) == 1 and t not in other}
+    held = stored_layouts(graph, plan) if plan.held else {}  # one held split on the axis: its reads sum the gradient
+    return {t: next(iter(axes)) for t, axes in star.items() if len(axes) == 1 and t not in other
+            and isinstance(held.get(t, (Replicate(),) * len(plan.mesh_shape))[next(iter(axes))], Replicate)}
 
 
 def shard_slices(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, ...], rank: int) -> tuple:
@@ -323,13 +329,18 @@ class Emitter:
 
     def _guard(self, op: IROp) -> None:
         """A data-dependent branch or size the trace fixed (``nnscaler/trace/branches.py``), checked
-        on the whole tensors by torch's own runtime assertion (``aten._assert_scalar``, the node
-        torch.export leaves for it): every rank computes the same condition and raises alike."""
+        on the whole tensors (:func:`nnscaler.runtime.program.guard`, where torch.export left its
+        ``aten._assert_scalar``): every rank of the plan computes the same condition and raises alike
+        (a :class:`~nnscaler.runtime.program.GuardFailed`; one on the model's state alone makes
+        :class:`~nnscaler.runtime.module.ParallelModule` respecialise the program)."""
         whole = tuple(Replicate() for _ in self.plan.mesh_shape)
         none = tuple(None for _ in self.plan.mesh_shape)
         names = [self.read(op.name, t, whole, none) for t in op.inputs]
-        self.lines.append(f"    torch.ops.aten._assert_scalar.default({op.kwargs['cond'].format(*names)}, "
-                          f"{literal(op.kwargs['message'])})  # data-dependent: checked whole")
+        self.imports.add("from nnscaler.runtime.program import guard")
+        on_state = bool(op.kwargs.get("on_state", False))
+        self.lines.append(f"    guard({op.kwargs['cond'].format(*names)}, {literal(op.name)}, {literal(op.source)}, "
+                          f"{literal(op.kwargs.get('text', ''))}, {literal(op.kwargs['message'])}, on_state={on_state})"
+                          f"  # data-dependent ({'state' if on_state else 'data'}): checked whole")
 
     def write(self, w: BufferWrite) -> None:
         """Write the buffer forward wrote in place (``w``), after every operator: its new value

@@ -73,6 +73,16 @@ def persistent_names(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(model.state_dict(keep_vars=True))
 
 
+def load_program(graph: IRGraph, plan: Plan, emitted: Emitter, *, plan_rank: int, key: list[str], label: str,
+                 directory: Path, reuse: bool) -> tuple[types.ModuleType, str]:
+    """Plan rank ``plan_rank``'s program written down, saved under ``directory`` and imported, and its
+    digest (the same on every rank of one graph, plan and ``key``)."""
+    digest = program_digest(str(graph), plan.describe(), repr(plan.mesh_shape), *key)
+    source = render_program(emitted, header=f"[{digest}] {label}: ")
+    path = save_program(directory, plan_rank, source, reuse)  # a gen_savedir that cannot be used fails here
+    return import_program(source, path, plan_rank), digest
+
+
 def build_rank_module(model: torch.nn.Module, graph: IRGraph, plan: Plan, emitted: Emitter, *, plan_rank: int,
                       key: list[str], label: str, directory: Path, reuse: bool, mesh: RankMesh, replica_group,
                       replicas: int, recipe: Recipe, zero=None) -> ParallelModule:
@@ -80,10 +90,8 @@ def build_rank_module(model: torch.nn.Module, graph: IRGraph, plan: Plan, emitte
     wrapped with this rank's state: the one path from a plan to a module, for whole models and stages.
     ``key``: what else shapes the program (config, policy, stage), hashed into its header; ``recipe``:
     the training recipe, handed to the module whole; ``zero``: this rank's ZeRO layout."""
-    digest = program_digest(str(graph), plan.describe(), repr(plan.mesh_shape), *key)
-    source = render_program(emitted, header=f"[{digest}] {label}: ")
-    path = save_program(directory, plan_rank, source, reuse)  # a gen_savedir that cannot be used fails here
-    program = import_program(source, path, plan_rank)
+    program, _ = load_program(graph, plan, emitted, plan_rank=plan_rank, key=key, label=label, directory=directory,
+                              reuse=reuse)
     state = {**graph.constants, **dict(model.named_buffers()), **dict(model.named_parameters())}
     trainable = {n for n, _ in model.named_parameters()}
     module = ParallelModule(program, state, mesh, trainable, replica_group, replicas, recipe=recipe, zero=zero,

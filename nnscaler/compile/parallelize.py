@@ -12,7 +12,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..codegen.emit import emit_program
 from ..config import ComputeConfig, PlanError
 from ..ir.plan import Policy
 from ..ops.registry import OpRegistry
@@ -25,10 +24,10 @@ from .artifacts import build_rank_module
 from .gate import Verifier, check_mode, verify_on_ranks
 from .groups import ensure_process_group, module_group, replica_group
 from .pipeline import parallelize_pipeline
-from .precision import apply_precision, prepare_model
-from .writes import check_writes
-from .zero import check_zero, zero_spec
-from .plan import attach_stats, choose_plan, resolve_policy, trace_model, write_report
+from .precision import prepare_model
+from .respecialise import Respecialiser, emitted, planned, state_guards
+from .zero import zero_spec
+from .plan import resolve_policy, write_report
 
 
 def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str | Policy, config: ComputeConfig,
@@ -65,6 +64,11 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
     :class:`nnscaler.runtime.pipeline.PipelineModule` (train with its ``train_step``); ``verify`` then
     checks every stage's plan.
 
+    A model that branches on its own state (a buffer's value: I-BERT's ``QuantAct``) gets a program per
+    branch: when the branch the trace took stops holding, the module traces ``model`` again on its current
+    state, plans it alike and runs that program on the same parameters (:mod:`.respecialise`); such a
+    module keeps a reference to ``model`` for it (no other does).
+
     ``tracer``: what traces the model, called as :func:`nnscaler.trace.build.trace` is (default: that);
     a caller compiling one model under several plans may hand back a graph it traced before, on a
     copy (:meth:`~nnscaler.ir.graph.IRGraph.copy`), as ``verify``'s per-rank trace cache does.
@@ -81,17 +85,13 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
         except MicroBatchError as exc:
             raise PlanError(f"sample_args: {exc}") from None
     name, _ = resolve_policy(policy)
-    graph = trace_model(model, sample_args, sample_kwargs, registry=registry, strict=strict, tracer=tracer)
-    check_writes(graph, config)  # a buffer written from the batch under replicas: refused by name
-    plan = choose_plan(graph, policy, config)  # a policy's bad answer is refused before any process group
-    apply_precision(graph, config.precision)  # bf16-mixed: the casts autocast makes (before any process group)
-    check_zero(plan, config, name)
+    graph, plan = planned(model, sample_args, sample_kwargs, policy, config, name, registry=registry, strict=strict,
+                          tracer=tracer)
     world, rank, runtime = ensure_process_group(config, groups)
     cache = groups if groups is not None else GroupCache()
     verify_on_ranks(graph, plan, config, verify, verifier, cache, groups is not None, verify_cache)
     plan_rank, replica = rank % config.plan_ngpus, rank // config.plan_ngpus
-    emitted = emit_program(graph, plan, plan_rank, recompute=config.recompute, recompute_modules=config.recompute_modules)  # once: the cost estimate reads its steps
-    attach_stats(plan, graph, config, emitted.steps)
+    program = emitted(graph, plan, config, plan_rank)
     for r in range(config.replicas if groups is None else 0):  # every rank creates every group, in order
         cache.create_for_shapes([plan.mesh_shape], offset=r * config.plan_ngpus)
     mine = None
@@ -101,9 +101,16 @@ def parallelize(model: torch.nn.Module, sample_args: Sequence[Any], policy: str 
             mine = g if p == plan_rank else mine
     mesh = RankMesh.build(plan.mesh_shape, rank, cache, offset=replica * config.plan_ngpus)
     zero = zero_spec(plan, config, rank, cache, groups is None)
-    module = build_rank_module(model, graph, plan, emitted, plan_rank=plan_rank, key=[repr(config), name],
-                               label=type(model).__name__, directory=Path(gen_savedir), reuse=reuse, mesh=mesh,
-                               replica_group=mine, replicas=config.replicas, recipe=config.recipe, zero=zero)
+    key, label = [repr(config), name], type(model).__name__
+    module = build_rank_module(model, graph, plan, program, plan_rank=plan_rank, key=key, label=label,
+                               directory=Path(gen_savedir), reuse=reuse, mesh=mesh, replica_group=mine,
+                               replicas=config.replicas, recipe=config.recipe, zero=zero)
+    if state_guards(graph):  # a branch on the model's state: a program per branch (holds the model: only then)
+        module.respecialise = Respecialiser(model, policy, config, name, plan_rank=plan_rank, key=key, label=label,
+                                            directory=Path(gen_savedir), reuse=reuse, registry=registry,
+                                            strict=strict, verify=verify, verifier=verifier, groups=cache,
+                                            user_groups=groups is not None, verify_cache=verify_cache,
+                                            report=rank == 0)
     if rank == 0:  # the one-line summary, and the report next to the generated code
         print(plan.one_line(), flush=True)
         write_report(plan, gen_savedir)

@@ -39,6 +39,8 @@ class PlanStats:
     replicated_ops: list[tuple[str, str, str]] = field(default_factory=list)
     inferred: list[tuple[str, str]] = field(default_factory=list)  # (operator, annotation) found by probing
     guards: list[str] = field(default_factory=list)  # the model's lines whose data-dependent branch or size the trace fixed
+    # the guards on the model's state that failed at run time, each remade for the branch the state took (in order)
+    respecialised: list[str] = field(default_factory=list)
     zero: int = 0  # the ZeRO stage costed
     zero_ranks: int = 1  # the ranks each parameter's ZeRO state is sharded over (the dp axis x the replicas)
     # () -> one line per cause of the forward collectives (nnscaler/cost/causes.py), made when a report asks

@@ -60,6 +60,7 @@ def summary(plan, s) -> dict:
                                  "ops": [{"name": n, "overload": o, "why": w} for n, o, w in s.replicated_ops]},
         "inferred_annotations": [{"operator": n, "annotation": a} for n, a in getattr(s, "inferred", [])],
         "data_dependent_guards": list(getattr(s, "guards", [])),
+        "respecialised": list(getattr(s, "respecialised", [])),
         "note": plan.note,
     }
 
@@ -134,6 +135,10 @@ def report(plan, s) -> str:
     if getattr(s, "guards", None):
         parts += ["", f"data-dependent branches and sizes traced for the sample input, checked at run time: {len(s.guards)}"]
         parts += [f"  {line}" for line in s.guards]
+    if getattr(s, "respecialised", None):
+        parts += ["", f"programs respecialised at run time, a guard on the model's state having failed: "
+                      f"{len(s.respecialised)} (this program is the last; each is kept for its branch)"]
+        parts += [f"  {line}" for line in s.respecialised]
     inferred = getattr(s, "inferred", [])
     if inferred:
         parts += ["", f"annotations inferred by probing (no rule; verified like every plan by the harness): {len(inferred)}"]

@@ -38,6 +38,9 @@ class Plan:
     policy: str = ""
     stats: PlanCost | None = field(default=None, repr=False, compare=False)  # set by plan_model / parallelize
     note: str = field(default="", compare=False)  # what the policy wants the user to know (autodist's search)
+    # state tensor name -> the layout it is held in (``("D0", "R")``, as a program's STATE writes it), where not
+    # where its first reader wants it: a program respecialised for another branch holds its predecessor's pieces
+    held: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -50,7 +53,8 @@ class Plan:
         return replicated(self.mesh_shape)
 
     def describe(self) -> str:
-        return ", ".join(f"{name}: {p.label}" for name, p in self.partitions.items())
+        return ", ".join([f"{name}: {p.label}" for name, p in self.partitions.items()]
+                         + [f"held {name}: {'/'.join(lay)}" for name, lay in sorted(self.held.items())])
 
     def _stats(self) -> PlanCost:
         if self.stats is None:

@@ -19,6 +19,7 @@ from .precision import GRAD_REDUCE_DTYPES, PrecisionError, autocast_message, aut
 from .mesh import RankMesh
 from .merge import gather_joined
 from .microbatch import accumulate
+from .program import AGREE, GuardFailed
 from .zero import guard_hand_zero
 from .shard_grad import real
 from .zero3 import GatheredParams, saved_hooks
@@ -28,6 +29,7 @@ def _parse_layout(text: Sequence[str]) -> list:
     return [Shard.parse(q) if q.startswith("D") else None for q in text]
 
 
+MAX_PROGRAMS = 8  # the most programs one module holds, one per branch its state took (torch.compile's cache_size_limit is 8)
 GATHER_BUCKET_BYTES = 64 << 20  # the most one state_dict all_gather sends per rank
 
 
@@ -50,6 +52,18 @@ def block_of(name: str) -> str:
     return ".".join(parts[:-1])
 
 
+def _rng_state() -> tuple:
+    """The random generators' states (CPU, and the current accelerator's if it is in use)."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
 class ParallelModule(torch.nn.Module):
     """One rank's part of a parallelized model.
 
@@ -60,6 +74,8 @@ class ParallelModule(torch.nn.Module):
     ``num_microbatches`` of them with gradient accumulation. ``recipe``: the training recipe
     (:class:`~nnscaler.recipe.Recipe`: precision, micro-batches, buckets, clipping); ``zero``: this rank's
     ZeRO layout (:class:`~nnscaler.compile.zero.ZeroSpec`), made from ``recipe.zero`` and the plan.
+    A guard of the program on the model's state that fails (a branch on a buffer that flips during
+    training) switches it to the program of the other branch, on the same parameters (:meth:`_next_program`).
     """
 
     def __init__(self, program: types.ModuleType, full_state: Mapping[str, torch.Tensor], mesh: RankMesh,
@@ -71,6 +87,11 @@ class ParallelModule(torch.nn.Module):
         self.precision = precision  # nnscaler.runtime.precision: bf16-true holds its state in bf16
         self.num_microbatches = recipe.num_microbatches
         self._program = program
+        # a program per branch of the model's state (see _next_program): what parallelize sets to make one,
+        # why none is made where it sets nothing, and (program name, guard failed) -> (program, plan, graph)
+        self.respecialise: Callable | None = None
+        self.no_respecialise = "a pipeline stage's program is traced once (compile without pipeline stages)"
+        self._branches: dict[tuple[str, str], tuple] = {}
         self._mesh = mesh
         self._replica_group, self._replicas = replica_group, replicas
         self.process_group = None  # the group of every rank running this module (None: the default group)
@@ -201,15 +222,71 @@ class ParallelModule(torch.nn.Module):
                            for x in inputs)
         off = torch.autocast(autocast_on(), enabled=False) if self.precision == "bf16-mixed" and autocast_on() \
             else nullcontext()  # bf16-mixed: the program casts as autocast would, so autocast is off inside
-        if self._zero is None or self._zero.stage < 3:
-            with off:
-                return self._program.forward(self._local(), self._mesh.groups, *inputs)
-        params = GatheredParams(self._zero, self._local(), self._gathered_at)
+        tried: set = set()
+        draws = _rng_state() if self.respecialise is not None else None  # the rerun draws what the first run drew
+        while True:
+            try:
+                return self._run(off, inputs)
+            except GuardFailed as failed:  # on the model's state: another program for that branch, and again
+                self._next_program(failed, inputs, tried)
+                _set_rng_state(draws)
+
+    def _run(self, off, inputs: tuple) -> Any:
+        agree = AGREE.set(self._replica_group if self._replicas > 1 else None)  # data guards agreed over replicas
         try:
-            with off, saved_hooks(self._zero):
-                return self._program.forward(params, self._mesh.groups, *inputs)
+            if self._zero is None or self._zero.stage < 3:
+                with off:
+                    return self._program.forward(self._local(), self._mesh.groups, *inputs)
+            params = GatheredParams(self._zero, self._local(), self._gathered_at)
+            try:
+                with off, saved_hooks(self._zero):
+                    return self._program.forward(params, self._mesh.groups, *inputs)
+            finally:
+                params.close()
         finally:
-            params.close()
+            AGREE.reset(agree)
+
+    def _next_program(self, failed: GuardFailed, inputs: tuple, tried: set) -> None:
+        """Switch to the program of the branch the model's state now takes, after ``failed`` (a guard
+        on the state alone: I-BERT's ``if self.x_min.min() > -1.1e-5 ...`` holds at the first step, on
+        zero buffers, and never after), as torch.compile recompiles on a failed guard: the program
+        this one's failure of that guard led to before, or a new one from :attr:`respecialise` (the
+        model traced again on its current state and ``inputs``, planned alike); the parameters, and
+        with them the optimizer's state, stay this module's. Raises ``failed`` (one line naming the
+        model's line) for a guard on the input, where no respecialisation is wired (a pipeline
+        stage), or when the new program fails it too. A micro-batch of :meth:`train_step` is one forward
+        like any other (a buffer one writes, the next reads, as on one device)."""
+        if not failed.on_state:
+            raise failed
+        if self.respecialise is None:
+            raise GuardFailed(f"{failed} (this module's program is not respecialised on the model's state: "
+                              f"{self.no_respecialise})", failed.name, failed.where, failed.text, True) from None
+        key = (self._program.__name__, failed.name)
+        if key in tried:
+            raise GuardFailed(f"{failed} (and so does the program traced again for it)", failed.name, failed.where,
+                              failed.text, True) from None
+        tried.add(key)
+        nxt = self._branches.get(key)
+        if nxt is None:
+            if len({id(p) for p, _, _ in self._branches.values()} | {id(self._program)}) >= MAX_PROGRAMS:
+                raise GuardFailed(f"{failed}: this module holds {MAX_PROGRAMS} programs already, one per branch "
+                                  f"its state took (MAX_PROGRAMS)", failed.name, failed.where, failed.text,
+                                  True) from None
+            nxt = self.respecialise(self, failed, inputs)
+            self._same_state(nxt[0], failed)
+            self._branches[key] = nxt
+        self._program, self.plan, self.graph = nxt
+
+    def _same_state(self, program: types.ModuleType, failed: GuardFailed) -> None:
+        """The respecialised ``program`` holds this module's parameters and buffers exactly as the
+        current one does (names, shapes, layouts, pieces): else it cannot take them over, and says so."""
+        old, new = self._program.STATE, program.STATE
+        differs = next((n for n in sorted(set(old) | set(new)) if old.get(n) != new.get(n)), None)
+        if differs is None and set(getattr(self._program, "NO_GRAD", ())) == set(getattr(program, "NO_GRAD", ())):
+            return
+        raise GuardFailed(f"{failed}; the program traced again for the branch the state now takes holds "
+                          f"{differs or 'the gradients'} otherwise ({new.get(differs)} against {old.get(differs)}), "
+                          f"so it cannot take over this module's state", failed.name, failed.where, failed.text, True)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

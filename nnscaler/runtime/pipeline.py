@@ -33,6 +33,7 @@ from ..ops.rules import TensorMeta
 from . import clip
 from .grad_steps import after_backward
 from .mesh import backend_device
+from .program import GuardFailed
 from .microbatch import Accumulation, MicroBatchError, batch_rows, check_divisible, loss_terms
 from .module import ParallelModule, take
 from .schedules import SCHEDULES, canonical_schedule
@@ -188,9 +189,14 @@ class PipelineModule(torch.nn.Module):
             else:
                 with torch.no_grad():
                     self._forward_only(batch)
-        except BaseException:
+        except BaseException as exc:
             for p in self._acc.params:  # the gradients as they were before the step
                 p.grad = self._acc.stash.get(id(p))
+            failed = exc
+            while failed is not None and not isinstance(failed, GuardFailed):
+                failed = failed.__cause__ or failed.__context__
+            if failed is not None:  # a stage's guard, wrapped by the schedule ("[Stage 0] failed to run forward"):
+                raise failed from None  # its own line (a stage's program is never respecialised: it names why)
             raise
         finally:
             self._batch, self._loss_fn = (), None

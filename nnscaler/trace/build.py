@@ -179,16 +179,33 @@ def trace(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
                              f"from something other than the model's tensors; it cannot be checked at run time")
         where = g.where or _source(g.node) or g.node.name
         path, _, code = where.partition(": ")
+        on_state = not any(reads_input(t) for t in roots)
         message = (f"{type(model).__name__}: data-dependent branch or size at {path}" + (f" ({code})" if code else "")
-                   + f": the program was traced for an input where {g.text} held, and this input breaks it (trace "
-                   f"on an input of this kind, or write the branch with torch.where or torch.cond)")
-        op = IROp(f"guard_{len(specialised)}", GUARD, roots, [None], {"cond": g.cond, "message": message},
-                  source=where)
+                   + (f": the program was traced for a model state where {g.text} held, and the state now breaks it"
+                      if on_state else f": the program was traced for an input where {g.text} held, and this input "
+                      f"breaks it (trace on an input of this kind, or write the branch with torch.where or torch.cond)"))
+        op = IROp(f"guard_{len(specialised)}", GUARD, roots, [None],
+                  {"cond": g.cond, "message": message, "on_state": on_state, "text": g.text}, source=where)
         op.scope, op.scope_types = _scope(g.node)
         for t in roots:
             t.consumers.append(op)
         ops.append(op)
         specialised.append(where)
+
+    def reads_input(t: IRTensor) -> bool:
+        """Whether ``t`` is computed from a model input (a guard on it is on data; otherwise on the
+        model's state alone: parameters, buffers, constants)."""
+        seen, stack = set(), [t]
+        while stack:
+            x = stack.pop()
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
+            if x.kind == INPUT:
+                return True
+            if x.producer is not None:
+                stack += [i for i in x.producer.tensor_inputs() if isinstance(i, IRTensor)]
+        return False
 
     def detached(t: IRTensor, name: str) -> IRTensor:
         """``t.detach()`` as an operator of the graph: the end of a region run without gradients,

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .assigned import submodule_assignments
 from .segments import NotSegments, fixed_segments
 from .branches import DECIDED, data_dependent, needs_values, specialising, unchecked
 from .checkpoints import refusal, watch_checkpoints
@@ -199,7 +200,7 @@ def _export(model: torch.nn.Module, args: Sequence[Any], kwargs: dict):
     """``torch.export.export`` (non-strict) with splits by data-made sizes traced fixed-shape
     (:mod:`.segments`), or as written where a segment meets an operator that is not row-wise."""
     try:
-        with fixed_segments():
+        with fixed_segments(), submodule_assignments(model):
             return torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001  (torch may wrap it: the cause chain says)
         seen = exc
@@ -207,7 +208,8 @@ def _export(model: torch.nn.Module, args: Sequence[Any], kwargs: dict):
             seen = seen.__cause__ or seen.__context__
         if seen is None:
             raise
-    return torch.export.export(model, tuple(args), kwargs, strict=False)
+    with submodule_assignments(model):
+        return torch.export.export(model, tuple(args), kwargs, strict=False)
 
 
 def export_model(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,

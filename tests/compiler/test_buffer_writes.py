@@ -158,3 +158,42 @@ def test_a_program_that_drops_or_does_not_reduce_a_buffer_write_is_caught(bug, n
     with Gang(2, (str(FIXTURES / f"{bug}.py"),), (2,)) as bad:
         (row,) = _rows(bad, name, ("dp",), steps=1)
     assert row.status == MISMATCH and row.detail.startswith(says), row.detail
+
+
+class _Assigns(torch.nn.Module):
+    """A buffer assigned anew in a submodule's forward (I-BERT's ``QuantAct``: ``self.x_min = self.x_min + ...``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("lo", torch.zeros(8))
+
+    def forward(self, h):
+        self.lo = self.lo * 0.5 + h.detach().mean(0)
+        return h - self.lo
+
+
+class _Holds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act = torch.nn.Linear(8, 8), _Assigns()
+
+    def forward(self, x):
+        return self.act(self.lin(x)).pow(2).mean()
+
+
+def test_a_buffer_a_submodule_assigns_anew_is_written_by_the_program():
+    """torch.export follows such an assignment on the root module only (nnscaler/trace/assigned.py);
+    the program now writes it, the value the eager forward leaves, and the model keeps its own buffer."""
+    model, x = _Holds(), torch.randn(4, 8)
+    held = model.act.lo
+    graph = _trace(model, x)
+    (w,) = graph.writes
+    assert w.buffer.target == "act.lo" and "self.lo = self.lo * 0.5" in w.source, w
+    assert model.act.lo is held and not held.any()  # the trace wrote nothing of the model's
+    program = graph.exported.module()
+    want = _Holds()
+    want.load_state_dict(model.state_dict())
+    want(x)
+    program.load_state_dict(model.state_dict(), strict=False, assign=True)
+    program(x)
+    torch.testing.assert_close(program.get_buffer("act.lo"), want.act.lo)
