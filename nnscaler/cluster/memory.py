@@ -9,7 +9,8 @@ time is :mod:`nnscaler.cluster.cost`, which calls :func:`micro_batch_saved` and 
   times the blocks in flight: a 1F1B stage ``s`` holds ``min(pp - s, m)`` micro-batches, stage 0 the
   most; interleaving with ``v`` virtual stages holds torch's warm-up of chunk forwards (:func:`in_flight`;
   stage 0: ``1 + (pp - 1) / (pp v)`` times as many, Korthikanti et al. 2022); ``full`` recompute keeps only each
-  block's input plus one block's working set, ``selective`` drops the attention core's outputs; a pipeline
+  block's input plus one block's working set, ``selective`` keeps the attention core's checkpointed region's
+  boundary (its inputs, its outputs saved after it: ``OpFacts.boundary``) in place of its saved tensors; a pipeline
   stage also holds the tensors it exchanges, whole, with a receive buffer per micro-batch
   (:func:`stage_boundaries`).
 """
@@ -63,7 +64,9 @@ def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: floa
     total = 0.0
     wide = act_bytes if fp32_bytes is None else fp32_bytes
     for o in sec.ops:
-        if drop_core and o.core:
+        if drop_core and o.core:  # selective: the recomputed region's boundary in place of its saved tensors
+            total += (o.boundary / tp + o.boundary_whole / (tp if sp else 1)) * scale * act_bytes
+            total += (o.boundary_fp32 / tp + o.boundary_whole_fp32 / (tp if sp else 1)) * scale * (wide - act_bytes)
             continue
         total += (o.saved / tp + o.saved_whole / (tp if sp else 1)) * scale * act_bytes
         if o.repeat_heads and tp >= o.repeat_heads:  # one head of the base a rank: the repeat is a view of it
