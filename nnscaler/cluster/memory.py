@@ -8,7 +8,8 @@ time is :mod:`nnscaler.cluster.cost`, which calls :func:`micro_batch_saved` and 
   activations: saved elements per block (split ones / tp, the rest / tp only under sequence parallelism)
   times the blocks in flight: a 1F1B stage ``s`` holds ``min(pp - s, m)`` micro-batches, stage 0 the
   most; interleaving with ``v`` virtual stages holds torch's warm-up of chunk forwards (:func:`in_flight`;
-  stage 0: ``1 + (pp - 1) / (pp v)`` times as many, Korthikanti et al. 2022); ``full`` recompute keeps only each
+  stage 0: ``1 + (pp - 1) / (pp v)`` times as many, Korthikanti et al. 2022), each chunk's forwards counted
+  with its own blocks (:func:`saved_in_flight`); ``full`` recompute keeps only each
   block's input plus one block's working set, ``selective`` keeps the attention core's checkpointed region's
   boundary (its inputs, its outputs saved after it: ``OpFacts.boundary``) in place of its saved tensors; a pipeline
   stage also holds the tensors it exchanges, whole, with a receive buffer per micro-batch
