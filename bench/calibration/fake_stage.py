@@ -363,19 +363,28 @@ def microbatches_run(par) -> int:
 
 
 def measure_plan(plan, stage: int, extrapolate: bool = False, width_scale: int = 1, name=None) -> dict:
-    """Stage ``stage`` of cluster plan ``plan`` measured (bytes per ``KEYS`` and ``held``): at its real block
-    count, or (``extrapolate``) at ``LOW`` and ``HIGH`` blocks per chunk, extrapolated linearly."""
+    """Stage ``stage`` of cluster plan ``plan`` measured (bytes per ``KEYS`` and ``held``): :func:`measure_chunks` of
+    its chunks (``_counts``)."""
     par = plan.parallel
     counts = _counts(plan)
-    v = par.virtual_stages
-    chunks = [counts[c * par.pp + stage] for c in range(v)]  # chunk c of stage s: model chunk c pp + s
+    chunks = [counts[c * par.pp + stage] for c in range(par.virtual_stages)]  # chunk c of stage s: model chunk c pp + s
+    return measure_chunks(name or plan.model, par, plan.precision, plan.shape.seq, stage, chunks, extrapolate,
+                          width_scale)
+
+
+def measure_chunks(model, par, precision: str, seq: int, stage: int, chunks: list[int], extrapolate: bool = False,
+                   width_scale: int = 1) -> dict:
+    """Stage ``stage`` of ``par`` with ``chunks[c]`` blocks in its chunk ``c`` (bytes per ``KEYS`` and ``held``): as it
+    is, or (``extrapolate``) at ``LOW`` and ``HIGH`` blocks in its fewest-block chunk, every other chunk as many more
+    as it holds (the interleaved warm-up runs some chunks' forwards more often than others': which chunks hold the
+    extra blocks matters), extrapolated linearly to ``chunks``."""
     m_eff = microbatches_run(par)
-    model, seq = name or plan.model, plan.shape.seq
     if not extrapolate or max(chunks) <= LOW + 1:
-        return measure_stage(model, par, plan.precision, seq, stage, chunks, m_eff, width_scale)
-    low = measure_stage(model, par, plan.precision, seq, stage, LOW, m_eff, width_scale)
-    high = measure_stage(model, par, plan.precision, seq, stage, HIGH, m_eff, width_scale)
-    extra = (sum(chunks) - v * LOW) / (v * (HIGH - LOW))  # the rank's blocks beyond LOW per chunk, in steps
+        return measure_stage(model, par, precision, seq, stage, chunks, m_eff, width_scale)
+    fewest = min(chunks)
+    low, high = (measure_stage(model, par, precision, seq, stage, [n - fewest + at for n in chunks], m_eff,
+                               width_scale) for at in (LOW, HIGH))
+    extra = (fewest - LOW) / (HIGH - LOW)  # the rank's blocks beyond LOW per chunk, in steps
     return {k: low[k] + extra * (high[k] - low[k]) for k in KEYS + ("held",)}
 
 
