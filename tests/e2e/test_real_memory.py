@@ -112,6 +112,10 @@ def test_the_fullest_middle_stage_is_measured_where_it_holds_more():
     assert stages_of([2, 2, 1, 2] + [2, 2, 2, 1], 4, 2) == [0, 3]  # per stage 4, 4, 3, 3
     assert stages_of([1, 2, 2, 1] + [1, 2, 1, 1], 4, 2) == [0, 3, 1]  # per stage 2, 4, 3, 2
     assert stages_of([80], 1, 1) == [0]
+    # interleaved, every stage 8 blocks: stage 1's chunks of 3, 3, 2 hold the most forwards in flight (Megatron-Core's
+    # GPT 314B over pp 12 x v 3; the first stage's 2, 3, 3 fewer), so it is measured too
+    gpt314 = [2] + [3] * 24 + [2] * 11
+    assert stages_of(gpt314, 12, 3) == [0, 11] and stages_of(gpt314, 12, 3, 24) == [0, 11, 1]
 
 
 @pytest.mark.slow  # ~20-60 s: the 405B rows' searches
