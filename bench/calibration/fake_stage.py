@@ -363,39 +363,58 @@ def microbatches_run(par) -> int:
 
 
 def measure_plan(plan, stage: int, extrapolate: bool = False, width_scale: int = 1, name=None) -> dict:
-    """Stage ``stage`` of cluster plan ``plan`` measured (bytes per ``KEYS`` and ``held``): at its real block
-    count, or (``extrapolate``) at ``LOW`` and ``HIGH`` blocks per chunk, extrapolated linearly."""
+    """Stage ``stage`` of cluster plan ``plan`` measured (bytes per ``KEYS`` and ``held``): :func:`measure_chunks` of
+    its chunks (``_counts``)."""
     par = plan.parallel
     counts = _counts(plan)
-    v = par.virtual_stages
-    chunks = [counts[c * par.pp + stage] for c in range(v)]  # chunk c of stage s: model chunk c pp + s
+    chunks = [counts[c * par.pp + stage] for c in range(par.virtual_stages)]  # chunk c of stage s: model chunk c pp + s
+    return measure_chunks(name or plan.model, par, plan.precision, plan.shape.seq, stage, chunks, extrapolate,
+                          width_scale)
+
+
+def measure_chunks(model, par, precision: str, seq: int, stage: int, chunks: list[int], extrapolate: bool = False,
+                   width_scale: int = 1) -> dict:
+    """Stage ``stage`` of ``par`` with ``chunks[c]`` blocks in its chunk ``c`` (bytes per ``KEYS`` and ``held``): as it
+    is, or (``extrapolate``) at ``LOW`` and ``HIGH`` blocks in its fewest-block chunk, every other chunk as many more
+    as it holds (the interleaved warm-up runs some chunks' forwards more often than others': which chunks hold the
+    extra blocks matters), extrapolated linearly to ``chunks``."""
     m_eff = microbatches_run(par)
-    model, seq = name or plan.model, plan.shape.seq
     if not extrapolate or max(chunks) <= LOW + 1:
-        return measure_stage(model, par, plan.precision, seq, stage, chunks, m_eff, width_scale)
-    low = measure_stage(model, par, plan.precision, seq, stage, LOW, m_eff, width_scale)
-    high = measure_stage(model, par, plan.precision, seq, stage, HIGH, m_eff, width_scale)
-    extra = (sum(chunks) - v * LOW) / (v * (HIGH - LOW))  # the rank's blocks beyond LOW per chunk, in steps
+        return measure_stage(model, par, precision, seq, stage, chunks, m_eff, width_scale)
+    fewest = min(chunks)
+    low, high = (measure_stage(model, par, precision, seq, stage, [n - fewest + at for n in chunks], m_eff,
+                               width_scale) for at in (LOW, HIGH))
+    extra = (fewest - LOW) / (HIGH - LOW)  # the rank's blocks beyond LOW per chunk, in steps
     return {k: low[k] + extra * (high[k] - low[k]) for k in KEYS + ("held",)}
 
 
 def stages_measured(plan) -> list[int]:
     """The stages the estimate takes its maxima from (:func:`stages_of`, on the plan's layer split)."""
     pp = plan.parallel.pp
-    return [0] if pp == 1 else stages_of(_counts(plan), pp, plan.parallel.virtual_stages)
+    return [0] if pp == 1 else stages_of(_counts(plan), pp, plan.parallel.virtual_stages,
+                                         microbatches_run(plan.parallel))
 
 
-def stages_of(counts: list[int], pp: int, v: int) -> list[int]:
+def stages_of(counts: list[int], pp: int, v: int, m: int | None = None) -> list[int]:
     """Of a ``pp x v`` split (``counts[c pp + s]`` blocks in chunk ``c`` of stage ``s``): the first stage and,
-    pipelined, the last (each moment's saved tensors and buffers are the larger of the two), and a middle stage
+    pipelined, the last (each moment's saved tensors and buffers are the larger of the two), a middle stage
     holding more blocks than both where one does (the parameters, gradients and optimizer state are the most any stage
     holds, ``memory.rank_memory``: Llama-3 405B over pp 16 puts 8 blocks on the middle stages, 7 on the first and
-    the last)."""
+    the last), and (``m`` micro-batches run) the middle stage whose chunk forwards in flight hold the most blocks where
+    it holds more than both (``memory.saved_in_flight``: Megatron-Core's GPT 314B over pp 12 x v 3, 8 blocks a stage
+    in chunks of 2 and 3, holds 135 block-forwards on stage 1, 118 on stage 0)."""
+    from nnscaler.cluster.memory import saved_in_flight
     if pp == 1:
         return [0]
     blocks = [sum(counts[c * pp + s] for c in range(v)) for s in range(pp)]
     fullest = max(range(1, pp - 1), key=lambda s: blocks[s], default=0)
-    return [0, pp - 1] + ([fullest] if blocks[fullest] > max(blocks[0], blocks[-1]) else [])
+    out = [0, pp - 1] + ([fullest] if blocks[fullest] > max(blocks[0], blocks[-1]) else [])
+    if m is not None and pp > 2:
+        held = [saved_in_flight(pp, s, m, v, [counts[c * pp + s] for c in range(v)]) for s in range(pp)]
+        most = max(range(1, pp - 1), key=lambda s: held[s])
+        if held[most] > max(held[0], held[-1]) and most not in out:
+            out.append(most)
+    return out
 
 
 def measured(plan, extrapolate: bool = False, width_scale: int = 1, name=None) -> dict:

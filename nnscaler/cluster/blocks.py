@@ -82,6 +82,14 @@ class OpFacts:
     split: bool = False  # split over tp (inside a tensor-parallel region)
     tokens: bool = False  # has the sequence dim (sequence parallelism can split it)
     core: bool = False  # the attention core: what selective recompute recomputes
+    # of a core operator, what selective recompute keeps in place of the core's saved tensors (the checkpointed
+    # region's boundary, nnscaler/codegen/recompute.py): the storages of the region's inputs made in the section (the
+    # checkpoint holds them), and those of its outputs an operator after it saves; each storage once, on the first
+    # core operator reading or making it (``_boundary``); split / whole and their fp32 parts as ``saved``
+    boundary: float = 0.0
+    boundary_whole: float = 0.0
+    boundary_fp32: float = 0.0
+    boundary_whole_fp32: float = 0.0
     scores: float = 0.0  # an attention's score elements (batch x heads x queries x keys): what a non-flash kernel writes
     params: int = 0  # parameter elements it owns (first reader)
     params_split: bool = False
@@ -209,6 +217,8 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
     grad = _needs_grad(graph)
     root: dict[int, int] = {}  # a view's id -> the id of the tensor it views
     root_el: dict[int, float] = {}  # a viewed tensor's id -> its elements (a saved view keeps its base's storage)
+    saves: dict[str, list] = {}  # an operator's name -> (storage id, tensor, fp32) of each activation it saves
+    owner: dict[int, str] = {}  # a saved storage's id -> the operator it is counted on (the first saving it)
     hidden = 0
     heads = kv = 0
     vocab = 0
@@ -301,12 +311,16 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
                 f.saved_gathered += _elements(t)
                 if r not in kept:
                     f.saved_shared += _elements(t)
-            if r in kept or seq not in t.shape:
+            if seq not in t.shape:
                 continue
-            kept.add(r)
             # a bf16 operator saves its input's bf16 cast; one autocast runs in fp32 saves its input's fp32 cast
             # (nanoGPT's loss on bf16 logits keeps them in fp32: measured at real width, bench/results/real_memory.md)
             fp32 = not low and (id(t) in wide or base in _AUTOCAST_FP32)
+            saves.setdefault(op.name, []).append((r, t, fp32))
+            if r in kept:
+                continue
+            kept.add(r)
+            owner[r] = op.name
             # the loss kernel (opzoo/kernels.py ``cross_entropy``, Megatron's vocabulary-parallel form) keeps the
             # exp of the shifted logits as well as the logits: twice their elements (measured, Llama-3 8B's head).
             # A saved slice keeps the whole storage it views (q, k and v split from one fused projection: all three);
@@ -339,6 +353,48 @@ def model_shape(graph: IRGraph, batch: int, seq: int) -> ModelShape:
                 if t.kind == PARAM:
                     owned.add(id(t))
     post = Section([facts(op, True) for op in post_ops])
+
+    def _boundary(sec: Section, ops: list[IROp]) -> None:
+        """Fill the core operators' ``boundary`` facts: under selective recompute the region (the attention module's
+        operators that read no parameter, views included) keeps its inputs, through the checkpoint, at their own
+        storages, and an operator after it keeps the outputs it saves; the core's own saved tensors are recomputed
+        (measured at real width on fake tensors: bench/results/real_memory.md, round 14)."""
+        core = {op.name: f for f, op in zip(sec.ops, ops) if f.core}
+        if not core:
+            return
+        made = {id(o) for op in ops for o in op.outputs if o is not None}  # storages the section makes
+        inside: set[int] = set()  # tensors the region makes (the core's outputs and views of them)
+        for op in ops:
+            if op.name in core or (_is_alias(op) and any(id(t) in inside for t in op.tensor_inputs())):
+                inside.update(id(o) for o in op.outputs if o is not None)
+        counted: set[int] = set()  # storages selective keeps: a non-core operator's, or the boundary's counted here
+
+        def add(f: OpFacts, r: int, t: IRTensor, n: float, fp32: bool) -> None:
+            counted.add(r)
+            if id(t) in split:
+                f.boundary += n
+                f.boundary_fp32 += n if fp32 else 0
+            else:
+                f.boundary_whole += n
+                f.boundary_whole_fp32 += n if fp32 else 0
+
+        for op in ops:  # what a non-core operator saves and is counted on it: kept as it is
+            if op.name not in core:
+                counted.update(r for r, _, _ in saves.get(op.name, []) if owner.get(r) == op.name)
+        for op in ops:
+            if op.name in core:  # the region's inputs the section made: the storage each views, as it is
+                for t in op.tensor_inputs():
+                    r = root.get(id(t), id(t))
+                    if (t.kind == PARAM or not t.dtype.is_floating_point or seq not in t.shape or r not in made
+                            or r in counted or id(t) in inside):
+                        continue
+                    add(core[op.name], r, t, root_el[r] if r != id(t) else _elements(t), id(t) in wide)
+            else:  # the region's outputs an operator after it saves (counted on the core operator that saved them)
+                for r, t, fp32 in saves.get(op.name, []):
+                    if r not in counted and owner.get(r) in core:
+                        add(core[owner[r]], r, t, max(root_el.get(r, 0.0), _elements(t)), fp32)
+
+    _boundary(block, first)
     # backward all-reduces: one per distinct whole input of column-parallel linears (Megatron's f operator)
     for sec, ops in ((pre, pre_ops), (block, first), (post, post_ops)):
         seen: set[int] = set()

@@ -8,12 +8,16 @@ time is :mod:`nnscaler.cluster.cost`, which calls :func:`micro_batch_saved` and 
   activations: saved elements per block (split ones / tp, the rest / tp only under sequence parallelism)
   times the blocks in flight: a 1F1B stage ``s`` holds ``min(pp - s, m)`` micro-batches, stage 0 the
   most; interleaving with ``v`` virtual stages holds torch's warm-up of chunk forwards (:func:`in_flight`;
-  stage 0: ``1 + (pp - 1) / (pp v)`` times as many, Korthikanti et al. 2022); ``full`` recompute keeps only each
-  block's input plus one block's working set, ``selective`` drops the attention core's outputs; a pipeline
+  stage 0: ``1 + (pp - 1) / (pp v)`` times as many, Korthikanti et al. 2022), each chunk's forwards counted
+  with its own blocks (:func:`saved_in_flight`); ``full`` recompute keeps only each
+  block's input plus one block's working set, ``selective`` keeps the attention core's checkpointed region's
+  boundary (its inputs, its outputs saved after it: ``OpFacts.boundary``) in place of its saved tensors; a pipeline
   stage also holds the tensors it exchanges, whole, with a receive buffer per micro-batch
   (:func:`stage_boundaries`).
 """
 from __future__ import annotations
+
+import functools
 
 from ..runtime.grad_sync import BUCKET_BYTES
 from ..runtime.zero import IN_FLIGHT as ZERO_IN_FLIGHT
@@ -32,6 +36,38 @@ def in_flight(pp: int, stage: int, m: int, v: int = 1) -> float:
     if v == 1:
         return float(min(pp - stage, m))
     return min(m * v, 2 * (pp - 1 - stage) + (v - 1) * pp + 1) / v
+
+
+@functools.lru_cache(maxsize=None)
+def chunk_forwards_in_flight(pp: int, stage: int, m: int, v: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Per chunk of stage ``stage``, its forwards whose backward has not run, at each moment of torch's interleaved 1F1B
+    order (``ScheduleInterleaved1F1B``: forward ``k`` runs chunk ``(k // pp) % v``, backward ``k`` chunk ``v - 1`` less
+    that; :func:`in_flight`'s warm-up, then one forward and one backward): the moments no other holds at least as many
+    of, chunk by chunk. The warm-up runs the early chunks' forwards more often than the late ones' (pp 9, v 6, stage 0:
+    chunk 0 17 times, the others 9), so a stage whose chunks hold unequal blocks saves more, or less, than its blocks
+    times :func:`in_flight` (measured at real width on fake tensors: bench/results/real_memory.md, round 14)."""
+    if v == 1:
+        return ((int(in_flight(pp, stage, m)),),)
+    total = m * v
+    warm = min(total, 2 * (pp - 1 - stage) + (v - 1) * pp)
+    alive, moments = [0] * v, set()
+
+    def forward(k: int) -> None:
+        alive[(k // pp) % v] += 1
+        moments.add(tuple(alive))
+    for k in range(warm):
+        forward(k)
+    for b in range(total):  # the steady state: a forward (while any is left), then a backward
+        if warm + b < total:
+            forward(warm + b)
+        alive[v - 1 - (b // pp) % v] -= 1
+    return tuple(x for x in moments if not any(y != x and all(a <= c for a, c in zip(x, y)) for y in moments))
+
+
+def saved_in_flight(pp: int, stage: int, m: int, v: int, per_chunk: list[float]) -> float:
+    """The most a stage holds saved at once, ``per_chunk[c]`` bytes for each forward of its chunk ``c`` in flight
+    (:func:`chunk_forwards_in_flight`)."""
+    return max(sum(n * w for n, w in zip(x, per_chunk)) for x in chunk_forwards_in_flight(pp, stage, m, v))
 
 
 def stage_boundaries(pp: int, stage: int, m: int, v: int, whole: float) -> float:
@@ -63,7 +99,9 @@ def section_saved(sec: Section, tp: int, sp: bool, scale: float, act_bytes: floa
     total = 0.0
     wide = act_bytes if fp32_bytes is None else fp32_bytes
     for o in sec.ops:
-        if drop_core and o.core:
+        if drop_core and o.core:  # selective: the recomputed region's boundary in place of its saved tensors
+            total += (o.boundary / tp + o.boundary_whole / (tp if sp else 1)) * scale * act_bytes
+            total += (o.boundary_fp32 / tp + o.boundary_whole_fp32 / (tp if sp else 1)) * scale * (wide - act_bytes)
             continue
         total += (o.saved / tp + o.saved_whole / (tp if sp else 1)) * scale * act_bytes
         if o.repeat_heads and tp >= o.repeat_heads:  # one head of the base a rank: the repeat is a view of it
@@ -175,10 +213,14 @@ def rank_memory(shape: ModelShape, par, costs: dict, counts: list[int], pb: int,
     # casts each where it reads it) and keeps the last two buckets (nnscaler/runtime/zero3.py, KEEP). Under ZeRO 2/3
     # with one micro-batch no gradient exists yet at the end of the forward.
     per_layer_act, working = costs["per_layer_act"], costs["working"]
-    flight = in_flight(pp, 0, m, v)
-    chunk = costs["chunk_act"] * v  # a stage's chunks' own tensors (masks, rotary; first inputs not apart), per micro-batch
-    act_stage0 = flight * (stage_blocks[0] * per_layer_act + costs["pre_act"] + costs["embed_act"] + chunk)
-    act_last = (stage_blocks[-1] * per_layer_act + chunk) * in_flight(pp, pp - 1, m, v)
+
+    def saved(s: int) -> float:
+        """Stage ``s``'s saved tensors at its fullest moment: each chunk forward in flight its own blocks' and the
+        chunk's own tensors (masks, rotary; first inputs not apart), the model's first chunk the embedding's too."""
+        return saved_in_flight(pp, s, m, v, [
+            counts[c * pp + s] * per_layer_act + costs["chunk_act"] +
+            (costs["pre_act"] + costs["embed_act"] if s == 0 and c == 0 else 0.0) for c in range(v)])
+    act_stage0, act_last = saved(0), saved(pp - 1)
     # the tensors a pipeline stage exchanges, whole, at the residual stream's dtype (fp32 under bf16-mixed: the
     # embedding's output is fp32), on the first and the last stage
     whole = tokens_mb / cp * shape.hidden * costs["boundary_bytes"]
@@ -211,7 +253,7 @@ def rank_memory(shape: ModelShape, par, costs: dict, counts: list[int], pb: int,
     # pp 32 (4 blocks there, 3 on the first; measured at real width on fake tensors: 516.5 GiB saved against the 437.8
     # the first and the last stage's moments said, bench/results/real_memory.md)
     for s in range(1, pp - 1):
-        moments.append(((stage_blocks[s] * per_layer_act + chunk) * in_flight(pp, s, m, v), working,
+        moments.append((saved(s), working,
                         fixed + gather_blocks + stage_boundaries(pp, s, m, v, whole), grads_fwd))
     activations = max(x[0] for x in moments)  # the most saved at once (what the measurement compares)
     _, working, buffers, _ = peak_at = max(moments, key=sum)  # the peak moment's transient and buffers

@@ -14,7 +14,7 @@ from torch.distributed.pipelining.schedules import _ComputationType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from bench.calibration.fake_stage import schedule
-from nnscaler.cluster.memory import in_flight, stage_boundaries
+from nnscaler.cluster.memory import in_flight, saved_in_flight, stage_boundaries
 
 
 @pytest.fixture
@@ -61,6 +61,22 @@ def _most_in_flight(ops) -> int:
 def test_the_estimate_holds_the_schedules_micro_batches_in_flight(pp, v, m):
     for s in range(pp):
         assert in_flight(pp, s, m, v) * v == _most_in_flight(schedule(pp, s, v, m)), (pp, s, v, m)
+
+
+@pytest.mark.parametrize("pp,v,m", [(4, 1, 8), (4, 2, 8), (4, 4, 4), (8, 4, 16), (9, 6, 18), (16, 4, 32)])
+def test_the_estimate_holds_each_chunks_forwards_in_flight(pp, v, m):
+    """A stage's chunks hold unequal blocks where the layers do not divide evenly (Megatron-Core's GPT 177B, 96 blocks
+    over pp 9 x v 6: chunks of 1 and 2), and the warm-up runs the early chunks' forwards more often than the late ones':
+    the most saved at once is the schedule's, chunk by chunk, not the stage's blocks times its micro-batches in flight
+    (which read 0.90 of that stage's saved activations at real width on fake tensors, bench/results/real_memory.md)."""
+    for s in range(pp):
+        for weights in ([1.0] * v, [2.0] * (v - 1) + [1.0], [1.0] + [2.0] * (v - 1), [float(c + 1) for c in range(v)]):
+            alive, most = [0] * v, 0.0
+            for kind, c, _ in schedule(pp, s, v, m):
+                alive[c] += 1 if kind == "F" else -1
+                most = max(most, sum(n * w for n, w in zip(alive, weights)))
+            assert saved_in_flight(pp, s, m, v, weights) == most, (pp, s, v, m, weights)
+        assert saved_in_flight(pp, s, m, v, [1.0] * v) == in_flight(pp, s, m, v) * v
 
 
 def test_torchs_stage_keeps_a_receive_buffer_per_micro_batch(fake_pp):
