@@ -8,14 +8,17 @@ attention) stays whole on every rank (OLMo-2/3, FlexOlmo: 0 of 2 layers by heads
 
 Megatron's plan is fixed by the attention: heads split, and that split carried back to the
 column-split projections. :func:`pin_heads` walks back from each attention-score operator left
-whole (softmax or sdpa; heads are dim 1 of its 4-d output) along the dims that carry the heads
+whole (softmax or sdpa; heads are dim 1 of its 4-d output, or the later dim :func:`heads_dim` finds
+they come from: Longformer's) along the dims that carry the heads
 identifier, through views, transposes, rotary and norms' element-wise steps, to the operators
 whose heads identifier names a parameter's dim (the projections) or a graph input, pinning each
 operator on the way to that identifier. A norm's statistic over the split hidden dim is not on
 the path (its input lacks the heads dim after the reduction): the greedy then takes the
 statistic's ``+`` split (a partial sum, one small all-reduce), Megatron's way for QK-norm over the
 whole projection. An attention whose score operator, or an operator after it, cannot split its
-heads (not splittable, not divisible by the degree, or already pinned otherwise) is left as it was.
+heads (not splittable, not divisible by the degree, or already pinned otherwise) is left as it was; an operator
+that reads a tensor of the path only as ``?`` (its dtype and device: ``new_zeros``' ``self``) takes no split
+and is passed over.
 
 Megatron's rule where the heads cannot be carried further back: the path upstream stays whole on
 every rank (computed replicated, its projection not split) and the heads are split where they
