@@ -8,17 +8,14 @@ attention) stays whole on every rank (OLMo-2/3, FlexOlmo: 0 of 2 layers by heads
 
 Megatron's plan is fixed by the attention: heads split, and that split carried back to the
 column-split projections. :func:`pin_heads` walks back from each attention-score operator left
-whole (softmax or sdpa; heads are dim 1 of its 4-d output, or the later dim :func:`heads_dim` finds
-they come from: Longformer's) along the dims that carry the heads
+whole (softmax or sdpa; heads are dim 1 of its 4-d output) along the dims that carry the heads
 identifier, through views, transposes, rotary and norms' element-wise steps, to the operators
 whose heads identifier names a parameter's dim (the projections) or a graph input, pinning each
 operator on the way to that identifier. A norm's statistic over the split hidden dim is not on
 the path (its input lacks the heads dim after the reduction): the greedy then takes the
 statistic's ``+`` split (a partial sum, one small all-reduce), Megatron's way for QK-norm over the
 whole projection. An attention whose score operator, or an operator after it, cannot split its
-heads (not splittable, not divisible by the degree, or already pinned otherwise) is left as it was; an operator
-that reads a tensor of the path only as ``?`` (its dtype and device: ``new_zeros``' ``self``) takes no split
-and is passed over.
+heads (not splittable, not divisible by the degree, or already pinned otherwise) is left as it was.
 
 Megatron's rule where the heads cannot be carried further back: the path upstream stays whole on
 every rank (computed replicated, its projection not split) and the heads are split where they
@@ -109,7 +106,7 @@ def _walk(op: IROp, degree: int, pins: dict[str, str | None], weights: set[IRTen
     out: dict[str, str | None] = {}
     roots: list[IROp] = []
     dims0 = op.bound.outputs[0]
-    start = _heads_of(dims0[heads_dim(op)], False) if len(dims0) == 4 else _heads_of(dims0[0], True)
+    start = _heads_of(dims0[1], False) if len(dims0) == 4 else _heads_of(dims0[0], True)
     todo: list[tuple[IROp, str | None, bool, bool, bool]] = [(op, *start, False, False)]
     while todo:
         p, ident, merged, optional, back = todo.pop()
@@ -142,8 +139,7 @@ def _walk(op: IROp, degree: int, pins: dict[str, str | None], weights: set[IRTen
                 for k, ids in enumerate(dims):
                     held = _carries(ids, ident, merged)
                     if held is not None:
-                        todo += [(*_from_input(c, t, k, held), optional, False) for c in t.consumers
-                                 if _reads_dims(c, t)]
+                        todo += [(*_from_input(c, t, k, held), optional, False) for c in t.consumers]
     whole = _whole(roots, {**pins, **out}, weights)
     if whole is None:
         return None
@@ -196,12 +192,6 @@ def _whole(roots: list[IROp], taken: dict[str, str | None], weights: set[IRTenso
         stop = _projection(p, weights)
         todo += [x.producer for x in p.tensor_inputs() if x.producer is not None and (x in weights or not stop)]
     return out
-
-
-def _reads_dims(c: IROp, t: IRTensor) -> bool:
-    """Whether ``c`` reads ``t`` by its dims: an opaque (``?``) argument is read as the rank holds it (its
-    dtype and device: ``new_zeros``' ``self``) and takes no split, so it does not stop the heads."""
-    return not c.known or any(x is t and dims is not None for x, dims in zip(c.inputs, c.bound.inputs))
 
 
 def _from_output(p: IROp, t: IRTensor, d: int, merged: bool) -> tuple[IROp, str | None, bool]:
@@ -269,14 +259,6 @@ def projected(op: IROp, d: int) -> bool:
                 elif x.producer is not None:
                     todo.append(_from_output(x.producer, x, k, held))
     return found
-
-
-def heads_dim(op: IROp) -> int:
-    """The dim of 4-d scores that holds the heads: dim 1, unless it does not come from a projection and a
-    later one before the keys does (:func:`projected`: Longformer's (batch, queries, heads, window))."""
-    if projected(op, 1):
-        return 1
-    return next((d for d in range(2, len(op.outputs[0].shape) - 1) if projected(op, d)), 1)
 
 
 def heads_split(op: IROp, plan) -> bool:
