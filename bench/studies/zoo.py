@@ -64,7 +64,8 @@ def attention_split(graph, plan) -> tuple[int, int]:
     outputs of 3 or more dims whose last dim (the keys) is over 1 (a softmax over a length-1 last
     dim weighs tokens, as additive attention does: no heads). Split by heads as
     :func:`nnscaler.policies.heads.heads_split` reads it: a dim between the batch and the (queries,
-    keys) pair, or dim 0 of 3-d scores in blocks (heads merged into the batch)."""
+    keys) pair, dim 0 of 3-d scores in blocks (heads merged into the batch), or a dim before the keys
+    that comes from a projection's features (Longformer's (batch, queries, heads, window))."""
     from nnscaler.policies.heads import heads_split
     n = split = 0
     for op in graph.ops:

@@ -40,7 +40,8 @@ writing it ``(b h)`` splits ``h`` (:mod:`nnscaler.dimops.partition`).
 from __future__ import annotations
 
 from ..dimops.partition import splittable
-from ..ir.graph import BUFFER, CONSTANT, PARAM, IRGraph, IROp, IRTensor
+from ..dimops.grammar import VALUE
+from ..ir.graph import BUFFER, CONSTANT, INPUT, PARAM, IRGraph, IROp, IRTensor
 
 ATTENTION = ("softmax", "scaled_dot_product_attention")
 
@@ -222,11 +223,52 @@ def pin_heads(graph: IRGraph, degree: int, whole: list[IROp]) -> dict[str, str |
     return pins
 
 
+PROJECTED_LIMIT = 4096
+"""The most (operator, identifier) steps :func:`projected` takes back from one score dim."""
+
+
+def projected(op: IROp, d: int) -> bool:
+    """Whether dim ``d`` of ``op``'s output 0 holds heads by where it comes from: its identifier, followed back
+    through the operators that make it (as a dim, or as the inner factor of a batch x heads one), reaches
+    the output features of a projection (a dim of a weight matrix that the operator contracts with its
+    input: linear's ``n`` beside ``k+``) and never a program input (the batch and the tokens come from
+    there). Longformer's sliding-chunk scores are (batch, queries, heads, window): heads at dim 2."""
+    dims = op.bound.outputs[0] if op.known and op.bound.outputs else None
+    if dims is None or d >= len(dims):
+        return False
+    todo, seen, found = [(op, *_heads_of(dims[d], False))], set(), False
+    while todo:
+        p, ident, merged = todo.pop()
+        if ident is None or (p.name, ident, merged) in seen or not p.known:
+            continue
+        seen.add((p.name, ident, merged))
+        if len(seen) > PROJECTED_LIMIT:
+            return False
+        contracts = any(p.bound.markers.get(i) == VALUE for i in p.bound.sizes)
+        for x, xdims in zip(p.inputs, p.bound.inputs):
+            if not isinstance(x, IRTensor) or xdims is None:
+                continue
+            for k, ids in enumerate(xdims):
+                held = _carries(ids, ident, merged)
+                if held is None:
+                    continue
+                if x.kind == INPUT:
+                    return False
+                if x.kind == PARAM:
+                    found |= contracts and len(x.shape) >= 2
+                elif x.producer is not None:
+                    todo.append(_from_output(x.producer, x, k, held))
+    return found
+
+
 def heads_split(op: IROp, plan) -> bool:
     """Whether ``plan`` splits the attention-score operator ``op`` on its heads: a dim between the
     batch and the (queries, keys) pair (dim 1 of 4-d scores; 2 of 5-d ones, ProphetNet's n-gram
-    streams x heads), or dim 0 of 3-d ones in blocks (the heads inside each batch row of ``(b h)``)."""
+    streams x heads), dim 0 of 3-d ones in blocks (the heads inside each batch row of ``(b h)``), or
+    any dim between the batch and the keys that holds heads by where it comes from (:func:`projected`:
+    Longformer's queries come before its heads)."""
     from ..dimops.layout import Shard
     lay = op.layout(plan.partition(op)).outputs[0] or ()
     n = len(op.outputs[0].shape)
-    return any(isinstance(q, Shard) and (0 < q.dim < n - 2 or (n == 3 and q.dim == 0 and q.blocks > 1)) for q in lay)
+    return any(isinstance(q, Shard) and (0 < q.dim < n - 2 or (n == 3 and q.dim == 0 and q.blocks > 1)
+                                         or (0 < q.dim < n - 1 and projected(op, q.dim))) for q in lay)

@@ -33,3 +33,8 @@ register_examples("aten.expand.default", [(T(1, 8), [12, -1]), (T(8, 1), [8, 12]
                                           (T(2, 2, 1, 8, 16), [2, 2, 4, 8, 16])])  # repeat_kv's repeats
 register_examples("aten.view_as_complex.default", [(T(4, 8, 4, 8, 2),)])
 register_examples("aten.view_as_real.default", [(T(4, 8, 4, 8, dtype=torch.complex64),)])
+register_examples("aten.as_strided.default", [
+    (T(8, 16, 16, 1), [16, 1, 8, 16], [16, 128, 256, 1]),  # Longformer's query chunks, one chunk: (b h), window, d
+    (T(2, 8, 16, 16), [16, 3, 8, 16], [16, 1024, 256, 1]),  # three overlapping chunks: the window stays whole
+    (T(16, 16, 16), [16, 2, 12, 16], [256, 64, 16, 1]),  # Longformer's padded value chunks
+    (T(8, 4, 8), [3, 4, 4, 8], [64, 32, 8, 1])])  # tests/fixtures/strided_chunks.py's windows of a (seq, batch, width)

@@ -7,17 +7,22 @@
   stays ``-1``) so a rank reshapes its shard to its local lengths;
 * ``transpose``/``permute``/``t`` move identifiers; ``expand`` names new lengths (given in
   ``sizes``) and keeps ``-1``; ``squeeze`` runs as :class:`SqueezeDims` of the dims that had
-  length 1 in the call (a split dim whose local length is 1 must stay).
+  length 1 in the call (a split dim whose local length is 1 must stay);
+* ``as_strided`` of a contiguous tensor (the only kind the trace lets through: ``nnscaler/trace/strided.py``)
+  carries each input dim its read steps through exactly once (:func:`as_strided_rule`: Longformer's
+  overlapping chunks keep their batch x heads, their width and their head dim), its size and stride
+  arguments ``Size`` expressions of the local lengths.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from nnscaler.ops import OpCall, annotation_rule
 
-from ..rulekit import Names, build, norm_dim, reshape_dims, size_arg, usable
+from ..rulekit import Names, arg, build, frozen_dim, norm_dim, reshape_dims, size_arg, usable
 
 FAMILY = "shape"
 
@@ -155,3 +160,66 @@ def view_as_real_rule(call: OpCall):
     names = Names()
     dims = [names.dim(n) for n in call.tensor(0).shape]
     return build(call, FAMILY, {0: dims}, [dims + ["2"]])
+
+
+def strided_read(x, size, stride):
+    """``as_strided`` of ``x`` read as a contiguous tensor (from its first element): what the traced call did
+    on one device, whatever layout a rank holds ``x`` in."""
+    return x.contiguous().as_strided(size, stride)
+
+
+def _carried(shape: tuple[int, ...], size: list[int], stride: list[int]) -> dict[int, int]:
+    """Output dim -> the input dim of a contiguous ``shape`` it reads through exactly: equal length and
+    stride, no other output dim stepping that input dim (a stride that is a whole multiple of the dims
+    inside it counts where it moves the outermost input dim it can), and the steps of the output dims
+    inside it never carrying into it. Each such input dim is a batch of independent reads."""
+    n = len(shape)
+    inner = [1] * n  # contiguous strides
+    for d in range(n - 2, -1, -1):
+        inner[d] = inner[d + 1] * shape[d + 1]
+    moves = [next(k for k in range(n) if s % inner[k] == 0) if s else None for s in stride]
+    out = {}
+    for i, (m, s) in enumerate(zip(size, stride)):
+        j = moves[i]
+        if m == 1 or j is None or shape[j] != m or inner[j] != s:
+            continue
+        others = [o for o in range(len(size)) if o != i and size[o] > 1 and moves[o] is not None]
+        if any(moves[o] == j for o in others):
+            continue
+        if sum((size[o] - 1) * stride[o] for o in others if moves[o] > j) >= inner[j]:
+            continue
+        out[i] = j
+    return out
+
+
+@annotation_rule("aten.as_strided.default")
+def as_strided_rule(call: OpCall):
+    """``c^ a d, ?, ? -> a e^ d`` with ``Size`` lengths and strides: an output dim that reads one input dim
+    of a contiguous tensor through exactly (:func:`_carried`) shares its identifier (split spatially: each
+    rank reads its block of that dim, the steps of the other dims written over the local lengths); every
+    other dim is frozen. ``None`` with an explicit ``storage_offset`` (an absolute position in a storage a
+    rank does not hold) or where no dim is carried. Run as :func:`strided_read`."""
+    if not usable(call) or arg(call, 3, "storage_offset") is not None:
+        return None
+    x, size, stride = call.tensor(0), list(call.args[1]), list(call.args[2])
+    if x.ndim == 0 or len(size) != len(stride) or any(s < 0 for s in stride):
+        return None
+    carried = _carried(x.shape, size, stride)
+    if not carried:
+        return None
+    names, known = Names(), {}
+    by_input = {j: i for i, j in carried.items()}
+    din = [names.dim(n) if k in by_input else frozen_dim(names, n, known) for k, n in enumerate(x.shape)]
+    dout = [din[carried[i]] if i in carried else frozen_dim(names, m, known) for i, m in enumerate(size)]
+    plain = [d.rstrip("^") for d in din]
+    steps = []
+    for s in stride:
+        k = next((k for k in range(x.ndim) if s and s % math.prod(x.shape[k + 1:]) == 0), None)
+        if k is None:
+            steps.append(str(s))
+            continue
+        factors = [str(s // math.prod(x.shape[k + 1:]))] + [p for p in plain[k + 1:] if p != "1"]
+        steps.append("(" + " ".join(factors) + ")")
+    lengths = [d.rstrip("^") for d in dout]
+    return build(call, FAMILY, {0: din}, [dout], args={1: size_arg(lengths), 2: size_arg(steps)},
+                 sizes=known, fn=strided_read)
