@@ -75,7 +75,7 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
             return [None]
         ids = _megatron(op, axis, layouts)
         s = seq.get(op.name)
-        if s is not None and s != batch[op.name] and _no_weight_matrix(op):
+        if s is not None and s != batch[op.name] and no_weight_matrix(op):
             # split, never whole: the sequence, or a split its inputs already have (heads)
             return [s, *(i for i in ids if i not in (None, s))]
         return ids
@@ -87,7 +87,7 @@ def _tp_options(graph: IRGraph, sequence_parallel: bool = False):
         if op.overload == "aten.embedding.default":  # positions, token types: small, replicated
             return [None]
         params, held = set(parameter_identifiers(op)), set(sharded_identifiers(op, axis, layouts))
-        allowed = held if _no_weight_matrix(op) else params | held  # a norm's, a bias's, a scale's vector follows
+        allowed = held if no_weight_matrix(op) else params | held  # a norm's, a bias's, a scale's vector follows
         # the sequence splits no weight matrix's work; an identifier that also splits a parameter
         # (experts, which opzoo.moe.experts ties to the tokens) is model parallelism, not the batch; nor
         # is a batch dim its inputs hold split in blocks (heads merged into the batch, ``(b h)``)
@@ -106,7 +106,7 @@ def _megatron_pairs(op: IROp, params: set[str], held: set[str]) -> set[str]:
     output and gathers its input's gradient, two collectives where the column split needs one (a
     shared expert narrower than the hidden size took two all-reduces per layer); a column split of
     a split input gathers it, and its output too where the residual stream needs it whole."""
-    if _no_weight_matrix(op):
+    if no_weight_matrix(op):
         return set()
     out = {i for dims in op.bound.outputs if dims for ids in dims for i in ids}
     act = {i for x, dims in zip(op.inputs, op.bound.inputs)
@@ -142,7 +142,7 @@ def _table_projections(graph: IRGraph) -> set[str]:
     for op in graph.ops:
         if any(id(t) in streamed for t in op.tensor_inputs()):
             streamed.update(id(t) for t in op.outputs if t is not None)
-        elif op.overload in DENSE and not _no_weight_matrix(op):
+        elif op.overload in DENSE and not no_weight_matrix(op):
             out.add(op.name)
     return out
 
@@ -156,7 +156,7 @@ def _picked_bias(op: IROp, ins: list[IRTensor]) -> bool:
             and all(not t.dtype.is_floating_point for t in ins[1:]))
 
 
-def _no_weight_matrix(op: IROp) -> bool:
+def no_weight_matrix(op: IROp) -> bool:
     return op.overload not in ("aten.embedding.default", "aten.cross_entropy_loss.default") and not any(
         isinstance(x, IRTensor) and x.kind == PARAM and len(x.shape) >= 2 for x in op.inputs)
 

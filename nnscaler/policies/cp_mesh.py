@@ -16,7 +16,7 @@ from ..config import ComputeConfig, PlanError
 from ..dimops.partition import splittable
 from ..ir.graph import IRGraph, IROp, IRTensor
 from ..ir.plan import Plan
-from .builtin import AXIS_OPTIONS, _no_weight_matrix as no_weight_matrix, batch_identifiers, check_batch_divisible, check_sequence_divisible
+from .builtin import AXIS_OPTIONS, batch_identifiers, check_batch_divisible, check_sequence_divisible, no_weight_matrix
 from .greedy import plan_greedy
 from .heads import pin_heads, scores
 from .masks import rows_per_chunk
