@@ -89,7 +89,7 @@ def cluster_table(save: str | None = None, measure_memory: bool = False) -> None
     print("cluster plans, H100, bf16-mixed, seq 4096, 8k tokens per GPU per step (goal MFU >= 0.40, plan < 60 s; "
           "the first plan of each model includes its meta trace, the others reuse it)")
     print(f"{'model':<11} {'GPUs':>5} {'plan s':>7} {'MFU':>6} {'step':>8} {'peak/rank':>10}  configuration")
-    from bench.calibration.memory_record import memory_line
+    from bench.calibration.real_memory import memory_line
     from bench.calibration.real_memory import without_cp
     measured_ok: list = []
     shapes: dict = {}
@@ -198,7 +198,7 @@ def long_context_table(save: str | None = None) -> None:
 def published_table(save: str | None = None) -> None:
     from bench.calibration.calibrate import load_rows, row_search, shapes_for
     from bench.calibration.llama_models import SHAPES
-    from bench.calibration.memory_record import memory_line
+    from bench.calibration.real_memory import memory_line
     from bench.calibration.real_memory import device_bytes, without_cp
     from nnscaler.cluster.evidence import RUNS, claims
     measured_ok: list = []

@@ -36,19 +36,3 @@ def measured_for(label: str, plan, path: Path = RECORD) -> tuple[dict | None, st
     if rec["parallel"] != plan.parallel.as_dict():
         return None, f"measured {rec['date']} in another configuration, not this one ({rerun})"
     return rec["measured"], ""
-
-
-def memory_line(label: str, plan, memory_gib: float | None = None, path: Path = RECORD) -> tuple[str, float | None]:
-    """One line on ``plan``'s memory measured at real size against today's estimate (the largest ``|estimate /
-    measured - 1|`` over params, grads, optimizer, saved activations and peak; goal 10%), and that figure (``None``:
-    nothing on record for this configuration, the line says why)."""
-    from bench.calibration.real_memory import _gib, device_bytes, estimated, over_device, worst
-    got, why = measured_for(label, plan, path)
-    if got is None:
-        return f"memory: {why}", None
-    est = estimated(plan)
-    w = worst(got, est)
-    over = (f"; OVER THE DEVICE ({_gib(device_bytes(plan, memory_gib))} GiB usable)"
-            if over_device(plan, got, memory_gib) else "")
-    return (f"memory measured at real size: peak {_gib(got['peak'])} GiB/rank (estimate {_gib(est['peak'])}), worst "
-            f"|estimate / measured - 1| {100 * w:.0f}% (goal 10%){over}"), w

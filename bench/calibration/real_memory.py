@@ -138,6 +138,22 @@ def row(label: str, plan, got: dict, est: dict, memory_gib: float | None = None)
             f"{100 * worst(got, est):.0f}%{over} |")
 
 
+def memory_line(label: str, plan, memory_gib: float | None = None, path=None) -> tuple[str, float | None]:
+    """One line on ``plan``'s memory measured at real size against today's estimate (the largest ``|estimate /
+    measured - 1|`` over params, grads, optimizer, saved activations and peak; goal 10%), and that figure (``None``:
+    nothing on record for this configuration, the line says why; the record: bench/calibration/memory_record.py)."""
+    from bench.calibration.memory_record import RECORD, measured_for  # the record reads nothing of this module
+    got, why = measured_for(label, plan, path or RECORD)
+    if got is None:
+        return f"memory: {why}", None
+    est = estimated(plan)
+    w = worst(got, est)
+    over = (f"; OVER THE DEVICE ({_gib(device_bytes(plan, memory_gib))} GiB usable)"
+            if over_device(plan, got, memory_gib) else "")
+    return (f"memory measured at real size: peak {_gib(got['peak'])} GiB/rank (estimate {_gib(est['peak'])}), worst "
+            f"|estimate / measured - 1| {100 * w:.0f}% (goal 10%){over}"), w
+
+
 HEADER = ("| plan | configuration | params | grads | optimizer | saved activations in flight | peak | "
           "held at the peak beyond state | worst |\n|---|---|---|---|---|---|---|---|---|")
 

@@ -25,7 +25,8 @@ def plans():
 
 def test_a_plan_is_judged_against_todays_estimate_only_in_the_configuration_measured(plans, tmp_path):
     from bench.calibration.autodist import memory_summary
-    from bench.calibration.memory_record import memory_line, put
+    from bench.calibration.memory_record import put
+    from bench.calibration.real_memory import memory_line
     from bench.calibration.real_memory import estimated
     best, other = plans
     path = tmp_path / "real_memory.json"
