@@ -76,6 +76,34 @@ def gang(registry, verify_gang):
     return verify_gang.gang
 
 
+@pytest.fixture(autouse=True)
+def _leaves_no_process_group():
+    """A test that leaves torchrun's variables in this worker's environment, or a default process group
+    up, errors: a later test's ``parallelize`` would silently make a group from them (torch's env://
+    store listens on every interface)."""
+    import os
+    import torch.distributed as dist
+    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    yield
+    left = [k for k, v in before.items() if os.environ.get(k) != v]
+    up = dist.is_available() and dist.is_initialized()
+    if up:
+        dist.destroy_process_group()
+    assert not left and not up, f"the test left {left or 'the default process group up'}: use the one_rank fixture"
+
+
+@pytest.fixture()
+def one_rank():
+    """A process group of this process alone (gloo on an in-memory store: no socket is opened and no
+    torchrun variable is set, so nothing leaks into the tests that share this worker)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def wrong_norm_rules():
     """``tests/fixtures/wrong_norm_rules.py`` loaded into this process for one test module (it plans

@@ -110,47 +110,38 @@ def test_replicas_whose_inputs_take_different_sides_of_a_data_branch_all_raise_n
     assert "rank 0" in row.detail and "rank 1" in row.detail and "timed out" not in row.detail, row.detail
 
 
-def test_the_respecialised_module_keeps_its_parameters_and_counts_the_branch_in_its_report():
+def test_the_respecialised_module_keeps_its_parameters_and_counts_the_branch_in_its_report(one_rank):
     """In one process (a plan of one rank): the same Parameter objects before and after, one program per
     branch kept (the third step runs the second program without tracing again), the warning said once,
     the report's count; the single-device model left as it was."""
-    import os
     from nnscaler import parallelize
     from nnscaler.compile.respecialise import RespecialisedWarning
     model, batch = build(0)
     ref, _ = build(0)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 2000), "RANK": "0",
-           "WORLD_SIZE": "1"}
-    os.environ.update(env)
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            pm = parallelize(model, batch(0), "dp", ComputeConfig(1), gen_savedir=tmp, verify=False)
-            params = list(pm.parameters())
-            opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-            first = pm._program
-            for step in range(3):
-                for m, o in ((pm, opt), (ref, ref_opt)):
-                    o.zero_grad()
-                    m(*batch(step)).backward()
-                    o.step()
-            said = [w for w in seen if issubclass(w.category, RespecialisedWarning)]
-            report = (tmp + "/plan_report.txt")
-            text = open(report).read()
-        assert list(pm.parameters()) == params and all(a is b for a, b in zip(pm.parameters(), params))
-        assert pm._program is not first and len(pm._branches) == 1 and len(said) == 1, (pm._branches, said)
-        assert STATE_LINE in str(said[0].message), said[0].message
-        assert "programs respecialised at run time, a guard on the model's state having failed: 1" in text
-        assert STATE_LINE in text.split("programs respecialised")[1]
-        whole = pm.state_dict()
-        for name, want in ref.state_dict().items():
-            torch.testing.assert_close(whole[name], want, rtol=1e-5, atol=1e-6, msg=name)
-        assert model.act.lo.abs().max() == 0  # the model handed to parallelize is left as it was
-    finally:
-        torch.distributed.destroy_process_group()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pm = parallelize(model, batch(0), "dp", ComputeConfig(1), gen_savedir=tmp, verify=False)
+        params = list(pm.parameters())
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        first = pm._program
+        for step in range(3):
+            for m, o in ((pm, opt), (ref, ref_opt)):
+                o.zero_grad()
+                m(*batch(step)).backward()
+                o.step()
+        said = [w for w in seen if issubclass(w.category, RespecialisedWarning)]
+        report = (tmp + "/plan_report.txt")
+        text = open(report).read()
+    assert list(pm.parameters()) == params and all(a is b for a, b in zip(pm.parameters(), params))
+    assert pm._program is not first and len(pm._branches) == 1 and len(said) == 1, (pm._branches, said)
+    assert STATE_LINE in str(said[0].message), said[0].message
+    assert "programs respecialised at run time, a guard on the model's state having failed: 1" in text
+    assert STATE_LINE in text.split("programs respecialised")[1]
+    whole = pm.state_dict()
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(whole[name], want, rtol=1e-5, atol=1e-6, msg=name)
+    assert model.act.lo.abs().max() == 0  # the model handed to parallelize is left as it was
 
 
 class _Parity(torch.nn.Module):
@@ -169,26 +160,19 @@ class _Parity(torch.nn.Module):
         return h.pow(2).mean()
 
 
-def test_a_branch_flipping_every_step_is_traced_once_per_branch():
+def test_a_branch_flipping_every_step_is_traced_once_per_branch(one_rank):
     """Programs are kept per (program, failed guard): after each branch was made once, flipping back and
     forth traces nothing (``Respecialiser.made``), and the losses are the single-device model's."""
-    import os
     from nnscaler import parallelize
     model, ref = _Parity(), _Parity()
     ref.load_state_dict(model.state_dict())
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 2000), "RANK": "0",
-                       "WORLD_SIZE": "1"})
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        x = torch.randn(4, 8)
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pm = parallelize(model, (x,), "dp", ComputeConfig(1), gen_savedir=tmp, verify=False)
-            programs = set()
-            for _ in range(6):
-                torch.testing.assert_close(pm(x), ref(x))
-                programs.add(pm._program.__name__)
-        assert len(programs) == 2 and pm.respecialise.made == 2, (programs, pm.respecialise.made)
-        assert int(pm.state_dict()["steps"]) == 6
-    finally:
-        torch.distributed.destroy_process_group()
+    x = torch.randn(4, 8)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = parallelize(model, (x,), "dp", ComputeConfig(1), gen_savedir=tmp, verify=False)
+        programs = set()
+        for _ in range(6):
+            torch.testing.assert_close(pm(x), ref(x))
+            programs.add(pm._program.__name__)
+    assert len(programs) == 2 and pm.respecialise.made == 2, (programs, pm.respecialise.made)
+    assert int(pm.state_dict()["steps"]) == 6

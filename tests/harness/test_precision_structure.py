@@ -22,16 +22,6 @@ from conftest import FIXTURES, MODULES
 MIXED = Recipe(precision="bf16-mixed")
 
 
-@pytest.fixture()
-def one_rank(tmp_path):
-    """A process group of this process alone (gloo)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _names(record: PrecisionRecord, pm=None, opt=None, **kw) -> list[str]:
     return [c.name for c in record.checks(pm, opt, **kw) if not c.ok]
 
