@@ -304,6 +304,9 @@ class Emitter:
         spec, p = op.spec, self.plan.partition(op)
         lay = _layout(op, self.plan)
         sizes = local_sizes(op.bound, p)
+        rows = self.plan.over_replicas.get(op.name)  # run on every replica's rows: the batch R times longer
+        if rows is not None:
+            sizes[rows] *= self.plan.replicas
         args = []
         for i, x in enumerate(inputs[:len(spec.anno.inputs)]):
             if spec.anno.inputs[i].opaque:
@@ -319,13 +322,26 @@ class Emitter:
                 kw[k] = Raw(self.name_of(v, spec)[0])
         if spec.local is not None:
             args.insert(0, self._shard(op, p))
-        call = self._autocast(op, expr, args + [f"{k}={literal(v)}" for k, v in kw.items()])
+        kwargs = [f"{k}={literal(v)}" for k, v in kw.items()]
+        if rows is not None:
+            expr, args, kwargs = self._over_replicas(op, rows, expr, args, kwargs, spec.local is not None)
+        call = self._autocast(op, expr, args + kwargs)
         layouts = ", ".join(layout_str(q) for q in lay.outputs)
         self.lines.append(f"    {target} = {call}  # {p.label} -> {layouts}")
         for t, q in zip(op.outputs, lay.outputs):
             if t is not None:
                 self.layouts[t] = q
         self._probe(op)
+
+    def _over_replicas(self, op: IROp, ident: str, expr: str, args: list[str], kwargs: list[str], shard: bool):
+        """The call of ``op`` on every data-parallel replica's rows (``ident``'s dim of each input gathered
+        over the replicas, its own rows of each output kept): :func:`nnscaler.runtime.replica_rows.over_replicas`."""
+        self.imports.add("from nnscaler.runtime.replica_rows import over_replicas")
+        row = lambda dims: next((d for d, ids in enumerate(dims or ()) if ids == (ident,)), None)  # noqa: E731
+        ins = [None] * shard + [row(dims) if isinstance(x, IRTensor) else None
+                                for x, dims in zip(op.inputs, op.bound.inputs)][:len(args) - shard]
+        outs = tuple(row(dims) for dims in op.bound.outputs)
+        return "over_replicas", [expr, literal(tuple(ins)), literal(outs), *args], kwargs
 
     def _guard(self, op: IROp) -> None:
         """A data-dependent branch or size the trace fixed (``nnscaler/trace/branches.py``), checked
@@ -380,8 +396,11 @@ class Emitter:
             if i is not None:
                 indices[i] = indices.get(i, 0) * f + c[a]
         groups = "{" + ", ".join(f"{i!r}: g[{a}]" for a, (i, _) in enumerate(p.splits) if i is not None) + "}"
+        sizes = dict(op.bound.sizes)
+        if op.name in self.plan.over_replicas:  # run on every replica's rows
+            sizes[self.plan.over_replicas[op.name]] *= self.plan.replicas
         balanced = f", balanced={literal(tuple(p.balanced))}" if p.balanced else ""  # context parallelism's order
-        return f"ShardContext({literal(dict(op.bound.sizes))}, {literal(factors)}, {literal(indices)}, {groups}{balanced})"
+        return f"ShardContext({literal(sizes)}, {literal(factors)}, {literal(indices)}, {groups}{balanced})"
 
     def _arg(self, x: Any, fetch) -> str:
         if isinstance(x, IRTensor):

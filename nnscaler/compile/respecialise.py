@@ -30,7 +30,7 @@ from .artifacts import load_program
 from .gate import verify_on_ranks
 from .plan import attach_stats, choose_plan, trace_model, write_report
 from .precision import apply_precision
-from .writes import check_writes
+from .writes import ops_over_replicas, over_replicas
 from .zero import check_zero
 
 
@@ -43,10 +43,12 @@ def planned(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
             config: ComputeConfig, name: str, *, registry: OpRegistry | None, strict: bool,
             tracer: Tracer | None = None) -> tuple[IRGraph, Plan]:
     """The traced graph and its checked plan, before any process group: trace, refuse what the config
-    cannot keep equal (buffer writes, ZeRO), plan, and the precision's casts."""
+    cannot keep equal (buffer writes, ZeRO), plan (a buffer written from the batch under replicas: the
+    operators mixing its rows run over every replica's), and the precision's casts."""
     graph = trace_model(model, args, kwargs, registry=registry, strict=strict, tracer=tracer)
-    check_writes(graph, config)  # a buffer written from the batch under replicas: refused by name
+    rows = ops_over_replicas(graph, config)  # a buffer written from the batch under replicas (or refused by name)
     plan = choose_plan(graph, policy, config)  # a policy's bad answer is refused before any process group
+    plan = over_replicas(plan, graph, rows, config.replicas)
     apply_precision(graph, config.precision)  # bf16-mixed: the casts autocast makes (before any process group)
     check_zero(plan, config, name)
     return graph, plan

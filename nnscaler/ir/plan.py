@@ -41,6 +41,10 @@ class Plan:
     # state tensor name -> the layout it is held in (``("D0", "R")``, as a program's STATE writes it), where not
     # where its first reader wants it: a program respecialised for another branch holds its predecessor's pieces
     held: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # operator name -> the batch's identifier, for operators run on every data-parallel replica's rows (of
+    # ``replicas``): they mix the rows on the way to a buffer forward writes (:mod:`nnscaler.compile.writes`)
+    over_replicas: dict[str, str] = field(default_factory=dict)
+    replicas: int = 1
 
     @property
     def world_size(self) -> int:
@@ -54,7 +58,8 @@ class Plan:
 
     def describe(self) -> str:
         return ", ".join([f"{name}: {p.label}" for name, p in self.partitions.items()]
-                         + [f"held {name}: {'/'.join(lay)}" for name, lay in sorted(self.held.items())])
+                         + [f"held {name}: {'/'.join(lay)}" for name, lay in sorted(self.held.items())]
+                         + [f"{name}: over {self.replicas} replicas' rows of {i}" for name, i in self.over_replicas.items()])
 
     def _stats(self) -> PlanCost:
         if self.stats is None:

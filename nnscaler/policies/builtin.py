@@ -20,6 +20,12 @@ def batch_identifiers(graph: IRGraph, dim: int = 0) -> dict[str, str | None]:
     sequence of token inputs), if any. The batch is followed through merges: in ``(s b)`` (rows of
     sequence x batch) it is ``b``, and an operator reading those rows whole splits them in ``s``
     blocks (the greedy follows the blocks its input holds)."""
+    return batch_rows(graph, dim)[0]
+
+
+def batch_rows(graph: IRGraph, dim: int = 0) -> tuple[dict[str, str | None], dict[IRTensor, tuple[int, int]]]:
+    """:func:`batch_identifiers`, and the tensors that carry the batch: each with the dim it lies in and
+    the blocks it is cut in there (1: the batch is that dim's outermost factor)."""
     where: dict[IRTensor, tuple[int, int]] = {t: (dim, 1) for t in graph.inputs if t.kind == INPUT and len(t.shape) > dim}
     out: dict[str, str | None] = {}
     for op in graph.ops:
@@ -39,7 +45,7 @@ def batch_identifiers(graph: IRGraph, dim: int = 0) -> dict[str, str | None]:
                             where[t] = (d, prefix_size(ids, j, op.bound) or 1 if j else blocks)
                             break
         out[op.name] = ident
-    return out
+    return out, where
 
 
 def check_batch_divisible(graph: IRGraph, ranks: int, policy: str) -> None:

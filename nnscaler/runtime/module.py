@@ -19,7 +19,7 @@ from .precision import GRAD_REDUCE_DTYPES, PrecisionError, autocast_message, aut
 from .mesh import RankMesh
 from .merge import gather_joined
 from .microbatch import accumulate
-from .program import AGREE, GuardFailed
+from .program import REPLICAS, GuardFailed
 from .zero import guard_hand_zero
 from .shard_grad import real
 from .zero3 import GatheredParams, saved_hooks
@@ -232,7 +232,7 @@ class ParallelModule(torch.nn.Module):
                 _set_rng_state(draws)
 
     def _run(self, off, inputs: tuple) -> Any:
-        agree = AGREE.set(self._replica_group if self._replicas > 1 else None)  # data guards agreed over replicas
+        replicas = REPLICAS.set(self._replica_group if self._replicas > 1 else None)  # data guards, batch writes
         try:
             if self._zero is None or self._zero.stage < 3:
                 with off:
@@ -244,7 +244,7 @@ class ParallelModule(torch.nn.Module):
             finally:
                 params.close()
         finally:
-            AGREE.reset(agree)
+            REPLICAS.reset(replicas)
 
     def _next_program(self, failed: GuardFailed, inputs: tuple, tried: set) -> None:
         """Switch to the program of the branch the model's state now takes, after ``failed`` (a guard

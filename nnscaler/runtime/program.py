@@ -32,20 +32,22 @@ class GuardFailed(RuntimeError):
         self.name, self.where, self.text, self.on_state = name, where, text, on_state
 
 
-AGREE: ContextVar = ContextVar("nnscaler_guard_agree", default=None)  # the data-parallel replicas' group, if any
+# the data-parallel replicas' group while a module with replicas runs its program (else None): data guards are
+# agreed over it, and operators mixing the rows of a batch a buffer is written from run over it (.replica_rows)
+REPLICAS: ContextVar = ContextVar("nnscaler_replicas", default=None)
 
 
 def guard(held, name: str, where: str, text: str, message: str, on_state: bool) -> None:
     """Check a guard of the program; raise :class:`GuardFailed` with ``message`` when it fails.
 
     The plan's ranks compute it alike (from whole tensors). Data-parallel replicas read different
-    data: a guard on data is agreed over their group (:data:`AGREE`, set by the module while it runs),
+    data: a guard on data is agreed over their group (:data:`REPLICAS`, set by the module while it runs),
     so that every rank raises, one line naming the model's line, where some replica's data breaks it
     (no rank goes on into a collective the others never reach). A guard on the state alone holds alike
-    on every replica (parameters are kept equal; a buffer written from the batch is refused under
-    replicas, :mod:`nnscaler.compile.writes`), so it costs no collective."""
+    on every replica (parameters are kept equal; a buffer written from the batch is written from every
+    replica's rows, :mod:`nnscaler.compile.writes`), so it costs no collective."""
     ok = bool(held)
-    group = AGREE.get()
+    group = REPLICAS.get()
     if group is not None and not on_state:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)

@@ -3,8 +3,9 @@ through a view, an integer counter; under ``torch.no_grad``) is written by the g
 the layout it is held in, a batch statistic reduced first, so the EMA model of
 ``tests/fixtures/ema_model.py`` trains equal to one device under dp, tp, pp and micro-batches, its
 buffers compared after every step; what cannot be kept equal is refused naming the buffer and the
-model's line (a parameter written in forward, a batch statistic under data-parallel replicas, a
-buffer a pipeline stage reads and another writes); a Python attribute forward writes is named in a
+model's line (a parameter written in forward, the batch's rows held in a buffer under data-parallel
+replicas, a buffer a pipeline stage reads and another writes); under replicas a batch statistic is
+written from every replica's rows (SyncBatchNorm's way); a Python attribute forward writes is named in a
 warning; a program that drops the write or writes it unreduced is caught by the harness."""
 from __future__ import annotations
 
@@ -91,15 +92,50 @@ def test_a_parameter_written_in_forward_is_refused_naming_it_and_the_line():
         _trace(_ParamWrite(), torch.randn(4, 8))
 
 
-def test_a_batch_statistic_under_replicas_is_refused_naming_the_buffer_and_line():
+def _overloads(graph, names) -> list[str]:
+    return [op.overload for op in graph.ops if op.name in names]
+
+
+class _Cache(EMA):
+    """A buffer holding the batch's rows themselves: each replica would keep its own."""
+
+    def __init__(self, d: int = 8):
+        super().__init__(d)
+        self.register_buffer("cache", torch.zeros(4, d))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.cache.copy_(x)
+        return self.l1(x).pow(2).mean()
+
+
+def test_under_replicas_the_operators_mixing_a_written_statistics_rows_run_over_every_replica():
+    """The batch mean of the EMA, batch norm, a maximum and a sum run over every replica's rows (their batch
+    identifier kept whole on the plan's own ranks); a counter reads no rows; what cannot be kept equal
+    is refused naming the buffer and the model's line: rows of the batch held, micro-batches, pipelines."""
+    from nnscaler.compile.writes import ops_over_replicas, over_replicas
+    from tests.fixtures.ema_model import Filled, Normed
+    reps = ComputeConfig(2, runtime_ngpus=4)
     graph = _trace(EMA(), torch.randn(4, 8))
-    check_writes(graph, ComputeConfig(2))  # the plan's own ranks reduce it
-    with pytest.raises(PlanError, match=r"buffer ema is written in forward from the batch \(.*ema_model.py:\d+: "
-                                        r"self.ema.mul_.*2 data-parallel replicas"):
-        check_writes(graph, ComputeConfig(2, runtime_ngpus=4))
+    assert ops_over_replicas(graph, ComputeConfig(2)) == {}  # the plan's own ranks reduce it
+    rows = ops_over_replicas(graph, reps)
+    assert _overloads(graph, rows) == ["aten.mean.dim"], rows
+    plan = over_replicas(choose_plan(graph, "dp", reps), graph, rows, 2)
+    assert all(i != rows[n] for n in rows for i, _ in plan.partitions[n].splits) and plan.replicas == 2
+    assert "over_replicas(" in generate(graph, plan, 0)[0]
+    filled, normed = _trace(Filled(), torch.randn(4, 8)), _trace(Normed(), torch.randn(4, 8))
+    assert sorted(_overloads(filled, ops_over_replicas(filled, reps))) == ["aten.max.default", "aten.sum.dim_IntList"]
+    assert _overloads(normed, ops_over_replicas(normed, reps)) == ["aten._native_batch_norm_legit_functional.default"]
     counter = _trace(Stepped(), torch.randn(4, 8))
     counter.writes = [w for w in counter.writes if w.buffer.target == "steps"]
-    check_writes(counter, ComputeConfig(2, runtime_ngpus=4))  # a counter is the same on every replica
+    assert ops_over_replicas(counter, reps) == {}  # a counter is the same on every replica
+    with pytest.raises(PlanError, match=r"buffer cache is written in forward from the batch.*2 data-parallel replicas "
+                                        r".* holds rows of the batch"):
+        ops_over_replicas(_trace(_Cache(), torch.randn(4, 8)), reps)
+    with pytest.raises(PlanError, match=r"buffer ema .* 2 micro-batches of each share"):
+        ops_over_replicas(graph, ComputeConfig(2, runtime_ngpus=4, num_microbatches=2))
+    with pytest.raises(PlanError, match=r"buffer ema .*ema_model.py:\d+: self.ema.mul_.* pipeline stages do not gather"):
+        check_writes(graph, reps)
 
 
 def test_a_buffer_one_stage_reads_and_another_writes_is_refused():
@@ -137,13 +173,40 @@ def test_the_ema_model_trains_equal_to_one_device_under_dp_tp_pp_and_microbatche
     assert len(rows) == 9
 
 
-def test_the_ema_model_under_replicas_is_refused_naming_the_buffer():
+def _replica_rows(gang, name, policies, steps=2):
     from verify.config import RunConfig
     from verify.rows.replicas import run_replicas
+    with tempfile.TemporaryDirectory() as tmp:
+        return list(run_replicas(gang, f"{EMA_FILE}:{name}", policies, RunConfig(world_sizes=(4,)), tmp, 2, steps=steps))
+
+
+def test_models_writing_batch_statistics_train_equal_to_one_device_as_data_parallel_replicas():
+    """A plan on 2 ranks run as 2 replicas (W=4), one device running the whole batch: the EMA, a maximum
+    and a sum (``filled``), a mean forward never reads back, and batch norm (its normalised output read
+    with gradients, as SyncBatchNorm), every buffer compared after every step."""
+    from verify.judge.verdict import MATCH
     from verify.runner.gang import Gang
-    with Gang(4, (), (4,)) as gang, tempfile.TemporaryDirectory() as tmp:
-        (row,) = run_replicas(gang, f"{EMA_FILE}:build", ("dp",), RunConfig(world_sizes=(4,)), tmp, 2, steps=1)
-    assert row.status != "match" and "buffer ema is written in forward from the batch" in row.detail, row.detail
+    with Gang(4, (), (4,)) as gang:
+        rows = [(n, r) for n, pols in (("build", ("dp", "tp")), ("filled", ("dp", "tp")), ("running_mean", ("dp",)),
+                                       ("normed", ("dp", "tp"))) for r in _replica_rows(gang, n, pols)]
+    assert all(r.status == MATCH for _, r in rows), [(n, r.partition, r.status, r.detail[:300]) for n, r in rows]
+    assert len(rows) == 7
+
+
+@pytest.mark.parametrize("bug, name, says", [
+    ("replica_rows_own", "running_mean", "buffer mu after step 0"),  # forward never reads it back
+    ("replica_rows_own", "build", "loss step 0"),
+    ("replica_rows_averaged", "filled", "loss step 0"),  # right for a mean, wrong for a maximum
+])
+def test_a_replica_writing_a_statistic_of_its_own_rows_is_caught(bug, name, says):
+    """Each replica's statistic of its own share written (issue 41's replicas before this), or averaged
+    over the replicas (right for the EMA's mean, not for ``filled``'s maximum and sum): a MISMATCH naming
+    the first check that departs."""
+    from verify.judge.verdict import MISMATCH
+    from verify.runner.gang import Gang
+    with Gang(4, (str(FIXTURES / f"{bug}.py"),), (4,)) as bad:
+        (row,) = _replica_rows(bad, name, ("dp",), steps=1)
+    assert row.status == MISMATCH and row.detail.startswith(says), row.detail
 
 
 @pytest.mark.parametrize("bug, name, says", [

@@ -8,6 +8,9 @@ The single-device objective is the data-parallel one: the mean over replicas of 
 averages over as many elements; a loss over targets padded unevenly (``ignore_index``) is not, and
 the harness judges the replicas against what they are meant to compute. Under micro-batches or a
 pipeline (``train_step``) the replicas' loss is exact over the whole batch, and so is the reference.
+A model whose forward writes a buffer runs the whole batch in one forward on one device, as each
+replica runs one forward per step (a statistic of the batch written from every replica's rows,
+:mod:`nnscaler.compile.writes`); every buffer is compared after every step.
 
 The loop is :mod:`verify.cases.training`'s; this module holds its replicas' strategies."""
 from __future__ import annotations
@@ -22,6 +25,7 @@ from nnscaler.recipe import Recipe
 from nnscaler.runtime.mesh import GroupCache
 
 from verify.cases.batch import cast
+from verify.cases.buffers import buffer_names, held, reference_buffers
 from verify.cases.fresh import load_like
 from verify.cases.kinks import KinkSides, explainer
 from verify.cases.memory import MemoryLog
@@ -57,12 +61,13 @@ def _loss_check(policy: str, microbatches: int) -> str:
 
 def expected_replica_checks(name: str, steps: int, seed: int, policy: str = "", microbatches: int = 1) -> list[str]:
     """The names of every check a rank must return for a replicas case (a short list is a failure)."""
-    params = [n for n, _ in build_model(name, seed).model.named_parameters()]
+    model = build_model(name, seed).model
+    params, buffers = [n for n, _ in model.named_parameters()], buffer_names(model)
     loss = _loss_check(policy, microbatches)
     names = []
     for s in range(steps):
         names += [loss.format(s), *(f"grad {n} step {s}" for n in params),
-                  *(f"param {n} after step {s}" for n in params)]
+                  *(f"param {n} after step {s}" for n in params), *(f"buffer {n} after step {s}" for n in buffers)]
     return names
 
 
@@ -157,6 +162,7 @@ class MeanOfShares:
     def step(self, models, refs: list, step: int, point: dict, fallback: Float64Fallback) -> dict:
         ref, ref64, params, _ = models
         load_like(ref64, ref)
+        before = held(ref)  # what its forward writes into them: every buffer is checked after the step
         sides = KinkSides(fallback)  # float64 takes the run's side of a kink where within rounding
         with sides.record():
             loss_ref = _mean_loss(ref, (refs,))
@@ -168,7 +174,7 @@ class MeanOfShares:
         apply_steps(self.recipe, ref64.parameters())
         grads, grads64 = reference_grads(params, ref64)
         return require_finite({"loss": loss_ref.detach(), "loss64": loss64.detach(), "grads": grads,
-                               "grads64": grads64}, step)
+                               "grads64": grads64, **reference_buffers(ref, ref64, before)}, step)
 
     def kinks(self, models, refs: list, step: int, fallback: Float64Fallback, reference):
         """Where a gradient check of the step fails: values within rounding of a kink explained

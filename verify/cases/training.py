@@ -159,6 +159,10 @@ class WholeBatch:
     def theirs(self, args: tuple):
         return args
 
+    def compiled(self, pm) -> "WholeBatch":
+        """The feed for the module compiled (itself)."""
+        return self
+
 
 @dataclass(frozen=True)
 class ReplicaShare(WholeBatch):
@@ -174,6 +178,12 @@ class ReplicaShare(WholeBatch):
 
     def theirs(self, args: tuple) -> list:
         return [share(args, r, self.replicas) for r in range(self.replicas)] if self.per_share else [args]
+
+    def compiled(self, pm) -> "ReplicaShare":
+        """Per share unless the model's forward writes a buffer: then one device runs the whole batch in one
+        forward, as the replicas run theirs (once each per step, a statistic over every replica's rows)."""
+        return replace(self, per_share=False) if self.per_share and getattr(pm, "graph", None) is not None \
+            and pm.graph.writes else self
 
 
 # -- how to step ---------------------------------------------------------------------------------------
@@ -245,6 +255,7 @@ def train(t: Training, compiler, feed: WholeBatch, stepper, one) -> list[Check]:
     reference = SharedReference.of(t.groups, t.world_size)  # computed on the case's rank 0 (verify/cases/reference.py)
     models = reference_models(t.name, t.seed, t.case.model, t.dt, precision, LR) if reference.computes else None
     pm = compiler.compile(t, feed.mine(feed.batch(t, 0)))
+    feed = feed.compiled(pm)
     if compiler.deterministic:
         check_deterministic(pm.graph, compiler.deterministic)
     initial = pm.state_dict() if one.initial else {}

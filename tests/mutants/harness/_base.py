@@ -164,6 +164,16 @@ def _buffers():
     return buffers
 
 
+def _training():
+    from verify.cases import training
+    return training
+
+
+def _replicas_case():
+    from verify.cases import replicas
+    return replicas
+
+
 def _resume():
     from verify.cases import resume
     return resume

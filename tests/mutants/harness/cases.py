@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
-from ._base import _buffers, _collectives, _draws, _spread, _torchpar, _torchpar_mesh, _verdict, mutant, patch
+from ._base import (_buffers, _collectives, _draws, _replicas_case, _spread, _torchpar, _torchpar_mesh, _training, _verdict,
+                    mutant, patch)
 
 RULES = "tests/harness/test_harness_rules.py"
 
@@ -186,6 +187,25 @@ def buffers_not_compared():
     """No buffer is compared after a step (parameters only, as before issue 41): a program that never writes
     back a buffer its forward updates, or writes each rank's unreduced share of a batch statistic, matches."""
     patch(_buffers(), "buffer_names", lambda model: [])
+
+
+WRITES = "tests/compiler/test_buffer_writes.py"
+
+
+@mutant("verify/cases/training.py:ReplicaShare.compiled",
+        [f"{WRITES}::test_models_writing_batch_statistics_train_equal_to_one_device_as_data_parallel_replicas"])
+def replica_reference_per_share_for_writes():
+    """One device runs each replica's share for a model whose forward writes a buffer: its forward runs once per
+    share (the EMA updated twice a step), so a right program with statistics over every replica's rows fails."""
+    patch(_training().ReplicaShare, "compiled", lambda self, pm: self)
+
+
+@mutant("verify/cases/replicas.py:reference_buffers",
+        [f"{WRITES}::test_a_replica_writing_a_statistic_of_its_own_rows_is_caught"])
+def replica_buffers_not_compared():
+    """Replicas cases compare parameters only (their reference gives no buffers): a replica writing the mean of
+    its own rows into a buffer forward never reads back matches."""
+    patch(_replicas_case(), "reference_buffers", lambda ref, ref64, before: {})
 
 
 CP = "tests/harness/test_torchpar_cp.py"
