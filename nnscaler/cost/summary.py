@@ -139,6 +139,11 @@ def report(plan, s) -> str:
         parts += ["", f"programs respecialised at run time, a guard on the model's state having failed: "
                       f"{len(s.respecialised)} (this program is the last; each is kept for its branch)"]
         parts += [f"  {line}" for line in s.respecialised]
+    if plan.over_replicas:  # nnscaler/compile/writes.py: a buffer written from the batch under replicas
+        parts += ["", f"operators run over every one of the {plan.replicas} data-parallel replicas' rows (a buffer is "
+                      f"written from the batch; each gathers the rows, one all-gather per call, not in the "
+                      f"collectives above): {len(plan.over_replicas)}"]
+        parts += [f"  {n} (batch {i})" for n, i in plan.over_replicas.items()]
     inferred = getattr(s, "inferred", [])
     if inferred:
         parts += ["", f"annotations inferred by probing (no rule; verified like every plan by the harness): {len(inferred)}"]

@@ -123,6 +123,10 @@ def test_under_replicas_the_operators_mixing_a_written_statistics_rows_run_over_
     plan = over_replicas(choose_plan(graph, "dp", reps), graph, rows, 2)
     assert all(i != rows[n] for n in rows for i, _ in plan.partitions[n].splits) and plan.replicas == 2
     assert "over_replicas(" in generate(graph, plan, 0)[0]
+    from nnscaler.compile.plan import attach_stats
+    attach_stats(plan, graph, reps)
+    assert "operators run over every one of the 2 data-parallel replicas' rows" in plan.report() and \
+        f"  {next(iter(rows))} (batch a)" in plan.report()
     filled, normed = _trace(Filled(), torch.randn(4, 8)), _trace(Normed(), torch.randn(4, 8))
     assert sorted(_overloads(filled, ops_over_replicas(filled, reps))) == ["aten.max.default", "aten.sum.dim_IntList"]
     assert _overloads(normed, ops_over_replicas(normed, reps)) == ["aten._native_batch_norm_legit_functional.default"]

@@ -142,7 +142,8 @@ def localize_replicas_case(name: str, policy: str, world_size: int, plan_ngpus: 
             return found
     if found.found is None:
         found.note = (f"the plan matches alone on {plan_ngpus} ranks: the divergence lies in replica sync "
-                      f"(gradients averaged across the {world_size // plan_ngpus} replicas)")
+                      f"(gradients averaged across the {world_size // plan_ngpus} replicas, or a buffer's batch "
+                      f"statistic gathered over their rows: nnscaler/runtime/replica_rows.py)")
         return found
     alone = f"the plan alone on {plan_ngpus} of {world_size} ranks"
     found.found.where = f"{found.found.where} of {alone}" if found.found.where else alone
