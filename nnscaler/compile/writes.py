@@ -98,7 +98,7 @@ def ops_over_replicas(graph: IRGraph, config: ComputeConfig) -> dict[str, str]:
                 continue  # row by row: each replica computes its own rows
             for t, dims in [*zip(op.inputs, op.bound.inputs), *zip(op.outputs, op.bound.outputs)]:
                 if isinstance(t, IRTensor) and (t in rows or t in outs) and any(ident in ids for ids in dims or ()) \
-                        and _row_dim(dims, ident) is None:
+                        and (_row_dim(dims, ident) is None or rows.get(t, (0, 1))[1] != 1):
                     raise _refuse(w, config, f"{op.name} ({op.overload}) mixes its rows with another dim")
             out[op.name] = ident
             whole.update(t for t, dims in zip(op.outputs, op.bound.outputs)

@@ -24,7 +24,7 @@ from nnscaler.policies.cut import stage_graphs
 from nnscaler.trace.export import TraceError
 from nnscaler.trace.writes import FrozenAttributeWarning
 from tests.conftest import FIXTURES
-from tests.fixtures.ema_model import EMA, Counted, Stepped, build
+from tests.fixtures.ema_model import EMA, Counted, Stepped, Tokens, build
 
 EMA_FILE = FIXTURES / "ema_model.py"
 
@@ -136,6 +136,10 @@ def test_under_replicas_the_operators_mixing_a_written_statistics_rows_run_over_
     with pytest.raises(PlanError, match=r"buffer cache is written in forward from the batch.*2 data-parallel replicas "
                                         r".* holds rows of the batch"):
         ops_over_replicas(_trace(_Cache(), torch.randn(4, 8)), reps)
+    tokens = _trace(Tokens(), torch.randn(4, 8))  # rows batch-major: the batch is their outer factor
+    assert _overloads(tokens, ops_over_replicas(tokens, reps)) == ["aten.amax.default"]
+    with pytest.raises(PlanError, match=r"buffer peak .* amax \(aten.amax.default\) mixes its rows with another dim"):
+        ops_over_replicas(_trace(Tokens(seq_first=True), torch.randn(4, 8)), reps)  # token-major: refused
     with pytest.raises(PlanError, match=r"buffer ema .* 2 micro-batches of each share"):
         ops_over_replicas(graph, ComputeConfig(2, runtime_ngpus=4, num_microbatches=2))
     with pytest.raises(PlanError, match=r"buffer ema .*ema_model.py:\d+: self.ema.mul_.* pipeline stages do not gather"):
@@ -187,14 +191,15 @@ def _replica_rows(gang, name, policies, steps=2):
 def test_models_writing_batch_statistics_train_equal_to_one_device_as_data_parallel_replicas():
     """A plan on 2 ranks run as 2 replicas (W=4), one device running the whole batch: the EMA, a maximum
     and a sum (``filled``), a mean forward never reads back, and batch norm (its normalised output read
-    with gradients, as SyncBatchNorm), every buffer compared after every step."""
+    with gradients, as SyncBatchNorm) and a maximum over tokens flattened batch-major, every buffer compared
+    after every step."""
     from verify.judge.verdict import MATCH
     from verify.runner.gang import Gang
     with Gang(4, (), (4,)) as gang:
         rows = [(n, r) for n, pols in (("build", ("dp", "tp")), ("filled", ("dp", "tp")), ("running_mean", ("dp",)),
-                                       ("normed", ("dp", "tp"))) for r in _replica_rows(gang, n, pols)]
+                                       ("normed", ("dp", "tp")), ("tokens", ("tp",))) for r in _replica_rows(gang, n, pols)]
     assert all(r.status == MATCH for _, r in rows), [(n, r.partition, r.status, r.detail[:300]) for n, r in rows]
-    assert len(rows) == 7
+    assert len(rows) == 8
 
 
 @pytest.mark.parametrize("bug, name, says", [
